@@ -1,0 +1,7 @@
+"""xpyd: disaggregated prefill/decode LLM serving."""
+
+__version__ = "0.1.0"
+
+# Version of the worker<->worker signal plane and transfer headers. Bump on any
+# incompatible change to a message schema; peers refuse a mismatch at handshake.
+PROTOCOL_VERSION = 1
