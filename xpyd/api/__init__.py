@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: request parsing and response builders (see ``openai``)."""

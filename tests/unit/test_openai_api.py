@@ -1,0 +1,234 @@
+"""OpenAI request parsing and response builders (xpyd.api.openai)."""
+
+import json
+
+import pytest
+
+from xpyd.api.openai import (
+    SSE_DONE,
+    APIError,
+    RequestKind,
+    completion_response,
+    models_response,
+    new_response_id,
+    parse_request,
+    sse,
+    stream_chunk,
+    usage_chunk,
+)
+
+C, CHAT = RequestKind.COMPLETION, RequestKind.CHAT
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def completion(**fields) -> bytes:
+    return body(**{"prompt": "Hello", **fields})
+
+
+def chat(**fields) -> bytes:
+    return body(**{"messages": [{"role": "user", "content": "Hi"}], **fields})
+
+
+def test_completion_defaults():
+    r = parse_request(completion(), C)
+    assert r.kind is C and r.prompt == "Hello" and r.messages is None and r.model is None
+    assert r.max_tokens == 16  # OpenAI / vLLM completions default
+    assert (r.temperature, r.top_p, r.top_k, r.seed) == (1.0, 1.0, 0, None)
+    assert (r.stop, r.ignore_eos, r.stream, r.include_usage) == ((), False, False, False)
+    assert r.kv_transfer_params is None and r.raw == {"prompt": "Hello"}
+
+
+def test_completion_all_fields():
+    r = parse_request(
+        completion(
+            model="m", max_tokens=5, temperature=0, top_p=0.5, top_k=-1, seed=7, stop="\n",
+            ignore_eos=True, stream=True, stream_options={"include_usage": True},
+            kv_transfer_params={"role": "decode"}, n=1, best_of=None, logprobs=None,
+            echo=False, user="u", some_unknown_field=3,
+        ),
+        C,
+    )
+    assert (r.model, r.max_tokens, r.temperature, r.top_p, r.top_k, r.seed) == ("m", 5, 0.0, 0.5, 0, 7)
+    assert r.stop == ("\n",) and r.ignore_eos and r.stream and r.include_usage
+    assert r.kv_transfer_params == {"role": "decode"}
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("x", "x"), ([1, 2, 3], [1, 2, 3]), (["only"], "only"), ([[4, 5]], [4, 5])],
+)
+def test_prompt_forms(prompt, expected):
+    assert parse_request(body(prompt=prompt), C).prompt == expected
+
+
+def test_chat_defaults_and_max_completion_tokens():
+    r = parse_request(chat(), CHAT)
+    assert r.max_tokens is None and r.prompt is None
+    assert r.messages == [{"role": "user", "content": "Hi"}]
+    assert parse_request(chat(max_tokens=3), CHAT).max_tokens == 3
+    assert parse_request(chat(max_tokens=3, max_completion_tokens=9), CHAT).max_tokens == 9
+
+
+def test_chat_text_parts_are_joined():
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "name": "bob", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    r = parse_request(body(messages=msgs), CHAT)
+    assert r.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "bob"},
+    ]
+
+
+BAD_COMPLETIONS = [
+    (b"{not json", None),
+    (b"\xff\xfe\x00", None),
+    (b"[1, 2]", None),
+    (b'{"prompt": "x", "temperature": NaN}', None),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (body(), "prompt"),
+    (body(prompt=""), "prompt"),
+    (body(prompt=[]), "prompt"),
+    (body(prompt=["a", "b"]), "prompt"),
+    (body(prompt=[1, -2]), "prompt"),
+    (body(prompt=[1, True]), "prompt"),
+    (body(prompt=3), "prompt"),
+    (completion(model=3), "model"),
+    (completion(max_tokens=0), "max_tokens"),
+    (completion(max_tokens=-1), "max_tokens"),
+    (completion(max_tokens=1.5), "max_tokens"),
+    (completion(max_tokens="5"), "max_tokens"),
+    (completion(max_tokens=True), "max_tokens"),
+    (completion(temperature=-0.1), "temperature"),
+    (completion(temperature="hot"), "temperature"),
+    (completion(top_p=0), "top_p"),
+    (completion(top_p=1.5), "top_p"),
+    (completion(top_k=-2), "top_k"),
+    (completion(top_k=2.5), "top_k"),
+    (completion(seed="x"), "seed"),
+    (completion(seed=2**64), "seed"),
+    (completion(stop=[""]), "stop"),
+    (completion(stop=[1]), "stop"),
+    (completion(stop=["s"] * 65), "stop"),
+    (completion(stream="yes"), "stream"),
+    (completion(ignore_eos=1), "ignore_eos"),
+    (completion(stream_options={"include_usage": True}), "stream_options"),
+    (completion(stream=True, stream_options=[]), "stream_options"),
+    (completion(stream=True, stream_options={"include_usage": "y"}), "include_usage"),
+    (completion(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
+    (completion(kv_transfer_params="x"), "kv_transfer_params"),
+    (completion(n=2), "n"),
+    (completion(n=True), "n"),
+    (completion(best_of=2), "best_of"),
+    (completion(logprobs=1), "logprobs"),
+    (completion(logprobs=0), "logprobs"),
+    (completion(echo=True), "echo"),
+    (completion(suffix="s"), "suffix"),
+    (completion(logit_bias={"1": 5}), "logit_bias"),
+    (completion(presence_penalty=0.5), "presence_penalty"),
+    (completion(frequency_penalty=1), "frequency_penalty"),
+    (completion(repetition_penalty=1.2), "repetition_penalty"),
+    (completion(use_beam_search=True), "use_beam_search"),
+    (completion(response_format={"type": "json_object"}), "response_format"),
+    (completion(guided_json={}), "guided_json"),
+]
+
+
+@pytest.mark.parametrize("raw, param", BAD_COMPLETIONS)
+def test_bad_completion_bodies_are_400(raw, param):
+    with pytest.raises(APIError) as ei:
+        parse_request(raw, C)
+    err = ei.value
+    assert err.status == 400
+    d = err.to_dict()
+    assert set(d) == {"error"} and set(d["error"]) == {"message", "type", "param", "code"}
+    assert d["error"]["type"] == "invalid_request_error" and d["error"]["message"]
+    if param is not None:
+        assert d["error"]["param"] == param
+    json.dumps(d)  # serialisable
+
+
+BAD_CHATS = [
+    body(),
+    body(messages=[]),
+    body(messages="hi"),
+    body(messages=["hi"]),
+    body(messages=[{"role": "robot", "content": "x"}]),
+    body(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+    body(messages=[{"role": "user"}]),
+    body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    body(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
+    chat(max_completion_tokens=0),
+    chat(logprobs=True),
+    chat(top_logprobs=2),
+    chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat(tool_choice="auto"),
+    chat(chat_template="{{ x }}"),
+    chat(n=3),
+]
+
+
+@pytest.mark.parametrize("raw", BAD_CHATS)
+def test_bad_chat_bodies_are_400(raw):
+    with pytest.raises(APIError) as ei:
+        parse_request(raw, CHAT)
+    assert ei.value.status == 400
+
+
+def test_feature_off_values_are_accepted():
+    parse_request(chat(logprobs=False, tools=[], tool_choice="none", response_format={"type": "text"},
+                       presence_penalty=0, frequency_penalty=0.0, n=1, top_logprobs=None), CHAT)
+
+
+def test_api_error_dict_shape():
+    e = APIError(404, "no such model", param="model", code="model_not_found")
+    assert e.status == 404 and str(e) == "no such model"
+    assert e.to_dict() == {
+        "error": {"message": "no such model", "type": "invalid_request_error", "param": "model",
+                  "code": "model_not_found"}
+    }
+
+
+def test_completion_response_shapes():
+    c = completion_response("cmpl-1", 100, "m", C, "hello", "length", 3, 2)
+    assert c == {
+        "id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
+        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
+    ch = completion_response("chatcmpl-1", 100, "m", CHAT, "hi", "stop", 3, 1)
+    assert ch["object"] == "chat.completion"
+    assert ch["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert ch["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_chunk_shapes():
+    role = stream_chunk("chatcmpl-1", 1, "m", CHAT, None, None, role=True)
+    assert role["object"] == "chat.completion.chunk"
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = stream_chunk("chatcmpl-1", 1, "m", CHAT, "a", None)
+    assert text["choices"][0]["delta"] == {"content": "a"} and text["choices"][0]["finish_reason"] is None
+    end = stream_chunk("chatcmpl-1", 1, "m", CHAT, None, "stop")
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    comp = stream_chunk("cmpl-1", 1, "m", C, None, "length")
+    assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == ""
+    u = usage_chunk("cmpl-1", 1, "m", C, 4, 6)
+    assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+
+
+def test_sse_and_models():
+    frame = sse({"a": "é", "b": [1, 2]})
+    assert frame == 'data: {"a":"é","b":[1,2]}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    m = models_response(["x"], created=5)
+    assert m == {"object": "list", "data": [{"id": "x", "object": "model", "created": 5, "owned_by": "xpyd"}]}
+
+
+def test_response_ids():
+    assert new_response_id(C).startswith("cmpl-")
+    assert new_response_id(CHAT).startswith("chatcmpl-")
+    assert new_response_id(C) != new_response_id(C)
