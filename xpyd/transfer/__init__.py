@@ -1,0 +1,44 @@
+"""Transfer engine: move KV-pool byte regions between workers (see base.py for the interface).
+
+Backends are chosen by name; each is imported only when asked for, so an optional
+backend's dependencies are never needed by a worker that does not use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferBackend,
+    TransferError,
+    TransferState,
+)
+
+# name -> (module, class)
+_BACKENDS = {
+    "tcp": ("xpyd.transfer.tcp", "TcpTransferBackend"),
+    "fake": ("xpyd.transfer.fake", "FakeTransferBackend"),
+}
+
+
+def make_backend(name: str, **kw) -> TransferBackend:
+    """Build the backend registered under ``name`` with its constructor keywords."""
+    try:
+        module, cls = _BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(sorted(_BACKENDS))}") from None
+    return getattr(importlib.import_module(module), cls)(**kw)
+
+
+__all__ = [
+    "BackendDescriptor",
+    "CompletionToken",
+    "Region",
+    "TransferBackend",
+    "TransferError",
+    "TransferState",
+    "make_backend",
+]

@@ -1,11 +1,26 @@
 """Transfer engine interface: move byte regions of a registered KV pool to a peer.
 
-(Helper A fills in the rest of this module: states, CompletionToken, descriptor, Protocol.)
+A backend owns one registered buffer (the whole KV pool). The sending side
+pushes local ``src`` regions into the peer's buffer at ``dst`` regions; the
+receiving side announces each incoming transfer with ``expect`` first. Both
+calls return a ``CompletionToken`` at once; the scheduler polls it every step
+and never blocks on it.
+
+Token states are ordered and only move forward; failure is sticky::
+
+    PENDING -> TRANSFERRING -> DONE
+        \\------------\\------> FAILED
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol, Sequence, runtime_checkable
+
+MAX_TRANSFER_ID_LEN = 256
+MAX_ADDRESS_LEN = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,3 +37,186 @@ class Region:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+class TransferState(IntEnum):
+    FAILED = 0
+    PENDING = 1
+    TRANSFERRING = 2
+    DONE = 3
+
+
+# Allowed transitions; anything else is a backend bug and raises. Leaving a
+# finished state is not a transition but a no-op (abort/close race with I/O).
+_ALLOWED = {
+    TransferState.PENDING: {TransferState.TRANSFERRING, TransferState.DONE, TransferState.FAILED},
+    TransferState.TRANSFERRING: {TransferState.DONE, TransferState.FAILED},
+    TransferState.DONE: set(),
+    TransferState.FAILED: set(),
+}
+
+
+class TransferError(Exception):
+    """A transfer cannot be started (backend closed, not registered, duplicate id, ...)."""
+
+
+class CompletionToken:
+    """Progress of one transfer; thread-safe. Created by a backend, polled by a scheduler."""
+
+    __slots__ = ("transfer_id", "_cond", "_state", "_error")
+
+    def __init__(self, transfer_id: str) -> None:
+        self.transfer_id = transfer_id
+        self._cond = threading.Condition(threading.Lock())
+        self._state = TransferState.PENDING
+        self._error: str | None = None
+
+    def state(self) -> TransferState:
+        return self._state
+
+    def done(self) -> bool:
+        return self._state is TransferState.DONE
+
+    def failed(self) -> bool:
+        return self._state is TransferState.FAILED
+
+    def finished(self) -> bool:
+        return self._state in (TransferState.DONE, TransferState.FAILED)
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; True if finished. For tests and tools only."""
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        with self._cond:
+            return self._cond.wait_for(self.finished, timeout)
+
+    # -- used by backends -------------------------------------------------
+    def _advance(self, state: TransferState) -> bool:
+        """Move to TRANSFERRING or DONE. False (no change) if already finished."""
+        if state not in (TransferState.TRANSFERRING, TransferState.DONE):
+            raise ValueError(f"_advance to {state.name}; use _fail for failures")
+        return self._set(state, None)
+
+    def _fail(self, msg: str) -> bool:
+        """Fail with ``msg``. False (no change) if already finished."""
+        return self._set(TransferState.FAILED, msg or "failed")
+
+    def _set(self, state: TransferState, error: str | None) -> bool:
+        with self._cond:
+            if self._state in (TransferState.DONE, TransferState.FAILED):
+                return False
+            if state not in _ALLOWED[self._state]:
+                raise ValueError(f"illegal transition {self._state.name} -> {state.name}")
+            self._state = state
+            self._error = error
+            if state in (TransferState.DONE, TransferState.FAILED):
+                self._cond.notify_all()
+            return True
+
+    def __repr__(self) -> str:
+        err = f", error={self._error!r}" if self._error else ""
+        return f"CompletionToken({self.transfer_id!r}, {self._state.name}{err})"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendDescriptor:
+    """How a peer reaches this backend's registered buffer (sent over the signal plane)."""
+
+    backend: str  # backend name, e.g. "tcp"
+    address: str  # backend-specific; "host:port" of the listener for tcp
+    buffer_size: int  # bytes of the registered buffer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"descriptor backend must be a non-empty str, got {self.backend!r}")
+        if not isinstance(self.address, str) or not 0 < len(self.address) <= MAX_ADDRESS_LEN:
+            raise ValueError(f"descriptor address must be a str of 1..{MAX_ADDRESS_LEN} chars")
+        if type(self.buffer_size) is not int or self.buffer_size <= 0:
+            raise ValueError(f"descriptor buffer_size must be a positive int, got {self.buffer_size!r}")
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "address": self.address, "buffer_size": self.buffer_size}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BackendDescriptor":
+        if not isinstance(d, dict):
+            raise ValueError(f"descriptor must be a dict, got {type(d).__name__}")
+        try:
+            return cls(backend=d["backend"], address=d["address"], buffer_size=d["buffer_size"])
+        except KeyError as e:
+            raise ValueError(f"descriptor is missing {e}") from None
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    name: str
+
+    def register(self, buffer: memoryview) -> BackendDescriptor:
+        """Register the whole KV pool (writable, contiguous); once per backend."""
+        ...
+
+    def send(
+        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region]
+    ) -> CompletionToken:
+        """Push local ``src`` bytes into the peer's buffer at ``dst``; returns at once.
+
+        The token is DONE only after the receiver acknowledged that all bytes landed.
+        """
+        ...
+
+    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+        """Announce an incoming transfer into local ``dst``; anything else is refused."""
+        ...
+
+    def abort(self, transfer_id: str) -> None:
+        """Drop a queued/expected transfer (token FAILs "aborted"); safe if unknown."""
+        ...
+
+    def close(self) -> None:
+        """Stop threads, close sockets, fail outstanding tokens."""
+        ...
+
+
+# -- validation shared by backends -------------------------------------------
+
+
+def check_transfer_id(transfer_id: object) -> str:
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_TRANSFER_ID_LEN:
+        raise ValueError(f"transfer_id must be a str of 1..{MAX_TRANSFER_ID_LEN} chars, got {transfer_id!r:.80}")
+    return transfer_id
+
+
+def check_regions(regions: Sequence[Region], buffer_size: int, what: str) -> tuple[tuple[Region, ...], int]:
+    """Validate regions against a buffer of ``buffer_size`` bytes; return them as a tuple and their total."""
+    if isinstance(regions, Region) or not isinstance(regions, Sequence):
+        raise ValueError(f"{what} regions must be a sequence of Region")
+    regions = tuple(regions)
+    if not regions:
+        raise ValueError(f"{what} regions are empty")
+    total = 0
+    for r in regions:
+        if not isinstance(r, Region):
+            raise ValueError(f"{what} regions must be Region, got {type(r).__name__}")
+        if r.end > buffer_size:
+            raise ValueError(f"{what} region [{r.offset}, {r.end}) outside the {buffer_size}-byte buffer")
+        total += r.length
+    return regions, total
+
+
+def check_buffer(buffer: memoryview) -> memoryview:
+    """Return ``buffer`` as a flat writable byte view."""
+    if not isinstance(buffer, memoryview):
+        raise ValueError(f"buffer must be a memoryview, got {type(buffer).__name__}")
+    if buffer.readonly:
+        raise ValueError("buffer must be writable")
+    if not buffer.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    if buffer.nbytes == 0:
+        raise ValueError("buffer is empty")
+    if buffer.format != "B" or buffer.ndim != 1:
+        buffer = buffer.cast("B")
+    return buffer
