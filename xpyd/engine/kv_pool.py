@@ -1,0 +1,140 @@
+"""The preallocated KV cache of one worker, in slots of `max_seq_len` tokens (one request per slot).
+
+Shape `[num_slots, max_seq_len, num_layers, 2 (K/V), num_kv_heads, head_dim]`: token-major inside a
+slot, so a request's KV for its first n tokens is ONE contiguous byte range of the pool. The transfer
+engine sends or receives that range straight from/into the pool (`buffer()` + `region()`), no staging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xpyd.transfer.base import Region
+
+LAYOUT_NAME = "slot-token-major/1"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_slots: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_slots", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_slots, self.max_seq_len, self.num_layers, 2, self.num_kv_heads, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.max_seq_len * self.token_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def compat(self) -> dict:
+        """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
+        return {
+            "layout": LAYOUT_NAME,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+        }
+
+
+class PoolFull(Exception):
+    """No free slot: the caller should wait until a request finishes."""
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        self._free = list(range(layout.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._tokens: dict[int, int] = {}  # allocated slot -> tokens held
+
+    def buffer(self) -> memoryview:
+        """Writable uint8 view of the whole pool, sharing its memory (for the transfer engine)."""
+        flat = self.tensor.view(-1).view(torch.uint8).numpy()  # numpy keeps the tensor alive
+        return memoryview(flat)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._tokens)
+
+    def can_allocate(self) -> bool:
+        return bool(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise PoolFull(f"all {self.layout.num_slots} KV slots are in use")
+        slot = self._free.pop()
+        self._tokens[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._check_allocated(slot)
+        del self._tokens[slot]
+        self._free.append(slot)
+
+    def set_num_tokens(self, slot: int, n: int) -> None:
+        self._check_allocated(slot)
+        if not 0 <= n <= self.layout.max_seq_len:
+            raise ValueError(f"slot {slot}: {n} tokens outside [0, {self.layout.max_seq_len}]")
+        self._tokens[slot] = n
+
+    def num_tokens(self, slot: int) -> int:
+        self._check_allocated(slot)
+        return self._tokens[slot]
+
+    def used_bytes(self) -> int:
+        return sum(self._tokens.values()) * self.layout.token_bytes
+
+    def region(self, slot: int, num_tokens: int) -> Region:
+        """The bytes of the KV for positions [0, num_tokens) of `slot`: one contiguous region."""
+        self._check_allocated(slot)
+        if not 1 <= num_tokens <= self.layout.max_seq_len:
+            raise ValueError(f"region of {num_tokens} tokens outside [1, {self.layout.max_seq_len}]")
+        return Region(offset=slot * self.layout.slot_bytes, length=num_tokens * self.layout.token_bytes)
+
+    def _check_allocated(self, slot: int) -> None:
+        if slot not in self._tokens:
+            if isinstance(slot, int) and 0 <= slot < self.layout.num_slots:
+                raise ValueError(f"KV slot {slot} is not allocated (double free?)")
+            raise ValueError(f"KV slot {slot!r} does not exist (pool has {self.layout.num_slots})")

