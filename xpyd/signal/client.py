@@ -1,0 +1,185 @@
+"""Decode side of the signal plane: one ZMQ DEALER per prefill worker, opened on demand.
+
+Used from the decode engine thread only (ZMQ sockets are not thread-safe).
+Connecting a new peer sends ``handshake`` then ``kv_map_init``; lookups are
+only sent to a peer once both were accepted. Every request has a deadline; a
+peer that misses one is marked FAILED and its requests fail (no hang).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import zmq
+
+from xpyd.signal import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class PeerState(str, Enum):
+    HANDSHAKING = "handshaking"
+    MAPPING = "mapping"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class PrefillPeer:
+    addr: str
+    sock: zmq.Socket
+    state: PeerState = PeerState.HANDSHAKING
+    error: str | None = None
+    pending: dict[int, tuple[str, float]] = field(default_factory=dict)  # seq -> (type, deadline)
+    lookup_in_flight: bool = False
+    last_lookup: float = 0.0
+
+
+class SignalClient:
+    def __init__(self, identity: str, handshake: m.Handshake, kv_map: m.KVMapInit,
+                 timeout: float = 5.0) -> None:
+        self.identity = identity
+        self._handshake = handshake
+        self._kv_map = kv_map
+        self._timeout = timeout
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._peers: dict[str, PrefillPeer] = {}
+        self._by_sock: dict[zmq.Socket, PrefillPeer] = {}
+        self._seq = itertools.count(1)
+
+    # --- peers -------------------------------------------------------------
+    def peer(self, addr: str) -> PrefillPeer:
+        """The connection to a prefill worker, opened (and handshaken) on first use."""
+        p = self._peers.get(addr)
+        if p is not None and p.state is not PeerState.FAILED:
+            return p
+        if p is not None:
+            self._drop(p)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(f"tcp://{addr}")
+        p = PrefillPeer(addr, sock)
+        self._peers[addr] = p
+        self._by_sock[sock] = p
+        self._poller.register(sock, zmq.POLLIN)
+        self._send(p, self._handshake)
+        return p
+
+    def get(self, addr: str) -> PrefillPeer | None:
+        return self._peers.get(addr)
+
+    def peers(self) -> list[PrefillPeer]:
+        return list(self._peers.values())
+
+    def _drop(self, p: PrefillPeer) -> None:
+        self._poller.unregister(p.sock)
+        self._by_sock.pop(p.sock, None)
+        self._peers.pop(p.addr, None)
+        p.sock.close(0)
+
+    def register_fd(self, fd: int) -> None:
+        """Also wake ``poll`` when ``fd`` is readable (the engine's inbox pipe)."""
+        self._poller.register(fd, zmq.POLLIN)
+
+    # --- requests ----------------------------------------------------------
+    def _send(self, p: PrefillPeer, msg: m.Message) -> int:
+        seq = next(self._seq)
+        try:
+            p.sock.send(m.encode(seq, msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._fail(p, "peer not reachable (send queue full)")
+            return seq
+        p.pending[seq] = (msg.TYPE, time.monotonic() + self._timeout)
+        return seq
+
+    def send_lookup(self, addr: str, entries: list[m.LookupEntry]) -> None:
+        p = self._peers.get(addr)
+        if p is None or p.state is not PeerState.READY:
+            raise RuntimeError(f"prefill peer {addr} is not ready")
+        p.lookup_in_flight = True
+        p.last_lookup = time.monotonic()
+        self._send(p, m.LookupAll(self.identity, tuple(entries)))
+
+    def send_release(self, addr: str, request_ids: list[str]) -> None:
+        p = self._peers.get(addr)
+        if p is not None and p.state is PeerState.READY and request_ids:
+            self._send(p, m.Release(self.identity, tuple(request_ids)))
+
+    # --- progress ----------------------------------------------------------
+    def poll(self, timeout_ms: int) -> tuple[list[tuple[str, m.LookupReply]], list[PrefillPeer]]:
+        """Wait up to timeout for replies. Returns (lookup replies, peers that just failed)."""
+        failed: list[PrefillPeer] = []
+        replies: list[tuple[str, m.LookupReply]] = []
+        events = dict(self._poller.poll(timeout_ms))
+        for sock, p in list(self._by_sock.items()):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_frame(p, frame, replies, failed)
+        now = time.monotonic()
+        for p in list(self._peers.values()):
+            if p.state is PeerState.FAILED:
+                continue
+            late = [typ for typ, deadline in p.pending.values() if deadline < now]
+            if late:
+                self._fail(p, f"prefill worker {p.addr} did not answer {late[0]} within {self._timeout:.1f}s")
+                failed.append(p)
+        return replies, failed
+
+    def _on_frame(self, p: PrefillPeer, frame: bytes, replies: list, failed: list) -> None:
+        try:
+            env = m.decode(frame)
+        except m.MessageError as e:
+            self._fail(p, f"bad reply from {p.addr}: {e}")
+            failed.append(p)
+            return
+        sent = p.pending.pop(env.seq, None)
+        if sent is None:
+            log.warning("unexpected reply seq %d from %s", env.seq, p.addr)
+            return
+        msg = env.msg
+        if isinstance(msg, m.ErrorReply):
+            self._fail(p, f"prefill worker {p.addr} refused {sent[0]}: {msg.error}")
+            failed.append(p)
+        elif isinstance(msg, m.HandshakeReply):
+            if not msg.ok:
+                self._fail(p, f"handshake with {p.addr} refused: {msg.error}")
+                failed.append(p)
+            else:
+                p.state = PeerState.MAPPING
+                self._send(p, self._kv_map)
+        elif isinstance(msg, m.KVMapReply):
+            if not msg.ok:
+                self._fail(p, f"kv_map_init with {p.addr} refused: {msg.error}")
+                failed.append(p)
+            else:
+                p.state = PeerState.READY
+        elif isinstance(msg, m.LookupReply):
+            p.lookup_in_flight = False
+            replies.append((p.addr, msg))
+        elif isinstance(msg, m.ReleaseReply):
+            pass
+
+    def _fail(self, p: PrefillPeer, error: str) -> None:
+        log.warning("%s", error)
+        p.state = PeerState.FAILED
+        p.error = error
+        p.pending.clear()
+        p.lookup_in_flight = False
+
+    def close(self) -> None:
+        for p in list(self._peers.values()):
+            self._drop(p)
+        self._ctx.term()

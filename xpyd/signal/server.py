@@ -1,0 +1,122 @@
+"""Prefill side of the signal plane: one ZMQ ROUTER serving many decode workers.
+
+Runs in its own thread so lookups are answered while a long prefill runs.
+Every frame is size-limited and decoded into a typed message; a frame that is
+not valid gets an ``error`` reply (when it can be addressed) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+import zmq
+
+from xpyd.signal import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class SignalHandler(Protocol):
+    """What the prefill worker answers. Called from the server thread."""
+
+    def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply: ...
+    def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply: ...
+    def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply: ...
+    def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply: ...
+
+
+class SignalServer:
+    def __init__(self, bind_host: str, port: int, handler: SignalHandler) -> None:
+        self._bind = f"tcp://{bind_host}:{port}"
+        self._handler = handler
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.port = port
+
+    def start(self) -> None:
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        if self.port == 0:
+            self.port = int(sock.bind_to_random_port(self._bind.rsplit(":", 1)[0]))
+        else:
+            sock.bind(self._bind)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="signal-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                continue
+            if len(parts) != 2:
+                log.warning("dropping signal message with %d parts", len(parts))
+                continue
+            identity, frame = parts
+            reply = self._dispatch(identity, frame)
+            try:
+                self._sock.send_multipart([identity, reply], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                log.warning("could not reply to %r: %s", identity[:64], e)
+
+    def _dispatch(self, identity_b: bytes, frame: bytes) -> bytes:
+        try:
+            identity = identity_b.decode("utf-8")
+        except UnicodeDecodeError:
+            return m.encode(0, m.ErrorReply("identity is not UTF-8"))
+        try:
+            env = m.decode(frame)
+        except m.MessageError as e:
+            return m.encode(_seq_guess(frame), m.ErrorReply(str(e)))
+        msg = env.msg
+        if getattr(msg, "sender", identity) != identity:
+            return m.encode(env.seq, m.ErrorReply("sender does not match the connection identity"))
+        try:
+            if isinstance(msg, m.Handshake):
+                reply = self._handler.on_handshake(identity, msg)
+            elif isinstance(msg, m.KVMapInit):
+                reply = self._handler.on_kv_map_init(identity, msg)
+            elif isinstance(msg, m.LookupAll):
+                reply = self._handler.on_lookup_all(identity, msg)
+            elif isinstance(msg, m.Release):
+                reply = self._handler.on_release(identity, msg)
+            else:
+                reply = m.ErrorReply(f"{msg.TYPE} is not a request")
+        except Exception as e:  # a handler bug must not kill the signal plane
+            log.exception("signal handler failed")
+            reply = m.ErrorReply(f"internal error: {type(e).__name__}")
+        return m.encode(env.seq, reply)
+
+
+def _seq_guess(frame: bytes) -> int:
+    """Best effort: echo the seq of a frame we refuse, so the peer can match it."""
+    try:
+        import msgpack
+
+        d = msgpack.unpackb(frame, raw=False, max_buffer_size=m.MAX_FRAME_BYTES)
+        seq = d.get("seq") if isinstance(d, dict) else None
+        return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
+    except Exception:
+        return 0
