@@ -1,0 +1,239 @@
+"""Both schedulers stepped through lifecycles with a fake transfer backend.
+
+Invariants are checked after every step; every test ends with no slot held.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.engine.request import IllegalTransition, RequestState
+from xpyd.engine.slots import FakeSlots
+from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from xpyd.transfer.base import Region
+from xpyd.transfer.fake import FakeTransferBackend
+
+S = RequestState
+
+
+@pytest.fixture
+def backend():
+    b = FakeTransferBackend()
+    b.register(memoryview(bytearray(1024)))
+    yield b
+    b.close()
+
+
+def send(backend: FakeTransferBackend, rid: str):
+    return backend.send(rid, [Region(0, 8)], backend.descriptor, [Region(8, 8)])
+
+
+# --- prefill ----------------------------------------------------------------
+
+def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
+    slots = FakeSlots(3)
+    sched = PrefillScheduler(batch_size=3, slots=slots)
+    seqs = [PrefillSeq(f"r{i}", [1, 2, 3]) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    sched.check_invariants()
+
+    a = sched.next_to_run()
+    assert a is seqs[0] and a.state is S.RUNNING and a.slot is not None
+    assert sched.next_to_run() is None  # one prefill at a time
+    sched.prefilled(a, first_token=42)
+    assert a.state is S.TRANSFERRING and a.first_token == 42
+    sched.check_invariants()
+
+    b = sched.next_to_run(); sched.prefilled(b, 7)
+    c = sched.next_to_run(); sched.prefilled(c, 8)
+    sched.check_invariants()
+    # running + transferring <= batch: three KV held, the fourth must wait
+    assert sched.num_transferring == 3 and sched.next_to_run() is None
+    assert slots.num_used == 3
+
+    tok = send(backend, "r0")
+    sched.start_send("r0", tok)
+    assert sched.poll() == []  # not finished: slot still held
+    backend.complete("r0")
+    assert sched.poll() == [a] and a.state is S.FINISHED and a.slot is None
+    sched.check_invariants()
+
+    d = sched.next_to_run()
+    assert d is seqs[3]
+    sched.prefilled(d, 9)
+    # release (decode no longer needs it) frees a held KV at once
+    sched.release("r1")
+    assert b.state is S.ABORTED
+    e = sched.next_to_run(); sched.prefilled(e, 1)
+    for s in (c, d, e):
+        sched.start_send(s.request_id, send(backend, s.request_id))
+        backend.complete(s.request_id)
+    sched.poll()
+    sched.check_invariants()
+    assert not sched.has_work() and slots.num_used == 0
+    assert [s.state for s in seqs] == [S.FINISHED, S.ABORTED, S.FINISHED, S.FINISHED, S.FINISHED]
+
+
+def test_prefill_failed_send_and_cancel_during_send(backend):
+    slots = FakeSlots(2)
+    sched = PrefillScheduler(batch_size=2, slots=slots)
+    a, b = PrefillSeq("a", [1]), PrefillSeq("b", [1])
+    sched.add(a); sched.add(b)
+    sched.prefilled(sched.next_to_run(), 1)
+    sched.prefilled(sched.next_to_run(), 2)
+    sched.start_send("a", send(backend, "a"))
+    sched.start_send("b", send(backend, "b"))
+    with pytest.raises(ValueError):
+        sched.start_send("a", send(backend, "a2"))  # already sending
+    backend.fail("a", "peer died")
+    # cancelling a send in flight keeps the slot until the token finishes
+    sched.release("b")
+    assert b.state is S.TRANSFERRING and slots.num_used == 2
+    sched.poll()
+    assert a.state is S.FAILED and a.error == "peer died"
+    assert b.state is S.TRANSFERRING
+    backend.complete("b")
+    sched.poll()
+    assert b.state is S.ABORTED
+    sched.check_invariants()
+    assert slots.num_used == 0 and not sched.has_work()
+    backend.complete("a2")
+
+
+def test_prefill_abort_while_waiting_and_while_running():
+    slots = FakeSlots(2)
+    sched = PrefillScheduler(batch_size=2, slots=slots)
+    a, b = PrefillSeq("a", [1]), PrefillSeq("b", [1])
+    sched.add(a); sched.add(b)
+    sched.release("b")
+    assert b.state is S.ABORTED
+    run = sched.next_to_run()
+    sched.release("a")  # mid-forward: ends when the forward returns
+    assert a.state is S.RUNNING
+    sched.prefilled(run, 5)
+    assert a.state is S.ABORTED and slots.num_used == 0
+    sched.check_invariants()
+    assert sched.release("zzz") is None
+
+
+def test_prefill_failed_forward_and_duplicates():
+    slots = FakeSlots(1)
+    sched = PrefillScheduler(batch_size=1, slots=slots)
+    a = PrefillSeq("a", [1])
+    sched.add(a)
+    with pytest.raises(ValueError):
+        sched.add(PrefillSeq("a", [2]))
+    sched.fail_running(sched.next_to_run(), "boom")
+    assert a.state is S.FAILED and slots.num_used == 0
+    with pytest.raises(IllegalTransition):
+        a.set_state(S.RUNNING)
+
+
+# --- decode -----------------------------------------------------------------
+
+def test_decode_runs_only_after_kv_arrived(backend):
+    slots = FakeSlots(2)
+    sched = DecodeScheduler(batch_size=2, slots=slots)
+    seqs = [DecodeSeq(f"r{i}", [1, 2], "p:1") for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert sched.schedule_transfers() == []  # nothing ready yet: no slot taken
+    assert slots.num_used == 0
+
+    sched.mark_ready("r1", 11)
+    started = sched.schedule_transfers()
+    assert started == [seqs[1]] and seqs[1].state is S.TRANSFERRING
+    sched.set_recv_token(seqs[1], backend.expect("r1", [Region(0, 8)]))
+    sched.check_invariants()
+    assert sched.poll_transfers() == ([], [])
+    assert sched.running() == []  # KV not here yet: does not run
+
+    sched.mark_ready("r0", 10)
+    sched.mark_ready("r2", 12)
+    started = sched.schedule_transfers()
+    assert started == [seqs[0]]  # batch of 2 full (1 transferring + 1 new)
+    sched.set_recv_token(seqs[0], backend.expect("r0", [Region(8, 8)]))
+    sched.check_invariants()
+
+    backend.complete("r0")
+    joined, failed = sched.poll_transfers()
+    assert joined == [seqs[0]] and failed == [] and sched.running() == [seqs[0]]
+    sched.check_invariants()
+    backend.fail("r1", "prefill died")
+    joined, failed = sched.poll_transfers()
+    assert failed == [seqs[1]] and seqs[1].state is S.FAILED and seqs[1].error == "prefill died"
+    sched.check_invariants()
+
+    started = sched.schedule_transfers()  # room again
+    assert started == [seqs[2]]
+    sched.set_recv_token(seqs[2], backend.expect("r2", [Region(16, 8)]))
+    sched.finish(seqs[0])
+    backend.complete("r2")
+    sched.poll_transfers()
+    sched.check_invariants()
+    assert sched.running() == [seqs[2]]
+    sched.finish(seqs[2])
+    assert not sched.has_work() and slots.num_used == 0
+
+
+def test_decode_abort_in_every_state(backend):
+    slots = FakeSlots(4)
+    sched = DecodeScheduler(batch_size=4, slots=slots)
+    w, t, r = DecodeSeq("w", [1], "p:1"), DecodeSeq("t", [1], "p:1"), DecodeSeq("r", [1], "p:1")
+    for s in (w, t, r):
+        sched.add(s)
+    sched.mark_ready("t", 1); sched.mark_ready("r", 1)
+    for s in sched.schedule_transfers():
+        sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)]))
+    backend.complete("r")
+    sched.poll_transfers()
+    assert (w.state, t.state, r.state) == (S.WAITING, S.TRANSFERRING, S.RUNNING)
+    for rid in ("w", "t", "r"):
+        sched.abort(rid)
+    assert all(s.state is S.ABORTED for s in (w, t, r))
+    assert slots.num_used == 0 and not sched.has_work()
+    assert sched.abort("w") is None
+
+
+def test_decode_random_lifecycles_keep_invariants(backend):
+    """Many requests, random events; invariants hold at every step; nothing leaks."""
+    rng = random.Random(1234)
+    batch = 4
+    slots = FakeSlots(batch)
+    sched = DecodeScheduler(batch_size=batch, slots=slots)
+    seqs = [DecodeSeq(f"q{i}", [1] * rng.randint(1, 9), "p:1") for i in range(60)]
+    pending = list(seqs)
+    steps = 0
+    while steps < 5000 and (pending or sched.has_work()):
+        steps += 1
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop(0))
+        for s in sched.waiting():
+            if not s.ready and rng.random() < 0.2:
+                sched.mark_ready(s.request_id, 5)
+        for s in sched.schedule_transfers():
+            sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)]))
+        for s in sched.transferring():
+            x = rng.random()
+            if x < 0.3:
+                backend.complete(s.request_id)
+            elif x < 0.33:
+                backend.fail(s.request_id, "x")
+        sched.poll_transfers()
+        for s in sched.running():
+            if rng.random() < 0.2:
+                sched.finish(s)
+        if rng.random() < 0.02 and sched.has_work():
+            victim = rng.choice(sched.waiting() + sched.transferring() + sched.running())
+            if victim.state is S.TRANSFERRING:
+                backend.abort(victim.request_id)
+            sched.abort(victim.request_id)
+        sched.check_invariants()
+        assert sched.num_running + sched.num_transferring == slots.num_used
+    assert not pending and not sched.has_work()
+    assert slots.num_used == 0 and backend.outstanding() == set()
+    assert all(s.state.is_final for s in seqs)
