@@ -64,7 +64,6 @@ class SignalClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(f"tcp://{addr}")
         p = PrefillPeer(addr, sock)
         self._peers[addr] = p

@@ -261,7 +261,7 @@ def decode(frame: bytes) -> Envelope:
     if len(frame) > MAX_FRAME_BYTES:
         raise MessageError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        d = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_buffer_size=MAX_FRAME_BYTES)
+        d = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types for garbage/truncation
         raise MessageError(f"undecodable frame: {type(e).__name__}") from None
     if not isinstance(d, dict):

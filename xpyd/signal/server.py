@@ -115,7 +115,7 @@ def _seq_guess(frame: bytes) -> int:
     try:
         import msgpack
 
-        d = msgpack.unpackb(frame, raw=False, max_buffer_size=m.MAX_FRAME_BYTES)
+        d = msgpack.unpackb(frame, raw=False)
         seq = d.get("seq") if isinstance(d, dict) else None
         return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
     except Exception:

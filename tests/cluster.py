@@ -1,0 +1,102 @@
+"""Start real xpyd processes (workers, proxy) on free loopback ports, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], url: str) -> Proc:
+        log = self.workdir / f"{name}.log"
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        popen = subprocess.Popen([sys.executable, "-m", "xpyd", *argv], stdout=log.open("wb"),
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = Proc(name, popen, log, url)
+        self.procs.append(p)
+        return p
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.procs)
+        while pending:
+            for p in list(pending):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}")
+                if http_ok(p.url + "/health"):
+                    pending.remove(p)
+            if time.monotonic() > deadline:
+                raise RuntimeError("not healthy in time: " + ", ".join(f"{p.name}:\n{p.tail()}" for p in pending))
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+
+def start_1p1d(workdir: Path, model: str, dtype: str = "float32", batch_size: int = 8,
+               max_model_len: int = 512, extra: list[str] | None = None) -> tuple[Cluster, dict[str, str]]:
+    """Prefill + decode workers and a proxy; returns the cluster and its URLs."""
+    c = Cluster(workdir)
+    pp, ps, dp, dk, xp = (free_port() for _ in range(5))
+    common = ["--model", model, "--dtype", dtype, "--threads", "1", "--batch-size", str(batch_size),
+              "--max-model-len", str(max_model_len), *(extra or [])]
+    urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
+            "proxy": f"http://127.0.0.1:{xp}"}
+    c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
+    c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
+    try:
+        c.wait_healthy()
+        c.start("proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
+                urls["proxy"])
+        c.wait_healthy()
+    except BaseException:
+        c.stop()
+        raise
+    return c, urls

@@ -1,0 +1,195 @@
+"""The signal plane over real ZMQ sockets: typed messages, refusals, bad frames."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.signal import messages as m
+from xpyd.signal.client import PeerState, SignalClient
+from xpyd.signal.request_id import RequestId
+from xpyd.signal.server import SignalServer
+
+COMPAT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "layout": "slot-token-major/1"}
+TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096}
+
+
+class Handler:
+    """A prefill-side handler with canned state (the real one is tested end to end)."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, m.KVMapInit] = {}
+        self.ready: dict[str, int] = {}
+        self.released: list[str] = []
+        self.pulls: list[tuple[str, int]] = []
+
+    def on_handshake(self, identity, msg):
+        if msg.model_id != "m":
+            return m.HandshakeReply(False, f"model mismatch: {msg.model_id!r}", "m")
+        if msg.kv_compat != COMPAT:
+            return m.HandshakeReply(False, "KV layout mismatch", "m")
+        return m.HandshakeReply(True, None, "m")
+
+    def on_kv_map_init(self, identity, msg):
+        self.maps[identity] = msg
+        return m.KVMapReply(True)
+
+    def on_lookup_all(self, identity, msg):
+        out = []
+        for e in msg.entries:
+            if e.request_id not in self.ready:
+                out.append(m.LookupResult(e.request_id, m.LookupStatus.UNKNOWN))
+            elif e.dest_offset is None:
+                out.append(m.LookupResult(e.request_id, m.LookupStatus.READY, self.ready[e.request_id], 3))
+            else:
+                self.pulls.append((e.request_id, e.dest_offset))
+                out.append(m.LookupResult(e.request_id, m.LookupStatus.SENDING, self.ready[e.request_id], 3))
+        return m.LookupReply(tuple(out))
+
+    def on_release(self, identity, msg):
+        self.released.extend(msg.request_ids)
+        return m.ReleaseReply(len(msg.request_ids))
+
+
+@pytest.fixture
+def server():
+    h = Handler()
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
+    yield s, h
+    s.close()
+
+
+def _client(identity="127.0.0.1:7001", model="m", compat=COMPAT, timeout=2.0) -> SignalClient:
+    return SignalClient(identity, m.Handshake(identity, model, compat),
+                        m.KVMapInit(identity, TRANSFER, 1024, 4), timeout=timeout)
+
+
+def _pump(client, until, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    replies, failed = [], []
+    while time.monotonic() < deadline and not until(replies, failed):
+        r, f = client.poll(20)
+        replies += r
+        failed += f
+    return replies, failed
+
+
+def test_handshake_map_lookup_pull_release(server):
+    s, h = server
+    addr = f"127.0.0.1:{s.port}"
+    c = _client()
+    try:
+        p = c.peer(addr)
+        _pump(c, lambda r, f: p.state is PeerState.READY)
+        assert p.state is PeerState.READY
+        assert h.maps["127.0.0.1:7001"].slot_bytes == 1024
+        rid = str(RequestId.new(addr, "127.0.0.1:7001"))
+        c.send_lookup(addr, [m.LookupEntry(rid)])
+        replies, _ = _pump(c, lambda r, f: r)
+        assert replies[0][1].results[0].status is m.LookupStatus.UNKNOWN
+        h.ready[rid] = 42
+        c.send_lookup(addr, [m.LookupEntry(rid), m.LookupEntry(rid, 2048)])
+        replies, _ = _pump(c, lambda r, f: r)
+        res = replies[0][1].results
+        assert [x.status for x in res] == [m.LookupStatus.READY, m.LookupStatus.SENDING]
+        assert res[0].first_token == 42 and res[0].num_tokens == 3
+        assert h.pulls == [(rid, 2048)]
+        c.send_release(addr, [rid])
+        _pump(c, lambda r, f: h.released)
+        assert h.released == [rid]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("model,compat,needle", [
+    ("other-model", COMPAT, "model mismatch"),
+    ("m", {**COMPAT, "dtype": "bfloat16"}, "KV layout mismatch"),
+])
+def test_handshake_refuses_mismatch_with_clear_message(server, model, compat, needle):
+    s, _ = server
+    addr = f"127.0.0.1:{s.port}"
+    c = _client(model=model, compat=compat)
+    try:
+        p = c.peer(addr)
+        _, failed = _pump(c, lambda r, f: f)
+        assert failed == [p] and p.state is PeerState.FAILED
+        assert needle in p.error and "handshake" in p.error
+    finally:
+        c.close()
+
+
+def _raw_roundtrip(port: int, frame: bytes, identity: bytes = b"raw:1") -> dict:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(frame)
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("frame,needle", [
+    (b"\xc1garbage", "undecodable"),
+    (msgpack.packb([1, 2, 3]), "not a map"),
+    (msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": "handshake", "seq": 1, "b": {}}), "protocol version mismatch"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "t": "evil", "seq": 5, "b": {}}), "unknown message type"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "t": "handshake", "seq": 6, "b": {"sender": 3}}), "wrong type"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "t": "lookup_all", "seq": 7,
+                    "b": {"sender": "raw:1", "entries": [["x", -5]]}}), "bad lookup destination"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "t": "release", "seq": 8,
+                    "b": {"sender": "someone-else", "request_ids": []}}), "does not match"),
+])
+def test_bad_frames_get_error_replies_and_change_nothing(server, frame, needle):
+    s, h = server
+    reply = _raw_roundtrip(s.port, frame)
+    assert reply["t"] == "error" and needle in reply["b"]["error"]
+    assert h.maps == {} and h.released == [] and h.pulls == []
+
+
+def test_oversized_frame_is_dropped_and_server_keeps_serving(server):
+    s, h = server
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{s.port}")
+    sock.send(b"x" * (m.MAX_FRAME_BYTES + 10))  # zmq MAXMSGSIZE drops this connection
+    sock.close(0)
+    ctx.term()
+    ok = m.encode(3, m.Release("raw:2", ()))
+    reply = _raw_roundtrip(s.port, ok, identity=b"raw:2")
+    assert reply["t"] == "release_reply" and reply["seq"] == 3
+
+
+def test_unresponsive_peer_fails_after_timeout():
+    # Nothing listens on this port: the handshake gets no answer.
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    c = _client(timeout=0.3)
+    try:
+        p = c.peer(f"127.0.0.1:{port}")
+        _, failed = _pump(c, lambda r, f: f, timeout=3)
+        assert p.state is PeerState.FAILED and "did not answer" in (p.error or "")
+    finally:
+        c.close()
+
+
+def test_message_roundtrip_and_limits():
+    msg = m.LookupAll("a:1", tuple(m.LookupEntry(f"r{i}", i * 8 if i % 2 else None) for i in range(10)))
+    env = m.decode(m.encode(9, msg))
+    assert env.seq == 9 and env.msg == msg
+    with pytest.raises(m.MessageError):
+        m.decode(b"x" * (m.MAX_FRAME_BYTES + 1))
+    with pytest.raises(m.MessageError):
+        m.LookupAll.from_body({"sender": "a", "entries": [["r", None]] * (m.MAX_ENTRIES + 1)})
