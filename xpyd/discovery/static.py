@@ -44,12 +44,18 @@ class StaticRegistry:
         deadline = time.monotonic() + self._timeout
         timeout = aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            fetched = {
-                role: await asyncio.gather(
-                    *(self._fetch(session, url, role, deadline) for url in urls)
-                )
+            tasks = {
+                (role, url): asyncio.create_task(self._fetch(session, url, role, deadline))
                 for role, urls in self._urls.items()
+                for url in urls
             }
+            try:
+                await asyncio.gather(*tasks.values())
+            finally:
+                for task in tasks.values():
+                    task.cancel()
+        fetched = {role: [tasks[role, url].result() for url in urls]
+                   for role, urls in self._urls.items()}
         _check_consistent([*fetched[Role.PREFILL], *fetched[Role.DECODE]])
         self._workers = fetched
 
@@ -70,6 +76,8 @@ class StaticRegistry:
                         info = WorkerInfo.from_dict(await resp.json(content_type=None))
                         break
                     last_error = f"HTTP {resp.status}"
+            except aiohttp.InvalidURL as e:
+                raise RegistryError(f"{role.value} worker: invalid URL {url!r}") from e
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
             except ValueError as e:  # bad JSON or bad WorkerInfo: retrying will not help

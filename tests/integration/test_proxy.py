@@ -1,0 +1,653 @@
+"""The proxy, served by hypercorn on a real port, against fake prefill/decode workers.
+
+The fake workers (aiohttp.web) implement the worker HTTP contract with canned
+tokens, record what they received (headers, bodies, arrival times, whether the
+proxy hung up), and can be told to wait, fail, or end the request on prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+
+from xpyd.discovery.base import Registry, RegistryError
+from xpyd.discovery.static import StaticRegistry
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.signal.request_id import parse_request_id
+
+MODEL = "fake-model"
+TOKENS = ["Hello", ",", " wor", "ld", "!"]
+PROMPT_TOKENS = 7
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ fake workers
+
+
+@dataclass
+class Received:
+    path: str
+    headers: Mapping[str, str]
+    body: dict
+    at: float
+
+
+@dataclass
+class FakeWorker:
+    role: Role
+    signal_port: int
+    tokens: list[str] = field(default_factory=lambda: list(TOKENS))
+    model: str = MODEL
+    delay: float = 0.0  # prefill: before answering; decode: before the first chunk
+    token_delay: float = 0.0  # decode: between chunks
+    prefill_finish: str | None = None  # prefill: end the request on the first token
+    fail: tuple[int, dict | str] | None = None  # answer (status, body) instead
+    received: list[Received] = field(default_factory=list)
+    hung_up: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/xpyd/info", self._info)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    @property
+    def signal_addr(self) -> str:
+        return f"127.0.0.1:{self.signal_port}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _info(self, request: web.Request) -> web.Response:
+        info = WorkerInfo(self.role, self.url, self.signal_addr, self.model, 1, 8)
+        return web.Response(text=info.to_json(), content_type="application/json")
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, request.headers.copy(), body, time.monotonic()))
+        chat = request.path.endswith("chat/completions")
+        try:
+            if self.fail is not None:
+                status, err = self.fail
+                if isinstance(err, str):
+                    return web.Response(status=status, text=err)
+                return web.json_response(err, status=status)
+            await asyncio.sleep(self.delay)
+            if self.role is Role.PREFILL:
+                return web.json_response(self._first_token(chat))
+            return await self._stream(request, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.hung_up.set()
+            raise
+
+    def _first_token(self, chat: bool) -> dict:
+        text = self.tokens[0]
+        choice = {"index": 0, "finish_reason": self.prefill_finish, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return {
+            "id": "ignored", "object": "chat.completion" if chat else "text_completion",
+            "created": 1, "model": self.model, "choices": [choice],
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1,
+                      "total_tokens": PROMPT_TOKENS + 1},
+        }
+
+    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            await resp.write(f"data: {data}\n\n".encode())
+
+        base = {"id": "ignored", "created": 1, "model": self.model,
+                "object": "chat.completion.chunk" if chat else "text_completion"}
+        if chat:  # a worker may open with a role chunk; the proxy must drop it
+            await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]})
+        rest = self.tokens[1:]
+        for i, tok in enumerate(rest):
+            finish = "length" if i == len(rest) - 1 else None
+            choice = {"index": 0, "finish_reason": finish}
+            choice.update({"delta": {"content": tok}} if chat else {"text": tok})
+            await send({**base, "choices": [choice]})
+            await asyncio.sleep(self.token_delay)
+        n = len(self.tokens)
+        await send({**base, "choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS,
+                                                     "completion_tokens": n,
+                                                     "total_tokens": PROMPT_TOKENS + n}})
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+# ------------------------------------------------------------------ proxy harness
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    url: str
+    prefill: FakeWorker
+    decode: FakeWorker
+    http: aiohttp.ClientSession
+    decodes: list[FakeWorker]
+
+    def post(self, path: str, body: dict | bytes, **kw):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.http.post(self.url + path, data=data,
+                              headers={"Content-Type": "application/json"}, **kw)
+
+    def workers(self) -> list[FakeWorker]:
+        return [self.prefill, *self.decodes]
+
+
+async def start_proxy(config: ProxyConfig, registry: Registry):
+    app = create_app(config, registry)
+    hc = HypercornConfig()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.graceful_timeout = 1
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(app, hc, shutdown_trigger=stop.wait))
+    url = f"http://{config.host}:{config.port}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            try:
+                async with s.get(url + "/health"):
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.02)
+    return url, stop, task
+
+
+async def make_cluster(n_decode: int = 1, **config_kw):
+    prefill = FakeWorker(Role.PREFILL, signal_port=15555)
+    decodes = [FakeWorker(Role.DECODE, signal_port=16666 + i) for i in range(n_decode)]
+    for w in (prefill, *decodes):
+        await w.start()
+    registry = StaticRegistry([prefill.url], [d.url for d in decodes], timeout=5)
+    await registry.start()
+    config = ProxyConfig(port=free_port(), **config_kw)
+    url, stop, task = await start_proxy(config, registry)
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+    cluster = Cluster(url, prefill, decodes[0], http, decodes)
+
+    async def close():
+        await http.close()
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await registry.close()
+        for w in (prefill, *decodes):
+            await w.stop()
+
+    return cluster, close
+
+
+@pytest.fixture
+async def cluster():
+    c, close = await make_cluster()
+    yield c
+    await close()
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> list:
+    """All SSE events: parsed JSON objects, and the string "[DONE]"."""
+    events = []
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data: "):
+            data = line[6:].decode()
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == b"", line
+    return events
+
+
+def completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Say hello", "max_tokens": 5, "temperature": 0, **kw}
+
+
+def chat(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hello"}],
+            "max_tokens": 5, **kw}
+
+
+def content_of(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    return choice["delta"].get("content", "") if "delta" in choice else choice["text"]
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+async def test_completion_non_stream_and_worker_bodies(cluster: Cluster):
+    async with cluster.post("/v1/completions", completion(stream_options=None)) as r:
+        assert r.status == 200, await r.text()
+        assert r.content_type == "application/json"
+        data = await r.json()
+    assert data["id"].startswith("cmpl-") and data["object"] == "text_completion"
+    assert data["model"] == MODEL and isinstance(data["created"], int)
+    assert data["choices"] == [{"index": 0, "text": "".join(TOKENS), "logprobs": None,
+                                "finish_reason": "length"}]
+    assert data["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 5,
+                             "total_tokens": PROMPT_TOKENS + 5}
+
+    (p,), (d,) = cluster.prefill.received, cluster.decode.received
+    assert p.path == d.path == "/v1/completions"
+    assert p.body["max_tokens"] == 1 and p.body["stream"] is False
+    assert "stream_options" not in p.body
+    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5}
+    assert d.body["stream"] is True and d.body["stream_options"] == {"include_usage": True}
+    assert d.body["kv_transfer_params"] == {"role": "decode"} and d.body["max_tokens"] == 5
+    assert p.body["prompt"] == d.body["prompt"] == "Say hello"
+    assert p.body["temperature"] == d.body["temperature"] == 0
+
+    # One id for both workers, carrying both signal addresses.
+    assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"]
+    rid = parse_request_id(p.headers["X-Request-Id"])
+    assert rid.prefill_addr == cluster.prefill.signal_addr
+    assert rid.decode_addr == cluster.decode.signal_addr
+
+
+async def test_chat_non_stream(cluster: Cluster):
+    async with cluster.post("/v1/chat/completions", chat(max_completion_tokens=5)) as r:
+        assert r.status == 200, await r.text()
+        data = await r.json()
+    assert data["id"].startswith("chatcmpl-") and data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "".join(TOKENS)}
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 5
+    (p,) = cluster.prefill.received
+    assert p.body["max_tokens"] == 1 and "max_completion_tokens" not in p.body
+    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5}
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_chat_stream(cluster: Cluster, include_usage: bool):
+    body = chat(stream=True, stream_options={"include_usage": include_usage})
+    async with cluster.post("/v1/chat/completions", body) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert len({c["created"] for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    # Exactly one role chunk, first (the worker's own role chunk is dropped).
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
+    if include_usage:
+        usage = chunks.pop()
+        assert usage["choices"] == []
+        assert usage["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 5,
+                                  "total_tokens": PROMPT_TOKENS + 5}
+    assert all("usage" not in c for c in chunks)
+    content = chunks[1:]
+    assert [content_of(c) for c in content] == TOKENS  # no empty chunks, in order
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * 4 + ["length"]
+
+
+async def test_completion_stream(cluster: Cluster):
+    body = completion(stream=True, stream_options={"include_usage": True})
+    async with cluster.post("/v1/completions", body) as r:
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    *content, usage = events[:-1]
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in events[:-1])
+    assert [content_of(c) for c in content] == TOKENS
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+async def test_openai_client(cluster: Cluster):
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        c = await client.completions.create(model=MODEL, prompt="hi", max_tokens=5)
+        assert c.choices[0].text == "".join(TOKENS) and c.usage.completion_tokens == 5
+        stream = await client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True)
+        assert "".join([ch.choices[0].text async for ch in stream]) == "".join(TOKENS)
+
+        cc = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert cc.choices[0].message.content == "".join(TOKENS)
+        assert cc.choices[0].finish_reason == "length"
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            stream=True, stream_options={"include_usage": True})
+        chunks = [ch async for ch in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "".join(TOKENS)
+        assert chunks[-1].usage.completion_tokens == 5
+
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="other", prompt="hi")
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt="hi", n=2)
+    finally:
+        await client.close()
+
+
+async def test_concurrent_dispatch_and_ttft(cluster: Cluster):
+    cluster.prefill.delay = 0.3
+    cluster.decode.delay = 0.8  # decode's first chunk comes long after prefill's token
+    t0 = time.monotonic()
+    first_at = None
+    async with cluster.post("/v1/chat/completions", chat(stream=True)) as r:
+        async for line in r.content:
+            if line.startswith(b"data: {") and '"content":"Hello"' in line.decode():
+                first_at = time.monotonic() - t0
+        end = time.monotonic() - t0
+    (p,), (d,) = cluster.prefill.received, cluster.decode.received
+    assert abs(p.at - d.at) < 0.15, "decode must be called with prefill, not after it"
+    assert first_at is not None and 0.25 < first_at < 0.6, first_at  # prefill's token: TTFT
+    assert end >= 0.8
+    assert end < 1.05, "prefill and decode delays must overlap, not add up (1.1 s)"
+
+
+async def test_empty_first_token_is_not_sent(cluster: Cluster):
+    cluster.prefill.tokens = ["", "a", "b"]
+    cluster.decode.tokens = ["", "a", "b"]
+    async with cluster.post("/v1/completions", completion(stream=True)) as r:
+        events = await read_sse(r)
+    assert [content_of(c) for c in events[:-1]] == ["a", "b"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_request_that_ends_on_prefill(cluster: Cluster, stream: bool):
+    cluster.prefill.prefill_finish = "stop"
+    cluster.decode.delay = 0.2
+    cluster.decode.token_delay = 0.2
+    body = chat(stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+    async with cluster.post("/v1/chat/completions", body) as r:
+        if stream:
+            events = await read_sse(r)
+            role, last, usage, done = events
+            assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert last["choices"][0]["delta"] == {"content": "Hello"}
+            assert last["choices"][0]["finish_reason"] == "stop"
+            assert usage["usage"]["completion_tokens"] == 1 and done == "[DONE]"
+        else:
+            data = await r.json()
+            assert data["choices"][0]["message"]["content"] == "Hello"
+            assert data["choices"][0]["finish_reason"] == "stop"
+            assert data["usage"]["completion_tokens"] == 1
+    await asyncio.wait_for(cluster.decode.hung_up.wait(), 2)  # the decode call was dropped
+
+
+async def test_client_disconnect_cancels_decode(cluster: Cluster):
+    cluster.decode.tokens = ["t"] * 40
+    cluster.decode.token_delay = 0.05
+    async with cluster.post("/v1/completions", completion(stream=True, max_tokens=40)) as r:
+        await r.content.readline()  # the first token arrived
+        await r.content.readline()
+    await asyncio.wait_for(cluster.decode.hung_up.wait(), 2)
+
+
+async def test_model_name_alias():
+    c, close = await make_cluster(model_name="public-name")
+    try:
+        async with c.post("/v1/completions", completion(model="public-name")) as r:
+            data = await r.json()
+        assert data["model"] == "public-name"
+        assert c.prefill.received[0].body["model"] == MODEL == c.decode.received[0].body["model"]
+        async with c.post("/v1/completions", completion(model=MODEL)) as r:
+            assert r.status == 404
+        async with c.http.get(c.url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["public-name"]
+    finally:
+        await close()
+
+
+async def test_health_and_model_omitted(cluster: Cluster):
+    async with cluster.http.get(cluster.url + "/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+    body = completion()
+    del body["model"]
+    async with cluster.post("/v1/completions", body) as r:
+        assert r.status == 200
+
+
+# ------------------------------------------------------------------ errors
+
+
+def assert_openai_error(data: dict) -> None:
+    assert set(data) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(data["error"])
+    assert data["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/completions", b"{bad json", 400),
+        ("/v1/completions", b"[]", 400),
+        ("/v1/completions", completion(max_tokens=0), 400),
+        ("/v1/completions", completion(n=2), 400),
+        ("/v1/completions", completion(logprobs=1), 400),
+        ("/v1/completions", completion(echo=True), 400),
+        ("/v1/completions", {"model": MODEL}, 400),
+        ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400),
+        ("/v1/chat/completions", chat(messages=[]), 400),
+        ("/v1/chat/completions", chat(temperature=-1), 400),
+        ("/v1/chat/completions", chat(model="no-such-model"), 404),
+        ("/v1/completions", completion(prompt="x" * (65 * 1024)), 413),
+        ("/v1/nothing", completion(), 404),
+    ],
+)
+async def test_bad_requests_never_reach_workers(path, body, status):
+    c, close = await make_cluster(max_body_bytes=64 * 1024)
+    try:
+        async with c.post(path, body) as r:
+            assert r.status == status
+            assert r.content_type == "application/json"
+            data = await r.json()
+        assert_openai_error(data)
+        if status == 404 and "model" in path:
+            assert data["error"]["code"] == "model_not_found"
+        assert all(not w.received for w in c.workers())
+    finally:
+        await close()
+
+
+async def test_get_on_post_route_is_405_json(cluster: Cluster):
+    async with cluster.http.get(cluster.url + "/v1/completions") as r:
+        assert r.status == 405
+        assert_openai_error(await r.json())
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_worker_4xx_is_passed_through(cluster: Cluster, failing: str, stream: bool):
+    err = {"error": {"message": "prompt is too long", "type": "BadRequestError", "param": None,
+                     "code": 400}}
+    bad, other = (cluster.prefill, cluster.decode) if failing == "prefill" else (cluster.decode, cluster.prefill)
+    bad.fail = (400, err)
+    other.delay = 1.0
+    t0 = time.monotonic()
+    async with cluster.post("/v1/completions", completion(stream=stream)) as r:
+        assert r.status == 400
+        assert await r.json() == err
+    assert time.monotonic() - t0 < 0.5, "the error must not wait for the other worker"
+    await asyncio.wait_for(other.hung_up.wait(), 2)  # and the other call is cancelled
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+async def test_worker_5xx_is_502(cluster: Cluster, failing: str):
+    getattr(cluster, failing).fail = (500, "Internal Server Error")
+    async with cluster.post("/v1/completions", completion()) as r:
+        assert r.status == 502
+        data = await r.json()
+    assert_openai_error(data)
+    assert data["error"]["type"] == "server_error" and failing in data["error"]["message"]
+
+
+async def test_worker_timeout_is_504():
+    c, close = await make_cluster(read_timeout=0.3)
+    try:
+        c.prefill.delay = 2.0
+        async with c.post("/v1/completions", completion()) as r:
+            assert r.status == 504
+            assert_openai_error(await r.json())
+        # Stalling after the first token: the status is sent, so the error is in-stream.
+        c.prefill.delay = 0
+        c.decode.delay = 2.0
+        async with c.post("/v1/chat/completions", chat(stream=True)) as r:
+            assert r.status == 200
+            events = await read_sse(r)
+        assert content_of(events[1]) == "Hello"
+        assert events[-2]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    finally:
+        await close()
+
+
+async def test_worker_down_gives_502_and_proxy_keeps_serving():
+    c, close = await make_cluster(n_decode=2)
+    try:
+        await c.decodes[1].stop()
+        statuses = []
+        for _ in range(4):  # round-robin alternates between the live and the dead decode worker
+            async with c.post("/v1/completions", completion()) as r:
+                statuses.append(r.status)
+                data = await r.json()
+                if r.status != 200:
+                    assert_openai_error(data)
+                    assert c.decodes[1].url in data["error"]["message"]
+                else:
+                    assert data["choices"][0]["text"] == "".join(TOKENS)
+        assert sorted(statuses) == [200, 200, 502, 502]
+        async with c.post("/v1/chat/completions", chat(stream=True)) as r:
+            assert r.status in (200, 502)
+        async with c.http.get(c.url + "/health") as r:
+            assert r.status == 200
+    finally:
+        c.decodes.pop()  # already stopped
+        await close()
+
+
+async def test_health_503_without_workers():
+    class Empty:
+        async def start(self) -> None: ...
+        def workers(self, role: Role) -> list[WorkerInfo]:
+            return []
+        async def close(self) -> None: ...
+
+    assert isinstance(Empty(), Registry)
+    url, stop, task = await start_proxy(ProxyConfig(port=free_port()), Empty())
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                assert r.status == 503
+            async with s.post(url + "/v1/completions", json=completion()) as r:
+                assert r.status == 503
+                assert_openai_error(await r.json())
+            async with s.get(url + "/v1/models") as r:
+                assert (await r.json())["data"] == []
+    finally:
+        stop.set()
+        await task
+
+
+# ------------------------------------------------------------------ static discovery
+
+
+async def test_static_registry_checks_roles_and_models():
+    p = FakeWorker(Role.PREFILL, 15555)
+    d = FakeWorker(Role.DECODE, 16666, model="another-model")
+    await p.start()
+    await d.start()
+    try:
+        with pytest.raises(RegistryError, match=f"worker {re.escape(d.url)} was given as prefill but reports role decode"):
+            await StaticRegistry([d.url], [p.url], timeout=2).start()
+        with pytest.raises(RegistryError, match="different models"):
+            await StaticRegistry([p.url], [d.url], timeout=2).start()
+        d.model = MODEL
+        reg = StaticRegistry([p.url + "/"], [d.url], timeout=2)
+        await reg.start()
+        assert [w.http_url for w in reg.workers(Role.PREFILL)] == [p.url]
+        assert [w.signal_addr for w in reg.workers(Role.DECODE)] == [d.signal_addr]
+    finally:
+        await p.stop()
+        await d.stop()
+
+
+async def test_static_registry_names_unreachable_worker():
+    p = FakeWorker(Role.PREFILL, 15555)
+    await p.start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RegistryError, match=f"decode worker {re.escape(dead)} not ready after 0.5s"):
+            await StaticRegistry([p.url], [dead], timeout=0.5).start()
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(RegistryError, match="invalid URL"):
+            await StaticRegistry([p.url], ["http://127.0.0.1:999999"], timeout=0.5).start()
+    finally:
+        await p.stop()
+
+
+async def test_main_serves_and_stops_on_sigterm():
+    p, d = FakeWorker(Role.PREFILL, 15555), FakeWorker(Role.DECODE, 16666)
+    await p.start()
+    await d.start()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "xpyd.proxy.main", "--port", str(port),
+        "--prefill", p.url, "--decode", d.url, "--worker-wait", "10",
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(300):
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=completion()) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"] == "".join(TOKENS)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await p.stop()
+        await d.stop()
