@@ -8,7 +8,8 @@ Wire format, per transfer on a reused connection (sender -> receiver)::
 Threads (all daemon, started by ``register``/first ``send``, joined by ``close``):
 
 - acceptor: accepts inbound connections, one reader thread each;
-- reader: header -> look up the expected transfer -> ``recv_into`` the pool -> ack.
+- reader: header -> look up the expected transfer -> ``recv_into`` the pool -> DONE -> ack
+  (so a sender's DONE implies the receiver's token is already DONE).
   A transfer that was not expected, or whose regions differ, is drained into a
   scratch buffer (never the pool) and refused; a malformed header closes the connection;
 - sender, one per peer address: takes jobs from its queue, ``sendmsg`` straight from
@@ -418,14 +419,14 @@ class TcpTransferBackend:
             try:
                 conn.wait(select.POLLIN)
                 sock, addr = self._listener.accept()
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError, ConnectionAbortedError):
                 continue
-            except (BlockingIOError, ConnectionAbortedError):
-                continue
-            except (_Closing, OSError) as e:
-                if not isinstance(e, _Closing):
-                    log.error("tcp transfer listener stopped: %s", e)
+            except _Closing:
                 return
+            except OSError as e:  # e.g. out of file descriptors: back off, keep listening
+                log.error("tcp transfer listener cannot accept: %s", e)
+                time.sleep(0.1)
+                continue
             self._setup(sock)
             with self._lock:
                 if self._closed:
@@ -448,18 +449,11 @@ class TcpTransferBackend:
                     error = self._receive(conn, rec)
                 if error is not None:
                     log.warning("refused transfer %r from %s: %s", tid, addr, error)
-                ack = _pack_frame({"id": tid, "ok": error is None, "error": error})
-                if rec is not None and error is None:
-                    try:
-                        conn.send_all([memoryview(ack)])
-                    except BaseException as e:
-                        rec.token._fail(f"could not acknowledge: {e or type(e).__name__}")
-                        raise
-                    finally:
-                        self._finish(self._expected, rec)
-                    rec.token._advance(TransferState.DONE)
-                else:
-                    conn.send_all([memoryview(ack)])
+                if rec is not None and error is None:  # DONE before the ack: sender DONE implies receiver DONE
+                    if not rec.token._advance(TransferState.DONE):
+                        error = f"transfer {tid!r} aborted by the receiver"
+                    self._finish(self._expected, rec)
+                conn.send_all([memoryview(_pack_frame({"id": tid, "ok": error is None, "error": error}))])
                 if ver != PROTOCOL_VERSION:
                     return
         except _Closing:
@@ -499,7 +493,7 @@ class TcpTransferBackend:
             _drain(conn, sum(len(v) for v in views[i:]) - e.done)
             return f"transfer {rec.token.transfer_id!r} aborted by the receiver"
         except BaseException as e:
-            rec.token._fail(f"receive failed: {e or type(e).__name__}")
+            rec.token._fail("backend closed" if isinstance(e, _Closing) else f"receive failed: {e}")
             self._finish(self._expected, rec)
             raise
         return None
@@ -517,7 +511,7 @@ class TcpTransferBackend:
                 conn.wait(select.POLLOUT, self.connect_timeout)
                 err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                raise ConnectionError(f"cannot connect to {address}: {os.strerror(err)}")
+                raise ConnectionError(f"cannot connect: {os.strerror(err)}")
             return conn
         except BaseException:
             sock.close()
@@ -557,7 +551,8 @@ class TcpTransferBackend:
         tid = job.token.transfer_id
         dst = [[r.offset, r.length] for r in job.dst]
         header = _pack_frame({"v": PROTOCOL_VERSION, "id": tid, "dst": dst, "total": job.total})
-        job.token._advance(TransferState.TRANSFERRING)
+        if not job.token._advance(TransferState.TRANSFERRING):
+            return  # aborted just now; nothing was sent
         conn.send_all([memoryview(header), *_slices(self._buffer, job.regions)], job.lock, job.token)
         ack = conn.read_frame(MAX_ACK)
         if ack is None:

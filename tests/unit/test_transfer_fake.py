@@ -1,0 +1,188 @@
+"""Transfer interface pieces (token, descriptor, factory) and the in-process fake backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+
+from xpyd.transfer import make_backend
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferBackend,
+    TransferError,
+    TransferState,
+)
+from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+
+SIZE = 4096
+FILL = 0xAA
+
+
+# -- CompletionToken ---------------------------------------------------------
+
+
+def test_token_moves_forward_and_failure_is_sticky():
+    t = CompletionToken("a")
+    assert (t.state(), t.done(), t.failed(), t.finished(), t.error) == (TransferState.PENDING, False, False, False, None)
+    assert t._advance(TransferState.TRANSFERRING)
+    assert t._fail("boom") and t.failed() and t.finished() and t.error == "boom"
+    assert not t._advance(TransferState.DONE) and not t._fail("again")
+    assert t.state() is TransferState.FAILED and t.error == "boom"
+
+
+def test_token_done_is_final_and_illegal_transitions_raise():
+    t = CompletionToken("a")
+    assert t._advance(TransferState.DONE) and t.done() and t.finished() and not t.failed()
+    assert not t._fail("late") and t.done() and t.error is None
+    t2 = CompletionToken("b")
+    t2._advance(TransferState.TRANSFERRING)
+    with pytest.raises(ValueError, match="illegal"):
+        t2._advance(TransferState.TRANSFERRING)
+    with pytest.raises(ValueError, match="_fail"):
+        t2._advance(TransferState.FAILED)
+    with pytest.raises(ValueError, match="_fail"):
+        t2._advance(TransferState.PENDING)
+    assert TransferState.FAILED < TransferState.PENDING < TransferState.TRANSFERRING < TransferState.DONE
+
+
+def test_token_wait():
+    t = CompletionToken("w")
+    t0 = time.monotonic()
+    assert t.wait(0.05) is False and time.monotonic() - t0 >= 0.04
+    threading.Timer(0.02, t._advance, args=(TransferState.DONE,)).start()
+    assert t.wait(5) is True and t.done()
+    with pytest.raises(ValueError):
+        t.wait(-1)
+
+
+# -- BackendDescriptor / factory --------------------------------------------------
+
+
+def test_descriptor_roundtrip_and_validation():
+    d = BackendDescriptor("tcp", "10.0.0.5:7000", 1 << 30)
+    wire = msgpack.packb(d.to_dict())
+    assert BackendDescriptor.from_dict(msgpack.unpackb(wire)) == d
+    for bad in (
+        {"backend": "tcp", "address": "h:1"},
+        {"backend": "", "address": "h:1", "buffer_size": 1},
+        {"backend": "tcp", "address": "", "buffer_size": 1},
+        {"backend": "tcp", "address": "h:1", "buffer_size": 0},
+        {"backend": "tcp", "address": "h:1", "buffer_size": True},
+        {"backend": "tcp", "address": "h:1", "buffer_size": "10"},
+        {"backend": "tcp", "address": "x" * 600, "buffer_size": 1},
+        ["tcp", "h:1", 1],
+    ):
+        with pytest.raises(ValueError):
+            BackendDescriptor.from_dict(bad)
+
+
+def test_make_backend_is_lazy_and_checks_names():
+    fake = make_backend("fake")
+    assert isinstance(fake, FakeTransferBackend) and isinstance(fake, TransferBackend)
+    tcp = make_backend("tcp", port=0)
+    assert tcp.name == "tcp" and isinstance(tcp, TransferBackend)
+    assert not [t for t in threading.enumerate() if t.name.startswith("xpyd-")]  # no threads in __init__
+    tcp.close()
+    with pytest.raises(ValueError, match="known: fake, tcp"):
+        make_backend("rdma")
+
+
+# -- FakeTransferBackend ------------------------------------------------------------
+
+
+def fake(network=None, auto=False, fill=FILL):
+    be = FakeTransferBackend(network, auto_complete=auto)
+    buf = bytearray([fill]) * SIZE if isinstance(fill, int) else bytearray(fill)
+    return be, buf, be.register(memoryview(buf))
+
+
+def test_manual_mode_tokens_wait_for_the_test():
+    a, _, _ = fake()
+    b, bbuf, bdesc = fake()
+    r = b.expect("t1", [Region(0, 10)])
+    s = a.send("t1", [Region(0, 10)], bdesc, [Region(0, 10)])
+    assert s.state() is r.state() is TransferState.PENDING
+    a.start("t1")
+    assert s.state() is TransferState.TRANSFERRING
+    a.complete("t1")
+    b.fail("t1", "link down")
+    assert s.done() and r.failed() and r.error == "link down"
+    assert (a.sent, b.expected, a.aborted) == (["t1"], ["t1"], [])
+    assert a.outstanding() == set() == b.outstanding()
+    assert bbuf == bytearray([FILL]) * SIZE  # manual mode moves no bytes
+    with pytest.raises(KeyError):
+        a.complete("t1")
+
+
+def test_auto_complete_copies_exact_bytes():
+    net = FakeNetwork()
+    a, abuf, _ = fake(net, auto=True, fill=bytes(range(256)) * (SIZE // 256))
+    b, bbuf, bdesc = fake(net, auto=True)
+    src = [Region(0, 5), Region(100, 20), Region(4000, 15)]
+    dst = [Region(3000, 30), Region(10, 10)]
+    r = b.expect("x", dst)
+    s = a.send("x", src, bdesc, dst)
+    assert s.done() and r.done()
+    payload = bytes(abuf[0:5] + abuf[100:120] + abuf[4000:4015])
+    want = bytearray([FILL]) * SIZE
+    want[3000:3030], want[10:20] = payload[:30], payload[30:]
+    assert bbuf == want
+    assert a.outstanding() == set() == b.outstanding()
+
+
+def test_auto_complete_refuses_like_tcp():
+    net = FakeNetwork()
+    a, _, _ = fake(net, auto=True, fill=1)
+    b, bbuf, bdesc = fake(net, auto=True)
+    s = a.send("ghost", [Region(0, 10)], bdesc, [Region(0, 10)])
+    assert s.failed() and "unexpected transfer id" in s.error
+    r = b.expect("m", [Region(0, 10)])
+    s = a.send("m", [Region(0, 10)], bdesc, [Region(10, 10)])
+    assert s.failed() and r.failed() and "differ" in s.error
+    b.close()
+    s = a.send("gone", [Region(0, 10)], bdesc, [Region(0, 10)])
+    assert s.failed() and "cannot reach" in s.error
+    assert bbuf == bytearray([FILL]) * SIZE
+
+
+def test_abort_and_close():
+    a, _, _ = fake()
+    b, _, bdesc = fake()
+    r = b.expect("e", [Region(0, 10)])
+    s = a.send("s", [Region(0, 10)], bdesc, [Region(0, 10)])
+    b.abort("e")
+    a.abort("unknown")
+    assert r.failed() and r.error == "aborted" and b.aborted == ["e"] and a.aborted == []
+    r2 = b.expect("e2", [Region(0, 10)])
+    a.close()
+    b.close()
+    assert s.failed() and s.error == "backend closed" and r2.failed()
+    with pytest.raises(TransferError, match="closed"):
+        a.send("late", [Region(0, 10)], bdesc, [Region(0, 10)])
+
+
+def test_fake_validates_like_the_real_backends():
+    a, _, _ = fake()
+    b, _, bdesc = fake()
+    with pytest.raises(ValueError, match="outside"):
+        a.send("x", [Region(SIZE, 1)], bdesc, [Region(0, 1)])
+    with pytest.raises(ValueError, match="outside"):
+        b.expect("x", [Region(SIZE - 1, 2)])
+    with pytest.raises(ValueError, match="bytes"):
+        a.send("x", [Region(0, 2)], bdesc, [Region(0, 1)])
+    with pytest.raises(ValueError, match="transfer_id"):
+        b.expect("z" * 257, [Region(0, 1)])
+    with pytest.raises(ValueError, match="fake"):
+        a.send("x", [Region(0, 1)], BackendDescriptor("tcp", "h:1", SIZE), [Region(0, 1)])
+    b.expect("dup", [Region(0, 1)])
+    with pytest.raises(TransferError, match="already expected"):
+        b.expect("dup", [Region(0, 1)])
+    with pytest.raises(TransferError, match="register"):
+        FakeTransferBackend().expect("x", [Region(0, 1)])
+    with pytest.raises(ValueError, match="auto_complete"):
+        FakeTransferBackend(auto_complete=True)
