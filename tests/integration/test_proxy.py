@@ -47,6 +47,7 @@ class Received:
     headers: Mapping[str, str]
     body: dict
     at: float
+    peer: tuple  # the proxy's (host, port): the same port again means a pooled connection
 
 
 @dataclass
@@ -93,7 +94,8 @@ class FakeWorker:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append(Received(request.path, request.headers.copy(), body, time.monotonic()))
+        self.received.append(Received(request.path, request.headers.copy(), body, time.monotonic(),
+                                      request.transport.get_extra_info("peername")))
         chat = request.path.endswith("chat/completions")
         try:
             if self.fail is not None:
@@ -379,6 +381,15 @@ async def test_concurrent_dispatch_and_ttft(cluster: Cluster):
     assert end < 1.05, "prefill and decode delays must overlap, not add up (1.1 s)"
 
 
+async def test_worker_connections_are_pooled(cluster: Cluster):
+    for stream in (False, True, False):
+        async with cluster.post("/v1/chat/completions", chat(stream=stream)) as r:
+            assert r.status == 200
+            await r.read()
+    assert len({x.peer for x in cluster.prefill.received}) == 1
+    assert len({x.peer for x in cluster.decode.received}) == 1
+
+
 async def test_empty_first_token_is_not_sent(cluster: Cluster):
     cluster.prefill.tokens = ["", "a", "b"]
     cluster.decode.tokens = ["", "a", "b"]
@@ -507,10 +518,11 @@ async def test_worker_4xx_is_passed_through(cluster: Cluster, failing: str, stre
 
 
 @pytest.mark.parametrize("failing", ["prefill", "decode"])
-async def test_worker_5xx_is_502(cluster: Cluster, failing: str):
-    getattr(cluster, failing).fail = (500, "Internal Server Error")
+@pytest.mark.parametrize("worker_status, status", [(500, 502), (503, 503)])
+async def test_worker_5xx(cluster: Cluster, failing: str, worker_status: int, status: int):
+    getattr(cluster, failing).fail = (worker_status, "Internal Server Error")
     async with cluster.post("/v1/completions", completion()) as r:
-        assert r.status == 502
+        assert r.status == status
         data = await r.json()
     assert_openai_error(data)
     assert data["error"]["type"] == "server_error" and failing in data["error"]["message"]

@@ -6,8 +6,8 @@ A client request becomes a ``PDCall``; both upstream calls start at once::
     decode worker   <- body + stream=true, include_usage    -> tokens 2..n (SSE), usage
 
 Worker failures become ``UpstreamError``: a 4xx carries the worker's status and
-body so the client sees them verbatim; a 5xx or a broken connection is a 502,
-a timeout a 504.
+body so the client sees them verbatim; a worker's 503 stays 503, any other 5xx
+or a broken connection is a 502, a timeout a 504.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_ERROR_BODY = 64 * 1024  # bytes of a worker's error body we read and pass on
+DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
 _PATHS = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
 
 
@@ -115,7 +116,9 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) ->
     who = f"{worker.role.value} worker {worker.http_url}"
     if 400 <= resp.status < 500:
         raise UpstreamError(resp.status, message or f"{who}: HTTP {resp.status}", body)
-    raise UpstreamError(502, f"{who} failed with HTTP {resp.status}: {message}")
+    # A worker that is starting or overloaded (503) makes the proxy unavailable too.
+    status = 503 if resp.status == 503 else 502
+    raise UpstreamError(status, f"{who} failed with HTTP {resp.status}: {message}")
 
 
 def _str_or_none(v: object) -> str | None:
@@ -170,6 +173,7 @@ class DecodeStream:
                     continue  # blank separators, comments, event names
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    await self._release()
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -185,6 +189,14 @@ class DecodeStream:
         if not finished:
             raise UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "
                                 "without a finish_reason")
+
+    async def _release(self) -> None:
+        """Read the (empty) rest of the body so the connection goes back to the pool."""
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                while await self._resp.content.readany():
+                    pass
+        self._resp.release()  # closes instead if the body did not end
 
     def close(self) -> None:
         self._resp.close()
