@@ -88,7 +88,10 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
-            _convert_into(gguf, tmp, progress)
+            try:
+                _convert_into(gguf, tmp, progress)
+            except Exception as e:
+                raise ValueError(f"could not convert {gguf} to a Hugging Face model: {e}") from e
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
             if dest.exists():  # a leftover incomplete folder from a crash before the rename
                 shutil.rmtree(dest)
