@@ -80,7 +80,7 @@ def transfer(a: Side, b: Side, tid: str, src, dst, timeout: float = 5.0):
 
 def test_many_noncontiguous_regions_land_exactly(pair):
     a, b = pair
-    src = [Region(3, 1000), Region(5000, 7), Region(CHUNK - 10, CHUNK + 300), Region(2 * CHUNK + 500, 123_457)]
+    src = [Region(3, 1000), Region(5000, 7), Region(CHUNK - 10, CHUNK + 300), Region(2 * CHUNK + 5, 123_457)]
     total = sum(r.length for r in src)
     dst = [Region(SIZE - 5000, 4000), Region(17, total - 4000 - 999), Region(SIZE // 2 + 1, 999)]
     stok, rtok = transfer(a, b, "req-1", src, dst)
@@ -149,6 +149,8 @@ def test_invalid_arguments_rejected(pair):
         b.backend.expect("x", [])
     with pytest.raises(ValueError):
         Region(-1, 10)
+    with pytest.raises(ValueError, match="int"):
+        b.backend.expect("x", [Region(0.5, 10)])
     with pytest.raises(ValueError, match="tcp"):
         a.backend.send("x", ok, BackendDescriptor("fake", "fake-0", SIZE), ok)
     with pytest.raises(ValueError, match="address"):
@@ -236,6 +238,34 @@ def test_abort_mid_transfer_stops_writes(pair):
     assert b.buf[:1000] == b"\x01" * 1000 and untouched(b.buf[1000:])
 
 
+def test_sender_abort_mid_stream_stops_reading_the_pool():
+    """Once abort() returns, no more bytes are read from the sender's pool; the connection is dropped."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = Side(b"\x05" * SIZE)
+    try:
+        peer = BackendDescriptor("tcp", f"127.0.0.1:{listener.getsockname()[1]}", SIZE)
+        stok = a.backend.send("big", [Region(0, SIZE)], peer, [Region(0, SIZE)])
+        sock, _ = listener.accept()
+        with sock:
+            while stok.state() is not TransferState.TRANSFERRING:
+                time.sleep(0.001)
+            time.sleep(0.05)  # the socket buffers fill up; the peer has not read a byte
+            a.backend.abort("big")
+            assert stok.failed() and stok.error == "aborted"
+            a.buf[:] = b"\x06" * SIZE  # anything sent from now on would carry 0x06
+            sock.settimeout(5)
+            received = bytearray()
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+        (n,) = struct.unpack(">I", received[:4])
+        payload = received[4 + n :]
+        assert msgpack.unpackb(received[4 : 4 + n])["id"] == "big"
+        assert 0 < len(payload) < SIZE and payload == b"\x05" * len(payload)
+    finally:
+        a.backend.close()
+        listener.close()
+
+
 # -- dead peers, timeouts, polling --------------------------------------------------
 
 
@@ -261,7 +291,7 @@ def test_hung_peer_times_out_and_polls_never_block():
         elapsed = time.monotonic() - t0
         assert TransferState.TRANSFERRING in states and queued.error == "aborted"
         assert first.failed() and "no progress within 0.5s" in first.error
-        assert 0.4 < elapsed < 3 and slowest < 0.05
+        assert 0.4 < elapsed < 3 and slowest < 0.2  # a blocking poll would take the whole 0.5 s
     finally:
         a.backend.close()
         listener.close()
@@ -306,7 +336,8 @@ _GARBAGE = [
     pytest.param(struct.pack(">I", 100) + b"\x81" * 10, id="truncated-header"),
     pytest.param(struct.pack(">I", 3) + b"\xc1\xc1\xc1", id="bad-msgpack"),
     pytest.param(struct.pack(">I", 4) + msgpack.packb([1, 2, 3]), id="not-a-map"),
-    pytest.param(msgpack.packb({"v": PROTOCOL_VERSION, "id": "victim", "dst": [[0, 64]], "total": 64}), id="no-length"),
+    pytest.param(msgpack.packb(dict(v=PROTOCOL_VERSION, id="victim", dst=[[0, 64]], total=64)),
+                 id="no-length-prefix"),
 ]
 
 
@@ -316,11 +347,11 @@ def _frame(obj) -> bytes:
 
 
 _BAD_HEADERS = [
-    pytest.param({"v": PROTOCOL_VERSION, "id": "victim", "dst": [[0, 64]], "total": 2 * SIZE}, id="total-too-big"),
+    pytest.param(dict(v=PROTOCOL_VERSION, id="victim", dst=[[0, 64]], total=2 * SIZE), id="total-too-big"),
     pytest.param({"v": PROTOCOL_VERSION, "id": "victim", "dst": [[0, 32]], "total": 64}, id="total-mismatch"),
     pytest.param({"v": PROTOCOL_VERSION, "id": "victim", "dst": [[0, True]], "total": 64}, id="bool-length"),
     pytest.param({"v": PROTOCOL_VERSION, "id": 7, "dst": [[0, 64]], "total": 64}, id="int-id"),
-    pytest.param({"v": PROTOCOL_VERSION, "id": "victim", "dst": [[-1, 65]], "total": 64}, id="negative-offset"),
+    pytest.param(dict(v=PROTOCOL_VERSION, id="victim", dst=[[-1, 65]], total=64), id="negative-offset"),
     pytest.param({"id": "victim", "dst": [[0, 64]], "total": 64}, id="no-version"),
 ]
 
@@ -333,7 +364,10 @@ def _expect_closed(sock: socket.socket) -> None:
         pass
 
 
-@pytest.mark.parametrize("payload", _GARBAGE + [pytest.param(_frame(h.values[0]), id=h.id) for h in _BAD_HEADERS])
+_HOSTILE = _GARBAGE + [pytest.param(_frame(p.values[0]), id=p.id) for p in _BAD_HEADERS]
+
+
+@pytest.mark.parametrize("payload", _HOSTILE)
 def test_hostile_bytes_close_connection_and_listener_keeps_serving(pair, payload):
     a, b = pair
     victim = b.backend.expect("victim", [Region(0, 64)])
@@ -352,7 +386,8 @@ def test_version_mismatch_refused(pair):
     _, b = pair
     victim = b.backend.expect("victim", [Region(0, 64)])
     with socket.create_connection(parse_address(b.desc.address), timeout=5) as sock:
-        sock.sendall(_frame({"v": PROTOCOL_VERSION + 1, "id": "victim", "dst": [[0, 64]], "total": 64}) + b"z" * 64)
+        header = _frame({"v": PROTOCOL_VERSION + 1, "id": "victim", "dst": [[0, 64]], "total": 64})
+        sock.sendall(header + b"z" * 64)
         (n,) = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))
         ack = msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
         _expect_closed(sock)
@@ -364,7 +399,8 @@ def test_truncated_payload_fails_receiver(pair):
     _, b = pair
     rtok = b.backend.expect("cut", [Region(0, 1000)])
     with socket.create_connection(parse_address(b.desc.address), timeout=5) as sock:
-        sock.sendall(_frame({"v": PROTOCOL_VERSION, "id": "cut", "dst": [[0, 1000]], "total": 1000}) + b"q" * 10)
+        header = _frame({"v": PROTOCOL_VERSION, "id": "cut", "dst": [[0, 1000]], "total": 1000})
+        sock.sendall(header + b"q" * 10)
     assert rtok.wait(5) and rtok.failed() and "closed" in rtok.error
     assert untouched(b.buf[10:])
 

@@ -28,7 +28,8 @@ FILL = 0xAA
 
 def test_token_moves_forward_and_failure_is_sticky():
     t = CompletionToken("a")
-    assert (t.state(), t.done(), t.failed(), t.finished(), t.error) == (TransferState.PENDING, False, False, False, None)
+    assert t.state() is TransferState.PENDING
+    assert (t.done(), t.failed(), t.finished(), t.error) == (False, False, False, None)
     assert t._advance(TransferState.TRANSFERRING)
     assert t._fail("boom") and t.failed() and t.finished() and t.error == "boom"
     assert not t._advance(TransferState.DONE) and not t._fail("again")

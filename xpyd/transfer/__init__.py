@@ -29,7 +29,8 @@ def make_backend(name: str, **kw) -> TransferBackend:
     try:
         module, cls = _BACKENDS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(sorted(_BACKENDS))}") from None
+        known = ", ".join(sorted(_BACKENDS))
+        raise ValueError(f"unknown transfer backend {name!r}; known: {known}") from None
     return getattr(importlib.import_module(module), cls)(**kw)
 
 

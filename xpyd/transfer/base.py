@@ -186,7 +186,9 @@ class TransferBackend(Protocol):
 
 def check_transfer_id(transfer_id: object) -> str:
     if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_TRANSFER_ID_LEN:
-        raise ValueError(f"transfer_id must be a str of 1..{MAX_TRANSFER_ID_LEN} chars, got {transfer_id!r:.80}")
+        raise ValueError(
+            f"transfer_id must be a str of 1..{MAX_TRANSFER_ID_LEN} chars, got {transfer_id!r:.80}"
+        )
     return transfer_id
 
 
@@ -199,8 +201,8 @@ def check_regions(regions: Sequence[Region], buffer_size: int, what: str) -> tup
         raise ValueError(f"{what} regions are empty")
     total = 0
     for r in regions:
-        if not isinstance(r, Region):
-            raise ValueError(f"{what} regions must be Region, got {type(r).__name__}")
+        if not isinstance(r, Region) or type(r.offset) is not int or type(r.length) is not int:
+            raise ValueError(f"{what} regions must be Region(int, int), got {r!r:.80}")
         if r.end > buffer_size:
             raise ValueError(f"{what} region [{r.offset}, {r.end}) outside the {buffer_size}-byte buffer")
         total += r.length

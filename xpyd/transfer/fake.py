@@ -58,7 +58,8 @@ class FakeTransferBackend:
         self.sent: list[str] = []
         self.expected: list[str] = []
         self.aborted: list[str] = []
-        self._sending: dict[str, tuple[CompletionToken, tuple[Region, ...], BackendDescriptor, tuple[Region, ...]]] = {}
+        # id -> (token, src, peer, dst) / (token, dst)
+        self._sending: dict[str, tuple[CompletionToken, tuple[Region, ...], BackendDescriptor, tuple]] = {}
         self._expecting: dict[str, tuple[CompletionToken, tuple[Region, ...]]] = {}
 
     # -- TransferBackend ---------------------------------------------------

@@ -68,6 +68,7 @@ MAX_ACK = 64 << 10
 MAX_ERROR_LEN = 1000
 IDLE_TIMEOUT = 600.0  # an inbound connection with no frame for this long is closed
 SOCK_BUF = 4 << 20
+MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
 _LEN = struct.Struct(">I")
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
@@ -306,7 +307,8 @@ class TcpTransferBackend:
             self._listener, self._buffer = listener, buffer
             self._wake = os.pipe()
             port = listener.getsockname()[1]
-            self._descriptor = BackendDescriptor("tcp", format_address(self.advertise_host, port), buffer.nbytes)
+            address = format_address(self.advertise_host, port)
+            self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
             self._start_thread(self._accept_loop, "xpyd-tcp-accept")
         return self._descriptor
 
@@ -336,7 +338,8 @@ class TcpTransferBackend:
             entry = self._senders.get(peer.address)
             if entry is None:
                 queue: SimpleQueue = SimpleQueue()
-                thread = self._start_thread(self._send_loop, f"xpyd-tcp-send-{peer.address}", peer.address, queue)
+                name = f"xpyd-tcp-send-{peer.address}"
+                thread = self._start_thread(self._send_loop, name, peer.address, queue)
                 entry = self._senders[peer.address] = (queue, thread)
             entry[0].put(job)
         return job.token
@@ -381,8 +384,8 @@ class TcpTransferBackend:
             rec.token._fail("backend closed")
         if self._listener is not None:
             self._listener.close()
-        if self._wake is not None:
-            for fd in self._wake:
+        if self._wake is not None and not any(t.is_alive() for t in threads):
+            for fd in self._wake:  # (kept open if a thread is stuck, so it never polls a reused fd)
                 os.close(fd)
             self._wake = None
 
@@ -432,6 +435,11 @@ class TcpTransferBackend:
                 if self._closed:
                     sock.close()
                     return
+                inbound = sum(t.name.startswith("xpyd-tcp-recv") and t.is_alive() for t in self._threads)
+                if inbound >= MAX_INBOUND:
+                    log.error("refusing transfer connection from %s: %d already open", addr, MAX_INBOUND)
+                    sock.close()
+                    continue
                 self._start_thread(self._serve, f"xpyd-tcp-recv-{addr[0]}:{addr[1]}", sock, addr)
 
     def _serve(self, sock: socket.socket, addr) -> None:
@@ -449,7 +457,7 @@ class TcpTransferBackend:
                     error = self._receive(conn, rec)
                 if error is not None:
                     log.warning("refused transfer %r from %s: %s", tid, addr, error)
-                if rec is not None and error is None:  # DONE before the ack: sender DONE implies receiver DONE
+                if rec is not None and error is None:  # DONE before the ack, so sender DONE => receiver DONE
                     if not rec.token._advance(TransferState.DONE):
                         error = f"transfer {tid!r} aborted by the receiver"
                     self._finish(self._expected, rec)
@@ -458,8 +466,10 @@ class TcpTransferBackend:
                     return
         except _Closing:
             return
-        except (_ProtocolError, OSError, TimeoutError) as e:
+        except (_ProtocolError, OSError) as e:
             log.warning("dropping transfer connection from %s: %s", addr, e)
+        except Exception:
+            log.exception("dropping transfer connection from %s", addr)
         finally:
             sock.close()
 
@@ -536,7 +546,9 @@ class TcpTransferBackend:
                 except _Aborted:  # the receiver sees a truncated transfer and fails it
                     conn.sock.close()
                     conn = None
-                except (_ProtocolError, OSError, TimeoutError) as e:
+                except Exception as e:  # any failure fails this job only; the next one reconnects
+                    if not isinstance(e, (_ProtocolError, OSError)):
+                        log.exception("sending transfer %r to %s", job.token.transfer_id, address)
                     job.token._fail(f"send to {address} failed: {e or type(e).__name__}")
                     if conn is not None:
                         conn.sock.close()
