@@ -7,6 +7,7 @@ proxy hung up), and can be told to wait, fail, or end the request on prefill.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -30,6 +31,7 @@ from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.main import add_arguments, config_from_args
 from xpyd.signal.request_id import parse_request_id
 
 MODEL = "fake-model"
@@ -663,3 +665,39 @@ async def test_main_serves_and_stops_on_sigterm():
             await proc.wait()
         await p.stop()
         await d.stop()
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_cli_builds_a_valid_config():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--port", "9000", "--prefill", "http://a:1", "--prefill", "http://b:2",
+                              "--decode", "http://c:3", "--model-name", "m", "--read-timeout", "30"])
+    config = config_from_args(args)
+    assert config.prefill_urls == ("http://a:1", "http://b:2") and config.decode_urls == ("http://c:3",)
+    assert (config.port, config.model_name, config.read_timeout, config.host) == (9000, "m", 30.0, "127.0.0.1")
+    with pytest.raises(SystemExit):  # --prefill and --decode are required
+        parser.parse_args(["--prefill", "http://a:1"])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"port": 0},
+        {"port": 70000},
+        {"host": ""},
+        {"model_name": " "},
+        {"read_timeout": 0},
+        {"connect_timeout": float("inf")},
+        {"discovery_timeout": -1},
+        {"max_body_bytes": 10},
+        {"max_connections": 0},
+        {"prefill_urls": ("localhost:8100",)},
+        {"decode_urls": ("ftp://x:1",)},
+    ],
+)
+def test_config_rejects_bad_values(kw):
+    with pytest.raises(ValueError):
+        ProxyConfig(**kw)

@@ -158,8 +158,9 @@ class Proxy:
             first = await call.first_token()
         except BaseException as e:
             await call.aclose()
-            if isinstance(e, APIError):
-                log.warning("%s: %s (HTTP %d)", request_id, e.message, e.status)
+            if isinstance(e, APIError):  # a worker refused (4xx) or failed (5xx)
+                level = logging.INFO if e.status < 500 else logging.WARNING
+                log.log(level, "%s: %s (HTTP %d)", request_id, e.message, e.status)
             raise
         if req.stream:
             body = _stream(call, req, first, model)
@@ -228,7 +229,6 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         RESPONSE_TIMEOUT=None,  # Quart's default (60 s) would cut long streams silently
-        BODY_TIMEOUT=config.read_timeout,
     )
     proxy = Proxy(config, registry)
     app.extensions["xpyd.proxy"] = proxy
