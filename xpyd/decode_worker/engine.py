@@ -23,7 +23,8 @@ from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import sample, skip_draw
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
-from xpyd.transfer.base import Region, TransferBackend
+from xpyd.signal.request_id import transfer_id_of
+from xpyd.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +137,13 @@ class DecodeEngine(EngineThread):
         state = seq.state
         self.sched.abort(request_id)
         if state is RequestState.TRANSFERRING:
-            self.transfer.abort(request_id)
+            self.transfer.abort(transfer_id_of(request_id))
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
             self.signal.send_release(seq.prefill_addr, [request_id])
 
     def _fail_seq(self, seq: DecodeSeq, status: int, error: str) -> None:
         if seq.state is RequestState.TRANSFERRING:
-            self.transfer.abort(seq.request_id)
+            self.transfer.abort(transfer_id_of(seq.request_id))
         self.sched.fail(seq, error)
         seq.payload.sink.put(ErrorEvent(status, error))
 
@@ -182,7 +183,7 @@ class DecodeEngine(EngineThread):
     def _start_pull(self, seq: DecodeSeq) -> None:
         n = len(seq.prompt_ids)
         dst = self.pool.region(seq.slot, n)
-        token = self.transfer.expect(seq.request_id, [dst])
+        token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         self.sched.set_recv_token(seq, token)
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
 

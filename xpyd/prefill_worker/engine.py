@@ -22,7 +22,7 @@ from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import sample
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
-from xpyd.signal.request_id import RequestIdError, parse_request_id
+from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
 from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class PrefillEngine(EngineThread):
         if seq is None:
             return 0
         if seq.send_token is not None and not seq.send_token.finished():
-            self.transfer.abort(request_id)
+            self.transfer.abort(transfer_id_of(request_id))
         return 1
 
     def shutdown(self) -> None:
@@ -187,7 +187,7 @@ class PrefillEngine(EngineThread):
         src = self.pool.region(seq.slot, n)
         if e.dest_offset % peer.slot_bytes or e.dest_offset + src.length > peer.transfer.buffer_size:
             return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
-        token = self.transfer.send(e.request_id, [src], peer.transfer, [Region(e.dest_offset, src.length)])
+        token = self.transfer.send(rid.short, [src], peer.transfer, [Region(e.dest_offset, src.length)])
         self.sched.start_send(e.request_id, token)
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)

@@ -57,7 +57,7 @@ def parse_request_id(text: str) -> RequestId:
         raise RequestIdError("missing request id")
     if len(text) > MAX_LEN:
         raise RequestIdError(f"request id longer than {MAX_LEN} characters")
-    m = _PATTERN.match(text)
+    m = _PATTERN.fullmatch(text)
     if m is None:
         raise RequestIdError(
             "malformed request id: expected 'xpyd-<32 hex>~p~<host:port>~d~<host:port>', "
@@ -66,3 +66,8 @@ def parse_request_id(text: str) -> RequestId:
     _check_port(m["p"])
     _check_port(m["d"])
     return RequestId(m["uid"], m["p"], m["d"])
+
+
+def transfer_id_of(request_id: str) -> str:
+    """The short id a KV transfer is known by (``xpyd-<hex>``; fits the transfer header limit)."""
+    return request_id.split("~", 1)[0]

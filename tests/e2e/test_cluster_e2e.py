@@ -1,0 +1,256 @@
+"""The whole 1P1D cluster as real processes with the real model (SmolLM2-135M, float32).
+
+Text through the proxy must be token-for-token what single-process
+transformers ``generate`` produces on the same converted model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import start_1p1d
+
+MAX_MODEL_LEN = 512
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm_dir: Path):
+    c, urls = start_1p1d(tmp_path_factory.mktemp("cluster"), str(smollm_dir), dtype="float32",
+                         batch_size=8, max_model_len=MAX_MODEL_LEN)
+    yield urls
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_dir: Path):
+    """Greedy single-process generate() on the same folder, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xpyd.engine.tokenizer import encode_chat, encode_prompt
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    cache: dict = {}
+
+    def generate(*, prompt=None, messages=None, max_tokens=NEW_TOKENS) -> tuple[str, int, str]:
+        key = (json.dumps(prompt), json.dumps(messages), max_tokens)
+        if key not in cache:
+            ids = encode_chat(tok, messages) if messages is not None else encode_prompt(tok, prompt)
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_tokens, do_sample=False)
+            new = out[0, len(ids):].tolist()
+            finish = "stop" if new and new[-1] in (tok.eos_token_id,) else "length"
+            cache[key] = (tok.decode(new, skip_special_tokens=True), len(new), finish)
+        return cache[key]
+
+    return generate
+
+
+def post(url: str, body: dict | bytes, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream(url: str, body: dict, timeout: float = 120) -> list[dict]:
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                chunks.append({"done": True})
+                break
+            chunks.append(json.loads(line[6:]))
+    assert chunks and chunks[-1] == {"done": True}
+    return chunks[:-1]
+
+
+def _text(kind: str, resp: dict) -> str:
+    c = resp["choices"][0]
+    return c["text"] if kind == "completion" else c["message"]["content"]
+
+
+def _stream_text(kind: str, chunks: list[dict]) -> str:
+    parts = []
+    for ch in chunks:
+        for c in ch.get("choices", []):
+            parts.append(c["text"] if kind == "completion" else (c["delta"].get("content") or ""))
+    return "".join(parts)
+
+
+CASES = [
+    ("completion", {"prompt": "Once upon a time, in a small village by the sea,"}),
+    ("chat", {"messages": [{"role": "user", "content": "Write a short poem about the ocean."}]}),
+    ("chat", {"messages": [{"role": "user", "content": "Explique-moi la photosynthèse. 光合作用是什么？ 🌱🌞"}]}),
+    ("completion", {"prompt": "Café, naïve, façade — 東京と大阪 😀👍🏽 are words in"}),
+]
+
+
+@pytest.mark.parametrize("kind,body", CASES, ids=["completion", "chat", "chat-non-ascii", "completion-non-ascii"])
+def test_matches_transformers_generate(cluster, reference, kind, body):
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    want_text, want_n, want_finish = reference(**body)
+    assert want_n >= 32 or want_finish == "stop"
+    req = {**body, "max_tokens": NEW_TOKENS, "temperature": 0}
+    status, resp = post(cluster["proxy"] + path, req)
+    assert status == 200, resp
+    assert _text(kind, resp) == want_text
+    assert resp["usage"]["completion_tokens"] == want_n
+    assert resp["choices"][0]["finish_reason"] == want_finish
+
+    chunks = stream(cluster["proxy"] + path, {**req, "stream_options": {"include_usage": True}})
+    assert _stream_text(kind, chunks) == want_text
+    if kind == "chat":
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finishes = [c["finish_reason"] for ch in chunks for c in ch.get("choices", []) if c.get("finish_reason")]
+    assert finishes == [want_finish]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == want_n
+    ids = {ch["id"] for ch in chunks}
+    assert len(ids) == 1
+
+
+def test_capital_of_france(cluster):
+    status, resp = post(cluster["proxy"] + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+        "temperature": 0})
+    assert status == 200
+    assert resp["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert resp["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_client(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster["proxy"] + "/v1", api_key="unused", timeout=120)
+    models = client.models.list()
+    model = models.data[0].id
+    c = client.completions.create(model=model, prompt="The three primary colors are", max_tokens=12,
+                                  temperature=0)
+    assert c.choices[0].text and c.usage.completion_tokens == 12
+    s = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True)
+        if ch.choices)
+    assert s == c.choices[0].text
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].message.role == "assistant"
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=20, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == "The capital of France is Paris."
+
+
+def test_eight_concurrent_requests_continuous_batching(cluster, reference):
+    prompts = [
+        "The history of Rome",
+        "In computer science, a hash table is",
+        "My favourite recipe for pancakes starts with",
+        "Photosynthesis is the process by which plants convert sunlight into chemical energy. It",
+        "List of planets:",
+        "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
+        "Once",
+        "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    ]
+    max_tokens = [5, 33, 12, 40, 20, 8, 27, 16]
+    jobs = [({"prompt": p, "max_tokens": m, "temperature": 0}, m) for p, m in zip(prompts, max_tokens)]
+    with cf.ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(lambda j: post(cluster["proxy"] + "/v1/completions", j[0]), jobs))
+    for (body, m), (status, resp) in zip(jobs, results):
+        assert status == 200, resp
+        want_text, want_n, want_finish = reference(prompt=body["prompt"], max_tokens=m)
+        assert resp["choices"][0]["text"] == want_text, body["prompt"]
+        assert resp["usage"]["completion_tokens"] == want_n
+        assert resp["choices"][0]["finish_reason"] == want_finish
+
+
+def _assert_openai_error(status: int, resp: dict, code_range=(400, 499)) -> None:
+    assert code_range[0] <= status <= code_range[1], (status, resp)
+    assert isinstance(resp.get("error"), dict) and resp["error"]["message"], resp
+
+
+def test_bad_requests_get_openai_errors_and_cluster_keeps_serving(cluster):
+    url = cluster["proxy"]
+    _assert_openai_error(*post(url + "/v1/completions", b"{not json"))
+    _assert_openai_error(*post(url + "/v1/chat/completions", {"max_tokens": 5}))
+    _assert_openai_error(*post(url + "/v1/completions", {"max_tokens": 5}))
+    _assert_openai_error(*post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 0}))
+    _assert_openai_error(*post(url + "/v1/completions", {"prompt": "hi", "max_tokens": -3}))
+    status, resp = post(url + "/v1/completions", {"prompt": "hi", "model": "no-such-model"})
+    _assert_openai_error(status, resp)
+    assert status == 404
+    long_prompt = "hello " * (MAX_MODEL_LEN + 50)
+    status, resp = post(url + "/v1/completions", {"prompt": long_prompt, "max_tokens": 5})
+    _assert_openai_error(status, resp)
+    assert "context length" in resp["error"]["message"]
+    status, resp = post(url + "/v1/completions", {"prompt": "hi " * 100, "max_tokens": MAX_MODEL_LEN})
+    _assert_openai_error(status, resp)
+    # still serving, and nothing was left behind on either worker
+    status, resp = post(url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20,
+        "temperature": 0})
+    assert status == 200 and resp["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    _assert_workers_idle(cluster)
+
+
+def _assert_workers_idle(cluster, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [json.loads(urllib.request.urlopen(cluster[r] + "/xpyd/stats", timeout=5).read())
+                 for r in ("prefill", "decode")]
+        idle = all(s["kv_used_bytes"] == 0 and s["kv_slots_used"] == 0 and s["waiting"] == 0
+                   and s["running"] == 0 and s["transferring"] == 0 for s in stats)
+        if idle or time.monotonic() > deadline:
+            assert idle, stats
+            return
+        time.sleep(0.1)
+
+
+def test_sampling_seeded_and_stop_strings(cluster):
+    url = cluster["proxy"] + "/v1/completions"
+    body = {"prompt": "Here is a list of fruits:", "max_tokens": 24, "temperature": 0.9, "top_p": 0.95,
+            "top_k": 50, "seed": 1234}
+    a = post(url, body)[1]["choices"][0]["text"]
+    b = post(url, body)[1]["choices"][0]["text"]
+    assert a == b  # same seed, same text, across prefill and decode workers
+    chunks = stream(url, body)
+    assert _stream_text("completion", chunks) == a
+    # stop strings: output truncated before the stop string, finish_reason stop
+    greedy = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 30, "temperature": 0}
+    full = post(url, greedy)[1]["choices"][0]["text"]
+    assert " 11" in full
+    status, resp = post(url, {**greedy, "stop": [" 11"]})
+    assert status == 200
+    assert resp["choices"][0]["text"] == full[: full.index(" 11")]
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    st = stream(url, {**greedy, "stop": [" 11"]})
+    assert _stream_text("completion", st) == full[: full.index(" 11")]
+    # max_tokens=1 and ignore_eos
+    status, resp = post(url, {**greedy, "max_tokens": 1})
+    assert resp["usage"]["completion_tokens"] == 1 and resp["choices"][0]["finish_reason"] == "length"
+    chat = cluster["proxy"] + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    status, resp = post(chat, {"messages": msgs, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    assert resp["usage"]["completion_tokens"] == 30 and resp["choices"][0]["finish_reason"] == "length"
+    _assert_workers_idle(cluster)
