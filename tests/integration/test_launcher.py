@@ -1,0 +1,122 @@
+"""`xpyd up` as a user runs it: ready message, serving, and a clean stop on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import free_port
+
+
+def _free_pair() -> int:
+    """A port p with p and p+1 both free (the launcher uses p+1 for signal / KV)."""
+    for _ in range(100):
+        p = free_port()
+        if p < 65535 and _bindable(p + 1):
+            return p
+    raise RuntimeError("no free port pair")
+
+
+def _bindable(port: int) -> bool:
+    """Can a new server listen here (as a restarted xpyd would, with SO_REUSEADDR)?"""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, stop_signal):
+    port, pp, dp = free_port(), _free_pair(), _free_pair()
+    log = tmp_path / "up.log"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--port", str(port),
+         "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
+         "--max-model-len", "256"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}/v1" in text and "curl " in text
+        children = _children(proc.pid)
+        assert len(children) == 3  # proxy, prefill, decode
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({"prompt": "hello there", "max_tokens": 5, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body = json.loads(r.read())
+        assert body["usage"]["completion_tokens"] == 5
+
+        proc.send_signal(stop_signal)
+        # SIGKILL cannot be handled: the children still go (parent-death signal)
+        assert proc.wait(30) == (-signal.SIGKILL if stop_signal == signal.SIGKILL else 0)
+        deadline = time.monotonic() + 10
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(c) for c in children), "orphaned child processes"
+        for p in (port, pp, pp + 1, dp, dp + 1):
+            assert _bindable(p), f"port {p} still in use"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in _children(proc.pid):
+            os.kill(c, signal.SIGKILL)
+
+
+def test_up_refuses_busy_port(tiny_model_dir: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--port", str(busy)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"proxy port {busy}" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["up", "proxy", "prefill", "decode"])
+def test_help(cmd):
+    r = subprocess.run([sys.executable, "-m", "xpyd", cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert "--port" in r.stdout
