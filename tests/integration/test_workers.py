@@ -1,0 +1,108 @@
+"""Real worker processes (tiny random Llama): handshake refusals and the worker HTTP edge."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import Cluster, free_port
+from xpyd.signal.request_id import RequestId
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, tiny_model_dir: Path):
+    """A prefill worker serving 'model-a' and a decode worker serving 'model-b' (mismatched on purpose),
+    plus a decode worker serving 'model-a'."""
+    c = Cluster(tmp_path_factory.mktemp("workers"))
+    common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+              "--batch-size", "2"]
+    pp, ps = free_port(), free_port()
+    urls = {"prefill": f"http://127.0.0.1:{pp}", "signal": f"127.0.0.1:{ps}"}
+    c.start("prefill", ["prefill", *common, "--served-model-name", "model-a", "--port", str(pp),
+                        "--signal-port", str(ps)], urls["prefill"])
+    for name, served in (("decode_bad", "model-b"), ("decode_ok", "model-a")):
+        port = free_port()
+        urls[name] = f"http://127.0.0.1:{port}"
+        c.start(name, ["decode", *common, "--served-model-name", served, "--port", str(port),
+                       "--kv-port", str(free_port())], urls[name])
+    try:
+        c.wait_healthy()
+    except BaseException:
+        c.stop()
+        raise
+    yield urls
+    c.stop()
+
+
+def _post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _info(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/xpyd/info", timeout=5).read())
+
+
+def test_decode_with_mismatched_model_is_refused_at_handshake(workers):
+    dinfo = _info(workers["decode_bad"])
+    rid = RequestId.new(workers["signal"], dinfo["signal_addr"])
+    status, body = _post(workers["decode_bad"] + "/v1/completions",
+                         {"prompt": "hello", "max_tokens": 4, "model": "model-b"}, {"X-Request-Id": str(rid)})
+    assert status == 502
+    msg = body["error"]["message"]
+    assert "handshake" in msg and "model mismatch" in msg and "model-a" in msg and "model-b" in msg
+    stats = json.loads(urllib.request.urlopen(workers["decode_bad"] + "/xpyd/stats", timeout=5).read())
+    assert stats["kv_slots_used"] == 0 and stats["waiting"] == 0
+
+
+def test_matching_pair_serves_through_worker_apis(workers):
+    dinfo = _info(workers["decode_ok"])
+    pinfo = _info(workers["prefill"])
+    assert pinfo["role"] == "prefill" and dinfo["role"] == "decode" and pinfo["signal_addr"] == workers["signal"]
+    rid = str(RequestId.new(workers["signal"], dinfo["signal_addr"]))
+    import threading
+
+    out = {}
+    body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0}
+
+    def call(name, url, b):
+        out[name] = _post(url + "/v1/completions", b, {"X-Request-Id": rid})
+
+    t = threading.Thread(target=call, args=("d", workers["decode_ok"], {**body, "kv_transfer_params": {"role": "decode"}}))
+    t.start()
+    call("p", workers["prefill"], {**body, "max_tokens": 1, "kv_transfer_params": {"role": "prefill", "max_tokens": 6}})
+    t.join(60)
+    (ps, pbody), (ds, dbody) = out["p"], out["d"]
+    assert ps == 200 and ds == 200, (pbody, dbody)
+    assert pbody["id"] == rid and dbody["id"] == rid  # used verbatim
+    assert pbody["usage"]["completion_tokens"] == 1 and dbody["usage"]["completion_tokens"] == 6
+    assert dbody["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("headers,body,status,needle", [
+    ({}, {"prompt": "x"}, 400, "X-Request-Id"),
+    ({"X-Request-Id": "nope"}, {"prompt": "x"}, 400, "malformed request id"),
+    ({"X-Request-Id": "RID"}, {"prompt": "x", "model": "other"}, 404, "does not exist"),
+    ({"X-Request-Id": "RID"}, b"{bad json", 400, ""),
+    ({"X-Request-Id": "RID"}, {"prompt": "x " * 400}, 400, "context length"),
+    ({"X-Request-Id": "RID"}, {"prompt": [999999999]}, 400, "vocabulary"),
+    ({"X-Request-Id": "RID"}, {"prompt": "x", "kv_transfer_params": {"max_tokens": 0}}, 400, "max_tokens"),
+])
+@pytest.mark.parametrize("role", ["prefill", "decode_ok"])
+def test_worker_rejects_bad_requests(workers, role, headers, body, status, needle):
+    if headers.get("X-Request-Id") == "RID":
+        headers = {"X-Request-Id": str(RequestId.new(workers["signal"], _info(workers["decode_ok"])["signal_addr"]))}
+    got, resp = _post(workers[role] + "/v1/completions", body, headers)
+    assert got == status, resp
+    assert needle in resp["error"]["message"]
+    stats = json.loads(urllib.request.urlopen(workers[role] + "/xpyd/stats", timeout=5).read())
+    assert stats["waiting"] == 0 and stats["kv_slots_used"] == 0
