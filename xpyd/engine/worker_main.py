@@ -52,6 +52,7 @@ def run_worker(config: WorkerConfig) -> None:
     hc = HyperConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
     hc.graceful_timeout = 2
 
     async def main() -> None:

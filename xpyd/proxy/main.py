@@ -87,6 +87,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
         hc = HypercornConfig()
         hc.bind = [_bind(config.host, config.port)]
         hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
+        hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
         app = create_app(config, registry)
         log.info("proxy on http://%s serving %s", hc.bind[0], config.model_name or "the workers' model")
         await serve(app, hc, shutdown_trigger=stop.wait)
