@@ -16,7 +16,8 @@ import pytest
 from xpyd import PROTOCOL_VERSION
 from xpyd.transfer import make_backend
 from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState
-from xpyd.transfer.tcp import CHUNK, IOV_MAX, TcpTransferBackend, parse_address
+from xpyd.transfer.tcp import TcpTransferBackend
+from xpyd.transfer.tcp_wire import CHUNK, IOV_MAX, parse_address
 
 SIZE = 12 << 20  # > 2 * CHUNK so big regions are chunked
 FILL = 0xAA

@@ -1,17 +1,15 @@
-"""OpenAI request parsing and response builders (xpyd.api.openai)."""
+"""OpenAI request parsing (xpyd.api.openai) and response builders (xpyd.api.responses)."""
 
 import json
 
 import pytest
 
-from xpyd.api.openai import (
+from xpyd.api.openai import APIError, RequestKind, parse_request
+from xpyd.api.responses import (
     SSE_DONE,
-    APIError,
-    RequestKind,
     completion_response,
     models_response,
     new_response_id,
-    parse_request,
     sse,
     stream_chunk,
     usage_chunk,

@@ -1,10 +1,11 @@
-"""The OpenAI HTTP API as xpyd speaks it: request parsing and response builders.
+"""The OpenAI HTTP API as xpyd speaks it: request parsing and validation.
 
 Shared by the proxy (which validates every client body before any worker sees
 it) and the workers (which parse the bodies the proxy forwards). Parsing is
 strict: a field we would silently ignore in a way that changes the output
 (``logprobs``, ``echo``, ``tools``, penalties, ``n > 1`` ...) is a clear 400,
 never a quiet approximation. Unknown fields are ignored, as vLLM does.
+The response bodies and SSE framing are built in ``xpyd.api.responses``.
 
 ``kv_transfer_params`` is the xpyd extension the proxy adds for the workers::
 
@@ -16,13 +17,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 MAX_STOP_SEQUENCES = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
@@ -331,123 +328,3 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         kv_transfer_params=kv,
         raw=d,
     )
-
-
-# ---------------------------------------------------------------- responses
-
-
-def new_response_id(kind: RequestKind) -> str:
-    """``cmpl-<hex>`` or ``chatcmpl-<hex>``, like OpenAI and vLLM."""
-    prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_response(
-    request_id: str,
-    created: int,
-    model: str,
-    kind: RequestKind,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict:
-    """A complete non-streaming ``text_completion`` / ``chat.completion`` object."""
-    if kind is RequestKind.CHAT:
-        obj = "chat.completion"
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        obj = "text_completion"
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(prompt_tokens, completion_tokens),
-    }
-
-
-def _chunk_object(kind: RequestKind) -> str:
-    return "chat.completion.chunk" if kind is RequestKind.CHAT else "text_completion"
-
-
-def stream_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    kind: RequestKind,
-    text: str | None,
-    finish_reason: str | None,
-    role: bool = False,
-) -> dict:
-    """One streaming chunk. Chat: ``role=True`` gives the opening role-only delta;
-    ``text=None`` gives an empty delta (the usual shape of a final chunk)."""
-    if kind is RequestKind.CHAT:
-        if role:
-            delta: dict = {"role": "assistant", "content": ""}
-        else:
-            delta = {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": _chunk_object(kind),
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    kind: RequestKind,
-    prompt_tokens: int,
-    completion_tokens: int,
-) -> dict:
-    """The trailing usage chunk of a stream (``stream_options.include_usage``)."""
-    return {
-        "id": request_id,
-        "object": _chunk_object(kind),
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": _usage(prompt_tokens, completion_tokens),
-    }
-
-
-def dumps(obj: dict) -> bytes:
-    """Compact UTF-8 JSON."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
-
-
-def models_response(model_names: list[str], created: int | None = None) -> dict:
-    created = int(time.time()) if created is None else created
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "xpyd"}
-            for name in model_names
-        ],
-    }

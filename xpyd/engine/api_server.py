@@ -14,14 +14,11 @@ from typing import AsyncIterator, Protocol
 
 from quart import Quart, Response, request
 
-from xpyd.api.openai import (
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind, parse_request
+from xpyd.api.responses import (
     SSE_DONE,
-    APIError,
-    CompletionRequest,
-    RequestKind,
     completion_response,
     models_response,
-    parse_request,
     sse,
     stream_chunk,
     usage_chunk,

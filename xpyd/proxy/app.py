@@ -28,16 +28,13 @@ import aiohttp
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from xpyd.api.openai import (
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind, parse_request
+from xpyd.api.responses import (
     SSE_DONE,
-    APIError,
-    CompletionRequest,
-    RequestKind,
     completion_response,
     dumps,
     models_response,
     new_response_id,
-    parse_request,
     sse,
     stream_chunk,
     usage_chunk,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from xpyd.api.openai import APIError, CompletionRequest, RequestKind, dumps
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind
+from xpyd.api.responses import dumps
 from xpyd.discovery.types import Role, WorkerInfo
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,7 @@
 """TCP transfer backend: zero-copy pushes between registered buffers over plain sockets.
 
-Wire format, per transfer on a reused connection (sender -> receiver)::
-
-    u32 big-endian length | msgpack {"v", "id", "dst": [[off, len], ...], "total"} | raw bytes
-    <- u32 length | msgpack {"id", "ok", "error"}
+The wire format, framing and socket I/O live in ``tcp_wire``; this module owns the
+threads, the per-peer connection cache and the transfer tokens.
 
 Threads (all daemon, started by ``register``/first ``send``, joined by ``close``):
 
@@ -27,15 +25,11 @@ import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Sequence
-
-import msgpack
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.transfer.base import (
@@ -48,203 +42,29 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
+from xpyd.transfer.tcp_wire import (
+    MAX_ACK,
+    MAX_HEADER,
+    Aborted,
+    Closing,
+    Conn,
+    ProtocolError,
+    drain,
+    format_address,
+    pack_ack,
+    pack_header,
+    parse_ack,
+    parse_address,
+    parse_header,
+    slices,
+)
 
 log = logging.getLogger(__name__)
 
-CHUNK = 4 << 20  # largest single iovec / recv_into slice
-
-
-def _iov_max() -> int:
-    try:
-        n = os.sysconf("SC_IOV_MAX")
-    except (AttributeError, ValueError, OSError):
-        n = -1
-    return min(n, 1024) if n >= 16 else 1024
-
-
-IOV_MAX = _iov_max()
-MAX_HEADER = 1 << 20
-MAX_ACK = 64 << 10
-MAX_ERROR_LEN = 1000
 IDLE_TIMEOUT = 600.0  # an inbound connection with no frame for this long is closed
 SOCK_BUF = 4 << 20
 MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
-_LEN = struct.Struct(">I")
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
-
-
-class _ProtocolError(Exception):
-    """The peer sent something that is not a valid frame; the connection is dropped."""
-
-
-class _Closing(Exception):
-    """The backend is closing."""
-
-
-class _Aborted(Exception):
-    """The transfer was aborted (or failed) while its bytes were moving."""
-
-    def __init__(self, done: int = 0) -> None:
-        super().__init__("aborted")
-        self.done = done  # bytes of the current view already moved
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"invalid tcp address {address!r}, expected host:port")
-    return host, int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _pack_frame(obj: dict) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
-def _drain(conn: "_Conn", n: int) -> None:
-    """Read and discard ``n`` payload bytes (into scratch, never the pool)."""
-    if n <= 0:
-        return
-    scratch = memoryview(bytearray(min(CHUNK, n)))
-    for off in range(0, n, len(scratch)):
-        conn.recv_into(scratch[: min(len(scratch), n - off)])
-
-
-def _slices(buffer: memoryview, regions: Sequence[Region]) -> list[memoryview]:
-    """Views of ``buffer`` covering ``regions`` in order, none longer than CHUNK."""
-    out = []
-    for r in regions:
-        for off in range(r.offset, r.end, CHUNK):
-            out.append(buffer[off : min(off + CHUNK, r.end)])
-    return out
-
-
-class _Conn:
-    """A non-blocking socket whose waits are bounded by a timeout and wake on backend close."""
-
-    def __init__(self, sock: socket.socket, wake_fd: int, io_timeout: float) -> None:
-        self.sock = sock
-        self.io_timeout = io_timeout
-        self._wake_fd = wake_fd
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
-        self._poll.register(wake_fd, select.POLLIN)
-
-    def wait(self, events: int, timeout: float | None = None) -> None:
-        """Wait until the socket is ready for ``events`` (or errored); raise on timeout/close."""
-        self._poll.modify(self.sock, events)
-        ready = self._poll.poll(1000 * (self.io_timeout if timeout is None else timeout))
-        if any(fd == self._wake_fd for fd, _ in ready):
-            raise _Closing()
-        if not ready:
-            raise TimeoutError(f"no progress within {self.io_timeout if timeout is None else timeout:g}s")
-
-    def stale(self) -> bool:
-        """An idle connection that is readable has been closed (or spoken to out of turn)."""
-        self._poll.modify(self.sock, select.POLLIN)
-        return any(fd == self.sock.fileno() for fd, _ in self._poll.poll(0))
-
-    def recv_into(self, view: memoryview, lock: threading.Lock | None = None, token=None) -> None:
-        """Fill ``view`` exactly. With ``lock``, each copy runs under it and stops once ``token`` finished."""
-        pos, n_total = 0, len(view)
-        while pos < n_total:
-            try:
-                if lock is None:
-                    n = self.sock.recv_into(view[pos:])
-                else:
-                    with lock:
-                        if token.finished():
-                            raise _Aborted(pos)
-                        n = self.sock.recv_into(view[pos:])
-            except BlockingIOError:
-                self.wait(select.POLLIN)
-                continue
-            if n == 0:
-                raise ConnectionError("peer closed the connection mid-frame")
-            pos += n
-
-    def send_all(self, views: list[memoryview], lock: threading.Lock | None = None, token=None) -> None:
-        """Send ``views`` with sendmsg (IOV_MAX at a time, partial sends resumed); lock as in recv_into."""
-        pending = deque(views)
-        while pending:
-            batch = [pending[i] for i in range(min(len(pending), IOV_MAX))]
-            try:
-                if lock is None:
-                    n = self.sock.sendmsg(batch)
-                else:
-                    with lock:
-                        if token.finished():
-                            raise _Aborted()
-                        n = self.sock.sendmsg(batch)
-            except BlockingIOError:
-                self.wait(select.POLLOUT)
-                continue
-            while n:
-                head = pending[0]
-                if n >= len(head):
-                    n -= len(head)
-                    pending.popleft()
-                else:
-                    pending[0] = head[n:]
-                    n = 0
-
-    def read_frame(self, limit: int, first_byte_timeout: float | None = None) -> dict | None:
-        """Read one length-prefixed msgpack map; None on a clean EOF before the frame."""
-        head = bytearray(_LEN.size)
-        view = memoryview(head)
-        while True:
-            try:
-                n = self.sock.recv_into(view)
-                break
-            except BlockingIOError:
-                self.wait(select.POLLIN, first_byte_timeout)
-        if n == 0:
-            return None
-        self.recv_into(view[n:])
-        (length,) = _LEN.unpack(head)
-        if not 0 < length <= limit:
-            raise _ProtocolError(f"frame length {length} outside 1..{limit}")
-        body = bytearray(length)
-        self.recv_into(memoryview(body))
-        try:
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises many types on garbage
-            raise _ProtocolError(f"undecodable frame: {e}") from None
-        if not isinstance(obj, dict):
-            raise _ProtocolError(f"frame is a {type(obj).__name__}, not a map")
-        return obj
-
-
-def _parse_header(h: dict, buffer_size: int) -> tuple[str, tuple[Region, ...], int, int]:
-    """Validate a transfer header -> (id, dst, total, version). Raises _ProtocolError."""
-    tid, dst, total, ver = h.get("id"), h.get("dst"), h.get("total"), h.get("v")
-    if type(ver) is not int:
-        raise _ProtocolError("header without an int version")
-    try:
-        check_transfer_id(tid)
-    except ValueError as e:
-        raise _ProtocolError(str(e)) from None
-    if type(total) is not int or not 0 < total <= buffer_size:
-        raise _ProtocolError(f"header total {total!r:.40} outside 1..{buffer_size}")
-    if not isinstance(dst, list) or not dst:
-        raise _ProtocolError("header dst is not a non-empty list")
-    regions = []
-    for pair in dst:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
-            raise _ProtocolError("header dst entries must be [offset, length] ints")
-        if pair[0] < 0 or pair[1] <= 0:
-            raise _ProtocolError(f"header dst region {pair} is invalid")
-        regions.append(Region(pair[0], pair[1]))
-    if sum(r.length for r in regions) != total:
-        raise _ProtocolError("header dst lengths do not add up to total")
-    return tid, tuple(regions), total, ver
 
 
 @dataclass(eq=False, slots=True)
@@ -417,14 +237,14 @@ class TcpTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        conn = _Conn(self._listener, self._wake[0], IDLE_TIMEOUT)
+        conn = Conn(self._listener, self._wake[0], IDLE_TIMEOUT)
         while True:
             try:
                 conn.wait(select.POLLIN)
                 sock, addr = self._listener.accept()
             except (TimeoutError, BlockingIOError, ConnectionAbortedError):
                 continue
-            except _Closing:
+            except Closing:
                 return
             except OSError as e:  # e.g. out of file descriptors: back off, keep listening
                 log.error("tcp transfer listener cannot accept: %s", e)
@@ -443,16 +263,16 @@ class TcpTransferBackend:
                 self._start_thread(self._serve, f"xpyd-tcp-recv-{addr[0]}:{addr[1]}", sock, addr)
 
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = _Conn(sock, self._wake[0], self.io_timeout)
+        conn = Conn(sock, self._wake[0], self.io_timeout)
         try:
             while True:
                 header = conn.read_frame(MAX_HEADER, first_byte_timeout=IDLE_TIMEOUT)
                 if header is None:
                     return
-                tid, dst, total, ver = _parse_header(header, self._buffer.nbytes)
+                tid, dst, total, ver = parse_header(header, self._buffer.nbytes)
                 rec, error = self._claim(tid, dst, ver)
                 if rec is None:
-                    _drain(conn, total)  # take what the sender pushes, but never into the pool
+                    drain(conn, total)  # take what the sender pushes, but never into the pool
                 else:
                     error = self._receive(conn, rec)
                 if error is not None:
@@ -461,12 +281,12 @@ class TcpTransferBackend:
                     if not rec.token._advance(TransferState.DONE):
                         error = f"transfer {tid!r} aborted by the receiver"
                     self._finish(self._expected, rec)
-                conn.send_all([memoryview(_pack_frame({"id": tid, "ok": error is None, "error": error}))])
+                conn.send_all([memoryview(pack_ack(tid, error))])
                 if ver != PROTOCOL_VERSION:
                     return
-        except _Closing:
+        except Closing:
             return
-        except (_ProtocolError, OSError) as e:
+        except (ProtocolError, OSError) as e:
             log.warning("dropping transfer connection from %s: %s", addr, e)
         except Exception:
             log.exception("dropping transfer connection from %s", addr)
@@ -492,30 +312,30 @@ class TcpTransferBackend:
             rec.claimed = True
         return rec, None
 
-    def _receive(self, conn: _Conn, rec: _Transfer) -> str | None:
+    def _receive(self, conn: Conn, rec: _Transfer) -> str | None:
         """recv_into the claimed regions; the error to refuse with, or None when all bytes landed."""
         rec.token._advance(TransferState.TRANSFERRING)
-        views = _slices(self._buffer, rec.regions)
+        views = slices(self._buffer, rec.regions)
         try:
             for i, view in enumerate(views):
                 conn.recv_into(view, rec.lock, rec.token)
-        except _Aborted as e:  # aborted (or closed): the rest goes to scratch, not the pool
-            _drain(conn, sum(len(v) for v in views[i:]) - e.done)
+        except Aborted as e:  # aborted (or closed): the rest goes to scratch, not the pool
+            drain(conn, sum(len(v) for v in views[i:]) - e.done)
             return f"transfer {rec.token.transfer_id!r} aborted by the receiver"
         except BaseException as e:
-            rec.token._fail("backend closed" if isinstance(e, _Closing) else f"receive failed: {e}")
+            rec.token._fail("backend closed" if isinstance(e, Closing) else f"receive failed: {e}")
             self._finish(self._expected, rec)
             raise
         return None
 
     # -- sender -----------------------------------------------------------
-    def _connect(self, address: str) -> _Conn:
+    def _connect(self, address: str) -> Conn:
         host, port = parse_address(address)
         family, type_, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, type_, proto)
         try:
             self._setup(sock)
-            conn = _Conn(sock, self._wake[0], self.io_timeout)
+            conn = Conn(sock, self._wake[0], self.io_timeout)
             err = sock.connect_ex(sockaddr)
             if err in (errno.EINPROGRESS, errno.EAGAIN):
                 conn.wait(select.POLLOUT, self.connect_timeout)
@@ -528,7 +348,7 @@ class TcpTransferBackend:
             raise
 
     def _send_loop(self, address: str, queue: SimpleQueue) -> None:
-        conn: _Conn | None = None
+        conn: Conn | None = None
         try:
             while (job := queue.get()) is not None:
                 if job.token.finished():  # aborted while queued
@@ -540,14 +360,14 @@ class TcpTransferBackend:
                     if conn is None:
                         conn = self._connect(address)
                     self._push(conn, job, address)
-                except _Closing:
+                except Closing:
                     job.token._fail("backend closed")
                     return
-                except _Aborted:  # the receiver sees a truncated transfer and fails it
+                except Aborted:  # the receiver sees a truncated transfer and fails it
                     conn.sock.close()
                     conn = None
                 except Exception as e:  # any failure fails this job only; the next one reconnects
-                    if not isinstance(e, (_ProtocolError, OSError)):
+                    if not isinstance(e, (ProtocolError, OSError)):
                         log.exception("sending transfer %r to %s", job.token.transfer_id, address)
                     job.token._fail(f"send to {address} failed: {e or type(e).__name__}")
                     if conn is not None:
@@ -559,19 +379,14 @@ class TcpTransferBackend:
             if conn is not None:
                 conn.sock.close()
 
-    def _push(self, conn: _Conn, job: _Transfer, address: str) -> None:
+    def _push(self, conn: Conn, job: _Transfer, address: str) -> None:
         tid = job.token.transfer_id
-        dst = [[r.offset, r.length] for r in job.dst]
-        header = _pack_frame({"v": PROTOCOL_VERSION, "id": tid, "dst": dst, "total": job.total})
+        header = pack_header(tid, job.dst, job.total)
         if not job.token._advance(TransferState.TRANSFERRING):
             return  # aborted just now; nothing was sent
-        conn.send_all([memoryview(header), *_slices(self._buffer, job.regions)], job.lock, job.token)
-        ack = conn.read_frame(MAX_ACK)
-        if ack is None:
-            raise ConnectionError("peer closed the connection before acknowledging")
-        if ack.get("id") != tid or type(ack.get("ok")) is not bool:
-            raise _ProtocolError(f"bad ack {ack!r:.200}")
-        if ack["ok"]:
+        conn.send_all([memoryview(header), *slices(self._buffer, job.regions)], job.lock, job.token)
+        error = parse_ack(conn.read_frame(MAX_ACK), tid)
+        if error is None:
             job.token._advance(TransferState.DONE)
         else:
-            job.token._fail(f"refused by {address}: {str(ack.get('error'))[:MAX_ERROR_LEN]}")
+            job.token._fail(f"refused by {address}: {error}")

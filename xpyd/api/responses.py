@@ -1,0 +1,133 @@
+"""The OpenAI HTTP API as xpyd speaks it: response bodies and SSE framing.
+
+Builders for ``text_completion`` / ``chat.completion`` objects, their streaming
+chunks (plus the trailing usage chunk), ``/v1/models``, and the compact JSON and
+``data: ...`` server-sent-event encodings. Requests are parsed in ``xpyd.api.openai``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from xpyd.api.openai import RequestKind
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def new_response_id(kind: RequestKind) -> str:
+    """``cmpl-<hex>`` or ``chatcmpl-<hex>``, like OpenAI and vLLM."""
+    prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    request_id: str,
+    created: int,
+    model: str,
+    kind: RequestKind,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict:
+    """A complete non-streaming ``text_completion`` / ``chat.completion`` object."""
+    if kind is RequestKind.CHAT:
+        obj = "chat.completion"
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        obj = "text_completion"
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _chunk_object(kind: RequestKind) -> str:
+    return "chat.completion.chunk" if kind is RequestKind.CHAT else "text_completion"
+
+
+def stream_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    kind: RequestKind,
+    text: str | None,
+    finish_reason: str | None,
+    role: bool = False,
+) -> dict:
+    """One streaming chunk. Chat: ``role=True`` gives the opening role-only delta;
+    ``text=None`` gives an empty delta (the usual shape of a final chunk)."""
+    if kind is RequestKind.CHAT:
+        if role:
+            delta: dict = {"role": "assistant", "content": ""}
+        else:
+            delta = {} if text is None else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": _chunk_object(kind),
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    kind: RequestKind,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict:
+    """The trailing usage chunk of a stream (``stream_options.include_usage``)."""
+    return {
+        "id": request_id,
+        "object": _chunk_object(kind),
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
+
+
+def dumps(obj: dict) -> bytes:
+    """Compact UTF-8 JSON."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def models_response(model_names: list[str], created: int | None = None) -> dict:
+    created = int(time.time()) if created is None else created
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "xpyd"}
+            for name in model_names
+        ],
+    }
