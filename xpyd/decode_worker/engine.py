@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
@@ -36,6 +37,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _PeersLeft:
+    addrs: frozenset[str]
+
+
 class DecodeEngine(EngineThread):
     name = "decode-engine"
 
@@ -54,6 +60,7 @@ class DecodeEngine(EngineThread):
         self.signal: SignalClient | None = None
         self.info: WorkerInfo | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
+        self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._stats: dict = {}
 
     def start(self) -> None:
@@ -78,6 +85,14 @@ class DecodeEngine(EngineThread):
     def abort(self, request_id: str) -> None:
         self.post(_Abort(request_id))
 
+    def peers_left(self, addrs: set[str]) -> None:
+        """Prefill workers that left the cluster: fail what waits on them, drop the connection."""
+        self.post(_PeersLeft(frozenset(addrs)))
+
+    def idle(self) -> bool:
+        s = self._stats
+        return not (s.get("waiting") or s.get("running") or s.get("transferring"))
+
     def stats(self) -> dict:
         return dict(self._stats)
 
@@ -85,7 +100,8 @@ class DecodeEngine(EngineThread):
         self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                        "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
                        "kv_slots_used": self.pool.num_used,
-                       "peers": len(self.signal.peers()) if self.signal else 0}
+                       "peers": len(self.signal.peers()) if self.signal else 0,
+                       "pulls": dict(self._pulls)}
 
     # --- engine thread -----------------------------------------------------
     def wait(self, timeout: float) -> None:
@@ -96,6 +112,10 @@ class DecodeEngine(EngineThread):
         for item in self.drain_inbox():
             if isinstance(item, _Abort):
                 self._abort(item.request_id)
+            elif isinstance(item, _PeersLeft):
+                for addr in item.addrs:
+                    self._fail_peer(addr, f"prefill worker {addr} left the cluster")
+                    self.signal.drop(addr)
             else:
                 self._add(item)
         busy = bool(self.sched.running())
@@ -185,6 +205,7 @@ class DecodeEngine(EngineThread):
         dst = self.pool.region(seq.slot, n)
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         self.sched.set_recv_token(seq, token)
+        self._pulls[seq.prefill_addr] += 1
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
 
     def _send_lookups(self) -> None:

@@ -26,6 +26,9 @@ class WorkerConfig:
     threads: int = 1
     max_body_bytes: int = 4 << 20
     signal_timeout: float = 5.0
+    etcd: str | None = None  # HOST:PORT: register there and watch peers (dynamic xPyD)
+    lease_ttl: int = 5  # seconds; a SIGKILLed worker disappears from etcd after this
+    drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -44,6 +47,12 @@ class WorkerConfig:
             raise ValueError("--max-model-len must be in [16, 1048576]")
         if not 1 <= self.threads <= 1024:
             raise ValueError("--threads must be >= 1")
+        if self.etcd is not None and not _is_host_port(self.etcd):
+            raise ValueError(f"--etcd must be HOST:PORT, not {self.etcd!r}")
+        if not 2 <= self.lease_ttl <= 3600:
+            raise ValueError("--lease-ttl must be in [2, 3600] seconds (etcd's minimum is 2)")
+        if self.drain_timeout < 0:
+            raise ValueError("--drain-timeout must be >= 0")
 
     @property
     def public_host(self) -> str:
@@ -72,6 +81,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
     parser.add_argument("--threads", type=int, default=_default_threads(),
                         help="torch threads for this worker")
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT",
+                        help="join a dynamic cluster: register in this etcd (under a lease) once ready, "
+                             "and watch the other role's workers")
+    parser.add_argument("--lease-ttl", type=int, default=5,
+                        help="etcd lease TTL in seconds (a killed worker disappears after this)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: deregister at once, then finish in-flight work for up to this long")
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _default_threads() -> int:
@@ -83,5 +104,6 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         role=role, model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         signal_port=getattr(args, "signal_port", 0), kv_port=args.kv_port, batch_size=args.batch_size,
-        max_model_len=args.max_model_len, threads=args.threads,
+        max_model_len=args.max_model_len, threads=args.threads, etcd=args.etcd, lease_ttl=args.lease_ttl,
+        drain_timeout=args.drain_timeout,
     )

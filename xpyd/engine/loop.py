@@ -7,6 +7,7 @@ import os
 import queue
 import select
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,19 @@ class EngineThread:
 
     def ready(self) -> bool:
         return self._ready.is_set() and not self._stop.is_set()
+
+    def idle(self) -> bool:
+        """No request held in any state (safe to stop). Override."""
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (from another thread) until idle or timeout; True if idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)

@@ -1,14 +1,26 @@
-"""Start one worker process: load the model, start its engine, serve the HTTP API."""
+"""Start one worker process: load the model, start its engine, serve the HTTP API.
+
+With ``--etcd`` the worker registers itself once it accepts connections, and
+watches the other role's workers so it can drop connections to peers that
+left. On SIGTERM it deregisters first (the proxy stops routing to it within
+milliseconds), keeps serving for a short grace period, then finishes what is
+in flight (HTTP streams, KV not yet pulled) before exiting.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
 
+from xpyd.discovery.types import Role
 from xpyd.engine.config import WorkerConfig
 
 log = logging.getLogger("xpyd.worker")
+
+DEREGISTER_GRACE = 0.5  # keep serving this long after deregistering (requests already routed here)
+LISTEN_TIMEOUT = 30.0
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -53,21 +65,84 @@ def run_worker(config: WorkerConfig) -> None:
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
-    hc.graceful_timeout = 2
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        log.info("%s worker ready on http://%s:%d (signal %s)", config.role, config.host, config.port,
-                 engine.info.signal_addr)
-        await serve(app, hc, shutdown_trigger=stop.wait)
+    hc.graceful_timeout = config.drain_timeout
 
     try:
-        asyncio.run(main())
+        asyncio.run(_serve(config, engine, app, hc, serve))
     finally:
         engine.stop()
         if server is not None:
             server.close()
         log.info("%s worker stopped", config.role)
+
+
+async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
+    stop = asyncio.Event()
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(serve(app, hc, shutdown_trigger=shutdown.wait))
+    await _wait_listening(config.host, config.port, serving)
+    log.info("%s worker ready on http://%s:%d (signal %s)", config.role, config.host, config.port,
+             engine.info.signal_addr)
+
+    registration = watcher = None
+    if config.etcd:
+        registration, watcher = await _join(config, engine)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    t0 = time.monotonic()
+    if registration is not None:
+        await registration.close()  # the key disappears now; the proxy stops routing here
+        log.info("%s worker deregistered; draining", config.role)
+        await asyncio.sleep(DEREGISTER_GRACE)
+    shutdown.set()
+    await serving  # hypercorn finishes in-flight HTTP requests (up to drain_timeout)
+    remaining = max(0.0, config.drain_timeout - (time.monotonic() - t0))
+    if not await loop.run_in_executor(None, engine.drain, remaining):
+        log.warning("%s worker: in-flight work not finished within --drain-timeout", config.role)
+    if watcher is not None:
+        await watcher.close()
+    stopped.cancel()
+
+
+async def _join(config: WorkerConfig, engine):
+    """Register in etcd (we accept connections now) and watch the other role's workers."""
+    from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
+
+    registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl)
+    await registration.start()
+    watcher = EtcdRegistry(config.etcd, model_id=engine.info.model_id)
+    await watcher.start()
+    peer_role = Role.DECODE if config.role == "prefill" else Role.PREFILL
+    seen = {w.signal_addr for w in watcher.workers(peer_role)}
+
+    def on_change() -> None:
+        nonlocal seen
+        now = {w.signal_addr for w in watcher.workers(peer_role)}
+        left = seen - now
+        seen = now
+        if left:
+            log.info("%s workers left the cluster: %s", peer_role.value, ", ".join(sorted(left)))
+            engine.peers_left(left)
+
+    watcher.on_change(on_change)
+    log.info("%s worker registered in etcd %s", config.role, config.etcd)
+    return registration, watcher
+
+
+async def _wait_listening(host: str, port: int, serving: asyncio.Task) -> None:
+    deadline = time.monotonic() + LISTEN_TIMEOUT
+    while True:
+        if serving.done():
+            serving.result()  # raises the bind error
+            raise RuntimeError("HTTP server stopped during start-up")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+            writer.close()
+            return
+        except (OSError, asyncio.TimeoutError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server did not start listening on {host}:{port}") from None
+            await asyncio.sleep(0.05)

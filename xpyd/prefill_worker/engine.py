@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _PeersLeft:
+    addrs: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class PrefillEngine(EngineThread):
         self.sched = PrefillScheduler(config.batch_size, self.pool)
         self._lock = threading.Lock()
         self._peers: dict[str, PeerMap] = {}
+        self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self.model_id = served_name
         self.info: WorkerInfo | None = None
         self._kv_compat = self.pool.layout.compat()
@@ -76,11 +83,19 @@ class PrefillEngine(EngineThread):
     def abort(self, request_id: str) -> None:
         self.post(_Abort(request_id))
 
+    def peers_left(self, addrs: set[str]) -> None:
+        """Decode workers that left the cluster: drop their maps, connections and unpulled KV."""
+        self.post(_PeersLeft(frozenset(addrs)))
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.sched.has_work()
+
     def stats(self) -> dict:
         with self._lock:
             return {"role": "prefill", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                     "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
-                    "kv_slots_used": self.pool.num_used, "peers": len(self._peers)}
+                    "kv_slots_used": self.pool.num_used, "peers": len(self._peers), "sends": dict(self._sends)}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
@@ -88,6 +103,8 @@ class PrefillEngine(EngineThread):
             with self._lock:
                 if isinstance(item, _Abort):
                     self._release(item.request_id)
+                elif isinstance(item, _PeersLeft):
+                    self._drop_peers(item.addrs)
                 elif self.sched.get(str(item.request_id)) is not None:
                     item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
                 else:
@@ -126,6 +143,16 @@ class PrefillEngine(EngineThread):
         if seq.send_token is not None and not seq.send_token.finished():
             self.transfer.abort(transfer_id_of(request_id))
         return 1
+
+    def _drop_peers(self, addrs: frozenset[str]) -> None:
+        for addr in addrs:
+            peer = self._peers.pop(addr, None)
+            if peer is not None:
+                self.transfer.forget_peer(peer.transfer.address)
+                log.info("decode worker %s left: connection dropped", addr)
+        for seq in self.sched.transferring():
+            if seq.send_token is None and _decode_addr_of(seq.request_id) in addrs:
+                self._release(seq.request_id)
 
     def shutdown(self) -> None:
         self.transfer.close()
@@ -189,6 +216,7 @@ class PrefillEngine(EngineThread):
             return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
         token = self.transfer.send(rid.short, [src], peer.transfer, [Region(e.dest_offset, src.length)])
         self.sched.start_send(e.request_id, token)
+        self._sends[identity] += 1
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
 

@@ -69,6 +69,9 @@ class PrefillScheduler:
     def num_transferring(self) -> int:
         return len(self._transferring)
 
+    def transferring(self) -> list[PrefillSeq]:
+        return list(self._transferring.values())
+
     def sends_in_flight(self) -> bool:
         return any(s.send_token is not None for s in self._transferring.values())
 

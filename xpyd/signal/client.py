@@ -78,6 +78,12 @@ class SignalClient:
     def peers(self) -> list[PrefillPeer]:
         return list(self._peers.values())
 
+    def drop(self, addr: str) -> None:
+        """Close the connection to a prefill worker that left; reopened on demand if it returns."""
+        p = self._peers.get(addr)
+        if p is not None:
+            self._drop(p)
+
     def _drop(self, p: PrefillPeer) -> None:
         self._poller.unregister(p.sock)
         self._by_sock.pop(p.sock, None)

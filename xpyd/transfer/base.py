@@ -176,6 +176,10 @@ class TransferBackend(Protocol):
         """Drop a queued/expected transfer (token FAILs "aborted"); safe if unknown."""
         ...
 
+    def forget_peer(self, address: str) -> None:
+        """Drop cached connections to a peer that left (its descriptor's address)."""
+        ...
+
     def close(self) -> None:
         """Stop threads, close sockets, fail outstanding tokens."""
         ...

@@ -58,6 +58,7 @@ class FakeTransferBackend:
         self.sent: list[str] = []
         self.expected: list[str] = []
         self.aborted: list[str] = []
+        self.forgotten: list[str] = []
         # id -> (token, src, peer, dst) / (token, dst)
         self._sending: dict[str, tuple[CompletionToken, tuple[Region, ...], BackendDescriptor, tuple]] = {}
         self._expecting: dict[str, tuple[CompletionToken, tuple[Region, ...]]] = {}
@@ -110,6 +111,9 @@ class FakeTransferBackend:
         for entry in entries:
             if entry is not None:
                 entry[0]._fail("aborted")
+
+    def forget_peer(self, address: str) -> None:
+        self.forgotten.append(address)
 
     def close(self) -> None:
         if self.closed:

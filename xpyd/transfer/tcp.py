@@ -184,6 +184,16 @@ class TcpTransferBackend:
                 with rec.lock:  # waits out an in-progress copy; none follows
                     rec.token._fail("aborted")
 
+    def forget_peer(self, address: str) -> None:
+        """Close the cached connection and sender thread to a peer that left the cluster.
+
+        Sends already queued to it run (and fail) first; a later send reconnects.
+        """
+        with self._lock:
+            entry = self._senders.pop(address, None)
+        if entry is not None:
+            entry[0].put(None)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
