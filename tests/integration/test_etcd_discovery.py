@@ -92,6 +92,10 @@ def test_worker_key_from_http_url() -> None:
         worker_key(bad)
     with pytest.raises(ValueError, match="ttl"):
         EtcdRegistration("127.0.0.1:2379", make_info(Role.PREFILL, 8100), ttl=1)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EtcdRegistration("127.0.0.1", make_info(Role.PREFILL, 8100))
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EtcdRegistry("localhost:notaport")
 
 
 async def test_registration_refresh_and_close(etcd: LocalEtcd) -> None:

@@ -23,6 +23,7 @@ import aetcd
 
 from xpyd.discovery.base import RegistryError
 from xpyd.discovery.etcd_common import (
+    EXPECTED_ERRORS,
     OP_TIMEOUT,
     PREFIX,
     Backoff,
@@ -30,6 +31,7 @@ from xpyd.discovery.etcd_common import (
     describe_error,
     connect,
     parse_worker,
+    split_endpoint,
     worker_key,
 )
 from xpyd.discovery.etcd_registration import EtcdRegistration
@@ -55,6 +57,7 @@ class EtcdRegistry:
             raise ValueError(f"prefix must end with '/', got {prefix!r}")
         if start_timeout <= 0:
             raise ValueError(f"start_timeout must be > 0, got {start_timeout}")
+        split_endpoint(endpoint)  # ValueError now, not at start()
         self._endpoint = endpoint
         self._prefix = prefix
         self._model_id = model_id
@@ -89,7 +92,7 @@ class EtcdRegistry:
             try:
                 await self._sync()
                 break
-            except (aetcd.ClientError, asyncio.TimeoutError, OSError) as e:
+            except EXPECTED_ERRORS as e:
                 await self._drop_client()
                 if time.monotonic() + backoff.peek() >= deadline:
                     raise RegistryError(
@@ -104,12 +107,7 @@ class EtcdRegistry:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
-                await asyncio.wait_for(task, OP_TIMEOUT)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
-            except Exception:  # noqa: BLE001 - the task's own failure was logged by it
-                pass
+            await asyncio.wait({task}, timeout=OP_TIMEOUT)
         await self._drop_client()
         self._entries = {}
         self._by_role = {Role.PREFILL: [], Role.DECODE: []}
@@ -131,6 +129,8 @@ class EtcdRegistry:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure means: resync
+                if not isinstance(e, EXPECTED_ERRORS):
+                    log.exception("etcd %s: unexpected error in the watch loop", self._endpoint)
                 reason = describe_error(e)
             if self._healthy:
                 log.warning("etcd %s: watch lost (%s); keeping the last %d workers and resyncing",

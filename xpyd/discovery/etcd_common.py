@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/workers/"
 OP_TIMEOUT = 2.0  # seconds, any single etcd call (also passed to gRPC as its deadline)
 BACKOFF_MIN = 0.1
+# What an unreachable, restarting or frozen etcd raises through aetcd (anything else is a bug).
+EXPECTED_ERRORS = (aetcd.ClientError, asyncio.TimeoutError, OSError)
 BACKOFF_MAX = 2.0
 
 # gRPC channel: reconnect quickly after an etcd restart (the default backoff grows to 120 s),

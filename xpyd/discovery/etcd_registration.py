@@ -21,11 +21,13 @@ import aetcd
 
 from xpyd.discovery.base import RegistryError
 from xpyd.discovery.etcd_common import (
+    EXPECTED_ERRORS,
     OP_TIMEOUT,
     Backoff,
     close_client,
     connect,
     describe_error,
+    split_endpoint,
     worker_key,
 )
 from xpyd.discovery.types import WorkerInfo
@@ -44,6 +46,7 @@ class EtcdRegistration:
             raise ValueError(f"lease ttl must be an int >= {MIN_TTL} seconds (etcd's minimum), got {ttl!r}")
         if start_timeout <= 0:
             raise ValueError(f"start_timeout must be > 0, got {start_timeout}")
+        split_endpoint(endpoint)  # ValueError now, not at start()
         self._endpoint = endpoint
         self._key = worker_key(info).encode()
         self._value = info.to_json().encode()
@@ -73,7 +76,7 @@ class EtcdRegistration:
             try:
                 await self._register()
                 break
-            except (aetcd.ClientError, asyncio.TimeoutError, OSError) as e:
+            except EXPECTED_ERRORS as e:
                 await self._drop_client()
                 if time.monotonic() + backoff.peek() >= deadline:
                     raise RegistryError(
@@ -93,7 +96,7 @@ class EtcdRegistration:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait({task}, timeout=OP_TIMEOUT)
         if self._lease_id is not None:
             try:
                 client = self._client or connect(self._endpoint)
@@ -145,6 +148,8 @@ class EtcdRegistration:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a worker must survive any etcd trouble
+                if not isinstance(e, EXPECTED_ERRORS):
+                    log.exception("etcd %s: unexpected error keeping %s registered", self._endpoint, self.key)
                 self._registered = False
                 await self._drop_client()
                 if not outage:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import aetcd
-
-from xpyd.discovery.etcd_common import PREFIX, close_client, connect, describe_error, parse_worker
+from xpyd.discovery.etcd_common import EXPECTED_ERRORS, PREFIX, close_client, connect, describe_error, parse_worker
 from xpyd.discovery.types import WorkerInfo
 
 COLUMNS = ("ROLE", "HTTP URL", "SIGNAL ADDR", "MODEL", "CAPACITY")
@@ -26,7 +24,7 @@ async def fetch_workers(endpoint: str, timeout: float = 5.0) -> list[WorkerInfo]
     client = connect(endpoint)
     try:
         listing = await asyncio.wait_for(client.get_prefix(PREFIX.encode()), timeout)
-    except (aetcd.ClientError, asyncio.TimeoutError, OSError) as e:
+    except EXPECTED_ERRORS as e:
         if isinstance(e, asyncio.TimeoutError):
             e = TimeoutError(f"no answer within {timeout:g}s")
         raise EtcdUnreachable(f"cannot reach etcd at {endpoint}: {describe_error(e)}") from e
