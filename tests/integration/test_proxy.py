@@ -32,6 +32,7 @@ from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.main import add_arguments, config_from_args
+from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id
 
 MODEL = "fake-model"
@@ -238,6 +239,18 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list:
         else:
             assert line == b"", line
     return events
+
+
+async def wait_health(c: Cluster, url: str, health: str, within: float = 3.0) -> float:
+    """Seconds until ``GET /cluster`` shows the worker at ``url`` with ``health``."""
+    t0 = time.monotonic()
+    while True:
+        async with c.http.get(c.url + "/cluster") as r:
+            states = {w["http_url"]: w["health"] for w in (await r.json())["workers"]}
+        if states.get(url) == health:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < within, f"{url} is not {health} after {within}s: {states}"
+        await asyncio.sleep(0.02)
 
 
 def completion(**kw) -> dict:
@@ -537,6 +550,8 @@ async def test_worker_timeout_is_504():
         async with c.post("/v1/completions", completion()) as r:
             assert r.status == 504
             assert_openai_error(await r.json())
+        # The slow worker is down until the poller sees its /health answer 200.
+        assert await wait_health(c, c.prefill.url, "up") < 1.0
         # Stalling after the first token: the status is sent, so the error is in-stream.
         c.prefill.delay = 0
         c.decode.delay = 2.0
@@ -549,27 +564,32 @@ async def test_worker_timeout_is_504():
         await close()
 
 
-async def test_worker_down_gives_502_and_proxy_keeps_serving():
+async def test_worker_down_is_retried_and_proxy_keeps_serving():
     c, close = await make_cluster(n_decode=2)
     try:
         await c.decodes[1].stop()
-        statuses = []
-        for _ in range(4):  # round-robin alternates between the live and the dead decode worker
+        for _ in range(4):  # the dead worker is marked down at once and never chosen again
             async with c.post("/v1/completions", completion()) as r:
-                statuses.append(r.status)
-                data = await r.json()
-                if r.status != 200:
-                    assert_openai_error(data)
-                    assert c.decodes[1].url in data["error"]["message"]
-                else:
-                    assert data["choices"][0]["text"] == "".join(TOKENS)
-        assert sorted(statuses) == [200, 200, 502, 502]
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"] == "".join(TOKENS)
         async with c.post("/v1/chat/completions", chat(stream=True)) as r:
-            assert r.status in (200, 502)
-        async with c.http.get(c.url + "/health") as r:
             assert r.status == 200
+            assert (await read_sse(r))[-1] == "[DONE]"
+        assert len(c.decodes[0].received) == 5
+        async with c.http.get(c.url + "/health") as r:
+            assert r.status == 200 and (await r.json())["decode"] == 1
+        # The last decode worker goes too: the retry finds none left, 503 says why.
+        await c.decodes[0].stop()
+        async with c.post("/v1/completions", completion()) as r:
+            assert r.status == 503
+            data = await r.json()
+        assert_openai_error(data)
+        assert "no decode worker available" in data["error"]["message"]
+        assert c.decodes[0].url in data["error"]["message"]  # the failure that led there
+        async with c.http.get(c.url + "/health") as r:
+            assert r.status == 503
     finally:
-        c.decodes.pop()  # already stopped
+        c.decodes.clear()  # already stopped
         await close()
 
 
@@ -678,8 +698,15 @@ def test_cli_builds_a_valid_config():
     config = config_from_args(args)
     assert config.prefill_urls == ("http://a:1", "http://b:2") and config.decode_urls == ("http://c:3",)
     assert (config.port, config.model_name, config.read_timeout, config.host) == (9000, "m", 30.0, "127.0.0.1")
-    with pytest.raises(SystemExit):  # --prefill and --decode are required
-        parser.parse_args(["--prefill", "http://a:1"])
+    assert config.etcd is None and config.policy is Policy.LEAST_LOADED
+    for argv in (["--prefill", "http://a:1"], [], ["--etcd", "e:2379", "--decode", "http://c:3"]):
+        with pytest.raises(ValueError):  # static needs both roles; etcd excludes static
+            config_from_args(parser.parse_args(argv))
+    config = config_from_args(parser.parse_args(["--etcd", "10.0.0.9:2379", "--policy", "round_robin"]))
+    assert config.etcd == "10.0.0.9:2379" and config.policy is Policy.ROUND_ROBIN
+    assert config.prefill_urls == config.decode_urls == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--etcd", "e:1", "--policy", "random"])
 
 
 @pytest.mark.parametrize(
@@ -696,6 +723,11 @@ def test_cli_builds_a_valid_config():
         {"max_connections": 0},
         {"prefill_urls": ("localhost:8100",)},
         {"decode_urls": ("ftp://x:1",)},
+        {"etcd": "localhost"},
+        {"etcd": "e:1", "prefill_urls": ("http://a:1",)},
+        {"policy": "least_loaded"},
+        {"poll_interval": 0},
+        {"retries": -1},
     ],
 )
 def test_config_rejects_bad_values(kw):

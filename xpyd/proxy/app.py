@@ -3,15 +3,19 @@
 A request moves through::
 
     read body (size limit) -> parse_request (400s stop here) -> model check (404)
-    -> Router picks prefill + decode (503 if none) -> RequestId.new(p, d)
-    -> PDCall: prefill and decode called at once
+    -> Router picks prefill + decode among the UP workers (503 if a role has none)
+    -> RequestId.new(p, d) -> PDCall: prefill and decode called at once
+    -> a worker unreachable before the client got anything: it is marked down and
+       the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
     -> decode's deltas follow; usage chunk if asked; [DONE]
+       (a failure after the first byte ends the stream with an error event)
 
 To the client it looks like a single OpenAI/vLLM server: one response id and
 ``created`` per request, the served model name, and errors in OpenAI's shape.
-The registry's lifecycle (start/close) belongs to the caller; the app owns the
-pooled HTTP session (opened before serving, closed after).
+``GET /cluster`` shows every worker with its health and load. The registry's
+lifecycle (start/close) belongs to the caller; the app owns the pooled HTTP
+session and the health poller (started before serving, stopped after).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,9 +44,19 @@ from xpyd.api.responses import (
     usage_chunk,
 )
 from xpyd.discovery.base import Registry
-from xpyd.discovery.types import Role
-from xpyd.proxy.client import REQUEST_ID_HEADER, FirstToken, PDCall, WorkerClient
-from xpyd.proxy.routing import NoWorkerError, Router
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.client import (
+    REQUEST_ID_HEADER,
+    Fault,
+    FirstToken,
+    PDCall,
+    UpstreamError,
+    WorkerClient,
+    worker_session,
+)
+from xpyd.proxy.poller import HealthPoller
+from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
+from xpyd.proxy.workers import Health, WorkerTable
 from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
@@ -55,6 +69,11 @@ class ProxyConfig:
     model_name: str | None = None  # None: the model the workers report
     prefill_urls: tuple[str, ...] = ()  # static discovery
     decode_urls: tuple[str, ...] = ()
+    etcd: str | None = None  # dynamic discovery: etcd's HOST:PORT
+    policy: Policy = Policy.LEAST_LOADED
+    poll_interval: float = 0.2  # every worker's stats (UP) or health (DOWN) this often
+    poll_timeout: float = 1.0  # one poll
+    retries: int = 1  # a request whose worker was unreachable starts over this often
     connect_timeout: float = 10.0  # TCP connect to a worker
     read_timeout: float = 300.0  # each read from a worker: prefill's answer, each stream chunk
     discovery_timeout: float = 120.0  # static discovery: wait this long for workers to be ready
@@ -68,7 +87,8 @@ class ProxyConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("model_name must not be blank")
-        for name in ("connect_timeout", "read_timeout", "discovery_timeout"):
+        for name in ("connect_timeout", "read_timeout", "discovery_timeout", "poll_interval",
+                     "poll_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -80,6 +100,16 @@ class ProxyConfig:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
+        if self.etcd is not None:
+            if self.prefill_urls or self.decode_urls:
+                raise ValueError("use either etcd (dynamic discovery) or worker URLs (static), not both")
+            host, _, port = self.etcd.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"etcd must look like HOST:PORT, got {self.etcd!r}")
+        if not isinstance(self.policy, Policy):
+            raise ValueError(f"policy must be a Policy, got {self.policy!r}")
+        if not 0 <= self.retries <= 3:
+            raise ValueError(f"retries must be in 0..3, got {self.retries}")
 
 
 def _json(obj: dict, status: int = 200, headers: dict | None = None) -> Response:
@@ -96,21 +126,24 @@ class Proxy:
     def __init__(self, config: ProxyConfig, registry: Registry) -> None:
         self.config = config
         self.registry = registry
-        self.router = Router()
+        self.table = WorkerTable()
+        self.router: Router = make_router(config.policy, self.table)
         self._session: aiohttp.ClientSession | None = None
         self._client: WorkerClient | None = None
+        self._poller: HealthPoller | None = None
 
     async def open(self) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=None,  # streams may run long; every read has its own limit instead
-            sock_connect=self.config.connect_timeout,
-            sock_read=self.config.read_timeout,
-        )
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        self._client = WorkerClient(self._session)
+        c = self.config
+        self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections)
+        self._client = WorkerClient(self._session, c.connect_timeout)
+        self._poller = HealthPoller(self.registry, self.table, self._session,
+                                    c.poll_interval, c.poll_timeout)
+        self._poller.start()
 
     async def close(self) -> None:
+        if self._poller is not None:
+            await self._poller.close()
+            self._poller = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -125,13 +158,20 @@ class Proxy:
         return None
 
     def health(self) -> Response:
-        counts = {role.value: len(self.registry.workers(role)) for role in Role}
-        ok = all(counts.values())
-        return _json({"status": "ok" if ok else "unavailable", **counts}, 200 if ok else 503)
+        up = {role.value: sum(s.health is Health.UP
+                              for s in self.table.sync(role, self.registry.workers(role)))
+              for role in Role}
+        ok = all(up.values())
+        return _json({"status": "ok" if ok else "unavailable", **up}, 200 if ok else 503)
 
     def models(self) -> Response:
         name = self.served_model()
         return _json(models_response([name] if name else []))
+
+    def cluster(self) -> Response:
+        workers = [state.to_dict() for role in Role
+                   for state in self.table.sync(role, self.registry.workers(role))]
+        return _json({"workers": workers, "policy": self.router.policy.value})
 
     async def generate(self, kind: RequestKind) -> Response:
         if self._client is None:
@@ -143,33 +183,73 @@ class Proxy:
         if req.model is not None and req.model != model:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
+        failed: UpstreamError | None = None
+        retries = self.config.retries
+        while True:
+            call = self._start(self._client, req, failed)
+            streaming = False
+            try:
+                first = await call.first_token()
+                headers = {REQUEST_ID_HEADER: call.request_id}
+                if req.stream:
+                    streaming = True  # from here the body owns the call
+                    return self._stream_response(call, req, first, model, headers)
+                return _json(await _complete(call, req, first, model), headers=headers)
+            except UpstreamError as e:
+                self.worker_failed(e)
+                if e.fault is Fault.UNREACHABLE and retries > 0:
+                    log.warning("%s: %s; retrying on another pair", call.request_id, e.message)
+                    failed, retries = e, retries - 1
+                    continue
+                level = logging.INFO if e.status < 500 else logging.WARNING
+                log.log(level, "%s: %s (HTTP %d)", call.request_id, e.message, e.status)
+                raise
+            finally:
+                if not streaming:
+                    await call.aclose()
+
+    def _start(self, client: WorkerClient, req: CompletionRequest,
+               failed: UpstreamError | None) -> "_TrackedCall":
         try:
             prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL))
             decode = self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE))
         except NoWorkerError as e:
-            raise APIError(503, str(e), type="server_error") from None
+            why = f" (after: {failed.message})" if failed is not None else ""
+            raise APIError(503, f"{e}{why}", type="server_error") from None
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
-        call = PDCall(self._client, req, prefill, decode, request_id)
-        headers = {REQUEST_ID_HEADER: request_id}
-        try:
-            first = await call.first_token()
-        except BaseException as e:
-            await call.aclose()
-            if isinstance(e, APIError):  # a worker refused (4xx) or failed (5xx)
-                level = logging.INFO if e.status < 500 else logging.WARNING
-                log.log(level, "%s: %s (HTTP %d)", request_id, e.message, e.status)
-            raise
-        if req.stream:
-            body = _stream(call, req, first, model)
-            # If the client leaves before the body starts, the generator never runs
-            # its finally; drop the upstream calls when it is collected instead.
-            weakref.finalize(body, call.abort)
-            headers["Cache-Control"] = "no-cache"
-            return Response(body, status=200, content_type="text/event-stream", headers=headers)
-        try:
-            return _json(await _complete(call, req, first, model), headers=headers)
-        finally:
-            await call.aclose()
+        return _TrackedCall(client, req, prefill, decode, request_id, self.router)
+
+    def worker_failed(self, e: APIError) -> None:
+        """Mark the worker behind ``e`` down if the failure says it is unhealthy."""
+        if isinstance(e, UpstreamError) and e.worker is not None and e.fault is not Fault.NONE:
+            self.table.mark_down(e.worker, e.message)
+
+    def _stream_response(self, call: "_TrackedCall", req: CompletionRequest, first: FirstToken,
+                         model: str, headers: dict) -> Response:
+        body = _stream(call, req, first, model, self.worker_failed)
+        # If the client leaves before the body starts, the generator never runs
+        # its finally; drop the upstream calls when it is collected instead.
+        weakref.finalize(body, call.abort)
+        headers["Cache-Control"] = "no-cache"
+        return Response(body, status=200, content_type="text/event-stream", headers=headers)
+
+
+class _TrackedCall(PDCall):
+    """A PDCall that tells the router when it starts and (exactly once) when it ends."""
+
+    def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
+                 decode: WorkerInfo, request_id: str, router: Router) -> None:
+        super().__init__(client, req, prefill, decode, request_id)
+        self._router = router
+        self._workers = (prefill, decode)
+        for worker in self._workers:
+            router.started(worker)
+
+    def abort(self) -> None:
+        super().abort()
+        workers, self._workers = self._workers, ()
+        for worker in workers:
+            self._router.finished(worker)
 
 
 async def _complete(call: PDCall, req: CompletionRequest, first: FirstToken, model: str) -> dict:
@@ -185,7 +265,8 @@ async def _complete(call: PDCall, req: CompletionRequest, first: FirstToken, mod
 
 
 async def _stream(
-    call: PDCall, req: CompletionRequest, first: FirstToken, model: str
+    call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+    on_error: Callable[[APIError], None],
 ) -> AsyncIterator[bytes]:
     kind, rid, created = req.kind, new_response_id(req.kind), int(time.time())
 
@@ -209,6 +290,7 @@ async def _stream(
                                   usage.completion_tokens))
         yield SSE_DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
+        on_error(e)
         log.warning("%s: %s (in stream)", call.request_id, e.message)
         yield sse(APIError(e.status, e.message, type=e.type).to_dict())
         yield SSE_DONE
@@ -248,6 +330,10 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     @app.get("/health")
     async def health() -> Response:
         return proxy.health()
+
+    @app.get("/cluster")
+    async def cluster() -> Response:
+        return proxy.cluster()
 
     @app.errorhandler(APIError)
     async def api_error(e: APIError) -> Response:

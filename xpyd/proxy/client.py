@@ -7,7 +7,8 @@ A client request becomes a ``PDCall``; both upstream calls start at once::
 
 Worker failures become ``UpstreamError``: a 4xx carries the worker's status and
 body so the client sees them verbatim; a worker's 503 stays 503, any other 5xx
-or a broken connection is a 502, a timeout a 504.
+or a broken connection is a 502, a timeout a 504. Its ``fault`` says what the
+failure means for the worker (the proxy marks it down, and may retry elsewhere).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from enum import Enum
 
 import aiohttp
 
@@ -52,13 +54,31 @@ class Delta:
     finish_reason: str | None
 
 
+class Fault(Enum):
+    """What a failed call says about the worker."""
+
+    NONE = "none"  # it refused this request (4xx) or answered it wrongly: nothing to do
+    UNHEALTHY = "unhealthy"  # 5xx or a timeout: stop choosing it until it is healthy
+    UNREACHABLE = "unreachable"  # the connection failed or broke: as UNHEALTHY, and the
+    #                              request may be retried elsewhere if the client saw nothing
+
+
 class UpstreamError(APIError):
     """A worker failed or refused. ``body`` (a worker's own 4xx error) is passed on verbatim."""
 
-    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        body: dict | None = None,
+        worker: WorkerInfo | None = None,
+        fault: Fault = Fault.NONE,
+    ) -> None:
         kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
         super().__init__(status, message, type=kind)
         self.body = body
+        self.worker = worker
+        self.fault = fault
 
     def to_dict(self) -> dict:
         return self.body if self.body is not None else super().to_dict()
@@ -98,11 +118,14 @@ def _upstream_errors(worker: WorkerInfo) -> Iterator[None]:
     try:
         yield
     except TimeoutError as e:  # also aiohttp's ServerTimeoutError
-        raise UpstreamError(504, f"{who} timed out") from e
+        raise UpstreamError(504, f"{who} timed out", worker=worker, fault=Fault.UNHEALTHY) from e
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise UpstreamError(502, f"{who} unreachable: {type(e).__name__}: {e}", worker=worker,
+                            fault=Fault.UNREACHABLE) from e
     except aiohttp.ClientError as e:
-        raise UpstreamError(502, f"{who} unreachable: {type(e).__name__}: {e}") from e
+        raise UpstreamError(502, f"{who} failed: {type(e).__name__}: {e}", worker=worker) from e
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise UpstreamError(502, f"{who} sent an invalid response: {e}") from e
+        raise UpstreamError(502, f"{who} sent an invalid response: {e}", worker=worker) from e
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> None:
@@ -116,10 +139,11 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) ->
         body, message = None, raw.decode(errors="replace")[:200]
     who = f"{worker.role.value} worker {worker.http_url}"
     if 400 <= resp.status < 500:
-        raise UpstreamError(resp.status, message or f"{who}: HTTP {resp.status}", body)
+        raise UpstreamError(resp.status, message or f"{who}: HTTP {resp.status}", body, worker)
     # A worker that is starting or overloaded (503) makes the proxy unavailable too.
     status = 503 if resp.status == 503 else 502
-    raise UpstreamError(status, f"{who} failed with HTTP {resp.status}: {message}")
+    raise UpstreamError(status, f"{who} failed with HTTP {resp.status}: {message}", worker=worker,
+                        fault=Fault.UNHEALTHY)
 
 
 def _str_or_none(v: object) -> str | None:
@@ -179,7 +203,7 @@ class DecodeStream:
                 obj = json.loads(data)
                 if "error" in obj:
                     raise UpstreamError(502, f"decode worker {self._worker.http_url} failed: "
-                                        f"{obj['error'].get('message')}")
+                                        f"{obj['error'].get('message')}", worker=self._worker)
                 if obj.get("usage"):
                     self.usage = _usage(obj["usage"])
                 for choice in obj.get("choices") or ():
@@ -189,7 +213,7 @@ class DecodeStream:
                         yield delta
         if not finished:
             raise UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "
-                                "without a finish_reason")
+                                "without a finish_reason", worker=self._worker)
 
     async def _release(self) -> None:
         """Read the (empty) rest of the body so the connection goes back to the pool."""
@@ -203,17 +227,41 @@ class DecodeStream:
         self._resp.close()
 
 
+def worker_session(
+    connect_timeout: float, read_timeout: float, max_connections: int
+) -> aiohttp.ClientSession:
+    """The proxy's one pooled session to its workers (requests and health polls)."""
+    timeout = aiohttp.ClientTimeout(
+        total=None,  # streams may run long; every read has its own limit instead
+        sock_connect=connect_timeout,
+        sock_read=read_timeout,
+    )
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_on_headers_sent)
+    connector = aiohttp.TCPConnector(limit=max_connections)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace])
+
+
+async def _on_headers_sent(_session, ctx, _params) -> None:
+    flag = (ctx.trace_request_ctx or {}).get("sent")
+    if flag is not None:
+        flag.set()
+
+
 class WorkerClient:
-    """Posts to workers over one pooled session (owned by the caller)."""
+    """Posts to workers over one pooled session from ``worker_session`` (owned by the caller)."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout: float) -> None:
         self._session = session
+        self.connect_timeout = connect_timeout
 
-    def _post(self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str):
+    def _post(self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,
+              sent: asyncio.Event | None = None):
         return self._session.post(
             worker.http_url + _PATHS[kind],
             data=dumps(body),
             headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id},
+            trace_request_ctx={"sent": sent},
         )
 
     async def prefill(
@@ -226,10 +274,12 @@ class WorkerClient:
             return _first_token(data, kind)
 
     async def open_decode(
-        self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str
+        self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,
+        sent: asyncio.Event | None = None,
     ) -> DecodeStream:
+        """Post to decode; ``sent`` is set once the request is on the wire (before any answer)."""
         with _upstream_errors(worker):
-            resp = await self._post(worker, kind, body, request_id)
+            resp = await self._post(worker, kind, body, request_id, sent)
             try:
                 await _raise_for_status(resp, worker)
             except BaseException:
@@ -270,13 +320,17 @@ class PDCall:
         self._first: FirstToken | None = None
         self._stream: DecodeStream | None = None
         self._decoded_tokens = 0
+        self._decode_sent = asyncio.Event()
 
     async def first_token(self) -> FirstToken:
+        """Prefill's answer, once decode has the request too (so nothing reaches the
+        client while a dead decode worker could still mean a retry elsewhere)."""
         kind = self._req.kind
         self._prefill_task = asyncio.create_task(self._client.prefill(
             self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
         self._decode_task = asyncio.create_task(self._client.open_decode(
-            self._decode, kind, decode_body(self._req, self._decode), self.request_id))
+            self._decode, kind, decode_body(self._req, self._decode), self.request_id,
+            self._decode_sent))
         pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -285,8 +339,25 @@ class PDCall:
             if self._decode_task in done and self._decode_task.exception() is not None:
                 raise self._decode_task.exception()  # e.g. decode refused the body: 4xx
             if self._prefill_task in done:
-                self._first = self._prefill_task.result()
-                return self._first
+                first = self._prefill_task.result()
+                if first.finish_reason is None:
+                    await self._decode_connected()
+                self._first = first
+                return first
+
+    async def _decode_connected(self) -> None:
+        """Wait until decode's request is sent or has failed (usually long done by now)."""
+        task = self._decode_task
+        assert task is not None
+        if not (task.done() or self._decode_sent.is_set()):
+            sent = asyncio.create_task(self._decode_sent.wait())
+            try:
+                await asyncio.wait({task, sent}, timeout=self._client.connect_timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
 
     async def rest(self) -> AsyncIterator[Delta]:
         if self._first is None:

@@ -1,8 +1,11 @@
-"""``xpyd proxy``: command-line flags and the serving loop (static discovery).
+"""``xpyd proxy``: command-line flags and the serving loop.
 
-``run`` waits for every listed worker to answer ``/xpyd/info``, then serves the
-OpenAI API with hypercorn until SIGINT/SIGTERM, finishing in-flight requests
-for a few seconds before it exits.
+Static mode (``--prefill URL --decode URL``): ``run`` waits for every listed
+worker to answer ``/xpyd/info`` first. Dynamic mode (``--etcd HOST:PORT``):
+workers come and go through etcd; the proxy may start with none (``/health``
+and requests answer 503 until some register). Either way it serves the OpenAI
+API with hypercorn until SIGINT/SIGTERM, finishing in-flight requests for a few
+seconds before it exits.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import sys
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from xpyd.discovery.base import RegistryError
+from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
 
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
+REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
 
 
@@ -31,10 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=_DEFAULTS.port,
                         help="port to listen on (default: %(default)s)")
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="prefill worker URL, e.g. http://10.0.0.1:8100 (repeat for several)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="decode worker URL, e.g. http://10.0.0.2:8200 (repeat for several)")
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT",
+                        help="dynamic mode: discover workers in etcd (instead of --prefill/--decode)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="static mode: prefill worker URL, e.g. http://10.0.0.1:8100 "
+                             "(repeat for several)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="static mode: decode worker URL, e.g. http://10.0.0.2:8200 "
+                             "(repeat for several)")
+    parser.add_argument("--policy", default=_DEFAULTS.policy.value,
+                        choices=[p.value for p in Policy],
+                        help="how a worker is chosen for each request (default: %(default)s)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
                         help="model name clients use and see in responses "
                              "(default: the model the workers report)")
@@ -46,19 +58,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "next stream chunk from decode (default: %(default)s)")
     parser.add_argument("--worker-wait", type=float, default=_DEFAULTS.discovery_timeout,
                         metavar="SECONDS",
-                        help="at startup, wait this long for all workers to be ready "
-                             "(default: %(default)s)")
+                        help="at startup, wait this long for all listed workers to be ready "
+                             "(or for etcd to answer) (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                         metavar="BYTES", help="largest accepted request body (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The proxy's config; ValueError names what is wrong with the flags."""
+    if args.etcd is not None and (args.prefill or args.decode):
+        raise ValueError("--etcd cannot be combined with --prefill/--decode")
+    if args.etcd is None and not (args.prefill and args.decode):
+        raise ValueError("give --etcd HOST:PORT, or at least one --prefill and one --decode URL")
     return ProxyConfig(
         host=args.host,
         port=args.port,
         model_name=args.model_name,
         prefill_urls=tuple(args.prefill),
         decode_urls=tuple(args.decode),
+        etcd=args.etcd,
+        policy=Policy(args.policy),
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
         discovery_timeout=args.worker_wait,
@@ -70,13 +89,32 @@ def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
-    """Discover the workers, then serve until ``stop`` is set."""
-    registry = StaticRegistry(
+def make_registry(config: ProxyConfig) -> Registry:
+    if config.etcd is not None:
+        try:  # only dynamic mode needs the etcd client
+            from xpyd.discovery.etcd import EtcdRegistry
+        except ImportError as e:
+            raise RegistryError(f"dynamic discovery (--etcd) is unavailable: {e}") from e
+        return EtcdRegistry(config.etcd)
+    return StaticRegistry(
         list(config.prefill_urls), list(config.decode_urls), timeout=config.discovery_timeout
     )
+
+
+async def _start_registry(registry: Registry, config: ProxyConfig) -> None:
     try:
-        starting = asyncio.create_task(registry.start())
+        async with asyncio.timeout(config.discovery_timeout + 1):  # static has its own limit
+            await registry.start()
+    except TimeoutError:
+        raise RegistryError(f"worker discovery did not start within {config.discovery_timeout:g}s "
+                            f"(etcd {config.etcd})") from None
+
+
+async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
+    """Discover the workers, then serve until ``stop`` is set."""
+    registry = make_registry(config)
+    try:
+        starting = asyncio.create_task(_start_registry(registry, config))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -89,10 +127,16 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
         hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
         hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
         app = create_app(config, registry)
-        log.info("proxy on http://%s serving %s", hc.bind[0], config.model_name or "the workers' model")
+        source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
+        log.info("proxy on http://%s serving %s (%s, policy %s)", hc.bind[0],
+                 config.model_name or "the workers' model", source, config.policy.value)
         await serve(app, hc, shutdown_trigger=stop.wait)
     finally:
-        await registry.close()
+        try:
+            async with asyncio.timeout(REGISTRY_CLOSE_SECONDS):
+                await registry.close()
+        except TimeoutError:
+            log.warning("worker discovery did not close within %gs", REGISTRY_CLOSE_SECONDS)
 
 
 async def _main(config: ProxyConfig) -> None:

@@ -1,0 +1,412 @@
+"""Elastic routing through the real proxy (hypercorn, real ports) over fake aiohttp workers.
+
+The fake workers report their load on ``GET /xpyd/stats`` (their own in-flight
+requests plus a configurable backlog), can be stopped and restarted on the same
+port, answer ``/health`` with a chosen status, fail with a 5xx, or drop the
+connection in the middle of a stream. The registry is an in-test fake whose
+worker lists the tests change while the proxy runs, as etcd would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+
+from xpyd.discovery.base import Registry
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.routing import Policy
+from xpyd.signal.request_id import parse_request_id
+
+MODEL = "fake-model"
+TEXT = "Hi there!"
+
+
+# ------------------------------------------------------------------ fakes
+
+
+@dataclass
+class Worker:
+    role: Role
+    signal_port: int
+    capacity: int = 4
+    backlog: int = 0  # reported as waiting, on top of the requests it is handling
+    delay: float = 0.0  # before answering (prefill) or streaming (decode)
+    health_status: int = 200
+    fail_status: int | None = None  # answer generation requests with this status
+    drop_mid_stream: bool = False  # decode: close the connection after the first chunk
+    received: list[str] = field(default_factory=list)  # request ids
+    active: int = 0
+    port: int = 0  # kept across stop()/start()
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.role, self.url, f"127.0.0.1:{self.signal_port}", MODEL, 1,
+                          self.capacity)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/xpyd/stats", self._stats)
+        app.router.add_post("/v1/completions", self._generate)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status, text="ok")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"role": self.role.value, "waiting": self.backlog + self.active,
+                                  "running": 0, "transferring": 0})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.received.append(request.headers["X-Request-Id"])
+        self.active += 1
+        try:
+            if self.fail_status is not None:
+                return web.Response(status=self.fail_status, text="boom")
+            await asyncio.sleep(self.delay)
+            if self.role is Role.PREFILL:
+                return web.json_response({
+                    "choices": [{"index": 0, "text": "Hi", "finish_reason": None}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+            return await self._stream(request)
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, text in enumerate([" there", "!"]):
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": "length" if i else None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.drop_mid_stream:
+                request.transport.close()
+                return resp
+        usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+
+class FakeRegistry:
+    """The Registry protocol over lists the test changes at will (etcd's watch, in effect)."""
+
+    def __init__(self, workers: list[Worker] = ()) -> None:
+        self.listed: list[Worker] = list(workers)
+
+    async def start(self) -> None: ...
+
+    def workers(self, role: Role) -> list[WorkerInfo]:
+        return [w.info for w in self.listed if w.role is role]
+
+    async def close(self) -> None: ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Env:
+    url: str
+    http: aiohttp.ClientSession
+    registry: FakeRegistry
+    prefill: list[Worker]
+    decode: list[Worker]
+
+    def post(self, body: dict | None = None):
+        body = body or {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+        return self.http.post(self.url + "/v1/completions", json=body)
+
+    async def complete(self, stream: bool = False) -> int:
+        async with self.post({"model": MODEL, "prompt": "hello", "max_tokens": 3,
+                              "stream": stream}) as r:
+            if r.status == 200:
+                text = await r.text()
+                assert ("Hi" in text and "!" in text) if stream else json.loads(text)["choices"][0]["text"] == TEXT
+            return r.status
+
+    async def cluster(self) -> dict:
+        async with self.http.get(self.url + "/cluster") as r:
+            assert r.status == 200
+            return await r.json()
+
+    async def worker_view(self, w: Worker) -> dict | None:
+        views = [v for v in (await self.cluster())["workers"] if v["http_url"] == w.url]
+        return views[0] if views else None
+
+    async def wait_reported(self, w: Worker, waiting: int, within: float = 1.0) -> None:
+        """Until the proxy has polled ``w``'s stats and seen ``waiting``."""
+        t0 = time.monotonic()
+        while ((await self.worker_view(w)) or {}).get("load", {}).get("waiting") != waiting:
+            assert time.monotonic() - t0 < within, "the proxy polls /xpyd/stats every ~200 ms"
+            await asyncio.sleep(0.02)
+
+    async def wait_for(self, w: Worker, health: str, within: float = 2.0) -> float:
+        t0 = time.monotonic()
+        while (view := await self.worker_view(w)) is None or view["health"] != health:
+            assert time.monotonic() - t0 < within, f"{w.url} not {health} after {within}s: {view}"
+            await asyncio.sleep(0.02)
+        return time.monotonic() - t0
+
+
+@pytest.fixture
+async def make_env() -> AsyncIterator:
+    cleanups = []
+
+    async def make(n_prefill: int = 2, n_decode: int = 2, listed: bool = True, **config_kw) -> Env:
+        prefill = [Worker(Role.PREFILL, 15000 + i) for i in range(n_prefill)]
+        decode = [Worker(Role.DECODE, 16000 + i) for i in range(n_decode)]
+        for w in (*prefill, *decode):
+            await w.start()
+        registry = FakeRegistry([*prefill, *decode] if listed else [])
+        config = ProxyConfig(port=free_port(), **config_kw)
+        hc = HypercornConfig()
+        hc.bind = [f"127.0.0.1:{config.port}"]
+        hc.graceful_timeout = 1
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(create_app(config, registry), hc, shutdown_trigger=stop.wait))
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        env = Env(f"http://127.0.0.1:{config.port}", http, registry, prefill, decode)
+
+        async def close() -> None:
+            await http.close()
+            stop.set()
+            await asyncio.wait_for(task, 5)
+            for w in (*env.prefill, *env.decode):
+                await w.stop()
+
+        cleanups.append(close)
+        for _ in range(200):
+            try:
+                async with http.get(env.url + "/cluster"):
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.02)
+        return env
+
+    yield make
+    for close in cleanups:
+        await close()
+
+
+def counts(workers: list[Worker]) -> list[int]:
+    return [len(w.received) for w in workers]
+
+
+# ------------------------------------------------------------------ spreading load
+
+
+async def test_requests_spread_over_two_prefill_and_two_decode(make_env):
+    env = await make_env()
+    for _ in range(8):  # one at a time: equal loads, so they take turns
+        assert await env.complete() == 200
+    assert counts(env.prefill) == [4, 4] and counts(env.decode) == [4, 4]
+    for w in (*env.prefill, *env.decode):
+        w.delay = 0.1
+    statuses = await asyncio.gather(*(env.complete(stream=i % 2 == 0) for i in range(20)))
+    assert statuses == [200] * 20
+    assert counts(env.prefill) == [14, 14] and counts(env.decode) == [14, 14]  # a burst, too
+    # Each worker saw one request id per request, carrying the pair's signal addresses.
+    for p in env.prefill:
+        for rid in p.received:
+            assert parse_request_id(rid).prefill_addr == p.info.signal_addr
+
+
+async def test_worker_reporting_high_load_gets_fewer_requests(make_env):
+    env = await make_env(n_prefill=1)
+    busy, idle = env.decode
+    busy.backlog = 12  # (12 + 0) / 4: three times over capacity
+    await env.wait_reported(busy, 12)
+    for _ in range(6):
+        assert await env.complete() == 200
+    assert counts(env.decode) == [0, 6]
+    # Requests sent since the last report count as load (even finished ones) until the next poll.
+    t0 = time.monotonic()
+    while (await env.worker_view(idle))["load"]["assigned"] != 0:
+        assert time.monotonic() - t0 < 1
+        await asyncio.sleep(0.02)
+    # A burst fills the idle worker up to the busy one's load (12) before sharing.
+    idle.delay = busy.delay = 0.3
+    assert await asyncio.gather(*(env.complete() for _ in range(16))) == [200] * 16
+    assert len(busy.received) <= 3 and len(idle.received) >= 6 + 13
+    view = await env.worker_view(busy)
+    assert view["load"]["score"] >= 3.0 and view["requests"] == len(busy.received)
+
+
+# ------------------------------------------------------------------ failures
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+async def test_stopped_worker_is_retried_marked_down_and_comes_back(make_env, role):
+    env = await make_env()
+    workers = env.prefill if role is Role.PREFILL else env.decode
+    alive, dead = workers
+    await dead.stop()
+    before = counts(workers)
+    for stream in (True, False, True, False):  # the dead one's turn comes: retried elsewhere
+        assert await env.complete(stream=stream) == 200
+    assert counts(workers) == [before[0] + 4, before[1]]
+    assert (await env.worker_view(dead))["health"] == "down"
+    async with env.http.get(env.url + "/health") as r:
+        assert r.status == 200 and (await r.json())[role.value] == 1
+
+    # Back on its port, but not healthy yet: still down, still skipped.
+    dead.health_status = 503
+    await dead.start()
+    await asyncio.sleep(0.5)
+    assert (await env.worker_view(dead))["health"] == "down"
+    for _ in range(4):
+        assert await env.complete() == 200
+    assert counts(workers)[1] == before[1]
+
+    dead.health_status = 200  # the poller sees it healthy within a poll or two
+    assert await env.wait_for(dead, "up", within=1.0) < 1.0
+    for _ in range(4):
+        assert await env.complete() == 200
+    assert 1 <= counts(workers)[1] - before[1] <= 3  # it shares again (the other's load may differ)
+    assert sum(counts(workers)) == sum(before) + 12
+
+
+async def test_stopped_worker_is_marked_down_without_any_request(make_env):
+    env = await make_env(n_prefill=1)
+    await env.decode[1].stop()
+    assert await env.wait_for(env.decode[1], "down", within=1.0) < 1.0
+    assert counts(env.decode) == [0, 0]
+
+
+async def test_every_worker_of_a_role_down_is_503_at_once(make_env):
+    env = await make_env(n_prefill=1, n_decode=1)
+    env.decode[0].health_status = 503  # stays down once marked
+    env.decode[0].fail_status = 500
+    async with env.post() as r:
+        assert r.status == 502  # the worker's 5xx: not retried, but it is marked down
+    t0 = time.monotonic()
+    async with env.post() as r:
+        assert r.status == 503
+        assert "no decode worker available: the only one is down" in (await r.json())["error"]["message"]
+    assert time.monotonic() - t0 < 0.2
+    async with env.http.get(env.url + "/health") as r:
+        assert r.status == 503 and (await r.json())["decode"] == 0
+    env.decode[0].fail_status, env.decode[0].health_status = None, 200
+    await env.wait_for(env.decode[0], "up")
+    assert await env.complete() == 200
+
+
+async def test_connection_lost_mid_stream(make_env):
+    env = await make_env(n_prefill=1)
+    flaky, good = env.decode
+    flaky.drop_mid_stream = True
+    env.registry.listed.remove(good)  # for now
+    # Streaming: the first token reached the client, so the stream ends with an error event.
+    async with env.post({"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}) as r:
+        assert r.status == 200
+        body = (await r.read()).decode()
+    data = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert json.loads(data[0])["choices"][0]["text"] == "Hi"
+    assert "error" in json.loads(data[-2]) and data[-1] == "[DONE]"
+    assert flaky.received and (await env.worker_view(flaky))["health"] == "down"
+    # Not streaming: nothing was sent yet, so the request starts over on the other worker.
+    good.backlog = 8  # so that the flaky worker is chosen first
+    env.registry.listed.append(good)
+    await env.wait_for(flaky, "up")
+    await env.wait_reported(good, 8)
+    for _ in range(2):
+        assert await env.complete() == 200
+    assert len(flaky.received) == 2 and len(good.received) == 2  # retried, then avoided
+    assert (await env.worker_view(flaky))["health"] == "down"
+
+
+# ------------------------------------------------------------------ membership changes
+
+
+async def test_added_worker_gets_requests_within_a_second(make_env):
+    env = await make_env(n_prefill=1, n_decode=1)
+    new = Worker(Role.DECODE, 16009)
+    await new.start()
+    env.decode.append(new)
+    env.registry.listed.append(new)
+    t0 = time.monotonic()
+    while not new.received:
+        assert await env.complete() == 200
+        assert time.monotonic() - t0 < 1.0
+    assert (await env.worker_view(new))["health"] == "up"
+
+
+async def test_removed_worker_is_never_chosen_again(make_env):
+    env = await make_env(n_prefill=1)
+    keep, gone = env.decode
+    keep.delay = gone.delay = 0.3
+    in_flight = [asyncio.create_task(env.complete(stream=True)) for _ in range(2)]
+    while not (gone.received and keep.received):  # two at once: one each
+        await asyncio.sleep(0.01)
+    env.registry.listed.remove(gone)  # while it still serves a request
+    assert await asyncio.gather(*in_flight) == [200, 200]
+    assert await env.worker_view(gone) is None
+    keep.delay = 0
+    for _ in range(6):
+        assert await env.complete() == 200
+    assert counts(env.decode) == [7, 1]
+
+
+async def test_dynamic_start_with_no_workers(make_env):
+    env = await make_env(listed=False)
+    async with env.http.get(env.url + "/health") as r:
+        assert r.status == 503
+    async with env.post() as r:
+        assert r.status == 503
+    assert (await env.cluster())["workers"] == []
+    env.registry.listed.extend([env.prefill[0], env.decode[0]])
+    async with env.http.get(env.url + "/health") as r:
+        assert r.status == 200
+    assert await env.complete() == 200
+
+
+# ------------------------------------------------------------------ /cluster
+
+
+@pytest.mark.parametrize("policy", [Policy.LEAST_LOADED, Policy.ROUND_ROBIN])
+async def test_cluster_json(make_env, policy):
+    env = await make_env(n_prefill=1, policy=policy)
+    for _ in range(3):
+        assert await env.complete() == 200
+    env.decode[1].backlog = 2
+    await asyncio.sleep(0.5)  # a couple of polls
+    data = await env.cluster()
+    assert data["policy"] == policy.value
+    assert [(w["role"], w["http_url"]) for w in data["workers"]] == [
+        ("prefill", env.prefill[0].url), ("decode", env.decode[0].url), ("decode", env.decode[1].url)]
+    p, d0, d1 = data["workers"]
+    assert p == {"role": "prefill", "http_url": env.prefill[0].url, "signal_addr": "127.0.0.1:15000",
+                 "model_id": MODEL, "capacity": 4, "health": "up",
+                 "load": {"waiting": 0, "running": 0, "transferring": 0, "assigned": 0, "score": 0.0},
+                 "requests": 3}
+    assert sorted([d0["requests"], d1["requests"]]) == [1, 2]
+    assert d1["load"] == {"waiting": 2, "running": 0, "transferring": 0, "assigned": 0, "score": 0.5}

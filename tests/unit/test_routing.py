@@ -1,0 +1,247 @@
+"""Routing policies and the worker table: load scores, burst spreading, mark-down and recovery."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.routing import (
+    LeastLoadedRouter,
+    NoWorkerError,
+    Policy,
+    RoundRobinRouter,
+    make_router,
+)
+from xpyd.proxy.workers import Health, Stats, WorkerTable
+
+
+def worker(i: int, role: Role = Role.DECODE, capacity: int = 8) -> WorkerInfo:
+    return WorkerInfo(role, f"http://10.0.0.{i}:8000", f"10.0.0.{i}:9000", "m", 1, capacity)
+
+
+def report(table: WorkerTable, w: WorkerInfo, waiting: int = 0, running: int = 0,
+           transferring: int = 0) -> None:
+    table.report(w, Stats(waiting, running, transferring), table.report_mark(w))
+
+
+def burst(router, workers: list[WorkerInfo], n: int, role: Role = Role.DECODE) -> Counter:
+    """``n`` requests picked and started before any report or finish."""
+    counts: Counter = Counter()
+    for _ in range(n):
+        w = router.pick(role, workers)
+        router.started(w)
+        counts[w.http_url] += 1
+    return counts
+
+
+# ------------------------------------------------------------------ least loaded
+
+
+def test_least_loaded_picks_the_lowest_score():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    a, b, c = worker(1), worker(2), worker(3, capacity=2)
+    table.sync(Role.DECODE, [a, b, c])
+    report(table, a, waiting=2, running=4)  # 6/8
+    report(table, b, running=3, transferring=1)  # 4/8
+    report(table, c, running=2)  # 2/2: the lowest count is not the lowest load
+    for _ in range(3):
+        assert router.pick(Role.DECODE, [a, b, c]) == b  # picking alone changes nothing
+    assert [s.score for s in table.sync(Role.DECODE, [a, b, c])] == [0.75, 0.5, 1.0]
+    router.started(b)
+    router.started(b)  # now 6/8, as a: they take turns, c is still the fullest
+    assert {router.pick(Role.DECODE, [a, b, c]) for _ in range(4)} == {a, b}
+
+
+def test_burst_spreads_evenly_over_equal_workers():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    workers = [worker(i) for i in range(4)]
+    for w in workers:
+        table.sync(Role.DECODE, workers)
+        report(table, w, running=1)
+    counts = burst(router, workers, 100)
+    assert sorted(counts.values()) == [25, 25, 25, 25]
+    # Without any report the proxy's own in-flight count stands in.
+    table2 = WorkerTable()
+    assert sorted(burst(LeastLoadedRouter(table2), workers, 10).values()) == [2, 2, 3, 3]
+
+
+def test_burst_fills_the_idle_worker_first():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    busy, idle = worker(1), worker(2)
+    table.sync(Role.DECODE, [busy, idle])
+    report(table, busy, waiting=3, running=1)
+    counts = burst(router, [busy, idle], 10)
+    assert counts == {idle.http_url: 7, busy.http_url: 3}  # 4 to catch up, then turn about
+
+
+def test_equal_scores_share_in_shuffled_rounds():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    workers = [worker(i) for i in range(3)]
+    # Finished at once: scores stay equal (0), so only the tie-break spreads them.
+    picks = []
+    for _ in range(30):
+        w = router.pick(Role.DECODE, workers)
+        router.started(w)
+        router.finished(w)
+        picks.append(workers.index(w))
+    rounds = [tuple(picks[i:i + 3]) for i in range(0, 30, 3)]
+    assert all(sorted(r) == [0, 1, 2] for r in rounds)  # everyone once per round
+    assert len(set(rounds)) > 1  # in a new order each round
+
+
+def test_prefill_and_decode_pairs_mix():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    prefill = [worker(i, Role.PREFILL) for i in range(2)]
+    decode = [worker(i + 2) for i in range(2)]
+    pairs = Counter()
+    for _ in range(40):
+        p, d = router.pick(Role.PREFILL, prefill), router.pick(Role.DECODE, decode)
+        for w in (p, d):
+            router.started(w)
+            router.finished(w)
+        pairs[p.http_url, d.http_url] += 1
+    assert len(pairs) == 4  # every prefill met every decode (p_i is not tied to d_i)
+    assert Counter(p for p, _ in pairs.elements()) == {w.http_url: 20 for w in prefill}
+
+
+def test_assigned_counts_requests_since_the_report_was_asked_for():
+    table = WorkerTable()
+    w = worker(1, capacity=4)
+    (state,) = table.sync(Role.DECODE, [w])
+    for _ in range(3):
+        table.started(w)
+    assert state.assigned == 3 and state.score == 0.75  # no report yet: in flight
+    mark = table.report_mark(w)  # the poll goes out; two more requests are sent meanwhile
+    table.started(w)
+    table.started(w)
+    table.report(w, Stats(waiting=1, running=3, transferring=0), mark)  # counted the first 3 (+1)
+    assert state.assigned == 2 and state.score == (4 + 2) / 4
+    for _ in range(5):
+        table.finished(w)
+    assert state.in_flight == 0 and state.assigned == 2  # only a new report lowers it
+    report(table, w)
+    assert state.score == 0 and state.requests == 5
+
+
+# ------------------------------------------------------------------ round robin
+
+
+def test_round_robin_cycles_and_skips_down_workers():
+    table = WorkerTable()
+    router = RoundRobinRouter(table)
+    workers = [worker(i, Role.PREFILL) for i in range(3)]
+    table.sync(Role.PREFILL, workers)
+    report(table, workers[0], waiting=100)  # load does not matter to round-robin
+    picks = [workers.index(router.pick(Role.PREFILL, workers)) for _ in range(6)]
+    assert picks == [0, 1, 2, 0, 1, 2]
+    table.mark_down(workers[1], "refused")
+    picks = [workers.index(router.pick(Role.PREFILL, workers)) for _ in range(4)]
+    assert sorted(picks) == [0, 0, 2, 2]
+
+
+def test_make_router():
+    table = WorkerTable()
+    assert make_router(Policy.ROUND_ROBIN, table).policy is Policy.ROUND_ROBIN
+    assert make_router(Policy.LEAST_LOADED, table).policy is Policy.LEAST_LOADED
+
+
+# ------------------------------------------------------------------ health
+
+
+@pytest.mark.parametrize("router_cls", [LeastLoadedRouter, RoundRobinRouter])
+def test_down_workers_are_skipped_until_marked_up(router_cls):
+    table = WorkerTable()
+    router = router_cls(table)
+    a, b = worker(1), worker(2)
+    table.sync(Role.DECODE, [a, b])
+    report(table, b)  # b is idle, a would be preferred by nobody... until b goes down
+    assert table.mark_down(b, "connection refused") is True
+    assert table.mark_down(b, "still refused") is False  # already down
+    assert {router.pick(Role.DECODE, [a, b]) for _ in range(5)} == {a}
+    table.mark_down(a, "timed out")
+    with pytest.raises(NoWorkerError, match="no decode worker available: all 2 are down"):
+        router.pick(Role.DECODE, [a, b])
+    assert table.mark_up(b) is True and table.mark_up(b) is False
+    assert router.pick(Role.DECODE, [a, b]) == b
+    with pytest.raises(NoWorkerError, match="no prefill worker available$"):
+        router.pick(Role.PREFILL, [])
+
+
+def test_mark_down_drops_stats_and_ignores_late_reports():
+    table = WorkerTable()
+    w = worker(1)
+    (state,) = table.sync(Role.DECODE, [w])
+    report(table, w, running=5)
+    mark = table.report_mark(w)  # a poll is in flight when the worker is marked down
+    table.mark_down(w, "HTTP 500")
+    assert state.health is Health.DOWN and state.stats is None and state.down_reason == "HTTP 500"
+    table.report(w, Stats(0, 5, 0), mark)
+    assert state.stats is None
+    table.mark_up(w)
+    assert state.health is Health.UP and state.down_reason == "" and state.score == 0
+
+
+def test_sync_forgets_removed_workers_and_adopts_new_ones():
+    table = WorkerTable()
+    router = LeastLoadedRouter(table)
+    a, b = worker(1), worker(2)
+    table.sync(Role.DECODE, [a, b])
+    table.started(a)
+    table.mark_down(b, "refused")
+    assert router.pick(Role.DECODE, [a]) == a  # b left the registry
+    assert table.get(b) is None
+    table.finished(b)  # a request on a forgotten worker ends: ignored
+    table.mark_down(b, "refused")  # so is a late failure
+    assert table.get(b) is None
+    # b comes back: a fresh, UP worker, chosen at once since a is busy.
+    assert router.pick(Role.DECODE, [a, b]) == b
+    # A changed registration keeps the state under the new info.
+    a2 = WorkerInfo(Role.DECODE, a.http_url, a.signal_addr, "m", 1, capacity=16)
+    (s_a, _) = table.sync(Role.DECODE, [a2, b])
+    assert s_a.info.capacity == 16 and s_a.requests == 1
+    # Other roles are untouched by a sync.
+    p = worker(9, Role.PREFILL)
+    table.sync(Role.PREFILL, [p])
+    table.sync(Role.DECODE, [])
+    assert table.get(p) is not None and table.get(a2) is None
+
+
+def test_cluster_view_of_a_worker():
+    table = WorkerTable()
+    w = worker(1, capacity=4)
+    (state,) = table.sync(Role.DECODE, [w])
+    assert state.to_dict()["load"] == {"waiting": None, "running": None, "transferring": None,
+                                       "assigned": 0, "score": 0.0}
+    table.started(w)
+    report(table, w, waiting=1, running=1, transferring=1)
+    table.started(w)
+    assert state.to_dict() == {
+        "role": "decode", "http_url": w.http_url, "signal_addr": w.signal_addr, "model_id": "m",
+        "capacity": 4, "health": "up",
+        "load": {"waiting": 1, "running": 1, "transferring": 1, "assigned": 1, "score": 1.0},
+        "requests": 2,
+    }
+
+
+@pytest.mark.parametrize("d", [
+    {"waiting": 1, "running": 1},
+    {"waiting": -1, "running": 0, "transferring": 0},
+    {"waiting": 1.5, "running": 0, "transferring": 0},
+    {"waiting": True, "running": 0, "transferring": 0},
+    [1, 2, 3],
+])
+def test_stats_are_validated(d):
+    with pytest.raises(ValueError):
+        Stats.from_dict(d)
+
+
+def test_stats_extra_fields_are_ignored():
+    d = {"role": "decode", "waiting": 1, "running": 2, "transferring": 3, "kv_used_bytes": 10}
+    assert Stats.from_dict(d).total == 6

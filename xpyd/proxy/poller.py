@@ -1,0 +1,119 @@
+"""The background poll of every known worker (every ``interval``, one probe per worker at a time)::
+
+    UP worker   -> GET /xpyd/stats -> 200: its load is reported
+                                   -> refused / 5xx: DOWN
+                                   -> other status or a bad body: no stats (the proxy counts alone)
+    DOWN worker -> GET /health     -> 200: UP again
+
+Each tick first syncs the table with the registry, so workers that left are
+forgotten even when no request comes. A probe that times out changes nothing:
+a worker that is slow to answer is busy, not dead (requests to it have their
+own timeouts, and those do mark it down). A worker that hangs gets no second
+probe while the first is pending, so one slow worker never delays the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import aiohttp
+
+from xpyd.discovery.base import Registry
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.workers import Health, Stats, WorkerTable
+
+log = logging.getLogger(__name__)
+
+MAX_STATS_BYTES = 64 * 1024
+CLOSE_TIMEOUT = 2.0
+
+
+class HealthPoller:
+    def __init__(
+        self,
+        registry: Registry,
+        table: WorkerTable,
+        session: aiohttp.ClientSession,
+        interval: float,
+        timeout: float,
+    ) -> None:
+        self._registry = registry
+        self._table = table
+        self._session = session
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task | None = None
+        self._probes: dict[tuple[Role, str], asyncio.Task] = {}
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="xpyd-proxy-poller")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._probes.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._probes.clear()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # a broken registry must not stop the health checks for good
+                log.exception("polling the workers failed")
+            await asyncio.sleep(self._interval)
+
+    def tick(self) -> None:
+        """Sync with the registry and start a probe for every worker that has none running."""
+        live = set()
+        for role in Role:
+            for state in self._table.sync(role, self._registry.workers(role)):
+                key = (role, state.info.http_url)
+                live.add(key)
+                probe = self._probes.get(key)
+                if probe is None or probe.done():
+                    self._probes[key] = asyncio.create_task(self._probe(state.info))
+        for key in [k for k in self._probes if k not in live]:
+            self._probes.pop(key).cancel()
+
+    async def _probe(self, worker: WorkerInfo) -> None:
+        state = self._table.get(worker)
+        if state is None:
+            return
+        try:
+            if state.health is Health.DOWN:
+                await self._check_health(worker)
+            else:
+                await self._read_stats(worker)
+        except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead
+            pass
+        except aiohttp.ClientError as e:
+            self._table.mark_down(worker, f"poll: {type(e).__name__}: {e}")
+
+    async def _check_health(self, worker: WorkerInfo) -> None:
+        async with self._session.get(worker.http_url + "/health", timeout=self._timeout) as resp:
+            if resp.status == 200:
+                self._table.mark_up(worker)
+
+    async def _read_stats(self, worker: WorkerInfo) -> None:
+        mark = self._table.report_mark(worker)
+        url = worker.http_url + "/xpyd/stats"
+        async with self._session.get(url, timeout=self._timeout) as resp:
+            if resp.status >= 500:
+                self._table.mark_down(worker, f"poll: GET /xpyd/stats answered HTTP {resp.status}")
+                return
+            body = await resp.content.read(MAX_STATS_BYTES)  # read even a 404: keeps the connection
+        stats = None
+        if resp.status == 200:
+            try:
+                stats = Stats.from_dict(json.loads(body))
+            except ValueError as e:
+                log.debug("%s: unusable stats: %s", url, e)
+        self._table.report(worker, stats, mark)

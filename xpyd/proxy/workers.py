@@ -1,0 +1,182 @@
+"""What the proxy knows about each worker: health, reported load, and its own counts.
+
+The registry says which workers exist; this table adds what the proxy has
+learned about them::
+
+    registry list --sync()--> WorkerState (UP on first sight)
+    request fails (refused, timeout, 5xx) --mark_down()--> DOWN (never chosen)
+    poller sees GET /health == 200 --mark_up()--> UP
+    poller reads GET /xpyd/stats --report()--> load = reported + assigned since
+
+A worker that leaves the registry is forgotten with everything known about it;
+calls about a forgotten worker (a request that finishes after it left) are
+ignored. Everything runs on the proxy's event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from xpyd.discovery.types import Role, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class Health(str, Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A worker's own count of its requests (``GET /xpyd/stats``)."""
+
+    waiting: int
+    running: int
+    transferring: int
+
+    def __post_init__(self) -> None:
+        for name in ("waiting", "running", "transferring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"stats: {name} must be a non-negative integer, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, d: object) -> "Stats":
+        if not isinstance(d, dict):
+            raise ValueError(f"stats must be a JSON object, got {type(d).__name__}")
+        try:
+            return cls(d["waiting"], d["running"], d["transferring"])
+        except KeyError as e:
+            raise ValueError(f"stats: missing {e}") from None
+
+    @property
+    def total(self) -> int:
+        return self.waiting + self.running + self.transferring
+
+
+def _key(worker: WorkerInfo) -> tuple[Role, str]:
+    return worker.role, worker.http_url
+
+
+@dataclass(slots=True)
+class WorkerState:
+    info: WorkerInfo
+    health: Health = Health.UP
+    stats: Stats | None = None  # the last report; None: none yet (or the worker has no stats)
+    requests: int = 0  # routed to this worker by this proxy, ever
+    in_flight: int = 0  # routed and not finished yet
+    reported_requests: int = 0  # ``requests`` when the last report was asked for
+    down_reason: str = ""
+    since: float = field(default_factory=time.monotonic)  # of the current health
+
+    @property
+    def assigned(self) -> int:
+        """Requests the last report cannot include: sent since it was asked for.
+
+        Without any report, the proxy's own count of unfinished requests stands in.
+        """
+        if self.stats is None:
+            return self.in_flight
+        return self.requests - self.reported_requests
+
+    @property
+    def score(self) -> float:
+        """Load relative to capacity: (waiting + running + transferring + assigned) / capacity."""
+        reported = self.stats.total if self.stats is not None else 0
+        return (reported + self.assigned) / max(self.info.capacity, 1)
+
+    def to_dict(self) -> dict:
+        stats = self.stats
+        return {
+            "role": self.info.role.value,
+            "http_url": self.info.http_url,
+            "signal_addr": self.info.signal_addr,
+            "model_id": self.info.model_id,
+            "capacity": self.info.capacity,
+            "health": self.health.value,
+            "load": {
+                "waiting": stats.waiting if stats else None,
+                "running": stats.running if stats else None,
+                "transferring": stats.transferring if stats else None,
+                "assigned": self.assigned,
+                "score": round(self.score, 4),
+            },
+            "requests": self.requests,
+        }
+
+
+class WorkerTable:
+    def __init__(self) -> None:
+        self._states: dict[tuple[Role, str], WorkerState] = {}
+
+    def sync(self, role: Role, workers: Sequence[WorkerInfo]) -> list[WorkerState]:
+        """Adopt the registry's current list for ``role``; return its states in list order.
+
+        New workers start UP; workers no longer listed are forgotten; a worker
+        whose registration changed (e.g. restarted with a new capacity) keeps its
+        health and counts under the new info.
+        """
+        listed = {_key(w): w for w in workers if w.role is role}
+        for key in [k for k in self._states if k[0] is role and k not in listed]:
+            del self._states[key]
+        states = []
+        for key, info in listed.items():
+            state = self._states.get(key)
+            if state is None:
+                state = self._states[key] = WorkerState(info)
+            elif state.info != info:
+                state.info = info
+            states.append(state)
+        return states
+
+    def get(self, worker: WorkerInfo) -> WorkerState | None:
+        return self._states.get(_key(worker))
+
+    def started(self, worker: WorkerInfo) -> None:
+        state = self.get(worker)
+        if state is not None:
+            state.requests += 1
+            state.in_flight += 1
+
+    def finished(self, worker: WorkerInfo) -> None:
+        state = self.get(worker)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+
+    def mark_down(self, worker: WorkerInfo, reason: str) -> bool:
+        """Stop choosing ``worker`` until it is seen healthy; True if it was UP."""
+        state = self.get(worker)
+        if state is None:
+            return False
+        state.down_reason = reason
+        if state.health is Health.DOWN:
+            return False
+        state.health, state.since, state.stats = Health.DOWN, time.monotonic(), None
+        log.warning("%s worker %s is down: %s", worker.role.value, worker.http_url, reason)
+        return True
+
+    def mark_up(self, worker: WorkerInfo) -> bool:
+        """``worker`` answered its health check; True if it was DOWN."""
+        state = self.get(worker)
+        if state is None or state.health is Health.UP:
+            return False
+        state.health, state.since, state.down_reason = Health.UP, time.monotonic(), ""
+        log.info("%s worker %s is up", worker.role.value, worker.http_url)
+        return True
+
+    def report_mark(self, worker: WorkerInfo) -> int:
+        """Call when asking for stats; pass the result to ``report`` with the answer."""
+        state = self.get(worker)
+        return state.requests if state is not None else 0
+
+    def report(self, worker: WorkerInfo, stats: Stats | None, mark: int) -> None:
+        """The worker's stats as of when ``mark`` was taken (None: it reports none)."""
+        state = self.get(worker)
+        if state is None or state.health is Health.DOWN:
+            return  # a report from before the mark-down must not revive old numbers
+        state.stats, state.reported_requests = stats, mark
