@@ -687,6 +687,67 @@ async def test_main_serves_and_stops_on_sigterm():
         await d.stop()
 
 
+async def test_main_dynamic_mode_discovers_workers_in_etcd(etcd):
+    from xpyd.discovery.etcd_registration import EtcdRegistration
+
+    p, d = FakeWorker(Role.PREFILL, 15555), FakeWorker(Role.DECODE, 16666)
+    await p.start()
+    await d.start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "xpyd.proxy.main", "--port", str(port), "--etcd", etcd.endpoint,
+        "--policy", "round_robin",
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    regs = [EtcdRegistration(etcd.endpoint, WorkerInfo(w.role, w.url, w.signal_addr, MODEL, 1, 8))
+            for w in (p, d)]
+
+    async def cluster_size(s: aiohttp.ClientSession, n: int) -> None:
+        for _ in range(100):
+            async with s.get(url + "/cluster") as r:
+                data = await r.json()
+            if len(data["workers"]) == n:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the proxy never saw {n} workers: {data}")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(300):  # serving with no workers at all: 503, not a crash
+                try:
+                    async with s.get(url + "/health") as r:
+                        assert r.status == 503
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            async with s.post(url + "/v1/completions", json=completion()) as r:
+                assert r.status == 503
+            for reg in regs:
+                await reg.start()
+            await cluster_size(s, 2)
+            async with s.get(url + "/cluster") as r:
+                assert (await r.json())["policy"] == "round_robin"
+            async with s.post(url + "/v1/completions", json=completion()) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["text"] == "".join(TOKENS)
+            await regs[1].close()  # decode leaves: forgotten at once
+            await cluster_size(s, 1)
+            async with s.post(url + "/v1/completions", json=completion()) as r:
+                assert r.status == 503
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        for reg in regs:
+            await reg.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await p.stop()
+        await d.stop()
+
+
 # ------------------------------------------------------------------ configuration
 
 

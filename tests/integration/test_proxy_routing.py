@@ -116,7 +116,7 @@ class Worker:
 class FakeRegistry:
     """The Registry protocol over lists the test changes at will (etcd's watch, in effect)."""
 
-    def __init__(self, workers: list[Worker] = ()) -> None:
+    def __init__(self, workers: list[Worker]) -> None:
         self.listed: list[Worker] = list(workers)
 
     async def start(self) -> None: ...
@@ -226,14 +226,18 @@ def counts(workers: list[Worker]) -> list[int]:
 
 async def test_requests_spread_over_two_prefill_and_two_decode(make_env):
     env = await make_env()
-    for _ in range(8):  # one at a time: equal loads, so they take turns
+    # One at a time: equal loads, so they take turns. (A poll that lands while a request
+    # is on its way to a worker may miss it once, hence the slack of one.)
+    for _ in range(8):
         assert await env.complete() == 200
-    assert counts(env.prefill) == [4, 4] and counts(env.decode) == [4, 4]
+    for workers in (env.prefill, env.decode):
+        assert sorted(counts(workers)) in ([4, 4], [3, 5])
     for w in (*env.prefill, *env.decode):
         w.delay = 0.1
     statuses = await asyncio.gather(*(env.complete(stream=i % 2 == 0) for i in range(20)))
     assert statuses == [200] * 20
-    assert counts(env.prefill) == [14, 14] and counts(env.decode) == [14, 14]  # a burst, too
+    for workers in (env.prefill, env.decode):  # a burst spreads too, before any poll sees it
+        assert sum(counts(workers)) == 28 and min(counts(workers)) >= 12
     # Each worker saw one request id per request, carrying the pair's signal addresses.
     for p in env.prefill:
         for rid in p.received:
@@ -271,7 +275,7 @@ async def test_stopped_worker_is_retried_marked_down_and_comes_back(make_env, ro
     alive, dead = workers
     await dead.stop()
     before = counts(workers)
-    for stream in (True, False, True, False):  # the dead one's turn comes: retried elsewhere
+    for stream in (True, False, True, False):  # whether a request or a poll finds it first
         assert await env.complete(stream=stream) == 200
     assert counts(workers) == [before[0] + 4, before[1]]
     assert (await env.worker_view(dead))["health"] == "down"
@@ -293,6 +297,23 @@ async def test_stopped_worker_is_retried_marked_down_and_comes_back(make_env, ro
         assert await env.complete() == 200
     assert 1 <= counts(workers)[1] - before[1] <= 3  # it shares again (the other's load may differ)
     assert sum(counts(workers)) == sum(before) + 12
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unreachable_worker_means_one_retry_on_a_fresh_pair(make_env, caplog, role, stream):
+    env = await make_env(poll_interval=60)  # one poll at start: only requests find the dead one
+    workers = env.prefill if role is Role.PREFILL else env.decode
+    await workers[1].stop()
+    for _ in range(2):  # equal loads: both take a turn in two requests
+        assert await env.complete(stream=stream) == 200
+    retries = [r for r in caplog.records if "retrying on another pair" in r.getMessage()]
+    assert len(retries) == 1 and workers[1].url in retries[0].getMessage()
+    view = await env.worker_view(workers[1])
+    assert view["health"] == "down" and view["requests"] == 1
+    assert len(workers[0].received) == 2
+    ids = [rid for w in env.decode for rid in w.received]
+    assert len(ids) == len(set(ids))  # the retry had a new request id
 
 
 async def test_stopped_worker_is_marked_down_without_any_request(make_env):
@@ -378,6 +399,7 @@ async def test_removed_worker_is_never_chosen_again(make_env):
 
 async def test_dynamic_start_with_no_workers(make_env):
     env = await make_env(listed=False)
+    assert isinstance(env.registry, Registry)
     async with env.http.get(env.url + "/health") as r:
         assert r.status == 503
     async with env.post() as r:

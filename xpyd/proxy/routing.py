@@ -89,8 +89,8 @@ class LeastLoadedRouter:
     def __init__(self, table: WorkerTable, rng: random.Random | None = None) -> None:
         self._table = table
         self._rng = rng or random.Random()
-        self._turns: dict[Role, list[str]] = {role: [] for role in Role}  # URLs yet to have
-        #                                                 their turn this round, in turn order
+        # Per role: the URLs yet to have their turn at a tie this round, in turn order.
+        self._turns: dict[Role, list[str]] = {role: [] for role in Role}
 
     def pick(self, role: Role, workers: Sequence[WorkerInfo]) -> WorkerInfo:
         up = _up(self._table, role, workers)
