@@ -1,0 +1,299 @@
+"""Dynamic xPyD: real etcd, real worker processes (tiny random Llama), the proxy discovering them.
+
+Covers joining, leaving (SIGTERM and SIGKILL), 2P2D with on-demand peer
+connections, and an etcd outage while requests flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import Cluster, free_port
+from xpyd.discovery.local_etcd import LocalEtcd
+
+PROMPTS = ["hello world", "the quick brown fox", "one two three four five", "a b c", "etcd is a key value store",
+           "disaggregated prefill and decode"]
+MAX_TOKENS = 8
+LEASE_TTL = 2
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    out = {}
+    for p in PROMPTS:
+        ids = tok(p).input_ids
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False)
+        out[p] = tok.decode(gen[0, len(ids):], skip_special_tokens=True)
+    return out
+
+
+class Watcher:
+    """Our EtcdRegistry in a background loop, recording when each worker appeared / disappeared."""
+
+    def __init__(self, endpoint: str) -> None:
+        from xpyd.discovery.etcd import EtcdRegistry
+
+        self.registry = EtcdRegistry(endpoint)
+        self.appeared: dict[str, float] = {}
+        self.gone: dict[str, float] = {}
+        self._known: set[str] = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.registry.on_change(self._changed)
+        asyncio.run_coroutine_threadsafe(self.registry.start(), self.loop).result(10)
+        self._changed()
+
+    def _changed(self) -> None:
+        now = time.monotonic()
+        urls = {w.http_url for role in ("prefill", "decode") for w in self._workers(role)}
+        for u in urls - self._known:
+            self.appeared[u] = now
+        for u in self._known - urls:
+            self.gone[u] = now
+        self._known = urls
+
+    def _workers(self, role: str):
+        from xpyd.discovery.types import Role
+
+        return self.registry.workers(Role(role))
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.registry.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Dyn:
+    def __init__(self, workdir: Path, model: Path, etcd: LocalEtcd) -> None:
+        self.c = Cluster(workdir)
+        self.model = model
+        self.etcd = etcd
+        self.proxy_url = ""
+
+    def worker(self, role: str, name: str):
+        port = free_port()
+        args = [role, "--model", str(self.model), "--dtype", "float32", "--threads", "1", "--max-model-len",
+                "256", "--batch-size", "4", "--etcd", self.etcd.endpoint, "--lease-ttl", str(LEASE_TTL),
+                "--port", str(port)]
+        args += ["--signal-port", str(free_port())] if role == "prefill" else ["--kv-port", str(free_port())]
+        return self.c.start(name, args, f"http://127.0.0.1:{port}")
+
+    def proxy(self):
+        port = free_port()
+        self.proxy_url = f"http://127.0.0.1:{port}"
+        return self.c.start("proxy", ["proxy", "--port", str(port), "--etcd", self.etcd.endpoint], self.proxy_url)
+
+    def cluster(self) -> dict:
+        return json.loads(urllib.request.urlopen(self.proxy_url + "/cluster", timeout=5).read())
+
+    def by_url(self) -> dict[str, dict]:
+        return {w["http_url"]: w for w in self.cluster()["workers"]}
+
+
+def complete(proxy_url: str, prompt: str, timeout: float = 60) -> tuple[int, str]:
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    req = urllib.request.Request(proxy_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())["choices"][0]["text"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except OSError as e:
+        return 0, str(e)
+
+
+class Load:
+    """Requests flowing through the proxy from background threads until stopped."""
+
+    def __init__(self, proxy_url: str, reference: dict, threads: int = 2) -> None:
+        self.results: list[tuple[float, int, str, bool]] = []  # (t, status, prompt, correct)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(proxy_url, reference, i), daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, url: str, reference: dict, i: int) -> None:
+        k = i
+        while not self._stop.is_set():
+            prompt = PROMPTS[k % len(PROMPTS)]
+            k += 1
+            status, text = complete(url, prompt)
+            self.results.append((time.monotonic(), status, prompt, status == 200 and text == reference[prompt]))
+
+    def stop(self) -> list[tuple[float, int, str, bool]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+        return self.results
+
+
+@pytest.fixture
+def dyn(tmp_path: Path, tiny_model_dir: Path):
+    etcd = LocalEtcd(data_dir=tmp_path / "etcd")
+    etcd.start()
+    d = Dyn(tmp_path, tiny_model_dir, etcd)
+    try:
+        yield d
+    finally:
+        d.c.stop()
+        etcd.stop()
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def _stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/xpyd/stats", timeout=5).read())
+
+
+def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
+    workers = [dyn.worker("prefill", "p0"), dyn.worker("prefill", "p1"), dyn.worker("decode", "d0"),
+               dyn.worker("decode", "d1")]
+    dyn.c.wait_healthy()
+    dyn.proxy()
+    dyn.c.wait_healthy()
+    _wait(lambda: len(dyn.cluster()["workers"]) == 4, 10, "the proxy to see 4 workers")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    with ThreadPoolExecutor(3) as ex:
+        results = list(ex.map(lambda p: complete(dyn.proxy_url, p), prompts))
+    for p, (status, text) in zip(prompts, results):
+        assert status == 200, text
+        assert text == reference[p]
+    by_url = dyn.by_url()
+    for w in workers:
+        assert by_url[w.url]["requests"] > 0, by_url  # every worker was used
+    prefill_addrs = {by_url[w.url]["signal_addr"] for w in workers[:2]}
+    for d in workers[2:]:
+        pulls = _stats(d.url)["pulls"]
+        assert set(pulls) == prefill_addrs, pulls  # each decode pulled from both prefill workers
+    for p in workers[:2]:
+        s = _stats(p.url)
+        assert s["kv_slots_used"] == 0 and len(s["sends"]) == 2
+
+
+def test_join_receives_requests_within_a_second(dyn, reference):
+    dyn.worker("prefill", "p0")
+    dyn.worker("decode", "d0")
+    dyn.c.wait_healthy()
+    dyn.proxy()
+    dyn.c.wait_healthy()
+    watcher = Watcher(dyn.etcd.endpoint)
+    load = Load(dyn.proxy_url, reference, threads=3)
+    try:
+        time.sleep(1.0)
+        late = dyn.worker("decode", "d-late")
+        _wait(lambda: late.url in watcher.appeared, 120, "the late worker to register", 0.02)
+        registered = watcher.appeared[late.url]
+        first = _wait(lambda: dyn.by_url().get(late.url, {}).get("requests", 0) > 0 and time.monotonic(),
+                      5, "a request on the late worker", 0.02)
+        assert first - registered < 1.0
+    finally:
+        results = load.stop()
+        watcher.close()
+    assert results and all(ok for _, _, _, ok in results), [r for r in results if not r[3]][:3]
+
+
+def test_sigterm_deregisters_at_once_and_no_request_fails(dyn, reference):
+    dyn.worker("prefill", "p0")
+    d0 = dyn.worker("decode", "d0")
+    dyn.worker("decode", "d1")
+    dyn.c.wait_healthy()
+    dyn.proxy()
+    dyn.c.wait_healthy()
+    watcher = Watcher(dyn.etcd.endpoint)
+    _wait(lambda: d0.url in watcher.appeared, 10, "d0 registered")
+    load = Load(dyn.proxy_url, reference, threads=3)
+    try:
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        d0.popen.send_signal(signal.SIGTERM)
+        _wait(lambda: d0.url in watcher.gone, 5, "d0's key to disappear", 0.005)
+        assert watcher.gone[d0.url] - t0 < 0.1
+        assert d0.popen.wait(40) == 0
+        time.sleep(1.0)
+    finally:
+        results = load.stop()
+        watcher.close()
+    failed = [r for r in results if not r[3]]
+    assert results and not failed, failed[:3]
+
+
+def test_sigkill_stops_routing_after_first_failure(dyn, reference):
+    dyn.worker("prefill", "p0")
+    d0 = dyn.worker("decode", "d0")
+    dyn.worker("decode", "d1")
+    dyn.c.wait_healthy()
+    dyn.proxy()
+    dyn.c.wait_healthy()
+    load = Load(dyn.proxy_url, reference, threads=3)
+    try:
+        time.sleep(1.5)
+        d0.popen.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        _wait(lambda: dyn.by_url().get(d0.url, {"health": "down"})["health"] == "down",
+              LEASE_TTL + 2, "d0 marked down or gone")
+        t_down = time.monotonic()
+        before = dyn.by_url().get(d0.url, {}).get("requests")
+        time.sleep(1.5)
+        after = dyn.by_url().get(d0.url, {}).get("requests")
+        assert after in (None, before)  # nothing more routed to the dead worker (None: lease expired)
+        # ...and it was noticed no later than the lease TTL
+        assert t_down - t_kill <= LEASE_TTL + 1.0
+    finally:
+        results = load.stop()
+    late = [r for r in results if r[0] > t_down + 0.1]
+    assert late and all(ok for _, _, _, ok in late), [r for r in late if not r[3]][:3]
+
+
+def test_etcd_outage_keeps_serving_and_recovers(dyn, reference):
+    dyn.worker("prefill", "p0")
+    dyn.worker("decode", "d0")
+    dyn.c.wait_healthy()
+    dyn.proxy()
+    dyn.c.wait_healthy()
+    _wait(lambda: len(dyn.cluster()["workers"]) == 2, 10, "the proxy to see both workers")
+    load = Load(dyn.proxy_url, reference, threads=2)
+    try:
+        time.sleep(0.5)
+        dyn.etcd.stop()
+        t_down = time.monotonic()
+        time.sleep(4.0)
+        during = [r for r in load.results if r[0] > t_down]
+        assert during and all(ok for _, _, _, ok in during)
+        dyn.etcd.start()
+        late = dyn.worker("decode", "d-after-restart")
+        _wait(lambda: late.url in dyn.by_url(), 120, "the proxy to discover a worker started after the restart")
+        _wait(lambda: dyn.by_url()[late.url]["requests"] > 0, 10, "requests on the new worker")
+        _wait(lambda: len(dyn.by_url()) == 3, 10, "the old workers re-registered")
+    finally:
+        results = load.stop()
+    failed = [r for r in results if not r[3]]
+    assert not failed, failed[:3]
