@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a decode worker: OpenAI HTTP API; pulls KV from the prefill worker "
                                    "named in each request id and streams tokens 2..n.")
     add_worker_arguments(p, "decode")
+    p = sub.add_parser("colocated", help="run a colocated worker (prefill + decode in one batch; the baseline)",
+                       description="Run one worker that does prefill and decode in the same continuous batch "
+                                   "(the traditional setup), for comparisons with disaggregated serving. Put "
+                                   "`xpyd proxy --colocated URL` in front of it.")
+    add_worker_arguments(p, "colocated")
     p = sub.add_parser("status", help="list the workers registered in etcd",
                        description="Print the workers registered under /workers/ in etcd.")
     p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="the cluster's etcd")

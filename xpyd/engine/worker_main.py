@@ -43,13 +43,17 @@ def run_worker(config: WorkerConfig) -> None:
     runner.warmup()
     tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
-    transfer = make_backend("tcp", host=config.host, port=config.kv_port, advertise_host=config.advertise_host)
-
     server = None
-    if config.role == "prefill":
+    if config.role == "colocated":
+        from xpyd.colocated_worker.engine import ColocatedEngine
+
+        engine = ColocatedEngine(runner, tokenizer, config, served)
+        engine.start()
+    elif config.role == "prefill":
         from xpyd.prefill_worker.engine import PrefillEngine
         from xpyd.signal.server import SignalServer
 
+        transfer = make_backend("tcp", host=config.host, port=config.kv_port, advertise_host=config.advertise_host)
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
@@ -57,6 +61,7 @@ def run_worker(config: WorkerConfig) -> None:
     else:
         from xpyd.decode_worker.engine import DecodeEngine
 
+        transfer = make_backend("tcp", host=config.host, port=config.kv_port, advertise_host=config.advertise_host)
         engine = DecodeEngine(runner, tokenizer, config, transfer, served)
         engine.start()
 

@@ -1,0 +1,129 @@
+"""Colocated engine: prefill and decode on the same engine, in one continuous batch.
+
+The baseline for benchmarks (``xpyd up --colocated``): same model runner, KV
+pool, sampling and HTTP API as the disaggregated workers, no KV transfer. Each
+step runs either one prefill (preferred while the batch has room) or one
+decode step over every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.engine.config import WorkerConfig
+from xpyd.engine.loop import EngineThread
+from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class ColocatedEngine(EngineThread):
+    name = "colocated-engine"
+
+    def __init__(self, runner, tokenizer, config: WorkerConfig, served_name: str) -> None:
+        super().__init__()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.pool = runner.pool
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self.sched = ColocatedScheduler(config.batch_size, self.pool)
+        # Requests name this worker as both peers: the id format stays the same everywhere.
+        addr = f"{config.public_host}:{config.port}"
+        self.info = WorkerInfo(Role.DECODE, f"http://{addr}", addr, served_name, PROTOCOL_VERSION,
+                               config.batch_size)
+        self._stats: dict = {}
+        self._update_stats()
+
+    def start(self) -> None:
+        self.start_thread()
+
+    def submit(self, item: WorkItem) -> None:
+        self.post(item)
+
+    def abort(self, request_id: str) -> None:
+        self.post(_Abort(request_id))
+
+    def idle(self) -> bool:
+        s = self._stats
+        return not (s.get("waiting") or s.get("running"))
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def peers_left(self, addrs: set[str]) -> None:  # no peers
+        pass
+
+    def _update_stats(self) -> None:
+        self._stats = {"role": "colocated", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
+                       "transferring": 0, "kv_used_bytes": self.pool.used_bytes(),
+                       "kv_slots_used": self.pool.num_used}
+
+    def step(self) -> float:
+        for item in self.drain_inbox():
+            if isinstance(item, _Abort):
+                self.sched.abort(item.request_id)
+            elif self.sched.get(str(item.request_id)) is not None:
+                item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
+            else:
+                item.start_output(self.tokenizer)
+                self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item))
+        seq = self.sched.next_prefill()
+        if seq is not None:
+            self._prefill(seq)
+        elif self.sched.running():
+            self._decode_step()
+        self._update_stats()
+        return 0.0 if self.sched.has_work() else 0.05
+
+    def _prefill(self, seq: ColocatedSeq) -> None:
+        item: WorkItem = seq.payload
+        try:
+            logits = self.runner.prefill(seq.slot, seq.prompt_ids)
+            token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+        except Exception as e:
+            log.exception("prefill failed for %s", seq.request_id)
+            self.sched.fail(seq, str(e))
+            item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        self._emit(seq, token)
+
+    def _decode_step(self) -> None:
+        running = self.sched.running()
+        slots, tokens, positions = [], [], []
+        for seq in running:
+            ids = seq.payload.output.token_ids
+            slots.append(seq.slot)
+            tokens.append(ids[-1])
+            positions.append(len(seq.prompt_ids) + len(ids) - 1)
+        try:
+            logits = self.runner.decode(slots, tokens, positions)
+            new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in running:
+                self.sched.fail(seq, str(e))
+                seq.payload.sink.put(ErrorEvent(500, f"decode failed: {type(e).__name__}: {e}"))
+            return
+        for seq, tok in zip(running, new):
+            self._emit(seq, tok)
+
+    def _emit(self, seq: ColocatedSeq, token: int) -> None:
+        item: WorkItem = seq.payload
+        text, finish = item.output.append(token)
+        if finish is not None:
+            self.sched.finish(seq)
+        if text or finish is not None or len(item.output.token_ids) == 1:
+            item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids),
+                                     len(item.output.token_ids)))
