@@ -1,0 +1,145 @@
+"""`xpyd bench transfer`: real processes, real sockets, small sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import time
+
+import pytest
+
+from xpyd.bench import transfer_bench as tb
+
+KiB, MiB = 1 << 10, 1 << 20
+REQUIRED = {"size_bytes", "gbps", "memcpy_gbps", "socket_gbps"}
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    yield
+    assert mp.active_children() == []
+
+
+def _check_report(report: dict, backend: str, sizes: list[int], repeats: int, regions: int) -> None:
+    assert report["backend"] == backend
+    assert [r["size_bytes"] for r in report["results"]] == sizes
+    assert report["repeats"] == repeats and report["regions"] == regions
+    for r in report["results"]:
+        assert REQUIRED <= set(r)
+        for key in ("gbps", "memcpy_gbps", "socket_gbps", "best_gbps", "median_s", "min_s"):
+            assert isinstance(r[key], float) and r[key] > 0, (key, r[key])
+        assert r["best_gbps"] >= r["gbps"]
+        assert r["backend_vs_socket"] == pytest.approx(r["gbps"] / r["socket_gbps"])
+        assert r["regions"] == regions
+        assert len(r["samples_s"]) == len(r["socket_samples_s"]) == len(r["memcpy_samples_s"]) == repeats
+    assert json.loads(json.dumps(report)) == report  # JSON as is
+
+
+def test_measure_small_sizes():
+    sizes = [64 * KiB, 1 * MiB]
+    report = tb.measure("tcp", sizes, repeats=2)
+    _check_report(report, "tcp", sizes, 2, 1)
+    assert report["units"].startswith("GB/s = 1e9 bytes")
+    assert report["host"]["cpu_count"] >= 1
+
+
+def test_cli_writes_json_and_prints_table(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    path = tmp_path / "out.json"
+    args = parser.parse_args(["--sizes", "64K,256K", "--repeats", "2", "--regions", "3", "--json", str(path)])
+    assert tb.run(args) == 0
+    report = json.loads(path.read_text())
+    _check_report(report, "tcp", [64 * KiB, 256 * KiB], 2, 3)
+    out = capsys.readouterr().out
+    assert "tcp GB/s | memcpy GB/s | socket GB/s | tcp/socket | tcp/memcpy" in out
+    assert "64 KiB" in out and "256 KiB" in out and "3 region(s)" in out
+
+
+def test_cli_defaults():
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.backend, args.sizes, args.repeats, args.regions, args.json) == (
+        "tcp", [MiB, 16 * MiB, 64 * MiB], 5, 1, None)
+
+
+def test_unknown_backend_is_a_clear_error(capsys):
+    with pytest.raises(ValueError, match="unknown transfer backend 'nope'; known: .*tcp"):
+        tb.measure("nope", [64 * KiB], repeats=1)
+    with pytest.raises(ValueError, match="'fake'.*between two processes"):
+        tb.measure("fake", [64 * KiB], repeats=1)
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    assert tb.run(parser.parse_args(["--backend", "nope", "--sizes", "64K", "--repeats", "1"])) == 2
+    err = capsys.readouterr().err
+    assert "xpyd bench transfer: error: unknown transfer backend 'nope'" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sizes": []}, "sizes"),
+    ({"sizes": [0]}, "sizes"),
+    ({"sizes": [1.5]}, "sizes"),
+    ({"repeats": 0}, "repeats"),
+    ({"regions": 0}, "regions"),
+    ({"sizes": [4], "regions": 5}, "regions"),
+    ({"timeout": 0}, "timeout"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tb.measure("tcp", **{"sizes": [64 * KiB], "repeats": 1, **kw})
+
+
+def test_sizes_parsing():
+    assert tb.parse_sizes("1M,16M,64M") == [MiB, 16 * MiB, 64 * MiB]
+    assert tb.parse_sizes("64K, 1MiB,4096,1g") == [64 * KiB, MiB, 4096, 1 << 30]
+    for bad in ("", "1X", "0", "-1M", "1.5M", ","):
+        with pytest.raises(ValueError):
+            tb.parse_sizes(bad)
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sizes", "lots"])
+    assert tb.format_size(64 * KiB) == "64 KiB" and tb.format_size(1000) == "1000 B"
+    assert tb._split(10, 3) == [(0, 4), (4, 3), (7, 3)]
+
+
+# -- a failing or stuck child stops both processes -----------------------------------
+
+
+def _failing(peer):
+    raise ValueError("boom")
+
+
+def _waiting(peer):
+    return tb._peer_recv(peer, "anything", 30)
+
+
+def test_failing_child_stops_its_peer():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        tb._run_pair("test", _failing, _waiting, {}, timeout=30)
+    msg = str(e.value)
+    assert msg.startswith("test: the receiver process failed: ValueError: boom")  # the cause first
+    assert time.monotonic() - t0 < 15
+
+
+def test_stuck_children_are_stopped_at_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no result from the receiver and sender process within 0.5s"):
+        tb._run_pair("test", _waiting, _waiting, {}, timeout=0.5)
+    assert time.monotonic() - t0 < 10
+
+
+def test_corrupted_bytes_are_caught():
+    import numpy as np
+
+    buf = tb._pattern(1000)
+    tb._check_landed(buf, 1000, "x")
+    buf[777] ^= 1
+    with pytest.raises(RuntimeError, match="first at offset 777"):
+        tb._check_landed(buf, 1000, "x")
+    with pytest.raises(RuntimeError):
+        tb._check_landed(np.full(1000, 0x55, np.uint8), 1000, "x")

@@ -1,0 +1,549 @@
+"""`xpyd bench transfer`: a transfer backend between two processes, next to baselines from the same run.
+
+Three measurements, one after the other, on the same machine and buffers of the same sizes:
+
+- backend: two spawned processes, each with its own backend (``make_backend(name)``) and a registered
+  buffer of the largest size. The receiver ``expect``s every transfer up front and sends its descriptor
+  through a ``multiprocessing.Pipe`` (control only; the payload never goes through it). The sender
+  times each ``send()`` until its token is DONE, i.e. the receiver acknowledged that every byte landed.
+  Each transfer moves the first ``size`` bytes, split into ``regions`` contiguous regions on both sides
+  (1 region is the KV-pool case: a request's KV is one contiguous slot).
+- memcpy: ``np.copyto`` between two preallocated buffers in this process (cache-hot; small sizes are
+  copied several times per sample to get above timer noise).
+- socket: two spawned processes on TCP loopback (TCP_NODELAY, kernel-default buffers); the sender
+  ``sendmsg``s a memoryview of its buffer, the receiver ``recv_into``s a preallocated buffer and
+  returns a 1-byte ack, which ends the sample (the same "all bytes landed" point as the backend's ack).
+
+Every size gets one untimed warm-up transfer (connection setup, first-touch page faults), then
+``repeats`` timed ones. GB/s is decimal: 1e9 bytes / the median seconds. The receivers check the bytes
+that landed against the sender's pattern at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+MiB = 1 << 20
+DEFAULT_SIZES = (1 * MiB, 16 * MiB, 64 * MiB)
+DEFAULT_REPEATS = 5
+WARMUP = 1
+OP_TIMEOUT = 60.0  # any single wait inside a child process (peer message, transfer, socket I/O)
+_PATTERN_SEED = 20240601
+_PATTERN_BLOCK = 4099  # a prime, so the pattern never lines up with chunk or page boundaries
+_RECV_FILL = 0x55
+_MEMCPY_MIN_BYTES = 4 * MiB  # bytes copied per memcpy sample at least (inner loop for small sizes)
+_MEMCPY_MAX_LOOPS = 1000
+
+# Constructor keywords for the backends when both ends are on this host.
+_BACKEND_KWARGS: dict[str, dict[str, Any]] = {"tcp": {"host": "127.0.0.1"}}
+# Backends that cannot move bytes between two processes.
+_IN_PROCESS_ONLY = {"fake": "the 'fake' backend only moves bytes inside one process (FakeNetwork)"}
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": MiB, "MB": MiB, "MIB": MiB,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+# -- sizes ----------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """'64K' / '1M' / '1MiB' / '1048576' -> bytes (K, M, G are binary: KiB, MiB, GiB)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m and m.group(2).upper()
+    if not m or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r}; use e.g. 65536, 64K, 1M, 1G (binary units)")
+    n = int(m.group(1)) * _UNITS[unit]
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be > 0")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1M,16M,64M' -> [1048576, 16777216, 67108864]."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ValueError("no sizes given; use e.g. 1M,16M,64M")
+    return [parse_size(p) for p in parts]
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _sizes_arg(text: str) -> list[int]:
+    try:
+        return parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _split(size: int, regions: int) -> list[tuple[int, int]]:
+    """[0, size) as ``regions`` contiguous (offset, length) pairs of near-equal length."""
+    base, extra = divmod(size, regions)
+    out, off = [], 0
+    for i in range(regions):
+        length = base + (i < extra)
+        out.append((off, length))
+        off += length
+    return out
+
+
+def _pattern(n: int):
+    import numpy as np
+
+    block = np.random.default_rng(_PATTERN_SEED).integers(0, 256, _PATTERN_BLOCK, dtype=np.uint8)
+    return np.resize(block, n)
+
+
+def _check_landed(buf, n: int, what: str) -> None:
+    import numpy as np
+
+    if not np.array_equal(buf[:n], _pattern(n)):
+        bad = int(np.argmax(buf[:n] != _pattern(n)))
+        raise RuntimeError(f"{what}: received bytes differ from the sent ones (first at offset {bad})")
+
+
+# -- child processes ---------------------------------------------------------------
+
+
+def _peer_recv(conn, what: str, timeout: float = OP_TIMEOUT):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} from the peer process within {timeout:g}s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the peer process exited before sending {what}") from None
+
+
+def _child(fn: Callable, role: str, result_conn, peer_conn, kwargs: dict) -> None:
+    """Run ``fn(peer_conn, **kwargs)``; report ("ok", result) or ("error", message) to the parent."""
+    try:
+        out = fn(peer_conn, **kwargs)
+        result_conn.send(("ok", out))
+    except BaseException as e:  # report everything, including KeyboardInterrupt, then exit
+        print(f"xpyd bench transfer: {role} process failed:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        try:
+            result_conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        peer_conn.close()
+        result_conn.close()
+
+
+def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
+                      regions: int) -> dict:
+    import numpy as np
+
+    from xpyd.transfer import Region, make_backend
+
+    b = make_backend(backend, **kwargs)
+    try:
+        buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)
+        desc = b.register(memoryview(buf))
+        tokens = []
+        for size in sizes:
+            dst = [Region(o, n) for o, n in _split(size, regions)]
+            tokens += [b.expect(f"bench-{size}-{i}", dst) for i in range(reps)]
+        peer.send(("ready", desc.to_dict()))
+        msg = _peer_recv(peer, "the sender's 'finished'", OP_TIMEOUT * len(tokens))
+        if msg != "finished":
+            raise RuntimeError(f"unexpected message from the sender: {msg!r:.100}")
+        for t in tokens:
+            if not t.wait(OP_TIMEOUT) or not t.done():
+                raise RuntimeError(f"receiver token {t!r} did not finish DONE")
+        _check_landed(buf, max(sizes), f"{backend} backend")
+        return {"tokens_done": len(tokens)}
+    finally:
+        b.close()
+
+
+def _backend_sender(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
+                    regions: int) -> dict:
+    from xpyd.transfer import BackendDescriptor, Region, make_backend
+
+    b = make_backend(backend, **kwargs)
+    try:
+        buf = _pattern(max_size)
+        b.register(memoryview(buf))
+        msg = _peer_recv(peer, "the receiver's descriptor")
+        if not (isinstance(msg, tuple) and msg[0] == "ready"):
+            raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
+        peer_desc = BackendDescriptor.from_dict(msg[1])
+        times: dict[int, list[float]] = {}
+        for size in sizes:
+            rs = [Region(o, n) for o, n in _split(size, regions)]
+            samples = []
+            for i in range(reps):
+                t0 = time.perf_counter()
+                token = b.send(f"bench-{size}-{i}", rs, peer_desc, rs)
+                finished = token.wait(OP_TIMEOUT)
+                dt = time.perf_counter() - t0
+                if not finished:
+                    raise TimeoutError(f"transfer of {format_size(size)} not finished within {OP_TIMEOUT:g}s")
+                if not token.done():
+                    raise RuntimeError(f"transfer of {format_size(size)} failed: {token.error}")
+                samples.append(dt)
+            times[size] = samples[WARMUP:]
+        peer.send("finished")
+        return {"times": times}
+    finally:
+        b.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        n = sock.recv_into(view[pos:])
+        if n == 0:
+            raise ConnectionError("peer closed the socket mid-transfer")
+        pos += n
+
+
+def _send_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        pos += sock.sendmsg([view[pos:]])
+
+
+def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
+    import numpy as np
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(OP_TIMEOUT)
+        peer.send(("ready", srv.getsockname()[1]))
+        sock, _ = srv.accept()
+    with sock:
+        sock.settimeout(OP_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)
+        view = memoryview(buf)
+        for size in sizes:
+            for _ in range(reps):
+                _recv_exact(sock, view[:size])
+                sock.sendall(b"\x01")
+        _check_landed(buf, max(sizes), "socket baseline")
+    return {}
+
+
+def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
+    msg = _peer_recv(peer, "the receiver's port")
+    if not (isinstance(msg, tuple) and msg[0] == "ready"):
+        raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
+    buf = _pattern(max_size)
+    view = memoryview(buf)
+    ack = bytearray(1)
+    times: dict[int, list[float]] = {}
+    with socket.create_connection(("127.0.0.1", msg[1]), timeout=OP_TIMEOUT) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for size in sizes:
+            samples = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                _send_exact(sock, view[:size])
+                if sock.recv_into(ack) != 1:
+                    raise ConnectionError("receiver closed the socket instead of acknowledging")
+                samples.append(time.perf_counter() - t0)
+            times[size] = samples[WARMUP:]
+    return {"times": times}
+
+
+def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, timeout: float) -> dict:
+    """Run ``receiver`` and ``sender`` in two spawned processes joined by a Pipe; their results by role.
+
+    Raises RuntimeError if either fails or exits without a result, TimeoutError after ``timeout``
+    seconds; both processes are gone when this returns or raises.
+    """
+    ctx = mp.get_context("spawn")
+    peer_r, peer_s = ctx.Pipe()
+    procs, pending, own = [], {}, [peer_r, peer_s]
+    try:
+        for role, fn, peer in (("receiver", receiver, peer_r), ("sender", sender, peer_s)):
+            res_parent, res_child = ctx.Pipe(duplex=False)
+            own += [res_parent, res_child]
+            p = ctx.Process(target=_child, args=(fn, role, res_child, peer, kwargs),
+                            name=f"xpyd-bench-{what}-{role}", daemon=True)
+            p.start()
+            procs.append(p)
+            res_child.close()  # so a child that dies shows up as EOF on res_parent
+            pending[res_parent] = (role, p)
+        peer_r.close()  # so a child sees EOF when its peer dies
+        peer_s.close()
+        results: dict[str, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = mp.connection.wait(list(pending), timeout=max(0.0, remaining))
+            if not ready:
+                if errors:  # the other process had its second to report why; stop it
+                    break
+                roles = " and ".join(role for role, _ in pending.values())
+                raise TimeoutError(f"{what}: no result from the {roles} process within {timeout:g}s")
+            for conn in ready:
+                role, p = pending.pop(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    p.join(2)
+                    status, payload = "error", f"exited without a result (exit code {p.exitcode})"
+                if status == "ok":
+                    results[role] = payload
+                    continue
+                errors.append(f"the {role} process failed: {payload}")
+                # give the other process a moment to report its own error (often the cause)
+                deadline = min(deadline, time.monotonic() + 1.0)
+        if errors:
+            # "the peer process exited" is a consequence; put the root cause first
+            errors.sort(key=lambda e: "peer process exited" in e or "exited without a result" in e)
+            raise RuntimeError(f"{what}: " + "; ".join(errors))
+        return results
+    finally:
+        for p in procs:
+            p.join(2 if not pending else 0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for c in own:
+            c.close()
+
+
+# -- measurements ----------------------------------------------------------------------
+
+
+def _memcpy_times(sizes: list[int], reps: int) -> dict[int, tuple[list[float], int]]:
+    """Seconds per copy (repeats samples after the warm-up) and inner loops per sample, by size."""
+    import numpy as np
+
+    src = _pattern(max(sizes))
+    dst = np.full(len(src), _RECV_FILL, dtype=np.uint8)
+    out = {}
+    for size in sizes:
+        a, b = src[:size], dst[:size]
+        loops = min(_MEMCPY_MAX_LOOPS, max(1, math.ceil(_MEMCPY_MIN_BYTES / size)))
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                np.copyto(b, a)
+            samples.append((time.perf_counter() - t0) / loops)
+        out[size] = (samples[WARMUP:], loops)
+    if not np.array_equal(dst, src):
+        raise RuntimeError("memcpy baseline: copy differs from the source")
+    return out
+
+
+def _check_backend(backend: str) -> dict:
+    from xpyd.transfer import make_backend
+
+    if backend in _IN_PROCESS_ONLY:
+        raise ValueError(f"cannot benchmark backend {backend!r} between two processes: "
+                         f"{_IN_PROCESS_ONLY[backend]}")
+    kwargs = _BACKEND_KWARGS.get(backend, {})
+    make_backend(backend, **kwargs).close()  # unknown name / missing dependency: fail here, clearly
+    return kwargs
+
+
+def _host_info() -> dict:
+    import numpy as np
+
+    info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
+            "numpy": np.__version__, "cpu_count": os.cpu_count()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    return info
+
+
+def _gbps(size: int, seconds: float) -> float:
+    return size / seconds / 1e9
+
+
+def measure(
+    backend: str = "tcp",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    *,
+    regions: int = 1,
+    timeout: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Measure ``backend`` between two processes plus memcpy and raw-socket baselines; a JSON-able dict.
+
+    ``sizes`` are bytes per transfer, ``repeats`` timed transfers per size (after one warm-up),
+    ``regions`` regions per transfer, ``timeout`` seconds for each two-process phase (default: from
+    the sizes). Raises ValueError for bad arguments or an unknown backend, RuntimeError/TimeoutError
+    if a phase fails (its processes are stopped first).
+    """
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a non-empty str, got {backend!r}")
+    sizes = list(sizes)
+    if not sizes or any(type(s) is not int or s <= 0 for s in sizes):
+        raise ValueError(f"sizes must be positive ints (bytes), got {sizes!r:.200}")
+    if type(repeats) is not int or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if type(regions) is not int or regions < 1 or regions > min(sizes):
+        raise ValueError(f"regions must be an int in 1..{min(sizes)} (the smallest size), got {regions!r}")
+    reps = WARMUP + repeats
+    if timeout is None:  # generous: spawning + 3 copies of everything at >= 20 MB/s
+        timeout = 60.0 + 3 * reps * sum(sizes) / 20e6
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0, got {timeout!r}")
+    say = progress or (lambda _msg: None)
+    kwargs = _check_backend(backend)
+    max_size = max(sizes)
+    host = _host_info()
+
+    say(f"memcpy: {len(sizes)} sizes x {repeats} repeats")
+    memcpy = _memcpy_times(sizes, reps)
+    say("socket: TCP loopback between two processes")
+    sock = _run_pair("socket baseline", _socket_receiver, _socket_sender,
+                     {"max_size": max_size, "sizes": sizes, "reps": reps}, timeout)
+    say(f"{backend}: backend between two processes, {regions} region(s) per transfer")
+    back = _run_pair(f"{backend} backend", _backend_receiver, _backend_sender,
+                     {"backend": backend, "kwargs": kwargs, "max_size": max_size, "sizes": sizes, "reps": reps,
+                      "regions": regions}, timeout)
+
+    results = []
+    for size in sizes:
+        b_s = back["sender"]["times"][size]
+        s_s = sock["sender"]["times"][size]
+        m_s, loops = memcpy[size]
+        b_med, s_med, m_med = statistics.median(b_s), statistics.median(s_s), statistics.median(m_s)
+        gbps, sock_gbps, mem_gbps = _gbps(size, b_med), _gbps(size, s_med), _gbps(size, m_med)
+        results.append({
+            "size_bytes": size,
+            "gbps": gbps,
+            "memcpy_gbps": mem_gbps,
+            "socket_gbps": sock_gbps,
+            "backend_vs_socket": gbps / sock_gbps,
+            "backend_vs_memcpy": gbps / mem_gbps,
+            "regions": regions,
+            "best_gbps": _gbps(size, min(b_s)),
+            "memcpy_best_gbps": _gbps(size, min(m_s)),
+            "socket_best_gbps": _gbps(size, min(s_s)),
+            "median_s": b_med,
+            "min_s": min(b_s),
+            "memcpy_median_s": m_med,
+            "socket_median_s": s_med,
+            "samples_s": b_s,
+            "memcpy_samples_s": m_s,
+            "socket_samples_s": s_s,
+            "memcpy_loops_per_sample": loops,
+        })
+    return {
+        "backend": backend,
+        "results": results,
+        "units": "GB/s = 1e9 bytes / median seconds (decimal GB); best_* use the fastest repeat",
+        "repeats": repeats,
+        "warmup": WARMUP,
+        "regions": regions,
+        "host": host,
+        "method": {
+            "backend": f"two spawned processes, make_backend({backend!r}) each, a registered buffer of "
+                       f"{max_size} B each; receiver expect()s, sender times send() -> token DONE (receiver "
+                       f"acked all bytes); {regions} contiguous region(s) per transfer; control over a Pipe",
+            "memcpy": "numpy.copyto between two preallocated buffers in one process (cache-hot)",
+            "socket": "two spawned processes, TCP loopback, TCP_NODELAY, kernel-default buffers; sendmsg of a "
+                      "memoryview, recv_into a preallocated buffer, timed until a 1-byte ack",
+            "verified": "the receivers compare the bytes that landed with the sender's pattern",
+        },
+    }
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def format_table(report: dict) -> str:
+    name = report["backend"]
+    head = ["size", f"{name} GB/s", "memcpy GB/s", "socket GB/s", f"{name}/socket", f"{name}/memcpy"]
+    rows = [[format_size(r["size_bytes"]), f"{r['gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
+             f"{r['socket_gbps']:.2f}", f"{r['backend_vs_socket']:.2f}", f"{r['backend_vs_memcpy']:.3f}"]
+            for r in report["results"]]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = [
+        f"transfer backend {name!r} between two processes; {report['regions']} region(s) per transfer; "
+        f"median of {report['repeats']} repeats after {report['warmup']} warm-up; GB/s = 1e9 bytes/s",
+        " | ".join(h.rjust(w) for h, w in zip(head, widths)),
+        "-+-".join("-" * w for w in widths),
+    ]
+    lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="tcp", help="transfer backend to measure (default: tcp)")
+    parser.add_argument("--sizes", type=_sizes_arg, default="1M,16M,64M",
+                        help="comma-separated bytes per transfer; K/M/G are KiB/MiB/GiB (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="timed transfers per size, after one warm-up (default: %(default)s)")
+    parser.add_argument("--regions", type=int, default=1,
+                        help="contiguous regions per transfer; 1 is the KV-pool case (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds allowed for each two-process phase (default: from the sizes)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = getattr(args, "sizes", None) or list(DEFAULT_SIZES)
+    if isinstance(sizes, str):
+        sizes = parse_sizes(sizes)
+    try:
+        report = measure(
+            backend=getattr(args, "backend", "tcp"),
+            sizes=sizes,
+            repeats=getattr(args, "repeats", DEFAULT_REPEATS),
+            regions=getattr(args, "regions", 1),
+            timeout=getattr(args, "timeout", None),
+            progress=lambda msg: print(f"bench transfer: {msg}", file=sys.stderr, flush=True),
+        )
+    except ValueError as e:
+        print(f"xpyd bench transfer: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError, OSError, ImportError) as e:
+        print(f"xpyd bench transfer: failed: {e}", file=sys.stderr)
+        return 1
+    print(format_table(report), flush=True)
+    path = getattr(args, "json", None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xpyd bench transfer", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
