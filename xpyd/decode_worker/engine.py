@@ -19,6 +19,7 @@ from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
 from xpyd.engine.loop import EngineThread
+from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import sample, skip_draw
@@ -62,6 +63,9 @@ class DecodeEngine(EngineThread):
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._stats: dict = {}
+        self.metrics = WorkerMetrics("decode")
+        self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
+        self._last_decode_at = 0.0  # end of the last decode step
 
     def start(self) -> None:
         desc = self.transfer.register(self.pool.buffer())
@@ -102,6 +106,8 @@ class DecodeEngine(EngineThread):
                        "kv_slots_used": self.pool.num_used,
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "pulls": dict(self._pulls)}
+        self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
+        self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
     # --- engine thread -----------------------------------------------------
     def wait(self, timeout: float) -> None:
@@ -127,8 +133,11 @@ class DecodeEngine(EngineThread):
             self._fail_peer(peer.addr, peer.error or "prefill worker failed")
         joined, failed = self.sched.poll_transfers()
         for seq in joined:
+            self._recv_ended(seq, ok=True)
             self.pool.set_num_tokens(seq.slot, len(seq.prompt_ids))
         for seq in failed:
+            self._recv_ended(seq, ok=False)
+            self.metrics.request_done("failed")
             seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
         for seq in self.sched.schedule_transfers():
             self._start_pull(seq)
@@ -142,6 +151,7 @@ class DecodeEngine(EngineThread):
         rid = str(item.request_id)
         if self.sched.get(rid) is not None:
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
+            self.metrics.request_done("rejected")
             return
         item.start_output(self.tokenizer)
         seq = DecodeSeq(rid, item.prompt_ids, item.request_id.prefill_addr, payload=item)
@@ -156,15 +166,19 @@ class DecodeEngine(EngineThread):
             return
         state = seq.state
         self.sched.abort(request_id)
+        self.metrics.request_done("aborted")
         if state is RequestState.TRANSFERRING:
+            self._recv_started.pop(request_id, None)  # cancelled: neither completed nor failed
             self.transfer.abort(transfer_id_of(request_id))
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
             self.signal.send_release(seq.prefill_addr, [request_id])
 
     def _fail_seq(self, seq: DecodeSeq, status: int, error: str) -> None:
         if seq.state is RequestState.TRANSFERRING:
+            self._recv_ended(seq, ok=False)
             self.transfer.abort(transfer_id_of(seq.request_id))
         self.sched.fail(seq, error)
+        self.metrics.request_done("failed")
         seq.payload.sink.put(ErrorEvent(status, error))
 
     def _fail_peer(self, addr: str, error: str) -> None:
@@ -195,6 +209,7 @@ class DecodeEngine(EngineThread):
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
             self.sched.finish(seq)
+            self._finished(item)
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
             item.sink.put(TokenEvent("", finish.value, len(seq.prompt_ids), 1))
             return
@@ -205,8 +220,18 @@ class DecodeEngine(EngineThread):
         dst = self.pool.region(seq.slot, n)
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         self.sched.set_recv_token(seq, token)
+        self._recv_started[seq.request_id] = (time.monotonic(), dst.length)
         self._pulls[seq.prefill_addr] += 1
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
+
+    def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
+        started = self._recv_started.pop(seq.request_id, None)
+        if started is not None:
+            self.metrics.transfer_done("recv", started[1], time.monotonic() - started[0], ok)
+
+    def _finished(self, item: WorkItem) -> None:
+        self.metrics.request_done("finished")
+        self.metrics.observe_e2e(time.monotonic() - item.arrival)
 
     def _send_lookups(self) -> None:
         now = time.monotonic()
@@ -233,6 +258,7 @@ class DecodeEngine(EngineThread):
             slots.append(seq.slot)
             tokens.append(ids[-1])
             positions.append(len(seq.prompt_ids) + len(ids) - 1)
+        t0 = time.monotonic()
         try:
             logits = self.runner.decode(slots, tokens, positions)
             new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
@@ -241,14 +267,20 @@ class DecodeEngine(EngineThread):
             for seq in running:
                 self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}")
             return
+        now = time.monotonic()
+        self.metrics.observe_step("decode", now - t0, len(running))
         for seq, tok in zip(running, new):
             item: WorkItem = seq.payload
             text, finish = item.output.append(tok)
             n_out = len(item.output.token_ids)
+            if n_out > 2:  # its previous token came from the previous decode step (every step runs them all)
+                self.metrics.observe_itl(now - self._last_decode_at)
             if finish is not None:
                 self.sched.finish(seq)
+                self._finished(item)
             if text or finish is not None:
                 item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
+        self._last_decode_at = now
 
     def shutdown(self) -> None:
         if self.signal is not None:

@@ -25,6 +25,7 @@ from xpyd.api.responses import (
 )
 from xpyd.discovery.types import WorkerInfo
 from xpyd.engine.config import WorkerConfig
+from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.output import StopParams
 from xpyd.engine.outputs import ErrorEvent, OutputSink, TokenEvent, WorkItem
 from xpyd.engine.sampling import SamplingParams
@@ -39,6 +40,7 @@ class Engine(Protocol):
     tokenizer: object
     max_model_len: int
     eos_token_ids: frozenset[int]
+    metrics: WorkerMetrics
 
     def ready(self) -> bool: ...
     def submit(self, item: WorkItem) -> None: ...
@@ -117,6 +119,11 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
     async def stats() -> Response:
         return _json(engine.stats())
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = engine.metrics.render()
+        return Response(body, content_type=content_type)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(models_response([engine.info.model_id]))
@@ -131,6 +138,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
 
     @app.errorhandler(413)
     async def too_large(_e) -> Response:
+        engine.metrics.request_done("rejected")
         return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
 
     async def _generate(kind: RequestKind) -> Response:
@@ -142,6 +150,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             sink = OutputSink(asyncio.get_running_loop())
             item = build_work_item(engine, config, req, request.headers.get(REQUEST_ID_HEADER), sink)
         except APIError as e:
+            if e.status < 500:
+                engine.metrics.request_done("rejected")
             return _error(e)
         rid = str(item.request_id)
         engine.submit(item)

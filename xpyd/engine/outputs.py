@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +55,7 @@ class WorkItem:
     sink: OutputSink
     generator: torch.Generator | None = None
     output: OutputProcessor | None = None
+    arrival: float = field(default_factory=time.monotonic)  # validated and handed over (for latency metrics)
 
     def start_output(self, tokenizer) -> None:
         self.generator = make_generator(self.sampling.seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
 from xpyd.engine.loop import EngineThread
+from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import sample
@@ -68,6 +70,8 @@ class PrefillEngine(EngineThread):
         self.model_id = served_name
         self.info: WorkerInfo | None = None
         self._kv_compat = self.pool.layout.compat()
+        self.metrics = WorkerMetrics("prefill")
+        self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
@@ -107,21 +111,35 @@ class PrefillEngine(EngineThread):
                     self._drop_peers(item.addrs)
                 elif self.sched.get(str(item.request_id)) is not None:
                     item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
+                    self.metrics.request_done("rejected")
                 else:
                     item.start_output(self.tokenizer)
                     self.sched.add(PrefillSeq(str(item.request_id), item.prompt_ids, payload=item))
         with self._lock:
-            self.sched.poll()
+            self._sends_ended(self.sched.poll())
             seq = self.sched.next_to_run()
         if seq is not None:
             self._run_prefill(seq)
-            return 0.0
         with self._lock:
+            self._update_metrics()
             sending = self.sched.sends_in_flight()
+        if seq is not None:
+            return 0.0
         return 0.001 if sending else 0.05
+
+    def _update_metrics(self) -> None:
+        self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
+        self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
+
+    def _sends_ended(self, seqs: list[PrefillSeq]) -> None:
+        for seq in seqs:
+            started, nbytes = self._send_started.pop(seq.request_id)
+            self.metrics.transfer_done("send", nbytes, time.monotonic() - started, seq.send_token.done())
+            self.metrics.request_done(_outcome(seq))
 
     def _run_prefill(self, seq: PrefillSeq) -> None:
         item: WorkItem = seq.payload
+        t0 = time.monotonic()
         try:
             logits = self.runner.prefill(seq.slot, seq.prompt_ids)
             token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
@@ -129,17 +147,25 @@ class PrefillEngine(EngineThread):
             log.exception("prefill failed for %s", seq.request_id)
             with self._lock:
                 self.sched.fail_running(seq, str(e))
+            self.metrics.request_done("failed")
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
+        now = time.monotonic()
+        self.metrics.observe_step("prefill", now - t0, 1)
+        self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token)
         with self._lock:
             self.sched.prefilled(seq, token)
+            if seq.state.is_final:  # aborted while running
+                self.metrics.request_done(_outcome(seq))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
 
     def _release(self, request_id: str) -> int:
         seq = self.sched.release(request_id)
         if seq is None:
             return 0
+        if seq.state.is_final:
+            self.metrics.request_done(_outcome(seq))
         if seq.send_token is not None and not seq.send_token.finished():
             self.transfer.abort(transfer_id_of(request_id))
         return 1
@@ -214,8 +240,10 @@ class PrefillEngine(EngineThread):
         src = self.pool.region(seq.slot, n)
         if e.dest_offset % peer.slot_bytes or e.dest_offset + src.length > peer.transfer.buffer_size:
             return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
+        started = time.monotonic()
         token = self.transfer.send(rid.short, [src], peer.transfer, [Region(e.dest_offset, src.length)])
         self.sched.start_send(e.request_id, token)
+        self._send_started[e.request_id] = (started, src.length)
         self._sends[identity] += 1
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
@@ -225,6 +253,14 @@ class PrefillEngine(EngineThread):
             n = sum(self._release(rid) for rid in msg.request_ids
                     if _decode_addr_of(rid) == identity)
         return m.ReleaseReply(n)
+
+
+def _outcome(seq: PrefillSeq) -> str:
+    """How a request ended here. KV released unpulled because the first token ended the
+    request (decode did not need it) is a finished request, not an aborted one."""
+    if seq.state is RequestState.ABORTED and seq.payload.output.finished is not None:
+        return "finished"
+    return seq.state.value
 
 
 def _decode_addr_of(request_id: str) -> str | None:

@@ -13,7 +13,8 @@ A request moves through::
 
 To the client it looks like a single OpenAI/vLLM server: one response id and
 ``created`` per request, the served model name, and errors in OpenAI's shape.
-``GET /cluster`` shows every worker with its health and load. The registry's
+``GET /cluster`` shows every worker with its health and load; ``GET /metrics``
+the proxy's Prometheus metrics (``xpyd.proxy.metrics``). The registry's
 lifecycle (start/close) belongs to the caller; the app owns the pooled HTTP
 session and the health poller (started before serving, stopped after).
 """
@@ -54,12 +55,15 @@ from xpyd.proxy.client import (
     WorkerClient,
     worker_session,
 )
+from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.poller import HealthPoller
 from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
 from xpyd.proxy.workers import Health, WorkerTable
 from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
+
+_ENDPOINTS = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,7 @@ class Proxy:
         self.registry = registry
         self.table = WorkerTable()
         self.router: Router = make_router(config.policy, self.table)
+        self.metrics = ProxyMetrics()
         self._session: aiohttp.ClientSession | None = None
         self._client: WorkerClient | None = None
         self._poller: HealthPoller | None = None
@@ -173,7 +178,23 @@ class Proxy:
                    for state in self.table.sync(role, self.registry.workers(role))]
         return _json({"workers": workers, "policy": self.router.policy.value})
 
+    def metrics_response(self) -> Response:
+        for role in Role:
+            states = self.table.sync(role, self.registry.workers(role))
+            up = sum(s.health is Health.UP for s in states)
+            self.metrics.set_workers(role.value, up, len(states) - up)
+        body, content_type = self.metrics.render()
+        return Response(body, content_type=content_type)
+
     async def generate(self, kind: RequestKind) -> Response:
+        timer = self.metrics.request(_ENDPOINTS[kind])
+        try:
+            return await self._generate(kind, timer)
+        except BaseException as e:
+            timer.end(outcome_of(e))
+            raise
+
+    async def _generate(self, kind: RequestKind, timer: RequestTimer) -> Response:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
         req = parse_request(await request.get_data(cache=False), kind)
@@ -190,11 +211,14 @@ class Proxy:
             streaming = False
             try:
                 first = await call.first_token()
+                timer.first_token()
                 headers = {REQUEST_ID_HEADER: call.request_id}
                 if req.stream:
-                    streaming = True  # from here the body owns the call
-                    return self._stream_response(call, req, first, model, headers)
-                return _json(await _complete(call, req, first, model), headers=headers)
+                    streaming = True  # from here the body owns the call and the timer
+                    return self._stream_response(call, req, first, model, headers, timer)
+                body = await _complete(call, req, first, model, timer)
+                timer.end(Outcome.OK)
+                return _json(body, headers=headers)
             except UpstreamError as e:
                 self.worker_failed(e)
                 if e.fault is Fault.UNREACHABLE and retries > 0:
@@ -225,11 +249,11 @@ class Proxy:
             self.table.mark_down(e.worker, e.message)
 
     def _stream_response(self, call: "_TrackedCall", req: CompletionRequest, first: FirstToken,
-                         model: str, headers: dict) -> Response:
-        body = _stream(call, req, first, model, self.worker_failed)
+                         model: str, headers: dict, timer: RequestTimer) -> Response:
+        body = _stream(call, req, first, model, self.worker_failed, timer)
         # If the client leaves before the body starts, the generator never runs
         # its finally; drop the upstream calls when it is collected instead.
-        weakref.finalize(body, call.abort)
+        weakref.finalize(body, _abandon, call, timer)
         headers["Cache-Control"] = "no-cache"
         return Response(body, status=200, content_type="text/event-stream", headers=headers)
 
@@ -252,9 +276,16 @@ class _TrackedCall(PDCall):
             self._router.finished(worker)
 
 
-async def _complete(call: PDCall, req: CompletionRequest, first: FirstToken, model: str) -> dict:
+def _abandon(call: PDCall, timer: RequestTimer) -> None:
+    call.abort()
+    timer.end(Outcome.ABORTED)  # no-op if the body ran to its end
+
+
+async def _complete(call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+                    timer: RequestTimer) -> dict:
     parts, finish_reason = [first.text], first.finish_reason
     async for delta in call.rest():
+        timer.token()
         parts.append(delta.text)
         finish_reason = delta.finish_reason or finish_reason
     usage = call.usage
@@ -266,7 +297,7 @@ async def _complete(call: PDCall, req: CompletionRequest, first: FirstToken, mod
 
 async def _stream(
     call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
-    on_error: Callable[[APIError], None],
+    on_error: Callable[[APIError], None], timer: RequestTimer,
 ) -> AsyncIterator[bytes]:
     kind, rid, created = req.kind, new_response_id(req.kind), int(time.time())
 
@@ -282,23 +313,28 @@ async def _stream(
             if first.text:
                 yield chunk(first.text, None)
             async for delta in call.rest():
+                timer.token()
                 if delta.finish_reason is not None or delta.text:
                     yield chunk(delta.text or None, delta.finish_reason)
         if req.include_usage:
             usage = call.usage
             yield sse(usage_chunk(rid, created, model, kind, usage.prompt_tokens,
                                   usage.completion_tokens))
+        timer.end(Outcome.OK)
         yield SSE_DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
+        timer.end(outcome_of(e))
         on_error(e)
         log.warning("%s: %s (in stream)", call.request_id, e.message)
         yield sse(APIError(e.status, e.message, type=e.type).to_dict())
         yield SSE_DONE
     except Exception:
+        timer.end(Outcome.INTERNAL_ERROR)
         log.exception("%s: streaming failed", call.request_id)
         yield sse(APIError(500, "internal error in the proxy", type="server_error").to_dict())
         yield SSE_DONE
     finally:
+        timer.end(Outcome.ABORTED)  # no-op unless the client went away
         await call.aclose()
 
 
@@ -334,6 +370,10 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     @app.get("/cluster")
     async def cluster() -> Response:
         return proxy.cluster()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return proxy.metrics_response()
 
     @app.errorhandler(APIError)
     async def api_error(e: APIError) -> Response:

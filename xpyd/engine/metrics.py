@@ -1,0 +1,129 @@
+"""A worker's Prometheus metrics, served as text at ``GET /metrics``.
+
+Each ``WorkerMetrics`` owns its registry (no process-global state), so tests and
+several engines in one process never share series. Every series carries the
+worker's ``role`` label. The engine thread records; the HTTP thread renders
+(prometheus_client's metrics are thread-safe).
+
+=========================================  =========  ================================================
+name                                       type       labels / meaning
+=========================================  =========  ================================================
+xpyd_requests_in_flight                    gauge      state=waiting|running|transferring
+xpyd_kv_pool_used_bytes                    gauge      KV bytes held for requests
+xpyd_kv_pool_capacity_bytes                gauge      size of the KV pool
+xpyd_requests_total                        counter    outcome=finished|failed|aborted|rejected
+xpyd_time_to_first_token_seconds           histogram  arrival at the worker -> first token
+xpyd_inter_token_latency_seconds           histogram  between two tokens of one request
+xpyd_e2e_request_latency_seconds           histogram  arrival at the worker -> last token
+xpyd_engine_step_seconds                   histogram  kind=prefill|decode: one forward pass + sampling
+xpyd_engine_batch_size                     histogram  kind=prefill|decode: requests in that pass
+xpyd_kv_transfer_bytes_total               counter    direction=send|recv: bytes of completed transfers
+xpyd_kv_transfer_seconds                   histogram  direction: start -> completion (completed only)
+xpyd_kv_transfers_total                    counter    direction, outcome=ok|failed
+=========================================  =========  ================================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# From a millisecond (a decode step of a tiny model) to tens of seconds (a long prompt on a busy CPU).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                       0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+QUEUE_STATES = ("waiting", "running", "transferring")
+OUTCOMES = ("finished", "failed", "aborted", "rejected")
+STEP_KINDS = ("prefill", "decode")
+DIRECTIONS = ("send", "recv")
+
+
+def _children(metric, role: str, values: tuple[str, ...]) -> dict:
+    """One bound child per known label value, created now so every series is exported from the start."""
+    return {v: metric.labels(role, v) for v in values}
+
+
+def _pick(children: dict, value: str, what: str):
+    try:
+        return children[value]
+    except KeyError:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {sorted(children)}") from None
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"role must be a non-empty string, got {role!r}")
+        self.role = role
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        in_flight = Gauge("xpyd_requests_in_flight", "Requests held by the worker, by state",
+                          ("role", "state"), registry=r)
+        self._in_flight = _children(in_flight, role, QUEUE_STATES)
+        self._kv_used = Gauge("xpyd_kv_pool_used_bytes", "KV cache bytes held for requests",
+                              ("role",), registry=r).labels(role)
+        self._kv_capacity = Gauge("xpyd_kv_pool_capacity_bytes", "Size of the KV cache pool in bytes",
+                                  ("role",), registry=r).labels(role)
+        requests = Counter("xpyd_requests", "Requests that ended on this worker, by outcome",
+                           ("role", "outcome"), registry=r)
+        self._requests = _children(requests, role, OUTCOMES)
+        self._ttft = Histogram("xpyd_time_to_first_token_seconds",
+                               "Arrival at the worker to the first generated token",
+                               ("role",), buckets=LATENCY_BUCKETS, registry=r).labels(role)
+        self._itl = Histogram("xpyd_inter_token_latency_seconds", "Time between two tokens of a request",
+                              ("role",), buckets=INTER_TOKEN_BUCKETS, registry=r).labels(role)
+        self._e2e = Histogram("xpyd_e2e_request_latency_seconds", "Arrival at the worker to the last token",
+                              ("role",), buckets=LATENCY_BUCKETS, registry=r).labels(role)
+        step = Histogram("xpyd_engine_step_seconds", "One forward pass and sampling",
+                         ("role", "kind"), buckets=LATENCY_BUCKETS, registry=r)
+        self._step = _children(step, role, STEP_KINDS)
+        batch = Histogram("xpyd_engine_batch_size", "Requests in one forward pass",
+                          ("role", "kind"), buckets=BATCH_BUCKETS, registry=r)
+        self._batch = _children(batch, role, STEP_KINDS)
+        xfer_bytes = Counter("xpyd_kv_transfer_bytes", "KV bytes moved by completed transfers",
+                             ("role", "direction"), registry=r)
+        self._xfer_bytes = _children(xfer_bytes, role, DIRECTIONS)
+        xfer_seconds = Histogram("xpyd_kv_transfer_seconds", "Start to completion of a KV transfer",
+                                 ("role", "direction"), buckets=LATENCY_BUCKETS, registry=r)
+        self._xfer_seconds = _children(xfer_seconds, role, DIRECTIONS)
+        transfers = Counter("xpyd_kv_transfers", "KV transfers that ended, by outcome",
+                            ("role", "direction", "outcome"), registry=r)
+        self._transfers = {(d, o): transfers.labels(role, d, o) for d in DIRECTIONS for o in ("ok", "failed")}
+
+    def set_queue(self, waiting: int, running: int, transferring: int) -> None:
+        for state, n in zip(QUEUE_STATES, (waiting, running, transferring)):
+            self._in_flight[state].set(n)
+
+    def set_kv(self, used_bytes: int, capacity_bytes: int) -> None:
+        self._kv_used.set(used_bytes)
+        self._kv_capacity.set(capacity_bytes)
+
+    def request_done(self, outcome: str) -> None:
+        _pick(self._requests, outcome, "outcome").inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def observe_step(self, kind: str, seconds: float, batch: int) -> None:
+        _pick(self._step, kind, "step kind").observe(seconds)
+        self._batch[kind].observe(batch)
+
+    def transfer_done(self, direction: str, nbytes: int, seconds: float, ok: bool) -> None:
+        """One transfer ended; bytes and duration count only if it completed (``ok``)."""
+        _pick(self._xfer_bytes, direction, "direction")
+        self._transfers[(direction, "ok" if ok else "failed")].inc()
+        if ok:
+            self._xfer_bytes[direction].inc(nbytes)
+            self._xfer_seconds[direction].observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for ``GET /metrics``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

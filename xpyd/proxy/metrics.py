@@ -1,0 +1,123 @@
+"""The proxy's Prometheus metrics, served as text at ``GET /metrics``: requests as the client sees them.
+
+=========================================  =========  ================================================
+name                                       type       labels / meaning
+=========================================  =========  ================================================
+xpyd_proxy_requests_total                  counter    endpoint, outcome (see ``Outcome``)
+xpyd_proxy_time_to_first_token_seconds     histogram  request received -> first token ready to send
+xpyd_proxy_inter_token_latency_seconds     histogram  between two chunks of one response
+xpyd_proxy_e2e_request_latency_seconds     histogram  request received -> last token (ok requests)
+xpyd_requests_in_flight                    gauge      role="proxy": requests being served
+xpyd_proxy_workers                         gauge      role, health=up|down: workers the proxy knows
+=========================================  =========  ================================================
+
+One ``ProxyMetrics`` per app, with its own registry. Everything runs on the
+proxy's event loop; a ``RequestTimer`` follows one client request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from enum import Enum
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from werkzeug.exceptions import HTTPException
+
+from xpyd.api.openai import APIError
+from xpyd.engine.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
+from xpyd.proxy.client import UpstreamError
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Outcome(str, Enum):
+    OK = "ok"  # the whole response was sent
+    CLIENT_ERROR = "client_error"  # 4xx: the request was invalid (refused by the proxy or a worker)
+    UPSTREAM_ERROR = "upstream_error"  # a worker failed, timed out or was unreachable (5xx, or in-stream)
+    UNAVAILABLE = "unavailable"  # 503 from the proxy itself: no worker of a role
+    ABORTED = "aborted"  # the client went away first
+    INTERNAL_ERROR = "internal_error"  # a bug in the proxy
+
+
+def outcome_of(e: BaseException) -> Outcome:
+    """What an exception that ended a request means for the request count."""
+    if isinstance(e, UpstreamError):
+        return Outcome.CLIENT_ERROR if e.status < 500 else Outcome.UPSTREAM_ERROR
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return Outcome.ABORTED
+    if isinstance(e, APIError):
+        status = e.status
+    elif isinstance(e, HTTPException):
+        status = e.code or 500
+    else:
+        return Outcome.INTERNAL_ERROR
+    if status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.UNAVAILABLE if status == 503 else Outcome.INTERNAL_ERROR
+
+
+class RequestTimer:
+    """One client request: counted in flight until ``end`` (idempotent: the first outcome counts)."""
+
+    __slots__ = ("_metrics", "_endpoint", "_start", "_last", "_ended")
+
+    def __init__(self, metrics: "ProxyMetrics", endpoint: str) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._start = self._last = time.monotonic()
+        self._ended = False
+        metrics._in_flight.inc()
+
+    def first_token(self) -> None:
+        self._last = time.monotonic()
+        self._metrics._ttft.observe(self._last - self._start)
+
+    def token(self) -> None:
+        now = time.monotonic()
+        self._metrics._itl.observe(now - self._last)
+        self._last = now
+
+    def end(self, outcome: Outcome) -> None:
+        if self._ended:
+            return
+        outcome = Outcome(outcome)
+        self._ended = True
+        m = self._metrics
+        m._in_flight.dec()
+        m._requests[(self._endpoint, outcome)].inc()
+        if outcome is Outcome.OK:
+            m._e2e.observe(time.monotonic() - self._start)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        requests = Counter("xpyd_proxy_requests", "Client requests that ended, by endpoint and outcome",
+                           ("endpoint", "outcome"), registry=r)
+        self._requests = {(e, o): requests.labels(e, o.value) for e in ENDPOINTS for o in Outcome}
+        self._ttft = Histogram("xpyd_proxy_time_to_first_token_seconds",
+                               "Request received to its first token ready for the client",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("xpyd_proxy_inter_token_latency_seconds",
+                              "Time between two chunks of one response", buckets=INTER_TOKEN_BUCKETS, registry=r)
+        self._e2e = Histogram("xpyd_proxy_e2e_request_latency_seconds",
+                              "Request received to its last token (successful requests)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self._in_flight = Gauge("xpyd_requests_in_flight", "Client requests the proxy is serving",
+                                ("role",), registry=r).labels("proxy")
+        self._workers = Gauge("xpyd_proxy_workers", "Workers the proxy knows, by role and health",
+                              ("role", "health"), registry=r)
+
+    def request(self, endpoint: str) -> RequestTimer:
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}")
+        return RequestTimer(self, endpoint)
+
+    def set_workers(self, role: str, up: int, down: int) -> None:
+        self._workers.labels(role, "up").set(up)
+        self._workers.labels(role, "down").set(down)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
