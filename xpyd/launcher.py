@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "discovers itself through a local etcd (worker i uses --prefill-port + 2i)")
     p.add_argument("--decode", type=int, default=None, metavar="Y", help="number of decode workers")
     p.add_argument("--etcd-port", type=int, default=2379, help="client port of the local etcd (dynamic mode)")
+    p.add_argument("--colocated", action="store_true",
+                   help="the baseline instead: one worker doing prefill and decode in the same continuous "
+                        "batch (on --decode-port), behind the same proxy API")
     p.add_argument("--batch-size", type=int, default=8, help="per worker: max running + transferring")
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
     p.add_argument("--threads", type=int, default=None,
@@ -112,6 +115,10 @@ def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stoppin
 
 def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
     dynamic = args.prefill is not None or args.decode is not None
+    if args.colocated:
+        if dynamic:
+            raise ValueError("--colocated runs one worker; it does not combine with --prefill/--decode")
+        return False, 0, 1
     x, y = args.prefill or 1, args.decode or 1
     if not (1 <= x <= 32 and 1 <= y <= 32):
         raise ValueError("--prefill and --decode must be between 1 and 32")
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
     served = args.served_model_name or model.served_name
     threads = args.threads or max(1, (os.cpu_count() or 2) // (x + y))
+    role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
               "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
               "--threads", str(threads)]
@@ -173,18 +181,23 @@ def run(args: argparse.Namespace) -> int:
                                            "--signal-port", str(p + 1)])
             worker_urls[f"prefill {i}"] = f"http://{host}:{p}"
         for j, p in enumerate(decode_ports):
-            cluster.spawn(f"decode {j}", ["decode", *common, *discovery, "--port", str(p), "--kv-port", str(p + 1)])
-            worker_urls[f"decode {j}"] = f"http://{host}:{p}"
+            extra = [] if args.colocated else ["--kv-port", str(p + 1)]
+            cluster.spawn(f"{role} {j}", [role, *common, *discovery, "--port", str(p), *extra])
+            worker_urls[f"{role} {j}"] = f"http://{host}:{p}"
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
         if dynamic:
             proxy_args = discovery
+        elif args.colocated:
+            proxy_args = ["--colocated", worker_urls["colocated 0"]]
         else:
             proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
         cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args])
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
         where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
-        print(f"\nxpyd is serving {served} ({x} prefill + {y} decode worker{'s' if x + y > 2 else ''}{where}) "
+        shape = ("1 colocated worker: prefill and decode in one batch" if args.colocated else
+                 f"{x} prefill + {y} decode worker{'s' if x + y > 2 else ''}{where}")
+        print(f"\nxpyd is serving {served} ({shape}) "
               f"at {proxy_url}/v1\n"
               f"Try:\n  curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": "

@@ -9,6 +9,7 @@ decode step over every running request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
@@ -16,6 +17,7 @@ from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
 from xpyd.engine.loop import EngineThread
+from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.sampling import sample
 
@@ -43,6 +45,8 @@ class ColocatedEngine(EngineThread):
         addr = f"{config.public_host}:{config.port}"
         self.info = WorkerInfo(Role.DECODE, f"http://{addr}", addr, served_name, PROTOCOL_VERSION,
                                config.batch_size)
+        self.metrics = WorkerMetrics("colocated")
+        self._last_token_at: dict[str, float] = {}
         self._stats: dict = {}
         self._update_stats()
 
@@ -69,12 +73,17 @@ class ColocatedEngine(EngineThread):
         self._stats = {"role": "colocated", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                        "transferring": 0, "kv_used_bytes": self.pool.used_bytes(),
                        "kv_slots_used": self.pool.num_used}
+        self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, 0)
+        self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
     def step(self) -> float:
         for item in self.drain_inbox():
             if isinstance(item, _Abort):
-                self.sched.abort(item.request_id)
+                if self.sched.abort(item.request_id) is not None:
+                    self._last_token_at.pop(item.request_id, None)
+                    self.metrics.request_done("aborted")
             elif self.sched.get(str(item.request_id)) is not None:
+                self.metrics.request_done("rejected")
                 item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
             else:
                 item.start_output(self.tokenizer)
@@ -89,15 +98,20 @@ class ColocatedEngine(EngineThread):
 
     def _prefill(self, seq: ColocatedSeq) -> None:
         item: WorkItem = seq.payload
+        t0 = time.monotonic()
         try:
             logits = self.runner.prefill(seq.slot, seq.prompt_ids)
             token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
         except Exception as e:
             log.exception("prefill failed for %s", seq.request_id)
             self.sched.fail(seq, str(e))
+            self.metrics.request_done("failed")
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
-        self._emit(seq, token)
+        now = time.monotonic()
+        self.metrics.observe_step("prefill", now - t0, 1)
+        self.metrics.observe_ttft(now - item.arrival)
+        self._emit(seq, token, now)
 
     def _decode_step(self) -> None:
         running = self.sched.running()
@@ -107,6 +121,7 @@ class ColocatedEngine(EngineThread):
             slots.append(seq.slot)
             tokens.append(ids[-1])
             positions.append(len(seq.prompt_ids) + len(ids) - 1)
+        t0 = time.monotonic()
         try:
             logits = self.runner.decode(slots, tokens, positions)
             new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
@@ -114,16 +129,25 @@ class ColocatedEngine(EngineThread):
             log.exception("decode step failed")
             for seq in running:
                 self.sched.fail(seq, str(e))
+                self._last_token_at.pop(seq.request_id, None)
+                self.metrics.request_done("failed")
                 seq.payload.sink.put(ErrorEvent(500, f"decode failed: {type(e).__name__}: {e}"))
             return
+        now = time.monotonic()
+        self.metrics.observe_step("decode", now - t0, len(running))
         for seq, tok in zip(running, new):
-            self._emit(seq, tok)
+            self.metrics.observe_itl(now - self._last_token_at.get(seq.request_id, now))
+            self._emit(seq, tok, now)
 
-    def _emit(self, seq: ColocatedSeq, token: int) -> None:
+    def _emit(self, seq: ColocatedSeq, token: int, now: float) -> None:
         item: WorkItem = seq.payload
         text, finish = item.output.append(token)
+        self._last_token_at[seq.request_id] = now
         if finish is not None:
             self.sched.finish(seq)
+            self._last_token_at.pop(seq.request_id, None)
+            self.metrics.request_done("finished")
+            self.metrics.observe_e2e(now - item.arrival)
         if text or finish is not None or len(item.output.token_ids) == 1:
             item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids),
                                      len(item.output.token_ids)))

@@ -74,6 +74,7 @@ class ProxyConfig:
     prefill_urls: tuple[str, ...] = ()  # static discovery
     decode_urls: tuple[str, ...] = ()
     etcd: str | None = None  # dynamic discovery: etcd's HOST:PORT
+    colocated_url: str | None = None  # baseline mode: one worker doing prefill and decode (no P/D split)
     policy: Policy = Policy.LEAST_LOADED
     poll_interval: float = 0.2  # every worker's stats (UP) or health (DOWN) this often
     poll_timeout: float = 1.0  # one poll
@@ -110,6 +111,8 @@ class ProxyConfig:
             host, _, port = self.etcd.rpartition(":")
             if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise ValueError(f"etcd must look like HOST:PORT, got {self.etcd!r}")
+        if self.colocated_url is not None and (self.etcd or self.prefill_urls or self.decode_urls):
+            raise ValueError("colocated mode takes one worker URL and no other discovery")
         if not isinstance(self.policy, Policy):
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")
         if not 0 <= self.retries <= 3:

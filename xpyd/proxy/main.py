@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", action="append", default=[], metavar="URL",
                         help="static mode: decode worker URL, e.g. http://10.0.0.2:8200 "
                              "(repeat for several)")
+    parser.add_argument("--colocated", default=None, metavar="URL",
+                        help="baseline mode: forward every request to this one colocated worker "
+                             "(`xpyd colocated`), which does prefill and decode itself")
     parser.add_argument("--policy", default=_DEFAULTS.policy.value,
                         choices=[p.value for p in Policy],
                         help="how a worker is chosen for each request (default: %(default)s)")
@@ -68,7 +71,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The proxy's config; ValueError names what is wrong with the flags."""
     if args.etcd is not None and (args.prefill or args.decode):
         raise ValueError("--etcd cannot be combined with --prefill/--decode")
-    if args.etcd is None and not (args.prefill and args.decode):
+    if args.colocated is not None and (args.etcd or args.prefill or args.decode):
+        raise ValueError("--colocated cannot be combined with --etcd/--prefill/--decode")
+    if args.colocated is None and args.etcd is None and not (args.prefill and args.decode):
         raise ValueError("give --etcd HOST:PORT, or at least one --prefill and one --decode URL")
     return ProxyConfig(
         host=args.host,
@@ -77,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=tuple(args.prefill),
         decode_urls=tuple(args.decode),
         etcd=args.etcd,
+        colocated_url=args.colocated,
         policy=Policy(args.policy),
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
@@ -110,8 +116,23 @@ async def _start_registry(registry: Registry, config: ProxyConfig) -> None:
                             f"(etcd {config.etcd})") from None
 
 
+def _hypercorn_config(config: ProxyConfig) -> HypercornConfig:
+    hc = HypercornConfig()
+    hc.bind = [_bind(config.host, config.port)]
+    hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
+    hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
+    return hc
+
+
 async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
     """Discover the workers, then serve until ``stop`` is set."""
+    if config.colocated_url is not None:
+        from xpyd.proxy.colocated import create_colocated_app
+
+        hc = _hypercorn_config(config)
+        log.info("proxy on http://%s in front of the colocated worker %s", hc.bind[0], config.colocated_url)
+        await serve(create_colocated_app(config, config.colocated_url), hc, shutdown_trigger=stop.wait)
+        return
     registry = make_registry(config)
     try:
         starting = asyncio.create_task(_start_registry(registry, config))
@@ -122,10 +143,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
             starting.cancel()
             return
         starting.result()  # raises RegistryError
-        hc = HypercornConfig()
-        hc.bind = [_bind(config.host, config.port)]
-        hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
-        hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
+        hc = _hypercorn_config(config)
         app = create_app(config, registry)
         source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
         log.info("proxy on http://%s serving %s (%s, policy %s)", hc.bind[0],

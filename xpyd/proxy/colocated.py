@@ -1,0 +1,151 @@
+"""Colocated mode: the same proxy API in front of one worker that does prefill and decode itself.
+
+This is the traditional setup disaggregation is compared against (``xpyd up
+--colocated``): requests are validated the same way, then forwarded as they are
+and the worker's answer (JSON or SSE) is passed back unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from quart import Quart, Response, request
+
+from xpyd.api.openai import APIError, RequestKind, parse_request
+from xpyd.api.responses import dumps, models_response
+from xpyd.discovery.types import WorkerInfo
+from xpyd.proxy.metrics import Outcome, ProxyMetrics
+from xpyd.signal.request_id import RequestId
+
+log = logging.getLogger(__name__)
+
+_PATHS = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
+_ENDPOINTS = _PATHS  # metric label: the route
+
+
+async def fetch_info(session: aiohttp.ClientSession, url: str, timeout: float) -> WorkerInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with session.get(url + "/xpyd/info", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    return WorkerInfo.from_json(await r.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"colocated worker {url} not ready within {timeout:g}s")
+        await asyncio.sleep(0.25)
+
+
+def _error(e: APIError) -> Response:
+    return Response(dumps(e.to_dict()), status=e.status, content_type="application/json")
+
+
+def create_colocated_app(config, url: str) -> Quart:
+    """``config`` is the proxy's ProxyConfig; ``url`` the colocated worker's HTTP URL."""
+    url = url.rstrip("/")
+    app = Quart("xpyd.proxy.colocated")
+    app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None)
+    metrics = ProxyMetrics()
+    state: dict = {}
+
+    @app.before_serving
+    async def open_session() -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout,
+                                        sock_read=config.read_timeout)
+        state["session"] = aiohttp.ClientSession(timeout=timeout,
+                                                 connector=aiohttp.TCPConnector(limit=config.max_connections))
+        state["info"] = await fetch_info(state["session"], url, config.discovery_timeout)
+
+    @app.after_serving
+    async def close_session() -> None:
+        await state["session"].close()
+
+    def model() -> str:
+        return config.model_name or state["info"].model_id
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(dumps({"status": "ok", "colocated": 1}), content_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(dumps(models_response([model()])), content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.set_workers("colocated", 1, 0)
+        body, content_type = metrics.render()
+        return Response(body, content_type=content_type)
+
+    @app.errorhandler(APIError)
+    async def api_error(e: APIError) -> Response:
+        return _error(e)
+
+    @app.errorhandler(413)
+    async def too_large(_e) -> Response:
+        return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await forward(RequestKind.COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        return await forward(RequestKind.CHAT)
+
+    async def forward(kind: RequestKind) -> Response:
+        timer = metrics.request(_ENDPOINTS[kind])
+        try:
+            req = parse_request(await request.get_data(cache=False), kind)
+            if req.model is not None and req.model != model():
+                raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                               code="model_not_found")
+            info: WorkerInfo = state["info"]
+            body = dict(req.raw)
+            body["model"] = info.model_id
+            rid = str(RequestId.new(info.signal_addr, info.signal_addr))
+            resp = await state["session"].post(url + _PATHS[kind], json=body, headers={"X-Request-Id": rid})
+        except APIError as e:
+            timer.end(Outcome.CLIENT_ERROR if e.status < 500 else Outcome.UNAVAILABLE)
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            timer.end(Outcome.UPSTREAM_ERROR)
+            raise APIError(502, f"colocated worker unreachable: {e}", type="server_error") from None
+        if resp.status != 200 or not req.stream:
+            data = await resp.read()
+            resp.release()
+            if resp.status == 200:
+                timer.first_token()
+            timer.end(Outcome.OK if resp.status == 200 else
+                      (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
+            return Response(data, status=resp.status, content_type="application/json")
+        return Response(_relay(resp, timer), status=200, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+async def _relay(resp: aiohttp.ClientResponse, timer) -> AsyncIterator[bytes]:
+    outcome = Outcome.ABORTED
+    first = True
+    try:
+        async for chunk in resp.content.iter_any():
+            if first:
+                timer.first_token()
+                first = False
+            else:
+                timer.token()
+            yield chunk
+        outcome = Outcome.OK
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        outcome = Outcome.UPSTREAM_ERROR
+        error = APIError(502, f"colocated worker failed: {e}", type="server_error").to_dict()
+        yield b"data: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
+    finally:
+        resp.release()
+        timer.end(outcome)
