@@ -1,0 +1,193 @@
+"""xpyd bench metric math on synthetic timelines with known answers, SLO parsing, SSE chunk reading."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from xpyd.bench.client import DONE, Endpoint, RequestResult, _StreamFailure, chunk_text, parse_sse_line
+from xpyd.bench.metrics import SLO, Distribution, RequestLatency, percentile, summarize
+
+
+def ok(send: float, chunks: list[float], end: float, tokens: int | None = None, label: str = "all") -> RequestResult:
+    return RequestResult(label=label, send_time=send, chunk_times=list(chunks), end_time=end,
+                         output_tokens=len(chunks) if tokens is None else tokens, prompt_tokens=10)
+
+
+def failed(kind: str, send: float = 0.0, end: float = 0.5, chunks: list[float] | None = None) -> RequestResult:
+    return RequestResult(label="all", send_time=send, chunk_times=chunks or [], end_time=end,
+                         error=kind, error_detail="boom")
+
+
+# ---- percentiles ---------------------------------------------------------------------------------
+
+def test_percentile_linear_interpolation_known_values():
+    xs = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 100) == 4.0
+    assert percentile(xs, 50) == pytest.approx(2.5)  # rank 1.5
+    assert percentile(xs, 90) == pytest.approx(3.7)  # rank 2.7: 3 + 0.7 * (4 - 3)
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(1)
+    xs = [rng.expovariate(3.0) for _ in range(101)]
+    for p in (1, 10, 50, 90, 99, 99.9):
+        assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_distribution_is_in_ms_and_empty_is_none():
+    d = Distribution.of_seconds([0.010, 0.020, 0.030])
+    assert (d.count, d.mean, d.p50, d.max) == (3, pytest.approx(20.0), pytest.approx(20.0), pytest.approx(30.0))
+    e = Distribution.of_seconds([])
+    assert (e.count, e.mean, e.p50, e.p90, e.p99) == (0, None, None, None, None)
+
+
+# ---- one request ---------------------------------------------------------------------------------
+
+def test_request_latency_known_timeline():
+    lat = RequestLatency.of(ok(10.0, [10.1, 10.12, 10.15, 10.2], 10.21, tokens=4))
+    assert lat.ttft_s == pytest.approx(0.1)
+    assert lat.itls_s == pytest.approx((0.02, 0.03, 0.05))
+    assert lat.e2e_s == pytest.approx(0.21)
+    assert lat.tpot_s == pytest.approx((0.21 - 0.1) / 3)  # (e2e - ttft) / (tokens - 1)
+    assert not lat.usage_missing
+
+
+def test_tpot_counts_tokens_from_usage_not_chunks():
+    # 4 chunks of 2 tokens each: ITL is per chunk, TPOT per token.
+    lat = RequestLatency.of(ok(0.0, [0.1, 0.14, 0.18, 0.22], 0.22, tokens=8))
+    assert lat.itls_s == pytest.approx((0.04, 0.04, 0.04))
+    assert lat.tpot_s == pytest.approx(0.12 / 7)
+    assert lat.output_tokens == 8
+
+
+def test_usage_missing_falls_back_to_chunk_count_and_single_token_has_no_tpot():
+    r = ok(0.0, [0.1, 0.2, 0.3], 0.3)
+    r.output_tokens = None
+    lat = RequestLatency.of(r)
+    assert (lat.output_tokens, lat.usage_missing) == (3, True)
+    one = RequestLatency.of(ok(0.0, [0.1], 0.1, tokens=1))
+    assert one.tpot_s is None and one.itls_s == ()
+
+
+def test_latency_of_failed_request_is_an_error():
+    with pytest.raises(ValueError):
+        RequestLatency.of(failed("timeout"))
+
+
+# ---- a run ---------------------------------------------------------------------------------------
+
+def test_summarize_excludes_failed_from_latency_but_counts_them():
+    results = [
+        ok(0.0, [0.1, 0.2, 0.3], 0.3),  # ttft 100, itl 100 100, e2e 300, tpot 100
+        ok(0.5, [0.7, 0.75, 0.8], 0.8),  # ttft 200, itl 50 50, e2e 300, tpot 50
+        ok(1.0, [1.3, 1.4, 1.5], 1.6),  # ttft 300, itl 100 100, e2e 600, tpot 150
+        failed("http_500", chunks=[0.01]),  # would pull TTFT down if it were counted
+        failed("timeout"),
+        failed("http_500"),
+    ]
+    s = summarize(results, duration_s=2.0)
+    assert (s.completed, s.failed) == (3, 3)
+    assert s.errors == {"http_500": 2, "timeout": 1}
+    assert s.requests_per_s == pytest.approx(1.5)
+    assert s.output_tokens_per_s == pytest.approx(9 / 2.0)
+    assert s.total_output_tokens == 9 and s.total_prompt_tokens == 30
+    assert s.ttft.mean == pytest.approx(200.0) and s.ttft.p50 == pytest.approx(200.0)
+    assert s.ttft.p90 == pytest.approx(280.0)  # rank 1.8 of [100, 200, 300]
+    assert s.itl.count == 6 and s.itl.mean == pytest.approx(500 / 6)
+    assert s.itl.p50 == pytest.approx(100.0)  # [50, 50, 100, 100, 100, 100]
+    assert s.itl.p90 == pytest.approx(100.0)
+    assert s.tpot.mean == pytest.approx(100.0)
+    assert s.e2e.p50 == pytest.approx(300.0) and s.e2e.max == pytest.approx(600.0)
+    assert s.goodput_requests_per_s == s.requests_per_s  # no SLO: every completed request is good
+    assert s.error_samples == ["http_500: boom", "timeout: boom"]
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    slo = SLO.parse("ttft=0.5s,itl=100ms")
+    results = [
+        ok(0.0, [0.5, 0.55, 0.6], 0.6),  # ttft exactly 500 ms: met (inclusive); gaps 50: met -> good
+        ok(0.0, [0.6, 0.62], 0.62),  # ttft 600: missed
+        ok(0.0, [0.1, 0.15, 0.4, 0.45], 0.45),  # one gap of 250 ms: itl missed (p99 alone would hide it)
+        ok(0.0, [0.7, 0.9, 1.2], 1.2),  # both missed
+        failed("connection"),  # never good
+    ]
+    s = summarize(results, duration_s=4.0, slo=slo)
+    assert s.good == 1
+    assert s.goodput_requests_per_s == pytest.approx(0.25)
+    assert s.slo_misses == {"ttft": 2, "itl": 2}
+
+
+def test_goodput_tpot_and_e2e_and_single_token_meets_tpot():
+    slo = SLO.parse("tpot=20ms,e2e=1s")
+    results = [
+        ok(0.0, [0.1, 0.11, 0.12], 0.12),  # tpot 10 ms, e2e 120: good
+        ok(0.0, [0.1, 0.2, 0.3], 0.3),  # tpot 100 ms: missed
+        ok(0.0, [0.9], 1.5, tokens=1),  # no tpot (met, as vLLM counts it 0); e2e 1.5 s: missed
+        ok(0.0, [0.3], 0.3, tokens=1),  # good
+    ]
+    s = summarize(results, duration_s=1.0, slo=slo)
+    assert s.good == 2 and s.slo_misses == {"tpot": 1, "e2e": 1}
+
+
+def test_summarize_all_failed():
+    s = summarize([failed("connection"), failed("connection")], duration_s=1.0, slo=SLO.parse("ttft=1s"))
+    assert (s.completed, s.failed, s.good, s.goodput_requests_per_s) == (0, 2, 0, 0.0)
+    assert s.ttft.mean is None and s.itl.p99 is None
+
+
+# ---- SLO parsing ---------------------------------------------------------------------------------
+
+def test_slo_parse_units():
+    slo = SLO.parse("ttft=500ms,itl=50ms,e2e=2s")
+    assert (slo.ttft_s, slo.itl_s, slo.e2e_s, slo.tpot_s) == (pytest.approx(0.5), pytest.approx(0.05), 2.0, None)
+    assert slo.as_ms() == {"ttft": pytest.approx(500), "itl": pytest.approx(50), "e2e": pytest.approx(2000)}
+    other = SLO.parse(" tpot = 20 , e2el=1.5s, itl=250us ")  # bare number = ms (vLLM); e2el alias
+    assert other.tpot_s == pytest.approx(0.02) and other.e2e_s == 1.5 and other.itl_s == pytest.approx(250e-6)
+    assert SLO.parse("").empty and not slo.empty
+
+
+@pytest.mark.parametrize("text, match", [
+    ("latency=5ms", "ttft, tpot, itl, e2e"),
+    ("ttft", "KEY=VALUE"),
+    ("ttft=fast", "unit us, ms or s"),
+    ("ttft=5min", "unit us, ms or s"),
+    ("ttft=0ms", "> 0"),
+    ("ttft=1ms,ttft=2ms", "twice"),
+])
+def test_slo_parse_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        SLO.parse(text)
+
+
+# ---- what counts as a chunk -----------------------------------------------------------------------
+
+def test_sse_lines():
+    assert parse_sse_line(b"data: [DONE]\n") is DONE
+    assert parse_sse_line(b"\n") is None and parse_sse_line(b": keep-alive\n") is None
+    assert parse_sse_line(b'data: {"a": 1}\r\n') == {"a": 1}
+    with pytest.raises(_StreamFailure) as e:
+        parse_sse_line(b"data: {not json")
+    assert e.value.kind == "bad_response"
+
+
+def test_chunk_text_ignores_role_empty_and_usage_chunks():
+    chat, comp = Endpoint.CHAT, Endpoint.COMPLETIONS
+    assert chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chat) == ""
+    assert chunk_text({"choices": [{"delta": {"content": "Hi"}}]}, chat) == "Hi"
+    assert chunk_text({"choices": [{"delta": {}, "finish_reason": "length"}]}, chat) == ""
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, comp) == ""
+    assert chunk_text({"choices": [{"text": " the"}]}, comp) == " the"
+    assert chunk_text({"choices": [{"text": ""}]}, comp) == ""

@@ -1,0 +1,13 @@
+"""``xpyd bench``: benchmarks.
+
+Serving benchmark (any OpenAI-compatible endpoint), one module per job:
+
+- ``workload``: request specs (prompts of exact token lengths, jsonl files) and Poisson arrival times;
+- ``client``: one aiohttp session; each streaming request becomes a ``RequestResult`` timeline;
+- ``runner``: arrival processes (closed loop, Poisson open loop, prefill-stall);
+- ``metrics``: TTFT / TPOT / ITL / E2E distributions, throughput, SLOs and goodput (pure);
+- ``report`` / ``plot``: JSON, printed table, PNGs;
+- ``config`` / ``main``: the CLI (``add_arguments`` / ``run``).
+
+``transfer_bench`` (KV transfer engine benchmark) is reached as ``xpyd bench transfer``.
+"""

@@ -1,0 +1,227 @@
+"""The HTTP side: one streaming request to an OpenAI-compatible endpoint, recorded as a timeline.
+
+A ``StreamingClient`` owns one aiohttp session for the whole run (connection limit set by the
+caller, >= the concurrency) and turns each ``RequestSpec`` into a ``RequestResult``: the send time,
+the arrival time of every content chunk (a chunk carries one or more tokens, so gaps are per chunk),
+the end time, the token counts from the trailing ``usage`` chunk, or an error kind. Errors are
+returned, never raised: a benchmark counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import aiohttp
+
+from xpyd.bench.workload import RequestSpec
+
+
+class Endpoint(str, Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
+
+
+class ErrorKind(str, Enum):
+    HTTP = "http"  # a non-200 status; the key in reports is http_<status>
+    TIMEOUT = "timeout"  # --timeout elapsed before the stream ended
+    CONNECTION = "connection"  # refused / reset / DNS before any response
+    DISCONNECTED = "disconnected"  # the server closed the stream before [DONE]
+    STREAM_ERROR = "stream_error"  # an {"error": ...} event inside the stream
+    BAD_RESPONSE = "bad_response"  # not parseable as OpenAI SSE
+    EMPTY = "empty"  # the stream ended without any content chunk
+
+
+class EndpointUnreachable(Exception):
+    """The server could not be reached at all (connection refused, DNS, timeout)."""
+
+
+class NotOpenAI(Exception):
+    """Something answered, but not as an OpenAI-compatible server would."""
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What happened to one request; times are ``time.perf_counter()`` seconds."""
+
+    label: str
+    send_time: float
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    end_time: float = 0.0
+    output_tokens: int | None = None  # usage.completion_tokens (None: the server sent no usage)
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
+    error_detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://h:8000``, ``http://h:8000/`` and ``http://h:8000/v1`` all mean the same server."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def fetch_model_names(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> list[str]:
+    """``GET /v1/models`` -> the served model ids.
+
+    Raises ``EndpointUnreachable`` if nothing answers, ``NotOpenAI`` if something answers but not
+    with an OpenAI model list."""
+    url = normalize_base_url(base_url) + "/v1/models"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url, headers=_headers(api_key)) as resp:
+                if resp.status != 200:
+                    raise NotOpenAI(f"GET {url} answered HTTP {resp.status}")
+                body = await resp.json(content_type=None)
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+        raise EndpointUnreachable(f"cannot reach {url}: {e or type(e).__name__}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NotOpenAI(f"GET {url} did not answer JSON") from e
+    try:
+        return [m["id"] for m in body["data"]]
+    except (KeyError, TypeError) as e:
+        raise NotOpenAI(f"GET {url} did not answer an OpenAI model list") from e
+
+
+class _StreamFailure(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class StreamingClient:
+    """Sends streaming requests over one session: ``async with StreamingClient(...) as c``."""
+
+    def __init__(self, base_url: str, endpoint: Endpoint, model: str, *, timeout_s: float,
+                 max_connections: int, api_key: str | None = None) -> None:
+        if timeout_s <= 0 or max_connections < 1:
+            raise ValueError("timeout_s must be > 0 and max_connections >= 1")
+        self._url = normalize_base_url(base_url) + endpoint.path
+        self._endpoint = endpoint
+        self._model = model
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 10.0))
+        self._max_connections = max_connections
+        self._headers = _headers(api_key)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> StreamingClient:
+        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                              headers=self._headers)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def body(self, spec: RequestSpec) -> dict:
+        """The JSON body: always streaming with usage, ``ignore_eos`` so ``max_tokens`` is exact."""
+        body: dict = {"model": self._model, "max_tokens": spec.max_tokens, "stream": True,
+                      "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if self._endpoint is Endpoint.CHAT:
+            body["messages"] = (list(spec.messages) if spec.messages is not None
+                                else [{"role": "user", "content": spec.prompt}])
+        elif spec.prompt is None:
+            raise ValueError("the completions endpoint needs a prompt, not messages")
+        else:
+            body["prompt"] = spec.prompt
+        return body
+
+    async def send(self, spec: RequestSpec) -> RequestResult:
+        if self._session is None:
+            raise RuntimeError("use StreamingClient as an async context manager")
+        body = self.body(spec)
+        result = RequestResult(label=spec.label, send_time=time.perf_counter())
+        try:
+            async with self._session.post(self._url, json=body) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    raise _StreamFailure(f"{ErrorKind.HTTP.value}_{resp.status}", text)
+                await self._read_stream(resp, result)
+        except _StreamFailure as e:
+            result.error, result.error_detail = e.kind, str(e)
+        except asyncio.TimeoutError:
+            result.error, result.error_detail = ErrorKind.TIMEOUT.value, "request timed out"
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+            result.error, result.error_detail = ErrorKind.DISCONNECTED.value, str(e) or type(e).__name__
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            result.error, result.error_detail = ErrorKind.CONNECTION.value, str(e) or type(e).__name__
+        except (aiohttp.ClientError, ValueError) as e:  # ValueError: an SSE line over aiohttp's limit
+            result.error, result.error_detail = ErrorKind.BAD_RESPONSE.value, str(e) or type(e).__name__
+        result.end_time = time.perf_counter()
+        return result
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
+        done = False
+        async for raw in resp.content:
+            now = time.perf_counter()
+            event = parse_sse_line(raw)
+            if event is None:
+                continue
+            if event is DONE:
+                done = True
+                break
+            if "error" in event:
+                raise _StreamFailure(ErrorKind.STREAM_ERROR.value, json.dumps(event["error"])[:300])
+            if chunk_text(event, self._endpoint):
+                result.chunk_times.append(now)
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+                result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+        if not done:
+            raise _StreamFailure(ErrorKind.DISCONNECTED.value, "stream ended without [DONE]")
+        if not result.chunk_times:
+            raise _StreamFailure(ErrorKind.EMPTY.value, "no content chunk in the stream")
+
+
+DONE = object()  # the `data: [DONE]` sentinel
+
+
+def parse_sse_line(raw: bytes) -> dict | object | None:
+    """One SSE line -> its JSON object, ``DONE``, or None (blank, comment, other fields).
+
+    Raises ``_StreamFailure(bad_response)`` for a data line that is not JSON."""
+    line = raw.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return DONE
+    try:
+        obj = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _StreamFailure(ErrorKind.BAD_RESPONSE.value, f"not JSON: {data[:100]!r}") from None
+    if not isinstance(obj, dict):
+        raise _StreamFailure(ErrorKind.BAD_RESPONSE.value, f"not a JSON object: {data[:100]!r}")
+    return obj
+
+
+def chunk_text(event: dict, endpoint: Endpoint) -> str:
+    """The generated text a chunk carries ('' for role-only, empty and usage-only chunks)."""
+    choices = event.get("choices")
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    if endpoint is Endpoint.CHAT:
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""

@@ -1,0 +1,211 @@
+"""Latency and throughput metrics from request timelines (pure functions, no I/O).
+
+Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serve``):
+
+- TTFT: first content chunk arrival - send time.
+- ITL: every gap between consecutive content chunks. A chunk may carry more than one token, so ITL
+  is per chunk, not per token.
+- TPOT: (E2E - TTFT) / (output_tokens - 1), with output_tokens from ``usage.completion_tokens``
+  (the number of content chunks when the server sends no usage); undefined for one-token outputs.
+- E2E: end of the stream (``[DONE]``) - send time.
+- Percentiles are linearly interpolated between order statistics (numpy's default, "linear"):
+  the p-th percentile of sorted x[0..n-1] is x[k] + (x[k+1] - x[k]) * f with k + f = p/100 * (n-1).
+- Throughputs divide by the wall duration of the run (first send to last response end).
+- Failed requests are excluded from every latency and token count but counted as ``failed``.
+- Goodput (vLLM's definition, from DistServe): completed requests per second that meet *every* given
+  SLO, each inclusive (value <= SLO): TTFT, TPOT (a one-token request meets it), E2E, and - an
+  xpyd addition - ITL, met when every ITL gap of the request is <= the SLO. With no SLO given every
+  completed request is good (goodput = request throughput).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from xpyd.bench.client import RequestResult
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linearly interpolated percentile (numpy's default method); ``values`` need not be sorted."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    xs = sorted(values)
+    rank = p / 100 * (len(xs) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """Mean and percentiles of a sample, in milliseconds; all None for an empty sample."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+    @classmethod
+    def of_seconds(cls, values_s: Sequence[float]) -> Distribution:
+        if not values_s:
+            return cls(0, None, None, None, None, None)
+        ms = [v * 1000.0 for v in values_s]
+        return cls(len(ms), sum(ms) / len(ms), percentile(ms, 50), percentile(ms, 90),
+                   percentile(ms, 99), max(ms))
+
+
+_SLO_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2e": "e2e_s", "e2el": "e2e_s"}
+_DURATION = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s)?$")
+_UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}  # a bare number is ms, like vLLM's --goodput
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Service level objectives in seconds (None = not set)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"SLO {name[:-2]} must be > 0, got {v}")
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``"ttft=500ms,itl=50ms,e2e=2s"``: keys ttft, tpot, itl, e2e (or e2el); units us, ms, s
+        (a bare number is milliseconds). Empty text = no SLO."""
+        values: dict[str, float] = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, sep, val = item.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in _SLO_KEYS:
+                raise ValueError(f"bad SLO item {item!r}: expected KEY=VALUE with KEY one of "
+                                 f"ttft, tpot, itl, e2e (e.g. ttft=500ms,itl=50ms,e2e=2s)")
+            m = _DURATION.match(val.strip().lower())
+            if not m:
+                raise ValueError(f"bad SLO value {val!r} for {key}: expected a number with unit us, ms "
+                                 f"or s (e.g. 500ms, 2s)")
+            attr = _SLO_KEYS[key]
+            if attr in values:
+                raise ValueError(f"SLO {key} given twice")
+            values[attr] = float(m.group(1)) * _UNIT_S[m.group(2)]
+        return cls(**values)
+
+    @property
+    def empty(self) -> bool:
+        return all(v is None for v in (self.ttft_s, self.tpot_s, self.itl_s, self.e2e_s))
+
+    def as_ms(self) -> dict[str, float]:
+        return {k[:-2]: v * 1000.0 for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+                if (v := getattr(self, k)) is not None}
+
+    def misses(self, lat: RequestLatency) -> list[str]:
+        """The SLOs this completed request misses (empty: it is good)."""
+        out = []
+        if self.ttft_s is not None and lat.ttft_s > self.ttft_s:
+            out.append("ttft")
+        if self.tpot_s is not None and lat.tpot_s is not None and lat.tpot_s > self.tpot_s:
+            out.append("tpot")
+        if self.itl_s is not None and lat.itls_s and max(lat.itls_s) > self.itl_s:
+            out.append("itl")
+        if self.e2e_s is not None and lat.e2e_s > self.e2e_s:
+            out.append("e2e")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLatency:
+    """The latencies of one completed request, in seconds."""
+
+    ttft_s: float
+    tpot_s: float | None  # None for a single output token
+    itls_s: tuple[float, ...]
+    e2e_s: float
+    output_tokens: int
+    usage_missing: bool  # output_tokens is the chunk count, the server sent no usage
+
+    @classmethod
+    def of(cls, r: RequestResult) -> RequestLatency:
+        if not r.ok or not r.chunk_times:
+            raise ValueError("latencies exist only for completed requests with content")
+        ttft = r.chunk_times[0] - r.send_time
+        e2e = r.end_time - r.send_time
+        itls = tuple(b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]))
+        missing = r.output_tokens is None
+        tokens = len(r.chunk_times) if missing else r.output_tokens
+        tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
+        return cls(ttft, tpot, itls, e2e, tokens, missing)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """The metrics of one group of requests over a run of ``duration_s`` seconds."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e: Distribution
+    requests_per_s: float
+    output_tokens_per_s: float
+    goodput_requests_per_s: float  # without an SLO every completed request is good
+    good: int
+    slo_misses: dict[str, int]  # completed requests missing each SLO
+    errors: dict[str, int]  # failed requests by error kind
+    total_output_tokens: int
+    total_prompt_tokens: int
+    usage_missing: int  # completed requests whose stream had no usage chunk
+    error_samples: list[str] = field(default_factory=list)
+
+
+def summarize(results: Iterable[RequestResult], duration_s: float, slo: SLO | None = None) -> Summary:
+    if duration_s <= 0:
+        raise ValueError(f"duration must be > 0, got {duration_s}")
+    results = list(results)
+    done = [RequestLatency.of(r) for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    errors: dict[str, int] = {}
+    for r in failed:
+        errors[r.error] = errors.get(r.error, 0) + 1
+    samples = list(dict.fromkeys(f"{r.error}: {r.error_detail}" for r in failed))[:5]
+    slo = slo or SLO()
+    misses = {k: 0 for k in slo.as_ms()}
+    good = 0
+    for lat in done:
+        missed = slo.misses(lat)
+        good += not missed
+        for k in missed:
+            misses[k] += 1
+    out_tokens = sum(lat.output_tokens for lat in done)
+    return Summary(
+        completed=len(done),
+        failed=len(failed),
+        duration_s=duration_s,
+        ttft=Distribution.of_seconds([lat.ttft_s for lat in done]),
+        tpot=Distribution.of_seconds([lat.tpot_s for lat in done if lat.tpot_s is not None]),
+        itl=Distribution.of_seconds([g for lat in done for g in lat.itls_s]),
+        e2e=Distribution.of_seconds([lat.e2e_s for lat in done]),
+        requests_per_s=len(done) / duration_s,
+        output_tokens_per_s=out_tokens / duration_s,
+        goodput_requests_per_s=good / duration_s,
+        good=good,
+        slo_misses=misses,
+        errors=errors,
+        total_output_tokens=out_tokens,
+        total_prompt_tokens=sum(r.prompt_tokens or 0 for r in results if r.ok),
+        usage_missing=sum(lat.usage_missing for lat in done),
+        error_samples=samples,
+    )
