@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(the traditional setup), for comparisons with disaggregated serving. Put "
                                    "`xpyd proxy --colocated URL` in front of it.")
     add_worker_arguments(p, "colocated")
+    from xpyd.bench import main as bench_main
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (or: xpyd bench transfer)")
+    bench_main.add_arguments(p)
     p = sub.add_parser("status", help="list the workers registered in etcd",
                        description="Print the workers registered under /workers/ in etcd.")
     p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="the cluster's etcd")
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             from xpyd import launcher
 
             return launcher.run(args)
+        if args.command == "bench":
+            from xpyd.bench import main as bench_main
+
+            return bench_main.run(args)
         if args.command == "status":
             from xpyd.discovery import status
 
