@@ -60,8 +60,21 @@ def test_decode_with_mismatched_model_is_refused_at_handshake(workers):
     assert status == 502
     msg = body["error"]["message"]
     assert "handshake" in msg and "model mismatch" in msg and "model-a" in msg and "model-b" in msg
-    stats = json.loads(urllib.request.urlopen(workers["decode_bad"] + "/xpyd/stats", timeout=5).read())
-    assert stats["kv_slots_used"] == 0 and stats["waiting"] == 0
+    _assert_idle(workers["decode_bad"])
+
+
+def _assert_idle(url: str, timeout: float = 5.0) -> None:
+    """Stats are published at the end of each engine step: wait for the step that failed the request."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = json.loads(urllib.request.urlopen(url + "/xpyd/stats", timeout=5).read())
+        idle = stats["kv_slots_used"] == 0 and stats["waiting"] == 0 and stats["running"] == 0
+        if idle or time.monotonic() > deadline:
+            assert idle, stats
+            return
+        time.sleep(0.05)
 
 
 def test_matching_pair_serves_through_worker_apis(workers):
@@ -104,5 +117,4 @@ def test_worker_rejects_bad_requests(workers, role, headers, body, status, needl
     got, resp = _post(workers[role] + "/v1/completions", body, headers)
     assert got == status, resp
     assert needle in resp["error"]["message"]
-    stats = json.loads(urllib.request.urlopen(workers[role] + "/xpyd/stats", timeout=5).read())
-    assert stats["waiting"] == 0 and stats["kv_slots_used"] == 0
+    _assert_idle(workers[role])

@@ -19,7 +19,7 @@ from xpyd.engine.config import WorkerConfig
 from xpyd.engine.loop import EngineThread
 from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
-from xpyd.engine.sampling import sample
+from xpyd.engine.stepping import decode_and_sample, prefill_and_sample
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,7 @@ class ColocatedEngine(EngineThread):
         item: WorkItem = seq.payload
         t0 = time.monotonic()
         try:
-            logits = self.runner.prefill(seq.slot, seq.prompt_ids)
-            token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+            token = prefill_and_sample(self.runner, seq)
         except Exception as e:
             log.exception("prefill failed for %s", seq.request_id)
             self.sched.fail(seq, str(e))
@@ -115,16 +114,9 @@ class ColocatedEngine(EngineThread):
 
     def _decode_step(self) -> None:
         running = self.sched.running()
-        slots, tokens, positions = [], [], []
-        for seq in running:
-            ids = seq.payload.output.token_ids
-            slots.append(seq.slot)
-            tokens.append(ids[-1])
-            positions.append(len(seq.prompt_ids) + len(ids) - 1)
         t0 = time.monotonic()
         try:
-            logits = self.runner.decode(slots, tokens, positions)
-            new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
+            new = decode_and_sample(self.runner, running)
         except Exception as e:
             log.exception("decode step failed")
             for seq in running:

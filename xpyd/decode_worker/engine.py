@@ -22,7 +22,8 @@ from xpyd.engine.loop import EngineThread
 from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
-from xpyd.engine.sampling import sample, skip_draw
+from xpyd.engine.sampling import skip_draw
+from xpyd.engine.stepping import decode_and_sample
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import transfer_id_of
@@ -252,16 +253,9 @@ class DecodeEngine(EngineThread):
 
     def _decode_step(self) -> None:
         running = self.sched.running()
-        slots, tokens, positions = [], [], []
-        for seq in running:
-            ids = seq.payload.output.token_ids
-            slots.append(seq.slot)
-            tokens.append(ids[-1])
-            positions.append(len(seq.prompt_ids) + len(ids) - 1)
         t0 = time.monotonic()
         try:
-            logits = self.runner.decode(slots, tokens, positions)
-            new = sample(logits, [s.payload.sampling for s in running], [s.payload.generator for s in running])
+            new = decode_and_sample(self.runner, running)
         except Exception as e:
             log.exception("decode step failed")
             for seq in running:

@@ -22,7 +22,7 @@ from xpyd.engine.loop import EngineThread
 from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
-from xpyd.engine.sampling import sample
+from xpyd.engine.stepping import prefill_and_sample
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
@@ -141,8 +141,7 @@ class PrefillEngine(EngineThread):
         item: WorkItem = seq.payload
         t0 = time.monotonic()
         try:
-            logits = self.runner.prefill(seq.slot, seq.prompt_ids)
-            token = sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+            token = prefill_and_sample(self.runner, seq)
         except Exception as e:
             log.exception("prefill failed for %s", seq.request_id)
             with self._lock:
