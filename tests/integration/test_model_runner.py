@@ -264,10 +264,69 @@ def test_other_llama_family_models(tmp_path, arch):
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     runner = ModelRunner(tmp_path, torch.float32, num_slots=1, max_seq_len=256)
+    assert runner.fast_path_active, runner.fast_path_reason  # the lean forward covers all three
     prompt = torch.randint(0, 500, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     slot = runner.pool.allocate()
     torch.testing.assert_close(runner.prefill(slot, prompt[:60]), hf_last_logits(hf, prompt[:60]), rtol=1e-4, atol=1e-4)
     for pos in range(60, 70):
+        step = runner.decode([slot], [prompt[pos]], [pos])[0]
+        torch.testing.assert_close(step, hf_last_logits(hf, prompt[: pos + 1]), rtol=1e-4, atol=1e-4)
+
+
+# --- the lean forward (llama_fast) against the general HF-module path ---------------------------------------
+
+def _both_paths(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[torch.Tensor]]:
+    """Prefill each prompt, then decode all of them in one batch; every logits tensor, per path."""
+    results = []
+    for fast in (True, False):
+        runner.use_fast_path(fast)
+        slots = [runner.pool.allocate() for _ in prompts]
+        try:
+            got = [runner.prefill(slot, p) for slot, p in zip(slots, prompts)]
+            toks = [int(g.argmax()) for g in got]
+            pos = [len(p) for p in prompts]
+            for _ in range(steps):
+                logits = runner.decode(slots, toks, pos)
+                got.extend(logits)
+                toks = logits.argmax(-1).tolist()
+                pos = [q + 1 for q in pos]
+            results.append(got)
+        finally:
+            for slot in slots:
+                runner.pool.free(slot)
+    runner.use_fast_path(True)
+    return results
+
+
+def test_fast_path_matches_general_path_float32(tiny):
+    runner, _ = tiny
+    assert runner.fast_path_active and runner.fast_path_reason is None
+    fast, general = _both_paths(runner, [prompt_of(23, 10), prompt_of(6, 11), prompt_of(41, 12)], steps=8)
+    assert len(fast) == len(general) == 3 + 3 * 8
+    for a, b in zip(fast, general):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_path_close_to_general_path_bfloat16(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, torch.bfloat16, num_slots=2, max_seq_len=64)
+    assert runner.fast_path_active
+    fast, general = _both_paths(runner, [prompt_of(12, 13), prompt_of(5, 14)], steps=4)
+    for a, b in zip(fast, general):
+        assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.99
+
+
+def test_model_the_fast_path_does_not_cover_falls_back(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = _save_tiny(tmp_path, LlamaConfig, LlamaForCausalLM, hidden_act="gelu_pytorch_tanh")
+    runner = ModelRunner(tmp_path, torch.float32, num_slots=1, max_seq_len=128)
+    assert not runner.fast_path_active and "activation" in runner.fast_path_reason
+    with pytest.raises(ValueError, match="activation"):
+        runner.use_fast_path(True)
+    prompt = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    slot = runner.pool.allocate()
+    torch.testing.assert_close(runner.prefill(slot, prompt[:25]), hf_last_logits(hf, prompt[:25]), rtol=1e-4, atol=1e-4)
+    for pos in range(25, 30):
         step = runner.decode([slot], [prompt[pos]], [pos])[0]
         torch.testing.assert_close(step, hf_last_logits(hf, prompt[: pos + 1]), rtol=1e-4, atol=1e-4)
 

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from xpyd.engine.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.engine.llama_fast import FastLlama, why_not_covered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -56,6 +57,22 @@ class ModelRunner:
                 max_seq_len=max_model_len,
             )
         )
+        # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
+        self.fast_path_reason: str | None = why_not_covered(self.model)
+        self._fast: FastLlama | None = None
+        if self.fast_path_reason is None:
+            self._fast = FastLlama(self.model, max_model_len, dtype)
+        self._use_fast = self._fast is not None
+
+    @property
+    def fast_path_active(self) -> bool:
+        return self._use_fast
+
+    def use_fast_path(self, enabled: bool) -> None:
+        """Switch between the lean forward and the general (HF-module) path, e.g. to compare them."""
+        if enabled and self._fast is None:
+            raise ValueError(f"the fast path does not cover this model: {self.fast_path_reason}")
+        self._use_fast = enabled
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
@@ -64,6 +81,10 @@ class ModelRunner:
         if not 1 <= n <= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
         self.pool.num_tokens(slot)  # raises if the slot is not allocated
+        if self._use_fast:
+            logits = self._fast.prefill(self.pool.tensor[slot, :n], self._ids(token_ids))
+            self.pool.set_num_tokens(slot, n)
+            return logits
         ids = self._ids(token_ids).unsqueeze(0)  # [1, n]
         hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, torch.arange(n).unsqueeze(0))
@@ -94,6 +115,11 @@ class ModelRunner:
                 raise ValueError(
                     f"slot {slot}: position {pos} invalid (slot holds {held} tokens, max {self.max_model_len})"
                 )
+        if self._use_fast:
+            logits = self._fast.decode(self.pool.tensor, slots, positions, self._ids(token_ids))
+            for slot, pos in zip(slots, positions):
+                self.pool.set_num_tokens(slot, pos + 1)
+            return logits
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
         slot_t = torch.tensor(slots)
         pos_t = torch.tensor(positions)
