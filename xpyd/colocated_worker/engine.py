@@ -10,54 +10,34 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.loop import EngineThread
-from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.stepping import decode_and_sample, prefill_and_sample
+from xpyd.engine.worker_engine import Abort, WorkerEngine
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-
-
-class ColocatedEngine(EngineThread):
+class ColocatedEngine(WorkerEngine):
     name = "colocated-engine"
 
     def __init__(self, runner, tokenizer, config: WorkerConfig, served_name: str) -> None:
-        super().__init__()
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.config = config
-        self.pool = runner.pool
-        self.max_model_len = runner.max_model_len
-        self.eos_token_ids = runner.eos_token_ids
+        super().__init__(runner, tokenizer, config, served_name)
         self.sched = ColocatedScheduler(config.batch_size, self.pool)
         # Requests name this worker as both peers: the id format stays the same everywhere.
         addr = f"{config.public_host}:{config.port}"
         self.info = WorkerInfo(Role.DECODE, f"http://{addr}", addr, served_name, PROTOCOL_VERSION,
                                config.batch_size)
-        self.metrics = WorkerMetrics("colocated")
         self._last_token_at: dict[str, float] = {}
         self._stats: dict = {}
         self._update_stats()
 
     def start(self) -> None:
         self.start_thread()
-
-    def submit(self, item: WorkItem) -> None:
-        self.post(item)
-
-    def abort(self, request_id: str) -> None:
-        self.post(_Abort(request_id))
 
     def idle(self) -> bool:
         s = self._stats
@@ -78,7 +58,7 @@ class ColocatedEngine(EngineThread):
 
     def step(self) -> float:
         for item in self.drain_inbox():
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 if self.sched.abort(item.request_id) is not None:
                     self._last_token_at.pop(item.request_id, None)
                     self.metrics.request_done("aborted")

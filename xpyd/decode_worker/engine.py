@@ -18,12 +18,11 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.loop import EngineThread
-from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import skip_draw
 from xpyd.engine.stepping import decode_and_sample
+from xpyd.engine.worker_engine import Abort, WorkerEngine
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import transfer_id_of
@@ -35,36 +34,22 @@ LOOKUP_INTERVAL = 0.002  # status polls per prefill peer while requests wait
 
 
 @dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
 class _PeersLeft:
     addrs: frozenset[str]
 
 
-class DecodeEngine(EngineThread):
+class DecodeEngine(WorkerEngine):
     name = "decode-engine"
 
     def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
                  served_name: str) -> None:
-        super().__init__()
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.config = config
+        super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
-        self.pool = runner.pool
-        self.max_model_len = runner.max_model_len
-        self.eos_token_ids = runner.eos_token_ids
         self.sched = DecodeScheduler(config.batch_size, self.pool)
-        self.model_id = served_name
         self.signal: SignalClient | None = None
-        self.info: WorkerInfo | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._stats: dict = {}
-        self.metrics = WorkerMetrics("decode")
         self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._last_decode_at = 0.0  # end of the last decode step
 
@@ -84,12 +69,6 @@ class DecodeEngine(EngineThread):
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------
-    def submit(self, item: WorkItem) -> None:
-        self.post(item)
-
-    def abort(self, request_id: str) -> None:
-        self.post(_Abort(request_id))
-
     def peers_left(self, addrs: set[str]) -> None:
         """Prefill workers that left the cluster: fail what waits on them, drop the connection."""
         self.post(_PeersLeft(frozenset(addrs)))
@@ -117,7 +96,7 @@ class DecodeEngine(EngineThread):
     def step(self) -> float:
         assert self.signal is not None
         for item in self.drain_inbox():
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 self._abort(item.request_id)
             elif isinstance(item, _PeersLeft):
                 for addr in item.addrs:

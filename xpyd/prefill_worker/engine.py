@@ -18,22 +18,16 @@ import torch
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.loop import EngineThread
-from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.stepping import prefill_and_sample
+from xpyd.engine.worker_engine import Abort, WorkerEngine
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
 from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,27 +44,18 @@ class PeerMap:
     num_slots: int
 
 
-class PrefillEngine(EngineThread):
+class PrefillEngine(WorkerEngine):
     name = "prefill-engine"
 
     def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
                  served_name: str) -> None:
-        super().__init__()
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.config = config
+        super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
-        self.max_model_len = runner.max_model_len
-        self.eos_token_ids = runner.eos_token_ids
-        self.pool = runner.pool
         self.sched = PrefillScheduler(config.batch_size, self.pool)
         self._lock = threading.Lock()
         self._peers: dict[str, PeerMap] = {}
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
-        self.model_id = served_name
-        self.info: WorkerInfo | None = None
         self._kv_compat = self.pool.layout.compat()
-        self.metrics = WorkerMetrics("prefill")
         self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
 
     def start(self, signal_addr: str) -> None:
@@ -81,12 +66,6 @@ class PrefillEngine(EngineThread):
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------
-    def submit(self, item: WorkItem) -> None:
-        self.post(item)
-
-    def abort(self, request_id: str) -> None:
-        self.post(_Abort(request_id))
-
     def peers_left(self, addrs: set[str]) -> None:
         """Decode workers that left the cluster: drop their maps, connections and unpulled KV."""
         self.post(_PeersLeft(frozenset(addrs)))
@@ -105,7 +84,7 @@ class PrefillEngine(EngineThread):
     def step(self) -> float:
         for item in self.drain_inbox():
             with self._lock:
-                if isinstance(item, _Abort):
+                if isinstance(item, Abort):
                     self._release(item.request_id)
                 elif isinstance(item, _PeersLeft):
                     self._drop_peers(item.addrs)
