@@ -10,6 +10,7 @@ import time
 import pytest
 
 from xpyd.bench import transfer_bench as tb
+from xpyd.bench import transfer_procs as tp
 
 KiB, MiB = 1 << 10, 1 << 20
 REQUIRED = {"size_bytes", "gbps", "memcpy_gbps", "socket_gbps"}
@@ -103,7 +104,7 @@ def test_sizes_parsing():
     with pytest.raises(SystemExit):
         parser.parse_args(["--sizes", "lots"])
     assert tb.format_size(64 * KiB) == "64 KiB" and tb.format_size(1000) == "1000 B"
-    assert tb._split(10, 3) == [(0, 4), (4, 3), (7, 3)]
+    assert tp._split(10, 3) == [(0, 4), (4, 3), (7, 3)]
 
 
 # -- a failing or stuck child stops both processes -----------------------------------
@@ -114,13 +115,13 @@ def _failing(peer):
 
 
 def _waiting(peer):
-    return tb._peer_recv(peer, "anything", 30)
+    return tp._peer_recv(peer, "anything", 30)
 
 
 def test_failing_child_stops_its_peer():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as e:
-        tb._run_pair("test", _failing, _waiting, {}, timeout=30)
+        tp._run_pair("test", _failing, _waiting, {}, timeout=30)
     msg = str(e.value)
     assert msg.startswith("test: the receiver process failed: ValueError: boom")  # the cause first
     assert time.monotonic() - t0 < 15
@@ -129,17 +130,17 @@ def test_failing_child_stops_its_peer():
 def test_stuck_children_are_stopped_at_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no result from the receiver and sender process within 0.5s"):
-        tb._run_pair("test", _waiting, _waiting, {}, timeout=0.5)
+        tp._run_pair("test", _waiting, _waiting, {}, timeout=0.5)
     assert time.monotonic() - t0 < 10
 
 
 def test_corrupted_bytes_are_caught():
     import numpy as np
 
-    buf = tb._pattern(1000)
-    tb._check_landed(buf, 1000, "x")
+    buf = tp._pattern(1000)
+    tp._check_landed(buf, 1000, "x")
     buf[777] ^= 1
     with pytest.raises(RuntimeError, match="first at offset 777"):
-        tb._check_landed(buf, 1000, "x")
+        tp._check_landed(buf, 1000, "x")
     with pytest.raises(RuntimeError):
-        tb._check_landed(np.full(1000, 0x55, np.uint8), 1000, "x")
+        tp._check_landed(np.full(1000, 0x55, np.uint8), 1000, "x")

@@ -1,0 +1,269 @@
+"""The child-process sides of `xpyd bench transfer` and the helper that runs them in pairs.
+
+Each measurement between two processes is a receiver and a sender, spawned by ``_run_pair`` and joined by
+a ``multiprocessing.Pipe`` for control messages only (descriptors, ports, "finished"); the payload moves
+through the backend under test or a TCP loopback socket. Every child reports ("ok", result) or
+("error", message) to the parent on its own pipe; ``_run_pair`` stops both processes when either fails or
+the phase times out. The sender fills its buffer with ``_pattern``; the receiver checks what landed with
+``_check_landed``. Orchestration, the memcpy baseline and the report live in ``transfer_bench``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+MiB = 1 << 20
+WARMUP = 1
+OP_TIMEOUT = 60.0  # any single wait inside a child process (peer message, transfer, socket I/O)
+_PATTERN_SEED = 20240601
+_PATTERN_BLOCK = 4099  # a prime, so the pattern never lines up with chunk or page boundaries
+_RECV_FILL = 0x55
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _split(size: int, regions: int) -> list[tuple[int, int]]:
+    """[0, size) as ``regions`` contiguous (offset, length) pairs of near-equal length."""
+    base, extra = divmod(size, regions)
+    out, off = [], 0
+    for i in range(regions):
+        length = base + (i < extra)
+        out.append((off, length))
+        off += length
+    return out
+
+
+def _pattern(n: int):
+    import numpy as np
+
+    block = np.random.default_rng(_PATTERN_SEED).integers(0, 256, _PATTERN_BLOCK, dtype=np.uint8)
+    return np.resize(block, n)
+
+
+def _check_landed(buf, n: int, what: str) -> None:
+    import numpy as np
+
+    if not np.array_equal(buf[:n], _pattern(n)):
+        bad = int(np.argmax(buf[:n] != _pattern(n)))
+        raise RuntimeError(f"{what}: received bytes differ from the sent ones (first at offset {bad})")
+
+
+# -- child processes ---------------------------------------------------------------
+
+
+def _peer_recv(conn, what: str, timeout: float = OP_TIMEOUT):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} from the peer process within {timeout:g}s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the peer process exited before sending {what}") from None
+
+
+def _child(fn: Callable, role: str, result_conn, peer_conn, kwargs: dict) -> None:
+    """Run ``fn(peer_conn, **kwargs)``; report ("ok", result) or ("error", message) to the parent."""
+    try:
+        out = fn(peer_conn, **kwargs)
+        result_conn.send(("ok", out))
+    except BaseException as e:  # report everything, including KeyboardInterrupt, then exit
+        print(f"xpyd bench transfer: {role} process failed:", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        try:
+            result_conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        peer_conn.close()
+        result_conn.close()
+
+
+def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
+                      regions: int) -> dict:
+    import numpy as np
+
+    from xpyd.transfer import Region, make_backend
+
+    b = make_backend(backend, **kwargs)
+    try:
+        buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)
+        desc = b.register(memoryview(buf))
+        tokens = []
+        for size in sizes:
+            dst = [Region(o, n) for o, n in _split(size, regions)]
+            tokens += [b.expect(f"bench-{size}-{i}", dst) for i in range(reps)]
+        peer.send(("ready", desc.to_dict()))
+        msg = _peer_recv(peer, "the sender's 'finished'", OP_TIMEOUT * len(tokens))
+        if msg != "finished":
+            raise RuntimeError(f"unexpected message from the sender: {msg!r:.100}")
+        for t in tokens:
+            if not t.wait(OP_TIMEOUT) or not t.done():
+                raise RuntimeError(f"receiver token {t!r} did not finish DONE")
+        _check_landed(buf, max(sizes), f"{backend} backend")
+        return {"tokens_done": len(tokens)}
+    finally:
+        b.close()
+
+
+def _backend_sender(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
+                    regions: int) -> dict:
+    from xpyd.transfer import BackendDescriptor, Region, make_backend
+
+    b = make_backend(backend, **kwargs)
+    try:
+        buf = _pattern(max_size)
+        b.register(memoryview(buf))
+        msg = _peer_recv(peer, "the receiver's descriptor")
+        if not (isinstance(msg, tuple) and msg[0] == "ready"):
+            raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
+        peer_desc = BackendDescriptor.from_dict(msg[1])
+        times: dict[int, list[float]] = {}
+        for size in sizes:
+            rs = [Region(o, n) for o, n in _split(size, regions)]
+            samples = []
+            for i in range(reps):
+                t0 = time.perf_counter()
+                token = b.send(f"bench-{size}-{i}", rs, peer_desc, rs)
+                finished = token.wait(OP_TIMEOUT)
+                dt = time.perf_counter() - t0
+                if not finished:
+                    raise TimeoutError(f"transfer of {format_size(size)} not finished within {OP_TIMEOUT:g}s")
+                if not token.done():
+                    raise RuntimeError(f"transfer of {format_size(size)} failed: {token.error}")
+                samples.append(dt)
+            times[size] = samples[WARMUP:]
+        peer.send("finished")
+        return {"times": times}
+    finally:
+        b.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        n = sock.recv_into(view[pos:])
+        if n == 0:
+            raise ConnectionError("peer closed the socket mid-transfer")
+        pos += n
+
+
+def _send_exact(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):
+        pos += sock.sendmsg([view[pos:]])
+
+
+def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
+    import numpy as np
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(OP_TIMEOUT)
+        peer.send(("ready", srv.getsockname()[1]))
+        sock, _ = srv.accept()
+    with sock:
+        sock.settimeout(OP_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)
+        view = memoryview(buf)
+        for size in sizes:
+            for _ in range(reps):
+                _recv_exact(sock, view[:size])
+                sock.sendall(b"\x01")
+        _check_landed(buf, max(sizes), "socket baseline")
+    return {}
+
+
+def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
+    msg = _peer_recv(peer, "the receiver's port")
+    if not (isinstance(msg, tuple) and msg[0] == "ready"):
+        raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
+    buf = _pattern(max_size)
+    view = memoryview(buf)
+    ack = bytearray(1)
+    times: dict[int, list[float]] = {}
+    with socket.create_connection(("127.0.0.1", msg[1]), timeout=OP_TIMEOUT) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for size in sizes:
+            samples = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                _send_exact(sock, view[:size])
+                if sock.recv_into(ack) != 1:
+                    raise ConnectionError("receiver closed the socket instead of acknowledging")
+                samples.append(time.perf_counter() - t0)
+            times[size] = samples[WARMUP:]
+    return {"times": times}
+
+
+def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, timeout: float) -> dict:
+    """Run ``receiver`` and ``sender`` in two spawned processes joined by a Pipe; their results by role.
+
+    Raises RuntimeError if either fails or exits without a result, TimeoutError after ``timeout``
+    seconds; both processes are gone when this returns or raises.
+    """
+    ctx = mp.get_context("spawn")
+    peer_r, peer_s = ctx.Pipe()
+    procs, pending, own = [], {}, [peer_r, peer_s]
+    try:
+        for role, fn, peer in (("receiver", receiver, peer_r), ("sender", sender, peer_s)):
+            res_parent, res_child = ctx.Pipe(duplex=False)
+            own += [res_parent, res_child]
+            p = ctx.Process(target=_child, args=(fn, role, res_child, peer, kwargs),
+                            name=f"xpyd-bench-{what}-{role}", daemon=True)
+            p.start()
+            procs.append(p)
+            res_child.close()  # so a child that dies shows up as EOF on res_parent
+            pending[res_parent] = (role, p)
+        peer_r.close()  # so a child sees EOF when its peer dies
+        peer_s.close()
+        results: dict[str, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = mp.connection.wait(list(pending), timeout=max(0.0, remaining))
+            if not ready:
+                if errors:  # the other process had its second to report why; stop it
+                    break
+                roles = " and ".join(role for role, _ in pending.values())
+                raise TimeoutError(f"{what}: no result from the {roles} process within {timeout:g}s")
+            for conn in ready:
+                role, p = pending.pop(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    p.join(2)
+                    status, payload = "error", f"exited without a result (exit code {p.exitcode})"
+                if status == "ok":
+                    results[role] = payload
+                    continue
+                errors.append(f"the {role} process failed: {payload}")
+                # give the other process a moment to report its own error (often the cause)
+                deadline = min(deadline, time.monotonic() + 1.0)
+        if errors:
+            # "the peer process exited" is a consequence; put the root cause first
+            errors.sort(key=lambda e: "peer process exited" in e or "exited without a result" in e)
+            raise RuntimeError(f"{what}: " + "; ".join(errors))
+        return results
+    finally:
+        for p in procs:
+            p.join(2 if not pending else 0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for c in own:
+            c.close()
