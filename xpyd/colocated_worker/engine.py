@@ -15,7 +15,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.stepping import decode_and_sample, prefill_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
 

@@ -18,7 +18,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import skip_draw
 from xpyd.engine.stepping import decode_and_sample

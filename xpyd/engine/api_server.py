@@ -27,7 +27,7 @@ from xpyd.discovery.types import WorkerInfo
 from xpyd.engine.config import WorkerConfig
 from xpyd.engine.metrics import WorkerMetrics
 from xpyd.engine.output import StopParams
-from xpyd.engine.outputs import ErrorEvent, OutputSink, TokenEvent, WorkItem
+from xpyd.engine.work_item import ErrorEvent, OutputSink, TokenEvent, WorkItem
 from xpyd.engine.sampling import SamplingParams
 from xpyd.engine.tokenizer import encode_chat, encode_prompt
 from xpyd.signal.request_id import RequestIdError, parse_request_id

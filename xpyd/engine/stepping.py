@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from xpyd.engine.outputs import WorkItem
+from xpyd.engine.work_item import WorkItem
 from xpyd.engine.sampling import sample
 
 

@@ -8,7 +8,7 @@ from xpyd.discovery.types import WorkerInfo
 from xpyd.engine.config import WorkerConfig
 from xpyd.engine.loop import EngineThread
 from xpyd.engine.metrics import WorkerMetrics
-from xpyd.engine.outputs import WorkItem
+from xpyd.engine.work_item import WorkItem
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import torch
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
-from xpyd.engine.outputs import ErrorEvent, TokenEvent, WorkItem
+from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.stepping import prefill_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
