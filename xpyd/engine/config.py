@@ -29,6 +29,10 @@ class WorkerConfig:
     etcd: str | None = None  # HOST:PORT: register there and watch peers (dynamic xPyD)
     lease_ttl: int = 5  # seconds; a SIGKILLed worker disappears from etcd after this
     drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
+    kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
+    prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
+    cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake
+    nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -55,6 +59,14 @@ class WorkerConfig:
             raise ValueError("--lease-ttl must be in [2, 3600] seconds (etcd's minimum is 2)")
         if self.drain_timeout < 0:
             raise ValueError("--drain-timeout must be >= 0")
+        if not 0.1 <= self.kv_ttl <= 86400:
+            raise ValueError("--kv-ttl must be in [0.1, 86400] seconds")
+        if not 0.1 <= self.prefill_wait_timeout <= 86400:
+            raise ValueError("--prefill-wait-timeout must be in [0.1, 86400] seconds")
+        if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
+            raise ValueError("the cluster token must be 8-256 characters")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("--nice must be in [0, 19]")
 
     @property
     def public_host(self) -> str:
@@ -91,6 +103,20 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="etcd lease TTL in seconds (a killed worker disappears after this)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM: deregister at once, then finish in-flight work for up to this long")
+    if role == "prefill":
+        parser.add_argument("--kv-ttl", type=float, default=30.0,
+                            help="seconds a prefilled request's KV waits for a decode worker to pull it "
+                                 "before it is freed (a later pull is answered 'expired')")
+    if role == "decode":
+        parser.add_argument("--prefill-wait-timeout", type=float, default=30.0,
+                            help="seconds a request waits for its prefill to be ready before it fails")
+    if role != "colocated":
+        parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
+                            help="shared secret checked at the signal-plane handshake "
+                                 "(default: $XPYD_CLUSTER_TOKEN; unset = no check)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="raise this process's niceness (0-19) so that other roles on the same cores "
+                             "win the CPU when both are busy")
 
 
 def _is_host_port(text: str) -> bool:
@@ -108,5 +134,7 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         host=args.host, advertise_host=args.advertise_host, port=args.port,
         signal_port=getattr(args, "signal_port", 0), kv_port=getattr(args, "kv_port", 0), batch_size=args.batch_size,
         max_model_len=args.max_model_len, threads=args.threads, etcd=args.etcd, lease_ttl=args.lease_ttl,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, kv_ttl=getattr(args, "kv_ttl", 30.0),
+        prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
+        cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
     )
