@@ -171,18 +171,87 @@ def test_oversized_frame_is_dropped_and_server_keeps_serving(server):
 
 
 def test_unresponsive_peer_fails_after_timeout():
-    # Nothing listens on this port: the handshake gets no answer.
+    # A listener that accepts TCP connections but never speaks: the handshake gets no answer.
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        c = _client(timeout=0.3)
+        try:
+            p = c.peer(f"127.0.0.1:{port}")
+            _, failed = _pump(c, lambda r, f: f, timeout=3)
+            assert failed == [p] and p.state is PeerState.FAILED and "did not answer" in (p.error or "")
+            assert p.sock.closed  # dropped; the next peer() reconnects
+        finally:
+            c.close()
+
+
+def test_refused_connection_fails_at_once_and_reconnects_on_demand(server):
     import socket
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    c = _client(timeout=0.3)
+        port = sk.getsockname()[1]  # nothing listens here
+    c = _client(timeout=30)  # far longer than the test: the failure must come from the socket monitor
     try:
+        t0 = time.monotonic()
         p = c.peer(f"127.0.0.1:{port}")
         _, failed = _pump(c, lambda r, f: f, timeout=3)
-        assert p.state is PeerState.FAILED and "did not answer" in (p.error or "")
+        assert failed == [p] and "refused the connection" in p.error and time.monotonic() - t0 < 2
+        s, _ = server
+        addr = f"127.0.0.1:{s.port}"
+        q = c.peer(addr)
+        _pump(c, lambda r, f: q.state is PeerState.READY)
+        assert q.state is PeerState.READY
     finally:
         c.close()
+
+
+def test_peer_that_dies_fails_at_once_and_a_new_one_is_reached(server):
+    h = Handler()
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
+    addr = f"127.0.0.1:{s.port}"
+    c = _client(timeout=30)
+    try:
+        p = c.peer(addr)
+        _pump(c, lambda r, f: p.state is PeerState.READY)
+        assert p.state is PeerState.READY
+        t0 = time.monotonic()
+        s.close()  # its connection drops, like a killed process
+        _, failed = _pump(c, lambda r, f: f, timeout=3)
+        assert failed == [p] and "closed the connection" in p.error and time.monotonic() - t0 < 2
+        assert c.get(addr) is p and p.sock.closed
+        s2 = SignalServer("127.0.0.1", s.port, h)  # back on the same address
+        s2.start()
+        try:
+            q = c.peer(addr)
+            assert q is not p
+            _pump(c, lambda r, f: q.state is PeerState.READY)
+            assert q.state is PeerState.READY
+        finally:
+            s2.close()
+    finally:
+        c.close()
+
+
+def test_multipart_and_unknown_requests_get_error_replies(server):
+    s, h = server
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"raw:3")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(f"tcp://127.0.0.1:{s.port}")
+    try:
+        sock.send_multipart([m.encode(1, m.Release("raw:3", ())), b"extra"])
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["t"] == "error" and "one frame" in reply["b"]["error"]
+        sock.send(m.encode(2, m.ReleaseReply(3)))  # a reply type sent as a request
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["t"] == "error" and "not a request" in reply["b"]["error"] and reply["seq"] == 2
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert h.maps == {} and h.released == []
 
 
 def test_message_roundtrip_and_limits():

@@ -4,6 +4,11 @@ Used from the decode engine thread only (ZMQ sockets are not thread-safe).
 Connecting a new peer sends ``handshake`` then ``kv_map_init``; lookups are
 only sent to a peer once both were accepted. Every request has a deadline; a
 peer that misses one is marked FAILED and its requests fail (no hang).
+
+A socket monitor watches each connection: a prefill worker that dies (its TCP
+connection drops) or refuses connections is marked FAILED at once, without
+waiting for a deadline. A FAILED peer's socket is closed; the next request for
+that address opens a new connection (reconnect on demand).
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from xpyd.signal import messages as m
 
 log = logging.getLogger(__name__)
+
+# The connection dropped, or a connect attempt was refused and will be retried.
+_WATCHED_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class PeerState(str, Enum):
@@ -32,6 +41,7 @@ class PeerState(str, Enum):
 class PrefillPeer:
     addr: str
     sock: zmq.Socket
+    monitor: zmq.Socket | None = None
     state: PeerState = PeerState.HANDSHAKING
     error: str | None = None
     pending: dict[int, tuple[str, float]] = field(default_factory=dict)  # seq -> (type, deadline)
@@ -50,6 +60,8 @@ class SignalClient:
         self._poller = zmq.Poller()
         self._peers: dict[str, PrefillPeer] = {}
         self._by_sock: dict[zmq.Socket, PrefillPeer] = {}
+        self._by_monitor: dict[zmq.Socket, PrefillPeer] = {}
+        self._failed: list[PrefillPeer] = []  # failed since the last poll()
         self._seq = itertools.count(1)
 
     # --- peers -------------------------------------------------------------
@@ -64,11 +76,14 @@ class SignalClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
+        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         sock.connect(f"tcp://{addr}")
-        p = PrefillPeer(addr, sock)
+        p = PrefillPeer(addr, sock, monitor)
         self._peers[addr] = p
         self._by_sock[sock] = p
+        self._by_monitor[monitor] = p
         self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
         self._send(p, self._handshake)
         return p
 
@@ -85,9 +100,23 @@ class SignalClient:
             self._drop(p)
 
     def _drop(self, p: PrefillPeer) -> None:
+        self._close_sockets(p)
+        if self._peers.get(p.addr) is p:
+            del self._peers[p.addr]
+
+    def _close_sockets(self, p: PrefillPeer) -> None:
+        if p.sock.closed:
+            return
         self._poller.unregister(p.sock)
         self._by_sock.pop(p.sock, None)
-        self._peers.pop(p.addr, None)
+        if p.monitor is not None:
+            self._poller.unregister(p.monitor)
+            self._by_monitor.pop(p.monitor, None)
+            try:
+                p.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            p.monitor.close(0)
         p.sock.close(0)
 
     def register_fd(self, fd: int) -> None:
@@ -105,6 +134,10 @@ class SignalClient:
         p.pending[seq] = (msg.TYPE, time.monotonic() + self._timeout)
         return seq
 
+    def pending_requests(self) -> int:
+        """Requests sent and not yet answered, over all peers (for stats)."""
+        return sum(len(p.pending) for p in self._peers.values())
+
     def send_lookup(self, addr: str, entries: list[m.LookupEntry]) -> None:
         p = self._peers.get(addr)
         if p is None or p.state is not PeerState.READY:
@@ -121,18 +154,20 @@ class SignalClient:
     # --- progress ----------------------------------------------------------
     def poll(self, timeout_ms: int) -> tuple[list[tuple[str, m.LookupReply]], list[PrefillPeer]]:
         """Wait up to timeout for replies. Returns (lookup replies, peers that just failed)."""
-        failed: list[PrefillPeer] = []
         replies: list[tuple[str, m.LookupReply]] = []
         events = dict(self._poller.poll(timeout_ms))
+        for mon, p in list(self._by_monitor.items()):
+            if mon in events:
+                self._on_monitor(p)
         for sock, p in list(self._by_sock.items()):
             if sock not in events:
                 continue
-            while True:
+            while p.state is not PeerState.FAILED:
                 try:
                     frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._on_frame(p, frame, replies, failed)
+                self._on_frame(p, frame, replies)
         now = time.monotonic()
         for p in list(self._peers.values()):
             if p.state is PeerState.FAILED:
@@ -140,15 +175,25 @@ class SignalClient:
             late = [typ for typ, deadline in p.pending.values() if deadline < now]
             if late:
                 self._fail(p, f"prefill worker {p.addr} did not answer {late[0]} within {self._timeout:.1f}s")
-                failed.append(p)
+        failed, self._failed = self._failed, []
         return replies, failed
 
-    def _on_frame(self, p: PrefillPeer, frame: bytes, replies: list, failed: list) -> None:
+    def _on_monitor(self, p: PrefillPeer) -> None:
+        while p.state is not PeerState.FAILED and p.monitor is not None:
+            try:
+                event = recv_monitor_message(p.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._fail(p, f"prefill worker {p.addr} closed the connection (worker down?)")
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._fail(p, f"prefill worker {p.addr} refused the connection (worker down?)")
+
+    def _on_frame(self, p: PrefillPeer, frame: bytes, replies: list) -> None:
         try:
             env = m.decode(frame)
         except m.MessageError as e:
             self._fail(p, f"bad reply from {p.addr}: {e}")
-            failed.append(p)
             return
         sent = p.pending.pop(env.seq, None)
         if sent is None:
@@ -157,18 +202,15 @@ class SignalClient:
         msg = env.msg
         if isinstance(msg, m.ErrorReply):
             self._fail(p, f"prefill worker {p.addr} refused {sent[0]}: {msg.error}")
-            failed.append(p)
         elif isinstance(msg, m.HandshakeReply):
             if not msg.ok:
                 self._fail(p, f"handshake with {p.addr} refused: {msg.error}")
-                failed.append(p)
             else:
                 p.state = PeerState.MAPPING
                 self._send(p, self._kv_map)
         elif isinstance(msg, m.KVMapReply):
             if not msg.ok:
                 self._fail(p, f"kv_map_init with {p.addr} refused: {msg.error}")
-                failed.append(p)
             else:
                 p.state = PeerState.READY
         elif isinstance(msg, m.LookupReply):
@@ -183,6 +225,8 @@ class SignalClient:
         p.error = error
         p.pending.clear()
         p.lookup_in_flight = False
+        self._close_sockets(p)  # the record stays (FAILED, with its error); peer() reconnects
+        self._failed.append(p)  # reported by the next poll()
 
     def close(self) -> None:
         for p in list(self._peers.values()):

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.signal.request_id import MAX_LEN as MAX_REQUEST_ID_LEN
 
 MAX_FRAME_BYTES = 1 << 20  # a signal-plane frame is small; anything bigger is refused
 MAX_ENTRIES = 1024
@@ -33,7 +34,8 @@ class LookupStatus(str, Enum):
     NOT_READY = "not_ready"  # queued or prefilling
     READY = "ready"  # prefilled; KV held; first token known
     SENDING = "sending"  # KV send started (answer to a lookup with destination)
-    FAILED = "failed"  # prefill failed or KV gone; `error` says why
+    FAILED = "failed"  # prefill failed, aborted there, or the pull was refused; `error` says why
+    EXPIRED = "expired"  # the KV was held past the prefill worker's kv_ttl without a pull, and freed
 
 
 def _req(d: dict, key: str, typ: type | tuple[type, ...]) -> Any:
@@ -131,6 +133,8 @@ class LookupEntry:
     def from_list(cls, x: Any) -> "LookupEntry":
         if not isinstance(x, list) or len(x) != 2 or not isinstance(x[0], str):
             raise MessageError("bad lookup entry")
+        if not 0 < len(x[0]) <= MAX_REQUEST_ID_LEN:
+            raise MessageError(f"lookup entry request id not 1..{MAX_REQUEST_ID_LEN} characters")
         if x[1] is not None and (not isinstance(x[1], int) or isinstance(x[1], bool) or x[1] < 0):
             raise MessageError("bad lookup destination")
         return cls(x[0], x[1])
@@ -202,7 +206,7 @@ class Release:
     @classmethod
     def from_body(cls, d: dict) -> "Release":
         ids = _req(d, "request_ids", list)
-        if len(ids) > MAX_ENTRIES or not all(isinstance(i, str) for i in ids):
+        if len(ids) > MAX_ENTRIES or not all(isinstance(i, str) and 0 < len(i) <= MAX_REQUEST_ID_LEN for i in ids):
             raise MessageError("bad request_ids")
         return cls(_req(d, "sender", str), tuple(ids))
 

@@ -3,6 +3,8 @@
 Runs in its own thread so lookups are answered while a long prefill runs.
 Every frame is size-limited and decoded into a typed message; a frame that is
 not valid gets an ``error`` reply (when it can be addressed) and changes nothing.
+A frame over the size limit makes ZMQ close that peer's connection; the ROUTER
+keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SignalHandler(Protocol):
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply: ...
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply: ...
     def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply: ...
+
+    # Any of them may answer ``m.ErrorReply`` instead (e.g. a peer that has not shaken hands).
 
 
 class SignalServer:
@@ -65,21 +69,28 @@ class SignalServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
             try:
-                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                continue
-            if len(parts) != 2:
-                log.warning("dropping signal message with %d parts", len(parts))
-                continue
-            identity, frame = parts
-            reply = self._dispatch(identity, frame)
-            try:
-                self._sock.send_multipart([identity, reply], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                log.warning("could not reply to %r: %s", identity[:64], e)
+                if not poller.poll(100):
+                    continue
+                self._serve_one()
+            except Exception:  # never let one bad frame (or a bug) stop the signal plane
+                log.exception("signal server: request dropped")
+
+    def _serve_one(self) -> None:
+        try:
+            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return
+        identity = parts[0]
+        if len(parts) != 2:
+            log.warning("signal message with %d frames from %r", len(parts) - 1, identity[:64])
+            reply = m.encode(0, m.ErrorReply(f"expected one frame per message, got {len(parts) - 1}"))
+        else:
+            reply = self._dispatch(identity, parts[1])
+        try:
+            self._sock.send_multipart([identity, reply], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not reply to %r: %s", identity[:64], e)
 
     def _dispatch(self, identity_b: bytes, frame: bytes) -> bytes:
         try:
@@ -89,7 +100,7 @@ class SignalServer:
         try:
             env = m.decode(frame)
         except m.MessageError as e:
-            return m.encode(_seq_guess(frame), m.ErrorReply(str(e)))
+            return m.encode(_seq_guess(frame), m.ErrorReply(str(e)[:1000]))
         msg = env.msg
         if getattr(msg, "sender", identity) != identity:
             return m.encode(env.seq, m.ErrorReply("sender does not match the connection identity"))
@@ -107,7 +118,10 @@ class SignalServer:
         except Exception as e:  # a handler bug must not kill the signal plane
             log.exception("signal handler failed")
             reply = m.ErrorReply(f"internal error: {type(e).__name__}")
-        return m.encode(env.seq, reply)
+        try:
+            return m.encode(env.seq, reply)
+        except m.MessageError as e:  # e.g. a reply that would exceed the frame limit
+            return m.encode(env.seq, m.ErrorReply(f"cannot send the reply: {e}"))
 
 
 def _seq_guess(frame: bytes) -> int:
