@@ -237,3 +237,53 @@ def test_decode_random_lifecycles_keep_invariants(backend):
     assert not pending and not sched.has_work()
     assert slots.num_used == 0 and backend.outstanding() == set()
     assert all(s.state.is_final for s in seqs)
+
+
+# --- leases and deadlines ------------------------------------------------------
+
+def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
+    slots = FakeSlots(3)
+    sched = PrefillScheduler(batch_size=3, slots=slots)
+    a, b, c = PrefillSeq("a", [1]), PrefillSeq("b", [1]), PrefillSeq("c", [1])
+    for s in (a, b, c):
+        sched.add(s)
+    sched.prefilled(sched.next_to_run(), 1, now=10.0)
+    sched.prefilled(sched.next_to_run(), 2, now=11.0)
+    assert sched.expired(now=12.9, ttl=3.0) == []
+    sched.start_send("a", send(backend, "a"))  # a pull started: its lease no longer applies
+    assert sched.expired(now=14.0, ttl=3.0) == [b]
+    sched.release("b", S.FAILED)
+    assert b.state is S.FAILED and slots.num_used == 1  # a still sending; c not prefilled yet
+    assert c.state is S.WAITING and sched.expired(now=100.0, ttl=3.0) == []  # not prefilled: no lease
+    backend.complete("a")
+    sched.poll()
+    sched.prefilled(sched.next_to_run(), 3, now=50.0)
+    sched.release("c")
+    sched.check_invariants()
+    assert a.state is S.FINISHED and c.state is S.ABORTED
+    assert slots.num_used == 0 and not sched.has_work()
+
+
+def test_decode_overdue_waiting_and_transferring_but_not_ready_waiting(backend):
+    slots = FakeSlots(1)
+    sched = DecodeScheduler(batch_size=1, slots=slots)
+    w = DecodeSeq("w", [1], "p:1", deadline=5.0)  # prefill never ready
+    r = DecodeSeq("r", [1], "p:1", deadline=5.0)  # ready, waits for room (decode's own capacity)
+    t = DecodeSeq("t", [1], "p:1", deadline=5.0)  # pull started, KV never arrives
+    for s in (t, w, r):
+        sched.add(s)
+    sched.mark_ready("t", 1)
+    sched.mark_ready("r", 1)
+    assert sched.schedule_transfers() == [t]
+    sched.set_recv_token(t, backend.expect("t", [Region(0, 4)]))
+    t.deadline = 8.0
+    assert sched.overdue(4.9) == []
+    assert sched.overdue(5.0) == [w]
+    assert sched.overdue(8.0) == [w, t]
+    backend.abort("t")
+    for s in sched.overdue(8.0):
+        sched.fail(s, "late")
+    sched.check_invariants()
+    assert (w.state, t.state, r.state) == (S.FAILED, S.FAILED, S.WAITING) and slots.num_used == 0
+    sched.abort("r")
+    assert not sched.has_work() and backend.outstanding() == set()

@@ -5,6 +5,13 @@ Each step: take new requests/aborts, read signal replies, poll transfer
 tokens (arrived requests join the batch), start pulls for ready requests while
 the batch has room, then run one decode step over every running request.
 Transfers move bytes in the backend's threads, so running decodes never wait.
+
+Faults: a request whose prefill is not ready within ``prefill_wait_timeout``
+(or whose KV does not arrive within it once the pull started) fails with 504;
+a prefill worker that dies or refuses fails its requests at once (the signal
+client's socket monitor); KV the prefill worker let expire fails with 502. An
+abort (client gone) ends the request in any state, cancels its receive and
+tells the prefill worker to release the KV.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class DecodeEngine(WorkerEngine):
         self.signal: SignalClient | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
+        self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
         self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._last_decode_at = 0.0  # end of the last decode step
@@ -59,7 +67,7 @@ class DecodeEngine(WorkerEngine):
         layout = self.pool.layout
         self.signal = SignalClient(
             identity,
-            m.Handshake(identity, self.model_id, layout.compat()),
+            m.Handshake(identity, self.model_id, layout.compat(), self.config.cluster_token),
             m.KVMapInit(identity, desc.to_dict(), layout.slot_bytes, layout.num_slots),
             timeout=self.config.signal_timeout,
         )
@@ -81,11 +89,14 @@ class DecodeEngine(WorkerEngine):
         return dict(self._stats)
 
     def _update_stats(self) -> None:
+        held = self.sched.num_waiting + self.sched.num_running + self.sched.num_transferring
         self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
-                       "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
-                       "kv_slots_used": self.pool.num_used,
+                       "transferring": self.sched.num_transferring, "requests_held": held,
+                       "kv_used_bytes": self.pool.used_bytes(), "kv_slots_used": self.pool.num_used,
+                       "transfers_in_flight": len(self.transfer.outstanding()),
                        "peers": len(self.signal.peers()) if self.signal else 0,
-                       "pulls": dict(self._pulls)}
+                       "signal_pending": self.signal.pending_requests() if self.signal else 0,
+                       "pulls": dict(self._pulls), "failures": dict(self._failures)}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
@@ -110,7 +121,9 @@ class DecodeEngine(WorkerEngine):
         for addr, reply in replies:
             self._on_lookup_reply(addr, reply)
         for peer in failed_peers:
-            self._fail_peer(peer.addr, peer.error or "prefill worker failed")
+            if self.signal.get(peer.addr) is peer:  # not already replaced by a new connection
+                self._fail_peer(peer.addr, peer.error or "prefill worker failed")
+        self._fail_overdue(time.monotonic())
         joined, failed = self.sched.poll_transfers()
         for seq in joined:
             self._recv_ended(seq, ok=True)
@@ -118,7 +131,9 @@ class DecodeEngine(WorkerEngine):
         for seq in failed:
             self._recv_ended(seq, ok=False)
             self.metrics.request_done("failed")
+            self._failures["transfer"] += 1
             seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
+            self.signal.send_release(seq.prefill_addr, [seq.request_id])
         for seq in self.sched.schedule_transfers():
             self._start_pull(seq)
         self._send_lookups()
@@ -134,37 +149,54 @@ class DecodeEngine(WorkerEngine):
             self.metrics.request_done("rejected")
             return
         item.start_output(self.tokenizer)
-        seq = DecodeSeq(rid, item.prompt_ids, item.request_id.prefill_addr, payload=item)
+        seq = DecodeSeq(rid, item.prompt_ids, item.request_id.prefill_addr, payload=item,
+                        deadline=item.arrival + self.config.prefill_wait_timeout)
         self.sched.add(seq)
         peer = self.signal.peer(seq.prefill_addr)  # connect on demand
         if peer.state is PeerState.FAILED:
-            self._fail_seq(seq, 502, peer.error or "prefill worker unreachable")
+            self._fail_seq(seq, 502, peer.error or "prefill worker unreachable", "peer")
 
     def _abort(self, request_id: str) -> None:
+        """The client went away: drop the request in whatever state it is in."""
         seq = self.sched.get(request_id)
         if seq is None:
             return
         state = seq.state
-        self.sched.abort(request_id)
-        self.metrics.request_done("aborted")
         if state is RequestState.TRANSFERRING:
+            # Cancel the receive before the slot is freed: once abort() returns, no byte lands in it.
             self._recv_started.pop(request_id, None)  # cancelled: neither completed nor failed
             self.transfer.abort(transfer_id_of(request_id))
+        self.sched.abort(request_id)
+        self.metrics.request_done("aborted")
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
             self.signal.send_release(seq.prefill_addr, [request_id])
 
-    def _fail_seq(self, seq: DecodeSeq, status: int, error: str) -> None:
-        if seq.state is RequestState.TRANSFERRING:
+    def _fail_seq(self, seq: DecodeSeq, status: int, error: str, cause: str, release: bool = False) -> None:
+        """Fail a request; with ``release``, also tell its prefill worker to drop the KV."""
+        state = seq.state
+        if state is RequestState.TRANSFERRING:
             self._recv_ended(seq, ok=False)
             self.transfer.abort(transfer_id_of(seq.request_id))
         self.sched.fail(seq, error)
         self.metrics.request_done("failed")
+        self._failures[cause] += 1
         seq.payload.sink.put(ErrorEvent(status, error))
+        if release and state in (RequestState.WAITING, RequestState.TRANSFERRING):
+            self.signal.send_release(seq.prefill_addr, [seq.request_id])
 
     def _fail_peer(self, addr: str, error: str) -> None:
         for seq in self.sched.waiting() + self.sched.transferring():
             if seq.prefill_addr == addr:
-                self._fail_seq(seq, 502, error)
+                self._fail_seq(seq, 502, error, "peer")
+
+    def _fail_overdue(self, now: float) -> None:
+        limit = self.config.prefill_wait_timeout
+        for seq in self.sched.overdue(now):
+            if seq.state is RequestState.WAITING:
+                error = f"prefill worker {seq.prefill_addr} did not have the request ready within {limit:g}s"
+            else:
+                error = f"KV from prefill worker {seq.prefill_addr} did not arrive within {limit:g}s"
+            self._fail_seq(seq, 504, error, "timeout", release=True)
 
     def _on_lookup_reply(self, addr: str, reply: m.LookupReply) -> None:
         S = m.LookupStatus
@@ -173,11 +205,18 @@ class DecodeEngine(WorkerEngine):
             if seq is None or seq.prefill_addr != addr:
                 continue
             if r.status is S.FAILED:
-                self._fail_seq(seq, 502, f"prefill worker: {r.error}")
+                self._fail_seq(seq, 502, f"prefill worker: {r.error}", "prefill")
+            elif r.status is S.EXPIRED:
+                self._fail_seq(seq, 502, f"prefill worker {addr}: {r.error or 'KV expired before it was pulled'}",
+                               "expired")
+            elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
+                # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
+                self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request",
+                               "prefill")
             elif r.status in (S.READY, S.SENDING) and not seq.ready:
                 if r.num_tokens != len(seq.prompt_ids) or r.first_token is None:
-                    self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently")
-                    self.signal.send_release(addr, [seq.request_id])
+                    self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
+                                   release=True)
                     continue
                 self._first_token(seq, r.first_token)
 
@@ -200,6 +239,7 @@ class DecodeEngine(WorkerEngine):
         dst = self.pool.region(seq.slot, n)
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         self.sched.set_recv_token(seq, token)
+        seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self._recv_started[seq.request_id] = (time.monotonic(), dst.length)
         self._pulls[seq.prefill_addr] += 1
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
@@ -238,7 +278,7 @@ class DecodeEngine(WorkerEngine):
         except Exception as e:
             log.exception("decode step failed")
             for seq in running:
-                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}")
+                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}", "decode")
             return
         now = time.monotonic()
         self.metrics.observe_step("decode", now - t0, len(running))

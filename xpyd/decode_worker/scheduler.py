@@ -6,6 +6,9 @@ Queues a request moves through::
     (slot allocated, KV being received; token polled each step) --> running
     (in the continuous batch; joins and leaves at any step) --> finished
 
+A request that waits too long for its prefill, or whose KV does not arrive in
+time, is ``overdue`` (its ``deadline``, set by the engine, has passed).
+
 Invariants: RUNNING + TRANSFERRING <= batch_size; RUNNING <= batch_size; a
 request runs only after its KV arrived; every TRANSFERRING/RUNNING request
 owns exactly one slot.
@@ -13,6 +16,7 @@ owns exactly one slot.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +40,7 @@ class DecodeSeq:
     slot: int | None = None
     recv_token: CompletionToken | None = None
     error: str | None = None
+    deadline: float = math.inf  # monotonic time by which prefill must be ready / the KV must have arrived
 
     def set_state(self, new: RequestState) -> None:
         check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)
@@ -81,6 +86,11 @@ class DecodeScheduler:
 
     def running(self) -> list[DecodeSeq]:
         return list(self._running.values())
+
+    def overdue(self, now: float) -> list[DecodeSeq]:
+        """Requests still waiting for prefill, or for their KV, past their deadline."""
+        late = [s for s in self._waiting.values() if not s.ready and s.deadline <= now]
+        return late + [s for s in self._transferring.values() if s.deadline <= now]
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._transferring or self._running)

@@ -3,10 +3,18 @@
 Threads: the engine thread (forward passes, scheduling, polling sends), the
 signal-server thread (answers decode workers; starts sends), transfer threads
 (move bytes). The scheduler is shared between the first two under one lock.
+
+Faults: KV that no decode worker pulls within ``kv_ttl`` is freed, and a later
+lookup for it is answered ``expired``; requests that ended here unpulled
+(aborted, failed) are remembered for a while so lookups get a clear answer; a
+release that arrives before its request drops the request on arrival. With a
+cluster token configured, a decode worker must present it at the handshake
+(constant-time compare), and nothing but a handshake is served before that.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -22,12 +30,17 @@ from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.stepping import prefill_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.prefill_worker.recent import RecentIds
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
 from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
+
+MAX_PEERS = 1024  # decode workers that may be handshaken at once; more are refused
+MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
+MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +70,13 @@ class PrefillEngine(WorkerEngine):
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
         self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
+        self._handshaken: set[str] = set()  # decode identities whose handshake was accepted
+        retention = max(MIN_RETENTION, config.kv_ttl)
+        # request id -> (status, error) of requests that ended here before a decode worker pulled them
+        self._ended: RecentIds[tuple[m.LookupStatus, str]] = RecentIds(retention, MAX_REMEMBERED)
+        self._released_early: RecentIds[bool] = RecentIds(retention, MAX_REMEMBERED)
+        self._expired = 0
+        self._released_on_arrival = 0
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
@@ -76,26 +96,29 @@ class PrefillEngine(WorkerEngine):
 
     def stats(self) -> dict:
         with self._lock:
+            held = self.sched.num_waiting + self.sched.num_running + self.sched.num_transferring
             return {"role": "prefill", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
-                    "transferring": self.sched.num_transferring, "kv_used_bytes": self.pool.used_bytes(),
-                    "kv_slots_used": self.pool.num_used, "peers": len(self._peers), "sends": dict(self._sends)}
+                    "transferring": self.sched.num_transferring, "requests_held": held,
+                    "kv_used_bytes": self.pool.used_bytes(), "kv_slots_used": self.pool.num_used,
+                    "transfers_in_flight": len(self.transfer.outstanding()),
+                    "peers": len(self._peers), "handshaken": len(self._handshaken), "sends": dict(self._sends),
+                    "expired": self._expired, "released_on_arrival": self._released_on_arrival}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
         for item in self.drain_inbox():
             with self._lock:
                 if isinstance(item, Abort):
-                    self._release(item.request_id)
+                    if self._release(item.request_id):
+                        self._ended.add(item.request_id, (m.LookupStatus.FAILED, "aborted on the prefill worker "
+                                                          "(its client went away)"), time.monotonic())
                 elif isinstance(item, _PeersLeft):
                     self._drop_peers(item.addrs)
-                elif self.sched.get(str(item.request_id)) is not None:
-                    item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
-                    self.metrics.request_done("rejected")
                 else:
-                    item.start_output(self.tokenizer)
-                    self.sched.add(PrefillSeq(str(item.request_id), item.prompt_ids, payload=item))
+                    self._add(item)
         with self._lock:
             self._sends_ended(self.sched.poll())
+            self._expire(time.monotonic())
             seq = self.sched.next_to_run()
         if seq is not None:
             self._run_prefill(seq)
@@ -105,6 +128,33 @@ class PrefillEngine(WorkerEngine):
         if seq is not None:
             return 0.0
         return 0.001 if sending else 0.05
+
+    def _add(self, item: WorkItem) -> None:
+        rid = str(item.request_id)
+        if self.sched.get(rid) is not None:
+            item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
+            self.metrics.request_done("rejected")
+        elif self._released_early.pop(rid):
+            # Its decode worker gave up on it (aborted or timed out) before it arrived here.
+            self._released_on_arrival += 1
+            item.sink.put(ErrorEvent(409, f"request {rid} was already released by its decode worker"))
+            self.metrics.request_done("aborted")
+        else:
+            item.start_output(self.tokenizer)
+            self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item))
+
+    def _expire(self, now: float) -> None:
+        """Free KV that waited for a pull longer than kv_ttl; later lookups are answered 'expired'."""
+        ttl = self.config.kv_ttl
+        for seq in self.sched.expired(now, ttl):
+            self.sched.release(seq.request_id, RequestState.FAILED)
+            self.metrics.request_done("failed")
+            self._expired += 1
+            self._ended.add(seq.request_id, (m.LookupStatus.EXPIRED, f"KV expired: not pulled within "
+                                             f"kv_ttl={ttl:g}s, freed"), now)
+            log.info("request %s: KV not pulled within %gs, freed", seq.request_id, ttl)
+        self._ended.prune(now)
+        self._released_early.prune(now)
 
     def _update_metrics(self) -> None:
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
@@ -125,6 +175,8 @@ class PrefillEngine(WorkerEngine):
             log.exception("prefill failed for %s", seq.request_id)
             with self._lock:
                 self.sched.fail_running(seq, str(e))
+                self._ended.add(seq.request_id, (m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}"),
+                                time.monotonic())
             self.metrics.request_done("failed")
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
@@ -133,7 +185,7 @@ class PrefillEngine(WorkerEngine):
         self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token)
         with self._lock:
-            self.sched.prefilled(seq, token)
+            self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
                 self.metrics.request_done(_outcome(seq))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
@@ -150,6 +202,7 @@ class PrefillEngine(WorkerEngine):
 
     def _drop_peers(self, addrs: frozenset[str]) -> None:
         for addr in addrs:
+            self._handshaken.discard(addr)
             peer = self._peers.pop(addr, None)
             if peer is not None:
                 self.transfer.forget_peer(peer.transfer.address)
@@ -163,15 +216,36 @@ class PrefillEngine(WorkerEngine):
 
     # --- signal plane (server thread) --------------------------------------
     def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply:
+        refusal = self._check_token(msg.cluster_token)
+        if refusal is not None:
+            log.warning("refused handshake from %r: %s", identity[:64], refusal)
+            return m.HandshakeReply(False, refusal)
         if msg.model_id != self.model_id:
             return m.HandshakeReply(False, f"model mismatch: prefill serves {self.model_id!r}, "
                                            f"decode serves {msg.model_id!r}", self.model_id)
         if msg.kv_compat != self._kv_compat:
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)
+        with self._lock:
+            if identity not in self._handshaken and len(self._handshaken) >= MAX_PEERS:
+                return m.HandshakeReply(False, f"too many decode workers (max {MAX_PEERS})", self.model_id)
+            self._handshaken.add(identity)
         return m.HandshakeReply(True, None, self.model_id)
 
-    def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply:
+    def _check_token(self, presented: str | None) -> str | None:
+        """Why a handshake is refused for its cluster token, or None if it may proceed."""
+        expected = self.config.cluster_token
+        if expected is None:
+            return None
+        if presented is None:
+            return "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"
+        if not hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode()):
+            return "cluster token mismatch"
+        return None
+
+    def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply | m.ErrorReply:
+        if identity not in self._handshaken:
+            return m.ErrorReply("handshake first")
         try:
             desc = BackendDescriptor.from_dict(msg.transfer)
         except (ValueError, TypeError, KeyError) as e:
@@ -185,7 +259,9 @@ class PrefillEngine(WorkerEngine):
             self._peers[identity] = PeerMap(desc, msg.slot_bytes, msg.num_slots)
         return m.KVMapReply(True)
 
-    def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply:
+    def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
+        if identity not in self._handshaken:
+            return m.ErrorReply("handshake first")
         results = []
         with self._lock:
             peer = self._peers.get(identity)
@@ -195,8 +271,17 @@ class PrefillEngine(WorkerEngine):
 
     def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
         S = m.LookupStatus
+        try:
+            rid = parse_request_id(e.request_id)
+        except RequestIdError as err:
+            return m.LookupResult(e.request_id, S.FAILED, error=str(err))
+        if rid.decode_addr != identity:
+            return m.LookupResult(e.request_id, S.FAILED, error="request belongs to another decode worker")
         seq = self.sched.get(e.request_id)
         if seq is None:
+            ended = self._ended.get(e.request_id)
+            if ended is not None:
+                return m.LookupResult(e.request_id, ended[0], error=ended[1])
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
             return m.LookupResult(e.request_id, S.NOT_READY)
@@ -204,13 +289,7 @@ class PrefillEngine(WorkerEngine):
         if e.dest_offset is None:
             st = S.READY if seq.send_token is None else S.SENDING
             return m.LookupResult(e.request_id, st, seq.first_token, n)
-        # A pull: only the decode worker named in the request id may take this KV.
-        try:
-            rid = parse_request_id(e.request_id)
-        except RequestIdError as err:
-            return m.LookupResult(e.request_id, S.FAILED, error=str(err))
-        if rid.decode_addr != identity:
-            return m.LookupResult(e.request_id, S.FAILED, error="request belongs to another decode worker")
+        # A pull (only the decode worker named in the request id gets here).
         if peer is None:
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
         if seq.send_token is not None:
@@ -226,10 +305,19 @@ class PrefillEngine(WorkerEngine):
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
 
-    def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply:
+    def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply | m.ErrorReply:
+        if identity not in self._handshaken:
+            return m.ErrorReply("handshake first")
+        n = 0
+        now = time.monotonic()
         with self._lock:
-            n = sum(self._release(rid) for rid in msg.request_ids
-                    if _decode_addr_of(rid) == identity)
+            for rid in msg.request_ids:
+                if _decode_addr_of(rid) != identity:
+                    continue  # not this decode worker's request (or not a request id): ignored
+                if self._release(rid):
+                    n += 1
+                elif self._ended.get(rid) is None:
+                    self._released_early.add(rid, True, now)  # dropped if it arrives later
         return m.ReleaseReply(n)
 
 

@@ -5,6 +5,8 @@ Queues a request moves through::
     waiting --(nothing running, room)--> running --(first token)--> transferring
     transferring: KV held in the pool until a decode worker pulls it; then the
     send's completion token is polled each step --> finished (slot freed)
+    KV held (no send started) longer than the lease (kv_ttl) is ``expired``: the
+    engine releases it.
 
 Invariants: at most one request RUNNING; RUNNING + TRANSFERRING <= batch_size;
 every RUNNING/TRANSFERRING request owns exactly one slot.
@@ -34,6 +36,7 @@ class PrefillSeq:
     send_token: CompletionToken | None = None
     error: str | None = None
     cancel_requested: bool = False  # abort/release while a send is in flight
+    held_since: float = 0.0  # monotonic time the KV started waiting for a pull (set by prefilled)
 
     def set_state(self, new: RequestState) -> None:
         check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
@@ -72,6 +75,11 @@ class PrefillScheduler:
     def transferring(self) -> list[PrefillSeq]:
         return list(self._transferring.values())
 
+    def expired(self, now: float, ttl: float) -> list[PrefillSeq]:
+        """Requests whose KV has waited for a pull (no send started) for ``ttl`` seconds or more."""
+        return [s for s in self._transferring.values()
+                if s.send_token is None and not s.cancel_requested and now - s.held_since >= ttl]
+
     def sends_in_flight(self) -> bool:
         return any(s.send_token is not None for s in self._transferring.values())
 
@@ -97,11 +105,12 @@ class PrefillScheduler:
         self._running = seq
         return seq
 
-    def prefilled(self, seq: PrefillSeq, first_token: int) -> None:
-        """The forward pass is done: hold the KV until a decode worker pulls it."""
+    def prefilled(self, seq: PrefillSeq, first_token: int, now: float = 0.0) -> None:
+        """The forward pass is done: hold the KV (leased from ``now``) until a decode worker pulls it."""
         self._expect_running(seq)
         self._running = None
         seq.first_token = first_token
+        seq.held_since = now
         if seq.cancel_requested:
             self._end(seq, S.ABORTED)
             return

@@ -176,6 +176,10 @@ class TransferBackend(Protocol):
         """Drop a queued/expected transfer (token FAILs "aborted"); safe if unknown."""
         ...
 
+    def outstanding(self) -> set[str]:
+        """Ids of transfers started (send) or announced (expect) and not yet finished or aborted."""
+        ...
+
     def forget_peer(self, address: str) -> None:
         """Drop cached connections to a peer that left (its descriptor's address)."""
         ...

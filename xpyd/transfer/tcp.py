@@ -184,6 +184,11 @@ class TcpTransferBackend:
                 with rec.lock:  # waits out an in-progress copy; none follows
                     rec.token._fail("aborted")
 
+    def outstanding(self) -> set[str]:
+        """Ids of transfers being sent or expected (not yet finished or aborted)."""
+        with self._lock:
+            return set(self._sending) | set(self._expected)
+
     def forget_peer(self, address: str) -> None:
         """Close the cached connection and sender thread to a peer that left the cluster.
 
