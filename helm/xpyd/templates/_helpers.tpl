@@ -1,0 +1,207 @@
+{{/* Names, labels and small shared pieces. */}}
+
+{{- define "xpyd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's full name; component names append "-proxy", "-prefill", ... (kept under 63). */}}
+{{- define "xpyd.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 48 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "xpyd.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels of one component. Call with (dict "root" $ "component" "prefill"). */}}
+{{- define "xpyd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "xpyd.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* All labels of one component's objects. Call with (dict "root" $ "component" "prefill"). */}}
+{{- define "xpyd.labels" -}}
+helm.sh/chart: {{ include "xpyd.chart" .root }}
+{{ include "xpyd.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: xpyd
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "xpyd.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "xpyd.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "xpyd.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "xpyd.configMapName" -}}
+{{- printf "%s-config" (include "xpyd.fullname" .) -}}
+{{- end -}}
+
+{{- define "xpyd.etcdName" -}}
+{{- printf "%s-etcd" (include "xpyd.fullname" .) -}}
+{{- end -}}
+
+{{- define "xpyd.etcdHeadlessName" -}}
+{{- printf "%s-etcd-headless" (include "xpyd.fullname" .) -}}
+{{- end -}}
+
+{{/* HOST:PORT of etcd for the proxy and the workers. */}}
+{{- define "xpyd.etcdEndpoint" -}}
+{{- if .Values.etcd.enabled -}}
+{{- printf "%s.%s.svc.%s:%d" (include "xpyd.etcdName" .) .Release.Namespace .Values.clusterDomain (int .Values.etcd.clientPort) -}}
+{{- else -}}
+{{- .Values.etcd.external.endpoint -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Secret name and key of the API key / cluster token ("" when not configured). */}}
+{{- define "xpyd.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{- .Values.apiKey.existingSecret -}}
+{{- else if .Values.apiKey.value -}}
+{{- printf "%s-api-key" (include "xpyd.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "xpyd.clusterTokenSecretName" -}}
+{{- if .Values.clusterToken.existingSecret -}}
+{{- .Values.clusterToken.existingSecret -}}
+{{- else if .Values.clusterToken.value -}}
+{{- printf "%s-cluster-token" (include "xpyd.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An HTTP probe: the chart fixes path and port, values give the timing. */}}
+{{- define "xpyd.httpProbe" -}}
+httpGet:
+  path: {{ .path }}
+  port: {{ .port }}
+{{- with .timing }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Container resources: the values' requests/limits plus the accelerator devices, which go into
+both requests and limits (extended resources must be equal in both).
+Call with (dict "resources" .resources "devices" .devices).
+*/}}
+{{- define "xpyd.resources" -}}
+{{- $res := deepCopy (default dict .resources) -}}
+{{- $requests := deepCopy (default dict $res.requests) -}}
+{{- $limits := deepCopy (default dict $res.limits) -}}
+{{- $names := dict "neuron" "aws.amazon.com/neuron" "efa" "vpc.amazonaws.com/efa" "gpu" "nvidia.com/gpu" -}}
+{{- range $key, $resource := $names -}}
+{{- $count := int (index (default dict $.devices) $key | default 0) -}}
+{{- if gt $count 0 -}}
+{{- $_ := set $requests $resource $count -}}
+{{- $_ := set $limits $resource $count -}}
+{{- end -}}
+{{- end -}}
+{{- if $requests -}}{{- $_ := set $res "requests" $requests -}}{{- end -}}
+{{- if $limits -}}{{- $_ := set $res "limits" $limits -}}{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/*
+topologySpreadConstraints with labelSelector defaulting to the component's own pods.
+Call with (dict "root" $ "component" "prefill" "constraints" .topologySpreadConstraints).
+*/}}
+{{- define "xpyd.topologySpread" -}}
+{{- $selector := include "xpyd.selectorLabels" (dict "root" .root "component" .component) | fromYaml -}}
+{{- $out := list -}}
+{{- range .constraints -}}
+{{- $c := deepCopy . -}}
+{{- if not (hasKey $c "labelSelector") -}}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $selector) -}}
+{{- end -}}
+{{- $out = append $out $c -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* Scheduling fields shared by every pod template. Call with the component's values. */}}
+{{- define "xpyd.scheduling" -}}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- include "xpyd.topologySpread" (dict "root" $.root "component" $.component "constraints" .) | nindent 2 }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that waits for etcd (uses the xpyd image's Python). */}}
+{{- define "xpyd.waitForEtcd" -}}
+{{- if .Values.waitForEtcd.enabled }}
+initContainers:
+  - name: wait-for-etcd
+    image: {{ include "xpyd.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - python
+      - -c
+      - |
+        import socket, sys, time
+        endpoint, limit = sys.argv[1], float(sys.argv[2])
+        host, _, port = endpoint.rpartition(":")
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=2).close()
+                print(f"etcd {endpoint} is reachable", flush=True)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    sys.exit(f"etcd {endpoint} unreachable for {limit:g}s: {e}")
+                print(f"waiting for etcd {endpoint}: {e}", flush=True)
+                time.sleep(2)
+      - "$(XPYD_ETCD)"
+      - {{ .Values.waitForEtcd.timeoutSeconds | quote }}
+    envFrom:
+      - configMapRef:
+          name: {{ include "xpyd.configMapName" . }}
+    resources:
+      {{- toYaml .Values.waitForEtcd.resources | nindent 6 }}
+    securityContext:
+      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod annotations that roll the pods when the shared settings or chart-made secrets change. */}}
+{{- define "xpyd.configChecksum" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+checksum/secrets: {{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
+{{- end -}}

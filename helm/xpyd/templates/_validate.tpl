@@ -1,0 +1,48 @@
+{{/*
+Checks that span several values (values.schema.json checks each value on its own).
+Rendering stops with a message that names the values to change.
+*/}}
+{{- define "xpyd.validate" -}}
+{{- $v := .Values -}}
+{{- if and (not $v.etcd.enabled) (not $v.etcd.external.endpoint) -}}
+{{- fail "etcd.enabled is false: set etcd.external.endpoint to HOST:PORT of your etcd" -}}
+{{- end -}}
+{{- if and $v.etcd.enabled $v.etcd.external.endpoint -}}
+{{- fail "set either etcd.enabled (etcd in this release) or etcd.external.endpoint, not both" -}}
+{{- end -}}
+{{- if and $v.etcd.enabled (gt (int $v.etcd.replicas) 1) (not $v.etcd.persistence.enabled) -}}
+{{- fail "etcd.replicas > 1 needs etcd.persistence.enabled=true (a member restarted with an empty data dir cannot rejoin)" -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $w := index $v $role -}}
+{{- if lt (float64 $w.terminationGracePeriodSeconds) (addf $w.drainTimeout 5) -}}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be at least %s.drainTimeout + 5 (%v): Kubernetes kills the worker before it has drained" $role $w.terminationGracePeriodSeconds $role (addf $w.drainTimeout 5)) -}}
+{{- end -}}
+{{- if $w.autoscaling.enabled -}}
+{{- if gt (int $w.autoscaling.minReplicas) (int $w.autoscaling.maxReplicas) -}}
+{{- fail (printf "%s.autoscaling.minReplicas (%v) is above maxReplicas (%v)" $role $w.autoscaling.minReplicas $w.autoscaling.maxReplicas) -}}
+{{- end -}}
+{{- if and (kindIs "invalid" $w.autoscaling.targetCPUUtilizationPercentage) (not $w.autoscaling.metrics) -}}
+{{- fail (printf "%s.autoscaling is enabled with no metric: set targetCPUUtilizationPercentage or metrics" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $component := list "etcd" "proxy" "prefill" "decode" -}}
+{{- $pdb := (index $v $component).podDisruptionBudget -}}
+{{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
+{{- fail (printf "%s.podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" $component) -}}
+{{- end -}}
+{{- end -}}
+{{- if le (int $v.proxy.terminationGracePeriodSeconds) (add (int $v.proxy.preStopSleepSeconds) 5) -}}
+{{- fail (printf "proxy.terminationGracePeriodSeconds (%v) must exceed proxy.preStopSleepSeconds + 5 s of request draining (%v)" $v.proxy.terminationGracePeriodSeconds (add (int $v.proxy.preStopSleepSeconds) 5)) -}}
+{{- end -}}
+{{- if and $v.apiKey.value $v.apiKey.existingSecret -}}
+{{- fail "set apiKey.existingSecret or apiKey.value, not both" -}}
+{{- end -}}
+{{- if and $v.clusterToken.value $v.clusterToken.existingSecret -}}
+{{- fail "set clusterToken.existingSecret or clusterToken.value, not both" -}}
+{{- end -}}
+{{- if and $v.clusterToken.value (or (lt (len $v.clusterToken.value) 8) (gt (len $v.clusterToken.value) 256)) -}}
+{{- fail "clusterToken.value must be 8-256 characters" -}}
+{{- end -}}
+{{- end -}}

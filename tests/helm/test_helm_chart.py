@@ -1,0 +1,351 @@
+"""The chart lints, renders valid Kubernetes objects for every example value set, and wires
+xpyd the way it needs: selectors, probes, resources, etcd endpoint, roles, replicas, secrets."""
+
+from __future__ import annotations
+
+import re
+
+import kubernetes_validate
+import pytest
+from kubernetes_validate.utils import latest_version
+
+from helmchart import CHART, EXAMPLES, NAMESPACE, RELEASE, VALUE_SETS, Helm
+
+FULLNAME = f"{RELEASE}-xpyd"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+ROLES = ("prefill", "decode")
+# The newest Kubernetes kubernetes-validate knows, and the oldest the chart supports (Chart.yaml).
+KUBE_VERSIONS = (latest_version(), "1.29.0")
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def objects(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = objects(docs, kind)
+    assert name in found, f"no {kind} {name}; have {sorted(found)}"
+    return found[name]
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def container(workload: dict) -> dict:
+    containers = pod_spec(workload)["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value of --name=value in args (None if absent)."""
+    prefix = f"--{name}="
+    values = [a[len(prefix):] for a in args if a.startswith(prefix)]
+    assert len(values) <= 1, f"{name} given {len(values)} times"
+    return values[0] if values else None
+
+
+def config_data(docs: list[dict]) -> dict[str, str]:
+    return one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# --- lint and schema validity --------------------------------------------------------------
+
+
+def test_lint_strict(helm: Helm, value_set: str) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for name in VALUE_SETS[value_set]:
+        args += ["-f", str(EXAMPLES / name)]
+    done = helm.run(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_rendered_objects_pass_kubernetes_validate_strict(rendered: list[dict], kube_version: str) -> None:
+    checked = 0
+    for doc in rendered:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue  # no schema bundled; test_service_monitor checks it
+        try:
+            kubernetes_validate.validate(doc, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']} (Kubernetes {kube_version}): {e.message} "
+                        f"at {'/'.join(map(str, e.path))}")
+        checked += 1
+    assert checked >= 10
+
+
+def test_every_example_file_is_a_tested_value_set() -> None:
+    tested = {name for files in VALUE_SETS.values() for name in files}
+    assert {p.name for p in EXAMPLES.glob("*.yaml")} == tested
+
+
+# --- structure ------------------------------------------------------------------------------
+
+
+def test_selectors_match_pod_labels(rendered: list[dict]) -> None:
+    workloads = [d for d in rendered if d["kind"] in WORKLOAD_KINDS]
+    pod_labels = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in workloads}
+    for w in workloads:
+        selector = w["spec"]["selector"]["matchLabels"]
+        assert selects(selector, pod_labels[w["metadata"]["name"]]), w["metadata"]["name"]
+        others = [n for n, labels in pod_labels.items() if n != w["metadata"]["name"] and selects(selector, labels)]
+        assert not others, f"{w['metadata']['name']} also selects the pods of {others}"
+    for kind, get_selector in (("Service", lambda o: o["spec"]["selector"]),
+                               ("PodDisruptionBudget", lambda o: o["spec"]["selector"]["matchLabels"])):
+        for name, obj in objects(rendered, kind).items():
+            matched = [n for n, labels in pod_labels.items() if selects(get_selector(obj), labels)]
+            assert len(matched) == 1, f"{kind} {name} selects the pods of {matched}"
+    for name, sts in objects(rendered, "StatefulSet").items():
+        assert sts["spec"]["serviceName"] in objects(rendered, "Service"), name
+
+
+def test_every_container_has_probes_and_resource_requests(rendered: list[dict]) -> None:
+    for w in (d for d in rendered if d["kind"] in WORKLOAD_KINDS):
+        spec = pod_spec(w)
+        for c in spec["containers"]:
+            where = f"{w['metadata']['name']}/{c['name']}"
+            assert "readinessProbe" in c and "livenessProbe" in c, where
+            named_ports = {p["name"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    assert c[probe]["httpGet"]["port"] in named_ports, f"{where} {probe}"
+            requests = c["resources"]["requests"]
+            assert {"cpu", "memory"} <= requests.keys(), where
+            assert "memory" in c["resources"]["limits"], where
+        for c in spec.get("initContainers", []):
+            assert {"cpu", "memory"} <= c["resources"]["requests"].keys(), c["name"]
+
+
+def test_probes_use_the_real_health_endpoints(rendered: list[dict]) -> None:
+    for role in ROLES:
+        c = container(one(rendered, "Deployment", f"{FULLNAME}-{role}"))
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["path"] == "/health"
+    proxy = container(one(rendered, "Deployment", f"{FULLNAME}-proxy"))
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 until both roles have a worker
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/metrics"  # must not restart a proxy without workers
+
+
+def test_workers_get_their_role_the_etcd_endpoint_and_their_pod_ip(rendered: list[dict]) -> None:
+    endpoint = config_data(rendered)["XPYD_ETCD"]
+    assert re.fullmatch(r"[^\s:]+:\d+", endpoint)
+    for role in ROLES:
+        c = container(one(rendered, "Deployment", f"{FULLNAME}-{role}"))
+        assert c["command"] == ["xpyd"] and c["args"][0] == role
+        assert flag(c["args"], "etcd") == "$(XPYD_ETCD)"
+        assert flag(c["args"], "host") == "0.0.0.0"
+        assert flag(c["args"], "advertise-host") == "$(POD_IP)"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert c["envFrom"] == [{"configMapRef": {"name": f"{FULLNAME}-config"}}]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert str(ports["http"]) == flag(c["args"], "port")
+        assert str(ports["kv"]) == flag(c["args"], "kv-port")
+        if role == "prefill":
+            assert str(ports["signal"]) == flag(c["args"], "signal-port")
+    proxy = container(one(rendered, "Deployment", f"{FULLNAME}-proxy"))
+    assert proxy["args"][0] == "proxy" and flag(proxy["args"], "etcd") == "$(XPYD_ETCD)"
+
+
+def test_termination_grace_covers_the_drain(rendered: list[dict]) -> None:
+    for role in ROLES:
+        w = one(rendered, "Deployment", f"{FULLNAME}-{role}")
+        drain = float(flag(container(w)["args"], "drain-timeout"))
+        assert pod_spec(w)["terminationGracePeriodSeconds"] >= drain + 5
+
+
+def test_every_pod_waits_for_etcd(rendered: list[dict]) -> None:
+    for name in (f"{FULLNAME}-proxy", *(f"{FULLNAME}-{r}" for r in ROLES)):
+        init = pod_spec(one(rendered, "Deployment", name))["initContainers"]
+        assert [c["name"] for c in init] == ["wait-for-etcd"]
+        assert "$(XPYD_ETCD)" in init[0]["command"]
+
+
+def test_config_changes_roll_the_pods(helm: Helm) -> None:
+    def checksum(docs):
+        return {n: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for n, d in objects(docs, "Deployment").items()}
+
+    before, after = checksum(helm.template()), checksum(helm.template(sets=("model.maxModelLen=4096",)))
+    assert before.keys() == after.keys() and all(before[n] != after[n] for n in before)
+
+
+# --- value sets -----------------------------------------------------------------------------
+
+
+def test_default_is_1p1d_with_etcd_in_the_release(helm: Helm) -> None:
+    docs = helm.template()
+    for role in ROLES:
+        assert one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["replicas"] == 1
+    assert config_data(docs)["XPYD_ETCD"] == f"{FULLNAME}-etcd.{NAMESPACE}.svc.cluster.local:2379"
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    assert etcd["spec"]["replicas"] == 1 and "volumeClaimTemplates" not in etcd["spec"]
+    assert one(docs, "Service", f"{FULLNAME}-etcd-headless")["spec"]["clusterIP"] == "None"
+    assert not objects(docs, "HorizontalPodAutoscaler") and not objects(docs, "ServiceMonitor")
+    assert not objects(docs, "Secret")
+    assert set(objects(docs, "PodDisruptionBudget")) == {f"{FULLNAME}-{c}" for c in ("etcd", "proxy", *ROLES)}
+
+
+def test_2p3d_replicas_and_etcd_members(helm: Helm) -> None:
+    docs = helm.template(VALUE_SETS["2p3d"])
+    assert one(docs, "Deployment", f"{FULLNAME}-prefill")["spec"]["replicas"] == 2
+    assert one(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["replicas"] == 3
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["podManagementPolicy"] == "Parallel"
+    members = flag(container(etcd)["args"], "initial-cluster").split(",")
+    assert [m.split("=")[0] for m in members] == [f"{FULLNAME}-etcd-{i}" for i in range(3)]
+    assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (3, 1), (0, 5)])
+def test_replicas_follow_values(helm: Helm, prefill: int, decode: int) -> None:
+    docs = helm.template(sets=(f"prefill.replicas={prefill}", f"decode.replicas={decode}"))
+    assert one(docs, "Deployment", f"{FULLNAME}-prefill")["spec"]["replicas"] == prefill
+    assert one(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["replicas"] == decode
+
+
+def test_autoscaling_hands_replicas_to_the_hpa(helm: Helm) -> None:
+    docs = helm.template(VALUE_SETS["autoscaling"])
+    hpas = objects(docs, "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"{FULLNAME}-prefill", f"{FULLNAME}-decode"}
+    for role in ROLES:
+        hpa = hpas[f"{FULLNAME}-{role}"]
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                 "name": f"{FULLNAME}-{role}"}
+        assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]
+    decode = hpas[f"{FULLNAME}-decode"]["spec"]
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
+    assert [m["type"] for m in decode["metrics"]] == ["Resource", "Pods"]
+    assert decode["metrics"][1]["pods"]["metric"]["name"] == "xpyd_requests_in_flight"
+
+
+def test_service_monitor_scrapes_proxy_and_workers(helm: Helm) -> None:
+    docs = helm.template(VALUE_SETS["autoscaling"])
+    (sm,) = objects(docs, "ServiceMonitor").values()
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s",
+                                        "scrapeTimeout": "10s"}]
+    selector = sm["spec"]["selector"]
+    (expr,) = selector["matchExpressions"]
+    scraped = {n for n, s in objects(docs, "Service").items()
+               if selects(selector["matchLabels"], s["metadata"]["labels"])
+               and s["metadata"]["labels"]["app.kubernetes.io/component"] in expr["values"]}
+    assert scraped == {f"{FULLNAME}-{c}" for c in ("proxy", *ROLES)}
+    for name in scraped:
+        assert "http" in {p["name"] for p in objects(docs, "Service")[name]["spec"]["ports"]}
+
+
+def test_external_etcd_replaces_the_statefulset(helm: Helm) -> None:
+    docs = helm.template(VALUE_SETS["external-etcd"])
+    assert not objects(docs, "StatefulSet")
+    assert f"{FULLNAME}-etcd" not in objects(docs, "PodDisruptionBudget")
+    assert not [n for n in objects(docs, "Service") if "etcd" in n]
+    assert config_data(docs)["XPYD_ETCD"] == "etcd-client.infra.svc.cluster.local:2379"
+
+
+@pytest.mark.parametrize(("value_set", "resource", "count"), [
+    ("neuron", "aws.amazon.com/neuron", 1),
+    ("neuron", "vpc.amazonaws.com/efa", 1),
+    ("gpu", "nvidia.com/gpu", 1),
+])
+def test_devices_are_requested_and_limited(helm: Helm, value_set: str, resource: str, count: int) -> None:
+    docs = helm.template(VALUE_SETS[value_set])
+    for role in ROLES:
+        w = one(docs, "Deployment", f"{FULLNAME}-{role}")
+        res = container(w)["resources"]
+        assert res["requests"][resource] == count and res["limits"][resource] == count
+        assert pod_spec(w)["tolerations"]
+    proxy = container(one(docs, "Deployment", f"{FULLNAME}-proxy"))["resources"]
+    assert resource not in proxy["requests"] and resource not in proxy.get("limits", {})
+
+
+def test_topology_spread_defaults_to_the_roles_own_pods(helm: Helm) -> None:
+    docs = helm.template()
+    for role in ROLES:
+        w = one(docs, "Deployment", f"{FULLNAME}-{role}")
+        (constraint,) = pod_spec(w)["topologySpreadConstraints"]
+        assert constraint["labelSelector"]["matchLabels"] == w["spec"]["selector"]["matchLabels"]
+
+
+# --- secrets --------------------------------------------------------------------------------
+
+
+def _env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_existing_secrets_reach_proxy_and_workers(helm: Helm) -> None:
+    docs = helm.template(VALUE_SETS["2p3d"])
+    assert not objects(docs, "Secret")
+    proxy = _env(container(one(docs, "Deployment", f"{FULLNAME}-proxy")))
+    assert proxy["XPYD_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "xpyd-api-key", "key": "api-key"}
+    assert "XPYD_CLUSTER_TOKEN" not in proxy
+    for role in ROLES:
+        env = _env(container(one(docs, "Deployment", f"{FULLNAME}-{role}")))
+        assert env["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "xpyd-cluster-token", "key": "cluster-token"}
+        assert "XPYD_API_KEY" not in env
+
+
+def test_secret_values_become_secrets_the_pods_reference(helm: Helm) -> None:
+    docs = helm.template(set_strings=("apiKey.value=sk-test-only", "clusterToken.value=token-for-tests"))
+    secrets = objects(docs, "Secret")
+    assert set(secrets) == {f"{FULLNAME}-api-key", f"{FULLNAME}-cluster-token"}
+    assert set(secrets[f"{FULLNAME}-api-key"]["data"]) == {"api-key"}
+    proxy = _env(container(one(docs, "Deployment", f"{FULLNAME}-proxy")))
+    assert proxy["XPYD_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-api-key"
+    for role in ROLES:
+        env = _env(container(one(docs, "Deployment", f"{FULLNAME}-{role}")))
+        assert env["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-cluster-token"
+
+
+def test_no_secret_env_without_secrets(helm: Helm) -> None:
+    docs = helm.template()
+    for name, w in objects(docs, "Deployment").items():
+        env = _env(container(w))
+        assert "XPYD_API_KEY" not in env and "XPYD_CLUSTER_TOKEN" not in env, name
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+def test_model_volume_and_path(helm: Helm) -> None:
+    docs = helm.template(sets=("model.path=/models/llama", "model.volume.persistentVolumeClaim.claimName=models",
+                               "model.servedModelName=llama"))
+    assert config_data(docs)["XPYD_MODEL"] == "/models/llama"
+    for role in ROLES:
+        w = one(docs, "Deployment", f"{FULLNAME}-{role}")
+        c = container(w)
+        assert flag(c["args"], "model") == "$(XPYD_MODEL)"
+        assert flag(c["args"], "served-model-name") == "llama"
+        mount = {m["name"]: m for m in c["volumeMounts"]}["model"]
+        assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+        volume = {v["name"]: v for v in pod_spec(w)["volumes"]}["model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "models"}
+    proxy = container(one(docs, "Deployment", f"{FULLNAME}-proxy"))
+    assert flag(proxy["args"], "model-name") == "llama"
+
+
+def test_empty_model_path_means_the_wheels_default_model(helm: Helm) -> None:
+    docs = helm.template(sets=("model.path=",))
+    assert "XPYD_MODEL" not in config_data(docs)
+    for role in ROLES:
+        assert flag(container(one(docs, "Deployment", f"{FULLNAME}-{role}"))["args"], "model") is None
+
+
+def test_notes_tell_how_to_reach_the_api(helm: Helm) -> None:
+    done = helm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                    "--set-string", "apiKey.existingSecret=keys")
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward service/{FULLNAME}-proxy 8000:8000" in notes
+    assert "/v1/chat/completions" in notes and "Authorization: Bearer" in notes
+    assert "--set prefill.replicas=" in notes

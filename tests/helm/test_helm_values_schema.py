@@ -1,0 +1,107 @@
+"""Wrong values stop `helm template` with a message that names them: type and unknown-key errors
+come from values.schema.json, cross-value errors from templates/_validate.tpl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helmchart import CHART, Helm, RenderError
+
+# (--set or --set-string items, a fragment of helm's error message)
+SCHEMA_ERRORS = [
+    pytest.param((), ("prefill.replicas=2",), "/prefill/replicas", id="replicas-as-string"),
+    pytest.param(("decode.replicas=-1",), (), "/decode/replicas", id="negative-replicas"),
+    pytest.param(("replicas=2",), (), "'replicas' not allowed", id="unknown-top-level-key"),
+    pytest.param(("prefill.replica=2",), (), "'replica' not allowed", id="typo-in-worker-key"),
+    pytest.param(("decode.kvTTL=5",), (), "'kvTTL' not allowed", id="prefill-only-key-on-decode"),
+    pytest.param(("etcd.persistence.sise=1Gi",), (), "'sise' not allowed", id="unknown-nested-key"),
+    pytest.param((), ("model.dtype=float16",), "/model/dtype", id="unknown-dtype"),
+    pytest.param(("model.maxModelLen=8",), (), "/model/maxModelLen", id="context-too-short"),
+    pytest.param(("etcd.replicas=2",), (), "/etcd/replicas", id="even-etcd-members"),
+    pytest.param((), ("etcd.external.endpoint=etcd.infra",), "/etcd/external/endpoint", id="endpoint-without-port"),
+    pytest.param((), ("proxy.service.type=Ingress",), "/proxy/service/type", id="unknown-service-type"),
+    pytest.param((), ("proxy.policy=random",), "/proxy/policy", id="unknown-policy"),
+    pytest.param(("prefill.devices.neuron=-1",), (), "/prefill/devices/neuron", id="negative-devices"),
+    pytest.param(("prefill.devices.tpu=1",), (), "'tpu' not allowed", id="unknown-device"),
+    pytest.param(("decode.leaseTTL=1",), (), "/decode/leaseTTL", id="lease-below-etcd-minimum"),
+    pytest.param((), ("prefill.resources.requests.cpu=two",), "/prefill/resources/requests/cpu",
+                 id="bad-quantity"),
+    pytest.param(("prefill.resources.request.cpu=1",), (), "'request' not allowed", id="typo-in-resources"),
+    pytest.param(("decode.probes.liveness.path=/x",), (), "'path' not allowed", id="probe-path-is-fixed"),
+    pytest.param(("decode.extraArgs={batch}",), (), "/decode/extraArgs", id="extra-arg-not-a-flag"),
+    pytest.param(("image.tag=15",), (), "/image/tag", id="numeric-image-tag"),
+    pytest.param((), ("serviceMonitor.enabled=yes",), "/serviceMonitor/enabled", id="bool-as-string"),
+]
+
+TEMPLATE_ERRORS = [
+    pytest.param(("etcd.enabled=false",), "etcd.external.endpoint", id="no-etcd-at-all"),
+    pytest.param(("etcd.external.endpoint=etcd:2379",), "not both", id="two-etcds"),
+    pytest.param(("etcd.replicas=3",), "etcd.persistence.enabled", id="members-without-persistence"),
+    pytest.param(("decode.terminationGracePeriodSeconds=30",), "decode.drainTimeout", id="grace-below-drain"),
+    pytest.param(("prefill.drainTimeout=120",), "prefill.terminationGracePeriodSeconds", id="drain-above-grace"),
+    pytest.param(("prefill.autoscaling.enabled=true", "prefill.autoscaling.minReplicas=5"), "maxReplicas",
+                 id="hpa-min-above-max"),
+    pytest.param(("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null"),
+                 "no metric", id="hpa-without-metrics"),
+    pytest.param(("proxy.podDisruptionBudget.minAvailable=1",), "not both", id="pdb-min-and-max"),
+    pytest.param(("proxy.preStopSleepSeconds=30",), "proxy.terminationGracePeriodSeconds", id="prestop-too-long"),
+    pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
+]
+
+
+@pytest.mark.parametrize(("sets", "set_strings", "message"), SCHEMA_ERRORS)
+def test_schema_rejects(helm: Helm, sets: tuple[str, ...], set_strings: tuple[str, ...], message: str) -> None:
+    with pytest.raises(RenderError) as e:
+        helm.template(sets=sets, set_strings=set_strings)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(("sets", "message"), TEMPLATE_ERRORS)
+def test_template_checks_reject(helm: Helm, sets: tuple[str, ...], message: str) -> None:
+    with pytest.raises(RenderError) as e:
+        helm.template(sets=sets)
+    assert message in str(e.value)
+
+
+def test_lint_strict_reports_schema_errors(helm: Helm) -> None:
+    done = helm.run("lint", "--strict", str(CHART), "--set-string", "prefill.replicas=2")
+    assert done.returncode != 0 and "/prefill/replicas" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("sets", [
+    ("prefill.podDisruptionBudget.minAvailable=1", "prefill.podDisruptionBudget.maxUnavailable=null"),
+    ("decode.podDisruptionBudget.maxUnavailable=50%",),
+    ("etcd.replicas=3", "etcd.persistence.enabled=true"),
+    ("proxy.service.type=NodePort", "proxy.service.nodePort=30080"),
+    ("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null",
+     "decode.autoscaling.metrics[0].type=Pods", "decode.autoscaling.metrics[0].pods.metric.name=x",
+     "decode.autoscaling.metrics[0].pods.target.type=AverageValue",
+     "decode.autoscaling.metrics[0].pods.target.averageValue=4"),
+    ("config.env.LOG_LEVEL=debug", "cache.medium=Memory"),
+])
+def test_valid_variations_render(helm: Helm, sets: tuple[str, ...]) -> None:
+    assert helm.template(sets=sets)
+
+
+def test_schema_is_strict_where_it_matters() -> None:
+    """Every object in the schema that lists its properties rejects others, except the
+    pass-through Kubernetes fields (affinity, securityContext, volume, ...)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    open_objects = []
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and node.get("additionalProperties") is not False:
+                open_objects.append(path)
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}/{i}")
+
+    walk(schema, "")
+    allowed_open = {"/definitions/env/items", "/definitions/topologySpreadConstraints/items",
+                    "/definitions/autoscaling/properties/metrics/items"}
+    assert set(open_objects) <= allowed_open
