@@ -115,7 +115,7 @@ def test_every_container_has_probes_and_resource_requests(rendered: list[dict]) 
             assert "readinessProbe" in c and "livenessProbe" in c, where
             named_ports = {p["name"] for p in c.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if probe in c:
+                if probe in c and "httpGet" in c[probe]:
                     assert c[probe]["httpGet"]["port"] in named_ports, f"{where} {probe}"
             requests = c["resources"]["requests"]
             assert {"cpu", "memory"} <= requests.keys(), where
@@ -131,7 +131,7 @@ def test_probes_use_the_real_health_endpoints(rendered: list[dict]) -> None:
             assert c[probe]["httpGet"]["path"] == "/health"
     proxy = container(one(rendered, "Deployment", f"{FULLNAME}-proxy"))
     assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 until both roles have a worker
-    assert proxy["livenessProbe"]["httpGet"]["path"] == "/metrics"  # must not restart a proxy without workers
+    assert '"/health"' in proxy["livenessProbe"]["exec"]["command"][-1]  # 200 or 503 = alive
 
 
 def test_workers_get_their_role_the_etcd_endpoint_and_their_pod_ip(rendered: list[dict]) -> None:
@@ -241,6 +241,14 @@ def test_service_monitor_scrapes_proxy_and_workers(helm: Helm) -> None:
     assert scraped == {f"{FULLNAME}-{c}" for c in ("proxy", *ROLES)}
     for name in scraped:
         assert "http" in {p["name"] for p in objects(docs, "Service")[name]["spec"]["ports"]}
+
+
+def test_service_monitor_sends_the_api_key(helm: Helm) -> None:
+    """With an API key the proxy's /metrics needs it too."""
+    docs = helm.template(VALUE_SETS["autoscaling"], set_strings=("apiKey.existingSecret=keys",))
+    (sm,) = objects(docs, "ServiceMonitor").values()
+    assert sm["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "keys", "key": "api-key"}}
 
 
 def test_external_etcd_replaces_the_statefulset(helm: Helm) -> None:

@@ -48,6 +48,8 @@ TEMPLATE_ERRORS = [
     pytest.param(("proxy.podDisruptionBudget.minAvailable=1",), "not both", id="pdb-min-and-max"),
     pytest.param(("proxy.preStopSleepSeconds=30",), "proxy.terminationGracePeriodSeconds", id="prestop-too-long"),
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
+    pytest.param(("apiKey.value=short",), "8-512", id="short-api-key"),
+    pytest.param(("apiKey.value=has a space",), "without spaces", id="api-key-with-space"),
 ]
 
 

@@ -42,6 +42,9 @@ Rendering stops with a message that names the values to change.
 {{- if and $v.clusterToken.value $v.clusterToken.existingSecret -}}
 {{- fail "set clusterToken.existingSecret or clusterToken.value, not both" -}}
 {{- end -}}
+{{- if and $v.apiKey.value (or (lt (len $v.apiKey.value) 8) (gt (len $v.apiKey.value) 512) (contains " " $v.apiKey.value)) -}}
+{{- fail "apiKey.value must be 8-512 printable characters without spaces" -}}
+{{- end -}}
 {{- if and $v.clusterToken.value (or (lt (len $v.clusterToken.value) 8) (gt (len $v.clusterToken.value) 256)) -}}
 {{- fail "clusterToken.value must be 8-256 characters" -}}
 {{- end -}}
