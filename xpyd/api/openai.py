@@ -148,7 +148,27 @@ def _load_object(body: bytes) -> dict:
         raise _bad(f"request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise _bad("request body must be a JSON object")
+    try:  # JSON may escape lone surrogates ("\ud800"): valid JSON, but not text we can forward or tokenize
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise _bad("request body contains invalid Unicode (a lone surrogate escape)") from None
     return obj
+
+
+JSON_CONTENT_TYPES = ("application/json",)
+
+
+def check_content_type(header: str | None) -> None:
+    """Bodies must be JSON: ``application/json`` (any parameters, e.g. charset), ``application/*+json``,
+    or no Content-Type at all. Anything else (a form, text/plain) is a 415 that says what to send."""
+    if not header:
+        return
+    media = header.split(";", 1)[0].strip().lower()
+    if media in JSON_CONTENT_TYPES or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, f"Content-Type {media or header.strip()!r} is not supported: "
+                   "send the request body as JSON with 'Content-Type: application/json'",
+                   code="unsupported_media_type")
 
 
 def _optional_number(d: dict, key: str, default: float) -> float:

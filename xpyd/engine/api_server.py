@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator, Protocol
 
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
-from xpyd.api.openai import APIError, CompletionRequest, RequestKind, parse_request
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import (
     SSE_DONE,
     completion_response,
@@ -33,6 +35,8 @@ from xpyd.engine.tokenizer import encode_chat, encode_prompt
 from xpyd.signal.request_id import RequestIdError, parse_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -141,10 +145,22 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
         engine.metrics.request_done("rejected")
         return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
 
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException) -> Response:  # 404, 405, a bad request line ...: JSON too
+        status = e.code or 500
+        message = f"{e.name}: {e.description}" if e.description else str(e.name)
+        return _error(APIError(status, message, "invalid_request_error" if status < 500 else "server_error"))
+
+    @app.errorhandler(Exception)
+    async def internal_error(_e: Exception) -> Response:
+        log.exception("unhandled error in the %s worker's HTTP API", config.role)
+        return _error(APIError(500, f"internal error in the {config.role} worker", "server_error"))
+
     async def _generate(kind: RequestKind) -> Response:
         if not engine.ready():
             return _error(APIError(503, "worker is starting", "service_unavailable"))
         try:
+            check_content_type(request.headers.get("Content-Type"))
             body = await request.get_data(cache=False)
             req = parse_request(body, kind)
             sink = OutputSink(asyncio.get_running_loop())

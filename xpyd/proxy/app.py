@@ -2,19 +2,24 @@
 
 A request moves through::
 
-    read body (size limit) -> parse_request (400s stop here) -> model check (404)
+    API key (401, when one is set) -> concurrency limit (429) -> Content-Type (415)
+    -> read body (size limit, 413) -> parse_request (400s stop here) -> model check (404)
+    -> every decode worker full: wait in the bounded queue (503 when full or timed out)
     -> Router picks prefill + decode among the UP workers (503 if a role has none)
     -> RequestId.new(p, d) -> PDCall: prefill and decode called at once
     -> a worker unreachable before the client got anything: it is marked down and
        the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
     -> decode's deltas follow; usage chunk if asked; [DONE]
-       (a failure after the first byte ends the stream with an error event)
+       (a failure after the first byte ends the stream with an error event; so does the
+       prefill worker going down before decode has the KV: see ``Proxy._worker_down``)
 
 To the client it looks like a single OpenAI/vLLM server: one response id and
 ``created`` per request, the served model name, and errors in OpenAI's shape.
 ``GET /cluster`` shows every worker with its health and load; ``GET /metrics``
-the proxy's Prometheus metrics (``xpyd.proxy.metrics``). The registry's
+the proxy's Prometheus metrics (``xpyd.proxy.metrics``). With an API key set,
+everything but ``GET /health`` needs ``Authorization: Bearer KEY`` (``/cluster``
+shows internal addresses, ``/metrics`` traffic; Prometheus can send the key). The registry's
 lifecycle (start/close) belongs to the caller; the app owns the pooled HTTP
 session and the health poller (started before serving, stopped after).
 """
@@ -26,14 +31,14 @@ import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from xpyd.api.openai import APIError, CompletionRequest, RequestKind, parse_request
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import (
     SSE_DONE,
     completion_response,
@@ -46,6 +51,14 @@ from xpyd.api.responses import (
 )
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.admission import (
+    RETRY_AFTER_SECONDS,
+    ApiKey,
+    ConcurrencyLimit,
+    DecodeQueue,
+    Slot,
+    decode_room,
+)
 from xpyd.proxy.client import (
     REQUEST_ID_HEADER,
     Fault,
@@ -84,6 +97,10 @@ class ProxyConfig:
     discovery_timeout: float = 120.0  # static discovery: wait this long for workers to be ready
     max_body_bytes: int = 4 * 1024 * 1024  # larger client bodies get 413
     max_connections: int = 1024  # pooled connections to workers
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    max_concurrent_requests: int = 1024  # generation requests in the proxy at once (queued included); 429 beyond
+    max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
+    queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -93,7 +110,7 @@ class ProxyConfig:
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("model_name must not be blank")
         for name in ("connect_timeout", "read_timeout", "discovery_timeout", "poll_interval",
-                     "poll_timeout"):
+                     "poll_timeout", "queue_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -101,6 +118,15 @@ class ProxyConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.api_key is not None and not 8 <= len(self.api_key) <= 512:
+            raise ValueError("the API key must be 8-512 characters")
+        if self.api_key is not None and not (self.api_key.isprintable() and self.api_key.isascii()
+                                             and " " not in self.api_key):
+            raise ValueError("the API key must be printable ASCII without spaces")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         for url in (*self.prefill_urls, *self.decode_urls):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -124,7 +150,12 @@ def _json(obj: dict, status: int = 200, headers: dict | None = None) -> Response
 
 
 def _error(e: APIError) -> Response:
-    return _json(e.to_dict(), e.status)
+    headers = None
+    if e.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif e.status in (429, 503):
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    return _json(e.to_dict(), e.status, headers)
 
 
 class Proxy:
@@ -136,6 +167,11 @@ class Proxy:
         self.table = WorkerTable()
         self.router: Router = make_router(config.policy, self.table)
         self.metrics = ProxyMetrics()
+        self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
+        self.limit = ConcurrencyLimit(config.max_concurrent_requests)
+        self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
+        self._calls: set[_TrackedCall] = set()  # in flight, to end them when their prefill worker dies
+        self.table.on_down(self._worker_down)
         self._session: aiohttp.ClientSession | None = None
         self._client: WorkerClient | None = None
         self._poller: HealthPoller | None = None
@@ -145,7 +181,7 @@ class Proxy:
         self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections)
         self._client = WorkerClient(self._session, c.connect_timeout)
         self._poller = HealthPoller(self.registry, self.table, self._session,
-                                    c.poll_interval, c.poll_timeout)
+                                    c.poll_interval, c.poll_timeout, on_probe=self.queue.wake)
         self._poller.start()
 
     async def close(self) -> None:
@@ -179,7 +215,9 @@ class Proxy:
     def cluster(self) -> Response:
         workers = [state.to_dict() for role in Role
                    for state in self.table.sync(role, self.registry.workers(role))]
-        return _json({"workers": workers, "policy": self.router.policy.value})
+        queue = {"waiting": self.queue.waiting, "max": self.config.max_queue,
+                 "active_requests": self.limit.active}
+        return _json({"workers": workers, "policy": self.router.policy.value, "queue": queue})
 
     def metrics_response(self) -> Response:
         for role in Role:
@@ -189,17 +227,28 @@ class Proxy:
         body, content_type = self.metrics.render()
         return Response(body, content_type=content_type)
 
+    def check_api_key(self) -> None:
+        """Before every route but ``/health``: 401 unless the request carries the key (when one is set)."""
+        if self.api_key is not None and request.path != "/health":
+            self.api_key.check(request.headers.get("Authorization"))
+
     async def generate(self, kind: RequestKind) -> Response:
         timer = self.metrics.request(_ENDPOINTS[kind])
+        slot: Slot | None = None
         try:
-            return await self._generate(kind, timer)
+            slot = self.limit.acquire()
+            return await self._generate(kind, timer, slot)
         except BaseException as e:
             timer.end(outcome_of(e))
             raise
+        finally:
+            if slot is not None and not slot.handed_off:
+                slot.release()
 
-    async def _generate(self, kind: RequestKind, timer: RequestTimer) -> Response:
+    async def _generate(self, kind: RequestKind, timer: RequestTimer, slot: Slot) -> Response:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
+        check_content_type(request.headers.get("Content-Type"))
         req = parse_request(await request.get_data(cache=False), kind)
         model = self.served_model()
         if model is None:
@@ -209,6 +258,7 @@ class Proxy:
                            code="model_not_found")
         failed: UpstreamError | None = None
         retries = self.config.retries
+        await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
             call = self._start(self._client, req, failed)
             streaming = False
@@ -217,7 +267,8 @@ class Proxy:
                 timer.first_token()
                 headers = {REQUEST_ID_HEADER: call.request_id}
                 if req.stream:
-                    streaming = True  # from here the body owns the call and the timer
+                    streaming = True  # from here the body owns the call, the timer and the slot
+                    call.hold(slot)
                     return self._stream_response(call, req, first, model, headers, timer)
                 body = await _complete(call, req, first, model, timer)
                 timer.end(Outcome.OK)
@@ -244,7 +295,25 @@ class Proxy:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
-        return _TrackedCall(client, req, prefill, decode, request_id, self.router)
+        return _TrackedCall(client, req, prefill, decode, request_id, self)
+
+    def _decode_room(self) -> int | None:
+        return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))
+
+    def _worker_down(self, worker: WorkerInfo, reason: str) -> None:
+        """A prefill worker went down: its requests whose KV decode has not pulled yet cannot finish.
+
+        Their decode worker may wait for that KV until its own timeout; end them now
+        (error event or 502) and drop their decode calls, which aborts them there.
+        """
+        if worker.role is not Role.PREFILL:
+            return  # a dead decode worker breaks its streams by itself
+        error = UpstreamError(502, f"prefill worker {worker.http_url} went down before the decode worker "
+                              f"had the request's KV ({reason})", worker=worker, fault=Fault.UNHEALTHY)
+        ended = sum(call.prefill_lost(error) for call in list(self._calls)
+                    if call.prefill_url == worker.http_url)
+        if ended:
+            log.warning("ended %d request(s) waiting for KV from %s", ended, worker.http_url)
 
     def worker_failed(self, e: APIError) -> None:
         """Mark the worker behind ``e`` down if the failure says it is unhealthy."""
@@ -262,21 +331,36 @@ class Proxy:
 
 
 class _TrackedCall(PDCall):
-    """A PDCall that tells the router when it starts and (exactly once) when it ends."""
+    """A PDCall that tells the router (and the proxy) when it starts and, exactly once, when it ends.
+
+    A streaming call also holds its request's concurrency slot until then.
+    """
 
     def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-                 decode: WorkerInfo, request_id: str, router: Router) -> None:
+                 decode: WorkerInfo, request_id: str, proxy: Proxy) -> None:
         super().__init__(client, req, prefill, decode, request_id)
-        self._router = router
+        self._proxy = proxy
         self._workers = (prefill, decode)
+        self._slot: Slot | None = None
         for worker in self._workers:
-            router.started(worker)
+            proxy.router.started(worker)
+        proxy._calls.add(self)
+
+    def hold(self, slot: Slot) -> None:
+        slot.handed_off = True
+        self._slot = slot
 
     def abort(self) -> None:
         super().abort()
         workers, self._workers = self._workers, ()
+        if not workers:
+            return
         for worker in workers:
-            self._router.finished(worker)
+            self._proxy.router.finished(worker)
+        self._proxy._calls.discard(self)
+        if self._slot is not None:
+            self._slot.release()
+        self._proxy.queue.wake()
 
 
 def _abandon(call: PDCall, timer: RequestTimer) -> None:
@@ -353,6 +437,7 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
 
     app.before_serving(proxy.open)
     app.after_serving(proxy.close)
+    app.before_request(proxy.check_api_key)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -223,6 +223,10 @@ class DecodeStream:
                     pass
         self._resp.release()  # closes instead if the body did not end
 
+    def fail(self, error: UpstreamError) -> None:
+        """End ``deltas()`` with ``error`` from another task (it may be waiting for a read)."""
+        self._resp.content.set_exception(error)
+
     def close(self) -> None:
         self._resp.close()
 
@@ -321,6 +325,26 @@ class PDCall:
         self._stream: DecodeStream | None = None
         self._decoded_tokens = 0
         self._decode_sent = asyncio.Event()
+        self._lost: asyncio.Future[UpstreamError] = asyncio.get_running_loop().create_future()
+
+    @property
+    def prefill_url(self) -> str:
+        return self._prefill.http_url
+
+    def prefill_lost(self, error: UpstreamError) -> bool:
+        """The prefill worker died: end the call with ``error`` unless decode already has the KV.
+
+        Decode's first delta comes after its KV pull completed, so until then the
+        request may be waiting for KV that will never come (a decode worker can be
+        slow to notice). True if the call was ended.
+        """
+        ended_on_prefill = self._first is not None and self._first.finish_reason is not None
+        if self._decoded_tokens or ended_on_prefill or self._lost.done():
+            return False
+        self._lost.set_result(error)
+        if self._stream is not None:
+            self._stream.fail(error)
+        return True
 
     async def first_token(self) -> FirstToken:
         """Prefill's answer, once decode has the request too (so nothing reaches the
@@ -365,6 +389,10 @@ class PDCall:
         if self._first.finish_reason is not None:
             return  # ended on prefill; aclose() drops the decode stream
         assert self._decode_task is not None
+        if not self._decode_task.done():
+            await asyncio.wait({self._decode_task, self._lost}, return_when=asyncio.FIRST_COMPLETED)
+        if self._lost.done():
+            raise self._lost.result()
         self._stream = await self._decode_task
         async for delta in self._stream.deltas():
             self._decoded_tokens += 1

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from quart import Quart, Response, request
 
-from xpyd.api.openai import APIError, RequestKind, parse_request
+from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import dumps, models_response
 from xpyd.discovery.types import WorkerInfo
+from xpyd.proxy.admission import ApiKey
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
 from xpyd.signal.request_id import RequestId
 
@@ -52,6 +53,12 @@ def create_colocated_app(config, url: str) -> Quart:
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None)
     metrics = ProxyMetrics()
     state: dict = {}
+    api_key = ApiKey(config.api_key) if config.api_key is not None else None
+
+    @app.before_request
+    async def check_api_key() -> None:  # as the P/D proxy: all but /health need the key when set
+        if api_key is not None and request.path != "/health":
+            api_key.check(request.headers.get("Authorization"))
 
     @app.before_serving
     async def open_session() -> None:
@@ -101,6 +108,7 @@ def create_colocated_app(config, url: str) -> Quart:
     async def forward(kind: RequestKind) -> Response:
         timer = metrics.request(_ENDPOINTS[kind])
         try:
+            check_content_type(request.headers.get("Content-Type"))
             req = parse_request(await request.get_data(cache=False), kind)
             if req.model is not None and req.model != model():
                 raise APIError(404, f"The model `{req.model}` does not exist.", param="model",

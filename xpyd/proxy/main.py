@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -26,6 +27,7 @@ from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
 
+API_KEY_ENV = "XPYD_API_KEY"
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
 REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
@@ -65,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(or for etcd to answer) (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                         metavar="BYTES", help="largest accepted request body (default: %(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                             f"(default: ${API_KEY_ENV}; unset = open). Prefer the environment "
+                             "variable: a flag is visible in the process list")
+    parser.add_argument("--max-concurrent-requests", type=int,
+                        default=_DEFAULTS.max_concurrent_requests, metavar="N",
+                        help="generation requests the proxy holds at once, queued ones included; "
+                             "more get 429 (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=_DEFAULTS.max_queue, metavar="N",
+                        help="when every decode worker is full, this many requests wait for room; "
+                             "more get 503 at once (default: %(default)s; 0 = no waiting)")
+    parser.add_argument("--queue-timeout", type=float, default=_DEFAULTS.queue_timeout,
+                        metavar="SECONDS",
+                        help="longest wait in that queue before a 503 (default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -88,6 +104,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         read_timeout=args.read_timeout,
         discovery_timeout=args.worker_wait,
         max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
     )
 
 
@@ -146,8 +166,9 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
         hc = _hypercorn_config(config)
         app = create_app(config, registry)
         source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
-        log.info("proxy on http://%s serving %s (%s, policy %s)", hc.bind[0],
-                 config.model_name or "the workers' model", source, config.policy.value)
+        log.info("proxy on http://%s serving %s (%s, policy %s, API key %s)", hc.bind[0],
+                 config.model_name or "the workers' model", source, config.policy.value,
+                 "required" if config.api_key else "not required")
         await serve(app, hc, shutdown_trigger=stop.wait)
     finally:
         try:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -39,6 +40,7 @@ class HealthPoller:
         session: aiohttp.ClientSession,
         interval: float,
         timeout: float,
+        on_probe: Callable[[], None] | None = None,
     ) -> None:
         self._registry = registry
         self._table = table
@@ -47,6 +49,7 @@ class HealthPoller:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._task: asyncio.Task | None = None
         self._probes: dict[tuple[Role, str], asyncio.Task] = {}
+        self._on_probe = on_probe  # after every probe: what the table says may have changed
 
     def start(self) -> None:
         if self._task is None:
@@ -96,6 +99,9 @@ class HealthPoller:
             pass
         except aiohttp.ClientError as e:
             self._table.mark_down(worker, f"poll: {type(e).__name__}: {e}")
+        finally:
+            if self._on_probe is not None:
+                self._on_probe()
 
     async def _check_health(self, worker: WorkerInfo) -> None:
         async with self._session.get(worker.http_url + "/health", timeout=self._timeout) as resp:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -113,6 +113,11 @@ class WorkerState:
 class WorkerTable:
     def __init__(self) -> None:
         self._states: dict[tuple[Role, str], WorkerState] = {}
+        self._down_listeners: list[Callable[[WorkerInfo, str], None]] = []
+
+    def on_down(self, listener: Callable[[WorkerInfo, str], None]) -> None:
+        """Call ``listener(worker, reason)`` whenever a worker goes from UP to DOWN."""
+        self._down_listeners.append(listener)
 
     def sync(self, role: Role, workers: Sequence[WorkerInfo]) -> list[WorkerState]:
         """Adopt the registry's current list for ``role``; return its states in list order.
@@ -158,6 +163,11 @@ class WorkerTable:
             return False
         state.health, state.since, state.stats = Health.DOWN, time.monotonic(), None
         log.warning("%s worker %s is down: %s", worker.role.value, worker.http_url, reason)
+        for listener in self._down_listeners:
+            try:
+                listener(state.info, reason)
+            except Exception:
+                log.exception("a worker-down listener failed")
         return True
 
     def mark_up(self, worker: WorkerInfo) -> bool:
