@@ -1,0 +1,274 @@
+"""Who gets into the proxy and when (real proxy on a real port, fake workers from test_proxy_routing).
+
+API key (401), the concurrency limit (429), the bounded queue when every decode
+worker is full (503), bodies that are not JSON (415), and requests whose prefill
+worker goes down after the first token (the proxy ends them itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.integration.test_proxy_routing import MODEL, Worker, make_env  # noqa: F401 - make_env is a fixture
+from xpyd.discovery.types import Role
+from xpyd.proxy.admission import ApiKey, DecodeQueue
+from xpyd.proxy.app import ProxyConfig
+from xpyd.proxy.main import add_arguments, config_from_args
+
+KEY = "sk-test-0123456789"
+BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+
+
+def assert_openai_error(data: dict, status_type: str | None = None, code: str | None = None) -> None:
+    assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param", "code"}
+    assert data["error"]["message"]
+    if status_type is not None:
+        assert data["error"]["type"] == status_type
+    if code is not None:
+        assert data["error"]["code"] == code
+
+
+# ------------------------------------------------------------------ API key
+
+
+@pytest.mark.parametrize("auth", [None, "", "Bearer", "Bearer wrong-key-000000", f"Basic {KEY}", KEY,
+                                  f"Bearer {KEY}x", f"Bearer {KEY[:-1]}"])
+async def test_api_key_required_on_everything_but_health(make_env, auth):
+    env = await make_env(n_prefill=1, n_decode=1, api_key=KEY)
+    headers = {} if auth is None else {"Authorization": auth}
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/cluster"), ("GET", "/metrics"), ("GET", "/nothing")]:
+        async with env.http.request(method, env.url + path, json=BODY, headers=headers) as r:
+            assert r.status == 401, (path, await r.text())
+            assert r.headers["WWW-Authenticate"] == "Bearer"
+            assert_openai_error(await r.json(), "invalid_request_error", "invalid_api_key")
+    async with env.http.get(env.url + "/health") as r:
+        assert r.status == 200  # probes need no key
+    assert all(not w.received for w in (*env.prefill, *env.decode))
+
+
+async def test_api_key_accepted(make_env):
+    env = await make_env(n_prefill=1, n_decode=1, api_key=KEY)
+    for auth in (f"Bearer {KEY}", f"bearer {KEY}", f"  Bearer   {KEY}  "):
+        async with env.http.post(env.url + "/v1/completions", json=BODY, headers={"Authorization": auth}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["choices"][0]["text"] == "Hi there!"
+    for path in ("/cluster", "/metrics", "/v1/models"):
+        async with env.http.get(env.url + path, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200
+
+
+def test_api_key_from_flag_or_environment(monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--prefill", "http://a:1", "--decode", "http://b:2"]
+    monkeypatch.delenv("XPYD_API_KEY", raising=False)
+    assert config_from_args(parser.parse_args(base)).api_key is None
+    monkeypatch.setenv("XPYD_API_KEY", KEY)
+    config = config_from_args(parser.parse_args(base))
+    assert config.api_key == KEY and KEY not in repr(config)
+    assert config_from_args(parser.parse_args([*base, "--api-key", "other-key-123"])).api_key == "other-key-123"
+    for bad in ("short", "has space in it", "x" * 600, "caf\u00e9-key-1234"):
+        with pytest.raises(ValueError):
+            ProxyConfig(api_key=bad)
+    args = parser.parse_args([*base, "--max-concurrent-requests", "7", "--max-queue", "3", "--queue-timeout", "2.5"])
+    config = config_from_args(args)
+    assert (config.max_concurrent_requests, config.max_queue, config.queue_timeout) == (7, 3, 2.5)
+    for kw in ({"max_concurrent_requests": 0}, {"max_queue": -1}, {"queue_timeout": 0}):
+        with pytest.raises(ValueError):
+            ProxyConfig(**kw)
+
+
+def test_api_key_check_is_constant_time_compare(monkeypatch):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    ApiKey(KEY).check(f"Bearer {KEY}")
+    assert calls == [(KEY.encode(), KEY.encode())]
+
+
+# ------------------------------------------------------------------ concurrency limit
+
+
+async def test_concurrency_limit_is_429_and_frees_up(make_env):
+    env = await make_env(n_prefill=1, n_decode=1, max_concurrent_requests=2)
+    env.decode[0].delay = 0.6
+    stream = {**BODY, "stream": True}
+
+    async def one(body: dict) -> tuple[int, str]:
+        async with env.post(body) as r:
+            return r.status, await r.text()
+
+    streams = [asyncio.create_task(one(stream)), asyncio.create_task(one(BODY))]
+    while len(env.decode[0].received) < 2:
+        await asyncio.sleep(0.01)
+    async with env.post(BODY) as r:
+        assert r.status == 429
+        assert r.headers["Retry-After"] == "1"
+        assert_openai_error(await r.json(), "rate_limit_error", "rate_limit_exceeded")
+    assert [s for s, _ in await asyncio.gather(*streams)] == [200, 200]
+    assert (await env.cluster())["queue"]["active_requests"] == 0
+    assert await env.complete() == 200 and await env.complete(stream=True) == 200
+    # A client that leaves mid-stream gives its place back too.
+    async with env.post(stream) as r:
+        assert r.status == 200
+    await asyncio.sleep(0.1)
+    assert (await env.cluster())["queue"]["active_requests"] == 0
+    assert len(env.decode[0].received) == 5  # the refused request reached no worker
+
+
+# ------------------------------------------------------------------ overload queue
+
+
+async def test_full_decode_workers_queue_then_503(make_env):
+    env = await make_env(n_prefill=1, n_decode=2, max_queue=1, queue_timeout=0.5)
+    for d in env.decode:
+        d.backlog = 8  # 2 x capacity 4: full
+        await env.wait_reported(d, 8)
+    t0 = time.monotonic()
+    waiting = asyncio.create_task(env.complete())
+    while (await env.cluster())["queue"]["waiting"] != 1:
+        await asyncio.sleep(0.01)
+    async with env.post(BODY) as r:  # the queue (1) is full: refused at once
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert_openai_error(await r.json(), "server_error", "server_overloaded")
+        assert "queued" in (await r.json())["error"]["message"]
+    assert time.monotonic() - t0 < 0.45
+    assert await waiting == 503  # waited its 0.5 s, then gave up
+    assert 0.45 < time.monotonic() - t0 < 2.0
+    assert all(not w.received for w in (*env.prefill, *env.decode))
+    # Room appears while a request waits: it goes through.
+    waiting = asyncio.create_task(env.complete())
+    await asyncio.sleep(0.1)
+    env.decode[1].backlog = 0
+    assert await waiting == 200
+    assert len(env.decode[1].received) == 1 and not env.decode[0].received
+
+
+async def test_queue_is_fifo_and_bounded_by_room():
+    room = 0
+    q = DecodeQueue(lambda: room, max_queue=10, timeout=5)
+    order = []
+
+    async def one(i: int) -> None:
+        await q.wait()
+        order.append(i)
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert q.waiting == 4 and order == []
+    room = 2
+    q.wake()
+    await asyncio.sleep(0.01)
+    assert order == [0, 1]  # two places: the two oldest, and nobody else
+    tasks[2].cancel()  # a client that leaves while queued
+    room = 1
+    q.wake()
+    await asyncio.sleep(0.01)
+    assert order == [0, 1, 3] and q.waiting == 0
+    await asyncio.gather(*tasks, return_exceptions=True)
+    room = None  # no decode worker UP at all: nothing to wait for (routing answers 503)
+    await asyncio.wait_for(q.wait(), 0.1)
+
+
+# ------------------------------------------------------------------ bodies
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("application/json", 200), ("application/json; charset=utf-8", 200), ("Application/JSON", 200),
+    ("application/vnd.api+json", 200), (None, 200),
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("multipart/form-data; boundary=x", 415),
+])
+async def test_content_type(make_env, content_type, status):
+    env = await make_env(n_prefill=1, n_decode=1)
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    data = json.dumps(BODY).encode()
+    async with env.http.post(env.url + "/v1/completions", data=data, headers=headers,
+                             skip_auto_headers=["Content-Type"]) as r:
+        assert r.status == status, await r.text()
+        if status != 200:
+            assert_openai_error(await r.json(), "invalid_request_error", "unsupported_media_type")
+    assert len(env.prefill[0].received) == (status == 200)
+
+
+async def test_lone_surrogate_is_400(make_env):
+    env = await make_env(n_prefill=1, n_decode=1)
+    data = b'{"model": "fake-model", "prompt": "a\\ud800b", "max_tokens": 3}'
+    async with env.http.post(env.url + "/v1/completions", data=data,
+                             headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400
+        assert "Unicode" in (await r.json())["error"]["message"]
+
+
+# ------------------------------------------------------------------ prefill worker dies after the first token
+
+
+class StallingDecode(Worker):
+    """Opens its stream and then sends nothing: waiting for KV that never comes."""
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(60)
+        return resp
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("decode_answered", [True, False])
+async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, decode_answered):
+    env = await make_env(n_prefill=1, n_decode=1)
+    stalling = StallingDecode(Role.DECODE, env.decode[0].signal_port)
+    if not decode_answered:
+        stalling.delay = 60  # not even the response headers
+    await env.decode[0].stop()
+    env.decode[0] = stalling
+    env.registry.listed[1] = stalling
+    await stalling.start()
+    await env.wait_for(stalling, "up")
+    stop_at = asyncio.get_running_loop().create_future()
+
+    async def request() -> tuple[int, bytes]:
+        async with env.post({**BODY, "stream": stream}) as r:
+            if stream:
+                first = await r.content.readline()
+                assert json.loads(first[6:])["choices"][0]["text"] == "Hi"
+                stop_at.set_result(None)
+            return r.status, await r.read()
+
+    task = asyncio.create_task(request())
+    if not stream:
+        while not stalling.received:
+            await asyncio.sleep(0.01)
+        stop_at.set_result(None)
+    await stop_at
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    await env.prefill[0].stop()  # the poller sees it refuse and marks it down
+    status, body = await asyncio.wait_for(task, 2.0)
+    assert time.monotonic() - t0 < 1.5
+    if stream:
+        assert status == 200
+        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        error = json.loads(events[-2])
+        assert events[-1] == "[DONE]"
+    else:
+        assert status == 502
+        error = json.loads(body)
+    assert_openai_error(error, "server_error")
+    assert "prefill worker" in error["error"]["message"] and "went down" in error["error"]["message"]
+    # The decode call is dropped (which aborts it on a real worker) and the slot is free again.
+    await asyncio.sleep(0.1)
+    assert stalling.active == 0
+    assert (await env.cluster())["queue"]["active_requests"] == 0
