@@ -44,6 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the cores divided among the workers, at least 1)")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads per prefill worker (default: --threads)")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="torch threads per decode (or colocated) worker (default: --threads)")
+    p.add_argument("--no-cpu-share", action="store_true",
+                   help="fixed thread counts instead of the default: workers on this host lend each other "
+                        "idle cores (each uses every core while the others are idle, one while they are busy)")
+    p.add_argument("--prefill-nice", type=int, default=0,
+                   help="niceness of prefill workers (0-19): with shared cores, decode steps win the CPU "
+                        "over prefill when both are busy (default 0)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
@@ -152,11 +162,19 @@ def run(args: argparse.Namespace) -> int:
 
     model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
     served = args.served_model_name or model.served_name
-    threads = args.threads or max(1, (os.cpu_count() or 2) // (x + y))
+    cores = len(os.sched_getaffinity(0))
+    share = None if args.no_cpu_share else f"up-{args.port}"
+    threads = args.threads or (cores if share else max(1, cores // (x + y)))
     role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
-              "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
-              "--threads", str(threads)]
+              "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len)]
+    prefill_args = ["--threads", str(args.prefill_threads or threads), "--nice", str(args.prefill_nice)]
+    decode_args = ["--threads", str(args.decode_threads or threads)]
+    if share:
+        from xpyd.engine.cpu_share import remove_board
+
+        remove_board(share)  # a stale board from a killed run
+        common += ["--cpu-share", share]
     proxy_url = f"http://{host}:{args.port}"
 
     stop_requested = []
@@ -177,12 +195,12 @@ def run(args: argparse.Namespace) -> int:
             discovery = ["--etcd", endpoint]
         worker_urls = {}
         for i, p in enumerate(prefill_ports):
-            cluster.spawn(f"prefill {i}", ["prefill", *common, *discovery, "--port", str(p),
+            cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *discovery, "--port", str(p),
                                            "--signal-port", str(p + 1)])
             worker_urls[f"prefill {i}"] = f"http://{host}:{p}"
         for j, p in enumerate(decode_ports):
             extra = [] if args.colocated else ["--kv-port", str(p + 1)]
-            cluster.spawn(f"{role} {j}", [role, *common, *discovery, "--port", str(p), *extra])
+            cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *discovery, "--port", str(p), *extra])
             worker_urls[f"{role} {j}"] = f"http://{host}:{p}"
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
@@ -221,5 +239,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         if etcd is not None:
             etcd.stop()  # last: workers deregister on the way out
+        if share:
+            remove_board(share)
         for s, h in old.items():
             signal.signal(s, h)

@@ -32,6 +32,7 @@ class WorkerConfig:
     kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
     prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
     cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake
+    cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,10 @@ class WorkerConfig:
             raise ValueError("--prefill-wait-timeout must be in [0.1, 86400] seconds")
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
+        if self.cpu_share is not None:
+            from xpyd.engine.cpu_share import board_path
+
+            board_path(self.cpu_share)  # raises on a bad name
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
 
@@ -114,6 +119,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
                             help="shared secret checked at the signal-plane handshake "
                                  "(default: $XPYD_CLUSTER_TOKEN; unset = no check)")
+    parser.add_argument("--cpu-share", default=None, metavar="NAME",
+                        help="share this host's cores with the other workers started with the same NAME: "
+                             "use up to --threads threads, fewer while the others are busy (one core each)")
     parser.add_argument("--nice", type=int, default=0,
                         help="raise this process's niceness (0-19) so that other roles on the same cores "
                              "win the CPU when both are busy")
@@ -137,4 +145,5 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         drain_timeout=args.drain_timeout, kv_ttl=getattr(args, "kv_ttl", 30.0),
         prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
         cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
+        cpu_share=args.cpu_share,
     )

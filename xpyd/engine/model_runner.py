@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from xpyd.engine.cpu_share import CpuShare
 from xpyd.engine.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.engine.llama_fast import FastLlama, why_not_covered
 
@@ -63,6 +64,21 @@ class ModelRunner:
         if self.fast_path_reason is None:
             self._fast = FastLlama(self.model, max_model_len, dtype)
         self._use_fast = self._fast is not None
+        self.cpu_share: CpuShare | None = None  # set by the worker when roles share this host's cores
+        self._threads = torch.get_num_threads()
+        if self._fast is not None:
+            self._fast.on_layer = self._pace
+
+    def _pace(self) -> None:
+        """Before each layer: tell the host's other workers we are busy; take the cores they leave idle."""
+        share = self.cpu_share
+        if share is None:
+            return
+        share.mark_busy()
+        threads = share.threads()
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
 
     @property
     def fast_path_active(self) -> bool:
@@ -90,6 +106,7 @@ class ModelRunner:
         cos, sin = self._rotary(hidden, torch.arange(n).unsqueeze(0))
         kv = self.pool.tensor[slot, :n]  # [n, layers, 2, kv_heads, head_dim], a view into the pool
         for index, layer in enumerate(self._layers):
+            self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, n, head_dim]
             kv[:, index, 0] = k[0].transpose(0, 1)
             kv[:, index, 1] = v[0].transpose(0, 1)
@@ -128,6 +145,7 @@ class ModelRunner:
         pool = self.pool.tensor
         views = [pool[slot, : pos + 1] for slot, pos in zip(slots, positions)]  # [len, layers, 2, kvh, hd]
         for index, layer in enumerate(self._layers):
+            self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
             pool[slot_t, pos_t, index, 0] = k[:, :, 0]
             pool[slot_t, pos_t, index, 1] = v[:, :, 0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -34,12 +35,18 @@ def run_worker(config: WorkerConfig) -> None:
     from xpyd.engine.tokenizer import load_tokenizer
     from xpyd.transfer import make_backend
 
+    if config.nice:
+        os.nice(config.nice)  # let other roles on the same cores win the CPU when both are busy
     torch.set_num_threads(config.threads)
     resolved = ensure_converted(config.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     log.info("%s: loading %s (%s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
              config.batch_size, config.max_model_len)
     runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len)
+    if config.cpu_share:
+        from xpyd.engine.cpu_share import CpuShare
+
+        runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
     runner.warmup()
     tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
