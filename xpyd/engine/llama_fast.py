@@ -116,6 +116,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+def _nothing() -> None:
+    pass
+
+
 class FastLlama:
     def __init__(self, model, max_len: int, dtype: torch.dtype, pack: bool | None = None) -> None:
         reason = why_not_covered(model)
@@ -125,6 +129,7 @@ class FastLlama:
         if pack is None:
             pack = dtype == torch.bfloat16 and _onednn_bf16_ok()
         self.dtype = dtype
+        self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -176,6 +181,7 @@ class FastLlama:
         x = F.embedding(ids, self.embed)  # [n, hidden]
         cos, sin = self.cos[:n].unsqueeze(1), self.sin[:n].unsqueeze(1)
         for index, layer in enumerate(self.layers):
+            self.on_layer()
             qkv = layer.qkv(_rms_norm(x, layer.ln1, layer.eps1)).view(n, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
             kv[:, index, 0] = qk[:, nh:]
@@ -196,23 +202,66 @@ class FastLlama:
         x = F.embedding(ids, self.embed)  # [B, hidden]
         pos_t = torch.tensor(positions)
         cos, sin = self.cos[pos_t].unsqueeze(1), self.sin[pos_t].unsqueeze(1)
-        # [layers, 2, kv_heads, len, hd] views of each request's live KV (the new token included)
-        live = [pool[s, : p + 1].permute(1, 2, 3, 0, 4) for s, p in zip(slots, positions)]
-        new = [pool[s, p] for s, p in zip(slots, positions)]  # [layers, 2, kv_heads, hd]
+        attend = self._attention_plan(pool, slots, positions, pos_t)
         for index, layer in enumerate(self.layers):
+            self.on_layer()
             qkv = layer.qkv(_rms_norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
-            outs = []
-            for i in range(batch):
-                slot_kv = new[i][index]
-                slot_kv[0].copy_(qk[i, nh:])
-                slot_kv[1].copy_(qkv[i, nh + nkv :])
-                keys, values = live[i][index]
-                outs.append(F.scaled_dot_product_attention(
-                    qk[i : i + 1, :nh].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0),
-                    scale=self.scale, enable_gqa=True,
-                ))  # [1, heads, 1, hd]
-            attn = torch.cat(outs) if batch > 1 else outs[0]
+            attn = attend(index, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])  # [B, heads, 1, hd]
             x = x + layer.o(attn.reshape(batch, nh * hd))
             x = self._mlp(layer, x)
         return self.logits(x)
+
+    def _attention_plan(self, pool, slots, positions, pos_t):
+        """A function (layer, q, k_new, v_new) -> attention output that also writes k/v into the pool.
+
+        Batched when the batch's slots sit close together: one attention call per layer over the window
+        of slots [lo, hi) and positions [0, longest), each row masked to its own live length (rows of
+        slots outside the batch attend to their position 0 and are dropped). Otherwise one call per
+        request over a view of its live KV. Either way nothing is copied out of the pool.
+        """
+        batch, scale = len(slots), self.scale
+        lo, hi = min(slots), max(slots) + 1
+        if batch == 1 or hi - lo > 2 * batch:
+            live = [pool[s, : p + 1].permute(1, 2, 3, 0, 4) for s, p in zip(slots, positions)]
+            new = [pool[s, p] for s, p in zip(slots, positions)]  # [layers, 2, kv_heads, hd]
+
+            def per_request(index, q, k_new, v_new):
+                outs = []
+                for i in range(batch):
+                    slot_kv = new[i][index]
+                    slot_kv[0].copy_(k_new[i])
+                    slot_kv[1].copy_(v_new[i])
+                    keys, values = live[i][index]
+                    outs.append(F.scaled_dot_product_attention(
+                        q[i : i + 1].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0),
+                        scale=scale, enable_gqa=True,
+                    ))
+                return torch.cat(outs) if batch > 1 else outs[0]
+
+            return per_request
+
+        rows_n, length = hi - lo, max(positions) + 1
+        window = pool[lo:hi, :length]  # [rows, length, layers, 2, kv_heads, hd]
+        slot_t = torch.tensor(slots)
+        in_order = slots == list(range(lo, hi))
+        rows = slot_t - lo
+        row_pos = torch.zeros(rows_n, dtype=torch.long)
+        row_pos[rows] = pos_t
+        mask = (torch.arange(length) <= row_pos.unsqueeze(1)).view(rows_n, 1, 1, length)
+
+        def windowed(index, q, k_new, v_new):
+            pool[slot_t, pos_t, index, 0] = k_new
+            pool[slot_t, pos_t, index, 1] = v_new
+            q = q.unsqueeze(2)  # [B, heads, 1, hd]
+            if not in_order:
+                padded = q.new_zeros((rows_n, *q.shape[1:]))
+                padded[rows] = q
+                q = padded
+            out = F.scaled_dot_product_attention(
+                q, window[:, :, index, 0].transpose(1, 2), window[:, :, index, 1].transpose(1, 2),
+                attn_mask=mask, scale=scale, enable_gqa=True,
+            )
+            return out if in_order else out[rows]
+
+        return windowed
