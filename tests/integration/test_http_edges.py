@@ -283,6 +283,13 @@ def test_worker_edge_fuzz(cluster, role):
         status, ctype, raw = send(urls[role], bad)
         assert_error(status, ctype, raw, bad)
         assert status == 400 and "X-Request-Id" in json.loads(raw)["error"]["message"], raw
+        if rid is not None:  # the proxy's abort call checks the id the same way
+            status, ctype, raw = send(urls[role], Case("abort", path="/xpyd/abort", body=b"",
+                                                       headers={"X-Request-Id": rid}))
+            assert_error(status, ctype, raw, bad)
+    rid = good_rid()  # aborting a request the worker does not know changes nothing
+    status, _, raw = send(urls[role], Case("abort", path="/xpyd/abort", body=b"", headers={"X-Request-Id": rid}))
+    assert status == 200 and json.loads(raw) == {"aborted": rid}
     assert_healthy(c, urls)
 
 

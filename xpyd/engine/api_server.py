@@ -128,6 +128,21 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
         body, content_type = engine.metrics.render()
         return Response(body, content_type=content_type)
 
+    @app.post("/xpyd/abort")
+    async def abort() -> Response:
+        """Drop the request named in ``X-Request-Id`` wherever it is (unknown ids: nothing to do).
+
+        The proxy calls it on a prefill worker when a request ends before its decode
+        worker finished, e.g. because that worker died: the KV is freed now instead
+        of after ``kv_ttl``.
+        """
+        try:
+            rid = parse_request_id(request.headers.get(REQUEST_ID_HEADER) or "")
+        except RequestIdError as e:
+            return _error(APIError(400, f"{REQUEST_ID_HEADER}: {e}", param=REQUEST_ID_HEADER))
+        engine.abort(str(rid))
+        return _json({"aborted": str(rid)})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(models_response([engine.info.model_id]))

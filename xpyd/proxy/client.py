@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_ERROR_BODY = 64 * 1024  # bytes of a worker's error body we read and pass on
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
+ABORT_PATH = "/xpyd/abort"  # a worker drops the request named in X-Request-Id
+RELEASE_TIMEOUT = 2.0
 _PATHS = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
 
 
@@ -258,6 +260,24 @@ class WorkerClient:
     def __init__(self, session: aiohttp.ClientSession, connect_timeout: float) -> None:
         self._session = session
         self.connect_timeout = connect_timeout
+        self._releases: set[asyncio.Task] = set()
+
+    def release_later(self, worker: WorkerInfo, request_id: str) -> None:
+        """In the background: ``POST /xpyd/abort`` so ``worker`` drops ``request_id`` (best effort)."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._release(worker, request_id))
+        except RuntimeError:  # no loop (shutting down): the worker's kv_ttl frees it
+            return
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, worker: WorkerInfo, request_id: str) -> None:
+        try:
+            async with self._session.post(worker.http_url + ABORT_PATH, headers={REQUEST_ID_HEADER: request_id},
+                                          timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT)) as resp:
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            log.debug("%s: abort on %s failed: %s", request_id, worker.http_url, e)
 
     def _post(self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,
               sent: asyncio.Event | None = None):
@@ -322,8 +342,11 @@ class PDCall:
         self._prefill_task: asyncio.Task[FirstToken] | None = None
         self._decode_task: asyncio.Task[DecodeStream] | None = None
         self._first: FirstToken | None = None
+        self._prefilled: FirstToken | None = None  # prefill's answer, even if first_token() failed after it
         self._stream: DecodeStream | None = None
         self._decoded_tokens = 0
+        self._completed = False  # decode's stream ended normally
+        self._release_sent = False
         self._decode_sent = asyncio.Event()
         self._lost: asyncio.Future[UpstreamError] = asyncio.get_running_loop().create_future()
 
@@ -338,8 +361,9 @@ class PDCall:
         request may be waiting for KV that will never come (a decode worker can be
         slow to notice). True if the call was ended.
         """
-        ended_on_prefill = self._first is not None and self._first.finish_reason is not None
-        if self._decoded_tokens or ended_on_prefill or self._lost.done():
+        if self._first is None:
+            return False  # prefill has not answered: its own call fails (or times out)
+        if self._decoded_tokens or self._first.finish_reason is not None or self._lost.done():
             return False
         self._lost.set_result(error)
         if self._stream is not None:
@@ -363,7 +387,7 @@ class PDCall:
             if self._decode_task in done and self._decode_task.exception() is not None:
                 raise self._decode_task.exception()  # e.g. decode refused the body: 4xx
             if self._prefill_task in done:
-                first = self._prefill_task.result()
+                first = self._prefilled = self._prefill_task.result()
                 if first.finish_reason is None:
                     await self._decode_connected()
                 self._first = first
@@ -397,6 +421,7 @@ class PDCall:
         async for delta in self._stream.deltas():
             self._decoded_tokens += 1
             yield delta  # the stream goes on to its usage chunk and [DONE]
+        self._completed = True
 
     @property
     def usage(self) -> Usage:
@@ -411,7 +436,16 @@ class PDCall:
         return Usage(self._first.usage.prompt_tokens, 1 + self._decoded_tokens)
 
     def abort(self) -> None:
-        """Cancel both calls and drop the decode stream, without waiting."""
+        """Cancel both calls and drop the decode stream, without waiting.
+
+        If prefill answered and decode did not finish, prefill may still hold the
+        request's KV for a decode worker that will never pull it (dead, or it
+        failed before the pull): tell prefill to drop it (a no-op if it was pulled).
+        """
+        first = self._prefilled
+        if first is not None and first.finish_reason is None and not self._completed and not self._release_sent:
+            self._release_sent = True
+            self._client.release_later(self._prefill, self.request_id)
         for task in (self._prefill_task, self._decode_task):
             if task is None:
                 continue
