@@ -55,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="niceness of prefill workers (0-19): with shared cores, decode steps win the CPU "
                         "over prefill when both are busy (default 0)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    # --- proxy admission (passed to `xpyd proxy`; see its --help) ---
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="proxy: require 'Authorization: Bearer KEY' (default: $XPYD_API_KEY; unset = open)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                   help="proxy: requests held at once, more get 429")
+    p.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="proxy: requests waiting when every decode worker is full, more get 503")
+    p.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                   help="proxy: longest wait in that queue before a 503")
 
 
 def _set_pdeathsig() -> None:
@@ -79,9 +88,9 @@ def _port_free(host: str, port: int) -> bool:
 class Cluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def spawn(self, name: str, argv: list[str]) -> None:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "xpyd", *argv]
-        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_set_pdeathsig)
+        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_set_pdeathsig, env=env)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
@@ -97,6 +106,19 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _proxy_admission_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    for flag in ("max_concurrent_requests", "max_queue", "queue_timeout"):
+        if getattr(args, flag) is not None:
+            out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    return out
+
+
+def _proxy_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The API key goes to the proxy in its environment, not its command line (visible in ps)."""
+    return None if args.api_key is None else {**os.environ, "XPYD_API_KEY": args.api_key}
 
 
 def _healthy(url: str) -> bool:
@@ -210,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
             proxy_args = ["--colocated", worker_urls["colocated 0"]]
         else:
             proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
-        cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args])
+        cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args,
+                                *_proxy_admission_args(args)], _proxy_env(args))
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
         where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
         shape = ("1 colocated worker: prefill and decode in one batch" if args.colocated else

@@ -272,3 +272,17 @@ async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, d
     await asyncio.sleep(0.1)
     assert stalling.active == 0
     assert (await env.cluster())["queue"]["active_requests"] == 0
+
+
+def test_xpyd_up_passes_admission_flags_to_the_proxy():
+    from xpyd import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args([])
+    assert launcher._proxy_admission_args(args) == [] and launcher._proxy_env(args) is None
+    args = parser.parse_args(["--api-key", KEY, "--max-concurrent-requests", "9", "--max-queue", "0",
+                              "--queue-timeout", "1.5"])
+    assert launcher._proxy_admission_args(args) == ["--max-concurrent-requests", "9", "--max-queue", "0",
+                                                    "--queue-timeout", "1.5"]
+    assert launcher._proxy_env(args)["XPYD_API_KEY"] == KEY  # not on the command line
