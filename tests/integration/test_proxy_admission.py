@@ -286,3 +286,61 @@ def test_xpyd_up_passes_admission_flags_to_the_proxy():
     assert launcher._proxy_admission_args(args) == ["--max-concurrent-requests", "9", "--max-queue", "0",
                                                     "--queue-timeout", "1.5"]
     assert launcher._proxy_env(args)["XPYD_API_KEY"] == KEY  # not on the command line
+
+
+# ------------------------------------------------------------------ decode fails after prefill answered
+
+
+class AbortRecordingPrefill(Worker):
+    """A prefill worker that also serves ``POST /xpyd/abort`` and records the ids it was told to drop."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.aborted: list[str] = []
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/xpyd/stats", self._stats)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/xpyd/abort", self._abort)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True).start()
+        self.port = self.runner.addresses[0][1]
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.aborted.append(request.headers["X-Request-Id"])
+        return web.json_response({"aborted": request.headers["X-Request-Id"]})
+
+
+async def _swap_prefill(env) -> AbortRecordingPrefill:
+    prefill = AbortRecordingPrefill(Role.PREFILL, env.prefill[0].signal_port)
+    await prefill.start()
+    await env.prefill[0].stop()
+    env.prefill[0] = env.registry.listed[0] = prefill
+    await env.wait_for(prefill, "up")
+    return prefill
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_decode_failing_after_prefill_answered_releases_the_kv_on_prefill(make_env, stream):
+    env = await make_env(n_prefill=1, n_decode=1, retries=0)
+    prefill = await _swap_prefill(env)
+    env.decode[0].drop_mid_stream = True
+    async with env.post({**BODY, "stream": stream}) as r:
+        await r.read()
+        assert r.status == (200 if stream else 502)
+    for _ in range(100):
+        if prefill.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert prefill.aborted == prefill.received  # the one request, by its id
+
+
+async def test_completed_request_sends_no_abort(make_env):
+    env = await make_env(n_prefill=1, n_decode=1)
+    prefill = await _swap_prefill(env)
+    assert await env.complete() == 200 and await env.complete(stream=True) == 200
+    await asyncio.sleep(0.1)
+    assert len(prefill.received) == 2 and prefill.aborted == []
