@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
 

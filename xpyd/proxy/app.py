@@ -27,12 +27,9 @@ session and the health poller (started before serving, stopped after).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import aiohttp
 from quart import Quart, Response, request
@@ -59,6 +56,7 @@ from xpyd.proxy.admission import (
     Slot,
     decode_room,
 )
+from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.client import (
     REQUEST_ID_HEADER,
     Fault,
@@ -70,79 +68,15 @@ from xpyd.proxy.client import (
 )
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.poller import HealthPoller
-from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
+from xpyd.proxy.routing import NoWorkerError, Router, make_router
 from xpyd.proxy.workers import Health, WorkerTable
 from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ProxyConfig", "create_app"]
+
 _ENDPOINTS = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str | None = None  # None: the model the workers report
-    prefill_urls: tuple[str, ...] = ()  # static discovery
-    decode_urls: tuple[str, ...] = ()
-    etcd: str | None = None  # dynamic discovery: etcd's HOST:PORT
-    colocated_url: str | None = None  # baseline mode: one worker doing prefill and decode (no P/D split)
-    policy: Policy = Policy.LEAST_LOADED
-    poll_interval: float = 0.2  # every worker's stats (UP) or health (DOWN) this often
-    poll_timeout: float = 1.0  # one poll
-    retries: int = 1  # a request whose worker was unreachable starts over this often
-    connect_timeout: float = 10.0  # TCP connect to a worker
-    read_timeout: float = 300.0  # each read from a worker: prefill's answer, each stream chunk
-    discovery_timeout: float = 120.0  # static discovery: wait this long for workers to be ready
-    max_body_bytes: int = 4 * 1024 * 1024  # larger client bodies get 413
-    max_connections: int = 1024  # pooled connections to workers
-    api_key: str | None = field(default=None, repr=False)  # None: no authentication
-    max_concurrent_requests: int = 1024  # generation requests in the proxy at once (queued included); 429 beyond
-    max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
-    queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
-
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("host must not be empty")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.model_name is not None and not self.model_name.strip():
-            raise ValueError("model_name must not be blank")
-        for name in ("connect_timeout", "read_timeout", "discovery_timeout", "poll_interval",
-                     "poll_timeout", "queue_timeout"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.api_key is not None and not 8 <= len(self.api_key) <= 512:
-            raise ValueError("the API key must be 8-512 characters")
-        if self.api_key is not None and not (self.api_key.isprintable() and self.api_key.isascii()
-                                             and " " not in self.api_key):
-            raise ValueError("the API key must be printable ASCII without spaces")
-        if self.max_concurrent_requests < 1:
-            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for url in (*self.prefill_urls, *self.decode_urls):
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"worker URL must look like http://host:port, got {url!r}")
-        if self.etcd is not None:
-            if self.prefill_urls or self.decode_urls:
-                raise ValueError("use either etcd (dynamic discovery) or worker URLs (static), not both")
-            host, _, port = self.etcd.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ValueError(f"etcd must look like HOST:PORT, got {self.etcd!r}")
-        if self.colocated_url is not None and (self.etcd or self.prefill_urls or self.decode_urls):
-            raise ValueError("colocated mode takes one worker URL and no other discovery")
-        if not isinstance(self.policy, Policy):
-            raise ValueError(f"policy must be a Policy, got {self.policy!r}")
-        if not 0 <= self.retries <= 3:
-            raise ValueError(f"retries must be in 0..3, got {self.retries}")
 
 
 def _json(obj: dict, status: int = 200, headers: dict | None = None) -> Response:

@@ -22,7 +22,8 @@ from hypercorn.config import Config as HypercornConfig
 
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
-from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.app import create_app
+from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
