@@ -247,7 +247,8 @@ def assert_healthy(c: Cluster, urls: dict[str, str]) -> None:
     workers = _get(urls["proxy"] + "/cluster")["workers"]
     assert [w["health"] for w in workers] == ["up", "up"], workers  # client mistakes mark no worker down
     good = json.dumps({"prompt": "hello world", "max_tokens": 4, "temperature": 0}).encode()
-    status, _, raw = send(urls["proxy"], Case("good", body=good))
+    headers = {"Content-Type": "application/json", "X-Request-Id": "client-chosen"}  # ignored by the proxy
+    status, _, raw = send(urls["proxy"], Case("good", body=good, headers=headers))
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] == 4
     assert_idle(urls)

@@ -242,10 +242,10 @@ class Proxy:
         """
         if worker.role is not Role.PREFILL:
             return  # a dead decode worker breaks its streams by itself
-        error = UpstreamError(502, f"prefill worker {worker.http_url} went down before the decode worker "
-                              f"had the request's KV ({reason})", worker=worker, fault=Fault.UNHEALTHY)
-        ended = sum(call.prefill_lost(error) for call in list(self._calls)
-                    if call.prefill_url == worker.http_url)
+        message = f"prefill worker {worker.http_url} went down before the decode worker had the request's KV"
+        ended = sum(call.prefill_lost(UpstreamError(502, f"{message} ({reason})", worker=worker,
+                                                    fault=Fault.UNHEALTHY))
+                    for call in list(self._calls) if call.prefill_url == worker.http_url)
         if ended:
             log.warning("ended %d request(s) waiting for KV from %s", ended, worker.http_url)
 
