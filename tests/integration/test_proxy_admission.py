@@ -137,6 +137,8 @@ async def test_full_decode_workers_queue_then_503(make_env):
     waiting = asyncio.create_task(env.complete())
     while (await env.cluster())["queue"]["waiting"] != 1:
         await asyncio.sleep(0.01)
+    async with env.http.get(env.url + "/metrics") as r:
+        assert "xpyd_proxy_queue_waiting 1.0" in await r.text()
     async with env.post(BODY) as r:  # the queue (1) is full: refused at once
         assert r.status == 503 and r.headers["Retry-After"] == "1"
         assert_openai_error(await r.json(), "server_error", "server_overloaded")

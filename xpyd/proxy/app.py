@@ -158,6 +158,7 @@ class Proxy:
             states = self.table.sync(role, self.registry.workers(role))
             up = sum(s.health is Health.UP for s in states)
             self.metrics.set_workers(role.value, up, len(states) - up)
+        self.metrics.set_queue(self.queue.waiting)
         body, content_type = self.metrics.render()
         return Response(body, content_type=content_type)
 

@@ -9,6 +9,7 @@ xpyd_proxy_inter_token_latency_seconds     histogram  between two chunks of one 
 xpyd_proxy_e2e_request_latency_seconds     histogram  request received -> last token (ok requests)
 xpyd_requests_in_flight                    gauge      role="proxy": requests being served
 xpyd_proxy_workers                         gauge      role, health=up|down: workers the proxy knows
+xpyd_proxy_queue_waiting                   gauge      requests waiting for room on a decode worker
 =========================================  =========  ================================================
 
 One ``ProxyMetrics`` per app, with its own registry. Everything runs on the
@@ -109,6 +110,8 @@ class ProxyMetrics:
                                 ("role",), registry=r).labels("proxy")
         self._workers = Gauge("xpyd_proxy_workers", "Workers the proxy knows, by role and health",
                               ("role", "health"), registry=r)
+        self._queue = Gauge("xpyd_proxy_queue_waiting", "Requests waiting for room on a decode worker",
+                            registry=r)
 
     def request(self, endpoint: str) -> RequestTimer:
         if endpoint not in ENDPOINTS:
@@ -118,6 +121,9 @@ class ProxyMetrics:
     def set_workers(self, role: str, up: int, down: int) -> None:
         self._workers.labels(role, "up").set(up)
         self._workers.labels(role, "down").set(down)
+
+    def set_queue(self, waiting: int) -> None:
+        self._queue.set(waiting)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
