@@ -35,6 +35,10 @@ def run_worker(config: WorkerConfig) -> None:
     from xpyd.engine.tokenizer import load_tokenizer
     from xpyd.transfer import make_backend
 
+    from xpyd.engine.malloc_tuning import tune_malloc
+
+    if not tune_malloc():
+        log.info("glibc mallopt not available: activation buffers are page-faulted in per prefill")
     if config.nice:
         os.nice(config.nice)  # let other roles on the same cores win the CPU when both are busy
     torch.set_num_threads(config.threads)
