@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.integration.test_proxy_routing import MODEL, Worker, make_env  # noqa: F401 - make_env is a fixture
+from xpyd.api.openai import APIError
 from xpyd.discovery.types import Role
 from xpyd.proxy.admission import ApiKey, DecodeQueue
 from xpyd.proxy.app import ProxyConfig
@@ -182,6 +183,34 @@ async def test_queue_is_fifo_and_bounded_by_room():
     await asyncio.gather(*tasks, return_exceptions=True)
     room = None  # no decode worker UP at all: nothing to wait for (routing answers 503)
     await asyncio.wait_for(q.wait(), 0.1)
+
+
+async def test_queue_place_granted_to_a_client_that_left_goes_to_the_next():
+    q = DecodeQueue(lambda: 1, max_queue=10, timeout=5)
+    q._reserved = 1  # the one place is promised to someone routing right now
+    first = asyncio.create_task(q.wait())
+    second = asyncio.create_task(q.wait())
+    await asyncio.sleep(0.01)
+    assert q.waiting == 2
+    q._reserved = 0  # ...who routed: the place is free again
+    q.wake()  # granted to `first`, which has not run yet
+    first.cancel()  # its client leaves before it could route
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 1)  # the place went on to the next in line
+    assert q._reserved == 0 and q.waiting == 0
+
+
+async def test_queue_timeout_and_zero_queue():
+    q = DecodeQueue(lambda: 0, max_queue=0, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(APIError) as e:
+        await q.wait()
+    assert e.value.status == 503 and time.monotonic() - t0 < 0.1  # no queue: refused at once
+    q = DecodeQueue(lambda: 0, max_queue=3, timeout=0.2)
+    with pytest.raises(APIError) as e:
+        await q.wait()
+    assert e.value.status == 503 and "0.2 s" in e.value.message and q.waiting == 0
 
 
 # ------------------------------------------------------------------ bodies

@@ -2,7 +2,9 @@
 
 The prefill worker answers with the first token (the proxy calls it with
 ``max_tokens=1``); the decode worker streams tokens 2..n. Both take the
-``X-Request-Id`` header verbatim as the rendezvous key.
+``X-Request-Id`` header verbatim as the rendezvous key, and drop a request on
+``POST /xpyd/abort`` with that header. Every error is OpenAI-style JSON: bodies
+that are not JSON (415), too large (413), invalid (400), unknown routes (404/405).
 """
 
 from __future__ import annotations
