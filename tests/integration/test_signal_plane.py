@@ -143,6 +143,7 @@ def _raw_roundtrip(port: int, frame: bytes, identity: bytes = b"raw:1") -> dict:
     (msgpack.packb([1, 2, 3]), "not a map"),
     (msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": "handshake", "seq": 1, "b": {}}), "protocol version mismatch"),
     (msgpack.packb({"v": PROTOCOL_VERSION, "t": "evil", "seq": 5, "b": {}}), "unknown message type"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "t": [1.5, 2.5], "seq": 5, "b": {}}), "unknown message type"),
     (msgpack.packb({"v": PROTOCOL_VERSION, "t": "handshake", "seq": 6, "b": {"sender": 3}}), "wrong type"),
     (msgpack.packb({"v": PROTOCOL_VERSION, "t": "lookup_all", "seq": 7,
                     "b": {"sender": "raw:1", "entries": [["x", -5]]}}), "bad lookup destination"),

@@ -272,13 +272,14 @@ def decode(frame: bytes) -> Envelope:
         raise MessageError("frame is not a map")
     v = d.get("v")
     if v != PROTOCOL_VERSION:
-        raise MessageError(f"protocol version mismatch: peer speaks {v!r}, this worker speaks {PROTOCOL_VERSION}")
+        raise MessageError(f"protocol version mismatch: peer speaks {v!r:.40}, this worker speaks {PROTOCOL_VERSION}")
     seq = d.get("seq")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
         raise MessageError("bad seq")
-    cls = _TYPES.get(d.get("t"))  # type: ignore[arg-type]
+    t = d.get("t")
+    cls = _TYPES.get(t) if isinstance(t, str) else None
     if cls is None:
-        raise MessageError(f"unknown message type {d.get('t')!r}")
+        raise MessageError(f"unknown message type {t!r:.80}")
     body = d.get("b")
     if not isinstance(body, dict):
         raise MessageError("message body is not a map")

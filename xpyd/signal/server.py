@@ -86,7 +86,11 @@ class SignalServer:
             log.warning("signal message with %d frames from %r", len(parts) - 1, identity[:64])
             reply = m.encode(0, m.ErrorReply(f"expected one frame per message, got {len(parts) - 1}"))
         else:
-            reply = self._dispatch(identity, parts[1])
+            try:
+                reply = self._dispatch(identity, parts[1])
+            except Exception as e:  # a bug in decoding or dispatch: still answer, and keep serving
+                log.exception("signal server: cannot serve a request from %r", identity[:64])
+                reply = m.encode(0, m.ErrorReply(f"internal error: {type(e).__name__}"))
         try:
             self._sock.send_multipart([identity, reply], zmq.NOBLOCK)
         except zmq.ZMQError as e:

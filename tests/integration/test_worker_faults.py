@@ -1,0 +1,176 @@
+"""Worker-side faults with real processes: KV lease, prefill-wait timeout, dead prefill, aborts, cluster token.
+
+Every test ends by checking that the workers it used hold nothing (requests, KV slots, transfers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+from tests.integration.fault_workers import (  # noqa: F401  (fault_workers is a fixture)
+    KV_TTL,
+    PREFILL_WAIT,
+    fault_workers,
+    post,
+    stats,
+    wait_idle,
+)
+from xpyd.signal.request_id import RequestId
+
+BODY = {"prompt": "hello world", "temperature": 0, "ignore_eos": True}
+
+
+def _prefill_body(max_tokens: int = 6) -> dict:
+    return {**BODY, "max_tokens": 1, "kv_transfer_params": {"role": "prefill", "max_tokens": max_tokens}}
+
+
+def _decode_body(max_tokens: int = 6) -> dict:
+    return {**BODY, "max_tokens": max_tokens, "kv_transfer_params": {"role": "decode"}}
+
+
+def _rid(urls: dict, prefill: str = "prefill", decode: str = "decode") -> str:
+    return str(RequestId.new(urls[prefill + "_signal"], urls[decode + "_id"]))
+
+
+def _pair(urls: dict, rid: str) -> tuple[tuple[int, dict], tuple[int, dict]]:
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("d", post(urls["decode"], _decode_body(), rid)))
+    t.start()
+    out["p"] = post(urls["prefill"], _prefill_body(), rid)
+    t.join(60)
+    return out["p"], out["d"]
+
+
+def test_right_token_serves_and_both_sides_end_idle(fault_workers):
+    _, urls = fault_workers
+    rid = _rid(urls)
+    (ps, pbody), (ds, dbody) = _pair(urls, rid)
+    assert ps == 200 and ds == 200, (pbody, dbody)
+    assert dbody["usage"]["completion_tokens"] == 6 and dbody["id"] == rid
+    wait_idle(urls["prefill"])
+    wait_idle(urls["decode"])
+
+
+def test_wrong_or_missing_cluster_token_is_refused_with_no_state(fault_workers):
+    _, urls = fault_workers
+    before = stats(urls["prefill"])
+    for name, needle in (("decode_wrong", "cluster token mismatch"), ("decode_none", "cluster token required")):
+        rid = _rid(urls, decode=name)
+        t0 = time.monotonic()
+        status, body = post(urls[name], _decode_body(), rid)
+        assert status == 502, body
+        msg = body["error"]["message"]
+        assert "handshake" in msg and needle in msg, msg
+        assert time.monotonic() - t0 < PREFILL_WAIT  # refused at once, not timed out
+        wait_idle(urls[name])
+    after = stats(urls["prefill"])
+    assert after["handshaken"] == before["handshaken"] and after["peers"] == before["peers"]
+    wait_idle(urls["prefill"])
+
+
+def test_unpulled_kv_is_freed_after_kv_ttl_and_a_later_pull_is_told_expired(fault_workers):
+    _, urls = fault_workers
+    rid = _rid(urls)
+    expired_before = stats(urls["prefill"])["expired"]
+    status, body = post(urls["prefill"], _prefill_body(), rid)
+    t_first = time.monotonic()
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+    held = stats(urls["prefill"])
+    assert held["kv_slots_used"] == 1 and held["transferring"] == 1 and held["kv_used_bytes"] > 0, held
+    s = wait_idle(urls["prefill"], timeout=KV_TTL + 5)
+    freed_after = time.monotonic() - t_first
+    assert KV_TTL * 0.8 <= freed_after <= KV_TTL + 5
+    assert s["expired"] == expired_before + 1
+    t0 = time.monotonic()
+    status, body = post(urls["decode"], _decode_body(), rid)
+    assert status == 502, body
+    assert "expired" in body["error"]["message"] and f"kv_ttl={KV_TTL:g}s" in body["error"]["message"]
+    assert time.monotonic() - t0 < PREFILL_WAIT  # answered at once, not after the wait timeout
+    wait_idle(urls["decode"])
+    wait_idle(urls["prefill"])
+
+
+def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_workers):
+    _, urls = fault_workers
+    rid = _rid(urls)
+    t0 = time.monotonic()
+    status, body = post(urls["decode"], _decode_body(), rid)
+    elapsed = time.monotonic() - t0
+    assert status == 504, body
+    assert f"within {PREFILL_WAIT:g}s" in body["error"]["message"]
+    assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + 3
+    s = wait_idle(urls["decode"])
+    assert s["failures"].get("timeout", 0) >= 1
+    # The decode worker released it: the prefill request arriving now is refused, no KV is held for it.
+    released_before = stats(urls["prefill"])["released_on_arrival"]
+    status, body = post(urls["prefill"], _prefill_body(), rid)
+    assert status == 409 and "already released" in body["error"]["message"], body
+    s = wait_idle(urls["prefill"])
+    assert s["released_on_arrival"] == released_before + 1
+
+
+def test_client_gone_while_decode_waits_releases_on_prefill(fault_workers):
+    """A decode request aborted by its client (here: while waiting for prefill) tells prefill to release it."""
+    _, urls = fault_workers
+    rid = _rid(urls)
+    host, port = urls["decode"].removeprefix("http://").split(":")
+    body = ('{"prompt": "hello world", "max_tokens": 6, "stream": true, '
+            '"kv_transfer_params": {"role": "decode"}}').encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 5
+        while stats(urls["decode"])["waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stats(urls["decode"])["waiting"] == 1
+    timeouts = stats(urls["decode"])["failures"].get("timeout", 0)
+    wait_idle(urls["decode"], timeout=PREFILL_WAIT - 1)  # gone before its wait timeout
+    assert stats(urls["decode"])["failures"].get("timeout", 0) == timeouts  # aborted, not timed out
+    status, resp = post(urls["prefill"], _prefill_body(), rid)
+    assert status == 409 and "already released" in resp["error"]["message"], resp
+    wait_idle(urls["prefill"])
+
+
+def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
+    cluster, urls = fault_workers
+    victim = next(p for p in cluster.procs if p.name == "prefill_victim")
+    rids = [_rid(urls, prefill="prefill_victim") for _ in range(4)]
+    results: dict[str, tuple[float, int, dict]] = {}
+
+    def call(rid: str) -> None:
+        status, body = post(urls["decode"], _decode_body(), rid)
+        results[rid] = (time.monotonic(), status, body)
+
+    threads = [threading.Thread(target=call, args=(r,)) for r in rids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while stats(urls["decode"])["waiting"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stats(urls["decode"])["waiting"] == 4
+    time.sleep(0.3)  # the decode worker is connected and polling the victim
+    killed_at = time.monotonic()
+    os.kill(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait(10)
+    for t in threads:
+        t.join(PREFILL_WAIT + 10)
+    assert set(results) == set(rids)
+    for ended, status, body in results.values():
+        assert status == 502, body
+        assert "closed the connection" in body["error"]["message"], body
+        assert ended - killed_at < 2.0  # not the prefill-wait timeout
+    wait_idle(urls["decode"])
+    # New requests for the dead worker fail fast too (connection refused), and the others still work.
+    t0 = time.monotonic()
+    status, body = post(urls["decode"], _decode_body(), _rid(urls, prefill="prefill_victim"))
+    assert status == 502 and "refused the connection" in body["error"]["message"], body
+    assert time.monotonic() - t0 < 2.0
+    (ps, _), (ds, dbody) = _pair(urls, _rid(urls))
+    assert ps == 200 and ds == 200, dbody
+    wait_idle(urls["decode"])
+    wait_idle(urls["prefill"])
