@@ -374,3 +374,22 @@ async def test_completed_request_sends_no_abort(make_env):
     assert await env.complete() == 200 and await env.complete(stream=True) == 200
     await asyncio.sleep(0.1)
     assert len(prefill.received) == 2 and prefill.aborted == []
+
+
+async def test_prefill_answering_5xx_does_not_end_requests_waiting_for_its_kv(make_env):
+    env = await make_env(n_prefill=1, n_decode=1)
+    stalling = StallingDecode(Role.DECODE, env.decode[0].signal_port)
+    stalling.delay = 0.8  # decode's stream starts late: the request waits for its KV meanwhile
+    await env.decode[0].stop()
+    env.decode[0] = env.registry.listed[1] = stalling
+    await stalling.start()
+    await env.wait_for(stalling, "up")
+    task = asyncio.create_task(env.complete(stream=False))
+    while not stalling.received:
+        await asyncio.sleep(0.01)
+    env.prefill[0].fail_status = 500  # the next request fails on prefill: marked down, but not gone
+    async with env.post(BODY) as r:
+        assert r.status == 502  # (and prefill was marked down; the poller soon sees it healthy again)
+    await asyncio.sleep(0.2)
+    assert not task.done()  # the first request still waits for its KV (its stream stalls: test over)
+    task.cancel()

@@ -235,13 +235,15 @@ class Proxy:
     def _decode_room(self) -> int | None:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))
 
-    def _worker_down(self, worker: WorkerInfo, reason: str) -> None:
-        """A prefill worker went down: its requests whose KV decode has not pulled yet cannot finish.
+    def _worker_down(self, worker: WorkerInfo, reason: str, unreachable: bool) -> None:
+        """A prefill worker is gone: its requests whose KV decode has not pulled yet cannot finish.
 
         Their decode worker may wait for that KV until its own timeout; end them now
         (error event or 502) and drop their decode calls, which aborts them there.
+        A prefill worker that answered an error or timed out is still there and may
+        yet serve the pulls: its requests are left alone.
         """
-        if worker.role is not Role.PREFILL:
+        if worker.role is not Role.PREFILL or not unreachable:
             return  # a dead decode worker breaks its streams by itself
         message = f"prefill worker {worker.http_url} went down before the decode worker had the request's KV"
         ended = sum(call.prefill_lost(UpstreamError(502, f"{message} ({reason})", worker=worker,
@@ -253,7 +255,7 @@ class Proxy:
     def worker_failed(self, e: APIError) -> None:
         """Mark the worker behind ``e`` down if the failure says it is unhealthy."""
         if isinstance(e, UpstreamError) and e.worker is not None and e.fault is not Fault.NONE:
-            self.table.mark_down(e.worker, e.message)
+            self.table.mark_down(e.worker, e.message, unreachable=e.fault is Fault.UNREACHABLE)
 
     def _stream_response(self, call: "_TrackedCall", req: CompletionRequest, first: FirstToken,
                          model: str, headers: dict, timer: RequestTimer) -> Response:

@@ -98,7 +98,8 @@ class HealthPoller:
         except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead
             pass
         except aiohttp.ClientError as e:
-            self._table.mark_down(worker, f"poll: {type(e).__name__}: {e}")
+            self._table.mark_down(worker, f"poll: {type(e).__name__}: {e}",
+                                  unreachable=isinstance(e, aiohttp.ClientConnectionError))
         finally:
             if self._on_probe is not None:
                 self._on_probe()

@@ -113,10 +113,10 @@ class WorkerState:
 class WorkerTable:
     def __init__(self) -> None:
         self._states: dict[tuple[Role, str], WorkerState] = {}
-        self._down_listeners: list[Callable[[WorkerInfo, str], None]] = []
+        self._down_listeners: list[Callable[[WorkerInfo, str, bool], None]] = []
 
-    def on_down(self, listener: Callable[[WorkerInfo, str], None]) -> None:
-        """Call ``listener(worker, reason)`` whenever a worker goes from UP to DOWN."""
+    def on_down(self, listener: Callable[[WorkerInfo, str, bool], None]) -> None:
+        """Call ``listener(worker, reason, unreachable)`` whenever a worker goes from UP to DOWN."""
         self._down_listeners.append(listener)
 
     def sync(self, role: Role, workers: Sequence[WorkerInfo]) -> list[WorkerState]:
@@ -153,8 +153,12 @@ class WorkerTable:
         if state is not None and state.in_flight > 0:
             state.in_flight -= 1
 
-    def mark_down(self, worker: WorkerInfo, reason: str) -> bool:
-        """Stop choosing ``worker`` until it is seen healthy; True if it was UP."""
+    def mark_down(self, worker: WorkerInfo, reason: str, unreachable: bool = False) -> bool:
+        """Stop choosing ``worker`` until it is seen healthy; True if it was UP.
+
+        ``unreachable``: its connection was refused or broke (the process is likely gone),
+        as opposed to an error answer or a timeout from a worker that is still there.
+        """
         state = self.get(worker)
         if state is None:
             return False
@@ -165,7 +169,7 @@ class WorkerTable:
         log.warning("%s worker %s is down: %s", worker.role.value, worker.http_url, reason)
         for listener in self._down_listeners:
             try:
-                listener(state.info, reason)
+                listener(state.info, reason, unreachable)
             except Exception:
                 log.exception("a worker-down listener failed")
         return True
