@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import dumps, models_response
@@ -96,6 +97,17 @@ def create_colocated_app(config, url: str) -> Quart:
     @app.errorhandler(413)
     async def too_large(_e) -> Response:
         return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException) -> Response:  # 404, 405 ...: JSON like every other error
+        status = e.code or 500
+        message = f"{e.name}: {e.description}" if e.description else str(e.name)
+        return _error(APIError(status, message, type="invalid_request_error" if status < 500 else "server_error"))
+
+    @app.errorhandler(Exception)
+    async def internal_error(_e: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error(APIError(500, "internal error in the proxy", type="server_error"))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
