@@ -85,7 +85,7 @@ _WRONG = {  # field -> values that are wrong for it (type or range)
     "temperature": [-1, "hot", [], True, -1e-9, {}],
     "top_p": [0, 2, "x", -0.5, 1.0001, True],
     "top_k": [-2, 1.5, "x", True],
-    "seed": [2**64, -(2**64), 1.5, "x", True],
+    "seed": [2**64, -(2**64), -1, 1.5, "x", True],
     "stop": ["", [""], [1], {}, ["a"] * 65, [None]],
     "stream": ["yes", 1, 0, [], {}],
     "ignore_eos": ["no", 1, []],

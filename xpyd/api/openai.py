@@ -23,7 +23,7 @@ from typing import Any
 
 MAX_STOP_SEQUENCES = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
-_INT64 = 2**63
+_UINT64 = 2**64
 
 
 class APIError(Exception):
@@ -323,8 +323,8 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
     elif not _is_int(top_k) or top_k < -1:
         raise _bad("'top_k' must be an integer >= 0 (0 or -1 disables it)", "top_k")
     seed = d.get("seed")
-    if seed is not None and not (_is_int(seed) and -_INT64 <= seed < _INT64):
-        raise _bad("'seed' must be a 64-bit integer", "seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < _UINT64):
+        raise _bad("'seed' must be an integer in [0, 2**64)", "seed")  # what the sampler takes
     kv = d.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise _bad("'kv_transfer_params' must be an object", "kv_transfer_params")
