@@ -293,9 +293,10 @@ async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, d
         events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
         error = json.loads(events[-2])
         assert events[-1] == "[DONE]"
-    else:
-        assert status == 502
+    else:  # retried on a fresh pair (the client had seen nothing), but there is no other prefill worker
+        assert status == 503
         error = json.loads(body)
+        assert "no prefill worker available" in error["error"]["message"]
     assert_openai_error(error, "server_error")
     assert "prefill worker" in error["error"]["message"] and "went down" in error["error"]["message"]
     # The decode call is dropped (which aborts it on a real worker) and the slot is free again.
@@ -393,3 +394,37 @@ async def test_prefill_answering_5xx_does_not_end_requests_waiting_for_its_kv(ma
     await asyncio.sleep(0.2)
     assert not task.done()  # the first request still waits for its KV (its stream stalls: test over)
     task.cancel()
+
+
+class StallOnce(Worker):
+    """Stalls its first stream (waiting for KV that never comes), serves later ones normally."""
+
+    stalled: int = 0
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        if self.stalled:
+            return await super()._stream(request)
+        self.stalled += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(60)
+        return resp
+
+
+async def test_non_streaming_request_whose_prefill_died_starts_over_elsewhere(make_env):
+    env = await make_env(n_prefill=2, n_decode=1)
+    decode = StallOnce(Role.DECODE, env.decode[0].signal_port)
+    await env.decode[0].stop()
+    env.decode[0] = env.registry.listed[2] = decode
+    await decode.start()
+    await env.wait_for(decode, "up")
+    task = asyncio.create_task(env.complete())
+    while not decode.stalled:
+        await asyncio.sleep(0.01)
+    (victim,) = [p for p in env.prefill if p.received]
+    t0 = time.monotonic()
+    await victim.stop()
+    assert await asyncio.wait_for(task, 2.0) == 200  # the client saw nothing of the first try
+    assert time.monotonic() - t0 < 1.5
+    (other,) = [p for p in env.prefill if p is not victim]
+    assert len(other.received) == 1 and len(decode.received) == 2

@@ -246,8 +246,9 @@ class Proxy:
         if worker.role is not Role.PREFILL or not unreachable:
             return  # a dead decode worker breaks its streams by itself
         message = f"prefill worker {worker.http_url} went down before the decode worker had the request's KV"
+        # UNREACHABLE: a non-streaming request (the client has seen nothing yet) starts over on a fresh pair.
         ended = sum(call.prefill_lost(UpstreamError(502, f"{message} ({reason})", worker=worker,
-                                                    fault=Fault.UNHEALTHY))
+                                                    fault=Fault.UNREACHABLE))
                     for call in list(self._calls) if call.prefill_url == worker.http_url)
         if ended:
             log.warning("ended %d request(s) waiting for KV from %s", ended, worker.http_url)
