@@ -21,6 +21,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 MAX_TRANSFER_ID_LEN = 256
 MAX_ADDRESS_LEN = 512
+MAX_OFFERS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,9 @@ class BackendDescriptor:
     backend: str  # backend name, e.g. "tcp"
     address: str  # backend-specific; "host:port" of the listener for tcp
     buffer_size: int  # bytes of the registered buffer
+    # Other ways to reach the same buffer, as (backend, address) pairs, e.g. ("shm", ...) when the
+    # worker also offers shared memory to peers on its host. Optional; peers that ignore it use ``backend``.
+    offers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -137,16 +141,35 @@ class BackendDescriptor:
             raise ValueError(f"descriptor address must be a str of 1..{MAX_ADDRESS_LEN} chars")
         if type(self.buffer_size) is not int or self.buffer_size <= 0:
             raise ValueError(f"descriptor buffer_size must be a positive int, got {self.buffer_size!r}")
+        if not isinstance(self.offers, tuple) or len(self.offers) > MAX_OFFERS:
+            raise ValueError(f"descriptor offers must be a tuple of at most {MAX_OFFERS} pairs")
+        for pair in self.offers:
+            if not (isinstance(pair, tuple) and len(pair) == 2
+                    and all(isinstance(x, str) and 0 < len(x) <= MAX_ADDRESS_LEN for x in pair)):
+                raise ValueError(f"descriptor offers must be (backend, address) str pairs, got {pair!r:.80}")
+
+    def offer(self, backend: str) -> str | None:
+        """The address this descriptor offers for ``backend`` (its own address if it is ``backend``)."""
+        if backend == self.backend:
+            return self.address
+        return next((addr for name, addr in self.offers if name == backend), None)
 
     def to_dict(self) -> dict:
-        return {"backend": self.backend, "address": self.address, "buffer_size": self.buffer_size}
+        d = {"backend": self.backend, "address": self.address, "buffer_size": self.buffer_size}
+        if self.offers:
+            d["offers"] = [list(pair) for pair in self.offers]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BackendDescriptor":
         if not isinstance(d, dict):
             raise ValueError(f"descriptor must be a dict, got {type(d).__name__}")
+        offers = d.get("offers", ())
+        if not isinstance(offers, (list, tuple)) or len(offers) > MAX_OFFERS:
+            raise ValueError(f"descriptor offers must be a list of at most {MAX_OFFERS} pairs")
+        offers = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in offers)
         try:
-            return cls(backend=d["backend"], address=d["address"], buffer_size=d["buffer_size"])
+            return cls(backend=d["backend"], address=d["address"], buffer_size=d["buffer_size"], offers=offers)
         except KeyError as e:
             raise ValueError(f"descriptor is missing {e}") from None
 
