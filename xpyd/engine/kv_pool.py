@@ -79,9 +79,20 @@ class PoolFull(Exception):
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, buffer: memoryview | None = None) -> None:
+        """``buffer``: optional writable memory of exactly ``layout.total_bytes`` to hold the pool (e.g. a
+        shared-memory segment from the shm transfer backend); it is zeroed here and must outlive the pool."""
         self.layout = layout
-        self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        if buffer is None:
+            self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        else:
+            if not isinstance(buffer, memoryview) or buffer.readonly or not buffer.c_contiguous:
+                raise ValueError("KVPool buffer must be a writable, C-contiguous memoryview")
+            if buffer.nbytes != layout.total_bytes:
+                raise ValueError(f"KVPool buffer holds {buffer.nbytes} bytes, the layout needs {layout.total_bytes}")
+            flat = torch.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=torch.uint8)
+            self.tensor = flat.view(layout.torch_dtype).view(layout.shape)
+            self.tensor.zero_()
         self._free = list(range(layout.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._tokens: dict[int, int] = {}  # allocated slot -> tokens held
 
