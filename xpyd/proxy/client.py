@@ -276,7 +276,7 @@ class WorkerClient:
             async with self._session.post(worker.http_url + ABORT_PATH, headers={REQUEST_ID_HEADER: request_id},
                                           timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT)) as resp:
                 await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: session closed
             log.debug("%s: abort on %s failed: %s", request_id, worker.http_url, e)
 
     def _post(self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,
