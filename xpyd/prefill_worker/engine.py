@@ -18,7 +18,7 @@ import hmac
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,7 @@ from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
 
-MAX_PEERS = 1024  # decode workers that may be handshaken at once; more are refused
+MAX_PEERS = 1024  # handshaken decode workers remembered; beyond that the least recently active is forgotten
 MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
 MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
 
@@ -70,7 +70,8 @@ class PrefillEngine(WorkerEngine):
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
         self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
-        self._handshaken: set[str] = set()  # decode identities whose handshake was accepted
+        # Decode identities whose handshake was accepted, least recently active first.
+        self._handshaken: OrderedDict[str, None] = OrderedDict()
         retention = max(MIN_RETENTION, config.kv_ttl)
         # request id -> (status, error) of requests that ended here before a decode worker pulled them
         self._ended: RecentIds[tuple[m.LookupStatus, str]] = RecentIds(retention, MAX_REMEMBERED)
@@ -202,7 +203,7 @@ class PrefillEngine(WorkerEngine):
 
     def _drop_peers(self, addrs: frozenset[str]) -> None:
         for addr in addrs:
-            self._handshaken.discard(addr)
+            self._handshaken.pop(addr, None)
             peer = self._peers.pop(addr, None)
             if peer is not None:
                 self.transfer.forget_peer(peer.transfer.address)
@@ -227,10 +228,20 @@ class PrefillEngine(WorkerEngine):
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)
         with self._lock:
-            if identity not in self._handshaken and len(self._handshaken) >= MAX_PEERS:
-                return m.HandshakeReply(False, f"too many decode workers (max {MAX_PEERS})", self.model_id)
-            self._handshaken.add(identity)
+            self._handshaken[identity] = None
+            self._handshaken.move_to_end(identity)
+            while len(self._handshaken) > MAX_PEERS:  # forget the least recently active (it shakes hands again)
+                old, _ = self._handshaken.popitem(last=False)
+                self._peers.pop(old, None)
         return m.HandshakeReply(True, None, self.model_id)
+
+    def _known(self, identity: str) -> bool:
+        """Has this decode worker shaken hands? (marks it active)"""
+        with self._lock:
+            if identity not in self._handshaken:
+                return False
+            self._handshaken.move_to_end(identity)
+            return True
 
     def _check_token(self, presented: str | None) -> str | None:
         """Why a handshake is refused for its cluster token, or None if it may proceed."""
@@ -244,7 +255,7 @@ class PrefillEngine(WorkerEngine):
         return None
 
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply | m.ErrorReply:
-        if identity not in self._handshaken:
+        if not self._known(identity):
             return m.ErrorReply("handshake first")
         try:
             desc = BackendDescriptor.from_dict(msg.transfer)
@@ -260,7 +271,7 @@ class PrefillEngine(WorkerEngine):
         return m.KVMapReply(True)
 
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
-        if identity not in self._handshaken:
+        if not self._known(identity):
             return m.ErrorReply("handshake first")
         results = []
         with self._lock:
@@ -306,7 +317,7 @@ class PrefillEngine(WorkerEngine):
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
 
     def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply | m.ErrorReply:
-        if identity not in self._handshaken:
+        if not self._known(identity):
             return m.ErrorReply("handshake first")
         n = 0
         now = time.monotonic()
