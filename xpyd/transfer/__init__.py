@@ -21,6 +21,8 @@ from xpyd.transfer.base import (
 _BACKENDS = {
     "tcp": ("xpyd.transfer.tcp", "TcpTransferBackend"),
     "fake": ("xpyd.transfer.fake", "FakeTransferBackend"),
+    "shm": ("xpyd.transfer.shm", "ShmTransferBackend"),
+    "auto": ("xpyd.transfer.auto", "make_auto_backend"),
 }
 
 

@@ -1,0 +1,201 @@
+"""The ``auto`` transfer backend: tcp for every peer, shm for peers on the same host.
+
+It wraps a primary backend (tcp) and extras (shm) registered on the same buffer. Its descriptor is the
+primary's, plus ``offers`` naming the extras' addresses, so an old or tcp-only peer simply uses tcp.
+
+- ``send``: the first extra that ``reaches(peer)`` (shm: the peer offers shm and shares our host key),
+  else the primary. The sending side therefore picks per peer, from the receiver's descriptor.
+- ``expect``: announced to every child (the receiver does not know which one the sender will pick);
+  the returned token follows whichever child the bytes arrive on, and the others' announcements
+  are withdrawn as soon as it finishes (on the next poll of the token or of ``outstanding()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Sequence
+
+from xpyd.transfer.base import BackendDescriptor, CompletionToken, Region, TransferError, TransferState
+
+
+class _EitherToken(CompletionToken):
+    """A receive token that follows the child token the transfer actually arrives on."""
+
+    __slots__ = ("_children", "_owner")
+
+    def __init__(self, transfer_id: str, children: list[tuple[object, CompletionToken]], owner) -> None:
+        super().__init__(transfer_id)
+        self._children = children
+        self._owner = owner
+
+    def _sync(self) -> None:
+        if CompletionToken.finished(self):
+            return
+        winner = None
+        for backend, tok in self._children:
+            state = tok.state()
+            if state is TransferState.DONE:
+                self._set(TransferState.DONE, None)
+                winner = backend
+                break
+            if state is TransferState.FAILED:
+                self._set(TransferState.FAILED, tok.error or "failed")
+                winner = backend
+                break
+            if state is TransferState.TRANSFERRING and CompletionToken.state(self) is TransferState.PENDING:
+                self._set(TransferState.TRANSFERRING, None)
+        if winner is not None:
+            self._owner._settle(self.transfer_id, winner)
+
+    def state(self) -> TransferState:
+        self._sync()
+        return CompletionToken.state(self)
+
+    def done(self) -> bool:
+        return self.state() is TransferState.DONE
+
+    def failed(self) -> bool:
+        return self.state() is TransferState.FAILED
+
+    def finished(self) -> bool:
+        return self.state() in (TransferState.DONE, TransferState.FAILED)
+
+    @property
+    def error(self) -> str | None:
+        self._sync()
+        return self._error
+
+    def wait(self, timeout: float) -> bool:
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        deadline = time.monotonic() + timeout
+        while not self.finished():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for _, tok in self._children:
+                if tok.wait(min(left, 0.002)):
+                    break
+        return True
+
+
+class AutoTransferBackend:
+    def __init__(self, primary, extras: Sequence[object]) -> None:
+        self.primary = primary
+        self.extras = list(extras)
+        self.name = primary.name  # peers compare descriptor backend names with this
+        self._lock = threading.Lock()
+        self._expected: dict[str, _EitherToken] = {}
+        self._peer_extra: dict[str, list[tuple[object, str]]] = {}  # primary address -> (extra, its address)
+
+    @property
+    def children(self) -> list:
+        return [self.primary, *self.extras]
+
+    def allocate(self, size: int) -> memoryview | None:
+        """The buffer from the first extra that needs its own memory (shm), if any."""
+        for extra in self.extras:
+            if hasattr(extra, "allocate"):
+                return extra.allocate(size)
+        return None
+
+    def register(self, buffer: memoryview) -> BackendDescriptor:
+        desc = self.primary.register(buffer)
+        offers = list(desc.offers)
+        for extra in self.extras:
+            d = extra.register(buffer)
+            offers += [(extra.name, d.address), *d.offers]
+        return BackendDescriptor(desc.backend, desc.address, desc.buffer_size, offers=tuple(offers))
+
+    def pick(self, peer: BackendDescriptor):
+        """The child that sends to ``peer``, and the descriptor to hand it."""
+        for extra in self.extras:
+            if extra.reaches(peer):
+                return extra, peer
+        address = peer.offer(self.primary.name)
+        if address is None:
+            raise ValueError(f"peer offers neither {self.primary.name} nor a reachable "
+                             f"{'/'.join(e.name for e in self.extras) or 'extra'} backend: {peer!r:.200}")
+        return self.primary, BackendDescriptor(self.primary.name, address, peer.buffer_size)
+
+    def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
+             dst: Sequence[Region]) -> CompletionToken:
+        if not isinstance(peer, BackendDescriptor):
+            raise ValueError(f"peer must be a BackendDescriptor, got {peer!r:.80}")
+        child, desc = self.pick(peer)
+        if child is not self.primary:
+            with self._lock:
+                self._peer_extra.setdefault(peer.address, [])
+                if (child, child_addr := peer.offer(child.name)) not in self._peer_extra[peer.address]:
+                    self._peer_extra[peer.address].append((child, child_addr))
+        return child.send(transfer_id, src, desc, dst)
+
+    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+        with self._lock:
+            if transfer_id in self._expected:
+                raise TransferError(f"transfer {transfer_id!r} is already expected")
+        children = []
+        try:
+            for child in self.children:
+                children.append((child, child.expect(transfer_id, dst)))
+        except BaseException:
+            for child, _ in children:
+                child.abort(transfer_id)
+            raise
+        token = _EitherToken(transfer_id, children, self)
+        with self._lock:
+            self._expected[transfer_id] = token
+        return token
+
+    def _settle(self, transfer_id: str, winner) -> None:
+        with self._lock:
+            token = self._expected.pop(transfer_id, None)
+        if token is not None:
+            for child, _ in token._children:
+                if child is not winner:
+                    child.abort(transfer_id)
+
+    def abort(self, transfer_id: str) -> None:
+        with self._lock:
+            token = self._expected.pop(transfer_id, None)
+        for child in self.children:
+            child.abort(transfer_id)
+        if token is not None:
+            token._fail("aborted")
+
+    def outstanding(self) -> set[str]:
+        with self._lock:
+            tokens = list(self._expected.values())
+        for token in tokens:
+            token._sync()
+        out: set[str] = set()
+        for child in self.children:
+            out |= child.outstanding()
+        return out
+
+    def forget_peer(self, address: str) -> None:
+        self.primary.forget_peer(address)
+        with self._lock:
+            extras = self._peer_extra.pop(address, [])
+        for child, child_addr in extras:
+            child.forget_peer(child_addr)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+        with self._lock:
+            tokens, self._expected = list(self._expected.values()), {}
+        for token in tokens:
+            token._sync()
+            token._fail("backend closed")
+
+
+def make_auto_backend(host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                      **kw) -> AutoTransferBackend:
+    """tcp on ``port`` (what request ids and tcp-only peers use) plus shm for peers on this host."""
+    from xpyd.transfer.shm import ShmTransferBackend
+    from xpyd.transfer.tcp import TcpTransferBackend
+
+    return AutoTransferBackend(TcpTransferBackend(host=host, port=port, advertise_host=advertise_host, **kw),
+                               [ShmTransferBackend(host=host, port=0, advertise_host=advertise_host, **kw)])

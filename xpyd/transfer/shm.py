@@ -1,0 +1,436 @@
+"""Shared-memory transfer backend: one copy between two KV pools on the same host.
+
+Each backend owns one segment in /dev/shm (``allocate``; see ``shm_segment``) and the KV pool lives in
+it. A transfer is pulled: the sender offers its ``src`` regions over a small control connection, the
+*receiver* maps the sender's segment read-only (once per connection) and copies straight from it into
+its own ``dst`` regions, then the sender commits (its source stayed valid) and the receiver marks DONE
+and replies (so a sender's DONE implies the receiver's). Messages are in ``shm_wire``; framing,
+timeouts and the close pipe come from ``tcp_wire``. The payload never crosses a socket.
+
+Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
+reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
+``abort()`` returns no more bytes of that transfer land in the pool), one sender per peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+from typing import Sequence
+
+import numpy as np
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.transfer import shm_segment
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferError,
+    TransferState,
+    check_buffer,
+    check_regions,
+    check_transfer_id,
+)
+from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
+
+log = logging.getLogger(__name__)
+
+HOST_OFFER = "shm-host"  # descriptor offer carrying the host key
+IDLE_TIMEOUT = 600.0
+COPY_CHUNK = 16 << 20  # bytes copied per lock hold (abort latency vs. overhead)
+MAX_INBOUND = 256
+
+
+@dataclass(eq=False, slots=True)
+class _Transfer:
+    token: CompletionToken
+    regions: tuple[Region, ...]  # src (sender) or dst (receiver)
+    dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    claimed: bool = False
+
+
+def copy_regions(dst: np.ndarray, dst_regions: Sequence[Region], src: np.ndarray, src_regions: Sequence[Region],
+                 chunk: int = COPY_CHUNK):
+    """Yield once per copied piece (at most ``chunk`` bytes), walking both region lists in step."""
+    si = di = s_off = d_off = 0
+    while si < len(src_regions):
+        s, d = src_regions[si], dst_regions[di]
+        n = min(s.length - s_off, d.length - d_off, chunk)
+        np.copyto(dst[d.offset + d_off: d.offset + d_off + n], src[s.offset + s_off: s.offset + s_off + n])
+        yield n
+        s_off += n
+        d_off += n
+        if s_off == s.length:
+            si, s_off = si + 1, 0
+        if d_off == d.length:
+            di, d_off = di + 1, 0
+
+
+class ShmTransferBackend:
+    name = "shm"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None) -> None:
+        if type(port) is not int or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        if not connect_timeout > 0 or not io_timeout > 0:
+            raise ValueError("connect_timeout and io_timeout must be > 0")
+        if advertise_host is None and host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
+        self.host, self.port, self.tag = host, port, tag
+        self.advertise_host = advertise_host or host
+        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.host_key = shm_segment.host_key()
+        self._lock = threading.Lock()
+        self._segment: shm_segment.Segment | None = None
+        self._buffer: memoryview | None = None
+        self._array: np.ndarray | None = None
+        self._base = 0  # offset of the registered buffer inside the segment
+        self._descriptor: BackendDescriptor | None = None
+        self._listener: socket.socket | None = None
+        self._wake: tuple[int, int] | None = None
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._senders: dict[str, SimpleQueue] = {}
+        self._sending: dict[str, _Transfer] = {}
+        self._expected: dict[str, _Transfer] = {}
+
+    # -- public API -------------------------------------------------------
+    def allocate(self, size: int) -> memoryview:
+        """Create this backend's segment (zero-filled, ``size`` bytes); register it (or a slice) next."""
+        with self._lock:
+            if self._closed:
+                raise TransferError("backend is closed")
+            if self._segment is not None:
+                raise TransferError("this backend already allocated its segment")
+            self._segment = shm_segment.create(size, self.tag)
+            return self._segment.buffer()
+
+    @property
+    def segment_name(self) -> str | None:
+        return None if self._segment is None else self._segment.name
+
+    def register(self, buffer: memoryview) -> BackendDescriptor:
+        buffer = check_buffer(buffer)
+        with self._lock:
+            if self._closed:
+                raise TransferError("backend is closed")
+            if self._buffer is not None:
+                raise TransferError("a buffer is already registered with this backend")
+            seg = self._segment
+            if seg is None:
+                raise TransferError("the shm backend needs its buffer in shared memory: allocate() it first")
+            array = np.frombuffer(buffer, dtype=np.uint8)
+            base = array.ctypes.data - np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
+            if base < 0 or base + buffer.nbytes > seg.size:
+                raise TransferError("the registered buffer must lie inside the segment from allocate()")
+            listener = socket.create_server((self.host, self.port), backlog=128)
+            listener.setblocking(False)
+            self._listener, self._buffer, self._array, self._base = listener, buffer, array, base
+            self._wake = os.pipe()
+            address = format_address(self.advertise_host, listener.getsockname()[1])
+            self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes,
+                                                 offers=((HOST_OFFER, self.host_key),))
+            self._start_thread(self._accept_loop, "xpyd-shm-accept")
+        return self._descriptor
+
+    @property
+    def descriptor(self) -> BackendDescriptor | None:
+        return self._descriptor
+
+    def reaches(self, peer: BackendDescriptor) -> bool:
+        """True if ``peer`` offers shm on this host."""
+        return peer.offer(self.name) is not None and peer.offer(HOST_OFFER) == self.host_key
+
+    def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
+             dst: Sequence[Region]) -> CompletionToken:
+        check_transfer_id(transfer_id)
+        if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
+            raise ValueError(f"peer must offer shm, got {peer!r:.200}")
+        if peer.offer(HOST_OFFER) != self.host_key:
+            raise ValueError("peer is not on this host (different /dev/shm or network namespace); use tcp")
+        address = peer.offer(self.name)
+        parse_address(address)
+        buffer = self._require_buffer()
+        src, total = check_regions(src, buffer.nbytes, "src")
+        dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
+        if total != dst_total:
+            raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
+        job = _Transfer(CompletionToken(transfer_id), src, dst)
+        with self._lock:
+            if self._closed:
+                raise TransferError("backend is closed")
+            if transfer_id in self._sending:
+                raise TransferError(f"transfer {transfer_id!r} is already being sent")
+            self._sending[transfer_id] = job
+            queue = self._senders.get(address)
+            if queue is None:
+                queue = self._senders[address] = SimpleQueue()
+                self._start_thread(self._send_loop, f"xpyd-shm-send-{address}", address, queue)
+            queue.put(job)
+        return job.token
+
+    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+        check_transfer_id(transfer_id)
+        dst, _ = check_regions(dst, self._require_buffer().nbytes, "dst")
+        rec = _Transfer(CompletionToken(transfer_id), dst)
+        with self._lock:
+            if self._closed:
+                raise TransferError("backend is closed")
+            if transfer_id in self._expected:
+                raise TransferError(f"transfer {transfer_id!r} is already expected")
+            self._expected[transfer_id] = rec
+        return rec.token
+
+    def abort(self, transfer_id: str) -> None:
+        with self._lock:
+            recs = [self._expected.pop(transfer_id, None), self._sending.pop(transfer_id, None)]
+        for rec in recs:
+            if rec is not None:
+                with rec.lock:  # waits out an in-progress chunk copy; none follows
+                    rec.token._fail("aborted")
+
+    def outstanding(self) -> set[str]:
+        with self._lock:
+            return set(self._sending) | set(self._expected)
+
+    def forget_peer(self, address: str) -> None:
+        with self._lock:
+            queue = self._senders.pop(address, None)
+        if queue is not None:
+            queue.put(None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads, self._threads = self._threads, []
+            queues, self._senders = list(self._senders.values()), {}
+            recs = list(self._expected.values()) + list(self._sending.values())
+            self._expected.clear()
+            self._sending.clear()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+        for queue in queues:
+            queue.put(None)
+        for t in threads:
+            t.join(timeout=self.connect_timeout + 5)
+        for rec in recs:
+            rec.token._fail("backend closed")
+        if self._listener is not None:
+            self._listener.close()
+        if self._segment is not None:
+            self._segment.unlink()  # the mapping (the pool) stays valid until the process exits
+        if self._wake is not None and not any(t.is_alive() for t in threads):
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+
+    # -- internals --------------------------------------------------------
+    def _require_buffer(self) -> memoryview:
+        if self._buffer is None:
+            raise TransferError("register() a buffer first")
+        return self._buffer
+
+    def _start_thread(self, target, name: str, *args) -> threading.Thread:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+        return t
+
+    def _finish(self, table: dict[str, _Transfer], rec: _Transfer) -> None:
+        with self._lock:
+            if table.get(rec.token.transfer_id) is rec:
+                del table[rec.token.transfer_id]
+
+    # -- receiver ---------------------------------------------------------
+    def _accept_loop(self) -> None:
+        conn = Conn(self._listener, self._wake[0], IDLE_TIMEOUT)
+        while True:
+            try:
+                conn.wait(select.POLLIN)
+                sock, addr = self._listener.accept()
+            except (TimeoutError, BlockingIOError, ConnectionAbortedError):
+                continue
+            except Closing:
+                return
+            except OSError as e:
+                log.error("shm transfer listener cannot accept: %s", e)
+                time.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                if sum(t.name.startswith("xpyd-shm-recv") and t.is_alive() for t in self._threads) >= MAX_INBOUND:
+                    log.error("refusing shm connection from %s: %d already open", addr, MAX_INBOUND)
+                    sock.close()
+                    continue
+                self._start_thread(self._serve, f"xpyd-shm-recv-{addr[0]}:{addr[1]}", sock, addr)
+
+    def _serve(self, sock: socket.socket, addr) -> None:
+        conn = Conn(sock, self._wake[0], self.io_timeout)
+        rec: _Transfer | None = None
+        try:
+            hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
+            src, error = None, None
+            if hello.version != PROTOCOL_VERSION:
+                error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
+            elif hello.host != self.host_key:
+                error = "sender is not on this host (different /dev/shm or network namespace)"
+            else:
+                try:
+                    src = np.frombuffer(shm_segment.map_peer(hello.segment, hello.size), dtype=np.uint8)
+                except shm_segment.SegmentError as e:
+                    error = str(e)
+            conn.send_all([memoryview(Reply(error is None, error).pack())])
+            if error is not None:
+                log.warning("refused shm peer %s: %s", addr, error)
+                return
+            while True:
+                frame = conn.read_frame(MAX_FRAME, first_byte_timeout=IDLE_TIMEOUT)
+                if frame is None:
+                    return
+                offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
+                rec, error = self._claim(offer)
+                if rec is not None:
+                    error = self._copy(rec, src, offer)
+                conn.send_all([memoryview(Reply(error is None, error).pack())])
+                if error is not None:
+                    log.warning("refused transfer %r from %s: %s", offer.transfer_id, addr, error)
+                    rec = None
+                    continue
+                commit = Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id)
+                if not commit.ok:
+                    error = f"transfer {offer.transfer_id!r} aborted by the sender"
+                    rec.token._fail(error)
+                elif not rec.token._advance(TransferState.DONE):
+                    error = f"transfer {offer.transfer_id!r} aborted by the receiver"
+                self._finish(self._expected, rec)
+                rec = None
+                conn.send_all([memoryview(Reply(error is None, error).pack())])
+        except Closing:
+            return
+        except (ProtocolError, OSError) as e:
+            log.warning("dropping shm connection from %s: %s", addr, e)
+        except Exception:
+            log.exception("dropping shm connection from %s", addr)
+        finally:
+            if rec is not None:  # the sender vanished mid-transfer
+                rec.token._fail("sender connection lost mid-transfer")
+                self._finish(self._expected, rec)
+            sock.close()
+
+    def _claim(self, offer: Offer) -> tuple[_Transfer | None, str | None]:
+        tid = offer.transfer_id
+        with self._lock:
+            rec = self._expected.get(tid)
+            if rec is None:
+                return None, f"unexpected transfer id {tid!r}"
+            if rec.claimed:
+                return None, f"transfer {tid!r} is already being received"
+            if rec.regions != offer.dst:
+                del self._expected[tid]
+                error = f"dst regions differ from the ones expected for {tid!r}"
+                with rec.lock:
+                    rec.token._fail(error)
+                return None, error
+            rec.claimed = True
+        return rec, None
+
+    def _copy(self, rec: _Transfer, src: np.ndarray, offer: Offer) -> str | None:
+        rec.token._advance(TransferState.TRANSFERRING)
+        pieces = copy_regions(self._array, rec.regions, src, offer.src)
+        while True:
+            with rec.lock:
+                if rec.token.finished():
+                    return f"transfer {offer.transfer_id!r} aborted by the receiver"
+                if next(pieces, None) is None:
+                    return None
+
+    # -- sender -----------------------------------------------------------
+    def _connect(self, address: str) -> Conn:
+        host, port = parse_address(address)
+        family, type_, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn(sock, self._wake[0], self.io_timeout)
+            err = sock.connect_ex(sockaddr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
+                conn.wait(select.POLLOUT, self.connect_timeout)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise ConnectionError(f"cannot connect: {os.strerror(err)}")
+            seg = self._segment
+            conn.send_all([memoryview(Hello(PROTOCOL_VERSION, seg.name, seg.size, self.host_key).pack())])
+            reply = Reply.parse(conn.read_frame(MAX_FRAME))
+            if not reply.ok:
+                raise ConnectionError(f"refused: {reply.error}")
+            return conn
+        except BaseException:
+            sock.close()
+            raise
+
+    def _send_loop(self, address: str, queue: SimpleQueue) -> None:
+        conn: Conn | None = None
+        try:
+            while (job := queue.get()) is not None:
+                if job.token.finished():
+                    continue
+                try:
+                    if conn is not None and conn.stale():
+                        conn.sock.close()
+                        conn = None
+                    if conn is None:
+                        conn = self._connect(address)
+                    self._push(conn, job, address)
+                except Closing:
+                    job.token._fail("backend closed")
+                    return
+                except Exception as e:
+                    if not isinstance(e, (ProtocolError, OSError)):
+                        log.exception("sending transfer %r to %s", job.token.transfer_id, address)
+                    job.token._fail(f"send to {address} failed: {e or type(e).__name__}")
+                    if conn is not None:
+                        conn.sock.close()
+                        conn = None
+                finally:
+                    self._finish(self._sending, job)
+        finally:
+            if conn is not None:
+                conn.sock.close()
+
+    def _push(self, conn: Conn, job: _Transfer, address: str) -> None:
+        tid = job.token.transfer_id
+        src = tuple(Region(r.offset + self._base, r.length) for r in job.regions)
+        if not job.token._advance(TransferState.TRANSFERRING):
+            return
+        conn.send_all([memoryview(Offer(tid, src, job.dst).pack())])
+        reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        if not reply.ok:
+            job.token._fail(f"refused by {address}: {reply.error}")
+            return
+        with job.lock:
+            ok = not job.token.finished()  # aborted while the peer copied: its copy is void
+        conn.send_all([memoryview(Commit(tid, ok).pack())])
+        reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        if ok and reply.ok:
+            job.token._advance(TransferState.DONE)
+        elif ok:
+            job.token._fail(f"refused by {address}: {reply.error}")

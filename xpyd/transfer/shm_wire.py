@@ -1,0 +1,123 @@
+"""Control messages of the shm transfer backend (the payload never crosses the socket).
+
+Per connection (sender -> receiver, over TCP loopback, framed as in ``tcp_wire``: u32 length + msgpack)::
+
+    Hello  {v, segment, size, host}      -> Reply {ok, error}   the receiver maps the sender's segment
+    per transfer:
+    Offer  {id, src, dst, total}         -> Reply {ok, error}   the receiver copied src -> dst (or why not)
+    Commit {id, ok}                      -> Reply {ok, error}   ok=False: the sender aborted meanwhile;
+                                                                the receiver marks its token DONE only on ok
+
+The receiver copies (it owns the destination memory, so its ``abort`` stops the copy, as with tcp); the
+sender's commit tells it whether the source was still valid for the whole copy. Every frame is
+bounded (``MAX_FRAME``) and validated; anything malformed raises ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xpyd.transfer.base import Region, check_transfer_id
+from xpyd.transfer.shm_segment import SegmentError, check_name
+from xpyd.transfer.tcp_wire import ProtocolError, pack_frame
+
+MAX_FRAME = 1 << 20
+MAX_ERROR_LEN = 1000
+
+
+def _regions(pairs: object, limit: int, what: str) -> tuple[Region, ...]:
+    if not isinstance(pairs, list) or not pairs:
+        raise ProtocolError(f"{what} is not a non-empty list")
+    out = []
+    for p in pairs:
+        if not (isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)):
+            raise ProtocolError(f"{what} entries must be [offset, length] ints")
+        if p[0] < 0 or p[1] <= 0 or p[0] + p[1] > limit:
+            raise ProtocolError(f"{what} region {p} outside the {limit}-byte buffer")
+        out.append(Region(p[0], p[1]))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    segment: str
+    size: int
+    host: str
+
+    def pack(self) -> bytes:
+        return pack_frame({"t": "hello", "v": self.version, "segment": self.segment, "size": self.size,
+                           "host": self.host})
+
+    @classmethod
+    def parse(cls, d: dict) -> "Hello":
+        if d.get("t") != "hello" or type(d.get("v")) is not int:
+            raise ProtocolError("expected a hello frame with an int version")
+        seg, size, host = d.get("segment"), d.get("size"), d.get("host")
+        try:
+            check_name(seg)
+        except SegmentError as e:
+            raise ProtocolError(str(e)) from None
+        if type(size) is not int or size <= 0 or not isinstance(host, str) or not 0 < len(host) <= 512:
+            raise ProtocolError("hello size/host invalid")
+        return cls(d["v"], seg, size, host)
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    transfer_id: str
+    src: tuple[Region, ...]
+    dst: tuple[Region, ...]
+
+    def pack(self) -> bytes:
+        return pack_frame({"t": "offer", "id": self.transfer_id, "src": [[r.offset, r.length] for r in self.src],
+                           "dst": [[r.offset, r.length] for r in self.dst]})
+
+    @classmethod
+    def parse(cls, d: dict, src_size: int, dst_size: int) -> "Offer":
+        if d.get("t") != "offer":
+            raise ProtocolError(f"expected an offer frame, got {d.get('t')!r:.40}")
+        try:
+            tid = check_transfer_id(d.get("id"))
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        src, dst = _regions(d.get("src"), src_size, "offer src"), _regions(d.get("dst"), dst_size, "offer dst")
+        if sum(r.length for r in src) != sum(r.length for r in dst):
+            raise ProtocolError("offer src and dst lengths differ")
+        return cls(tid, src, dst)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    transfer_id: str
+    ok: bool
+
+    def pack(self) -> bytes:
+        return pack_frame({"t": "commit", "id": self.transfer_id, "ok": self.ok})
+
+    @classmethod
+    def parse(cls, d: dict, transfer_id: str) -> "Commit":
+        if d.get("t") != "commit" or d.get("id") != transfer_id or type(d.get("ok")) is not bool:
+            raise ProtocolError(f"expected the commit of {transfer_id!r}, got {d!r:.200}")
+        return cls(transfer_id, d["ok"])
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer to hello / offer / commit: ok, or the error (capped)."""
+
+    ok: bool
+    error: str | None = None
+
+    def pack(self) -> bytes:
+        return pack_frame({"t": "reply", "ok": self.ok, "error": None if self.error is None
+                           else self.error[:MAX_ERROR_LEN]})
+
+    @classmethod
+    def parse(cls, d: dict | None) -> "Reply":
+        if d is None:
+            raise ConnectionError("peer closed the connection before replying")
+        if d.get("t") != "reply" or type(d.get("ok")) is not bool:
+            raise ProtocolError(f"bad reply {d!r:.200}")
+        err = d.get("error")
+        return cls(d["ok"], None if d["ok"] else str(err)[:MAX_ERROR_LEN])
