@@ -112,3 +112,15 @@ def test_validation(kwargs):
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError):
         sample(torch.zeros(2, VOCAB), [SamplingParams()], [make_generator(0)])
+
+
+@pytest.mark.parametrize("tiny", [1e-320, 1e-9, 9.9e-6])
+def test_tiny_temperatures_are_greedy_not_overflow(tiny):
+    """1/T would overflow the scores to inf/NaN; like vLLM, such temperatures mean greedy."""
+    x = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    g = make_generator(7)
+    state = g.get_state()
+    assert SamplingParams(temperature=tiny, seed=7).greedy
+    assert sample(x, [SamplingParams(temperature=tiny, seed=7)], [g]) == [1]
+    assert torch.equal(g.get_state(), state)
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -3,7 +3,7 @@
 One draw per sampled token is the contract that lets a seeded request cross workers: the prefill
 worker samples the first token (one draw), the decode worker makes a generator from the same seed,
 calls `skip_draw` once, and continues the very same random stream from the second token on.
-Greedy (temperature 0) never draws.
+Greedy (temperature 0, or below 1e-5 as in vLLM) never draws.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 
 _MAX_SEED = 2**64
 
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (1/T would overflow float32 scores)
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -42,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW  # as vLLM: a tiny temperature would overflow the scores
 
 
 def make_generator(seed: int | None) -> torch.Generator:
