@@ -51,7 +51,8 @@ _MEMCPY_MIN_BYTES = 4 * MiB  # bytes copied per memcpy sample at least (inner lo
 _MEMCPY_MAX_LOOPS = 1000
 
 # Constructor keywords for the backends when both ends are on this host.
-_BACKEND_KWARGS: dict[str, dict[str, Any]] = {"tcp": {"host": "127.0.0.1"}}
+_BACKEND_KWARGS: dict[str, dict[str, Any]] = {"tcp": {"host": "127.0.0.1"}, "shm": {"host": "127.0.0.1"},
+                                               "auto": {"host": "127.0.0.1"}}
 # Backends that cannot move bytes between two processes.
 _IN_PROCESS_ONLY = {"fake": "the 'fake' backend only moves bytes inside one process (FakeNetwork)"}
 

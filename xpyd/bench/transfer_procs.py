@@ -88,6 +88,19 @@ def _child(fn: Callable, role: str, result_conn, peer_conn, kwargs: dict) -> Non
         result_conn.close()
 
 
+def _backend_buffer(b, size: int, fill):
+    """A numpy array of ``size`` bytes for ``b`` to register: from the backend when it places its own
+    memory (shm: a shared-memory segment), else ordinary process memory."""
+    import numpy as np
+
+    allocate = getattr(b, "allocate", None)
+    if allocate is None:
+        return np.array(fill(size), dtype=np.uint8)
+    buf = np.frombuffer(allocate(size), dtype=np.uint8)
+    buf[:] = fill(size)
+    return buf
+
+
 def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
                       regions: int) -> dict:
     import numpy as np
@@ -96,7 +109,7 @@ def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes:
 
     b = make_backend(backend, **kwargs)
     try:
-        buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)
+        buf = _backend_buffer(b, max_size, lambda n: np.full(n, _RECV_FILL, dtype=np.uint8))
         desc = b.register(memoryview(buf))
         tokens = []
         for size in sizes:
@@ -121,7 +134,7 @@ def _backend_sender(peer, *, backend: str, kwargs: dict, max_size: int, sizes: l
 
     b = make_backend(backend, **kwargs)
     try:
-        buf = _pattern(max_size)
+        buf = _backend_buffer(b, max_size, _pattern)
         b.register(memoryview(buf))
         msg = _peer_recv(peer, "the receiver's descriptor")
         if not (isinstance(msg, tuple) and msg[0] == "ready"):
