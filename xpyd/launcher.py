@@ -241,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nxpyd is serving {served} ({shape}) "
               f"at {proxy_url}/v1\n"
               f"Try:\n  curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              + ("    -H \"Authorization: Bearer $XPYD_API_KEY\" \\\n" if args.api_key else "")
+              + f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
               + (f"  xpyd status --etcd {discovery[1]}\n" if dynamic else "")
               + "Press Ctrl-C to stop.\n", flush=True)
