@@ -34,6 +34,7 @@ class WorkerConfig:
     cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
+    kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -72,6 +73,9 @@ class WorkerConfig:
             board_path(self.cpu_share)  # raises on a bad name
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
+        from xpyd.transfer.selection import check_kv_backend
+
+        check_kv_backend(self.kv_backend)
 
     @property
     def public_host(self) -> str:
@@ -96,6 +100,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     if role != "colocated":
         parser.add_argument("--kv-port", type=int, default=0 if role == "prefill" else default_port + 1,
                             help="KV transfer listener port (0 = any free port)")
+        parser.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
+                            help="KV transfer backend; auto = shared memory with workers on this host, "
+                                 "tcp otherwise (default: auto; see docs/transfer.md)")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="max requests running + transferring (also the number of KV slots)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
@@ -145,5 +152,5 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         drain_timeout=args.drain_timeout, kv_ttl=getattr(args, "kv_ttl", 30.0),
         prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
         cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
-        cpu_share=args.cpu_share,
+        cpu_share=args.cpu_share, kv_backend=getattr(args, "kv_backend", "auto"),
     )

@@ -1,0 +1,63 @@
+"""Which transfer backend a prefill/decode worker runs (``--kv-backend``), and where its KV pool lives.
+
+- ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the pool lives in a
+  /dev/shm segment). ``nixl`` / ``neuron``: optional, need their libraries (``neuron`` needs Neuron
+  hardware and is untested here).
+- ``auto`` (default): tcp plus shm. The worker's descriptor is its tcp one and also offers shm with
+  its host key; the *sending* (prefill) side picks shm when the receiver offers it on the same host,
+  tcp otherwise. If no segment can be created (no /dev/shm, too small), ``auto`` runs tcp only.
+
+Peers must agree on the descriptor's backend name: ``auto`` and ``tcp`` workers interoperate (both
+advertise ``tcp``); an ``shm``-only worker talks only to ``shm`` workers, likewise nixl / neuron.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from xpyd.transfer import make_backend
+from xpyd.transfer.shm_segment import SegmentError
+
+log = logging.getLogger(__name__)
+
+KV_BACKENDS = ("auto", "tcp", "shm", "nixl", "neuron")
+
+
+def check_kv_backend(name: str) -> str:
+    if name not in KV_BACKENDS:
+        raise ValueError(f"--kv-backend must be one of {', '.join(KV_BACKENDS)}, not {name!r}")
+    return name
+
+
+def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None):
+    """The backend a worker runs for ``--kv-backend name``, listening on ``host:port``."""
+    check_kv_backend(name)
+    if name in ("tcp", "shm", "auto"):
+        return make_backend(name, host=host, port=port, advertise_host=advertise_host)
+    return make_backend(name)  # nixl / neuron: their own constructors; they raise ImportError clearly
+
+
+def adopt_pool(transfer, runner) -> None:
+    """Move ``runner.pool`` into memory the backend provides (shm: its segment), if it provides any.
+
+    Call before the engine is built (engines hold ``runner.pool``). ``auto`` falls back to tcp only
+    when no segment can be created; ``shm`` raises.
+    """
+    from xpyd.engine.kv_pool import KVPool
+
+    allocate = getattr(transfer, "allocate", None)
+    if allocate is None:
+        return
+    layout = runner.pool.layout
+    try:
+        buffer = allocate(layout.total_bytes)
+    except SegmentError as e:
+        if getattr(transfer, "extras", None) is None:
+            raise
+        log.warning("kv-backend auto: no shared-memory segment (%s); using tcp only", e)
+        for extra in transfer.extras:
+            extra.close()
+        transfer.extras = []
+        return
+    if buffer is not None:
+        runner.pool = KVPool(layout, buffer=buffer)
