@@ -34,7 +34,16 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
     check_kv_backend(name)
     if name in ("tcp", "shm", "auto"):
         return make_backend(name, host=host, port=port, advertise_host=advertise_host)
-    return make_backend(name)  # nixl / neuron: their own constructors; they raise ImportError clearly
+    if name == "neuron":
+        import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
+
+        raise NotImplementedError("--kv-backend neuron needs the KV pool in Neuron device memory, which the "
+                                  "workers do not allocate yet (device-agnostic engine); see docs/transfer.md")
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is None:
+        raise ImportError("--kv-backend nixl needs the nixl package: pip install 'xpyd[nixl]'")
+    return make_backend(name, host=host, port=port, advertise_host=advertise_host)
 
 
 def adopt_pool(transfer, runner) -> None:
