@@ -78,7 +78,7 @@ class DecodeEngine(WorkerEngine):
 
     # --- HTTP side ---------------------------------------------------------
     def peers_left(self, addrs: set[str]) -> None:
-        """Prefill workers that left the cluster: fail what waits on them, drop the connection."""
+        """Prefill workers that left the cluster: close their connections once nothing waits on them."""
         self.post(_PeersLeft(frozenset(addrs)))
 
     def idle(self) -> bool:
@@ -111,8 +111,7 @@ class DecodeEngine(WorkerEngine):
                 self._abort(item.request_id)
             elif isinstance(item, _PeersLeft):
                 for addr in item.addrs:
-                    self._fail_peer(addr, f"prefill worker {addr} left the cluster")
-                    self.signal.drop(addr)
+                    self._peer_left(addr)
             else:
                 self._add(item)
         busy = bool(self.sched.running())
@@ -188,6 +187,13 @@ class DecodeEngine(WorkerEngine):
         for seq in self.sched.waiting() + self.sched.transferring():
             if seq.prefill_addr == addr:
                 self._fail_seq(seq, 502, error, "peer")
+
+    def _peer_left(self, addr: str) -> None:
+        """A prefill worker left the cluster. One that drains (SIGTERM) still answers for the requests it
+        holds, so those keep going; its connection is closed now if nothing waits on it, else when it
+        goes away (the socket monitor fails what still waits then)."""
+        if not any(s.prefill_addr == addr for s in self.sched.waiting() + self.sched.transferring()):
+            self.signal.drop(addr)
 
     def _fail_overdue(self, now: float) -> None:
         limit = self.config.prefill_wait_timeout

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_PEERS = 1024  # handshaken decode workers remembered; beyond that the least recently active is forgotten
 MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
 MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
+LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class PrefillEngine(WorkerEngine):
         self._ended: RecentIds[tuple[m.LookupStatus, str]] = RecentIds(retention, MAX_REMEMBERED)
         self._released_early: RecentIds[bool] = RecentIds(retention, MAX_REMEMBERED)
         self._expired = 0
+        self._left: dict[str, float] = {}  # decode workers that left the cluster -> when
         self._released_on_arrival = 0
 
     def start(self, signal_addr: str) -> None:
@@ -88,7 +90,7 @@ class PrefillEngine(WorkerEngine):
 
     # --- HTTP side ---------------------------------------------------------
     def peers_left(self, addrs: set[str]) -> None:
-        """Decode workers that left the cluster: drop their maps, connections and unpulled KV."""
+        """Decode workers that left the cluster: close transfer connections, shorten their KV's lease."""
         self.post(_PeersLeft(frozenset(addrs)))
 
     def idle(self) -> bool:
@@ -145,15 +147,27 @@ class PrefillEngine(WorkerEngine):
             self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item))
 
     def _expire(self, now: float) -> None:
-        """Free KV that waited for a pull longer than kv_ttl; later lookups are answered 'expired'."""
+        """Free KV that waited for a pull longer than its lease; later lookups are answered 'expired'.
+
+        The lease is kv_ttl, or LEFT_PEER_GRACE once the decode worker it waits for left the cluster.
+        """
         ttl = self.config.kv_ttl
-        for seq in self.sched.expired(now, ttl):
-            self.sched.release(seq.request_id, RequestState.FAILED)
+        for addr, left_at in list(self._left.items()):
+            if now - left_at >= ttl:  # whatever it held has expired by now
+                del self._left[addr]
+        late = {s.request_id: f"not pulled within kv_ttl={ttl:g}s" for s in self.sched.expired(now, ttl)}
+        if self._left:
+            grace = min(ttl, LEFT_PEER_GRACE)
+            for seq in self.sched.expired(now, grace):
+                left_at = self._left.get(_decode_addr_of(seq.request_id) or "")
+                if left_at is not None and now - left_at >= grace and seq.request_id not in late:
+                    late[seq.request_id] = f"its decode worker left the cluster and did not pull it within {grace:g}s"
+        for rid, why in late.items():
+            self.sched.release(rid, RequestState.FAILED)
             self.metrics.request_done("failed")
             self._expired += 1
-            self._ended.add(seq.request_id, (m.LookupStatus.EXPIRED, f"KV expired: not pulled within "
-                                             f"kv_ttl={ttl:g}s, freed"), now)
-            log.info("request %s: KV not pulled within %gs, freed", seq.request_id, ttl)
+            self._ended.add(rid, (m.LookupStatus.EXPIRED, f"KV expired: {why}, freed"), now)
+            log.info("request %s: KV %s, freed", rid, why)
         self._ended.prune(now)
         self._released_early.prune(now)
 
@@ -202,15 +216,17 @@ class PrefillEngine(WorkerEngine):
         return 1
 
     def _drop_peers(self, addrs: frozenset[str]) -> None:
+        """Decode workers left the cluster. One that drains (SIGTERM) still pulls what it has in flight, so
+        it is still served; the KV it has not pulled expires after LEFT_PEER_GRACE instead of kv_ttl
+        (one that was killed never pulls it). Cached transfer connections to it are closed."""
+        now = time.monotonic()
         for addr in addrs:
-            self._handshaken.pop(addr, None)
-            peer = self._peers.pop(addr, None)
+            self._left[addr] = now
+            peer = self._peers.get(addr)
             if peer is not None:
                 self.transfer.forget_peer(peer.transfer.address)
-                log.info("decode worker %s left: connection dropped", addr)
-        for seq in self.sched.transferring():
-            if seq.send_token is None and _decode_addr_of(seq.request_id) in addrs:
-                self._release(seq.request_id)
+            log.info("decode worker %s left: its unpulled KV expires in %gs", addr,
+                     min(self.config.kv_ttl, LEFT_PEER_GRACE))
 
     def shutdown(self) -> None:
         self.transfer.close()
@@ -230,6 +246,7 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             self._handshaken[identity] = None
             self._handshaken.move_to_end(identity)
+            self._left.pop(identity, None)  # back (restarted on the same address)
             while len(self._handshaken) > MAX_PEERS:  # forget the least recently active (it shakes hands again)
                 old, _ = self._handshaken.popitem(last=False)
                 self._peers.pop(old, None)
