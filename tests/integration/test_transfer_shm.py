@@ -1,0 +1,166 @@
+"""shm specifics: segments (create, lock, sweep after SIGKILL), the pool in a segment, hostile control frames,
+and `xpyd bench transfer --backend shm --json`."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from xpyd.engine.kv_pool import KVLayout, KVPool
+from xpyd.transfer import Region, make_backend, shm_segment
+from xpyd.transfer.shm_segment import SegmentError
+from xpyd.transfer.shm_wire import Hello, Offer
+from xpyd.transfer.tcp_wire import ProtocolError, parse_address
+
+
+def _path(name: str) -> str:
+    return os.path.join(shm_segment.SHM_DIR, name)
+
+
+def test_segment_is_zeroed_locked_and_unlinked():
+    seg = shm_segment.create(1 << 20, "t1")
+    try:
+        assert seg.name == f"xpyd-kv-{os.getpid()}-t1" and os.path.getsize(_path(seg.name)) == 1 << 20
+        assert bytes(seg.buffer()[:4096]) == bytes(4096)
+        assert seg.name not in shm_segment.remove_stale()  # we hold its lock: never swept
+        peer = shm_segment.map_peer(seg.name, 1 << 20)
+        seg.buffer()[10:13] = b"abc"
+        assert peer[10:13] == b"abc"  # the same memory, read-only for the peer
+        with pytest.raises(TypeError):
+            peer[0:1] = b"x"
+        with pytest.raises(SegmentError, match="holds"):
+            shm_segment.map_peer(seg.name, 2 << 20)
+        with pytest.raises(SegmentError, match="invalid segment name"):
+            shm_segment.map_peer("../etc/passwd", 10)
+    finally:
+        seg.unlink()
+    assert not os.path.exists(_path(seg.name))
+    seg.unlink()  # idempotent
+
+
+def _owner(conn) -> None:
+    seg = shm_segment.create(4096, "child")
+    conn.send(seg.name)
+    signal.pause()
+
+
+def test_segment_of_a_sigkilled_worker_is_swept_on_next_start():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_owner, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30)
+        name = parent.recv()
+        assert name not in shm_segment.remove_stale()  # alive: its lock protects it
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        assert os.path.exists(_path(name))  # SIGKILL: nobody unlinked it
+        seg = shm_segment.create(4096, "next-start")  # a new worker's start sweeps
+        seg.unlink()
+        assert not os.path.exists(_path(name))
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+
+
+def test_kv_pool_in_a_segment_is_zero_and_shared():
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", num_slots=2, max_seq_len=16)
+    b = make_backend("shm")
+    try:
+        buf = b.allocate(layout.total_bytes)
+        buf[:8] = b"\xff" * 8
+        pool = KVPool(layout, buffer=buf)
+        assert bytes(buf[:8]) == bytes(8) and float(pool.tensor.abs().sum()) == 0.0
+        pool.tensor[1, 0, 0, 0, 0, 0] = 2.0
+        r = Region(layout.slot_bytes, 4)
+        assert bytes(buf[r.offset:r.end]) == struct.pack("<f", 2.0)
+        desc = b.register(pool.buffer())
+        assert desc.backend == "shm" and desc.buffer_size == layout.total_bytes
+        with pytest.raises(ValueError, match="layout needs"):
+            KVPool(layout, buffer=memoryview(bytearray(8)))
+    finally:
+        b.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{os.getpid()}-")]
+
+
+def test_register_refuses_memory_outside_the_segment():
+    b = make_backend("shm")
+    try:
+        with pytest.raises(Exception, match="allocate"):
+            b.register(memoryview(bytearray(4096)))
+    finally:
+        b.close()
+
+
+def test_wire_frames_are_validated():
+    with pytest.raises(ProtocolError):
+        Hello.parse({"t": "hello", "v": 1, "segment": "../x", "size": 1, "host": "h"})
+    with pytest.raises(ProtocolError):
+        Offer.parse({"t": "offer", "id": "a", "src": [[0, 10]], "dst": [[0, 11]]}, 100, 100)
+    with pytest.raises(ProtocolError):
+        Offer.parse({"t": "offer", "id": "a", "src": [[95, 10]], "dst": [[0, 10]]}, 100, 100)
+    o = Offer.parse({"t": "offer", "id": "a", "src": [[0, 10]], "dst": [[5, 10]]}, 100, 100)
+    assert (o.src, o.dst) == ((Region(0, 10),), (Region(5, 10),))
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xff\xff\xff\xff",  # frame longer than the limit
+    struct.pack(">I", 3) + b"\xc1\xc1\xc1",  # undecodable
+    struct.pack(">I", 9) + msgpack.packb({"t": "offer"}),  # offer before hello
+])
+def test_hostile_control_bytes_drop_the_connection_and_the_listener_keeps_serving(payload):
+    a, b = make_backend("shm", io_timeout=2.0), make_backend("shm", io_timeout=2.0)
+    try:
+        ba, bb = a.allocate(1 << 16), b.allocate(1 << 16)
+        ba[:100] = bytes(range(100))
+        a.register(ba)
+        desc = b.register(bb)
+        with socket.create_connection(parse_address(desc.address), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(5)
+            try:
+                got = s.recv(1 << 16)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""  # the receiver dropped the connection (a timeout here would fail the test)
+        rtok = b.expect("ok", [Region(0, 100)])
+        stok = a.send("ok", [Region(0, 100)], desc, [Region(0, 100)])
+        assert stok.wait(10) and stok.done() and rtok.done() and bytes(bb[:100]) == bytes(range(100))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bench_transfer_shm_json(tmp_path):
+    from xpyd.bench import transfer_bench as tb
+
+    path = tmp_path / "shm.json"
+    parser = __import__("argparse").ArgumentParser()
+    tb.add_arguments(parser)
+    assert tb.run(parser.parse_args(["--backend", "shm", "--sizes", "64K,1M", "--repeats", "2",
+                                     "--json", str(path)])) == 0
+    report = json.loads(path.read_text())
+    assert report["backend"] == "shm" and [r["size_bytes"] for r in report["results"]] == [64 << 10, 1 << 20]
+    for r in report["results"]:
+        assert r["gbps"] > 0 and r["memcpy_gbps"] > 0 and r["socket_gbps"] > 0
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("xpyd-kv-") and not _alive(n)]
+
+
+def _alive(name: str) -> bool:
+    pid = int(name.split("-")[2])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
