@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nice", type=int, default=0,
                    help="niceness of prefill workers (0-19): with shared cores, decode steps win the CPU "
                         "over prefill when both are busy (default 0)")
+    p.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
+                   help="KV transfer backend of the prefill and decode workers (default: auto = shared memory "
+                        "between workers on this host, tcp otherwise)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     # --- proxy admission (passed to `xpyd proxy`; see its --help) ---
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -190,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
               "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len)]
-    prefill_args = ["--threads", str(args.prefill_threads or threads), "--nice", str(args.prefill_nice)]
+    prefill_args = ["--threads", str(args.prefill_threads or threads), "--nice", str(args.prefill_nice),
+                    "--kv-backend", getattr(args, "kv_backend", "auto")]
     decode_args = ["--threads", str(args.decode_threads or threads)]
     if share:
         from xpyd.engine.cpu_share import remove_board
@@ -221,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
                                            "--signal-port", str(p + 1)])
             worker_urls[f"prefill {i}"] = f"http://{host}:{p}"
         for j, p in enumerate(decode_ports):
-            extra = [] if args.colocated else ["--kv-port", str(p + 1)]
+            extra = [] if args.colocated else ["--kv-port", str(p + 1),
+                                               "--kv-backend", getattr(args, "kv_backend", "auto")]
             cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *discovery, "--port", str(p), *extra])
             worker_urls[f"{role} {j}"] = f"http://{host}:{p}"
         deadline = time.monotonic() + args.startup_timeout

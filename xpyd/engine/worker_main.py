@@ -33,7 +33,7 @@ def run_worker(config: WorkerConfig) -> None:
     from xpyd.engine.loader import ensure_converted
     from xpyd.engine.model_runner import ModelRunner
     from xpyd.engine.tokenizer import load_tokenizer
-    from xpyd.transfer import make_backend
+    from xpyd.transfer.selection import adopt_pool, make_worker_backend
 
     from xpyd.engine.malloc_tuning import tune_malloc
 
@@ -64,7 +64,8 @@ def run_worker(config: WorkerConfig) -> None:
         from xpyd.prefill_worker.engine import PrefillEngine
         from xpyd.signal.server import SignalServer
 
-        transfer = make_backend("tcp", host=config.host, port=config.kv_port, advertise_host=config.advertise_host)
+        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
+        adopt_pool(transfer, runner)  # shm/auto: the KV pool moves into a shared-memory segment
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
@@ -72,7 +73,8 @@ def run_worker(config: WorkerConfig) -> None:
     else:
         from xpyd.decode_worker.engine import DecodeEngine
 
-        transfer = make_backend("tcp", host=config.host, port=config.kv_port, advertise_host=config.advertise_host)
+        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
+        adopt_pool(transfer, runner)
         engine = DecodeEngine(runner, tokenizer, config, transfer, served)
         engine.start()
 
