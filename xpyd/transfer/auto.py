@@ -192,10 +192,12 @@ class AutoTransferBackend:
 
 
 def make_auto_backend(host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                      **kw) -> AutoTransferBackend:
-    """tcp on ``port`` (what request ids and tcp-only peers use) plus shm for peers on this host."""
+                      tag: str | None = None, **kw) -> AutoTransferBackend:
+    """tcp on ``port`` (what request ids and tcp-only peers use) plus shm for peers on this host
+    (``tag`` names its segment, default: the port when set)."""
     from xpyd.transfer.shm import ShmTransferBackend
     from xpyd.transfer.tcp import TcpTransferBackend
 
     return AutoTransferBackend(TcpTransferBackend(host=host, port=port, advertise_host=advertise_host, **kw),
-                               [ShmTransferBackend(host=host, port=0, advertise_host=advertise_host, **kw)])
+                               [ShmTransferBackend(host=host, port=0, advertise_host=advertise_host,
+                                                   tag=tag or (str(port) if port else None), **kw)])

@@ -32,8 +32,11 @@ def check_kv_backend(name: str) -> str:
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port``."""
     check_kv_backend(name)
-    if name in ("tcp", "shm", "auto"):
+    if name == "tcp":
         return make_backend(name, host=host, port=port, advertise_host=advertise_host)
+    if name in ("shm", "auto"):  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
+        tag = str(port) if port else None
+        return make_backend(name, host=host, port=port, advertise_host=advertise_host, tag=tag)
     if name == "neuron":
         import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
 
