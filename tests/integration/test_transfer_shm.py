@@ -164,3 +164,33 @@ def _alive(name: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def test_auto_picks_shm_on_this_host_and_tcp_otherwise():
+    from xpyd.transfer.base import BackendDescriptor
+
+    auto, auto2, tcp = make_backend("auto"), make_backend("auto"), make_backend("tcp")
+    try:
+        bufs = [auto.allocate(1 << 16), auto2.allocate(1 << 16), memoryview(bytearray(1 << 16))]
+        bufs[0][:100] = bytes(range(100))
+        d_auto = auto.register(bufs[0])
+        d_auto2, d_tcp = auto2.register(bufs[1]), tcp.register(bufs[2])
+        assert d_auto.offer("shm") and d_auto.offer("shm-host") == d_auto2.offer("shm-host")
+        assert d_auto2.backend == "tcp" and [n for n, _ in d_auto2.offers] == ["shm", "shm-host"]
+        assert auto.pick(d_auto2)[0].name == "shm" and auto.pick(d_tcp)[0].name == "tcp"
+        elsewhere = BackendDescriptor("tcp", d_auto2.address, d_auto2.buffer_size,
+                                      offers=(("shm", d_auto2.offer("shm")), ("shm-host", "another-host")))
+        assert auto.pick(elsewhere)[0].name == "tcp"  # same address, other host key: tcp
+        for i, (dst_backend, desc, buf) in enumerate([(auto2, d_auto2, bufs[1]), (tcp, d_tcp, bufs[2])]):
+            rtok = dst_backend.expect(f"x{i}", [Region(1000, 100)])
+            stok = auto.send(f"x{i}", [Region(0, 100)], desc, [Region(1000, 100)])
+            assert stok.wait(10) and stok.done() and rtok.wait(10) and rtok.done()
+            assert bytes(buf[1000:1100]) == bytes(range(100))
+        rtok = auto2.expect("from-tcp", [Region(0, 100)])  # a tcp-only sender reaches an auto receiver
+        stok = tcp.send("from-tcp", [Region(1000, 100)], d_auto2, [Region(0, 100)])
+        assert stok.wait(10) and stok.done() and rtok.wait(10) and rtok.done()
+        assert auto2.outstanding() == set()  # the shm announcement was withdrawn
+        auto.forget_peer(d_auto2.address)
+    finally:
+        for b in (auto, auto2, tcp):
+            b.close()
