@@ -211,6 +211,8 @@ class PrefillEngine(WorkerEngine):
             return 0
         if seq.state.is_final:
             self.metrics.request_done(_outcome(seq))
+            if seq.first_token is None:  # dropped from the queue: its HTTP call is still waiting for an answer
+                seq.payload.sink.put(ErrorEvent(409, f"request {request_id} was released before its prefill ran"))
         if seq.send_token is not None and not seq.send_token.finished():
             self.transfer.abort(transfer_id_of(request_id))
         return 1

@@ -16,8 +16,9 @@ import msgpack
 import pytest
 import zmq
 
-from tests.integration.fault_workers import TOKEN, fault_workers, info, stats, wait_idle  # noqa: F401
-from tests.integration.test_worker_faults import _pair, _rid
+from tests.integration.faults.fault_helpers import TOKEN, info, stats, wait_idle
+from tests.integration.faults.fault_helpers import pair as _pair
+from tests.integration.faults.fault_helpers import rid_for as _rid
 from xpyd import PROTOCOL_VERSION
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId

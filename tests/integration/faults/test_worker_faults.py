@@ -11,38 +11,11 @@ import socket
 import threading
 import time
 
-from tests.integration.fault_workers import (  # noqa: F401  (fault_workers is a fixture)
-    KV_TTL,
-    PREFILL_WAIT,
-    fault_workers,
-    post,
-    stats,
-    wait_idle,
-)
-from xpyd.signal.request_id import RequestId
-
-BODY = {"prompt": "hello world", "temperature": 0, "ignore_eos": True}
-
-
-def _prefill_body(max_tokens: int = 6) -> dict:
-    return {**BODY, "max_tokens": 1, "kv_transfer_params": {"role": "prefill", "max_tokens": max_tokens}}
-
-
-def _decode_body(max_tokens: int = 6) -> dict:
-    return {**BODY, "max_tokens": max_tokens, "kv_transfer_params": {"role": "decode"}}
-
-
-def _rid(urls: dict, prefill: str = "prefill", decode: str = "decode") -> str:
-    return str(RequestId.new(urls[prefill + "_signal"], urls[decode + "_id"]))
-
-
-def _pair(urls: dict, rid: str) -> tuple[tuple[int, dict], tuple[int, dict]]:
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("d", post(urls["decode"], _decode_body(), rid)))
-    t.start()
-    out["p"] = post(urls["prefill"], _prefill_body(), rid)
-    t.join(60)
-    return out["p"], out["d"]
+from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, post, stats, wait_idle
+from tests.integration.faults.fault_helpers import decode_body as _decode_body
+from tests.integration.faults.fault_helpers import pair as _pair
+from tests.integration.faults.fault_helpers import prefill_body as _prefill_body
+from tests.integration.faults.fault_helpers import rid_for as _rid
 
 
 def test_right_token_serves_and_both_sides_end_idle(fault_workers):
@@ -113,27 +86,64 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     assert s["released_on_arrival"] == released_before + 1
 
 
-def test_client_gone_while_decode_waits_releases_on_prefill(fault_workers):
-    """A decode request aborted by its client (here: while waiting for prefill) tells prefill to release it."""
-    _, urls = fault_workers
-    rid = _rid(urls)
+def _open_decode_stream(urls: dict, rid: str) -> socket.socket:
+    """Start a streaming decode request on a raw socket (closing it is a client disconnect)."""
     host, port = urls["decode"].removeprefix("http://").split(":")
     body = ('{"prompt": "hello world", "max_tokens": 6, "stream": true, '
             '"kv_transfer_params": {"role": "decode"}}').encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(head + body)
-        deadline = time.monotonic() + 5
-        while stats(urls["decode"])["waiting"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert stats(urls["decode"])["waiting"] == 1
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(head + body)
+    return sock
+
+
+def _wait_for(url: str, key: str, value: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stats(url)[key] != value and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stats(url)[key] == value, stats(url)
+
+
+def test_client_gone_while_decode_waits_releases_on_prefill(fault_workers):
+    """A decode request aborted by its client (here: while waiting for prefill) tells prefill to release it."""
+    _, urls = fault_workers
+    rid = _rid(urls)
+    with _open_decode_stream(urls, rid):
+        _wait_for(urls["decode"], "waiting", 1)
     timeouts = stats(urls["decode"])["failures"].get("timeout", 0)
     wait_idle(urls["decode"], timeout=PREFILL_WAIT - 1)  # gone before its wait timeout
     assert stats(urls["decode"])["failures"].get("timeout", 0) == timeouts  # aborted, not timed out
     status, resp = post(urls["prefill"], _prefill_body(), rid)
     assert status == 409 and "already released" in resp["error"]["message"], resp
     wait_idle(urls["prefill"])
+
+
+def test_release_of_a_queued_prefill_answers_its_http_call(fault_workers):
+    """The decode side gives up while the request is still queued on prefill: prefill drops it and its
+    HTTP call gets an answer at once (not when a slot frees up)."""
+    _, urls = fault_workers
+    held = [_rid(urls) for _ in range(4)]  # the prefill worker's 4 slots, held for KV_TTL
+    results: dict[str, tuple[int, dict]] = {}
+    threads = [threading.Thread(target=lambda r=r: results.setdefault(r, post(urls["prefill"], _prefill_body(), r)))
+               for r in held]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(status == 200 for status, _ in results.values()), results
+    queued = _rid(urls)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("p", post(urls["prefill"], _prefill_body(), queued)))
+    t.start()
+    _wait_for(urls["prefill"], "waiting", 1)
+    with _open_decode_stream(urls, queued):
+        _wait_for(urls["decode"], "waiting", 1)
+    t.join(KV_TTL + 10)
+    status, body = out["p"]
+    assert status == 409 and "released before its prefill ran" in body["error"]["message"], body
+    wait_idle(urls["decode"])
+    wait_idle(urls["prefill"], timeout=KV_TTL + 5)  # the 4 held ones expire
 
 
 def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
