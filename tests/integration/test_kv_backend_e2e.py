@@ -2,7 +2,8 @@
 
 Real worker processes with the tiny random Llama in float32: both decode workers must produce exactly
 the tokens of each other (so shm moved the same KV bytes as tcp), the auto pair must have used shared
-memory, and every worker's segment must be gone after a clean stop.
+memory (the prefill pool in a segment, the decode pool in ordinary memory), and the segment must be
+gone after a clean stop.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def test_shm_and_tcp_decode_give_the_same_tokens(tmp_path: Path, tiny_model_dir:
                                  f"http://127.0.0.1:{port}"))
     try:
         c.wait_healthy()
-        assert _segments(pproc.popen.pid) and _segments(decodes["auto"][1].popen.pid)
-        assert _segments(decodes["tcp"][1].popen.pid) == []  # tcp: the pool stays in process memory
+        assert _segments(pproc.popen.pid)  # the sender's pool lives in shared memory
+        for _, proc in decodes.values():  # receivers copy into ordinary memory
+            assert _segments(proc.popen.pid) == []
         prompt = "The quick brown fox jumps over the lazy dog, and then it"
         via_tcp = _generate(prefill, signal, decodes["tcp"][0], prompt, 12)
         via_shm = _generate(prefill, signal, decodes["auto"][0], prompt, 12)

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.transfer import Region, make_backend, shm_segment
+from xpyd.transfer import Region, TransferError, make_backend, shm_segment
 from xpyd.transfer.shm_segment import SegmentError
 from xpyd.transfer.shm_wire import Hello, Offer
 from xpyd.transfer.tcp_wire import ProtocolError, parse_address
@@ -95,10 +95,31 @@ def test_kv_pool_in_a_segment_is_zero_and_shared():
 def test_register_refuses_memory_outside_the_segment():
     b = make_backend("shm")
     try:
-        with pytest.raises(Exception, match="allocate"):
+        b.allocate(4096)
+        with pytest.raises(TransferError, match="inside the segment"):
             b.register(memoryview(bytearray(4096)))
     finally:
         b.close()
+
+
+def test_a_receive_only_backend_takes_ordinary_memory_and_refuses_to_send():
+    sender, receiver = make_backend("shm"), make_backend("shm")
+    try:
+        src = sender.allocate(1 << 16)
+        src[:64] = bytes(range(64))
+        d_sender = sender.register(src)
+        dst = memoryview(bytearray(1 << 16))  # a decode worker's pool: no segment
+        d_recv = receiver.register(dst)
+        assert sender.reaches(d_recv) and not receiver.reaches(d_sender)
+        rtok = receiver.expect("in", [Region(100, 64)])
+        stok = sender.send("in", [Region(0, 64)], d_recv, [Region(100, 64)])
+        assert stok.wait(10) and stok.done() and rtok.done() and bytes(dst[100:164]) == bytes(range(64))
+        with pytest.raises(TransferError, match="receive-only"):
+            receiver.send("out", [Region(0, 64)], d_sender, [Region(0, 64)])
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{os.getpid()}-")] == [sender.segment_name]
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_wire_frames_are_validated():

@@ -65,7 +65,7 @@ def run_worker(config: WorkerConfig) -> None:
         from xpyd.signal.server import SignalServer
 
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
-        adopt_pool(transfer, runner)  # shm/auto: the KV pool moves into a shared-memory segment
+        adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
@@ -73,8 +73,8 @@ def run_worker(config: WorkerConfig) -> None:
     else:
         from xpyd.decode_worker.engine import DecodeEngine
 
+        # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
-        adopt_pool(transfer, runner)
         engine = DecodeEngine(runner, tokenizer, config, transfer, served)
         engine.start()
 

@@ -52,8 +52,9 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
 def adopt_pool(transfer, runner) -> None:
     """Move ``runner.pool`` into memory the backend provides (shm: its segment), if it provides any.
 
-    Call before the engine is built (engines hold ``runner.pool``). ``auto`` falls back to tcp only
-    when no segment can be created; ``shm`` raises.
+    For the *sending* (prefill) worker only: with shm the receiver copies out of the sender's segment
+    into its own pool, which stays in ordinary memory. Call before the engine is built (engines hold
+    ``runner.pool``). ``auto`` falls back to tcp only when no segment can be created; ``shm`` raises.
     """
     from xpyd.engine.kv_pool import KVPool
 

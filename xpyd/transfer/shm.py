@@ -1,7 +1,10 @@
 """Shared-memory transfer backend: one copy between two KV pools on the same host.
 
-Each backend owns one segment in /dev/shm (``allocate``; see ``shm_segment``) and the KV pool lives in
-it. A transfer is pulled: the sender offers its ``src`` regions over a small control connection, the
+A sending backend owns one segment in /dev/shm (``allocate``; see ``shm_segment``) and its KV pool
+lives in it; a backend that only receives may register ordinary memory (it is written by its own
+reader threads; anonymous memory keeps transparent huge pages, which tmpfs here does not).
+
+A transfer is pulled: the sender offers its ``src`` regions over a small control connection, the
 *receiver* maps the sender's segment read-only (once per connection) and copies straight from it into
 its own ``dst`` regions, then the sender commits (its source stayed valid) and the receiver marks DONE
 and replies (so a sender's DONE implies the receiver's). Messages are in ``shm_wire``; framing,
@@ -128,12 +131,12 @@ class ShmTransferBackend:
             if self._buffer is not None:
                 raise TransferError("a buffer is already registered with this backend")
             seg = self._segment
-            if seg is None:
-                raise TransferError("the shm backend needs its buffer in shared memory: allocate() it first")
             array = np.frombuffer(buffer, dtype=np.uint8)
-            base = array.ctypes.data - np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
-            if base < 0 or base + buffer.nbytes > seg.size:
-                raise TransferError("the registered buffer must lie inside the segment from allocate()")
+            base = 0  # no segment: receive-only (peers copy into ordinary memory, which keeps huge pages)
+            if seg is not None:
+                base = array.ctypes.data - np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
+                if base < 0 or base + buffer.nbytes > seg.size:
+                    raise TransferError("the registered buffer must lie inside the segment from allocate()")
             listener = socket.create_server((self.host, self.port), backlog=128)
             listener.setblocking(False)
             self._listener, self._buffer, self._array, self._base = listener, buffer, array, base
@@ -148,9 +151,13 @@ class ShmTransferBackend:
     def descriptor(self) -> BackendDescriptor | None:
         return self._descriptor
 
+    def can_send(self) -> bool:
+        """Sending needs the registered buffer in this backend's segment (peers map it to copy from)."""
+        return self._segment is not None
+
     def reaches(self, peer: BackendDescriptor) -> bool:
-        """True if ``peer`` offers shm on this host."""
-        return peer.offer(self.name) is not None and peer.offer(HOST_OFFER) == self.host_key
+        """True if this backend can send to ``peer``: we have a segment, it offers shm on this host."""
+        return self.can_send() and peer.offer(self.name) is not None and peer.offer(HOST_OFFER) == self.host_key
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
              dst: Sequence[Region]) -> CompletionToken:
@@ -162,6 +169,9 @@ class ShmTransferBackend:
         address = peer.offer(self.name)
         parse_address(address)
         buffer = self._require_buffer()
+        if not self.can_send():
+            raise TransferError("this shm backend is receive-only: a sender's buffer must be allocate()d "
+                                "in its shared-memory segment")
         src, total = check_regions(src, buffer.nbytes, "src")
         dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
         if total != dst_total:
@@ -382,6 +392,7 @@ class ShmTransferBackend:
             reply = Reply.parse(conn.read_frame(MAX_FRAME))
             if not reply.ok:
                 raise ConnectionError(f"refused: {reply.error}")
+            log.info("shm transfer: connected to %s; it copies from segment %s", address, seg.name)
             return conn
         except BaseException:
             sock.close()
