@@ -131,6 +131,8 @@ class ShmTransferBackend:
             if self._buffer is not None:
                 raise TransferError("a buffer is already registered with this backend")
             seg = self._segment
+            if seg is None:
+                shm_segment.remove_stale()  # (allocate() did it otherwise) leftovers of SIGKILLed workers
             array = np.frombuffer(buffer, dtype=np.uint8)
             base = 0  # no segment: receive-only (peers copy into ordinary memory, which keeps huge pages)
             if seg is not None:
