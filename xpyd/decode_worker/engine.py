@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.decode_worker.poll_schedule import PollSchedule
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
@@ -55,6 +56,9 @@ class DecodeEngine(WorkerEngine):
         self.sched = DecodeScheduler(config.batch_size, self.pool)
         self.signal: SignalClient | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
+        self._polls = PollSchedule()  # status polls wait until a prefill could be done
+        self._next_poll = 0.0  # monotonic time the next held-back status poll is due
+        self._status_polls = 0  # "is it ready?" entries sent (not pulls)
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
@@ -96,7 +100,8 @@ class DecodeEngine(WorkerEngine):
                        "transfers_in_flight": len(self.transfer.outstanding()),
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
-                       "pulls": dict(self._pulls), "failures": dict(self._failures)}
+                       "pulls": dict(self._pulls), "failures": dict(self._failures),
+                       "status_polls": self._status_polls}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
@@ -115,7 +120,14 @@ class DecodeEngine(WorkerEngine):
             else:
                 self._add(item)
         busy = bool(self.sched.running())
-        timeout_ms = 0 if busy else (1 if self.sched.num_transferring else (2 if self.sched.has_work() else 50))
+        if busy:
+            timeout_ms = 0
+        elif self.sched.num_transferring:
+            timeout_ms = 1
+        elif self.sched.has_work():  # waiting requests: sleep until the next status poll is due
+            timeout_ms = min(50, max(2, int((self._next_poll - time.monotonic()) * 1000)))
+        else:
+            timeout_ms = 50
         replies, failed_peers = self.signal.poll(timeout_ms)
         for addr, reply in replies:
             self._on_lookup_reply(addr, reply)
@@ -184,6 +196,7 @@ class DecodeEngine(WorkerEngine):
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
 
     def _fail_peer(self, addr: str, error: str) -> None:
+        self._polls.forget(addr)  # a restarted worker may be faster or slower
         for seq in self.sched.waiting() + self.sched.transferring():
             if seq.prefill_addr == addr:
                 self._fail_seq(seq, 502, error, "peer")
@@ -224,6 +237,7 @@ class DecodeEngine(WorkerEngine):
                     self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
                                    release=True)
                     continue
+                self._polls.observe(addr, seq.payload.arrival, time.monotonic(), len(seq.prompt_ids))
                 self._first_token(seq, r.first_token)
 
     def _first_token(self, seq: DecodeSeq, token: int) -> None:
@@ -262,9 +276,16 @@ class DecodeEngine(WorkerEngine):
     def _send_lookups(self) -> None:
         now = time.monotonic()
         status: dict[str, list[m.LookupEntry]] = {}
+        next_poll = now + 0.05
         for seq in self.sched.waiting():
             if not seq.ready:
+                due = self._polls.start_at(seq.prefill_addr, seq.payload.arrival, len(seq.prompt_ids))
+                if due > now:  # its prefill cannot be done yet: do not disturb it
+                    next_poll = min(next_poll, due)
+                    continue
+                next_poll = now
                 status.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, None))
+        self._next_poll = next_poll
         for addr in set(status) | set(self._pending_pulls):
             peer = self.signal.get(addr)
             if peer is None or peer.state is not PeerState.READY:
@@ -273,6 +294,7 @@ class DecodeEngine(WorkerEngine):
             entries = pulls
             if not peer.lookup_in_flight and now - peer.last_lookup >= LOOKUP_INTERVAL:
                 entries = pulls + status.get(addr, [])
+                self._status_polls += len(status.get(addr, ()))
             if entries:
                 self.signal.send_lookup(addr, entries[: m.MAX_ENTRIES])
 
