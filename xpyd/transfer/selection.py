@@ -1,8 +1,8 @@
 """Which transfer backend a prefill/decode worker runs (``--kv-backend``), and where its KV pool lives.
 
-- ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the pool lives in a
-  /dev/shm segment). ``nixl`` / ``neuron``: optional, need their libraries (``neuron`` needs Neuron
-  hardware and is untested here).
+- ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the prefill pool
+  lives in a /dev/shm segment). ``neuron``: needs torch-neuronx and a pool in Neuron device memory
+  (untested here; refuses to start). ``nixl``: not implemented yet (refuses to start).
 - ``auto`` (default): tcp plus shm. The worker's descriptor is its tcp one and also offers shm with
   its host key; the *sending* (prefill) side picks shm when the receiver offers it on the same host,
   tcp otherwise. If no segment can be created (no /dev/shm, too small), ``auto`` runs tcp only.
@@ -42,11 +42,7 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
 
         raise NotImplementedError("--kv-backend neuron needs the KV pool in Neuron device memory, which the "
                                   "workers do not allocate yet (device-agnostic engine); see docs/transfer.md")
-    import importlib.util
-
-    if importlib.util.find_spec("nixl") is None:
-        raise ImportError("--kv-backend nixl needs the nixl package: pip install 'xpyd[nixl]'")
-    return make_backend(name, host=host, port=port, advertise_host=advertise_host)
+    raise NotImplementedError("--kv-backend nixl is not implemented yet (see docs/transfer.md); use auto, tcp or shm")
 
 
 def adopt_pool(transfer, runner) -> None:
