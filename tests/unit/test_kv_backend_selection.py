@@ -1,0 +1,47 @@
+"""--kv-backend: config validation, what each name builds, and the clear refusals."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from xpyd.engine.config import WorkerConfig, add_worker_arguments, config_from_args
+from xpyd.engine.kv_pool import KVLayout, KVPool
+from xpyd.transfer.selection import adopt_pool, make_worker_backend
+
+
+def test_config_default_is_auto_and_names_are_checked():
+    assert WorkerConfig("decode").kv_backend == "auto"
+    with pytest.raises(ValueError, match="--kv-backend must be one of auto, tcp, shm, nixl, neuron"):
+        WorkerConfig("decode", kv_backend="rdma")
+    for role in ("prefill", "decode"):
+        p = argparse.ArgumentParser()
+        add_worker_arguments(p, role)
+        assert config_from_args(p.parse_args(["--kv-backend", "shm"]), role).kv_backend == "shm"
+
+
+@pytest.mark.parametrize("name,backend,offers,segment", [
+    ("tcp", "tcp", [], False),
+    ("shm", "shm", ["shm-host"], True),
+    ("auto", "tcp", ["shm", "shm-host"], True),
+])
+def test_each_name_builds_its_backend_and_places_the_prefill_pool(name, backend, offers, segment):
+    runner = SimpleNamespace(pool=KVPool(KVLayout(2, 2, 8, "float32", 2, 16)))
+    old = runner.pool
+    t = make_worker_backend(name, "127.0.0.1", 0, None)
+    try:
+        adopt_pool(t, runner)
+        desc = t.register(runner.pool.buffer())
+        assert (desc.backend, [n for n, _ in desc.offers]) == (backend, offers)
+        assert (runner.pool is not old) == segment and runner.pool.layout == old.layout
+    finally:
+        t.close()
+
+
+def test_nixl_and_neuron_refuse_with_a_reason():
+    with pytest.raises(NotImplementedError, match="nixl is not implemented"):
+        make_worker_backend("nixl", "127.0.0.1", 0, None)
+    with pytest.raises((ImportError, NotImplementedError), match="torch-neuronx|device memory"):
+        make_worker_backend("neuron", "127.0.0.1", 0, None)
