@@ -45,6 +45,12 @@ def test_segment_is_zeroed_locked_and_unlinked():
     seg.unlink()  # idempotent
 
 
+def test_a_segment_larger_than_dev_shm_is_refused_up_front():
+    with pytest.raises(SegmentError, match="free"):
+        shm_segment.create(1 << 50, "huge")
+    assert not [n for n in os.listdir("/dev/shm") if f"-{os.getpid()}-huge" in n]
+
+
 def _owner(conn) -> None:
     seg = shm_segment.create(4096, "child")
     conn.send(seg.name)

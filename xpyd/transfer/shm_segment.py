@@ -13,6 +13,7 @@ Peers on the same host map a segment read-only by name (``map_peer``). "Same hos
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import itertools
 import logging
@@ -88,6 +89,9 @@ def create(size: int, tag: str | None = None) -> Segment:
     if type(size) is not int or size <= 0:
         raise SegmentError(f"segment size must be a positive int, got {size!r}")
     remove_stale()
+    st = os.statvfs(SHM_DIR)
+    if st.f_bavail * st.f_frsize < size:  # e.g. a container's 64 MiB /dev/shm: fail now, not with SIGBUS later
+        raise SegmentError(f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free, the segment needs {size}")
     tag = tag or str(next(_counter))
     name = check_name(f"{PREFIX}{os.getpid()}-{tag}")
     tmp = os.path.join(SHM_DIR, f".{name}.tmp")  # locked before it gets a name the sweeper looks at
@@ -97,7 +101,12 @@ def create(size: int, tag: str | None = None) -> Segment:
         raise SegmentError(f"cannot create {tmp}: {e}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS on first write
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)
         if os.path.exists(os.path.join(SHM_DIR, name)):
             raise SegmentError(f"segment {name} already exists")
         os.rename(tmp, os.path.join(SHM_DIR, name))
