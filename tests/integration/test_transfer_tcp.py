@@ -523,3 +523,25 @@ def test_killed_peer_mid_stream_fails_sender():
     finally:
         a.backend.close()
         proc.join(5)
+
+
+def test_a_connection_that_never_sends_a_header_is_dropped_and_a_real_peer_still_works():
+    """Idle slots cannot be hoarded: a new connection must send its first header within io_timeout
+    (a real sender connects right before its first transfer); a known peer may idle much longer."""
+    a, b = Side(random.Random(2).randbytes(SIZE)), Side(io_timeout=0.5)
+    try:
+        host, port = parse_address(b.desc.address)
+        silent = socket.create_connection((host, port), timeout=5)
+        silent.settimeout(5)
+        started = time.monotonic()
+        assert silent.recv(1) == b""  # the receiver closed it
+        assert time.monotonic() - started < 4
+        silent.close()
+        src, dst = [Region(0, 4096)], [Region(8192, 4096)]
+        transfer(a, b, "xpyd-after-silent", src, dst)
+        assert b.buf == expected_after(dst, gather(a.buf, src))
+        time.sleep(1.0)  # idle longer than io_timeout between transfers: still fine
+        transfer(a, b, "xpyd-after-idle", [Region(0, 4096)], [Region(0, 4096)])
+    finally:
+        a.backend.close()
+        b.backend.close()

@@ -279,9 +279,11 @@ class TcpTransferBackend:
 
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._wake[0], self.io_timeout)
+        idle = self.io_timeout  # a sender connects right before its first transfer: a silent one is dropped
         try:
             while True:
-                header = conn.read_frame(MAX_HEADER, first_byte_timeout=IDLE_TIMEOUT)
+                header = conn.read_frame(MAX_HEADER, first_byte_timeout=idle)
+                idle = IDLE_TIMEOUT  # a known peer's connection may then wait for the next transfer
                 if header is None:
                     return
                 tid, dst, total, ver = parse_header(header, self._buffer.nbytes)
