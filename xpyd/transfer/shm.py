@@ -17,13 +17,10 @@ reader per inbound connection (it does the copy, in chunks, each under the trans
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import select
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Sequence
@@ -42,6 +39,7 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
+from xpyd.transfer.listener import Threads, accept_loop, connect
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
 
@@ -79,6 +77,11 @@ def copy_regions(dst: np.ndarray, dst_regions: Sequence[Region], src: np.ndarray
             di, d_off = di + 1, 0
 
 
+def _setup(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class ShmTransferBackend:
     name = "shm"
 
@@ -103,7 +106,7 @@ class ShmTransferBackend:
         self._listener: socket.socket | None = None
         self._wake: tuple[int, int] | None = None
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._threads = Threads()
         self._senders: dict[str, SimpleQueue] = {}
         self._sending: dict[str, _Transfer] = {}
         self._expected: dict[str, _Transfer] = {}
@@ -146,7 +149,7 @@ class ShmTransferBackend:
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes,
                                                  offers=((HOST_OFFER, self.host_key),))
-            self._start_thread(self._accept_loop, "xpyd-shm-accept")
+            self._threads.start(self._accept_loop, "xpyd-shm-accept")
         return self._descriptor
 
     @property
@@ -188,7 +191,7 @@ class ShmTransferBackend:
             queue = self._senders.get(address)
             if queue is None:
                 queue = self._senders[address] = SimpleQueue()
-                self._start_thread(self._send_loop, f"xpyd-shm-send-{address}", address, queue)
+                self._threads.start(self._send_loop, f"xpyd-shm-send-{address}", address, queue)
             queue.put(job)
         return job.token
 
@@ -227,7 +230,7 @@ class ShmTransferBackend:
             if self._closed:
                 return
             self._closed = True
-            threads, self._threads = self._threads, []
+            threads = self._threads.take()
             queues, self._senders = list(self._senders.values()), {}
             recs = list(self._expected.values()) + list(self._sending.values())
             self._expected.clear()
@@ -255,13 +258,6 @@ class ShmTransferBackend:
             raise TransferError("register() a buffer first")
         return self._buffer
 
-    def _start_thread(self, target, name: str, *args) -> threading.Thread:
-        self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(t)
-        t.start()
-        return t
-
     def _finish(self, table: dict[str, _Transfer], rec: _Transfer) -> None:
         with self._lock:
             if table.get(rec.token.transfer_id) is rec:
@@ -269,30 +265,8 @@ class ShmTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        conn = Conn(self._listener, self._wake[0], IDLE_TIMEOUT)
-        while True:
-            try:
-                conn.wait(select.POLLIN)
-                sock, addr = self._listener.accept()
-            except (TimeoutError, BlockingIOError, ConnectionAbortedError):
-                continue
-            except Closing:
-                return
-            except OSError as e:
-                log.error("shm transfer listener cannot accept: %s", e)
-                time.sleep(0.1)
-                continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                if sum(t.name.startswith("xpyd-shm-recv") and t.is_alive() for t in self._threads) >= MAX_INBOUND:
-                    log.error("refusing shm connection from %s: %d already open", addr, MAX_INBOUND)
-                    sock.close()
-                    continue
-                self._start_thread(self._serve, f"xpyd-shm-recv-{addr[0]}:{addr[1]}", sock, addr)
+        accept_loop(self._listener, self._wake[0], self._lock, lambda: self._closed, self._threads,
+                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
 
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._wake[0], self.io_timeout)
@@ -376,19 +350,8 @@ class ShmTransferBackend:
 
     # -- sender -----------------------------------------------------------
     def _connect(self, address: str) -> Conn:
-        host, port = parse_address(address)
-        family, type_, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, type_, proto)
+        conn = connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(sock, self._wake[0], self.io_timeout)
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EAGAIN):
-                conn.wait(select.POLLOUT, self.connect_timeout)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise ConnectionError(f"cannot connect: {os.strerror(err)}")
             seg = self._segment
             conn.send_all([memoryview(Hello(PROTOCOL_VERSION, seg.name, seg.size, self.host_key).pack())])
             reply = Reply.parse(conn.read_frame(MAX_FRAME))
@@ -397,7 +360,7 @@ class ShmTransferBackend:
             log.info("shm transfer: connected to %s; it copies from segment %s", address, seg.name)
             return conn
         except BaseException:
-            sock.close()
+            conn.sock.close()
             raise
 
     def _send_loop(self, address: str, queue: SimpleQueue) -> None:

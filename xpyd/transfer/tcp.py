@@ -20,13 +20,10 @@ once ``abort()`` returns no more bytes of that transfer touch the pool.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import select
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Sequence
@@ -42,6 +39,7 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
+from xpyd.transfer.listener import Threads, accept_loop, connect
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
     MAX_HEADER,
@@ -61,7 +59,7 @@ from xpyd.transfer.tcp_wire import (
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 600.0  # an inbound connection with no frame for this long is closed
+IDLE_TIMEOUT = 600.0  # an established inbound connection with no frame for this long is closed
 SOCK_BUF = 4 << 20
 MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
@@ -77,6 +75,14 @@ class _Transfer:
     dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
     lock: threading.Lock = field(default_factory=threading.Lock)
     claimed: bool = False  # receiver: a connection is writing it
+
+
+def _setup(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
 class TcpTransferBackend:
@@ -107,7 +113,7 @@ class TcpTransferBackend:
         self._listener: socket.socket | None = None
         self._wake: tuple[int, int] | None = None  # pipe; written once by close() to wake every poll
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._threads = Threads()
         self._senders: dict[str, tuple[SimpleQueue, threading.Thread]] = {}
         self._sending: dict[str, _Transfer] = {}
         self._expected: dict[str, _Transfer] = {}
@@ -129,7 +135,7 @@ class TcpTransferBackend:
             port = listener.getsockname()[1]
             address = format_address(self.advertise_host, port)
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
-            self._start_thread(self._accept_loop, "xpyd-tcp-accept")
+            self._threads.start(self._accept_loop, "xpyd-tcp-accept")
         return self._descriptor
 
     @property
@@ -159,7 +165,7 @@ class TcpTransferBackend:
             if entry is None:
                 queue: SimpleQueue = SimpleQueue()
                 name = f"xpyd-tcp-send-{peer.address}"
-                thread = self._start_thread(self._send_loop, name, peer.address, queue)
+                thread = self._threads.start(self._send_loop, name, peer.address, queue)
                 entry = self._senders[peer.address] = (queue, thread)
             entry[0].put(job)
         return job.token
@@ -204,7 +210,7 @@ class TcpTransferBackend:
             if self._closed:
                 return
             self._closed = True
-            threads, self._threads = self._threads, []
+            threads = self._threads.take()
             senders, self._senders = list(self._senders.values()), {}
             recs = list(self._expected.values()) + list(self._sending.values())
             self._expected.clear()
@@ -230,21 +236,6 @@ class TcpTransferBackend:
             raise TransferError("register() a buffer first")
         return self._buffer
 
-    def _start_thread(self, target, name: str, *args) -> threading.Thread:
-        """Start a daemon thread and track it (caller holds self._lock)."""
-        self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(t)
-        t.start()
-        return t
-
-    def _setup(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
-
     def _finish(self, table: dict[str, _Transfer], rec: _Transfer) -> None:
         with self._lock:
             if table.get(rec.token.transfer_id) is rec:
@@ -252,30 +243,8 @@ class TcpTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        conn = Conn(self._listener, self._wake[0], IDLE_TIMEOUT)
-        while True:
-            try:
-                conn.wait(select.POLLIN)
-                sock, addr = self._listener.accept()
-            except (TimeoutError, BlockingIOError, ConnectionAbortedError):
-                continue
-            except Closing:
-                return
-            except OSError as e:  # e.g. out of file descriptors: back off, keep listening
-                log.error("tcp transfer listener cannot accept: %s", e)
-                time.sleep(0.1)
-                continue
-            self._setup(sock)
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                inbound = sum(t.name.startswith("xpyd-tcp-recv") and t.is_alive() for t in self._threads)
-                if inbound >= MAX_INBOUND:
-                    log.error("refusing transfer connection from %s: %d already open", addr, MAX_INBOUND)
-                    sock.close()
-                    continue
-                self._start_thread(self._serve, f"xpyd-tcp-recv-{addr[0]}:{addr[1]}", sock, addr)
+        accept_loop(self._listener, self._wake[0], self._lock, lambda: self._closed, self._threads,
+                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
 
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._wake[0], self.io_timeout)
@@ -346,24 +315,6 @@ class TcpTransferBackend:
         return None
 
     # -- sender -----------------------------------------------------------
-    def _connect(self, address: str) -> Conn:
-        host, port = parse_address(address)
-        family, type_, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, type_, proto)
-        try:
-            self._setup(sock)
-            conn = Conn(sock, self._wake[0], self.io_timeout)
-            err = sock.connect_ex(sockaddr)
-            if err in (errno.EINPROGRESS, errno.EAGAIN):
-                conn.wait(select.POLLOUT, self.connect_timeout)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise ConnectionError(f"cannot connect: {os.strerror(err)}")
-            return conn
-        except BaseException:
-            sock.close()
-            raise
-
     def _send_loop(self, address: str, queue: SimpleQueue) -> None:
         conn: Conn | None = None
         try:
@@ -375,7 +326,7 @@ class TcpTransferBackend:
                         conn.sock.close()
                         conn = None
                     if conn is None:
-                        conn = self._connect(address)
+                        conn = connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
                     self._push(conn, job, address)
                 except Closing:
                     job.token._fail("backend closed")
