@@ -21,7 +21,6 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -41,7 +40,14 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.listener import Threads, accept_loop, connect
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
-from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
+from xpyd.transfer.table import Transfer, TransferTable
+from xpyd.transfer.tcp_wire import (
+    Closing,
+    Conn,
+    ProtocolError,
+    format_address,
+    parse_address,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +55,6 @@ HOST_OFFER = "shm-host"  # descriptor offer carrying the host key
 IDLE_TIMEOUT = 600.0
 COPY_CHUNK = 16 << 20  # bytes copied per lock hold (abort latency vs. overhead)
 MAX_INBOUND = 256
-
-
-@dataclass(eq=False, slots=True)
-class _Transfer:
-    token: CompletionToken
-    regions: tuple[Region, ...]  # src (sender) or dst (receiver)
-    dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    claimed: bool = False
 
 
 def copy_regions(dst: np.ndarray, dst_regions: Sequence[Region], src: np.ndarray, src_regions: Sequence[Region],
@@ -108,8 +105,8 @@ class ShmTransferBackend:
         self._closed = False
         self._threads = Threads()
         self._senders: dict[str, SimpleQueue] = {}
-        self._sending: dict[str, _Transfer] = {}
-        self._expected: dict[str, _Transfer] = {}
+        self._sending = TransferTable("is already being sent")
+        self._expected = TransferTable("is already expected")
 
     # -- public API -------------------------------------------------------
     def allocate(self, size: int) -> memoryview:
@@ -181,13 +178,11 @@ class ShmTransferBackend:
         dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
         if total != dst_total:
             raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
-        job = _Transfer(CompletionToken(transfer_id), src, dst)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst)
         with self._lock:
             if self._closed:
                 raise TransferError("backend is closed")
-            if transfer_id in self._sending:
-                raise TransferError(f"transfer {transfer_id!r} is already being sent")
-            self._sending[transfer_id] = job
+            self._sending.add(job)
             queue = self._senders.get(address)
             if queue is None:
                 queue = self._senders[address] = SimpleQueue()
@@ -197,27 +192,20 @@ class ShmTransferBackend:
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
         check_transfer_id(transfer_id)
-        dst, _ = check_regions(dst, self._require_buffer().nbytes, "dst")
-        rec = _Transfer(CompletionToken(transfer_id), dst)
+        dst, total = check_regions(dst, self._require_buffer().nbytes, "dst")
+        rec = Transfer(CompletionToken(transfer_id), dst, total)
         with self._lock:
             if self._closed:
                 raise TransferError("backend is closed")
-            if transfer_id in self._expected:
-                raise TransferError(f"transfer {transfer_id!r} is already expected")
-            self._expected[transfer_id] = rec
+            self._expected.add(rec)
         return rec.token
 
     def abort(self, transfer_id: str) -> None:
-        with self._lock:
-            recs = [self._expected.pop(transfer_id, None), self._sending.pop(transfer_id, None)]
-        for rec in recs:
-            if rec is not None:
-                with rec.lock:  # waits out an in-progress chunk copy; none follows
-                    rec.token._fail("aborted")
+        self._expected.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
+        self._sending.abort(transfer_id)
 
     def outstanding(self) -> set[str]:
-        with self._lock:
-            return set(self._sending) | set(self._expected)
+        return self._sending.ids() | self._expected.ids()
 
     def forget_peer(self, address: str) -> None:
         with self._lock:
@@ -232,9 +220,7 @@ class ShmTransferBackend:
             self._closed = True
             threads = self._threads.take()
             queues, self._senders = list(self._senders.values()), {}
-            recs = list(self._expected.values()) + list(self._sending.values())
-            self._expected.clear()
-            self._sending.clear()
+            recs = self._expected.take() + self._sending.take()
         if self._wake is not None:
             os.write(self._wake[1], b"x")
         for queue in queues:
@@ -258,11 +244,6 @@ class ShmTransferBackend:
             raise TransferError("register() a buffer first")
         return self._buffer
 
-    def _finish(self, table: dict[str, _Transfer], rec: _Transfer) -> None:
-        with self._lock:
-            if table.get(rec.token.transfer_id) is rec:
-                del table[rec.token.transfer_id]
-
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
         accept_loop(self._listener, self._wake[0], self._lock, lambda: self._closed, self._threads,
@@ -270,7 +251,7 @@ class ShmTransferBackend:
 
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._wake[0], self.io_timeout)
-        rec: _Transfer | None = None
+        rec: Transfer | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
             src, error = None, None
@@ -292,7 +273,7 @@ class ShmTransferBackend:
                 if frame is None:
                     return
                 offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
-                rec, error = self._claim(offer)
+                rec, error = self._expected.claim(offer.transfer_id, offer.dst)
                 if rec is not None:
                     error = self._copy(rec, src, offer)
                 conn.send_all([memoryview(Reply(error is None, error).pack())])
@@ -306,7 +287,7 @@ class ShmTransferBackend:
                     rec.token._fail(error)
                 elif not rec.token._advance(TransferState.DONE):
                     error = f"transfer {offer.transfer_id!r} aborted by the receiver"
-                self._finish(self._expected, rec)
+                self._expected.finish(rec)
                 rec = None
                 conn.send_all([memoryview(Reply(error is None, error).pack())])
         except Closing:
@@ -318,27 +299,10 @@ class ShmTransferBackend:
         finally:
             if rec is not None:  # the sender vanished mid-transfer
                 rec.token._fail("sender connection lost mid-transfer")
-                self._finish(self._expected, rec)
+                self._expected.finish(rec)
             sock.close()
 
-    def _claim(self, offer: Offer) -> tuple[_Transfer | None, str | None]:
-        tid = offer.transfer_id
-        with self._lock:
-            rec = self._expected.get(tid)
-            if rec is None:
-                return None, f"unexpected transfer id {tid!r}"
-            if rec.claimed:
-                return None, f"transfer {tid!r} is already being received"
-            if rec.regions != offer.dst:
-                del self._expected[tid]
-                error = f"dst regions differ from the ones expected for {tid!r}"
-                with rec.lock:
-                    rec.token._fail(error)
-                return None, error
-            rec.claimed = True
-        return rec, None
-
-    def _copy(self, rec: _Transfer, src: np.ndarray, offer: Offer) -> str | None:
+    def _copy(self, rec: Transfer, src: np.ndarray, offer: Offer) -> str | None:
         rec.token._advance(TransferState.TRANSFERRING)
         pieces = copy_regions(self._array, rec.regions, src, offer.src)
         while True:
@@ -387,12 +351,12 @@ class ShmTransferBackend:
                         conn.sock.close()
                         conn = None
                 finally:
-                    self._finish(self._sending, job)
+                    self._sending.finish(job)
         finally:
             if conn is not None:
                 conn.sock.close()
 
-    def _push(self, conn: Conn, job: _Transfer, address: str) -> None:
+    def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
         src = tuple(Region(r.offset + self._base, r.length) for r in job.regions)
         if not job.token._advance(TransferState.TRANSFERRING):

@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -40,6 +39,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.listener import Threads, accept_loop, connect
+from xpyd.transfer.table import Transfer, TransferTable
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
     MAX_HEADER,
@@ -63,18 +63,6 @@ IDLE_TIMEOUT = 600.0  # an established inbound connection with no frame for this
 SOCK_BUF = 4 << 20
 MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
-
-
-@dataclass(eq=False, slots=True)
-class _Transfer:
-    """One side of a transfer: its token plus the lock that guards its pool I/O."""
-
-    token: CompletionToken
-    regions: tuple[Region, ...]  # src (sender) or dst (receiver)
-    total: int
-    dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    claimed: bool = False  # receiver: a connection is writing it
 
 
 def _setup(sock: socket.socket) -> None:
@@ -115,8 +103,8 @@ class TcpTransferBackend:
         self._closed = False
         self._threads = Threads()
         self._senders: dict[str, tuple[SimpleQueue, threading.Thread]] = {}
-        self._sending: dict[str, _Transfer] = {}
-        self._expected: dict[str, _Transfer] = {}
+        self._sending = TransferTable("is already being sent")
+        self._expected = TransferTable("is already expected")
 
     # -- public API -------------------------------------------------------
     def register(self, buffer: memoryview) -> BackendDescriptor:
@@ -154,13 +142,11 @@ class TcpTransferBackend:
         dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
         if total != dst_total:
             raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
-        job = _Transfer(CompletionToken(transfer_id), src, total, dst)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst)
         with self._lock:
             if self._closed:
                 raise TransferError("backend is closed")
-            if transfer_id in self._sending:
-                raise TransferError(f"transfer {transfer_id!r} is already being sent")
-            self._sending[transfer_id] = job
+            self._sending.add(job)
             entry = self._senders.get(peer.address)
             if entry is None:
                 queue: SimpleQueue = SimpleQueue()
@@ -173,27 +159,20 @@ class TcpTransferBackend:
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
         check_transfer_id(transfer_id)
         dst, total = check_regions(dst, self._require_buffer().nbytes, "dst")
-        rec = _Transfer(CompletionToken(transfer_id), dst, total)
+        rec = Transfer(CompletionToken(transfer_id), dst, total)
         with self._lock:
             if self._closed:
                 raise TransferError("backend is closed")
-            if transfer_id in self._expected:
-                raise TransferError(f"transfer {transfer_id!r} is already expected")
-            self._expected[transfer_id] = rec
+            self._expected.add(rec)
         return rec.token
 
     def abort(self, transfer_id: str) -> None:
-        with self._lock:
-            recs = [self._expected.pop(transfer_id, None), self._sending.pop(transfer_id, None)]
-        for rec in recs:
-            if rec is not None:
-                with rec.lock:  # waits out an in-progress copy; none follows
-                    rec.token._fail("aborted")
+        self._expected.abort(transfer_id)
+        self._sending.abort(transfer_id)
 
     def outstanding(self) -> set[str]:
         """Ids of transfers being sent or expected (not yet finished or aborted)."""
-        with self._lock:
-            return set(self._sending) | set(self._expected)
+        return self._sending.ids() | self._expected.ids()
 
     def forget_peer(self, address: str) -> None:
         """Close the cached connection and sender thread to a peer that left the cluster.
@@ -212,9 +191,7 @@ class TcpTransferBackend:
             self._closed = True
             threads = self._threads.take()
             senders, self._senders = list(self._senders.values()), {}
-            recs = list(self._expected.values()) + list(self._sending.values())
-            self._expected.clear()
-            self._sending.clear()
+            recs = self._expected.take() + self._sending.take()
         if self._wake is not None:
             os.write(self._wake[1], b"x")
         for queue, _ in senders:
@@ -235,11 +212,6 @@ class TcpTransferBackend:
         if self._buffer is None:
             raise TransferError("register() a buffer first")
         return self._buffer
-
-    def _finish(self, table: dict[str, _Transfer], rec: _Transfer) -> None:
-        with self._lock:
-            if table.get(rec.token.transfer_id) is rec:
-                del table[rec.token.transfer_id]
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -266,7 +238,7 @@ class TcpTransferBackend:
                 if rec is not None and error is None:  # DONE before the ack, so sender DONE => receiver DONE
                     if not rec.token._advance(TransferState.DONE):
                         error = f"transfer {tid!r} aborted by the receiver"
-                    self._finish(self._expected, rec)
+                    self._expected.finish(rec)
                 conn.send_all([memoryview(pack_ack(tid, error))])
                 if ver != PROTOCOL_VERSION:
                     return
@@ -279,26 +251,13 @@ class TcpTransferBackend:
         finally:
             sock.close()
 
-    def _claim(self, tid: str, dst: tuple[Region, ...], ver: int) -> tuple[_Transfer | None, str | None]:
+    def _claim(self, tid: str, dst: tuple[Region, ...], ver: int) -> tuple[Transfer | None, str | None]:
         """The expected transfer these bytes may be written to, else why they are refused."""
         if ver != PROTOCOL_VERSION:
             return None, f"protocol version {ver} != {PROTOCOL_VERSION}"
-        with self._lock:
-            rec = self._expected.get(tid)
-            if rec is None:
-                return None, f"unexpected transfer id {tid!r}"
-            if rec.claimed:
-                return None, f"transfer {tid!r} is already being received"
-            if rec.regions != dst:
-                del self._expected[tid]
-                error = f"dst regions differ from the ones expected for {tid!r}"
-                with rec.lock:
-                    rec.token._fail(error)
-                return None, error
-            rec.claimed = True
-        return rec, None
+        return self._expected.claim(tid, dst)
 
-    def _receive(self, conn: Conn, rec: _Transfer) -> str | None:
+    def _receive(self, conn: Conn, rec: Transfer) -> str | None:
         """recv_into the claimed regions; the error to refuse with, or None when all bytes landed."""
         rec.token._advance(TransferState.TRANSFERRING)
         views = slices(self._buffer, rec.regions)
@@ -310,7 +269,7 @@ class TcpTransferBackend:
             return f"transfer {rec.token.transfer_id!r} aborted by the receiver"
         except BaseException as e:
             rec.token._fail("backend closed" if isinstance(e, Closing) else f"receive failed: {e}")
-            self._finish(self._expected, rec)
+            self._expected.finish(rec)
             raise
         return None
 
@@ -342,12 +301,12 @@ class TcpTransferBackend:
                         conn.sock.close()
                         conn = None
                 finally:
-                    self._finish(self._sending, job)
+                    self._sending.finish(job)
         finally:
             if conn is not None:
                 conn.sock.close()
 
-    def _push(self, conn: Conn, job: _Transfer, address: str) -> None:
+    def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
         header = pack_header(tid, job.dst, job.total)
         if not job.token._advance(TransferState.TRANSFERRING):

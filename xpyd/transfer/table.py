@@ -1,0 +1,92 @@
+"""The in-flight transfers of one side of a socket backend (tcp, shm): being sent, or expected.
+
+A backend keeps two ``TransferTable``s: ``sending`` (``send`` until the peer acks) and ``expected``
+(``expect`` until the bytes landed). An entry leaves its table when it finishes (``finish``), is
+aborted (``abort``) or the backend closes (``take``); a reader thread ``claim``s an expected entry
+before writing its regions, so no two connections write the same transfer.
+
+Lock order: a backend may call ``add``/``take`` while holding its own lock (so its closed check and
+the insert are one step); the table never takes the backend's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from xpyd.transfer.base import CompletionToken, Region, TransferError
+
+
+@dataclass(eq=False, slots=True)
+class Transfer:
+    """One side of a transfer: its token plus the lock that guards its pool I/O."""
+
+    token: CompletionToken
+    regions: tuple[Region, ...]  # src (sender) or dst (receiver)
+    total: int = 0  # bytes in ``regions``
+    dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    claimed: bool = False  # receiver: a connection is writing it
+
+
+class TransferTable:
+    """Transfers by id; thread-safe. ``duplicate`` completes "transfer 'id' ..." when an id is added twice."""
+
+    __slots__ = ("_duplicate", "_lock", "_recs")
+
+    def __init__(self, duplicate: str) -> None:
+        self._lock = threading.Lock()
+        self._recs: dict[str, Transfer] = {}
+        self._duplicate = duplicate
+
+    def add(self, rec: Transfer) -> None:
+        tid = rec.token.transfer_id
+        with self._lock:
+            if tid in self._recs:
+                raise TransferError(f"transfer {tid!r} {self._duplicate}")
+            self._recs[tid] = rec
+
+    def claim(self, tid: str, dst: tuple[Region, ...]) -> tuple[Transfer | None, str | None]:
+        """The entry whose regions these bytes may be written to, else why they are refused.
+
+        An entry expected with other regions than ``dst`` is dropped and its token FAILs.
+        """
+        with self._lock:
+            rec = self._recs.get(tid)
+            if rec is None:
+                return None, f"unexpected transfer id {tid!r}"
+            if rec.claimed:
+                return None, f"transfer {tid!r} is already being received"
+            if rec.regions != dst:
+                del self._recs[tid]
+                error = f"dst regions differ from the ones expected for {tid!r}"
+                with rec.lock:
+                    rec.token._fail(error)
+                return None, error
+            rec.claimed = True
+        return rec, None
+
+    def finish(self, rec: Transfer) -> None:
+        """Drop ``rec`` (its token is already finished); a no-op if aborted or replaced meanwhile."""
+        with self._lock:
+            if self._recs.get(rec.token.transfer_id) is rec:
+                del self._recs[rec.token.transfer_id]
+
+    def abort(self, tid: str) -> None:
+        """Drop ``tid`` and FAIL its token "aborted"; safe if unknown."""
+        with self._lock:
+            rec = self._recs.pop(tid, None)
+        if rec is not None:
+            with rec.lock:  # waits out an in-progress copy; none follows
+                rec.token._fail("aborted")
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return set(self._recs)
+
+    def take(self) -> list[Transfer]:
+        """Remove and return every entry (``close()`` fails their tokens)."""
+        with self._lock:
+            recs = list(self._recs.values())
+            self._recs.clear()
+        return recs
