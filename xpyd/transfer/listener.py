@@ -1,23 +1,20 @@
-"""The socket side shared by the tcp and shm backends: their threads, accept loop and outbound connect.
+"""The inbound side shared by the tcp and shm backends: their thread tracking and accept loop.
 
 ``Threads`` tracks the daemon threads a backend started, so ``close()`` can join them; the backend's
 own lock guards it. ``accept_loop`` runs the acceptor thread: one reader thread per inbound
-connection, at most ``max_inbound`` at once (more are closed at once). ``connect`` opens the
-non-blocking outbound connection a sender thread uses.
+connection, at most ``max_inbound`` at once (more are closed at once). The outbound side is in ``sender``.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from xpyd.transfer.tcp_wire import Closing, Conn, parse_address
+from xpyd.transfer.tcp_wire import Closing, Conn
 
 ACCEPT_WAIT = 600.0  # the acceptor's poll timeout (it just polls again); close() wakes it at once
 
@@ -89,24 +86,3 @@ def accept_loop(
                 sock.close()
                 continue
             threads.start(serve, f"{prefix}-{addr[0]}:{addr[1]}", sock, addr)
-
-
-def connect(address: str, wake_fd: int, setup: Callable[[socket.socket], None],
-            connect_timeout: float, io_timeout: float) -> Conn:
-    """A connected non-blocking ``Conn`` to ``address`` ("host:port"), after ``setup`` of its socket."""
-    host, port = parse_address(address)
-    family, type_, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        setup(sock)
-        conn = Conn(sock, wake_fd, io_timeout)
-        err = sock.connect_ex(sockaddr)
-        if err in (errno.EINPROGRESS, errno.EAGAIN):
-            conn.wait(select.POLLOUT, connect_timeout)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise ConnectionError(f"cannot connect: {os.strerror(err)}")
-        return conn
-    except BaseException:
-        sock.close()
-        raise

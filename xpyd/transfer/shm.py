@@ -38,7 +38,8 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
-from xpyd.transfer.listener import Threads, accept_loop, connect
+from xpyd.transfer.listener import Threads, accept_loop
+from xpyd.transfer.sender import Senders, connect, send_loop
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer, TransferTable
 from xpyd.transfer.tcp_wire import (
@@ -104,7 +105,7 @@ class ShmTransferBackend:
         self._wake: tuple[int, int] | None = None
         self._closed = False
         self._threads = Threads()
-        self._senders: dict[str, SimpleQueue] = {}
+        self._senders = Senders()
         self._sending = TransferTable("is already being sent")
         self._expected = TransferTable("is already expected")
 
@@ -183,11 +184,7 @@ class ShmTransferBackend:
             if self._closed:
                 raise TransferError("backend is closed")
             self._sending.add(job)
-            queue = self._senders.get(address)
-            if queue is None:
-                queue = self._senders[address] = SimpleQueue()
-                self._threads.start(self._send_loop, f"xpyd-shm-send-{address}", address, queue)
-            queue.put(job)
+            self._senders.submit(address, job, self._start_sender)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
@@ -209,7 +206,7 @@ class ShmTransferBackend:
 
     def forget_peer(self, address: str) -> None:
         with self._lock:
-            queue = self._senders.pop(address, None)
+            queue = self._senders.forget(address)
         if queue is not None:
             queue.put(None)
 
@@ -219,7 +216,7 @@ class ShmTransferBackend:
                 return
             self._closed = True
             threads = self._threads.take()
-            queues, self._senders = list(self._senders.values()), {}
+            queues = self._senders.take()
             recs = self._expected.take() + self._sending.take()
         if self._wake is not None:
             os.write(self._wake[1], b"x")
@@ -313,6 +310,10 @@ class ShmTransferBackend:
                     return None
 
     # -- sender -----------------------------------------------------------
+    def _start_sender(self, address: str, queue: SimpleQueue) -> None:
+        self._threads.start(send_loop, f"xpyd-shm-send-{address}", address, queue, self._connect, self._push,
+                            self._sending, log)
+
     def _connect(self, address: str) -> Conn:
         conn = connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
@@ -326,35 +327,6 @@ class ShmTransferBackend:
         except BaseException:
             conn.sock.close()
             raise
-
-    def _send_loop(self, address: str, queue: SimpleQueue) -> None:
-        conn: Conn | None = None
-        try:
-            while (job := queue.get()) is not None:
-                if job.token.finished():
-                    continue
-                try:
-                    if conn is not None and conn.stale():
-                        conn.sock.close()
-                        conn = None
-                    if conn is None:
-                        conn = self._connect(address)
-                    self._push(conn, job, address)
-                except Closing:
-                    job.token._fail("backend closed")
-                    return
-                except Exception as e:
-                    if not isinstance(e, (ProtocolError, OSError)):
-                        log.exception("sending transfer %r to %s", job.token.transfer_id, address)
-                    job.token._fail(f"send to {address} failed: {e or type(e).__name__}")
-                    if conn is not None:
-                        conn.sock.close()
-                        conn = None
-                finally:
-                    self._sending.finish(job)
-        finally:
-            if conn is not None:
-                conn.sock.close()
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id

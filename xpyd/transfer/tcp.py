@@ -38,7 +38,8 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
-from xpyd.transfer.listener import Threads, accept_loop, connect
+from xpyd.transfer.listener import Threads, accept_loop
+from xpyd.transfer.sender import Senders, connect, send_loop
 from xpyd.transfer.table import Transfer, TransferTable
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
@@ -102,7 +103,7 @@ class TcpTransferBackend:
         self._wake: tuple[int, int] | None = None  # pipe; written once by close() to wake every poll
         self._closed = False
         self._threads = Threads()
-        self._senders: dict[str, tuple[SimpleQueue, threading.Thread]] = {}
+        self._senders = Senders()
         self._sending = TransferTable("is already being sent")
         self._expected = TransferTable("is already expected")
 
@@ -147,13 +148,7 @@ class TcpTransferBackend:
             if self._closed:
                 raise TransferError("backend is closed")
             self._sending.add(job)
-            entry = self._senders.get(peer.address)
-            if entry is None:
-                queue: SimpleQueue = SimpleQueue()
-                name = f"xpyd-tcp-send-{peer.address}"
-                thread = self._threads.start(self._send_loop, name, peer.address, queue)
-                entry = self._senders[peer.address] = (queue, thread)
-            entry[0].put(job)
+            self._senders.submit(peer.address, job, self._start_sender)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
@@ -180,9 +175,9 @@ class TcpTransferBackend:
         Sends already queued to it run (and fail) first; a later send reconnects.
         """
         with self._lock:
-            entry = self._senders.pop(address, None)
-        if entry is not None:
-            entry[0].put(None)
+            queue = self._senders.forget(address)
+        if queue is not None:
+            queue.put(None)
 
     def close(self) -> None:
         with self._lock:
@@ -190,11 +185,11 @@ class TcpTransferBackend:
                 return
             self._closed = True
             threads = self._threads.take()
-            senders, self._senders = list(self._senders.values()), {}
+            queues = self._senders.take()
             recs = self._expected.take() + self._sending.take()
         if self._wake is not None:
             os.write(self._wake[1], b"x")
-        for queue, _ in senders:
+        for queue in queues:
             queue.put(None)
         for t in threads:
             t.join(timeout=self.connect_timeout + 5)
@@ -274,37 +269,12 @@ class TcpTransferBackend:
         return None
 
     # -- sender -----------------------------------------------------------
-    def _send_loop(self, address: str, queue: SimpleQueue) -> None:
-        conn: Conn | None = None
-        try:
-            while (job := queue.get()) is not None:
-                if job.token.finished():  # aborted while queued
-                    continue
-                try:
-                    if conn is not None and conn.stale():
-                        conn.sock.close()
-                        conn = None
-                    if conn is None:
-                        conn = connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
-                    self._push(conn, job, address)
-                except Closing:
-                    job.token._fail("backend closed")
-                    return
-                except Aborted:  # the receiver sees a truncated transfer and fails it
-                    conn.sock.close()
-                    conn = None
-                except Exception as e:  # any failure fails this job only; the next one reconnects
-                    if not isinstance(e, (ProtocolError, OSError)):
-                        log.exception("sending transfer %r to %s", job.token.transfer_id, address)
-                    job.token._fail(f"send to {address} failed: {e or type(e).__name__}")
-                    if conn is not None:
-                        conn.sock.close()
-                        conn = None
-                finally:
-                    self._sending.finish(job)
-        finally:
-            if conn is not None:
-                conn.sock.close()
+    def _start_sender(self, address: str, queue: SimpleQueue) -> None:
+        self._threads.start(send_loop, f"xpyd-tcp-send-{address}", address, queue, self._connect, self._push,
+                            self._sending, log)
+
+    def _connect(self, address: str) -> Conn:
+        return connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
