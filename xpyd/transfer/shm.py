@@ -8,7 +8,8 @@ A transfer is pulled: the sender offers its ``src`` regions over a small control
 *receiver* maps the sender's segment read-only (once per connection) and copies straight from it into
 its own ``dst`` regions, then the sender commits (its source stayed valid) and the receiver marks DONE
 and replies (so a sender's DONE implies the receiver's). Messages are in ``shm_wire``; framing,
-timeouts and the close pipe come from ``tcp_wire``. The payload never crosses a socket.
+timeouts and the close pipe come from ``tcp_wire``; threads, sender queues and transfer tables,
+shared with ``tcp``, from ``endpoint``. The payload never crosses a socket.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
@@ -18,9 +19,7 @@ reader per inbound connection (it does the copy, in chunks, each under the trans
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import threading
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -38,10 +37,11 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
-from xpyd.transfer.listener import Threads, accept_loop
-from xpyd.transfer.sender import Senders, connect, send_loop
+from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import accept_loop
+from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
-from xpyd.transfer.table import Transfer, TransferTable
+from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
     Closing,
     Conn,
@@ -95,26 +95,18 @@ class ShmTransferBackend:
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
-        self._lock = threading.Lock()
+        self._endpoint = Endpoint()
         self._segment: shm_segment.Segment | None = None
         self._buffer: memoryview | None = None
         self._array: np.ndarray | None = None
         self._base = 0  # offset of the registered buffer inside the segment
         self._descriptor: BackendDescriptor | None = None
-        self._listener: socket.socket | None = None
-        self._wake: tuple[int, int] | None = None
-        self._closed = False
-        self._threads = Threads()
-        self._senders = Senders()
-        self._sending = TransferTable("is already being sent")
-        self._expected = TransferTable("is already expected")
 
     # -- public API -------------------------------------------------------
     def allocate(self, size: int) -> memoryview:
         """Create this backend's segment (zero-filled, ``size`` bytes); register it (or a slice) next."""
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
+        with self._endpoint.lock:
+            self._endpoint.check_open()
             if self._segment is not None:
                 raise TransferError("this backend already allocated its segment")
             self._segment = shm_segment.create(size, self.tag)
@@ -126,9 +118,8 @@ class ShmTransferBackend:
 
     def register(self, buffer: memoryview) -> BackendDescriptor:
         buffer = check_buffer(buffer)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
+        with self._endpoint.lock:
+            self._endpoint.check_open()
             if self._buffer is not None:
                 raise TransferError("a buffer is already registered with this backend")
             seg = self._segment
@@ -141,13 +132,12 @@ class ShmTransferBackend:
                 if base < 0 or base + buffer.nbytes > seg.size:
                     raise TransferError("the registered buffer must lie inside the segment from allocate()")
             listener = socket.create_server((self.host, self.port), backlog=128)
-            listener.setblocking(False)
-            self._listener, self._buffer, self._array, self._base = listener, buffer, array, base
-            self._wake = os.pipe()
+            self._endpoint.listen(listener)
+            self._buffer, self._array, self._base = buffer, array, base
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes,
                                                  offers=((HOST_OFFER, self.host_key),))
-            self._threads.start(self._accept_loop, "xpyd-shm-accept")
+            self._endpoint.threads.start(self._accept_loop, "xpyd-shm-accept")
         return self._descriptor
 
     @property
@@ -180,60 +170,28 @@ class ShmTransferBackend:
         if total != dst_total:
             raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
         job = Transfer(CompletionToken(transfer_id), src, total, dst)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
-            self._sending.add(job)
-            self._senders.submit(address, job, self._start_sender)
+        self._endpoint.send(job, address, self._start_sender)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
         check_transfer_id(transfer_id)
         dst, total = check_regions(dst, self._require_buffer().nbytes, "dst")
         rec = Transfer(CompletionToken(transfer_id), dst, total)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
-            self._expected.add(rec)
+        self._endpoint.expect(rec)
         return rec.token
 
     def abort(self, transfer_id: str) -> None:
-        self._expected.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
-        self._sending.abort(transfer_id)
+        self._endpoint.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
 
     def outstanding(self) -> set[str]:
-        return self._sending.ids() | self._expected.ids()
+        return self._endpoint.outstanding()
 
     def forget_peer(self, address: str) -> None:
-        with self._lock:
-            queue = self._senders.forget(address)
-        if queue is not None:
-            queue.put(None)
+        self._endpoint.forget_peer(address)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            threads = self._threads.take()
-            queues = self._senders.take()
-            recs = self._expected.take() + self._sending.take()
-        if self._wake is not None:
-            os.write(self._wake[1], b"x")
-        for queue in queues:
-            queue.put(None)
-        for t in threads:
-            t.join(timeout=self.connect_timeout + 5)
-        for rec in recs:
-            rec.token._fail("backend closed")
-        if self._listener is not None:
-            self._listener.close()
-        if self._segment is not None:
+        if self._endpoint.close(join_timeout=self.connect_timeout + 5) and self._segment is not None:
             self._segment.unlink()  # the mapping (the pool) stays valid until the process exits
-        if self._wake is not None and not any(t.is_alive() for t in threads):
-            for fd in self._wake:
-                os.close(fd)
-            self._wake = None
 
     # -- internals --------------------------------------------------------
     def _require_buffer(self) -> memoryview:
@@ -243,11 +201,11 @@ class ShmTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        accept_loop(self._listener, self._wake[0], self._lock, lambda: self._closed, self._threads,
-                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
+        ep = self._endpoint
+        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads, serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
 
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = Conn(sock, self._wake[0], self.io_timeout)
+        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         rec: Transfer | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
@@ -270,7 +228,7 @@ class ShmTransferBackend:
                 if frame is None:
                     return
                 offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
-                rec, error = self._expected.claim(offer.transfer_id, offer.dst)
+                rec, error = self._endpoint.expected.claim(offer.transfer_id, offer.dst)
                 if rec is not None:
                     error = self._copy(rec, src, offer)
                 conn.send_all([memoryview(Reply(error is None, error).pack())])
@@ -284,7 +242,7 @@ class ShmTransferBackend:
                     rec.token._fail(error)
                 elif not rec.token._advance(TransferState.DONE):
                     error = f"transfer {offer.transfer_id!r} aborted by the receiver"
-                self._expected.finish(rec)
+                self._endpoint.expected.finish(rec)
                 rec = None
                 conn.send_all([memoryview(Reply(error is None, error).pack())])
         except Closing:
@@ -296,7 +254,7 @@ class ShmTransferBackend:
         finally:
             if rec is not None:  # the sender vanished mid-transfer
                 rec.token._fail("sender connection lost mid-transfer")
-                self._expected.finish(rec)
+                self._endpoint.expected.finish(rec)
             sock.close()
 
     def _copy(self, rec: Transfer, src: np.ndarray, offer: Offer) -> str | None:
@@ -311,11 +269,11 @@ class ShmTransferBackend:
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:
-        self._threads.start(send_loop, f"xpyd-shm-send-{address}", address, queue, self._connect, self._push,
-                            self._sending, log)
+        self._endpoint.threads.start(send_loop, f"xpyd-shm-send-{address}", address, queue, self._connect,
+                                     self._push, self._endpoint.sending, log)
 
     def _connect(self, address: str) -> Conn:
-        conn = connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
+        conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
             seg = self._segment
             conn.send_all([memoryview(Hello(PROTOCOL_VERSION, seg.name, seg.size, self.host_key).pack())])

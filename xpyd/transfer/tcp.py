@@ -1,7 +1,8 @@
 """TCP transfer backend: zero-copy pushes between registered buffers over plain sockets.
 
-The wire format, framing and socket I/O live in ``tcp_wire``; this module owns the
-threads, the per-peer connection cache and the transfer tokens.
+The wire format, framing and socket I/O live in ``tcp_wire``; the threads, the per-peer
+sender queues and the transfer tables, shared with ``shm``, in ``endpoint`` (built from
+``listener``, ``sender`` and ``table``); this module owns what happens to the bytes.
 
 Threads (all daemon, started by ``register``/first ``send``, joined by ``close``):
 
@@ -21,9 +22,7 @@ once ``abort()`` returns no more bytes of that transfer touch the pool.
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import threading
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -38,9 +37,10 @@ from xpyd.transfer.base import (
     check_regions,
     check_transfer_id,
 )
-from xpyd.transfer.listener import Threads, accept_loop
-from xpyd.transfer.sender import Senders, connect, send_loop
-from xpyd.transfer.table import Transfer, TransferTable
+from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import accept_loop
+from xpyd.transfer.sender import connect, send_loop
+from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
     MAX_HEADER,
@@ -96,35 +96,26 @@ class TcpTransferBackend:
         self.host, self.port = host, port
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.advertise_host = advertise_host or host
-        self._lock = threading.Lock()
+        self._endpoint = Endpoint()
         self._buffer: memoryview | None = None
         self._descriptor: BackendDescriptor | None = None
-        self._listener: socket.socket | None = None
-        self._wake: tuple[int, int] | None = None  # pipe; written once by close() to wake every poll
-        self._closed = False
-        self._threads = Threads()
-        self._senders = Senders()
-        self._sending = TransferTable("is already being sent")
-        self._expected = TransferTable("is already expected")
 
     # -- public API -------------------------------------------------------
     def register(self, buffer: memoryview) -> BackendDescriptor:
         buffer = check_buffer(buffer)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
+        with self._endpoint.lock:
+            self._endpoint.check_open()
             if self._buffer is not None:
                 raise TransferError("a buffer is already registered with this backend")
             family, _, _, _, addr = socket.getaddrinfo(self.host or None, self.port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
             listener = socket.create_server(addr[:2], family=family, backlog=128)
-            listener.setblocking(False)
-            self._listener, self._buffer = listener, buffer
-            self._wake = os.pipe()
+            self._endpoint.listen(listener)
+            self._buffer = buffer
             port = listener.getsockname()[1]
             address = format_address(self.advertise_host, port)
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
-            self._threads.start(self._accept_loop, "xpyd-tcp-accept")
+            self._endpoint.threads.start(self._accept_loop, "xpyd-tcp-accept")
         return self._descriptor
 
     @property
@@ -144,63 +135,32 @@ class TcpTransferBackend:
         if total != dst_total:
             raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
         job = Transfer(CompletionToken(transfer_id), src, total, dst)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
-            self._sending.add(job)
-            self._senders.submit(peer.address, job, self._start_sender)
+        self._endpoint.send(job, peer.address, self._start_sender)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
         check_transfer_id(transfer_id)
         dst, total = check_regions(dst, self._require_buffer().nbytes, "dst")
         rec = Transfer(CompletionToken(transfer_id), dst, total)
-        with self._lock:
-            if self._closed:
-                raise TransferError("backend is closed")
-            self._expected.add(rec)
+        self._endpoint.expect(rec)
         return rec.token
 
     def abort(self, transfer_id: str) -> None:
-        self._expected.abort(transfer_id)
-        self._sending.abort(transfer_id)
+        self._endpoint.abort(transfer_id)
 
     def outstanding(self) -> set[str]:
         """Ids of transfers being sent or expected (not yet finished or aborted)."""
-        return self._sending.ids() | self._expected.ids()
+        return self._endpoint.outstanding()
 
     def forget_peer(self, address: str) -> None:
         """Close the cached connection and sender thread to a peer that left the cluster.
 
         Sends already queued to it run (and fail) first; a later send reconnects.
         """
-        with self._lock:
-            queue = self._senders.forget(address)
-        if queue is not None:
-            queue.put(None)
+        self._endpoint.forget_peer(address)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            threads = self._threads.take()
-            queues = self._senders.take()
-            recs = self._expected.take() + self._sending.take()
-        if self._wake is not None:
-            os.write(self._wake[1], b"x")
-        for queue in queues:
-            queue.put(None)
-        for t in threads:
-            t.join(timeout=self.connect_timeout + 5)
-        for rec in recs:
-            rec.token._fail("backend closed")
-        if self._listener is not None:
-            self._listener.close()
-        if self._wake is not None and not any(t.is_alive() for t in threads):
-            for fd in self._wake:  # (kept open if a thread is stuck, so it never polls a reused fd)
-                os.close(fd)
-            self._wake = None
+        self._endpoint.close(join_timeout=self.connect_timeout + 5)
 
     # -- internals --------------------------------------------------------
     def _require_buffer(self) -> memoryview:
@@ -210,11 +170,11 @@ class TcpTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        accept_loop(self._listener, self._wake[0], self._lock, lambda: self._closed, self._threads,
-                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
+        ep = self._endpoint
+        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads, serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
 
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = Conn(sock, self._wake[0], self.io_timeout)
+        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         idle = self.io_timeout  # a sender connects right before its first transfer: a silent one is dropped
         try:
             while True:
@@ -233,7 +193,7 @@ class TcpTransferBackend:
                 if rec is not None and error is None:  # DONE before the ack, so sender DONE => receiver DONE
                     if not rec.token._advance(TransferState.DONE):
                         error = f"transfer {tid!r} aborted by the receiver"
-                    self._expected.finish(rec)
+                    self._endpoint.expected.finish(rec)
                 conn.send_all([memoryview(pack_ack(tid, error))])
                 if ver != PROTOCOL_VERSION:
                     return
@@ -250,7 +210,7 @@ class TcpTransferBackend:
         """The expected transfer these bytes may be written to, else why they are refused."""
         if ver != PROTOCOL_VERSION:
             return None, f"protocol version {ver} != {PROTOCOL_VERSION}"
-        return self._expected.claim(tid, dst)
+        return self._endpoint.expected.claim(tid, dst)
 
     def _receive(self, conn: Conn, rec: Transfer) -> str | None:
         """recv_into the claimed regions; the error to refuse with, or None when all bytes landed."""
@@ -264,17 +224,17 @@ class TcpTransferBackend:
             return f"transfer {rec.token.transfer_id!r} aborted by the receiver"
         except BaseException as e:
             rec.token._fail("backend closed" if isinstance(e, Closing) else f"receive failed: {e}")
-            self._expected.finish(rec)
+            self._endpoint.expected.finish(rec)
             raise
         return None
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:
-        self._threads.start(send_loop, f"xpyd-tcp-send-{address}", address, queue, self._connect, self._push,
-                            self._sending, log)
+        self._endpoint.threads.start(send_loop, f"xpyd-tcp-send-{address}", address, queue, self._connect,
+                                     self._push, self._endpoint.sending, log)
 
     def _connect(self, address: str) -> Conn:
-        return connect(address, self._wake[0], _setup, self.connect_timeout, self.io_timeout)
+        return connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id

@@ -1,0 +1,98 @@
+"""What a socket backend (tcp, shm) holds from ``register()`` to ``close()``, apart from its pool.
+
+One ``Endpoint`` per backend: its lock and closed flag, the listener and the close pipe (written once
+by ``close()`` to wake every poll), its threads (``listener.Threads``), its per-peer sender queues
+(``sender.Senders``) and its two transfer tables (``table.TransferTable``): ``sending`` and
+``expected``. The backend keeps the pool and what it does with the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+from queue import SimpleQueue
+
+from xpyd.transfer.base import TransferError
+from xpyd.transfer.listener import Threads
+from xpyd.transfer.sender import Senders
+from xpyd.transfer.table import Transfer, TransferTable
+
+
+class Endpoint:
+    """The lifecycle and bookkeeping of one socket backend; its public methods lock as they need."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards closed, listener, wake, threads, senders
+        self.closed = False
+        self.listener: socket.socket | None = None
+        self.wake: tuple[int, int] | None = None  # pipe; written once by close() to wake every poll
+        self.threads = Threads()
+        self.senders = Senders()
+        self.sending = TransferTable("is already being sent")
+        self.expected = TransferTable("is already expected")
+
+    def check_open(self) -> None:
+        """Raise if closed (caller holds ``lock``)."""
+        if self.closed:
+            raise TransferError("backend is closed")
+
+    def listen(self, listener: socket.socket) -> None:
+        """Keep the (bound, listening) socket and open the close pipe (caller holds ``lock``)."""
+        listener.setblocking(False)
+        self.listener = listener
+        self.wake = os.pipe()
+
+    def send(self, job: Transfer, address: str, start_sender: Callable[[str, SimpleQueue], object]) -> None:
+        """Track ``job`` and queue it for the sender thread of ``address`` (started on first use)."""
+        with self.lock:
+            self.check_open()
+            self.sending.add(job)
+            self.senders.submit(address, job, start_sender)
+
+    def expect(self, rec: Transfer) -> None:
+        with self.lock:
+            self.check_open()
+            self.expected.add(rec)
+
+    def abort(self, transfer_id: str) -> None:
+        self.expected.abort(transfer_id)
+        self.sending.abort(transfer_id)
+
+    def outstanding(self) -> set[str]:
+        return self.sending.ids() | self.expected.ids()
+
+    def forget_peer(self, address: str) -> None:
+        with self.lock:
+            queue = self.senders.forget(address)
+        if queue is not None:
+            queue.put(None)
+
+    def close(self, join_timeout: float) -> bool:
+        """Stop every thread, fail every tracked transfer, close the listener; False if already closed.
+
+        The close pipe is kept open if a thread is stuck, so it never polls a reused fd.
+        """
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            threads = self.threads.take()
+            queues = self.senders.take()
+            recs = self.expected.take() + self.sending.take()
+        if self.wake is not None:
+            os.write(self.wake[1], b"x")
+        for queue in queues:
+            queue.put(None)
+        for t in threads:
+            t.join(timeout=join_timeout)
+        for rec in recs:
+            rec.token._fail("backend closed")
+        if self.listener is not None:
+            self.listener.close()
+        if self.wake is not None and not any(t.is_alive() for t in threads):
+            for fd in self.wake:
+                os.close(fd)
+            self.wake = None
+        return True
