@@ -240,6 +240,20 @@ def check_regions(regions: Sequence[Region], buffer_size: int, what: str) -> tup
     return regions, total
 
 
+def check_send_regions(
+    src: Sequence[Region], src_size: int, dst: Sequence[Region], dst_size: int
+) -> tuple[tuple[Region, ...], tuple[Region, ...], int]:
+    """Validate a send's local ``src`` and the peer's ``dst`` regions, which must hold as many bytes.
+
+    Returns both as tuples and that byte count.
+    """
+    src, total = check_regions(src, src_size, "src")
+    dst, dst_total = check_regions(dst, dst_size, "dst")
+    if total != dst_total:
+        raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
+    return src, dst, total
+
+
 def check_buffer(buffer: memoryview) -> memoryview:
     """Return ``buffer`` as a flat writable byte view."""
     if not isinstance(buffer, memoryview):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 
-from xpyd.transfer.base import TransferError
+from xpyd.transfer.base import CompletionToken, Region, TransferError, check_regions
 from xpyd.transfer.listener import Threads
 from xpyd.transfer.sender import Senders
 from xpyd.transfer.table import Transfer, TransferTable
@@ -51,10 +51,14 @@ class Endpoint:
             self.sending.add(job)
             self.senders.submit(address, job, start_sender)
 
-    def expect(self, rec: Transfer) -> None:
+    def expect(self, transfer_id: str, dst: Sequence[Region], buffer_size: int) -> CompletionToken:
+        """Track a transfer into ``dst`` (of a ``buffer_size``-byte pool) announced by ``expect()``."""
+        dst, total = check_regions(dst, buffer_size, "dst")
+        rec = Transfer(CompletionToken(transfer_id), dst, total)
         with self.lock:
             self.check_open()
             self.expected.add(rec)
+        return rec.token
 
     def abort(self, transfer_id: str) -> None:
         self.expected.abort(transfer_id)

@@ -20,6 +20,7 @@ from xpyd.transfer.base import (
     TransferState,
     check_buffer,
     check_regions,
+    check_send_regions,
     check_transfer_id,
 )
 
@@ -79,10 +80,7 @@ class FakeTransferBackend:
         check_transfer_id(transfer_id)
         if not isinstance(peer, BackendDescriptor) or peer.backend != self.name:
             raise ValueError(f"peer must be a fake BackendDescriptor, got {peer!r}")
-        src, total = check_regions(src, self._require_buffer().nbytes, "src")
-        dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
-        if total != dst_total:
-            raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
+        src, dst, _ = check_send_regions(src, self._require_buffer().nbytes, dst, peer.buffer_size)
         self._check_open()
         if transfer_id in self._sending:
             raise TransferError(f"transfer {transfer_id!r} is already being sent")

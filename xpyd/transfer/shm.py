@@ -34,7 +34,7 @@ from xpyd.transfer.base import (
     TransferError,
     TransferState,
     check_buffer,
-    check_regions,
+    check_send_regions,
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
@@ -165,20 +165,14 @@ class ShmTransferBackend:
         if not self.can_send():
             raise TransferError("this shm backend is receive-only: a sender's buffer must be allocate()d "
                                 "in its shared-memory segment")
-        src, total = check_regions(src, buffer.nbytes, "src")
-        dst, dst_total = check_regions(dst, peer.buffer_size, "dst")
-        if total != dst_total:
-            raise ValueError(f"src regions hold {total} bytes but dst regions {dst_total}")
+        src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
         job = Transfer(CompletionToken(transfer_id), src, total, dst)
         self._endpoint.send(job, address, self._start_sender)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
         check_transfer_id(transfer_id)
-        dst, total = check_regions(dst, self._require_buffer().nbytes, "dst")
-        rec = Transfer(CompletionToken(transfer_id), dst, total)
-        self._endpoint.expect(rec)
-        return rec.token
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
@@ -202,7 +196,8 @@ class ShmTransferBackend:
     # -- receiver ---------------------------------------------------------
     def _accept_loop(self) -> None:
         ep = self._endpoint
-        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads, serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
+        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads,
+                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
 
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
