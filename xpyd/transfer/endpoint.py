@@ -8,14 +8,16 @@ by ``close()`` to wake every poll), its threads (``listener.Threads``), its per-
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from queue import SimpleQueue
 
 from xpyd.transfer.base import CompletionToken, Region, TransferError, check_regions
-from xpyd.transfer.listener import Threads
+from xpyd.transfer.listener import Threads, accept_loop
 from xpyd.transfer.sender import Senders
 from xpyd.transfer.table import Transfer, TransferTable
 
@@ -43,6 +45,13 @@ class Endpoint:
         listener.setblocking(False)
         self.listener = listener
         self.wake = os.pipe()
+
+    def start_acceptor(self, name: str, serve: Callable[[socket.socket, tuple], None],
+                       setup: Callable[[socket.socket], None], max_inbound: int, log: logging.Logger) -> None:
+        """Start the thread "xpyd-{name}-accept" (``listener.accept_loop``) after ``listen`` (caller holds ``lock``)."""
+        loop = partial(accept_loop, self.listener, self.wake[0], self.lock, lambda: self.closed, self.threads,
+                       serve=serve, setup=setup, name=name, max_inbound=max_inbound, log=log)
+        self.threads.start(loop, f"xpyd-{name}-accept")
 
     def send(self, job: Transfer, address: str, start_sender: Callable[[str, SimpleQueue], object]) -> None:
         """Track ``job`` and queue it for the sender thread of ``address`` (started on first use)."""

@@ -38,7 +38,6 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
-from xpyd.transfer.listener import accept_loop
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer
@@ -137,7 +136,7 @@ class ShmTransferBackend:
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes,
                                                  offers=((HOST_OFFER, self.host_key),))
-            self._endpoint.threads.start(self._accept_loop, "xpyd-shm-accept")
+            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
         return self._descriptor
 
     @property
@@ -194,11 +193,6 @@ class ShmTransferBackend:
         return self._buffer
 
     # -- receiver ---------------------------------------------------------
-    def _accept_loop(self) -> None:
-        ep = self._endpoint
-        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads,
-                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
-
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         rec: Transfer | None = None

@@ -38,7 +38,6 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
-from xpyd.transfer.listener import accept_loop
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
@@ -115,7 +114,7 @@ class TcpTransferBackend:
             port = listener.getsockname()[1]
             address = format_address(self.advertise_host, port)
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
-            self._endpoint.threads.start(self._accept_loop, "xpyd-tcp-accept")
+            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
         return self._descriptor
 
     @property
@@ -163,11 +162,6 @@ class TcpTransferBackend:
         return self._buffer
 
     # -- receiver ---------------------------------------------------------
-    def _accept_loop(self) -> None:
-        ep = self._endpoint
-        accept_loop(ep.listener, ep.wake[0], ep.lock, lambda: ep.closed, ep.threads,
-                    serve=self._serve, setup=_setup, name=self.name, max_inbound=MAX_INBOUND, log=log)
-
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         idle = self.io_timeout  # a sender connects right before its first transfer: a silent one is dropped
