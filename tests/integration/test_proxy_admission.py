@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import time
 
@@ -21,6 +22,20 @@ from xpyd.discovery.types import Role
 from xpyd.proxy.admission import ApiKey, DecodeQueue
 from xpyd.proxy.app import ProxyConfig
 from xpyd.proxy.main import add_arguments, config_from_args
+
+
+async def until(cond, what: str, timeout: float = 15.0) -> None:
+    """Wait (bounded) until cond() -- a value or an awaitable -- is true."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
 
 KEY = "sk-test-0123456789"
 BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
@@ -109,8 +124,7 @@ async def test_concurrency_limit_is_429_and_frees_up(make_env):
             return r.status, await r.text()
 
     streams = [asyncio.create_task(one(stream)), asyncio.create_task(one(BODY))]
-    while len(env.decode[0].received) < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(env.decode[0].received) >= 2, "both requests at the decode worker")
     async with env.post(BODY) as r:
         assert r.status == 429
         assert r.headers["Retry-After"] == "1"
@@ -136,8 +150,10 @@ async def test_full_decode_workers_queue_then_503(make_env):
         await env.wait_reported(d, 8)
     t0 = time.monotonic()
     waiting = asyncio.create_task(env.complete())
-    while (await env.cluster())["queue"]["waiting"] != 1:
-        await asyncio.sleep(0.01)
+    async def one_waiting() -> bool:
+        return (await env.cluster())["queue"]["waiting"] == 1
+
+    await until(one_waiting, "one request in the queue")
     async with env.http.get(env.url + "/metrics") as r:
         assert "xpyd_proxy_queue_waiting 1.0" in await r.text()
     async with env.post(BODY) as r:  # the queue (1) is full: refused at once
@@ -279,8 +295,7 @@ async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, d
 
     task = asyncio.create_task(request())
     if not stream:
-        while not stalling.received:
-            await asyncio.sleep(0.01)
+        await until(lambda: stalling.received, "the request at the stalling worker")
         stop_at.set_result(None)
     await stop_at
     await asyncio.sleep(0.2)
@@ -386,8 +401,7 @@ async def test_prefill_answering_5xx_does_not_end_requests_waiting_for_its_kv(ma
     await stalling.start()
     await env.wait_for(stalling, "up")
     task = asyncio.create_task(env.complete(stream=False))
-    while not stalling.received:
-        await asyncio.sleep(0.01)
+    await until(lambda: stalling.received, "the request at the stalling worker")
     env.prefill[0].fail_status = 500  # the next request fails on prefill: marked down, but not gone
     async with env.post(BODY) as r:
         assert r.status == 502  # (and prefill was marked down; the poller soon sees it healthy again)
@@ -419,8 +433,7 @@ async def test_non_streaming_request_whose_prefill_died_starts_over_elsewhere(ma
     await decode.start()
     await env.wait_for(decode, "up")
     task = asyncio.create_task(env.complete())
-    while not decode.stalled:
-        await asyncio.sleep(0.01)
+    await until(lambda: decode.stalled, "the decode worker to stall")
     (victim,) = [p for p in env.prefill if p.received]
     t0 = time.monotonic()
     await victim.stop()

@@ -386,7 +386,9 @@ async def test_removed_worker_is_never_chosen_again(make_env):
     keep, gone = env.decode
     keep.delay = gone.delay = 0.3
     in_flight = [asyncio.create_task(env.complete(stream=True)) for _ in range(2)]
+    t0 = time.monotonic()
     while not (gone.received and keep.received):  # two at once: one each
+        assert time.monotonic() - t0 < 15, "both workers should have a request"
         await asyncio.sleep(0.01)
     env.registry.listed.remove(gone)  # while it still serves a request
     assert await asyncio.gather(*in_flight) == [200, 200]
