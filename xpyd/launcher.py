@@ -197,9 +197,10 @@ def run(args: argparse.Namespace) -> int:
                     "--kv-backend", getattr(args, "kv_backend", "auto")]
     decode_args = ["--threads", str(args.decode_threads or threads)]
     if share:
-        from xpyd.engine.cpu_share import remove_board
+        from xpyd.engine.cpu_share import remove_board, sweep_stale_boards
 
-        remove_board(share)  # a stale board from a killed run
+        sweep_stale_boards()  # boards of killed runs
+        remove_board(share)
         common += ["--cpu-share", share]
     proxy_url = f"http://{host}:{args.port}"
 

@@ -104,3 +104,19 @@ def test_slot_of_a_dead_pid_is_claimed(name):
     cpu_share._SLOT.pack_into(first._map, 0, dead, time.monotonic_ns())
     first.pid = -1  # so _claim does not match on our own pid
     assert first._claim() == 0
+
+
+def test_sweep_removes_only_boards_nobody_alive_holds(name, tmp_path):
+    from xpyd.engine.cpu_share import sweep_stale_boards
+
+    live = CpuShare(name, cores=2)  # this process holds a slot
+    dead = tmp_path / "xpyd-cpu-dead"
+    dead.write_bytes(cpu_share._SLOT.pack(2**22 + 7777, 1) + bytes(SLOTS * 16 - 16))  # a pid that is gone
+    empty = tmp_path / "xpyd-cpu-empty"
+    empty.write_bytes(bytes(SLOTS * 16))
+    other = tmp_path / "unrelated"
+    other.write_bytes(b"x")
+    assert sorted(p.name for p in sweep_stale_boards()) == ["xpyd-cpu-dead", "xpyd-cpu-empty"]
+    assert board_path(name).exists() and other.exists()
+    live.close()
+    assert [p.name for p in sweep_stale_boards()] == [f"xpyd-cpu-{name}"]  # closed: our slot is free

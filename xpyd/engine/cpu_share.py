@@ -103,3 +103,21 @@ def remove_board(name: str) -> None:
         board_path(name).unlink()
     except FileNotFoundError:
         pass
+
+
+def sweep_stale_boards() -> list[Path]:
+    """Remove boards no live process holds a slot on (left by a launcher that was SIGKILLed)."""
+    removed = []
+    for path in BOARD_DIR.glob("xpyd-cpu-*"):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        pids = [_SLOT.unpack_from(data, i * _SLOT.size)[0] for i in range(len(data) // _SLOT.size)]
+        if not any(pid and _alive(pid) for pid in pids):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
