@@ -2,9 +2,10 @@
 
 The decode worker learns readiness by polling (`lookup_all`, every 2 ms per prefill worker while requests
 wait). Each poll wakes the prefill worker's signal thread and our engine thread, and on a host with few
-cores every wake-up preempts one of the prefill's compute threads mid-forward: measured on 2 cores, a
-served 256-token prefill took 142 ms with polls from the start and 107 ms with polls held back until it
-could be done (TTFT p50 152 -> 108 ms).
+cores every wake-up preempts one of the prefill's compute threads mid-forward: measured on 2 cores with a
+fixed hand-set schedule, a served 256-token prefill took 142 ms with polls from the start and 107 ms with
+polls held back until it could be done (TTFT p50 152 -> 108 ms); this learned schedule has not yet been
+measured on a quiet machine.
 
 So, per prefill worker, we remember how fast prefills have recently become ready — seconds from the
 request's arrival to "ready" per prompt token, the fastest of the last `window` — and start polling a

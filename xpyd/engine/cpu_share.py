@@ -10,8 +10,8 @@ and every prefill layer: alone it uses the whole machine, side by side each keep
 The "board" is a small file in /dev/shm (a shared page): one slot per worker holding its pid and
 when it last ran a forward pass (CLOCK_MONOTONIC, the same clock in every process). A worker counts
 as busy while that time is less than `window` old. No locks: each worker writes only its own slot,
-and an aligned 8-byte store is read whole. The launcher removes the file when the cluster stops; a
-slot of a dead process is reused.
+and an aligned 8-byte store is read whole. The launcher removes the file when the cluster stops and, at
+start, any board no live process holds (`sweep_stale_boards`); a slot of a dead process is reused.
 """
 
 from __future__ import annotations
