@@ -26,10 +26,8 @@ TIMEOUT = 10.0
 
 
 def _nixl_skip() -> str | None:
-    if importlib.util.find_spec("xpyd.transfer.nixl") is None:
-        return "the nixl backend is not implemented yet (issue 8)"
     if importlib.util.find_spec("nixl") is None:
-        return "nixl is not installed (pip install --no-deps nixl nixl-cu13)"
+        return "NIXL is not installed (pip install --no-deps nixl nixl-cu13)"
     return None
 
 

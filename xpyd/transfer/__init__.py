@@ -24,6 +24,7 @@ _BACKENDS = {
     "shm": ("xpyd.transfer.shm", "ShmTransferBackend"),
     "auto": ("xpyd.transfer.auto", "make_auto_backend"),
     "neuron": ("xpyd.transfer.neuron", "make_neuron_backend"),  # needs torch-neuronx; untested here
+    "nixl": ("xpyd.transfer.nixl_backend", "NixlTransferBackend"),  # needs NIXL (pip install xpyd[nixl])
 }
 
 

@@ -1,0 +1,287 @@
+"""NIXL transfer backend: the receiver READs a request's KV straight out of the sender's pool (one-sided).
+
+Both sides register their whole KV pool with a NIXL agent (UCX backend, see ``nixl_agent``). A
+transfer is pulled, with the same control channel as shm (``nixl_wire``, TCP, length-prefixed
+msgpack): the sender connects to the receiver's listener (the descriptor's address) and says Hello
+with its agent metadata and pool address; per transfer it offers its ``src`` regions, the *receiver*
+claims the transfer it ``expect``ed and posts NIXL READs from the sender's pool into its own ``dst``
+regions (16 MiB per request, each under the transfer's lock, so once ``abort()`` returns no more bytes
+land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
+UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts.
+
+No NIXL progress thread (it spins a core). UCX progresses inside our own calls: the receiver's
+reader thread polls its READ (``check_xfer_state``); the sender's thread, while it waits for a reply
+to its offer, wakes every ``PUMP_INTERVAL`` to pump its agent (UCX connection set-up and, over
+transports without hardware RMA, the emulated READ need the target's progress). Idle, nothing runs.
+
+Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with tcp and shm
+through ``endpoint``): an acceptor, one reader per inbound connection, one sender per peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import socket
+import time
+from queue import SimpleQueue
+from typing import Sequence
+
+import numpy as np
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferError,
+    TransferState,
+    check_buffer,
+    check_send_regions,
+    check_transfer_id,
+)
+from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.nixl_agent import Agent, load, plan
+from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.sender import connect, send_loop
+from xpyd.transfer.table import Transfer
+from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 600.0
+READ_CHUNK = 16 << 20  # bytes per NIXL READ request, i.e. per lock hold (abort latency vs. overhead)
+PUMP_INTERVAL = 0.001  # the sender pumps its agent this often while it waits for a reply
+POLL_SLEEP = 0.0002  # the receiver's pause between polls of a READ still in progress
+MAX_INBOUND = 256
+
+
+def _setup(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class NixlTransferBackend:
+    name = "nixl"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 io_timeout: float = 30.0, advertise_host: str | None = None) -> None:
+        load()  # a clear ImportError (how to install NIXL) before anything else
+        if type(port) is not int or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        if not connect_timeout > 0 or not io_timeout > 0:
+            raise ValueError("connect_timeout and io_timeout must be > 0")
+        if advertise_host is None and host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self._endpoint = Endpoint()
+        self._agent: Agent | None = None
+        self._buffer: memoryview | None = None
+        self._addr = 0  # address of the registered buffer
+        self._descriptor: BackendDescriptor | None = None
+
+    # -- public API -------------------------------------------------------
+    def register(self, buffer: memoryview) -> BackendDescriptor:
+        buffer = check_buffer(buffer)
+        with self._endpoint.lock:
+            self._endpoint.check_open()
+            if self._buffer is not None:
+                raise TransferError("a buffer is already registered with this backend")
+            addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+            agent = Agent(f"xpyd-{os.getpid()}-{secrets.token_hex(6)}")
+            try:
+                agent.register(addr, buffer.nbytes)
+                listener = socket.create_server((self.host, self.port), backlog=128)
+            except BaseException:
+                agent.close()
+                raise
+            self._endpoint.listen(listener)
+            self._agent, self._buffer, self._addr = agent, buffer, addr
+            address = format_address(self.advertise_host, listener.getsockname()[1])
+            self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
+            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
+        return self._descriptor
+
+    @property
+    def descriptor(self) -> BackendDescriptor | None:
+        return self._descriptor
+
+    def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
+             dst: Sequence[Region]) -> CompletionToken:
+        check_transfer_id(transfer_id)
+        if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
+            raise ValueError(f"peer must offer nixl, got {peer!r:.200}")
+        address = peer.offer(self.name)
+        parse_address(address)
+        buffer = self._require_buffer()
+        src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst)
+        self._endpoint.send(job, address, self._start_sender)
+        return job.token
+
+    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+        check_transfer_id(transfer_id)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
+
+    def abort(self, transfer_id: str) -> None:
+        self._endpoint.abort(transfer_id)  # (waits out an in-progress READ request; none follows)
+
+    def outstanding(self) -> set[str]:
+        return self._endpoint.outstanding()
+
+    def forget_peer(self, address: str) -> None:
+        self._endpoint.forget_peer(address)
+
+    def close(self) -> None:
+        if self._endpoint.close(join_timeout=self.connect_timeout + self.io_timeout) and self._agent is not None:
+            self._agent.close()
+
+    # -- internals --------------------------------------------------------
+    def _require_buffer(self) -> memoryview:
+        if self._buffer is None:
+            raise TransferError("register() a buffer first")
+        return self._buffer
+
+    # -- receiver ---------------------------------------------------------
+    def _serve(self, sock: socket.socket, addr) -> None:
+        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
+        rec: Transfer | None = None
+        peer: str | None = None
+        try:
+            hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
+            error = None
+            if hello.version != PROTOCOL_VERSION:
+                error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
+            else:
+                try:
+                    peer = self._agent.add_peer(hello.metadata)
+                except Exception as e:  # NIXL rejects the metadata
+                    error = f"cannot load the sender's NIXL metadata: {e or type(e).__name__}"
+            conn.send_all([memoryview(Reply(error is None, error).pack())])
+            if error is not None:
+                log.warning("refused nixl peer %s: %s", addr, error)
+                return
+            while True:
+                frame = conn.read_frame(MAX_FRAME, first_byte_timeout=IDLE_TIMEOUT)
+                if frame is None:
+                    return
+                offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
+                rec, error = self._endpoint.expected.claim(offer.transfer_id, offer.dst)
+                if rec is not None:
+                    error = self._read(rec, peer, hello.addr, offer)
+                conn.send_all([memoryview(Reply(error is None, error).pack())])
+                if error is not None:
+                    log.warning("refused transfer %r from %s: %s", offer.transfer_id, addr, error)
+                    if rec is not None:  # the READ failed: the transfer is over
+                        self._endpoint.expected.finish(rec)
+                        rec = None
+                    continue
+                commit = Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id)
+                if not commit.ok:
+                    error = f"transfer {offer.transfer_id!r} aborted by the sender"
+                    rec.token._fail(error)
+                elif not rec.token._advance(TransferState.DONE):
+                    error = f"transfer {offer.transfer_id!r} aborted by the receiver"
+                self._endpoint.expected.finish(rec)
+                rec = None
+                conn.send_all([memoryview(Reply(error is None, error).pack())])
+        except Closing:
+            return
+        except (ProtocolError, OSError) as e:
+            log.warning("dropping nixl connection from %s: %s", addr, e)
+        except Exception:
+            log.exception("dropping nixl connection from %s", addr)
+        finally:
+            if rec is not None:  # the sender vanished mid-transfer
+                rec.token._fail("sender connection lost mid-transfer")
+                self._endpoint.expected.finish(rec)
+            if peer is not None:
+                self._agent.drop_peer(peer)
+            sock.close()
+
+    def _read(self, rec: Transfer, peer: str, src_addr: int, offer: Offer) -> str | None:
+        """READ the offer's src into the claimed transfer's dst, request by request; None or why it failed."""
+        rec.token._advance(TransferState.TRANSFERRING)
+        for pieces in plan(offer.src, rec.regions, READ_CHUNK):
+            with rec.lock:
+                if rec.token.finished():
+                    return f"transfer {offer.transfer_id!r} aborted by the receiver"
+                error = self._read_one(peer, pieces, src_addr)
+                if error is not None:
+                    rec.token._fail(error)
+                    return error
+        return None
+
+    def _read_one(self, peer: str, pieces, src_addr: int) -> str | None:
+        handle, state = self._agent.read(peer, pieces, src_addr, self._addr)
+        if handle is None:
+            return state
+        try:
+            deadline = time.monotonic() + self.io_timeout
+            polls = 0
+            while state == "PROC":
+                if self._endpoint.closed:
+                    return "backend closed"
+                if time.monotonic() > deadline:
+                    return f"NIXL READ made no progress within {self.io_timeout:g}s"
+                time.sleep(0 if polls < 20 else POLL_SLEEP)  # (cma READs finish inside transfer())
+                polls += 1
+                state = self._agent.state(handle)
+            return None if state == "DONE" else f"NIXL READ failed: {state}"
+        finally:
+            self._agent.release(handle)
+
+    # -- sender -----------------------------------------------------------
+    def _start_sender(self, address: str, queue: SimpleQueue) -> None:
+        self._endpoint.threads.start(send_loop, f"xpyd-nixl-send-{address}", address, queue, self._connect,
+                                     self._push, self._endpoint.sending, log)
+
+    def _reply(self, conn: Conn) -> Reply:
+        """The peer's next reply; pumps our agent while waiting (the peer may be READing from us)."""
+        deadline = time.monotonic() + self.io_timeout
+        while True:
+            try:
+                conn.wait(select.POLLIN, PUMP_INTERVAL)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no reply within {self.io_timeout:g}s") from None
+                self._agent.pump()
+        return Reply.parse(conn.read_frame(MAX_FRAME))
+
+    def _connect(self, address: str) -> Conn:
+        conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
+        try:
+            hello = Hello(PROTOCOL_VERSION, self._agent.name, self._agent.metadata(), self._addr,
+                          self._buffer.nbytes)
+            conn.send_all([memoryview(hello.pack())])
+            reply = self._reply(conn)
+            if not reply.ok:
+                raise ConnectionError(f"refused: {reply.error}")
+            log.info("nixl transfer: connected to %s as NIXL agent %s", address, self._agent.name)
+            return conn
+        except BaseException:
+            conn.sock.close()
+            raise
+
+    def _push(self, conn: Conn, job: Transfer, address: str) -> None:
+        tid = job.token.transfer_id
+        if not job.token._advance(TransferState.TRANSFERRING):
+            return
+        conn.send_all([memoryview(Offer(tid, job.regions, job.dst).pack())])
+        reply = self._reply(conn)
+        if not reply.ok:
+            job.token._fail(f"refused by {address}: {reply.error}")
+            return
+        with job.lock:
+            ok = not job.token.finished()  # aborted while the peer read: its copy is void
+        conn.send_all([memoryview(Commit(tid, ok).pack())])
+        reply = self._reply(conn)
+        if ok and reply.ok:
+            job.token._advance(TransferState.DONE)
+        elif ok:
+            job.token._fail(f"refused by {address}: {reply.error}")
