@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -40,8 +42,18 @@ def test_each_name_builds_its_backend_and_places_the_prefill_pool(name, backend,
         t.close()
 
 
-def test_nixl_and_neuron_refuse_with_a_reason():
-    with pytest.raises(NotImplementedError, match="nixl is not implemented"):
+def test_nixl_builds_when_installed_and_refuses_with_the_pip_command_otherwise(monkeypatch):
+    if importlib.util.find_spec("nixl") is not None:
+        t = make_worker_backend("nixl", "127.0.0.1", 0, None)
+        try:
+            assert t.register(memoryview(bytearray(4096))).backend == "nixl"
+        finally:
+            t.close()
+    monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'xpyd\[nixl\]'.*--no-deps nixl nixl-cu13"):
         make_worker_backend("nixl", "127.0.0.1", 0, None)
+
+
+def test_neuron_refuses_with_a_reason():
     with pytest.raises((ImportError, NotImplementedError), match="torch-neuronx|device memory"):
         make_worker_backend("neuron", "127.0.0.1", 0, None)

@@ -2,7 +2,8 @@
 
 - ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the prefill pool
   lives in a /dev/shm segment). ``neuron``: needs torch-neuronx and a pool in Neuron device memory
-  (untested here; refuses to start). ``nixl``: not implemented yet (refuses to start).
+  (untested here; refuses to start). ``nixl``: NVIDIA NIXL over UCX, any host (needs ``pip install
+  xpyd[nixl]``; without it the worker refuses to start and says so).
 - ``auto`` (default): tcp plus shm. The worker's descriptor is its tcp one and also offers shm with
   its host key; the *sending* (prefill) side picks shm when the receiver offers it on the same host,
   tcp otherwise. If no segment can be created (no /dev/shm, too small), ``auto`` runs tcp only.
@@ -32,7 +33,7 @@ def check_kv_backend(name: str) -> str:
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port``."""
     check_kv_backend(name)
-    if name == "tcp":
+    if name in ("tcp", "nixl"):  # (nixl: an ImportError naming the pip command when NIXL is missing)
         return make_backend(name, host=host, port=port, advertise_host=advertise_host)
     if name in ("shm", "auto"):  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
         tag = str(port) if port else None
@@ -42,7 +43,7 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
 
         raise NotImplementedError("--kv-backend neuron needs the KV pool in Neuron device memory, which the "
                                   "workers do not allocate yet (device-agnostic engine); see docs/transfer.md")
-    raise NotImplementedError("--kv-backend nixl is not implemented yet (see docs/transfer.md); use auto, tcp or shm")
+    raise ValueError(f"unhandled --kv-backend {name!r}")
 
 
 def adopt_pool(transfer, runner) -> None:
