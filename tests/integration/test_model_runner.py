@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from xpyd.engine.llama_fast import FastLlama
 from xpyd.engine.model_runner import ModelRunner, UnsupportedModel
 from xpyd.engine.tokenizer import encode_chat, encode_prompt, load_tokenizer
 
@@ -342,12 +343,14 @@ def test_unsupported_architectures_are_refused(tmp_path):
         ModelRunner(tmp_path / "mistral", torch.float32, num_slots=1, max_seq_len=64)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("chosen", [[0, 1, 2], [2, 0, 1], [1, 4, 6], [0, 7]],
                          ids=["in-order", "out-of-order", "window-with-idle-rows", "per-request"])
-def test_batched_decode_over_any_slot_layout_equals_single_requests(tiny_model_dir, chosen):
+def test_batched_decode_over_any_slot_layout_equals_single_requests(tiny_model_dir, chosen, attention):
     """The batch attends over a window of neighbouring slots (idle rows masked out and dropped) or,
     when the slots are far apart, per request; either way each request sees only its own KV."""
     runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=8, max_seq_len=64)
+    runner.fast_path.decode_attention = attention
     slots = [runner.pool.allocate() for _ in range(8)]
     for slot in slots:  # stale KV everywhere, which the masks must ignore
         runner.prefill(slot, prompt_of(30, 40 + slot))
@@ -358,3 +361,22 @@ def test_batched_decode_over_any_slot_layout_equals_single_requests(tiny_model_d
         runner.pool.set_num_tokens(s, len(prompts[s]))
         alone = runner.decode([s], [first[s]], [len(prompts[s])])[0]
         torch.testing.assert_close(batched[i], alone, rtol=1e-4, atol=1e-4)  # M=1 vs M=B GEMMs round apart
+
+
+def test_matmul_decode_attention_equals_sdpa(tiny_model_dir):
+    """The matmul attention (bfloat16's default) computes what SDPA does, for single and batched steps."""
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=4, max_seq_len=64)
+    assert runner.fast_path.decode_attention == "sdpa"  # float32 keeps transformers' kernel
+    slots = [runner.pool.allocate() for _ in range(3)]
+    prompts = [prompt_of(7 + 9 * i, 60 + i) for i in range(3)]
+    first = [int(runner.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
+    positions = [len(p) for p in prompts]
+    results = {}
+    for attention in ("sdpa", "matmul"):
+        runner.fast_path.decode_attention = attention
+        results[attention] = [runner.decode(slots, first, positions), runner.decode(slots[1:2], first[1:2], positions[1:2])]
+    for a, b in zip(results["sdpa"], results["matmul"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert ModelRunner(tiny_model_dir, torch.bfloat16, num_slots=1, max_seq_len=64).fast_path.decode_attention == "matmul"
+    with pytest.raises(ValueError, match="decode_attention"):
+        FastLlama(runner.model, 64, torch.float32, decode_attention="flash")

@@ -121,7 +121,8 @@ def _nothing() -> None:
 
 
 class FastLlama:
-    def __init__(self, model, max_len: int, dtype: torch.dtype, pack: bool | None = None) -> None:
+    def __init__(self, model, max_len: int, dtype: torch.dtype, pack: bool | None = None,
+                 decode_attention: str | None = None) -> None:
         reason = why_not_covered(model)
         if reason is not None:
             raise ValueError(f"fast path does not cover this model: {reason}")
@@ -129,6 +130,14 @@ class FastLlama:
         if pack is None:
             pack = dtype == torch.bfloat16 and _onednn_bf16_ok()
         self.dtype = dtype
+        # Decode attention: "matmul" (two float32 bmm's and a softmax) or "sdpa" (torch's fused kernel).
+        # For one query token the fused CPU kernel is 3-4x slower than the matmuls (measured), so
+        # reduced precision uses the matmuls; float32 keeps SDPA, what transformers itself runs.
+        if decode_attention is None:
+            decode_attention = "sdpa" if dtype == torch.float32 else "matmul"
+        if decode_attention not in ("matmul", "sdpa"):
+            raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', not {decode_attention!r}")
+        self.decode_attention = decode_attention
         self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -213,24 +222,26 @@ class FastLlama:
             self.on_layer()
             qkv = layer.qkv(_rms_norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
-            attn = attend(index, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])  # [B, heads, 1, hd]
+            attn = attend(index, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])  # [B, heads, hd]
             x = x + layer.o(attn.reshape(batch, nh * hd))
             x = self._mlp(layer, x)
         return self.logits(x)
 
     def _attention_plan(self, pool, slots, positions, pos_t):
-        """A function (layer, q, k_new, v_new) -> attention output that also writes k/v into the pool.
+        """A function (layer, q, k_new, v_new) -> attention output [B, heads, hd] that also writes k/v
+        into the pool.
 
-        Batched when the batch's slots sit close together: one attention call per layer over the window
-        of slots [lo, hi) and positions [0, longest), each row masked to its own live length (rows of
-        slots outside the batch attend to their position 0 and are dropped). Otherwise one call per
-        request over a view of its live KV. Either way nothing is copied out of the pool.
+        Batched when the batch's slots sit close together: one attention over the window of slots
+        [lo, hi) and positions [0, longest), each row masked to its own live length (rows of slots
+        outside the batch attend to their position 0 and are dropped). Otherwise one attention per
+        request over a view of its live KV. Either way the pool is only read, never rearranged.
         """
-        batch, scale = len(slots), self.scale
+        batch = len(slots)
         lo, hi = min(slots), max(slots) + 1
         if batch == 1 or hi - lo > 2 * batch:
             live = [pool[s, : p + 1].permute(1, 2, 3, 0, 4) for s, p in zip(slots, positions)]
             new = [pool[s, p] for s, p in zip(slots, positions)]  # [layers, 2, kv_heads, hd]
+            attend_one = self._matmul_attention if self.decode_attention == "matmul" else self._sdpa_attention
 
             def per_request(index, q, k_new, v_new):
                 outs = []
@@ -238,11 +249,8 @@ class FastLlama:
                     slot_kv = new[i][index]
                     slot_kv[0].copy_(k_new[i])
                     slot_kv[1].copy_(v_new[i])
-                    keys, values = live[i][index]
-                    outs.append(F.scaled_dot_product_attention(
-                        q[i : i + 1].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0),
-                        scale=scale, enable_gqa=True,
-                    ))
+                    keys, values = live[i][index]  # [kv_heads, n, hd] each
+                    outs.append(attend_one(q[i : i + 1], keys.unsqueeze(0), values.unsqueeze(0), None))
                 return torch.cat(outs) if batch > 1 else outs[0]
 
             return per_request
@@ -255,19 +263,40 @@ class FastLlama:
         row_pos = torch.zeros(rows_n, dtype=torch.long)
         row_pos[rows] = pos_t
         mask = (torch.arange(length) <= row_pos.unsqueeze(1)).view(rows_n, 1, 1, length)
+        if self.decode_attention == "matmul":
+            attend_rows = self._matmul_attention
+            mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive, float32
+        else:
+            attend_rows = self._sdpa_attention
 
         def windowed(index, q, k_new, v_new):
             pool[slot_t, pos_t, index, 0] = k_new
             pool[slot_t, pos_t, index, 1] = v_new
-            q = q.unsqueeze(2)  # [B, heads, 1, hd]
             if not in_order:
                 padded = q.new_zeros((rows_n, *q.shape[1:]))
                 padded[rows] = q
                 q = padded
-            out = F.scaled_dot_product_attention(
-                q, window[:, :, index, 0].transpose(1, 2), window[:, :, index, 1].transpose(1, 2),
-                attn_mask=mask, scale=scale, enable_gqa=True,
-            )
+            out = attend_rows(q, window[:, :, index, 0].transpose(1, 2), window[:, :, index, 1].transpose(1, 2), mask)
             return out if in_order else out[rows]
 
         return windowed
+
+    def _sdpa_attention(self, q, keys, values, mask):
+        """q [R, heads, hd]; keys/values [R, kv_heads, n, hd] (any strides) -> [R, heads, hd]."""
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+
+    def _matmul_attention(self, q, keys, values, mask):
+        """The same as `_sdpa_attention`, as two float32 matmuls around a softmax (mask: additive or None).
+
+        Heads are grouped per KV head ([R, kv_heads, group, hd]), so K/V are read once per KV head, and
+        both are copied once out of the strided pool into float32 (a few hundred KB per layer).
+        """
+        rows, kv_heads = q.shape[0], self.num_kv_heads
+        grouped = q.reshape(rows, kv_heads, -1, self.head_dim).float()
+        scores = torch.matmul(grouped, keys.float().transpose(2, 3)).mul_(self.scale)  # [R, kvh, group, n]
+        if mask is not None:
+            scores.add_(mask)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values.float()).view(rows, -1, self.head_dim).to(q.dtype)

@@ -84,6 +84,11 @@ class ModelRunner:
     def fast_path_active(self) -> bool:
         return self._use_fast
 
+    @property
+    def fast_path(self) -> FastLlama | None:
+        """The lean forward, when it covers the model (its knobs, e.g. `decode_attention`, are settable)."""
+        return self._fast
+
     def use_fast_path(self, enabled: bool) -> None:
         """Switch between the lean forward and the general (HF-module) path, e.g. to compare them."""
         if enabled and self._fast is None:
