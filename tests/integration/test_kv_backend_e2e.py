@@ -8,12 +8,14 @@ gone after a clean stop.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
 
 from tests.cluster import Cluster, free_port
 from xpyd.signal.request_id import RequestId
@@ -79,3 +81,30 @@ def test_shm_and_tcp_decode_give_the_same_tokens(tmp_path: Path, tiny_model_dir:
         c.stop()
     pids = [pproc.popen.pid] + [p.popen.pid for _, p in decodes.values()]
     assert [s for pid in pids for s in _segments(pid)] == []  # unlinked on a clean exit
+
+
+def _pair_tokens(tmp_path: Path, model: Path, kind: str, prompt: str, n: int) -> tuple[list[str], str]:
+    """Start a prefill and a decode worker with ``--kv-backend kind``, generate once, stop; (tokens, prefill log)."""
+    (tmp_path / kind).mkdir()
+    c = Cluster(tmp_path / kind)
+    common = ["--model", str(model), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+              "--batch-size", "2", "--kv-backend", kind]
+    pp, ps, dp = free_port(), free_port(), free_port()
+    prefill, signal, decode = f"http://127.0.0.1:{pp}", f"127.0.0.1:{ps}", f"http://127.0.0.1:{dp}"
+    pproc = c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], prefill)
+    c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(free_port())], decode)
+    try:
+        c.wait_healthy()
+        return _generate(prefill, signal, decode, prompt, n), pproc.log.read_text(errors="replace")
+    finally:
+        c.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                    reason="NIXL is not installed (pip install --no-deps nixl nixl-cu13)")
+def test_nixl_pair_gives_the_tokens_of_a_tcp_pair(tmp_path: Path, tiny_model_dir: Path):
+    prompt = "The quick brown fox jumps over the lazy dog, and then it"
+    via_nixl, log = _pair_tokens(tmp_path, tiny_model_dir, "nixl", prompt, 12)
+    assert log.count("nixl transfer: connected to") == 1  # the KV really moved by NIXL READ
+    via_tcp, _ = _pair_tokens(tmp_path, tiny_model_dir, "tcp", prompt, 12)
+    assert via_nixl == via_tcp and via_tcp[1]
