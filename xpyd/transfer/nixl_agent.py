@@ -95,18 +95,24 @@ class Agent:
         self._reg = None
         self._peers: dict[str, int] = {}  # loaded remote agent -> connections using it
 
+    def _live(self):
+        """The NIXL agent (caller holds the lock); raises once ``close()`` dropped it."""
+        if self._agent is None:
+            raise RuntimeError("the NIXL agent is closed")
+        return self._agent
+
     def register(self, addr: int, size: int) -> None:
         with self._lock:
-            self._reg = self._agent.register_memory([(addr, size, 0, "")], "DRAM")
+            self._reg = self._live().register_memory([(addr, size, 0, "")], "DRAM")
 
     def metadata(self) -> bytes:
         with self._lock:
-            return self._agent.get_agent_metadata()
+            return self._live().get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a remote agent's metadata (once per agent, counted per connection); its name."""
         with self._lock:
-            name = self._agent.add_remote_agent(metadata)
+            name = self._live().add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else name
             self._peers[name] = self._peers.get(name, 0) + 1
             return name
@@ -119,6 +125,8 @@ class Agent:
                 self._peers[name] = left
                 return
             self._peers.pop(name, None)
+            if self._agent is None:
+                return
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as e:  # a dead peer's endpoint may already be gone
@@ -127,14 +135,15 @@ class Agent:
     def read(self, peer: str, pieces: Sequence[Piece], src_base: int, dst_base: int):
         """Post one READ of ``pieces`` from ``peer``'s memory into ours; (handle, "DONE"|"PROC"|"ERR ...")."""
         with self._lock:
-            local = self._agent.get_xfer_descs(_descs(pieces, 1, dst_base), "DRAM")
-            remote = self._agent.get_xfer_descs(_descs(pieces, 0, src_base), "DRAM")
+            agent = self._live()
+            local = agent.get_xfer_descs(_descs(pieces, 1, dst_base), "DRAM")
+            remote = agent.get_xfer_descs(_descs(pieces, 0, src_base), "DRAM")
             try:
-                handle = self._agent.initialize_xfer("READ", local, remote, peer, b"")
+                handle = agent.initialize_xfer("READ", local, remote, peer, b"")
             except Exception as e:
                 return None, f"ERR cannot create the READ: {e or type(e).__name__}"
             try:
-                return handle, self._agent.transfer(handle)
+                return handle, agent.transfer(handle)
             except Exception as e:
                 return handle, f"ERR {e or type(e).__name__}"
 
@@ -142,13 +151,15 @@ class Agent:
         """"DONE", "PROC" or "ERR ..." of a posted READ (also makes UCX progress)."""
         with self._lock:
             try:
-                return self._agent.check_xfer_state(handle)
+                return self._live().check_xfer_state(handle)
             except Exception as e:  # e.g. nixlRemoteDisconnectError when the peer died
                 return f"ERR {e or type(e).__name__}"
 
     def release(self, handle) -> None:
         """Free a READ handle (NIXL cancels it if still active; if it cannot, NIXL keeps it until the agent goes)."""
         with self._lock:
+            if self._agent is None:  # (dropped with the agent)
+                return
             try:
                 handle.release()
             except Exception as e:
@@ -163,6 +174,8 @@ class Agent:
     def close(self) -> None:
         """Forget every peer, deregister the buffer, drop the agent (its UCX worker goes with it)."""
         with self._lock:
+            if self._agent is None:
+                return
             for name in list(self._peers):
                 try:
                     self._agent.remove_remote_agent(name)

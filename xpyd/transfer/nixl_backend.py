@@ -137,7 +137,7 @@ class NixlTransferBackend:
         self._endpoint.forget_peer(address)
 
     def close(self) -> None:
-        if self._endpoint.close(join_timeout=self.connect_timeout + self.io_timeout) and self._agent is not None:
+        if self._endpoint.close(join_timeout=self.connect_timeout + 5) and self._agent is not None:
             self._agent.close()
 
     # -- internals --------------------------------------------------------
