@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from dataclasses import dataclass
 
-import os
-
 DTYPES = ("float32", "bfloat16")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class WorkerConfig:
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
+    device: str = "cpu"  # torch device of the model and KV pool: cpu | cuda | cuda:N (docs/devices.md)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -76,6 +78,11 @@ class WorkerConfig:
         from xpyd.transfer.selection import check_kv_backend
 
         check_kv_backend(self.kv_backend)
+        check_device(self.device)
+        if self.device != "cpu" and self.kv_backend == "nixl" and self.role != "colocated":
+            raise ValueError("--kv-backend nixl with a GPU pool needs NIXL to register device memory, which the "
+                             "nixl backend does not do yet; use tcp, shm or auto (they stage through host "
+                             "memory, see docs/devices.md)")
 
     @property
     def public_host(self) -> str:
@@ -129,9 +136,34 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--cpu-share", default=None, metavar="NAME",
                         help="share this host's cores with the other workers started with the same NAME: "
                              "use up to --threads threads, fewer while the others are busy (one core each)")
+    parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                        help="torch device of the model and KV pool (default cpu; only cpu is tested, "
+                             "see docs/devices.md)")
     parser.add_argument("--nice", type=int, default=0,
                         help="raise this process's niceness (0-19) so that other roles on the same cores "
                              "win the CPU when both are busy")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it names a device this process can use: "cpu", "cuda" or "cuda:N"; ValueError otherwise.
+
+    Imports torch only for a non-CPU device (to ask CUDA whether it is there).
+    """
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    if device == "cpu":
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}, "
+                         f"{built}; torch.cuda.is_available() is False); use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return device
 
 
 def _is_host_port(text: str) -> bool:
@@ -153,4 +185,5 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
         cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
         cpu_share=args.cpu_share, kv_backend=getattr(args, "kv_backend", "auto"),
+        device=getattr(args, "device", "cpu"),
     )
