@@ -3,6 +3,10 @@
 Shape `[num_slots, max_seq_len, num_layers, 2 (K/V), num_kv_heads, head_dim]`: token-major inside a
 slot, so a request's KV for its first n tokens is ONE contiguous byte range of the pool. The transfer
 engine sends or receives that range straight from/into the pool (`buffer()` + `region()`), no staging.
+
+The pool lives on a torch device (CPU by default). A pool on another device (a GPU) is not host memory:
+its `buffer()` is the host staging copy that `xpyd.engine.kv_staging` attaches (same offsets), and the
+staging transfer wrapper copies each request's region between the two.
 """
 
 from __future__ import annotations
@@ -79,11 +83,20 @@ class PoolFull(Exception):
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, buffer: memoryview | None = None) -> None:
+    def __init__(self, layout: KVLayout, buffer: memoryview | None = None,
+                 device: torch.device | str | None = None) -> None:
         """``buffer``: optional writable memory of exactly ``layout.total_bytes`` to hold the pool (e.g. a
-        shared-memory segment from the shm transfer backend); it is zeroed here and must outlive the pool."""
+        shared-memory segment from the shm transfer backend); it is zeroed here and must outlive the pool.
+        ``device``: where the pool lives (default CPU); ``buffer`` is host memory, so CPU only."""
         self.layout = layout
-        if buffer is None:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.staging = None  # kv_staging.HostStaging: the host copy a non-CPU pool's transfers go through
+        if self.device.type != "cpu":
+            if buffer is not None:
+                raise ValueError(f"a KVPool on {self.device} cannot live in a host buffer (it stages through "
+                                 "one instead: xpyd.engine.kv_staging)")
+            self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=self.device)
+        elif buffer is None:
             self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
         else:
             if not isinstance(buffer, memoryview) or buffer.readonly or not buffer.c_contiguous:
@@ -97,7 +110,14 @@ class KVPool:
         self._tokens: dict[int, int] = {}  # allocated slot -> tokens held
 
     def buffer(self) -> memoryview:
-        """Writable uint8 view of the whole pool, sharing its memory (for the transfer engine)."""
+        """Writable uint8 view of the whole pool, sharing its memory (for the transfer engine).
+
+        With a staging copy attached (a pool on a GPU), the view of that host copy instead."""
+        if self.staging is not None:
+            return self.staging.buffer()
+        if self.device.type != "cpu":
+            raise ValueError(f"the KV pool on {self.device} is not host memory: attach a host staging copy "
+                             "first (xpyd.engine.kv_staging.stage_pool)")
         flat = self.tensor.view(-1).view(torch.uint8).numpy()  # numpy keeps the tensor alive
         return memoryview(flat)
 

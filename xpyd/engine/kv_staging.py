@@ -1,0 +1,222 @@
+"""Host staging for a KV pool that is not host memory (a pool on a GPU) under the tcp and shm backends.
+
+Those backends move bytes between host buffers. For a pool on a device the worker keeps a host copy of
+the pool's bytes at the same offsets (`HostStaging`; pinned when it allocates it, the shm segment when
+the backend provides one), registers that copy with the backend, and wraps the backend in
+`StagedTransfer`:
+
+- send: the request's source regions are copied device -> host, then the backend sends them;
+- expect: the backend receives into the host copy; once its token is DONE, the first poll of the
+  returned token copies those regions host -> device and only then reports DONE.
+
+Offsets, descriptors and the wire are unchanged: a peer cannot tell a staged pool from a CPU one.
+Copies are synchronous, on the thread that calls `send` or polls the token. nixl does not stage (it
+would register the device pool itself; not implemented, see docs/devices.md). A CPU pool never stages,
+except in tests that force it to prove the round trip.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferState,
+    check_buffer,
+    check_regions,
+)
+
+
+class HostStaging:
+    """A host copy of a pool tensor's bytes, region for region at the same offsets."""
+
+    def __init__(self, pool_tensor: torch.Tensor, buffer: memoryview | None = None, pin: bool | None = None) -> None:
+        """``buffer``: host memory of the pool's size to stage in (e.g. the shm segment); else allocated
+        here, pinned (page-locked, for fast device copies) when ``pin`` (default: on a CUDA pool)."""
+        if not pool_tensor.is_contiguous():
+            raise ValueError("the staged pool tensor must be contiguous")
+        self._device = pool_tensor.view(-1).view(torch.uint8)
+        size = self._device.numel()
+        if buffer is None:
+            if pin is None:
+                pin = pool_tensor.device.type == "cuda"
+            self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
+        else:
+            buffer = check_buffer(buffer)
+            if buffer.nbytes != size:
+                raise ValueError(f"staging buffer holds {buffer.nbytes} bytes, the pool {size}")
+            self._host = torch.frombuffer(buffer, dtype=torch.uint8)
+        self._view = memoryview(self._host.numpy())  # numpy keeps the tensor alive
+
+    @property
+    def nbytes(self) -> int:
+        return self._view.nbytes
+
+    def buffer(self) -> memoryview:
+        """The host copy, as the writable byte view a transfer backend registers."""
+        return self._view
+
+    def to_host(self, regions: Sequence[Region]) -> None:
+        """Copy ``regions`` of the pool into the host copy (before they are sent)."""
+        regions, _ = check_regions(regions, self.nbytes, "staged")
+        for r in regions:
+            self._host[r.offset : r.end].copy_(self._device[r.offset : r.end])
+
+    def to_device(self, regions: Sequence[Region]) -> None:
+        """Copy ``regions`` of the host copy into the pool (after they were received)."""
+        regions, _ = check_regions(regions, self.nbytes, "staged")
+        for r in regions:
+            self._device[r.offset : r.end].copy_(self._host[r.offset : r.end])
+
+
+def stage_pool(pool, buffer: memoryview | None = None, pin: bool | None = None) -> HostStaging:
+    """Attach a host staging copy to ``pool`` (a `KVPool`); ``pool.buffer()`` is that copy from now on."""
+    if pool.staging is not None:
+        raise ValueError("this KV pool already has a staging copy")
+    pool.staging = HostStaging(pool.tensor, buffer, pin)
+    return pool.staging
+
+
+def stage_transfer(transfer, pool, sender: bool) -> "StagedTransfer":
+    """Wrap a worker's tcp/shm/auto ``transfer`` for its ``pool`` on a device; before the engine is built.
+
+    ``sender`` (prefill): the host copy is the memory the backend provides for sending, if any (shm: its
+    segment, exactly as `xpyd.transfer.selection.adopt_pool` puts a CPU pool there); else pinned memory.
+    """
+    buffer = _backend_host_memory(transfer, pool.layout) if sender else None
+    return StagedTransfer(transfer, stage_pool(pool, buffer))
+
+
+def _backend_host_memory(transfer, layout) -> memoryview | None:
+    from xpyd.transfer.selection import adopt_pool
+
+    # adopt_pool reads `runner.pool.layout` and, when the backend hands out memory, replaces
+    # `runner.pool` with a CPU pool over it: reuse its policy (auto falls back to tcp) for the host copy.
+    holder = SimpleNamespace(pool=SimpleNamespace(layout=layout))
+    placeholder = holder.pool
+    adopt_pool(transfer, holder)
+    return None if holder.pool is placeholder else holder.pool.buffer()
+
+
+class _LandingToken(CompletionToken):
+    """A receive token that reports DONE only after the received bytes were copied into the device pool."""
+
+    __slots__ = ("_inner", "_regions", "_owner", "_landing")
+
+    def __init__(self, inner: CompletionToken, regions: tuple[Region, ...], owner: "StagedTransfer") -> None:
+        super().__init__(inner.transfer_id)
+        self._inner = inner
+        self._regions = regions
+        self._owner = owner
+        self._landing = threading.Lock()  # one copy into the pool, never after an abort
+
+    def _sync(self) -> None:
+        if CompletionToken.finished(self):
+            return
+        with self._landing:
+            if CompletionToken.finished(self):
+                return
+            state = self._inner.state()
+            if state is TransferState.DONE:
+                try:
+                    self._owner.staging.to_device(self._regions)
+                except Exception as e:  # (a device error): the request fails, the worker keeps going
+                    self._fail(f"copying the received KV into the device pool failed: {e}")
+                else:
+                    self._advance(TransferState.DONE)
+            elif state is TransferState.FAILED:
+                self._fail(self._inner.error or "failed")
+            elif state is TransferState.TRANSFERRING and CompletionToken.state(self) is TransferState.PENDING:
+                self._advance(TransferState.TRANSFERRING)
+        if CompletionToken.finished(self):
+            self._owner._settle(self.transfer_id, self)
+
+    def _abort(self, reason: str) -> None:
+        with self._landing:
+            self._fail(reason)
+
+    def state(self) -> TransferState:
+        self._sync()
+        return CompletionToken.state(self)
+
+    def done(self) -> bool:
+        return self.state() is TransferState.DONE
+
+    def failed(self) -> bool:
+        return self.state() is TransferState.FAILED
+
+    def finished(self) -> bool:
+        self._sync()
+        return CompletionToken.finished(self)
+
+    @property
+    def error(self) -> str | None:
+        self._sync()
+        return self._error
+
+    def wait(self, timeout: float) -> bool:
+        self._inner.wait(timeout)
+        return self.finished()
+
+
+class StagedTransfer:
+    """A `TransferBackend` around another one, for a pool whose bytes live in a `HostStaging` copy."""
+
+    def __init__(self, inner, staging: HostStaging) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.staging = staging
+        self._lock = threading.Lock()
+        self._receiving: dict[str, _LandingToken] = {}  # expected, not yet landed or failed
+
+    def register(self, buffer: memoryview) -> BackendDescriptor:
+        """Register the host copy (what the pool's `buffer()` returns once staged)."""
+        if check_buffer(buffer).nbytes != self.staging.nbytes:
+            raise ValueError(f"registered buffer holds {buffer.nbytes} bytes, the staged pool "
+                             f"{self.staging.nbytes}")
+        return self.inner.register(buffer)
+
+    def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
+             dst: Sequence[Region]) -> CompletionToken:
+        self.staging.to_host(src)  # the pool's bytes are final: the forward that wrote them has run
+        return self.inner.send(transfer_id, src, peer, dst)
+
+    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+        regions, _ = check_regions(dst, self.staging.nbytes, "dst")
+        token = _LandingToken(self.inner.expect(transfer_id, regions), regions, self)
+        with self._lock:
+            self._receiving[transfer_id] = token
+        return token
+
+    def abort(self, transfer_id: str) -> None:
+        self.inner.abort(transfer_id)
+        with self._lock:
+            token = self._receiving.pop(transfer_id, None)
+        if token is not None:
+            token._abort("aborted")
+
+    def outstanding(self) -> set[str]:
+        with self._lock:
+            landing = {tid for tid, tok in self._receiving.items() if not CompletionToken.finished(tok)}
+        return self.inner.outstanding() | landing
+
+    def forget_peer(self, address: str) -> None:
+        self.inner.forget_peer(address)
+
+    def close(self) -> None:
+        self.inner.close()
+        with self._lock:
+            tokens, self._receiving = list(self._receiving.values()), {}
+        for token in tokens:
+            token._abort("transfer backend closed")
+
+    def _settle(self, transfer_id: str, token: _LandingToken) -> None:
+        with self._lock:
+            if self._receiving.get(transfer_id) is token:
+                del self._receiving[transfer_id]
