@@ -9,6 +9,8 @@ Same math as transformers' modules, with less per-step work:
 - K/V written in place into the pool; attention over each request's live tokens only.
 
 float32 stays on `F.linear` so its results follow transformers' (the token-for-token tests).
+It runs on the device of the model's weights: every tensor it makes per step is made there, and off
+the CPU it uses plain `F.linear` (the oneDNN prepacking is CPU-only).
 Models it does not cover (`why_not_covered`) keep the general path in `ModelRunner`.
 """
 
@@ -81,7 +83,8 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     if all(m.bias is None for m in linears):
         return weight, None
     bias = torch.cat([
-        m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=weight.dtype)
+        m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=weight.dtype,
+                                                                device=weight.device)
         for m in linears
     ])
     return weight, bias
@@ -127,9 +130,13 @@ class FastLlama:
         if reason is not None:
             raise ValueError(f"fast path does not cover this model: {reason}")
         config, inner = model.config, model.model
+        device = inner.embed_tokens.weight.device  # where the model is, so where everything runs
         if pack is None:
-            pack = dtype == torch.bfloat16 and _onednn_bf16_ok()
+            pack = dtype == torch.bfloat16 and device.type == "cpu" and _onednn_bf16_ok()
+        elif pack and device.type != "cpu":
+            raise ValueError(f"oneDNN prepacked weights are CPU-only; the model is on {device}")
         self.dtype = dtype
+        self.device = device
         # Decode attention: "matmul" (two float32 bmm's and a softmax) or "sdpa" (torch's fused kernel).
         # For one query token the fused CPU kernel is 3-4x slower than the matmuls (measured), so
         # reduced precision uses the matmuls; float32 keeps SDPA, what transformers itself runs.
@@ -149,7 +156,8 @@ class FastLlama:
         self.norm_eps = inner.norm.variance_epsilon
         self.lm_head = _Linear(model.lm_head.weight.detach(), _detach(model.lm_head.bias), pack)
         with torch.inference_mode():  # the model's own rotary module, once, for every position
-            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype), torch.arange(max_len).unsqueeze(0))
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=dtype, device=device),
+                                        torch.arange(max_len, device=device).unsqueeze(0))
         self.cos = cos[0].contiguous()  # [max_len, head_dim]
         half = self.head_dim // 2  # sin with rotate_half's sign folded in: see _rope
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).contiguous()
@@ -215,7 +223,7 @@ class FastLlama:
         """One token per request: ids[i] at positions[i] of slots[i]. Returns float32 logits [B, vocab]."""
         batch, nh, nkv, hd = len(slots), self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [B, hidden]
-        pos_t = torch.tensor(positions)
+        pos_t = torch.tensor(positions, device=self.device)
         cos, sin = self.cos[pos_t].unsqueeze(1), self.sin[pos_t].unsqueeze(1)
         attend = self._attention_plan(pool, slots, positions, pos_t)
         for index, layer in enumerate(self.layers):
@@ -257,15 +265,16 @@ class FastLlama:
 
         rows_n, length = hi - lo, max(positions) + 1
         window = pool[lo:hi, :length]  # [rows, length, layers, 2, kv_heads, hd]
-        slot_t = torch.tensor(slots)
+        slot_t = torch.tensor(slots, device=self.device)
         in_order = slots == list(range(lo, hi))
         rows = slot_t - lo
-        row_pos = torch.zeros(rows_n, dtype=torch.long)
+        row_pos = torch.zeros(rows_n, dtype=torch.long, device=self.device)
         row_pos[rows] = pos_t
-        mask = (torch.arange(length) <= row_pos.unsqueeze(1)).view(rows_n, 1, 1, length)
+        mask = (torch.arange(length, device=self.device) <= row_pos.unsqueeze(1)).view(rows_n, 1, 1, length)
         if self.decode_attention == "matmul":
             attend_rows = self._matmul_attention
-            mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive, float32
+            # additive, float32
+            mask = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))
         else:
             attend_rows = self._sdpa_attention
 
@@ -297,9 +306,9 @@ class FastLlama:
         grouped = q.reshape(rows, kv_heads, -1, self.head_dim).float()
         # Into fresh contiguous [R, kvh, n, hd] float32 buffers: `.float()` would keep the pool's
         # token-major strides, and matmul would then copy them once more (measured 1.8x slower).
-        k32 = torch.empty(keys.shape, dtype=torch.float32)
+        k32 = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
         k32.copy_(keys)
-        v32 = torch.empty(values.shape, dtype=torch.float32)
+        v32 = torch.empty(values.shape, dtype=torch.float32, device=values.device)
         v32.copy_(values)
         scores = torch.matmul(grouped, k32.transpose(2, 3)).mul_(self.scale)  # [R, kvh, group, n]
         if mask is not None:

@@ -4,6 +4,9 @@ The Hugging Face model supplies the weights and the per-token submodules (embedd
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
 into the request's pool slot, then attends over that slot's live tokens only. No DynamicCache,
 nothing concatenated per step, so the pool stays the single copy of every request's KV.
+
+Weights, pool and every per-step tensor live on one torch device (`device`, CPU by default); the
+logits come back on the CPU, where sampling runs (one copy per step on another device, none on CPU).
 """
 
 from __future__ import annotations
@@ -27,12 +30,17 @@ class UnsupportedModel(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, num_slots: int, max_seq_len: int) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, num_slots: int, max_seq_len: int,
+                 device: torch.device | str = "cpu") -> None:
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
         _check_supported(config, max_model_len)
         self.config = config
+        self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        if not self._on_cpu:
+            self.model.to(self.device)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.vocab_size: int = self.model.lm_head.out_features
@@ -56,7 +64,8 @@ class ModelRunner:
                 dtype=dtype_name(dtype),
                 num_slots=num_slots,
                 max_seq_len=max_model_len,
-            )
+            ),
+            device=self.device,
         )
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -105,10 +114,10 @@ class ModelRunner:
         if self._use_fast:
             logits = self._fast.prefill(self.pool.tensor[slot, :n], self._ids(token_ids))
             self.pool.set_num_tokens(slot, n)
-            return logits
+            return logits if self._on_cpu else logits.cpu()
         ids = self._ids(token_ids).unsqueeze(0)  # [1, n]
         hidden = self._embed(ids)
-        cos, sin = self._rotary(hidden, torch.arange(n).unsqueeze(0))
+        cos, sin = self._rotary(hidden, torch.arange(n, device=self.device).unsqueeze(0))
         kv = self.pool.tensor[slot, :n]  # [n, layers, 2, kv_heads, head_dim], a view into the pool
         for index, layer in enumerate(self._layers):
             self._pace()
@@ -141,10 +150,10 @@ class ModelRunner:
             logits = self._fast.decode(self.pool.tensor, slots, positions, self._ids(token_ids))
             for slot, pos in zip(slots, positions):
                 self.pool.set_num_tokens(slot, pos + 1)
-            return logits
+            return logits if self._on_cpu else logits.cpu()
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
-        slot_t = torch.tensor(slots)
-        pos_t = torch.tensor(positions)
+        slot_t = torch.tensor(slots, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
@@ -177,10 +186,11 @@ class ModelRunner:
             self.pool.free(slot)
 
     def _ids(self, token_ids: list[int]) -> torch.Tensor:
+        """Token ids on the runner's device, checked on the CPU first (no device sync for the check)."""
         ids = torch.tensor(token_ids, dtype=torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._embed.num_embeddings):
             raise ValueError(f"token id outside the vocabulary [0, {self._embed.num_embeddings})")
-        return ids
+        return ids if self._on_cpu else ids.to(self.device)
 
     def _qkv(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = layer.self_attn
@@ -199,7 +209,9 @@ class ModelRunner:
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(self._norm(last_hidden)).float()
+        """float32 logits on the CPU (sampling's side)."""
+        logits = self._lm_head(self._norm(last_hidden)).float()
+        return logits if self._on_cpu else logits.cpu()
 
 
 def _check_supported(config, max_model_len: int) -> None:
