@@ -30,6 +30,7 @@ def run_worker(config: WorkerConfig) -> None:
     from hypercorn.config import Config as HyperConfig
 
     from xpyd.engine.api_server import create_worker_app
+    from xpyd.engine.kv_staging import stage_transfer
     from xpyd.engine.loader import ensure_converted
     from xpyd.engine.model_runner import ModelRunner
     from xpyd.engine.tokenizer import load_tokenizer
@@ -44,9 +45,11 @@ def run_worker(config: WorkerConfig) -> None:
     torch.set_num_threads(config.threads)
     resolved = ensure_converted(config.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    log.info("%s: loading %s (%s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
-             config.batch_size, config.max_model_len)
-    runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len)
+    device = torch.device(config.device)
+    log.info("%s: loading %s (%s on %s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
+             device, config.batch_size, config.max_model_len)
+    runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len,
+                         device=device)
     if config.cpu_share:
         from xpyd.engine.cpu_share import CpuShare
 
@@ -65,7 +68,10 @@ def run_worker(config: WorkerConfig) -> None:
         from xpyd.signal.server import SignalServer
 
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
-        adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
+        if device.type == "cpu":
+            adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
+        else:  # the pool stays on the device: transfers stage through host memory (the segment, if any)
+            transfer = stage_transfer(transfer, runner.pool, sender=True)
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
@@ -75,6 +81,8 @@ def run_worker(config: WorkerConfig) -> None:
 
         # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
+        if device.type != "cpu":  # received KV lands in a host staging copy, then in the device pool
+            transfer = stage_transfer(transfer, runner.pool, sender=False)
         engine = DecodeEngine(runner, tokenizer, config, transfer, served)
         engine.start()
 
