@@ -43,18 +43,33 @@ def run_worker(config: WorkerConfig) -> None:
     if config.nice:
         os.nice(config.nice)  # let other roles on the same cores win the CPU when both are busy
     torch.set_num_threads(config.threads)
-    resolved = ensure_converted(config.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     device = torch.device(config.device)
-    log.info("%s: loading %s (%s on %s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
-             device, config.batch_size, config.max_model_len)
-    runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len,
-                         device=device)
-    if config.cpu_share:
-        from xpyd.engine.cpu_share import CpuShare
+    transfer = None
+    if config.role in ("prefill", "decode"):
+        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
+    resolved = None
 
-        runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
-    runner.warmup()
+    def build_runner() -> ModelRunner:
+        nonlocal resolved
+        resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
+        log.info("%s: loading %s (%s on %s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
+                 device, config.batch_size, config.max_model_len)
+        runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len,
+                             device=device)
+        if config.cpu_share:
+            from xpyd.engine.cpu_share import CpuShare
+
+            runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
+        runner.warmup()
+        if config.role == "prefill" and device.type == "cpu":
+            adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
+        # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
+        return runner
+
+    runner = in_passing_thread(build_runner)
+    if transfer is not None and device.type != "cpu":  # the pool stays on the device: transfers stage
+        transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # via host memory
     tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
     server = None
@@ -67,11 +82,6 @@ def run_worker(config: WorkerConfig) -> None:
         from xpyd.prefill_worker.engine import PrefillEngine
         from xpyd.signal.server import SignalServer
 
-        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
-        if device.type == "cpu":
-            adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
-        else:  # the pool stays on the device: transfers stage through host memory (the segment, if any)
-            transfer = stage_transfer(transfer, runner.pool, sender=True)
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
@@ -79,10 +89,6 @@ def run_worker(config: WorkerConfig) -> None:
     else:
         from xpyd.decode_worker.engine import DecodeEngine
 
-        # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
-        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
-        if device.type != "cpu":  # received KV lands in a host staging copy, then in the device pool
-            transfer = stage_transfer(transfer, runner.pool, sender=False)
         engine = DecodeEngine(runner, tokenizer, config, transfer, served)
         engine.start()
 
@@ -100,6 +106,33 @@ def run_worker(config: WorkerConfig) -> None:
         if server is not None:
             server.close()
         log.info("%s worker stopped", config.role)
+
+
+def in_passing_thread(fn):
+    """Run ``fn()`` in a thread of its own that has ended when this returns; its result (or exception).
+
+    For everything that computes with torch before the engine thread starts (load, prepack, warm-up,
+    zeroing the pool): libgomp keeps one OpenMP team per thread that ran a parallel region, and when a
+    process holds more OpenMP threads than cores it throttles spin-waiting to almost nothing, so every
+    parallel region of the engine then pays futex wake-ups. A team dies with its thread; so the
+    engine's team is the only one left (measured: decode step B=1 on 2 threads 57 -> 28 ms).
+    """
+    import threading
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="xpyd-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
