@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -380,3 +382,30 @@ def test_matmul_decode_attention_equals_sdpa(tiny_model_dir):
     assert ModelRunner(tiny_model_dir, torch.bfloat16, num_slots=1, max_seq_len=64).fast_path.decode_attention == "matmul"
     with pytest.raises(ValueError, match="decode_attention"):
         FastLlama(runner.model, 64, torch.float32, decode_attention="flash")
+
+
+def test_forward_passes_hold_the_cpu_board_and_release_it_when_done(tiny_model_dir, tmp_path, monkeypatch):
+    from xpyd.engine import cpu_share
+
+    monkeypatch.setattr(cpu_share, "BOARD_DIR", tmp_path)
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=1, max_seq_len=64)
+    runner.cpu_share = share = cpu_share.CpuShare("runner-test", cores=2)
+    marks = []
+    read = lambda: cpu_share._SLOT.unpack_from(share._map, share.slot * cpu_share._SLOT.size)[1]
+    original = runner.fast_path.on_layer
+
+    def on_layer():
+        original()
+        marks.append(read() - time.monotonic_ns())
+
+    runner.fast_path.on_layer = on_layer
+    slot = runner.pool.allocate()
+    token = int(runner.prefill(slot, prompt_of(9, 70)).argmax())
+    assert marks and min(marks) > 10**9  # held into the future during every layer
+    assert read() <= time.monotonic_ns()  # released: an ordinary mark once the pass ended
+    marks.clear()
+    runner.decode([slot], [token], [9])
+    assert marks and min(marks) > 10**9 and read() <= time.monotonic_ns()
+    with pytest.raises(ValueError):
+        runner.decode([slot], [token], [40])  # refused: the board is not left holding
+    assert read() <= time.monotonic_ns()

@@ -120,3 +120,23 @@ def test_sweep_removes_only_boards_nobody_alive_holds(name, tmp_path):
     assert board_path(name).exists() and other.exists()
     live.close()
     assert [p.name for p in sweep_stale_boards()] == [f"xpyd-cpu-{name}"]  # closed: our slot is free
+
+
+def test_a_hold_keeps_a_worker_busy_past_the_window_until_it_marks_or_expires(name, monkeypatch):
+    """A forward pass holds its slot (one prefill layer of a long prompt can outlast the window)."""
+    mine = CpuShare(name, cores=2, window=0.05)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_share.os, "getpid", lambda: 2**31 - 5)  # another worker, on another slot
+        other = CpuShare(name, cores=2, window=0.05)
+    assert other.slot != mine.slot
+    other.hold(seconds=5.0)
+    time.sleep(0.15)  # three windows, no new mark
+    assert mine.threads() == 1  # still busy: its forward pass has not ended
+    other.mark_busy()  # the forward pass ended
+    assert mine.threads() == 1
+    time.sleep(0.15)
+    assert mine.threads() == 2
+    other.hold(seconds=0.1)  # a holder that died mid-pass counts as busy only until the hold runs out
+    assert mine.threads() == 1
+    time.sleep(0.25)
+    assert mine.threads() == 2

@@ -11,6 +11,8 @@ logits come back on the CPU, where sampling runs (one copy per step on another d
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 import torch
@@ -27,6 +29,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class UnsupportedModel(ValueError):
     pass
+
+
+def _released(forward):
+    """After a forward pass (or its failure), turn the CPU board's hold into an ordinary recent mark."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            if self.cpu_share is not None:
+                self.cpu_share.mark_busy()
+
+    return run
 
 
 class ModelRunner:
@@ -83,7 +99,7 @@ class ModelRunner:
         share = self.cpu_share
         if share is None:
             return
-        share.mark_busy()
+        share.hold()  # busy until the forward pass ends (`_released`), however long this layer takes
         threads = share.threads()
         if threads != self._threads:
             torch.set_num_threads(threads)
@@ -105,6 +121,7 @@ class ModelRunner:
         self._use_fast = enabled
 
     @torch.inference_mode()
+    @_released
     def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
         """Run the prompt, write its K/V at positions [0, n) of `slot`; float32 logits [vocab] of the last token."""
         n = len(token_ids)
@@ -130,6 +147,7 @@ class ModelRunner:
         return self._logits(hidden[:, -1])[0]
 
     @torch.inference_mode()
+    @_released
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One step for a batch: token i sits at positions[i] of slots[i] and attends over [0, positions[i]].
 
