@@ -409,3 +409,19 @@ def test_forward_passes_hold_the_cpu_board_and_release_it_when_done(tiny_model_d
     with pytest.raises(ValueError):
         runner.decode([slot], [token], [40])  # refused: the board is not left holding
     assert read() <= time.monotonic_ns()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_ragged_batch_attends_per_request_and_equals_single_requests(tiny_model_dir, attention):
+    """One long prompt among short ones: the window would cover rows x longest (3 x 50 > 2 x 59 live
+    tokens), so each request attends over its own live KV; results equal single-request steps."""
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=3, max_seq_len=64)
+    runner.fast_path.decode_attention = attention
+    slots = [runner.pool.allocate() for _ in range(3)]
+    prompts = {s: prompt_of(n, 80 + s) for s, n in zip(slots, (49, 4, 3))}
+    first = {s: int(runner.prefill(s, prompts[s]).argmax()) for s in slots}
+    batched = runner.decode(slots, [first[s] for s in slots], [len(prompts[s]) for s in slots])
+    for i, s in enumerate(slots):
+        runner.pool.set_num_tokens(s, len(prompts[s]))
+        alone = runner.decode([s], [first[s]], [len(prompts[s])])[0]
+        torch.testing.assert_close(batched[i], alone, rtol=1e-4, atol=1e-4)
