@@ -43,6 +43,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.nixl_agent import Agent, load, plan
 from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
@@ -51,7 +52,6 @@ from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address,
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 600.0
 READ_CHUNK = 16 << 20  # bytes per NIXL READ request, i.e. per lock hold (abort latency vs. overhead)
 PUMP_INTERVAL = 0.001  # the sender pumps its agent this often while it waits for a reply
 POLL_SLEEP = 0.0002  # the receiver's pause between polls of a READ still in progress
@@ -149,7 +149,6 @@ class NixlTransferBackend:
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
-        rec: Transfer | None = None
         peer: str | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
@@ -165,30 +164,8 @@ class NixlTransferBackend:
             if error is not None:
                 log.warning("refused nixl peer %s: %s", addr, error)
                 return
-            while True:
-                frame = conn.read_frame(MAX_FRAME, first_byte_timeout=IDLE_TIMEOUT)
-                if frame is None:
-                    return
-                offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
-                rec, error = self._endpoint.expected.claim(offer.transfer_id, offer.dst)
-                if rec is not None:
-                    error = self._read(rec, peer, hello.addr, offer)
-                conn.send_all([memoryview(Reply(error is None, error).pack())])
-                if error is not None:
-                    log.warning("refused transfer %r from %s: %s", offer.transfer_id, addr, error)
-                    if rec is not None:  # the READ failed: the transfer is over
-                        self._endpoint.expected.finish(rec)
-                        rec = None
-                    continue
-                commit = Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id)
-                if not commit.ok:
-                    error = f"transfer {offer.transfer_id!r} aborted by the sender"
-                    rec.token._fail(error)
-                elif not rec.token._advance(TransferState.DONE):
-                    error = f"transfer {offer.transfer_id!r} aborted by the receiver"
-                self._endpoint.expected.finish(rec)
-                rec = None
-                conn.send_all([memoryview(Reply(error is None, error).pack())])
+            serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
+                         lambda rec, offer: self._read(rec, peer, hello.addr, offer), log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -196,9 +173,6 @@ class NixlTransferBackend:
         except Exception:
             log.exception("dropping nixl connection from %s", addr)
         finally:
-            if rec is not None:  # the sender vanished mid-transfer
-                rec.token._fail("sender connection lost mid-transfer")
-                self._endpoint.expected.finish(rec)
             if peer is not None:
                 self._agent.drop_peer(peer)
             sock.close()

@@ -38,6 +38,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer
@@ -52,7 +53,6 @@ from xpyd.transfer.tcp_wire import (
 log = logging.getLogger(__name__)
 
 HOST_OFFER = "shm-host"  # descriptor offer carrying the host key
-IDLE_TIMEOUT = 600.0
 COPY_CHUNK = 16 << 20  # bytes copied per lock hold (abort latency vs. overhead)
 MAX_INBOUND = 256
 
@@ -195,7 +195,6 @@ class ShmTransferBackend:
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
-        rec: Transfer | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
             src, error = None, None
@@ -212,28 +211,8 @@ class ShmTransferBackend:
             if error is not None:
                 log.warning("refused shm peer %s: %s", addr, error)
                 return
-            while True:
-                frame = conn.read_frame(MAX_FRAME, first_byte_timeout=IDLE_TIMEOUT)
-                if frame is None:
-                    return
-                offer = Offer.parse(frame, hello.size, self._buffer.nbytes)
-                rec, error = self._endpoint.expected.claim(offer.transfer_id, offer.dst)
-                if rec is not None:
-                    error = self._copy(rec, src, offer)
-                conn.send_all([memoryview(Reply(error is None, error).pack())])
-                if error is not None:
-                    log.warning("refused transfer %r from %s: %s", offer.transfer_id, addr, error)
-                    rec = None
-                    continue
-                commit = Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id)
-                if not commit.ok:
-                    error = f"transfer {offer.transfer_id!r} aborted by the sender"
-                    rec.token._fail(error)
-                elif not rec.token._advance(TransferState.DONE):
-                    error = f"transfer {offer.transfer_id!r} aborted by the receiver"
-                self._endpoint.expected.finish(rec)
-                rec = None
-                conn.send_all([memoryview(Reply(error is None, error).pack())])
+            serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
+                         lambda rec, offer: self._copy(rec, src, offer), log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -241,9 +220,6 @@ class ShmTransferBackend:
         except Exception:
             log.exception("dropping shm connection from %s", addr)
         finally:
-            if rec is not None:  # the sender vanished mid-transfer
-                rec.token._fail("sender connection lost mid-transfer")
-                self._endpoint.expected.finish(rec)
             sock.close()
 
     def _copy(self, rec: Transfer, src: np.ndarray, offer: Offer) -> str | None:
