@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
                    help="KV transfer backend of the prefill and decode workers (default: auto = shared memory "
                         "between workers on this host, tcp otherwise)")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                   help="torch device of every worker's model and KV pool (default cpu; only cpu is tested, "
+                        "see docs/devices.md)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     # --- proxy admission (passed to `xpyd proxy`; see its --help) ---
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -149,6 +152,9 @@ def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stoppin
 
 
 def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
+    from xpyd.engine.config import check_device
+
+    check_device(getattr(args, "device", "cpu"))  # before anything starts: no half-started cluster
     dynamic = args.prefill is not None or args.decode is not None
     if args.colocated:
         if dynamic:
@@ -192,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or (cores if share else max(1, cores // (x + y)))
     role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
-              "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len)]
+              "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
+              "--device", getattr(args, "device", "cpu")]
     prefill_args = ["--threads", str(args.prefill_threads or threads), "--nice", str(args.prefill_nice),
                     "--kv-backend", getattr(args, "kv_backend", "auto")]
     decode_args = ["--threads", str(args.decode_threads or threads)]

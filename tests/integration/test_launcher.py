@@ -115,6 +115,17 @@ def test_up_refuses_busy_port(tiny_model_dir: Path):
     assert f"proxy port {busy}" in r.stderr
 
 
+def test_up_refuses_a_device_this_machine_lacks_before_starting_anything(tiny_model_dir: Path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = subprocess.run([sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--device", "cuda"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("cmd", ["up", "proxy", "prefill", "decode"])
 def test_help(cmd):
     r = subprocess.run([sys.executable, "-m", "xpyd", cmd, "--help"], capture_output=True, text=True, timeout=60)
