@@ -26,6 +26,7 @@ import torch
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
+    DerivedToken,
     Region,
     TransferState,
     check_buffer,
@@ -104,7 +105,7 @@ def _backend_host_memory(transfer, layout) -> memoryview | None:
     return None if holder.pool is placeholder else holder.pool.buffer()
 
 
-class _LandingToken(CompletionToken):
+class _LandingToken(DerivedToken):
     """A receive token that reports DONE only after the received bytes were copied into the device pool."""
 
     __slots__ = ("_inner", "_regions", "_owner", "_landing")
@@ -140,25 +141,6 @@ class _LandingToken(CompletionToken):
     def _abort(self, reason: str) -> None:
         with self._landing:
             self._fail(reason)
-
-    def state(self) -> TransferState:
-        self._sync()
-        return CompletionToken.state(self)
-
-    def done(self) -> bool:
-        return self.state() is TransferState.DONE
-
-    def failed(self) -> bool:
-        return self.state() is TransferState.FAILED
-
-    def finished(self) -> bool:
-        self._sync()
-        return CompletionToken.finished(self)
-
-    @property
-    def error(self) -> str | None:
-        self._sync()
-        return self._error
 
     def wait(self, timeout: float) -> bool:
         self._inner.wait(timeout)

@@ -16,10 +16,10 @@ import threading
 import time
 from typing import Sequence
 
-from xpyd.transfer.base import BackendDescriptor, CompletionToken, Region, TransferError, TransferState
+from xpyd.transfer.base import BackendDescriptor, CompletionToken, DerivedToken, Region, TransferError, TransferState
 
 
-class _EitherToken(CompletionToken):
+class _EitherToken(DerivedToken):
     """A receive token that follows the child token the transfer actually arrives on."""
 
     __slots__ = ("_children", "_owner")
@@ -47,24 +47,6 @@ class _EitherToken(CompletionToken):
                 self._set(TransferState.TRANSFERRING, None)
         if winner is not None:
             self._owner._settle(self.transfer_id, winner)
-
-    def state(self) -> TransferState:
-        self._sync()
-        return CompletionToken.state(self)
-
-    def done(self) -> bool:
-        return self.state() is TransferState.DONE
-
-    def failed(self) -> bool:
-        return self.state() is TransferState.FAILED
-
-    def finished(self) -> bool:
-        return self.state() in (TransferState.DONE, TransferState.FAILED)
-
-    @property
-    def error(self) -> str | None:
-        self._sync()
-        return self._error
 
     def wait(self, timeout: float) -> bool:
         if timeout < 0:

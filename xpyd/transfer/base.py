@@ -123,6 +123,34 @@ class CompletionToken:
         return f"CompletionToken({self.transfer_id!r}, {self._state.name}{err})"
 
 
+class DerivedToken(CompletionToken):
+    """A token whose progress follows other tokens (auto's per-backend children, a staged receive):
+    every read first calls ``_sync()``, which the subclass defines and which moves this token forward."""
+
+    __slots__ = ()
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def state(self) -> TransferState:
+        self._sync()
+        return CompletionToken.state(self)
+
+    def done(self) -> bool:
+        return self.state() is TransferState.DONE
+
+    def failed(self) -> bool:
+        return self.state() is TransferState.FAILED
+
+    def finished(self) -> bool:
+        return self.state() in (TransferState.DONE, TransferState.FAILED)
+
+    @property
+    def error(self) -> str | None:
+        self._sync()
+        return self._error
+
+
 @dataclass(frozen=True, slots=True)
 class BackendDescriptor:
     """How a peer reaches this backend's registered buffer (sent over the signal plane)."""
