@@ -2,13 +2,15 @@
 
     .venv/bin/python scripts/bench_decode_step.py [--threads 1] [--dtype bfloat16] [--steps 32]
                                                   [--batches 1,4,8] [--context 256]
-                                                  [--reference | --compare] [--profile B]
+                                                  [--reference | --compare] [--attention LIST]
+                                                  [--profile B]
 
 Prints the median ms per decode step for each batch size (each request prefilled with ~context
 tokens first) and the median prefill time for `context` tokens. --reference forces the general
 (HF-module) path; --compare times both alternately in one run (the fair before/after on a
-shared machine). --profile B prints a torch.profiler table
-of decode steps at batch B.
+shared machine). --attention kernel,matmul times the lean forward with each decode attention
+alternately, the same way. --profile B prints a torch.profiler table of decode steps at batch B.
+Threads wait as a worker's do (the CLI's OMP_WAIT_POLICY/GOMP_SPINCOUNT defaults).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from xpyd.cli import _env_defaults  # noqa: E402
+
+_env_defaults()
 
 import torch  # noqa: E402
 
@@ -33,6 +37,8 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="use the general (HF-module) path")
     ap.add_argument("--compare", action="store_true",
                     help="time the fast and the general path alternately (in rounds of 4 steps) in one run")
+    ap.add_argument("--attention", default="",
+                    help="comma-separated decode attentions of the lean forward to time alternately (kernel,matmul,sdpa)")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -48,9 +54,19 @@ def main() -> None:
     t0 = time.perf_counter()
     runner = ModelRunner(model_dir, getattr(torch, args.dtype), num_slots=max(batches),
                          max_seq_len=args.context + 2 * args.steps + 16)
-    modes = [True, False] if args.compare else [not args.reference]
-    runner.use_fast_path(modes[0])
-    print(f"load {time.perf_counter() - t0:.2f} s, fast path: {runner.fast_path_active}, "
+    if args.attention:
+        modes = [a.strip() for a in args.attention.split(",")]
+    else:
+        modes = ["fast", "general"] if args.compare else ["general" if args.reference else "fast"]
+
+    def use(mode: str) -> None:
+        runner.use_fast_path(mode != "general")
+        if mode not in ("fast", "general"):
+            runner.fast_path.decode_attention = mode
+
+    use(modes[0])
+    print(f"load {time.perf_counter() - t0:.2f} s, fast path: {runner.fast_path_active}"
+          f"{f' ({runner.fast_path.decode_attention} attention)' if runner.fast_path_active else ''}, "
           f"dtype {args.dtype}, threads {args.threads}")
     runner.warmup()
     gen = torch.Generator().manual_seed(0)
@@ -58,18 +74,15 @@ def main() -> None:
     def prompt(i: int) -> list[int]:
         return torch.randint(3, runner.vocab_size, (args.context - i,), generator=gen).tolist()
 
-    def label(fast: bool) -> str:
-        return "fast" if fast else "general"
-
     slot = runner.pool.allocate()
-    for fast in modes:
-        runner.use_fast_path(fast)
+    for mode in modes[:1] if args.attention else modes:  # the attention does not change prefill
+        use(mode)
         times = []
         for _ in range(3):
             t = time.perf_counter()
             runner.prefill(slot, prompt(0))
             times.append(time.perf_counter() - t)
-        print(f"[{label(fast)}] prefill {args.context} tokens: {statistics.median(times) * 1e3:.1f} ms (median of 3)")
+        print(f"[{mode}] prefill {args.context} tokens: {statistics.median(times) * 1e3:.1f} ms (median of 3)")
     runner.pool.free(slot)
 
     for batch in batches:
@@ -79,20 +92,20 @@ def main() -> None:
             runner.prefill(s, p)
         pos = [len(p) for p in prompts]
         toks = [5] * batch
-        times: dict[bool, list[float]] = {fast: [] for fast in modes}
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
         for step in range(args.steps * len(modes)):
-            fast = modes[(step // 4) % len(modes)]
-            runner.use_fast_path(fast)
+            mode = modes[(step // 4) % len(modes)]
+            use(mode)
             t = time.perf_counter()
             logits = runner.decode(slots, toks, pos)
-            times[fast].append(time.perf_counter() - t)
+            times[mode].append(time.perf_counter() - t)
             toks = logits.argmax(-1).tolist()
             pos = [p + 1 for p in pos]
-        for fast in modes:
-            ts = times[fast]
-            print(f"[{label(fast)}] decode B={batch}: {statistics.median(ts) * 1e3:.2f} ms/step "
+        for mode in modes:
+            ts = times[mode]
+            print(f"[{mode}] decode B={batch}: {statistics.median(ts) * 1e3:.2f} ms/step "
                   f"(min {min(ts) * 1e3:.2f}, {batch / statistics.median(ts):.0f} tok/s)")
-        runner.use_fast_path(modes[0])
+        use(modes[0])
         if batch == args.profile:
             from torch.profiler import ProfilerActivity, profile
 

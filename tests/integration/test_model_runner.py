@@ -379,7 +379,8 @@ def test_matmul_decode_attention_equals_sdpa(tiny_model_dir):
         results[attention] = [runner.decode(slots, first, positions), runner.decode(slots[1:2], first[1:2], positions[1:2])]
     for a, b in zip(results["sdpa"], results["matmul"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert ModelRunner(tiny_model_dir, torch.bfloat16, num_slots=1, max_seq_len=64).fast_path.decode_attention == "matmul"
+    bf16 = ModelRunner(tiny_model_dir, torch.bfloat16, num_slots=1, max_seq_len=64).fast_path
+    assert bf16.decode_attention == "kernel"  # the native kernel (tests/integration/test_native_attention.py)
     with pytest.raises(ValueError, match="decode_attention"):
         FastLlama(runner.model, 64, torch.float32, decode_attention="flash")
 

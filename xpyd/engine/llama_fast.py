@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from xpyd.engine import native
+
 
 def why_not_covered(model) -> str | None:
     """None when `FastLlama` can run this model exactly like transformers; otherwise the reason."""
@@ -137,18 +139,18 @@ class FastLlama:
             raise ValueError(f"oneDNN prepacked weights are CPU-only; the model is on {device}")
         self.dtype = dtype
         self.device = device
-        # Decode attention: "matmul" (two float32 bmm's and a softmax) or "sdpa" (torch's fused kernel).
-        # For one query token the fused CPU kernel is 3-4x slower than the matmuls (measured), so
-        # reduced precision uses the matmuls; float32 keeps SDPA, what transformers itself runs.
-        if decode_attention is None:
-            decode_attention = "sdpa" if dtype == torch.float32 else "matmul"
-        if decode_attention not in ("matmul", "sdpa"):
-            raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', not {decode_attention!r}")
-        self.decode_attention = decode_attention
-        self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Decode attention: "kernel" (native/decode_attention.c: reads K/V in place from the pool, bfloat16 on
+        # the CPU), "matmul" (two float32 bmm's and a softmax over K/V copied out of the pool) or "sdpa"
+        # (torch's fused kernel). For one query token torch's fused CPU kernel is 3-4x slower than the
+        # matmuls, and the matmuls 3-4x slower than the native kernel (measured: docs/benchmarks.md), so
+        # bfloat16 uses the kernel when it builds here, else the matmuls; float32 keeps SDPA, what
+        # transformers itself runs.
+        self._kernel: native.DecodeAttention | None = None
+        self.decode_attention = self._default_attention() if decode_attention is None else decode_attention
+        self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
         self.layers = [_Layer(layer, pack) for layer in inner.layers]
@@ -169,6 +171,33 @@ class FastLlama:
                     lin.weight = None  # the packed copy is the one used; drop the fused plain copies
                 else:
                     lin.packed = None
+
+    @property
+    def decode_attention(self) -> str:
+        return self._decode_attention
+
+    @decode_attention.setter
+    def decode_attention(self, choice: str) -> None:
+        if choice not in ("kernel", "matmul", "sdpa"):
+            raise ValueError(f"decode_attention must be 'kernel', 'matmul' or 'sdpa', not {choice!r}")
+        if choice == "kernel":
+            if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+                raise ValueError(f"decode_attention 'kernel' runs bfloat16 on the CPU, not {self.dtype} on {self.device}")
+            if self.num_heads % self.num_kv_heads or self.num_heads // self.num_kv_heads > 16 or self.head_dim > 256:
+                raise ValueError("decode_attention 'kernel' handles up to 16 query heads per KV head, head_dim <= 256")
+            self._kernel = native.load_decode_attention()
+            if self._kernel is None:
+                raise ValueError(f"decode_attention 'kernel' is unavailable: {native.unavailable_reason()}")
+        self._decode_attention = choice
+
+    def _default_attention(self) -> str:
+        if self.dtype == torch.float32:
+            return "sdpa"
+        try:
+            self.decode_attention = "kernel"
+            return "kernel"
+        except ValueError:
+            return "matmul"
 
     def _packed_matches(self) -> bool:
         """Guard against a oneDNN build that packs but computes something else."""
@@ -239,12 +268,15 @@ class FastLlama:
         """A function (layer, q, k_new, v_new) -> attention output [B, heads, hd] that also writes k/v
         into the pool.
 
-        Batched when the batch's slots sit close together: one attention over the window of slots
+        With the native kernel: one call per layer (it writes k/v and reads each slot's live K/V in place).
+        Otherwise batched when the batch's slots sit close together: one attention over the window of slots
         [lo, hi) and positions [0, longest), each row masked to its own live length (rows of slots
         outside the batch attend to their position 0 and are dropped). Otherwise one attention per
         request over a view of its live KV. Either way the pool is only read, never rearranged.
         """
         batch = len(slots)
+        if self._decode_attention == "kernel":
+            return self._kernel_plan(pool, slots, positions)
         lo, hi = min(slots), max(slots) + 1
         live_total = sum(positions) + batch
         # The window costs rows x longest; per request costs only the live tokens. One long prompt among
@@ -292,6 +324,23 @@ class FastLlama:
             return out if in_order else out[rows]
 
         return windowed
+
+    def _kernel_plan(self, pool, slots, positions):
+        if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
+            raise ValueError(f"the native decode attention needs a bfloat16 CPU pool, not {pool.dtype} on {pool.device}")
+        for slot, pos in zip(slots, positions):  # the kernel writes at (slot, pos): keep it inside the pool
+            if not (0 <= slot < pool.shape[0] and 0 <= pos < pool.shape[1]):
+                raise ValueError(f"slot {slot} position {pos} outside the pool {tuple(pool.shape[:2])}")
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
+        out = torch.empty((len(slots), self.num_heads, self.head_dim), dtype=torch.bfloat16)
+        kernel, scale = self._kernel, self.scale
+
+        def native_attention(index, q, k_new, v_new):
+            # `out` is reused by every layer: o_proj has consumed the previous layer's before this call
+            return kernel(q, k_new, v_new, pool, index, slot_t, lens_t, scale, out)
+
+        return native_attention
 
     def _sdpa_attention(self, q, keys, values, mask):
         """q [R, heads, hd]; keys/values [R, kv_heads, n, hd] (any strides) -> [R, heads, hd]."""

@@ -57,6 +57,7 @@ def run_worker(config: WorkerConfig) -> None:
                  device, config.batch_size, config.max_model_len)
         runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len,
                              device=device)
+        log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
             from xpyd.engine.cpu_share import CpuShare
 
@@ -106,6 +107,21 @@ def run_worker(config: WorkerConfig) -> None:
         if server is not None:
             server.close()
         log.info("%s worker stopped", config.role)
+
+
+def describe_forward(runner: ModelRunner) -> str:
+    """Which forward pass (and decode attention) this worker runs, and why not the faster one."""
+    if runner.fast_path is None:
+        return f"general forward (the lean one does not cover this model: {runner.fast_path_reason})"
+    attention = runner.fast_path.decode_attention
+    text = f"lean forward, {attention} decode attention"
+    if attention == "matmul":
+        from xpyd.engine import native
+
+        reason = native.unavailable_reason()
+        if reason:
+            text += f" (native kernel unavailable: {reason})"
+    return text
 
 
 def in_passing_thread(fn):

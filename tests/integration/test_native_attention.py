@@ -1,0 +1,168 @@
+"""The native decode attention (xpyd/engine/csrc/decode_attention.c): built here with the machine's
+compiler, checked against the float32 reference and the matmul path it replaces, and the fallback
+when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from xpyd.engine import native
+from xpyd.engine.llama_fast import FastLlama
+from xpyd.engine.model_runner import ModelRunner
+
+from tests.integration.test_model_runner import prompt_of
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.DecodeAttention:
+    k = native.load_decode_attention()
+    if k is None:  # this machine has gcc (facts.md): a failed build here is a defect, not a skip
+        pytest.fail(f"native decode attention did not build: {native.unavailable_reason()}")
+    return k
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """Forget what this process has loaded and build into an empty cache."""
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_reason", {})
+    monkeypatch.setenv("XPYD_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def reference(q, pool, layer, slots, lens, scale):
+    """float32 softmax(q k^T * scale) v per request and query head (GQA: head h reads KV head h // group)."""
+    batch, heads, hd = q.shape
+    kv_heads = pool.shape[4]
+    group = heads // kv_heads
+    out = torch.empty(batch, heads, hd)
+    for b, (slot, n) in enumerate(zip(slots, lens)):
+        keys, values = pool[slot, :n, layer, 0].float(), pool[slot, :n, layer, 1].float()  # [n, kvh, hd]
+        for h in range(heads):
+            scores = keys[:, h // group] @ q[b, h].float() * scale
+            out[b, h] = torch.softmax(scores, 0) @ values[:, h // group]
+    return out.to(BF16)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_kernel_writes_the_new_kv_and_attends_like_the_reference(kernel, heads, kv_heads, hd):
+    gen = torch.Generator().manual_seed(heads * hd)
+    layers, batch = 3, 3
+    pool = torch.randn(5, 48, layers, 2, kv_heads, hd, generator=gen).to(BF16)
+    # q, k and v as FastLlama hands them over: strided views of one projection output per request
+    qkv = torch.randn(batch, heads + 2 * kv_heads, hd, generator=gen).to(BF16)
+    q, k_new, v_new = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    slots, positions = [3, 0, 4], [5, 17, 47]
+    before = pool.clone()
+    out = torch.empty(batch, heads, hd, dtype=BF16)
+    kernel(q, k_new, v_new, pool, 1, torch.tensor(slots), torch.tensor(positions) + 1, hd**-0.5, out)
+
+    expected = before.clone()
+    for b, (slot, pos) in enumerate(zip(slots, positions)):
+        expected[slot, pos, 1, 0] = k_new[b]
+        expected[slot, pos, 1, 1] = v_new[b]
+    assert torch.equal(pool, expected)  # the new K/V at each request's position, nothing else touched
+    ref = reference(q, pool, 1, slots, [p + 1 for p in positions], hd**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)  # bf16: one rounding
+    assert (out == ref).float().mean() > 0.97  # float32 sums in another order flip the odd rounding
+
+
+def test_kernel_refuses_what_it_cannot_read(kernel):
+    pool = torch.zeros(2, 8, 1, 2, 2, 16, dtype=BF16)
+    q, kv = torch.zeros(1, 4, 16, dtype=BF16), torch.zeros(1, 2, 16, dtype=BF16)
+    out = torch.empty(1, 4, 16, dtype=BF16)
+    one, slot = torch.tensor([1]), torch.tensor([0])
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel(q.float(), kv, kv, pool, 0, slot, one, 0.25, out)
+    with pytest.raises(ValueError, match="index dtypes"):
+        kernel(q, kv, kv, pool, 0, slot.int(), one, 0.25, out)
+    with pytest.raises(RuntimeError, match="code -2"):  # a request with nothing to attend over
+        kernel(q, kv, kv, pool, 0, slot, torch.tensor([0]), 0.25, out)
+    assert not pool.any()
+
+
+def test_kernel_runs_on_torchs_openmp_runtime(kernel):
+    """One OpenMP runtime per process: the library's libgomp.so.1 is the copy torch loaded."""
+    with open("/proc/self/maps") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) == 1, gomps
+
+
+def test_bfloat16_runner_uses_the_kernel_and_batches_equal_single_requests(tiny_model_dir, kernel):
+    runner = ModelRunner(tiny_model_dir, BF16, num_slots=6, max_seq_len=64)
+    assert runner.fast_path.decode_attention == "kernel"
+    slots = [runner.pool.allocate() for _ in range(6)]
+    for slot in slots:  # stale KV everywhere; each request must see only its own live tokens
+        runner.prefill(slot, prompt_of(40, 90 + slot))
+    chosen = [4, 0, 2]
+    prompts = {s: prompt_of(3 + 9 * i, 100 + s) for i, s in enumerate(chosen)}
+    first = {s: int(runner.prefill(s, prompts[s]).argmax()) for s in chosen}
+    positions = [len(prompts[s]) for s in chosen]
+    batched = runner.decode(chosen, [first[s] for s in chosen], positions)
+    for i, s in enumerate(chosen):
+        runner.pool.set_num_tokens(s, len(prompts[s]))
+        alone = runner.decode([s], [first[s]], [len(prompts[s])])[0]
+        torch.testing.assert_close(batched[i], alone, rtol=2e-2, atol=2e-2)  # bf16 GEMMs at M=1 vs M=3
+        runner.pool.set_num_tokens(s, len(prompts[s]))
+        runner.fast_path.decode_attention = "matmul"
+        torch.testing.assert_close(runner.decode([s], [first[s]], [len(prompts[s])])[0], alone, rtol=2e-2, atol=2e-2)
+        runner.fast_path.decode_attention = "kernel"
+
+
+def test_kernel_and_matmul_attention_pick_the_same_greedy_tokens(smollm_dir, kernel):
+    """The real model, three requests of different lengths decoded together for 16 steps."""
+    runner = ModelRunner(smollm_dir, BF16, num_slots=3, max_seq_len=256)
+    prompts = [[1, *range(100 + 7 * i, 160 + 11 * i)] for i in range(3)]
+    tokens = {}
+    for attention in ("kernel", "matmul"):
+        runner.fast_path.decode_attention = attention
+        slots = [runner.pool.allocate() for _ in prompts]
+        step = [int(runner.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
+        positions = [len(p) for p in prompts]
+        tokens[attention] = [step]
+        for _ in range(16):
+            step = runner.decode(slots, step, positions).argmax(-1).tolist()
+            positions = [p + 1 for p in positions]
+            tokens[attention].append(step)
+        for s in slots:
+            runner.pool.free(s)
+    assert tokens["kernel"] == tokens["matmul"]
+
+
+def test_without_a_compiler_the_matmul_attention_is_used(fresh_native, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert native.load_decode_attention() is None
+    assert "no C compiler" in native.unavailable_reason()
+    runner = ModelRunner(tiny_model_dir, BF16, num_slots=1, max_seq_len=64)
+    assert runner.fast_path.decode_attention == "matmul"
+    with pytest.raises(ValueError, match="unavailable: no C compiler"):
+        runner.fast_path.decode_attention = "kernel"
+
+
+def test_native_kernels_can_be_turned_off(fresh_native, monkeypatch):
+    monkeypatch.setenv("XPYD_NATIVE_KERNELS", "0")
+    assert native.load_decode_attention() is None
+    assert "XPYD_NATIVE_KERNELS=0" in native.unavailable_reason()
+
+
+def test_a_build_is_cached_per_cpu(fresh_native, monkeypatch):
+    path = native.build("decode_attention.c")
+    assert path.parent == fresh_native / "kernels" and path.is_file()
+    built = path.stat().st_mtime_ns
+    assert native.build("decode_attention.c") == path and path.stat().st_mtime_ns == built  # not rebuilt
+    monkeypatch.setattr(native, "_cpu_id", lambda: "another cpu")
+    other = native.build("decode_attention.c")
+    assert other != path and other.is_file()  # never loads code built for another CPU
+    assert not [p for p in os.listdir(fresh_native / "kernels") if not p.endswith(".so")]  # no temp left
+
+
+def test_float32_and_other_devices_keep_their_attention(tiny_model_dir, kernel):
+    model = ModelRunner(tiny_model_dir, torch.float32, num_slots=1, max_seq_len=64).model
+    assert FastLlama(model, 64, torch.float32).decode_attention == "sdpa"
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        FastLlama(model, 64, torch.float32, decode_attention="kernel")

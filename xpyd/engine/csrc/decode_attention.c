@@ -1,0 +1,116 @@
+/* Decode attention over xpyd's KV pool, bfloat16 in, float32 math, bfloat16 out.
+ *
+ * One query token per request. For request b and KV head h (one work item each, spread over OpenMP
+ * threads) the kernel first writes the step's new K and V at position len[b]-1 of the request's slot,
+ * then computes softmax(q k^T * scale) v for the `group` query heads that share h, reading K and V in
+ * place from the pool through its strides (no gather, no float32 copy of the cache). The numbers are
+ * the ones `llama_fast._matmul_attention` computes (float32 products and softmax, one rounding to
+ * bfloat16 at the end).
+ *
+ * Built and loaded by xpyd/engine/native.py with the machine's C compiler; called through ctypes with
+ * raw pointers and element strides (all strides are in elements, not bytes).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XPYD_MAX_GROUP 16
+#define XPYD_MAX_HEAD_DIM 256
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (no NaN inputs) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int xpyd_abi_version(void) { return 1; }
+
+/* Returns 0, or a negative code for arguments the kernel does not handle (nothing is written then). */
+int xpyd_decode_attention_bf16(
+    const uint16_t *q, int64_t q_row,          /* [B, heads, head_dim]: row stride q_row, heads contiguous */
+    const uint16_t *k_new, int64_t k_new_row,  /* [B, kv_heads, head_dim] */
+    const uint16_t *v_new, int64_t v_new_row,
+    uint16_t *kv, int64_t slot_stride, int64_t token_stride, int64_t k_off, int64_t v_off, int64_t head_stride,
+    const int64_t *slots, const int64_t *lens, /* lens[b]: tokens to attend over, the new one included */
+    int batch, int heads, int kv_heads, int head_dim, float scale,
+    uint16_t *out,                             /* [B, heads, head_dim] contiguous */
+    int threads) {
+    if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
+        heads / kv_heads > XPYD_MAX_GROUP || threads <= 0)
+        return -1;
+    for (int b = 0; b < batch; b++)
+        if (lens[b] <= 0) return -2;
+    const int group = heads / kv_heads;
+    int failed = 0;
+
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+    for (int item = 0; item < batch * kv_heads; item++) {
+        const int b = item / kv_heads, h = item % kv_heads;
+        const int64_t n = lens[b];
+        uint16_t *base = kv + slots[b] * slot_stride + (int64_t)h * head_stride;
+        uint16_t *k_last = base + (n - 1) * token_stride + k_off, *v_last = base + (n - 1) * token_stride + v_off;
+        memcpy(k_last, k_new + b * k_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
+        memcpy(v_last, v_new + b * v_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
+
+        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
+        float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
+        for (int g = 0; g < group; g++) {
+            const uint16_t *qg = q + b * q_row + (int64_t)(h * group + g) * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                qf[g][d] = bf16_to_f32(qg[d]);
+                acc[g][d] = 0.0f;
+            }
+            top[g] = -3.0e38f;
+        }
+        for (int64_t t = 0; t < n; t++) { /* scores = q . k */
+            const uint16_t *kt = base + t * token_stride + k_off;
+            for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
+            for (int g = 0; g < group; g++) {
+                float s = 0.0f;
+                for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
+                s *= scale;
+                scores[g * n + t] = s;
+                if (s > top[g]) top[g] = s;
+            }
+        }
+        for (int g = 0; g < group; g++) { /* softmax numerators and their sum */
+            float total = 0.0f;
+            float *sg = scores + g * n;
+            for (int64_t t = 0; t < n; t++) {
+                const float e = expf(sg[t] - top[g]);
+                sg[t] = e;
+                total += e;
+            }
+            sum[g] = total;
+        }
+        for (int64_t t = 0; t < n; t++) { /* acc = sum_t p_t v_t */
+            const uint16_t *vt = base + t * token_stride + v_off;
+            for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
+            for (int g = 0; g < group; g++) {
+                const float p = scores[g * n + t];
+                for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            const float inv = 1.0f / sum[g];
+            uint16_t *o = out + ((int64_t)b * heads + h * group + g) * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+        }
+        free(scores);
+    }
+    return failed ? -3 : 0;
+}

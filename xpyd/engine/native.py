@@ -1,0 +1,157 @@
+"""Native CPU kernels: C sources shipped in `xpyd/engine/csrc`, compiled once per machine, called via ctypes.
+
+The decode step's attention reads each request's K/V in place from the KV pool (`decode_attention.c`):
+torch has no kernel for one query token over a strided cache that does not first copy the cache.
+
+Built with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
+`<cache>/kernels/<key>.so`, where the key covers the source, the compiler, the flags and the CPU, so a
+copied cache or a changed machine never loads code built for another CPU. Parallel over torch's own
+OpenMP runtime: the library links `libgomp.so.1`, which the dynamic linker resolves to the copy torch
+has already loaded, so the kernel's threads are torch's threads (one team per process).
+
+No compiler, or a failed build: `load_decode_attention()` returns None with the reason in
+`unavailable_reason()`, and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from xpyd.engine.loader import cache_dir
+
+ABI_VERSION = 1
+BUILD_TIMEOUT_S = 120.0
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
+             _P, _I64, _I64, _I64, _I64, _I64,  # pool, slot/token strides, K/V offsets, head stride
+             _P, _P, _INT, _INT, _INT, _INT, _F32, _P, _INT]  # slots, lens, sizes, scale, out, threads
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+_reason: dict[str, str] = {}
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def _source(name: str) -> bytes:
+    return resources.files("xpyd.engine").joinpath("csrc", name).read_bytes()
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            keep = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        keep = []
+    return platform.machine() + "|" + "".join(keep)
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeBuildError(f"no C compiler ({cc!r} not found; set CC)")
+    return path
+
+
+def build(name: str) -> Path:
+    """Compile `csrc/<name>` for this machine, once; returns the shared library's path."""
+    source = _source(name)
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    target = folder / f"{Path(name).stem}-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = Path(tmp) / name
+        src.write_bytes(source)
+        out = Path(tmp) / target.name
+        try:
+            done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NativeBuildError(f"compiling {name} failed: {e}") from e
+        if done.returncode != 0:
+            raise NativeBuildError(f"compiling {name} failed ({cc}): {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders (several workers) each land a whole file
+    return target
+
+
+class DecodeAttention:
+    """`decode_attention.c` loaded: attention for one new token per request, K/V written in place."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if lib.xpyd_abi_version() != ABI_VERSION:
+            raise NativeBuildError(f"{path}: ABI {lib.xpyd_abi_version()}, expected {ABI_VERSION}")
+        self._fn = lib.xpyd_decode_attention_bf16
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = _INT
+        self.path = path
+
+    def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
+                 layer: int, slots: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, hd], k_new/v_new [B, kv_heads, hd] (rows may be strided), pool
+        [slots, tokens, layers, 2, kv_heads, hd] (any strides), all bfloat16 on the CPU; slots/lens int64 [B]
+        (lens: tokens attended over, the new one at lens-1 included); out [B, heads, hd] contiguous."""
+        batch, heads, hd = q.shape
+        kv_heads = k_new.shape[1]
+        for t in (q, k_new, v_new):
+            if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != hd:
+                raise ValueError("decode attention wants bfloat16 rows of contiguous heads")
+        if pool.stride(5) != 1 or not out.is_contiguous() or slots.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("decode attention: bad pool strides, output or index dtypes")
+        base = pool.stride(2) * layer
+        rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
+                      pool.data_ptr(), pool.stride(0), pool.stride(1), base, base + pool.stride(3), pool.stride(4),
+                      slots.data_ptr(), lens.data_ptr(), batch, heads, kv_heads, hd, scale, out.data_ptr(),
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native decode attention failed (code {rc})")
+        return out
+
+
+def load_decode_attention() -> DecodeAttention | None:
+    """The kernel, built on first use; None (reason in `unavailable_reason`) when it cannot be built here.
+
+    `XPYD_NATIVE_KERNELS=0` turns native kernels off."""
+    name = "decode_attention.c"
+    with _lock:
+        if name in _loaded or name in _reason:
+            return _loaded.get(name)  # type: ignore[return-value]
+        if os.environ.get("XPYD_NATIVE_KERNELS", "1") == "0":
+            _reason[name] = "native kernels turned off (XPYD_NATIVE_KERNELS=0)"
+            return None
+        try:
+            _loaded[name] = DecodeAttention(build(name))
+        except (NativeBuildError, OSError, AttributeError) as e:
+            _reason[name] = str(e)
+            return None
+        return _loaded[name]  # type: ignore[return-value]
+
+
+def unavailable_reason(name: str = "decode_attention.c") -> str | None:
+    return _reason.get(name)
