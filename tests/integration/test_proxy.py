@@ -63,6 +63,7 @@ class FakeWorker:
     token_delay: float = 0.0  # decode: between chunks
     prefill_finish: str | None = None  # prefill: end the request on the first token
     fail: tuple[int, dict | str] | None = None  # answer (status, body) instead
+    stream_error: dict | None = None  # decode: after the role chunk, this error event and [DONE]
     received: list[Received] = field(default_factory=list)
     hung_up: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
@@ -138,6 +139,11 @@ class FakeWorker:
         if chat:  # a worker may open with a role chunk; the proxy must drop it
             await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None}]})
+        if self.stream_error is not None:  # as a worker that fails once the status line is out
+            await send({"error": self.stream_error})
+            await send("[DONE]")
+            await resp.write_eof()
+            return resp
         rest = self.tokens[1:]
         for i, tok in enumerate(rest):
             finish = "length" if i == len(rest) - 1 else None
@@ -533,7 +539,7 @@ async def test_worker_4xx_is_passed_through(cluster: Cluster, failing: str, stre
 
 
 @pytest.mark.parametrize("failing", ["prefill", "decode"])
-@pytest.mark.parametrize("worker_status, status", [(500, 502), (503, 503)])
+@pytest.mark.parametrize("worker_status, status", [(500, 502), (503, 503), (504, 504)])
 async def test_worker_5xx(cluster: Cluster, failing: str, worker_status: int, status: int):
     getattr(cluster, failing).fail = (worker_status, "Internal Server Error")
     async with cluster.post("/v1/completions", completion()) as r:
@@ -541,6 +547,30 @@ async def test_worker_5xx(cluster: Cluster, failing: str, worker_status: int, st
         data = await r.json()
     assert_openai_error(data)
     assert data["error"]["type"] == "server_error" and failing in data["error"]["message"]
+
+
+@pytest.mark.parametrize("code, status", [(504, 504), (503, 503), (500, 502), (None, 502)])
+async def test_decode_in_stream_error_keeps_a_503_or_504(cluster: Cluster, code, status: int):
+    """A decode worker fails after its 200 (e.g. prefill's KV not ready in time: 504, in the
+    event's ``code``). A client still waiting for its JSON body gets that status; a streaming
+    client, whose status line went out with prefill's token, gets it as an error event."""
+    cluster.decode.stream_error = {"message": "prefill not ready within 1s", "type": "server_error",
+                                   "param": None, "code": code}
+    async with cluster.post("/v1/completions", completion()) as r:
+        assert r.status == status
+        data = await r.json()
+    assert_openai_error(data)
+    assert data["error"]["type"] == "server_error"
+    assert data["error"]["message"] == f"decode worker {cluster.decode.url} failed: prefill not ready within 1s"
+    async with cluster.post("/v1/chat/completions", chat(stream=True)) as r:
+        assert r.status == 200
+        events = await read_sse(r)
+    assert content_of(events[1]) == "Hello"
+    assert "prefill not ready" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    # The worker answered: it is not marked down, and serves the next request.
+    cluster.decode.stream_error = None
+    async with cluster.post("/v1/completions", completion()) as r:
+        assert r.status == 200
 
 
 async def test_worker_timeout_is_504():

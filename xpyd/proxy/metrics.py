@@ -27,7 +27,7 @@ from werkzeug.exceptions import HTTPException
 
 from xpyd.api.openai import APIError
 from xpyd.engine.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
-from xpyd.proxy.client import UpstreamError
+from xpyd.proxy.upstream import UpstreamError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

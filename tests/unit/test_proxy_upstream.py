@@ -1,0 +1,37 @@
+"""How the proxy reports a worker's failure status (xpyd.proxy.upstream), without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.upstream import Fault, in_stream_error, server_error_status
+
+DECODE = WorkerInfo(Role.DECODE, "http://10.0.0.2:8200", "10.0.0.2:9200", "m", 1, 8)
+
+
+@pytest.mark.parametrize("worker, client", [(500, 502), (502, 502), (503, 503), (504, 504), (599, 502)])
+def test_server_error_status_keeps_503_and_504(worker: int, client: int):
+    assert server_error_status(worker) == client
+
+
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        ({"message": "KV did not arrive within 30s", "code": 504}, 504, "KV did not arrive within 30s"),
+        ({"message": "draining", "code": 503}, 503, "draining"),
+        ({"message": "decode failed", "code": 500}, 502, "decode failed"),
+        ({"message": "no code", "code": None}, 502, "no code"),
+        ({"message": "a 4xx after the 200 is still the worker's failure", "code": 409}, 502,
+         "a 4xx after the 200 is still the worker's failure"),
+        ({"message": "a bool is not a status", "code": True}, 502, "a bool is not a status"),
+        ({"message": "a string is not a status", "code": "504"}, 502, "a string is not a status"),
+        ("boom", 502, "boom"),
+    ],
+)
+def test_in_stream_error(error: object, status: int, message: str):
+    e = in_stream_error(error, DECODE)
+    assert e.status == status
+    assert e.message == f"decode worker {DECODE.http_url} failed: {message}"
+    assert e.to_dict()["error"]["type"] == "server_error"
+    assert e.worker is DECODE and e.fault is Fault.NONE  # it answered: not marked down

@@ -1,0 +1,174 @@
+"""One client request split across a prefill and a decode worker: ``PDCall``.
+
+Both upstream calls start at once::
+
+    first_token(): prefill <- prefill_body  -> first token  (returned once decode has the request too)
+                   decode  <- decode_body   -> open SSE stream
+    rest():        decode's deltas (tokens 2..n), unless the request ended on prefill
+    usage:         decode's usage chunk, or prefill's, or what was counted
+    aclose():      cancel what still runs; tell prefill to drop KV decode never pulled
+
+The first error from either side is the call's error (an ``UpstreamError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from xpyd.api.openai import CompletionRequest
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.client import WorkerClient
+from xpyd.proxy.decode_stream import DecodeStream
+from xpyd.proxy.upstream import UpstreamError
+from xpyd.proxy.worker_api import Delta, FirstToken, Usage, decode_body, prefill_body
+
+
+class PDCall:
+    """One client request split across a prefill and a decode worker, called concurrently.
+
+    ``first_token()`` starts both calls and returns prefill's answer (or the first
+    error from either side); ``rest()`` yields decode's deltas unless the request
+    already ended on prefill. Always finish with ``aclose()`` (or ``abort()`` where
+    awaiting is impossible): it cancels whatever is still running.
+    """
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        req: CompletionRequest,
+        prefill: WorkerInfo,
+        decode: WorkerInfo,
+        request_id: str,
+    ) -> None:
+        if prefill.role is not Role.PREFILL or decode.role is not Role.DECODE:
+            raise ValueError("PDCall needs a prefill worker and a decode worker")
+        self._client = client
+        self._req = req
+        self._prefill = prefill
+        self._decode = decode
+        self.request_id = request_id
+        self._prefill_task: asyncio.Task[FirstToken] | None = None
+        self._decode_task: asyncio.Task[DecodeStream] | None = None
+        self._first: FirstToken | None = None
+        self._prefilled: FirstToken | None = None  # prefill's answer, even if first_token() failed after it
+        self._stream: DecodeStream | None = None
+        self._decoded_tokens = 0
+        self._completed = False  # decode's stream ended normally
+        self._release_sent = False
+        self._decode_sent = asyncio.Event()
+        self._lost: asyncio.Future[UpstreamError] = asyncio.get_running_loop().create_future()
+
+    @property
+    def prefill_url(self) -> str:
+        return self._prefill.http_url
+
+    def prefill_lost(self, error: UpstreamError) -> bool:
+        """The prefill worker died: end the call with ``error`` unless decode already has the KV.
+
+        Decode's first delta comes after its KV pull completed, so until then the
+        request may be waiting for KV that will never come (a decode worker can be
+        slow to notice). True if the call was ended.
+        """
+        if self._first is None:
+            return False  # prefill has not answered: its own call fails (or times out)
+        if self._decoded_tokens or self._first.finish_reason is not None or self._lost.done():
+            return False
+        self._lost.set_result(error)
+        if self._stream is not None:
+            self._stream.fail(error)
+        return True
+
+    async def first_token(self) -> FirstToken:
+        """Prefill's answer, once decode has the request too (so nothing reaches the
+        client while a dead decode worker could still mean a retry elsewhere)."""
+        kind = self._req.kind
+        self._prefill_task = asyncio.create_task(self._client.prefill(
+            self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
+        self._decode_task = asyncio.create_task(self._client.open_decode(
+            self._decode, kind, decode_body(self._req, self._decode), self.request_id,
+            self._decode_sent))
+        pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if self._prefill_task in done and self._prefill_task.exception() is not None:
+                raise self._prefill_task.exception()
+            if self._decode_task in done and self._decode_task.exception() is not None:
+                raise self._decode_task.exception()  # e.g. decode refused the body: 4xx
+            if self._prefill_task in done:
+                first = self._prefilled = self._prefill_task.result()
+                if first.finish_reason is None:
+                    await self._decode_connected()
+                self._first = first
+                return first
+
+    async def _decode_connected(self) -> None:
+        """Wait until decode's request is sent or has failed (usually long done by now)."""
+        task = self._decode_task
+        assert task is not None
+        if not (task.done() or self._decode_sent.is_set()):
+            sent = asyncio.create_task(self._decode_sent.wait())
+            try:
+                await asyncio.wait({task, sent}, timeout=self._client.connect_timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+    async def rest(self) -> AsyncIterator[Delta]:
+        if self._first is None:
+            raise RuntimeError("first_token() must succeed before rest()")
+        if self._first.finish_reason is not None:
+            return  # ended on prefill; aclose() drops the decode stream
+        assert self._decode_task is not None
+        if not self._decode_task.done():
+            await asyncio.wait({self._decode_task, self._lost}, return_when=asyncio.FIRST_COMPLETED)
+        if self._lost.done():
+            raise self._lost.result()
+        self._stream = await self._decode_task
+        async for delta in self._stream.deltas():
+            self._decoded_tokens += 1
+            yield delta  # the stream goes on to its usage chunk and [DONE]
+        self._completed = True
+
+    @property
+    def usage(self) -> Usage:
+        """Token counts for the whole request (valid once ``rest()`` is exhausted)."""
+        if self._first is None:
+            raise RuntimeError("no usage before first_token()")
+        if self._first.finish_reason is not None:
+            return self._first.usage
+        if self._stream is not None and self._stream.usage is not None:
+            return self._stream.usage
+        # The decode worker sent no usage chunk: count what we saw.
+        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded_tokens)
+
+    def abort(self) -> None:
+        """Cancel both calls and drop the decode stream, without waiting.
+
+        If prefill answered and decode did not finish, prefill may still hold the
+        request's KV for a decode worker that will never pull it (dead, or it
+        failed before the pull): tell prefill to drop it (a no-op if it was pulled).
+        """
+        first = self._prefilled
+        if first is not None and first.finish_reason is None and not self._completed and not self._release_sent:
+            self._release_sent = True
+            self._client.release_later(self._prefill, self.request_id)
+        for task in (self._prefill_task, self._decode_task):
+            if task is None:
+                continue
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                if isinstance(task.result(), DecodeStream):
+                    task.result().close()
+        if self._stream is not None:
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        self.abort()
+        tasks = [t for t in (self._prefill_task, self._decode_task) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # A decode task that completed while being cancelled still holds an open stream.
+        self.abort()

@@ -1,0 +1,111 @@
+"""A P/D call's output as the client gets it: one JSON body, or an SSE stream.
+
+Either way the client sees one response id and ``created``, the served model
+name, prefill's first token and then decode's deltas. A streaming response
+goes::
+
+    [role chunk (chat)] -> first token -> deltas -> [usage chunk if asked] -> [DONE]
+
+A failure once the status line is sent becomes an error event and ``[DONE]``
+(as vLLM does); the body owns the call and the request's timer, and drops the
+call when it ends or, if the client left before it started, when it is collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+
+from quart import Response
+
+from xpyd.api.openai import APIError, CompletionRequest, RequestKind
+from xpyd.api.responses import (
+    SSE_DONE,
+    completion_response,
+    new_response_id,
+    sse,
+    stream_chunk,
+    usage_chunk,
+)
+from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
+from xpyd.proxy.pd_call import PDCall
+from xpyd.proxy.worker_api import FirstToken
+
+log = logging.getLogger(__name__)
+
+
+async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+                        timer: RequestTimer) -> dict:
+    """The whole (non-streaming) response, once decode has finished."""
+    parts, finish_reason = [first.text], first.finish_reason
+    async for delta in call.rest():
+        timer.token()
+        parts.append(delta.text)
+        finish_reason = delta.finish_reason or finish_reason
+    usage = call.usage
+    return completion_response(
+        new_response_id(req.kind), int(time.time()), model, req.kind, "".join(parts),
+        finish_reason, usage.prompt_tokens, usage.completion_tokens,
+    )
+
+
+def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+                    headers: dict, timer: RequestTimer,
+                    on_error: Callable[[APIError], None]) -> Response:
+    """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here."""
+    body = _stream(call, req, first, model, on_error, timer)
+    # If the client leaves before the body starts, the generator never runs
+    # its finally; drop the upstream calls when it is collected instead.
+    weakref.finalize(body, _abandon, call, timer)
+    headers["Cache-Control"] = "no-cache"
+    return Response(body, status=200, content_type="text/event-stream", headers=headers)
+
+
+def _abandon(call: PDCall, timer: RequestTimer) -> None:
+    call.abort()
+    timer.end(Outcome.ABORTED)  # no-op if the body ran to its end
+
+
+async def _stream(
+    call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+    on_error: Callable[[APIError], None], timer: RequestTimer,
+) -> AsyncIterator[bytes]:
+    kind, rid, created = req.kind, new_response_id(req.kind), int(time.time())
+
+    def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        return sse(stream_chunk(rid, created, model, kind, text, finish_reason, role=role))
+
+    try:
+        if kind is RequestKind.CHAT:
+            yield chunk(None, None, role=True)
+        if first.finish_reason is not None:
+            yield chunk(first.text or None, first.finish_reason)
+        else:
+            if first.text:
+                yield chunk(first.text, None)
+            async for delta in call.rest():
+                timer.token()
+                if delta.finish_reason is not None or delta.text:
+                    yield chunk(delta.text or None, delta.finish_reason)
+        if req.include_usage:
+            usage = call.usage
+            yield sse(usage_chunk(rid, created, model, kind, usage.prompt_tokens,
+                                  usage.completion_tokens))
+        timer.end(Outcome.OK)
+        yield SSE_DONE
+    except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
+        timer.end(outcome_of(e))
+        on_error(e)
+        log.warning("%s: %s (in stream)", call.request_id, e.message)
+        yield sse(APIError(e.status, e.message, type=e.type).to_dict())
+        yield SSE_DONE
+    except Exception:
+        timer.end(Outcome.INTERNAL_ERROR)
+        log.exception("%s: streaming failed", call.request_id)
+        yield sse(APIError(500, "internal error in the proxy", type="server_error").to_dict())
+        yield SSE_DONE
+    finally:
+        timer.end(Outcome.ABORTED)  # no-op unless the client went away
+        await call.aclose()

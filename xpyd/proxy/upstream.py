@@ -1,0 +1,108 @@
+"""Worker failures as the proxy reports them: ``UpstreamError``, with a status and a ``Fault``.
+
+A worker's 4xx carries its status and body so the client sees them verbatim;
+a worker's 503 stays 503 and its 504 stays 504; any other 5xx or a broken
+connection is a 502, and a timeout of ours a 504. The ``fault`` says what the
+failure means for the worker (the proxy marks it down, and may retry elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from enum import Enum
+
+import aiohttp
+
+from xpyd.api.openai import APIError
+from xpyd.discovery.types import WorkerInfo
+
+MAX_ERROR_BODY = 64 * 1024  # bytes of a worker's error body we read and pass on
+_KEPT_5XX = (503, 504)  # a worker starting or overloaded, or timed out itself: the client hears the same
+
+
+class Fault(Enum):
+    """What a failed call says about the worker."""
+
+    NONE = "none"  # it refused this request (4xx) or answered it wrongly: nothing to do
+    UNHEALTHY = "unhealthy"  # 5xx or a timeout: stop choosing it until it is healthy
+    UNREACHABLE = "unreachable"  # the connection failed or broke: as UNHEALTHY, and the
+    #                              request may be retried elsewhere if the client saw nothing
+
+
+class UpstreamError(APIError):
+    """A worker failed or refused. ``body`` (a worker's own 4xx error) is passed on verbatim."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        body: dict | None = None,
+        worker: WorkerInfo | None = None,
+        fault: Fault = Fault.NONE,
+    ) -> None:
+        kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        super().__init__(status, message, type=kind)
+        self.body = body
+        self.worker = worker
+        self.fault = fault
+
+    def to_dict(self) -> dict:
+        return self.body if self.body is not None else super().to_dict()
+
+
+def server_error_status(worker_status: int) -> int:
+    """The status the client gets for a worker's non-4xx failure status: 503 and 504 as they are, else 502."""
+    return worker_status if worker_status in _KEPT_5XX else 502
+
+
+def who(worker: WorkerInfo) -> str:
+    return f"{worker.role.value} worker {worker.http_url}"
+
+
+@contextlib.contextmanager
+def upstream_errors(worker: WorkerInfo) -> Iterator[None]:
+    """Turn network and protocol failures talking to ``worker`` into UpstreamError."""
+    name = who(worker)
+    try:
+        yield
+    except TimeoutError as e:  # also aiohttp's ServerTimeoutError
+        raise UpstreamError(504, f"{name} timed out", worker=worker, fault=Fault.UNHEALTHY) from e
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise UpstreamError(502, f"{name} unreachable: {type(e).__name__}: {e}", worker=worker,
+                            fault=Fault.UNREACHABLE) from e
+    except aiohttp.ClientError as e:
+        raise UpstreamError(502, f"{name} failed: {type(e).__name__}: {e}", worker=worker) from e
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise UpstreamError(502, f"{name} sent an invalid response: {e}", worker=worker) from e
+
+
+async def raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> None:
+    """UpstreamError unless ``resp`` is a 2xx (reads at most MAX_ERROR_BODY of an error body)."""
+    if 200 <= resp.status < 300:
+        return
+    raw = await resp.content.read(MAX_ERROR_BODY)
+    try:
+        body = json.loads(raw)
+        message = str(body["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        body, message = None, raw.decode(errors="replace")[:200]
+    name = who(worker)
+    if 400 <= resp.status < 500:
+        raise UpstreamError(resp.status, message or f"{name}: HTTP {resp.status}", body, worker)
+    raise UpstreamError(server_error_status(resp.status), f"{name} failed with HTTP {resp.status}: {message}",
+                        worker=worker, fault=Fault.UNHEALTHY)
+
+
+def in_stream_error(error: object, worker: WorkerInfo) -> UpstreamError:
+    """A worker's SSE error event (``{"error": {...}}``) as an UpstreamError.
+
+    The status is the event's integer ``code`` when that is a 5xx (vLLM's convention;
+    503 and 504 are kept), else 502. The worker stays healthy: it answered.
+    """
+    message, code = (error.get("message"), error.get("code")) if isinstance(error, dict) else (error, None)
+    status = 502
+    if isinstance(code, int) and not isinstance(code, bool) and 500 <= code < 600:
+        status = server_error_status(code)
+    return UpstreamError(status, f"{who(worker)} failed: {message}", worker=worker)

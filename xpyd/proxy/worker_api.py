@@ -1,0 +1,99 @@
+"""The worker HTTP contract as the proxy speaks it: request bodies out, tokens and usage in.
+
+For one client request::
+
+    prefill worker  <- prefill_body: body + max_tokens=1, stream=false -> parse_first_token (JSON)
+    decode worker   <- decode_body: body + stream=true, include_usage  -> parse_delta per SSE choice, usage
+
+Both carry the request's id in ``X-Request-Id``. The parsers raise ValueError,
+KeyError, TypeError or IndexError on a malformed answer (``upstream_errors``
+turns those into a 502).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.discovery.types import WorkerInfo
+
+REQUEST_ID_HEADER = "X-Request-Id"
+ABORT_PATH = "/xpyd/abort"  # a worker drops the request named in X-Request-Id
+ROUTES = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    text: str  # as it should be shown to the client; may be "" (held back)
+    finish_reason: str | None  # not None: the request ended on prefill
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str
+    finish_reason: str | None
+
+
+def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
+    body = {k: v for k, v in req.raw.items() if k not in ("stream_options", "max_completion_tokens")}
+    body.update(
+        model=worker.model_id,
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params={"role": "prefill", "max_tokens": req.max_tokens},
+    )
+    return body
+
+
+def decode_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
+    return {
+        **req.raw,
+        "model": worker.model_id,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"role": "decode"},
+    }
+
+
+def _str_or_none(v: object) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise TypeError(f"expected a string or null, got {type(v).__name__}")
+    return v
+
+
+def parse_usage(d: dict) -> Usage:
+    prompt, completion = d["prompt_tokens"], d["completion_tokens"]
+    if not (isinstance(prompt, int) and isinstance(completion, int)):
+        raise TypeError("usage token counts must be integers")
+    return Usage(prompt, completion)
+
+
+def parse_first_token(data: dict, kind: RequestKind) -> FirstToken:
+    """Prefill's JSON answer."""
+    choice = data["choices"][0]
+    text = choice["message"]["content"] if kind is RequestKind.CHAT else choice["text"]
+    return FirstToken(
+        text=_str_or_none(text) or "",
+        finish_reason=_str_or_none(choice.get("finish_reason")),
+        usage=parse_usage(data["usage"]),
+    )
+
+
+def parse_delta(choice: dict, kind: RequestKind) -> Delta | None:
+    """One choice of a decode SSE chunk; None if it carries neither text nor a finish reason."""
+    if kind is RequestKind.CHAT:
+        text = (choice.get("delta") or {}).get("content")
+    else:
+        text = choice.get("text")
+    text = _str_or_none(text) or ""
+    finish_reason = _str_or_none(choice.get("finish_reason"))
+    if not text and finish_reason is None:
+        return None  # e.g. the chat role chunk: the proxy sends its own
+    return Delta(text, finish_reason)
