@@ -35,7 +35,7 @@ class APIError(Exception):
         message: str,
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status

@@ -235,7 +235,8 @@ async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, mod
         async for ev in _events(sink, single_event):
             if isinstance(ev, ErrorEvent):
                 ended = True
-                yield sse(APIError(ev.status, ev.message, "server_error").to_dict())
+                # the status as an integer `code`, as vLLM does: the proxy answers with it (a 504 stays 504)
+                yield sse(APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict())
                 yield SSE_DONE
                 return
             completion_tokens = ev.completion_tokens

@@ -5,11 +5,13 @@ Every test ends by checking that the workers it used hold nothing (requests, KV 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import threading
 import time
+import urllib.request
 
 from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, post, stats, wait_idle
 from tests.integration.faults.fault_helpers import decode_body as _decode_body
@@ -84,6 +86,21 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     assert status == 409 and "already released" in body["error"]["message"], body
     s = wait_idle(urls["prefill"])
     assert s["released_on_arrival"] == released_before + 1
+
+
+def test_a_streamed_prefill_wait_timeout_ends_with_an_error_event_coded_504(fault_workers):
+    """How the proxy hears it (it always streams from decode): the event's integer code is the status."""
+    _, urls = fault_workers
+    req = urllib.request.Request(urls["decode"] + "/v1/completions", headers={
+        "Content-Type": "application/json", "X-Request-Id": _rid(urls)},
+        data=json.dumps({**_decode_body(), "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=PREFILL_WAIT + 10) as r:
+        events = [line.removeprefix(b"data: ") for line in r.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 504 and error["type"] == "server_error", error
+    assert f"within {PREFILL_WAIT:g}s" in error["message"]
+    wait_idle(urls["decode"])
 
 
 def _open_decode_stream(urls: dict, rid: str) -> socket.socket:
