@@ -15,6 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Rows this many tokens ahead are prefetched: consecutive tokens of one layer sit a whole token of KV
+   apart (23 KB for SmolLM2-135M), too far for the hardware prefetcher (measured: 4, 8, 16 -> 16 best,
+   10-30% faster than none; an AVX-512-BF16 intrinsics version was 1.5-2x slower than this plain C). */
+#define XPYD_PREFETCH 16
 #define XPYD_MAX_GROUP 16
 #define XPYD_MAX_HEAD_DIM 256
 
@@ -78,6 +82,8 @@ int xpyd_decode_attention_bf16(
         }
         for (int64_t t = 0; t < n; t++) { /* scores = q . k */
             const uint16_t *kt = base + t * token_stride + k_off;
+            if (t + XPYD_PREFETCH < n)
+                for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(kt + XPYD_PREFETCH * token_stride + d, 0, 3);
             for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
             for (int g = 0; g < group; g++) {
                 float s = 0.0f;
@@ -99,6 +105,8 @@ int xpyd_decode_attention_bf16(
         }
         for (int64_t t = 0; t < n; t++) { /* acc = sum_t p_t v_t */
             const uint16_t *vt = base + t * token_stride + v_off;
+            if (t + XPYD_PREFETCH < n)
+                for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(vt + XPYD_PREFETCH * token_stride + d, 0, 3);
             for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
             for (int g = 0; g < group; g++) {
                 const float p = scores[g * n + t];
