@@ -43,6 +43,11 @@ FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.title="xpyd" \
       org.opencontainers.image.description="Disaggregated prefill/decode LLM serving (proxy, prefill and decode workers)" \
       org.opencontainers.image.licenses="Apache-2.0"
+# gcc: the workers compile their native decode attention kernel for the node's CPU at first start
+# (xpyd/engine/native.py, cached in XPYD_CACHE_DIR); without it they fall back to a slower torch path.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 xpyd \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin xpyd \
  && mkdir -p /var/cache/xpyd \

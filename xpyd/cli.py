@@ -18,6 +18,7 @@ def _env_defaults() -> None:
     # threads 67 -> 30-39 ms. Workers that share cores drop to one thread when the other role is busy
     # (cpu_share), so the spinning does not take a core from it for long.
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS: never used per step, no idle pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
