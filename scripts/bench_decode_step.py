@@ -9,7 +9,7 @@ Prints the median ms per decode step for each batch size (each request prefilled
 tokens first) and the median prefill time for `context` tokens. --reference forces the general
 (HF-module) path; --compare times both alternately in one run (the fair before/after on a
 shared machine). --attention kernel,matmul times the lean forward with each decode attention
-alternately, the same way. --profile B prints a torch.profiler table of decode steps at batch B.
+alternately, the same way (`kernel+torch-pointwise`: RMSNorm and rotary as torch ops). --profile B prints a torch.profiler table of decode steps at batch B.
 Threads wait as a worker's do (the CLI's OMP_WAIT_POLICY/GOMP_SPINCOUNT defaults).
 """
 
@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true",
                     help="time the fast and the general path alternately (in rounds of 4 steps) in one run")
     ap.add_argument("--attention", default="",
-                    help="comma-separated decode attentions of the lean forward to time alternately (kernel,matmul,sdpa)")
+                    help="comma-separated decode attentions of the lean forward to time alternately (kernel,matmul,"
+                         "sdpa); a '+torch-pointwise' suffix runs RMSNorm/rotary as torch ops instead of native calls")
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,7 +63,9 @@ def main() -> None:
     def use(mode: str) -> None:
         runner.use_fast_path(mode != "general")
         if mode not in ("fast", "general"):
-            runner.fast_path.decode_attention = mode
+            attention, _, pointwise = mode.partition("+")
+            runner.fast_path.decode_attention = attention
+            runner.fast_path.native_pointwise = pointwise != "torch-pointwise"
 
     use(modes[0])
     print(f"load {time.perf_counter() - t0:.2f} s, fast path: {runner.fast_path_active}"

@@ -149,6 +149,9 @@ class FastLlama:
         # bfloat16 uses the kernel when it builds here, else the matmuls; float32 keeps SDPA, what
         # transformers itself runs.
         self._kernel: native.DecodeAttention | None = None
+        self._pointwise: native.Pointwise | None = None
+        if dtype == torch.bfloat16 and device.type == "cpu":
+            self._pointwise = native.load_pointwise()  # None (the torch ops) when it cannot be built here
         self.decode_attention = self._default_attention() if decode_attention is None else decode_attention
         self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
         self.scale = self.head_dim**-0.5
@@ -209,32 +212,55 @@ class FastLlama:
         except RuntimeError:
             return False
 
+    @property
+    def native_pointwise(self) -> bool:
+        """RMSNorm and the rotary step as native calls (pointwise.c), bfloat16 on the CPU when it builds."""
+        return self._pointwise is not None
+
+    @native_pointwise.setter
+    def native_pointwise(self, enabled: bool) -> None:
+        if not enabled:
+            self._pointwise = None
+            return
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            raise ValueError(f"native pointwise kernels run bfloat16 on the CPU, not {self.dtype} on {self.device}")
+        self._pointwise = native.load_pointwise()
+        if self._pointwise is None:
+            raise ValueError(f"native pointwise kernels are unavailable: {native.unavailable_reason('pointwise.c')}")
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._pointwise is not None:
+            return self._pointwise.rms_norm(x, weight, eps)
+        return _rms_norm(x, weight, eps)
+
     def _rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qkv [T, heads + 2 kv_heads, hd] -> rotated q and k [T, heads + kv_heads, hd].
+        """qkv [T, heads + 2 kv_heads, hd], cos/sin [T, hd] -> rotated q and k [T, heads + kv_heads, hd].
 
         HF's q*cos + rotate_half(q)*sin with rotate_half(q) = (-q2, q1); the minus sits in `sin` instead
         (self.sin = (-sin1, sin2)), which is the same product, one pass fewer.
         """
+        if self._pointwise is not None:
+            return self._pointwise.rope(qkv, self.num_heads + self.num_kv_heads, cos, sin)
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         half = self.head_dim // 2
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-        return (qk * cos).add_(swapped.mul_(sin))
+        return (qk * cos.unsqueeze(1)).add_(swapped.mul_(sin.unsqueeze(1)))
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(_rms_norm(x, layer.ln2, layer.eps2)).chunk(2, dim=-1)
+        gate, up = layer.gate_up(self._norm(x, layer.ln2, layer.eps2)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate).mul_(up))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
+        return self.lm_head(self._norm(x, self.norm, self.norm_eps)).float()
 
     def prefill(self, kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids [n]; kv = pool[slot, :n] (written in place). Returns float32 logits [vocab] of the last token."""
         n, nh, nkv, hd = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [n, hidden]
-        cos, sin = self.cos[:n].unsqueeze(1), self.sin[:n].unsqueeze(1)
+        cos, sin = self.cos[:n], self.sin[:n]
         for index, layer in enumerate(self.layers):
             self.on_layer()
-            qkv = layer.qkv(_rms_norm(x, layer.ln1, layer.eps1)).view(n, nh + 2 * nkv, hd)
+            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(n, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
             kv[:, index, 0] = qk[:, nh:]
             kv[:, index, 1] = qkv[:, nh + nkv :]
@@ -253,11 +279,11 @@ class FastLlama:
         batch, nh, nkv, hd = len(slots), self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [B, hidden]
         pos_t = torch.tensor(positions, device=self.device)
-        cos, sin = self.cos[pos_t].unsqueeze(1), self.sin[pos_t].unsqueeze(1)
+        cos, sin = self.cos[pos_t], self.sin[pos_t]
         attend = self._attention_plan(pool, slots, positions, pos_t)
         for index, layer in enumerate(self.layers):
             self.on_layer()
-            qkv = layer.qkv(_rms_norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
+            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
             attn = attend(index, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])  # [B, heads, hd]
             x = x + layer.o(attn.reshape(batch, nh * hd))

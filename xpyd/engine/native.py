@@ -2,6 +2,7 @@
 
 The decode step's attention reads each request's K/V in place from the KV pool (`decode_attention.c`):
 torch has no kernel for one query token over a strided cache that does not first copy the cache.
+RMSNorm and the rotary step run as one call each (`pointwise.c`) instead of 5-8 small torch ops.
 
 Built with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
 `<cache>/kernels/<key>.so`, where the key covers the source, the compiler, the flags and the CPU, so a
@@ -134,23 +135,77 @@ class DecodeAttention:
         return out
 
 
-def load_decode_attention() -> DecodeAttention | None:
-    """The kernel, built on first use; None (reason in `unavailable_reason`) when it cannot be built here.
+class Pointwise:
+    """`pointwise.c` loaded: transformers' RMSNorm and the lean forward's rotary step, bfloat16, one call each."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if lib.xpyd_pointwise_abi_version() != ABI_VERSION:
+            raise NativeBuildError(f"{path}: ABI {lib.xpyd_pointwise_abi_version()}, expected {ABI_VERSION}")
+        self._norm = lib.xpyd_rms_norm_bf16
+        self._norm.argtypes = [_P, _I64, _P, _P, _I64, _I64, _INT, _F32, _INT]
+        self._norm.restype = _INT
+        self._rope = lib.xpyd_rope_bf16
+        self._rope.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]
+        self._rope.restype = _INT
+        self.path = path
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, n] bfloat16 (rows may be strided), weight [n] -> a new [rows, n]."""
+        rows, n = x.shape
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.stride(1) != 1 or \
+                not weight.is_contiguous() or weight.shape != (n,):
+            raise ValueError("rms_norm wants bfloat16 rows of contiguous elements and a matching weight")
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        rc = self._norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, rows, n, eps,
+                        torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native rms_norm failed (code {rc})")
+        return out
+
+    def rope(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv [rows, >= heads, hd]; cos/sin [rows, hd] (sin with rotate_half's sign folded in) -> a new
+        [rows, heads, hd] of the rotated first `heads` head vectors."""
+        rows, _, hd = qkv.shape
+        for t in (qkv, cos, sin):
+            if t.dtype != torch.bfloat16 or t.stride(-1) != 1:
+                raise ValueError("rope wants bfloat16 tensors with contiguous last dimensions")
+        if qkv.stride(1) != hd or cos.shape != (rows, hd) or sin.shape != (rows, hd) or cos.stride(0) != sin.stride(0):
+            raise ValueError("rope: qkv heads must be contiguous and cos/sin [rows, head_dim] alike")
+        out = torch.empty((rows, heads, hd), dtype=torch.bfloat16)
+        rc = self._rope(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(),
+                        heads * hd, rows, heads, hd, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native rope failed (code {rc})")
+        return out
+
+
+def _load(name: str, factory):
+    """`factory(build(name))`, once per process; None (reason kept) when it cannot be built or loaded here.
 
     `XPYD_NATIVE_KERNELS=0` turns native kernels off."""
-    name = "decode_attention.c"
     with _lock:
         if name in _loaded or name in _reason:
-            return _loaded.get(name)  # type: ignore[return-value]
+            return _loaded.get(name)
         if os.environ.get("XPYD_NATIVE_KERNELS", "1") == "0":
             _reason[name] = "native kernels turned off (XPYD_NATIVE_KERNELS=0)"
             return None
         try:
-            _loaded[name] = DecodeAttention(build(name))
+            _loaded[name] = factory(build(name))
         except (NativeBuildError, OSError, AttributeError) as e:
             _reason[name] = str(e)
             return None
-        return _loaded[name]  # type: ignore[return-value]
+        return _loaded[name]
+
+
+def load_decode_attention() -> DecodeAttention | None:
+    """The attention kernel, built on first use; None (reason in `unavailable_reason`) when unavailable."""
+    return _load("decode_attention.c", DecodeAttention)
+
+
+def load_pointwise() -> Pointwise | None:
+    """RMSNorm and rotary kernels, built on first use; None (reason in `unavailable_reason`) when unavailable."""
+    return _load("pointwise.c", Pointwise)
 
 
 def unavailable_reason(name: str = "decode_attention.c") -> str | None:

@@ -1,6 +1,6 @@
-"""The native decode attention (xpyd/engine/csrc/decode_attention.c): built here with the machine's
-compiler, checked against the float32 reference and the matmul path it replaces, and the fallback
-when it cannot be built."""
+"""The native kernels (xpyd/engine/csrc): the decode attention and the pointwise RMSNorm/rotary steps,
+built here with the machine's compiler, checked against the float32 reference and the torch paths they
+replace, and the fallback when they cannot be built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xpyd.engine import native
-from xpyd.engine.llama_fast import FastLlama
+from xpyd.engine.llama_fast import FastLlama, _rms_norm
 from xpyd.engine.model_runner import ModelRunner
 
 from tests.integration.test_model_runner import prompt_of
@@ -24,6 +24,14 @@ def kernel() -> native.DecodeAttention:
     if k is None:  # this machine has gcc (facts.md): a failed build here is a defect, not a skip
         pytest.fail(f"native decode attention did not build: {native.unavailable_reason()}")
     return k
+
+
+@pytest.fixture(scope="module")
+def pointwise() -> native.Pointwise:
+    p = native.load_pointwise()
+    if p is None:
+        pytest.fail(f"native pointwise kernels did not build: {native.unavailable_reason('pointwise.c')}")
+    return p
 
 
 @pytest.fixture
@@ -114,13 +122,16 @@ def test_bfloat16_runner_uses_the_kernel_and_batches_equal_single_requests(tiny_
         runner.fast_path.decode_attention = "kernel"
 
 
-def test_kernel_and_matmul_attention_pick_the_same_greedy_tokens(smollm_dir, kernel):
-    """The real model, three requests of different lengths decoded together for 16 steps."""
+def test_native_and_torch_steps_pick_the_same_greedy_tokens(smollm_dir, kernel, pointwise):
+    """The real model, three requests of different lengths decoded together for 16 steps: native
+    attention and pointwise steps vs torch's matmul attention and ops."""
     runner = ModelRunner(smollm_dir, BF16, num_slots=3, max_seq_len=256)
+    assert runner.fast_path.native_pointwise
     prompts = [[1, *range(100 + 7 * i, 160 + 11 * i)] for i in range(3)]
     tokens = {}
     for attention in ("kernel", "matmul"):
         runner.fast_path.decode_attention = attention
+        runner.fast_path.native_pointwise = attention == "kernel"
         slots = [runner.pool.allocate() for _ in prompts]
         step = [int(runner.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
         positions = [len(p) for p in prompts]
@@ -139,9 +150,11 @@ def test_without_a_compiler_the_matmul_attention_is_used(fresh_native, monkeypat
     assert native.load_decode_attention() is None
     assert "no C compiler" in native.unavailable_reason()
     runner = ModelRunner(tiny_model_dir, BF16, num_slots=1, max_seq_len=64)
-    assert runner.fast_path.decode_attention == "matmul"
+    assert runner.fast_path.decode_attention == "matmul" and not runner.fast_path.native_pointwise
     with pytest.raises(ValueError, match="unavailable: no C compiler"):
         runner.fast_path.decode_attention = "kernel"
+    with pytest.raises(ValueError, match="unavailable: no C compiler"):
+        runner.fast_path.native_pointwise = True
 
 
 def test_native_kernels_can_be_turned_off(fresh_native, monkeypatch):
@@ -163,6 +176,42 @@ def test_a_build_is_cached_per_cpu(fresh_native, monkeypatch):
 
 def test_float32_and_other_devices_keep_their_attention(tiny_model_dir, kernel):
     model = ModelRunner(tiny_model_dir, torch.float32, num_slots=1, max_seq_len=64).model
-    assert FastLlama(model, 64, torch.float32).decode_attention == "sdpa"
+    fp32 = FastLlama(model, 64, torch.float32)
+    assert fp32.decode_attention == "sdpa" and not fp32.native_pointwise  # transformers' own ops
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        fp32.native_pointwise = True
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):
         FastLlama(model, 64, torch.float32, decode_attention="kernel")
+
+
+def test_rms_norm_is_transformers_rms_norm(pointwise):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(70, 2 * 576, generator=gen) * 4).to(BF16)[:, ::2]  # strided rows... and elements:
+    with pytest.raises(ValueError, match="contiguous"):
+        pointwise.rms_norm(x, torch.ones(576, dtype=BF16), 1e-5)
+    x = (torch.randn(70, 1000, generator=gen) * 4).to(BF16)[:, 100:676]  # strided rows, contiguous elements
+    weight = torch.randn(576, generator=gen).to(BF16)
+    for rows in (1, 4, 70):  # 70 >= 64: spread over threads
+        ours, theirs = pointwise.rms_norm(x[:rows], weight, 1e-5), _rms_norm(x[:rows], weight, 1e-5)
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-2, atol=1e-2)
+        assert (ours == theirs).float().mean() > 0.995  # only the float32 sum's order differs
+    with pytest.raises(ValueError, match="bfloat16"):
+        pointwise.rms_norm(x.float(), weight, 1e-5)
+
+
+def test_rope_is_the_torch_rotary_step(tiny_model_dir, pointwise):
+    model = ModelRunner(tiny_model_dir, BF16, num_slots=1, max_seq_len=64).model
+    fast = FastLlama(model, 64, BF16)
+    assert fast.native_pointwise
+    heads = fast.num_heads + 2 * fast.num_kv_heads
+    gen = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(70, heads, fast.head_dim, generator=gen) * 3).to(BF16)
+    positions = torch.randint(0, 64, (70,), generator=gen)
+    for rows in (1, 5, 70):
+        cos, sin = fast.cos[positions[:rows]], fast.sin[positions[:rows]]
+        ours = fast._rope(qkv[:rows], cos, sin)
+        fast.native_pointwise = False
+        theirs = fast._rope(qkv[:rows], cos, sin)
+        fast.native_pointwise = True
+        assert ours.shape == (rows, fast.num_heads + fast.num_kv_heads, fast.head_dim)
+        assert torch.equal(ours, theirs)  # the same roundings, step by step
