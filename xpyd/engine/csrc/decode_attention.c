@@ -36,6 +36,81 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
+   always_inline: the dispatch below compiles it once per common (group, head_dim), both constant, so the
+   loops unroll (15-20% faster than the generic copy in an A/B here); other shapes run the generic copy. */
+static inline __attribute__((always_inline)) void attend_item(
+    const uint16_t *q, const uint16_t *base, int64_t n, int64_t token_stride, int64_t k_off, int64_t v_off,
+    float scale, float *scores, uint16_t *out, const int group, const int head_dim) {
+    float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
+    float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        for (int d = 0; d < head_dim; d++) {
+            qf[g][d] = bf16_to_f32(q[g * head_dim + d]);
+            acc[g][d] = 0.0f;
+        }
+        top[g] = -3.0e38f;
+    }
+    for (int64_t t = 0; t < n; t++) { /* scores = q . k */
+        const uint16_t *kt = base + t * token_stride + k_off;
+        if (t + XPYD_PREFETCH < n)
+            for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(kt + XPYD_PREFETCH * token_stride + d, 0, 3);
+        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
+        for (int g = 0; g < group; g++) {
+            float s = 0.0f;
+            for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
+            s *= scale;
+            scores[g * n + t] = s;
+            if (s > top[g]) top[g] = s;
+        }
+    }
+    for (int g = 0; g < group; g++) { /* softmax numerators and their sum */
+        float total = 0.0f;
+        float *sg = scores + g * n;
+        for (int64_t t = 0; t < n; t++) {
+            const float e = expf(sg[t] - top[g]);
+            sg[t] = e;
+            total += e;
+        }
+        sum[g] = total;
+    }
+    for (int64_t t = 0; t < n; t++) { /* acc = sum_t p_t v_t */
+        const uint16_t *vt = base + t * token_stride + v_off;
+        if (t + XPYD_PREFETCH < n)
+            for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(vt + XPYD_PREFETCH * token_stride + d, 0, 3);
+        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
+        for (int g = 0; g < group; g++) {
+            const float p = scores[g * n + t];
+            for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = 1.0f / sum[g];
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = f32_to_bf16(acc[g][d] * inv);
+    }
+}
+
+/* The shapes of common models get their own compiled copy (group = heads / kv_heads). */
+#define XPYD_SHAPE(G, D) \
+    if (group == G && head_dim == D) { \
+        attend_item(q, base, n, token_stride, k_off, v_off, scale, scores, out, G, D); \
+        return; \
+    }
+
+static void attend(const uint16_t *q, const uint16_t *base, int64_t n, int64_t token_stride, int64_t k_off,
+                   int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim) {
+    XPYD_SHAPE(3, 64)  /* SmolLM2-135M */
+    XPYD_SHAPE(4, 64)  /* Llama 3.2 1B, SmolLM2-360M-ish */
+    XPYD_SHAPE(8, 64)  /* TinyLlama */
+    XPYD_SHAPE(4, 128) /* Llama 3 8B, Mistral 7B */
+    XPYD_SHAPE(8, 128) /* Llama 3 70B */
+    XPYD_SHAPE(7, 64)  /* Qwen2 0.5B */
+    XPYD_SHAPE(6, 128) /* Qwen2 1.5B */
+    XPYD_SHAPE(1, 64)
+    XPYD_SHAPE(1, 128)
+    attend_item(q, base, n, token_stride, k_off, v_off, scale, scores, out, group, head_dim);
+}
+
 int xpyd_abi_version(void) { return 1; }
 
 /* Returns 0, or a negative code for arguments the kernel does not handle (nothing is written then). */
@@ -70,54 +145,8 @@ int xpyd_decode_attention_bf16(
             failed = 1;
             continue;
         }
-        float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
-        float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
-        for (int g = 0; g < group; g++) {
-            const uint16_t *qg = q + b * q_row + (int64_t)(h * group + g) * head_dim;
-            for (int d = 0; d < head_dim; d++) {
-                qf[g][d] = bf16_to_f32(qg[d]);
-                acc[g][d] = 0.0f;
-            }
-            top[g] = -3.0e38f;
-        }
-        for (int64_t t = 0; t < n; t++) { /* scores = q . k */
-            const uint16_t *kt = base + t * token_stride + k_off;
-            if (t + XPYD_PREFETCH < n)
-                for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(kt + XPYD_PREFETCH * token_stride + d, 0, 3);
-            for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
-            for (int g = 0; g < group; g++) {
-                float s = 0.0f;
-                for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
-                s *= scale;
-                scores[g * n + t] = s;
-                if (s > top[g]) top[g] = s;
-            }
-        }
-        for (int g = 0; g < group; g++) { /* softmax numerators and their sum */
-            float total = 0.0f;
-            float *sg = scores + g * n;
-            for (int64_t t = 0; t < n; t++) {
-                const float e = expf(sg[t] - top[g]);
-                sg[t] = e;
-                total += e;
-            }
-            sum[g] = total;
-        }
-        for (int64_t t = 0; t < n; t++) { /* acc = sum_t p_t v_t */
-            const uint16_t *vt = base + t * token_stride + v_off;
-            if (t + XPYD_PREFETCH < n)
-                for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(vt + XPYD_PREFETCH * token_stride + d, 0, 3);
-            for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
-            for (int g = 0; g < group; g++) {
-                const float p = scores[g * n + t];
-                for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
-            }
-        }
-        for (int g = 0; g < group; g++) {
-            const float inv = 1.0f / sum[g];
-            uint16_t *o = out + ((int64_t)b * heads + h * group + g) * head_dim;
-            for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
-        }
+        attend(q + b * q_row + (int64_t)h * group * head_dim, base, n, token_stride, k_off, v_off, scale, scores,
+               out + ((int64_t)b * heads + h * group) * head_dim, group, head_dim);
         free(scores);
     }
     return failed ? -3 : 0;
