@@ -18,18 +18,20 @@ PROMPTS = ["hello world", "the quick brown fox jumps", "one two three", "a b c d
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory, tiny_model_dir: Path):
     c = Cluster(tmp_path_factory.mktemp("colocated"))
-    wp, xp = free_port(), free_port()
+    wp, xp, lp = free_port(), free_port(), free_port()
     worker = f"http://127.0.0.1:{wp}"
     c.start("colocated", ["colocated", "--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1",
                           "--max-model-len", "256", "--batch-size", "3", "--port", str(wp)], worker)
     try:
         c.wait_healthy()
         c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], f"http://127.0.0.1:{xp}")
+        c.start("limited", ["proxy", "--port", str(lp), "--colocated", worker, "--max-concurrent-requests", "1"],
+                f"http://127.0.0.1:{lp}")
         c.wait_healthy()
     except BaseException:
         c.stop()
         raise
-    yield {"proxy": f"http://127.0.0.1:{xp}", "worker": worker}
+    yield {"proxy": f"http://127.0.0.1:{xp}", "worker": worker, "limited": f"http://127.0.0.1:{lp}"}
     c.stop()
 
 
@@ -92,3 +94,18 @@ def test_colocated_errors_and_metrics(colocated):
     assert 'xpyd_requests_in_flight{role="colocated",state="running"} 0.0' in metrics
     finished = [ln for ln in metrics.splitlines() if ln.startswith("xpyd_requests_total") and "finished" in ln]
     assert finished and float(finished[0].split()[-1]) >= 9
+
+
+def test_colocated_proxy_limits_concurrent_requests(colocated):
+    """--max-concurrent-requests 1: a stream holds the one place until it ends; meanwhile 429."""
+    url = colocated["limited"] + "/v1/completions"
+    body = json.dumps({"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as stream:
+        assert stream.readline().startswith(b"data: ")
+        status, err = _post(url, {"prompt": "x", "max_tokens": 2})
+        assert status == 429 and err["error"]["code"] == "rate_limit_exceeded", err
+        rest = stream.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    status, body = _post(url, {"prompt": "x", "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body

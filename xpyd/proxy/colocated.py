@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import dumps, models_response
 from xpyd.discovery.types import WorkerInfo
-from xpyd.proxy.admission import ApiKey
+from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
 from xpyd.signal.request_id import RequestId
 
@@ -55,6 +55,7 @@ def create_colocated_app(config, url: str) -> Quart:
     metrics = ProxyMetrics()
     state: dict = {}
     api_key = ApiKey(config.api_key) if config.api_key is not None else None
+    limit = ConcurrencyLimit(config.max_concurrent_requests)  # as the P/D proxy: 429 beyond it
 
     @app.before_request
     async def check_api_key() -> None:  # as the P/D proxy: all but /health need the key when set
@@ -119,6 +120,18 @@ def create_colocated_app(config, url: str) -> Quart:
 
     async def forward(kind: RequestKind) -> Response:
         timer = metrics.request(_ENDPOINTS[kind])
+        slot: Slot | None = None
+        try:
+            return await _forward(kind, timer, slot := limit.acquire())
+        except APIError as e:
+            if slot is None:  # refused at the door
+                timer.end(Outcome.CLIENT_ERROR)
+            raise
+        finally:
+            if slot is not None and not slot.handed_off:
+                slot.release()
+
+    async def _forward(kind: RequestKind, timer, slot: Slot) -> Response:
         try:
             check_content_type(request.headers.get("Content-Type"))
             req = parse_request(await request.get_data(cache=False), kind)
@@ -144,13 +157,14 @@ def create_colocated_app(config, url: str) -> Quart:
             timer.end(Outcome.OK if resp.status == 200 else
                       (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
             return Response(data, status=resp.status, content_type="application/json")
-        return Response(_relay(resp, timer), status=200, content_type="text/event-stream",
+        slot.handed_off = True  # the stream now holds the place until it ends
+        return Response(_relay(resp, timer, slot), status=200, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})
 
     return app
 
 
-async def _relay(resp: aiohttp.ClientResponse, timer) -> AsyncIterator[bytes]:
+async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot) -> AsyncIterator[bytes]:
     outcome = Outcome.ABORTED
     first = True
     try:
@@ -168,4 +182,5 @@ async def _relay(resp: aiohttp.ClientResponse, timer) -> AsyncIterator[bytes]:
         yield b"data: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
     finally:
         resp.release()
+        slot.release()
         timer.end(outcome)
