@@ -50,8 +50,12 @@ class NativeBuildError(RuntimeError):
     pass
 
 
-def _source(name: str) -> bytes:
-    return resources.files("xpyd.engine").joinpath("csrc", name).read_bytes()
+def _sources(name: str) -> dict[str, bytes]:
+    """`csrc/<name>` and the headers beside it (all of them go into the build key)."""
+    folder = resources.files("xpyd.engine").joinpath("csrc")
+    files = {name: folder.joinpath(name).read_bytes()}
+    files.update({f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(".h")})
+    return files
 
 
 def _cpu_id() -> str:
@@ -73,22 +77,24 @@ def _compiler() -> str:
 
 def build(name: str) -> Path:
     """Compile `csrc/<name>` for this machine, once; returns the shared library's path."""
-    source = _source(name)
+    sources = _sources(name)
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NativeBuildError(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
+    parts = [n.encode() + b"\0" + data for n, data in sorted(sources.items())]
+    parts += [version.encode(), " ".join(_FLAGS).encode(), _cpu_id().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     folder = cache_dir() / "kernels"
     target = folder / f"{Path(name).stem}-{key}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        for file, data in sources.items():
+            (Path(tmp) / file).write_bytes(data)
         src = Path(tmp) / name
-        src.write_bytes(source)
         out = Path(tmp) / target.name
         try:
             done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
@@ -101,16 +107,25 @@ def build(name: str) -> Path:
     return target
 
 
+def _open(path: Path, abi_symbol: str, functions: dict[str, list]) -> list:
+    """Load the library, check its ABI version, and type its `functions` (name -> argtypes; int result)."""
+    lib = ctypes.CDLL(str(path))
+    abi = getattr(lib, abi_symbol)()
+    if abi != ABI_VERSION:
+        raise NativeBuildError(f"{path}: ABI {abi}, expected {ABI_VERSION}")
+    typed = []
+    for name, argtypes in functions.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, _INT
+        typed.append(fn)
+    return typed
+
+
 class DecodeAttention:
     """`decode_attention.c` loaded: attention for one new token per request, K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        if lib.xpyd_abi_version() != ABI_VERSION:
-            raise NativeBuildError(f"{path}: ABI {lib.xpyd_abi_version()}, expected {ABI_VERSION}")
-        self._fn = lib.xpyd_decode_attention_bf16
-        self._fn.argtypes = _ARGTYPES
-        self._fn.restype = _INT
+        (self._fn,) = _open(path, "xpyd_abi_version", {"xpyd_decode_attention_bf16": _ARGTYPES})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
@@ -139,15 +154,9 @@ class Pointwise:
     """`pointwise.c` loaded: transformers' RMSNorm and the lean forward's rotary step, bfloat16, one call each."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        if lib.xpyd_pointwise_abi_version() != ABI_VERSION:
-            raise NativeBuildError(f"{path}: ABI {lib.xpyd_pointwise_abi_version()}, expected {ABI_VERSION}")
-        self._norm = lib.xpyd_rms_norm_bf16
-        self._norm.argtypes = [_P, _I64, _P, _P, _I64, _I64, _INT, _F32, _INT]
-        self._norm.restype = _INT
-        self._rope = lib.xpyd_rope_bf16
-        self._rope.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]
-        self._rope.restype = _INT
+        self._norm, self._rope = _open(path, "xpyd_pointwise_abi_version", {
+            "xpyd_rms_norm_bf16": [_P, _I64, _P, _P, _I64, _I64, _INT, _F32, _INT],
+            "xpyd_rope_bf16": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]})
         self.path = path
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

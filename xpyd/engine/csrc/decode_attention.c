@@ -15,26 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Rows this many tokens ahead are prefetched: consecutive tokens of one layer sit a whole token of KV
    apart (23 KB for SmolLM2-135M), too far for the hardware prefetcher (measured: 4, 8, 16 -> 16 best,
    10-30% faster than none; an AVX-512-BF16 intrinsics version was 1.5-2x slower than this plain C). */
 #define XPYD_PREFETCH 16
 #define XPYD_MAX_GROUP 16
 #define XPYD_MAX_HEAD_DIM 256
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (no NaN inputs) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
    always_inline: the dispatch below compiles it once per common (group, head_dim), both constant, so the

@@ -9,19 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does (no NaN inputs) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* bf16 a * b as torch rounds it */
 static inline float mul_bf16(float a, float b) { return bf16_to_f32(f32_to_bf16(a * b)); }
