@@ -9,12 +9,13 @@ import os
 import signal
 import socket
 import struct
+import time
 
 import msgpack
 import pytest
 
 from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.transfer import Region, TransferError, make_backend, shm_segment
+from xpyd.transfer import Region, TransferError, TransferState, make_backend, shm_segment
 from xpyd.transfer.shm_segment import SegmentError
 from xpyd.transfer.shm_wire import Hello, Offer
 from xpyd.transfer.tcp_wire import ProtocolError, parse_address
@@ -128,6 +129,39 @@ def test_a_receive_only_backend_takes_ordinary_memory_and_refuses_to_send():
         receiver.close()
 
 
+def test_a_sender_abort_during_the_copy_voids_it():
+    """Once the sender's abort() returns it may overwrite its source: the receiver must not report DONE
+    for a copy that may have read overwritten bytes (it checks the sender's abort board after copying)."""
+    n = 1 << 20
+    sender, receiver = make_backend("shm"), make_backend("shm")
+    try:
+        src = sender.allocate(n)
+        src[:] = b"\x01" * n
+        sender.register(src)
+        dst = memoryview(bytearray(n))
+        d_recv = receiver.register(dst)
+        rtok = receiver.expect("x", [Region(0, n)])
+        rec = receiver._endpoint.expected._recs["x"]  # (its lock: the reader copies each chunk under it)
+        with rec.lock:  # hold the receiver's reader just before its first chunk
+            stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)])
+            deadline = time.monotonic() + 10
+            while rtok.state() is not TransferState.TRANSFERRING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert rtok.state() is TransferState.TRANSFERRING  # offered, claimed, about to copy
+            sender.abort("x")
+            assert stok.failed() and stok.error == "aborted"
+            src[:] = b"\x02" * n  # allowed now: the sender's engine reuses the memory
+        assert rtok.wait(10) and rtok.failed() and "aborted by the sender" in rtok.error
+        assert sender.outstanding() == set() and receiver.outstanding() == set()
+        rtok = receiver.expect("y", [Region(0, n)])  # the connection and the board entry are reusable
+        stok = sender.send("y", [Region(0, n)], d_recv, [Region(0, n)])
+        assert stok.wait(10) and stok.done() and rtok.done() and bytes(dst) == b"\x02" * n
+        assert sender._board.in_use() == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_wire_frames_are_validated():
     with pytest.raises(ProtocolError):
         Hello.parse({"t": "hello", "v": 1, "segment": "../x", "size": 1, "host": "h"})
@@ -136,7 +170,17 @@ def test_wire_frames_are_validated():
     with pytest.raises(ProtocolError):
         Offer.parse({"t": "offer", "id": "a", "src": [[95, 10]], "dst": [[0, 10]]}, 100, 100)
     o = Offer.parse({"t": "offer", "id": "a", "src": [[0, 10]], "dst": [[5, 10]]}, 100, 100)
-    assert (o.src, o.dst) == ((Region(0, 10),), (Region(5, 10),))
+    assert (o.src, o.dst, o.board) == ((Region(0, 10),), (Region(5, 10),), None)
+    o = Offer.parse({"t": "offer", "id": "a", "src": [[0, 10]], "dst": [[5, 10]], "board": [3, 7]}, 100, 100)
+    assert o.board == (3, 7) and Offer.parse(msgpack.unpackb(o.pack()[4:]), 100, 100) == o
+    for board in ([3], [-1, 7], [3, 0], [1 << 20, 7], "3,7"):
+        with pytest.raises(ProtocolError, match="board"):
+            Offer.parse({"t": "offer", "id": "a", "src": [[0, 10]], "dst": [[5, 10]], "board": board}, 100, 100)
+    hello = {"t": "hello", "v": 1, "segment": "xpyd-kv-1-a", "size": 1 << 20, "host": "h"}
+    assert Hello.parse({**hello, "board": (1 << 20) - (32 << 10)}).board == (1 << 20) - (32 << 10)
+    for board in (None, 0, 12, (1 << 20) - 8):  # missing, at 0, unaligned, no room for the entries
+        with pytest.raises(ProtocolError, match="board"):
+            Hello.parse({**hello, "board": board})
 
 
 @pytest.mark.parametrize("payload", [

@@ -1,10 +1,13 @@
 """Decode engine: pulls KV from prefill workers and runs the continuous decode batch.
 
 One engine thread owns the scheduler, the signal-plane DEALERs and the model.
-Each step: take new requests/aborts, read signal replies, poll transfer
-tokens (arrived requests join the batch), start pulls for ready requests while
-the batch has room, then run one decode step over every running request.
-Transfers move bytes in the backend's threads, so running decodes never wait.
+Each step: take new requests/aborts, read signal replies, call the transfer
+backend's ``progress()`` while a pull is in flight, poll transfer tokens
+(arrived requests join the batch), start pulls for ready requests while the
+batch has room, then run one decode step over every running request. Transfers
+move bytes in the backend's threads (nixl: in UCX, advanced by ``progress()``,
+with the backend's threads as a slow fallback), so running decodes never wait;
+with nothing to decode and a pull in flight the loop wakes every ``TRANSFER_POLL``.
 
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout``
 (or whose KV does not arrive within it once the pull started) fails with 504;
@@ -26,6 +29,7 @@ from xpyd.decode_worker.poll_schedule import PollSchedule
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
+from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
 from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import skip_draw
@@ -123,12 +127,14 @@ class DecodeEngine(WorkerEngine):
         if busy:
             timeout_ms = 0
         elif self.sched.num_transferring:
-            timeout_ms = 1
+            timeout_ms = int(TRANSFER_POLL * 1000)
         elif self.sched.has_work():  # waiting requests: sleep until the next status poll is due
             timeout_ms = min(50, max(2, int((self._next_poll - time.monotonic()) * 1000)))
         else:
-            timeout_ms = 50
+            timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
+        if self.sched.num_transferring:
+            self.transfer.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
             self._on_lookup_reply(addr, reply)
         for peer in failed_peers:

@@ -188,6 +188,9 @@ class StagedTransfer:
             landing = {tid for tid, tok in self._receiving.items() if not CompletionToken.finished(tok)}
         return self.inner.outstanding() | landing
 
+    def progress(self) -> None:
+        self.inner.progress()
+
     def forget_peer(self, address: str) -> None:
         self.inner.forget_peer(address)
 

@@ -12,6 +12,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# How long a worker's loop may sleep with nothing to do: while one of its KV transfers is in flight it
+# wakes every TRANSFER_POLL to poll the tokens and call the backend's progress() (nixl moves bytes only
+# inside such calls); otherwise IDLE_SLEEP (new work wakes it at once through ``post``).
+TRANSFER_POLL = 0.001
+IDLE_SLEEP = 0.05
+
 
 class EngineThread:
     """Runs ``step()`` in a dedicated thread; other threads talk to it through ``post``.

@@ -1,8 +1,10 @@
 """Prefill engine: runs one prefill at a time and holds the KV until a decode worker pulls it.
 
-Threads: the engine thread (forward passes, scheduling, polling sends), the
-signal-server thread (answers decode workers; starts sends), transfer threads
-(move bytes). The scheduler is shared between the first two under one lock.
+Threads: the engine thread (forward passes, scheduling, polling sends and, while
+any is in flight, calling the backend's ``progress()`` every iteration, at least
+every ``TRANSFER_POLL``), the signal-server thread (answers decode workers;
+starts sends), transfer threads (move bytes). The scheduler is shared between
+the first two under one lock.
 
 Faults: KV that no decode worker pulls within ``kv_ttl`` is freed, and a later
 lookup for it is answered ``expired``; requests that ended here unpulled
@@ -26,6 +28,7 @@ import torch
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
+from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
 from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.stepping import prefill_and_sample
@@ -123,6 +126,9 @@ class PrefillEngine(WorkerEngine):
             self._sends_ended(self.sched.poll())
             self._expire(time.monotonic())
             seq = self.sched.next_to_run()
+            sending = self.sched.sends_in_flight()
+        if sending:
+            self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
         if seq is not None:
             self._run_prefill(seq)
         with self._lock:
@@ -130,7 +136,7 @@ class PrefillEngine(WorkerEngine):
             sending = self.sched.sends_in_flight()
         if seq is not None:
             return 0.0
-        return 0.001 if sending else 0.05
+        return TRANSFER_POLL if sending else IDLE_SLEEP
 
     def _add(self, item: WorkItem) -> None:
         rid = str(item.request_id)

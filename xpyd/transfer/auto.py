@@ -156,6 +156,10 @@ class AutoTransferBackend:
             out |= child.outstanding()
         return out
 
+    def progress(self) -> None:
+        for child in self.children:
+            child.progress()
+
     def forget_peer(self, address: str) -> None:
         self.primary.forget_peer(address)
         with self._lock:

@@ -4,7 +4,8 @@ A backend owns one registered buffer (the whole KV pool). The sending side
 pushes local ``src`` regions into the peer's buffer at ``dst`` regions; the
 receiving side announces each incoming transfer with ``expect`` first. Both
 calls return a ``CompletionToken`` at once; the scheduler polls it every step
-and never blocks on it.
+and never blocks on it, and calls ``progress()`` every step while a transfer is
+in flight (backends that need the caller's thread to move bytes use it).
 
 Token states are ordered and only move forward; failure is sticky::
 
@@ -229,6 +230,12 @@ class TransferBackend(Protocol):
 
     def outstanding(self) -> set[str]:
         """Ids of transfers started (send) or announced (expect) and not yet finished or aborted."""
+        ...
+
+    def progress(self) -> None:
+        """Move in-flight transfers along; cheap, never blocks. The engine calls it every loop iteration
+        while it has a transfer in flight. A no-op where the backend's own threads move the bytes
+        (tcp, shm); nixl makes UCX progress here (see docs/transfer.md)."""
         ...
 
     def forget_peer(self, address: str) -> None:

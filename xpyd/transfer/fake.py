@@ -60,6 +60,7 @@ class FakeTransferBackend:
         self.expected: list[str] = []
         self.aborted: list[str] = []
         self.forgotten: list[str] = []
+        self.progress_calls = 0
         # id -> (token, src, peer, dst) / (token, dst)
         self._sending: dict[str, tuple[CompletionToken, tuple[Region, ...], BackendDescriptor, tuple]] = {}
         self._expecting: dict[str, tuple[CompletionToken, tuple[Region, ...]]] = {}
@@ -145,6 +146,10 @@ class FakeTransferBackend:
     def outstanding(self) -> set[str]:
         """Ids whose tokens are not finished yet (for leak checks)."""
         return set(self._sending) | set(self._expecting)
+
+    def progress(self) -> None:
+        """Nothing moves by itself here (tests call ``complete``/``fail``); counted for engine tests."""
+        self.progress_calls += 1
 
     # -- internals ---------------------------------------------------------
     def _pop(self, transfer_id: str) -> list[CompletionToken]:

@@ -205,6 +205,10 @@ class NeuronTransferBackend:
                 self._tracker.queued(tid, native, self._queue_timeout)
             self._tracker.poll()
 
+    def progress(self) -> None:
+        """The engine's loop moves transfers along (what polling a token or ``outstanding()`` does too)."""
+        self.poll()
+
     def abort(self, transfer_id: str) -> None:
         """Fail the token. A transfer the runtime already queued cannot be recalled; its bytes may still land."""
         with self._lock:

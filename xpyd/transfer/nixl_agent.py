@@ -4,10 +4,14 @@
 NIXL at module import time, so ``xpyd.transfer.nixl_backend`` imports everywhere.
 
 The agent is created with ``enable_prog_thread=False``: NIXL's progress thread polls UCX in a loop and
-takes a whole core. UCX then progresses only inside our own calls (``transfer`` / ``check_xfer_state``
-on the side that reads, ``get_new_notifs`` in ``pump`` on the side being read), which the backend
-makes while a transfer of its own is in flight. The agent is not thread-safe in this mode
-(``NIXL_THREAD_SYNC_NONE``), so every call goes through ``Agent``'s lock.
+takes a whole core. UCX then progresses only inside our own calls: ``transfer`` / ``check_xfer_state``
+on the side that reads, ``get_new_notifs`` on the side being read; ``progress`` makes both (who calls
+it and when is ``nixl_progress``'s policy). The agent is not thread-safe in this mode
+(``NIXL_THREAD_SYNC_NONE``), so every call goes through ``Agent``'s lock; ``progress(block=False)``
+is the one call that never waits for it.
+
+A posted READ is a ``Read``: its handle and last seen state, kept in the agent's set of posted READs
+until ``release``, so that whoever makes progress also checks it and wakes the thread waiting on it.
 
 ``plan`` splits a transfer's ``src``/``dst`` regions into READ requests of at most ``chunk`` bytes,
 each a list of ``(src offset, dst offset, length)`` pieces (pure; unit-tested without NIXL).
@@ -31,6 +35,7 @@ MISSING = ("the nixl KV backend needs NVIDIA NIXL, which is not installed: pip i
            "or use --kv-backend auto, tcp or shm")
 
 Piece = tuple[int, int, int]  # (src offset, dst offset, length)
+PROC, DONE = "PROC", "DONE"  # NIXL's transfer states; anything else is "ERR ..." (ours) or NIXL's error
 
 
 def load():
@@ -81,12 +86,29 @@ def _descs(pieces: Sequence[Piece], which: int, base: int) -> np.ndarray:
     return out
 
 
+class Read:
+    """One posted READ request. ``state`` is PROC until it ended (DONE or an error); ``wake`` is set when
+    it ended or when a waiter is asked to check it itself (``kicked``: an abort waits for it)."""
+
+    __slots__ = ("handle", "state", "wake", "kicked")
+
+    def __init__(self, handle, state: str) -> None:
+        self.handle = handle
+        self.state = state
+        self.wake = threading.Event()
+        self.kicked = False
+
+
 class Agent:
     """A NIXL agent with one registered host buffer; every call is serialized by one lock."""
 
     def __init__(self, name: str) -> None:
         api = load()
         self._lock = threading.Lock()
+        # READs in progress. Added and removed under both locks (so a holder of ``_lock`` never sees a
+        # released handle); ``_posted_lock`` alone is enough to read it (``kick`` never waits for NIXL).
+        self._posted: set[Read] = set()
+        self._posted_lock = threading.Lock()
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
         self._agent = api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
@@ -132,8 +154,9 @@ class Agent:
             except Exception as e:  # a dead peer's endpoint may already be gone
                 log.debug("removing NIXL agent %s: %s", name, e)
 
-    def read(self, peer: str, pieces: Sequence[Piece], src_base: int, dst_base: int):
-        """Post one READ of ``pieces`` from ``peer``'s memory into ours; (handle, "DONE"|"PROC"|"ERR ...")."""
+    def read(self, peer: str, pieces: Sequence[Piece], src_base: int, dst_base: int) -> Read:
+        """Post one READ of ``pieces`` from ``peer``'s memory into ours (on one host UCX's cma often
+        finishes it inside this call). ``release`` it once it ended or is given up."""
         with self._lock:
             agent = self._live()
             local = agent.get_xfer_descs(_descs(pieces, 1, dst_base), "DRAM")
@@ -141,35 +164,77 @@ class Agent:
             try:
                 handle = agent.initialize_xfer("READ", local, remote, peer, b"")
             except Exception as e:
-                return None, f"ERR cannot create the READ: {e or type(e).__name__}"
+                return Read(None, f"ERR cannot create the READ: {e or type(e).__name__}")
             try:
-                return handle, agent.transfer(handle)
+                read = Read(handle, agent.transfer(handle))
             except Exception as e:
-                return handle, f"ERR {e or type(e).__name__}"
+                read = Read(handle, f"ERR {e or type(e).__name__}")
+            if read.state == PROC:
+                with self._posted_lock:
+                    self._posted.add(read)
+            return read
 
-    def state(self, handle) -> str:
-        """"DONE", "PROC" or "ERR ..." of a posted READ (also makes UCX progress)."""
+    def check(self, read: Read) -> str:
+        """Check one READ now (waits for the lock; also makes UCX progress); its state."""
         with self._lock:
+            self._check(read)
+        return read.state
+
+    def progress(self, block: bool) -> bool:
+        """Make UCX progress: pump the agent, check every posted READ and wake the waiter of each that
+        ended. Without ``block``, False at once if another thread holds the agent (it is inside NIXL,
+        so UCX is progressing anyway)."""
+        if not self._lock.acquire(blocking=block):
+            return False
+        try:
+            if self._agent is None:
+                return True
             try:
-                return self._live().check_xfer_state(handle)
-            except Exception as e:  # e.g. nixlRemoteDisconnectError when the peer died
-                return f"ERR {e or type(e).__name__}"
+                self._agent.get_new_notifs()
+            except Exception as e:  # (e.g. a peer that died); its READs fail on their own check
+                log.debug("NIXL get_new_notifs: %s", e)
+            with self._posted_lock:
+                posted = list(self._posted)
+            for read in posted:
+                self._check(read)
+            return True
+        finally:
+            self._lock.release()
 
-    def release(self, handle) -> None:
-        """Free a READ handle (NIXL cancels it if still active; if it cannot, NIXL keeps it until the agent goes)."""
+    def kick(self) -> None:
+        """Ask every thread waiting on a posted READ to check it itself from now on (never waits for NIXL)."""
+        with self._posted_lock:
+            posted = list(self._posted)
+        for read in posted:
+            read.kicked = True
+            read.wake.set()
+
+    def release(self, read: Read) -> None:
+        """Forget a READ and free its handle (NIXL cancels it if still active; if it cannot, NIXL keeps
+        it until the agent goes)."""
         with self._lock:
-            if self._agent is None:  # (dropped with the agent)
+            with self._posted_lock:
+                self._posted.discard(read)
+            if self._agent is None or read.handle is None:  # (dropped with the agent)
                 return
             try:
-                handle.release()
+                read.handle.release()
             except Exception as e:
                 log.warning("releasing a NIXL transfer handle: %s", e)
+            read.handle = None
 
-    def pump(self) -> None:
-        """Make UCX progress for transfers others run against our memory (connection set-up, emulated RMA)."""
-        with self._lock:
-            if self._agent is not None:
-                self._agent.get_new_notifs()
+    def _check(self, read: Read) -> None:
+        """Update a posted READ's state (caller holds ``_lock``); an ended one leaves the posted set."""
+        if read.state != PROC or read.handle is None:
+            return
+        try:
+            read.state = self._live().check_xfer_state(read.handle)
+        except Exception as e:  # e.g. nixlRemoteDisconnectError when the peer died
+            read.state = f"ERR {e or type(e).__name__}"
+        if read.state != PROC:
+            with self._posted_lock:
+                self._posted.discard(read)
+            read.wake.set()
 
     def close(self) -> None:
         """Forget every peer, deregister the buffer, drop the agent (its UCX worker goes with it)."""
@@ -189,3 +254,8 @@ class Agent:
                     log.warning("deregistering the KV pool from NIXL: %s", e)
                 self._reg = None
             self._agent = None
+            with self._posted_lock:
+                posted, self._posted = self._posted, set()
+        for read in posted:  # (their handles went with the agent)
+            read.handle, read.state = None, "ERR the NIXL agent is closed"
+            read.wake.set()

@@ -9,10 +9,11 @@ regions (16 MiB per request, each under the transfer's lock, so once ``abort()``
 land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
 UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts.
 
-No NIXL progress thread (it spins a core). UCX progresses inside our own calls: the receiver's
-reader thread polls its READ (``check_xfer_state``); the sender's thread, while it waits for a reply
-to its offer, wakes every ``PUMP_INTERVAL`` to pump its agent (UCX connection set-up and, over
-transports without hardware RMA, the emulated READ need the target's progress). Idle, nothing runs.
+No NIXL progress thread (it spins a core). UCX progresses inside our own calls, and the engine's loop
+makes them: ``progress()`` (every engine iteration while a transfer is in flight; never waits) pumps
+the agent and checks the posted READs. The backend's threads block on their sockets and READs and step
+in only when no ``progress()`` came for ``fallback_progress`` seconds, or when an ``abort``/``close``
+waits for a READ (policy: ``nixl_progress``). Idle, nothing runs.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with tcp and shm
 through ``endpoint``): an acceptor, one reader per inbound connection, one sender per peer.
@@ -23,9 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import select
 import socket
-import time
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -43,8 +42,9 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
-from xpyd.transfer.pull import serve_offers
+from xpyd.transfer.pull import commit_round_trip, serve_offers
 from xpyd.transfer.nixl_agent import Agent, load, plan
+from xpyd.transfer.nixl_progress import FALLBACK, Progress
 from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
@@ -53,8 +53,6 @@ from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address,
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 16 << 20  # bytes per NIXL READ request, i.e. per lock hold (abort latency vs. overhead)
-PUMP_INTERVAL = 0.001  # the sender pumps its agent this often while it waits for a reply
-POLL_SLEEP = 0.0002  # the receiver's pause between polls of a READ still in progress
 MAX_INBOUND = 256
 
 
@@ -67,7 +65,10 @@ class NixlTransferBackend:
     name = "nixl"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
-                 io_timeout: float = 30.0, advertise_host: str | None = None) -> None:
+                 io_timeout: float = 30.0, advertise_host: str | None = None,
+                 fallback_progress: float | None = FALLBACK) -> None:
+        """``fallback_progress``: seconds without a ``progress()`` call after which the backend's own
+        threads make UCX progress (None: never; then only ``progress()`` and aborts do)."""
         load()  # a clear ImportError (how to install NIXL) before anything else
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -75,11 +76,15 @@ class NixlTransferBackend:
             raise ValueError("connect_timeout and io_timeout must be > 0")
         if advertise_host is None and host in ("", "0.0.0.0", "::"):
             raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
+        if fallback_progress is not None and not fallback_progress > 0:
+            raise ValueError(f"fallback_progress must be > 0 seconds or None, got {fallback_progress!r}")
         self.host, self.port = host, port
+        self.fallback_progress = fallback_progress
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self._endpoint = Endpoint()
         self._agent: Agent | None = None
+        self._progress: Progress | None = None
         self._buffer: memoryview | None = None
         self._addr = 0  # address of the registered buffer
         self._descriptor: BackendDescriptor | None = None
@@ -101,6 +106,7 @@ class NixlTransferBackend:
                 raise
             self._endpoint.listen(listener)
             self._agent, self._buffer, self._addr = agent, buffer, addr
+            self._progress = Progress(agent, self.fallback_progress)
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
             self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
@@ -128,7 +134,14 @@ class NixlTransferBackend:
         return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
 
     def abort(self, transfer_id: str) -> None:
+        if self._agent is not None:
+            self._agent.kick()  # readers with a READ posted (one may hold this transfer's lock) check it now
         self._endpoint.abort(transfer_id)  # (waits out an in-progress READ request; none follows)
+
+    def progress(self) -> None:
+        """Make UCX progress for our transfers (the engine's loop); never waits for a backend thread."""
+        if self._progress is not None:
+            self._progress.tick()
 
     def outstanding(self) -> set[str]:
         return self._endpoint.outstanding()
@@ -137,6 +150,8 @@ class NixlTransferBackend:
         self._endpoint.forget_peer(address)
 
     def close(self) -> None:
+        if self._agent is not None:
+            self._agent.kick()
         if self._endpoint.close(join_timeout=self.connect_timeout + 5) and self._agent is not None:
             self._agent.close()
 
@@ -165,7 +180,7 @@ class NixlTransferBackend:
                 log.warning("refused nixl peer %s: %s", addr, error)
                 return
             serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
-                         lambda rec, offer: self._read(rec, peer, hello.addr, offer), log, addr)
+                         lambda rec, offer: self._read(rec, peer, hello.addr, offer), commit_round_trip, log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -191,23 +206,11 @@ class NixlTransferBackend:
         return None
 
     def _read_one(self, peer: str, pieces, src_addr: int) -> str | None:
-        handle, state = self._agent.read(peer, pieces, src_addr, self._addr)
-        if handle is None:
-            return state
+        read = self._agent.read(peer, pieces, src_addr, self._addr)
         try:
-            deadline = time.monotonic() + self.io_timeout
-            polls = 0
-            while state == "PROC":
-                if self._endpoint.closed:
-                    return "backend closed"
-                if time.monotonic() > deadline:
-                    return f"NIXL READ made no progress within {self.io_timeout:g}s"
-                time.sleep(0 if polls < 20 else POLL_SLEEP)  # (cma READs finish inside transfer())
-                polls += 1
-                state = self._agent.state(handle)
-            return None if state == "DONE" else f"NIXL READ failed: {state}"
+            return self._progress.wait_read(read, self.io_timeout, lambda: self._endpoint.closed)
         finally:
-            self._agent.release(handle)
+            self._agent.release(read)
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:
@@ -215,16 +218,8 @@ class NixlTransferBackend:
                                      self._push, self._endpoint.sending, log)
 
     def _reply(self, conn: Conn) -> Reply:
-        """The peer's next reply; pumps our agent while waiting (the peer may be READing from us)."""
-        deadline = time.monotonic() + self.io_timeout
-        while True:
-            try:
-                conn.wait(select.POLLIN, PUMP_INTERVAL)
-                break
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no reply within {self.io_timeout:g}s") from None
-                self._agent.pump()
+        """The peer's next reply (meanwhile it may be READing from us: see ``nixl_progress``)."""
+        self._progress.wait_reply(conn, self.io_timeout)
         return Reply.parse(conn.read_frame(MAX_FRAME))
 
     def _connect(self, address: str) -> Conn:

@@ -6,9 +6,10 @@ Per connection (sender -> receiver, over TCP, framed as in ``tcp_wire``: u32 len
                                                                 metadata (``md``: bytes from
                                                                 ``get_agent_metadata``) and learns where the
                                                                 sender's registered pool starts (``addr``)
-    per transfer, the same frames as shm (``shm_wire``):
+    per transfer, frames of ``shm_wire`` (but no abort board: nixl confirms by a second round trip):
     Offer  {id, src, dst}                -> Reply {ok, error}   the receiver READ src -> dst (or why not)
-    Commit {id, ok}                      -> Reply {ok, error}   ok=False: the sender aborted meanwhile
+    Commit {id, ok}                      -> Reply {ok, error}   ok=False: the sender aborted meanwhile;
+                                                                the receiver marks DONE only on ok
 
 The agent metadata is opaque bytes produced by NIXL; it is carried as a msgpack ``bin``, capped at
 ``MAX_METADATA``, and only ever handed to NIXL's own parser (``add_remote_agent``), never unpickled.

@@ -2,12 +2,20 @@
 
 After the backend's own hello, each transfer on a connection is::
 
-    Offer  {id, src, dst}  -> Reply {ok, error}   the receiver claims what it expect()ed and pulls src -> dst
-    Commit {id, ok}        -> Reply {ok, error}   ok=False: the sender aborted meanwhile
+    Offer {id, src, dst, ...}  ->  claim, pull, confirm  ->  Reply {ok, error}
 
-Frames are those of ``shm_wire``. How the bytes move is the backend's ``pull`` (a memcpy out of a
-shared-memory segment, NIXL READs); it runs under the transfer's lock piece by piece, so a receiver
-``abort()`` stops it, and returns None or why it failed.
+The receiver claims what it ``expect()``ed, pulls ``src`` -> ``dst`` with the backend's ``pull`` (a
+memcpy out of a shared-memory segment, NIXL READs; it runs under the transfer's lock piece by piece,
+so a receiver ``abort()`` stops it, and returns None or why it failed), then *confirms* with the
+backend's ``confirm`` that the sender did not abort meanwhile (so its source stayed valid for the
+whole pull), marks its token DONE or FAILED, and only then replies: a sender's DONE implies the
+receiver's. Confirming:
+
+- shm reads the sender's abort board in the sender's segment (``shm_board``): no message at all;
+- nixl asks the sender (``commit_round_trip``): Reply {ok} to the offer, then the sender's
+  Commit {id, ok} (ok=False: it aborted meanwhile) — one more round trip.
+
+Frames are those of ``shm_wire``.
 """
 
 from __future__ import annotations
@@ -24,9 +32,16 @@ from xpyd.transfer.tcp_wire import Conn
 IDLE_TIMEOUT = 600.0  # an established sender may stay quiet this long between offers
 
 Pull = Callable[[Transfer, Offer], "str | None"]
+Confirm = Callable[[Conn, Transfer, Offer], bool]  # True: the sender still stands by the offer's source
 
 
-def serve_offers(conn: Conn, endpoint: Endpoint, src_size: int, dst_size: int, pull: Pull,
+def commit_round_trip(conn: Conn, rec: Transfer, offer: Offer) -> bool:
+    """Confirm by asking: tell the sender the bytes landed, read its Commit."""
+    conn.send_all([memoryview(Reply(True).pack())])
+    return Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id).ok
+
+
+def serve_offers(conn: Conn, endpoint: Endpoint, src_size: int, dst_size: int, pull: Pull, confirm: Confirm,
                  log: logging.Logger, addr) -> None:
     """Answer a sender's offers until it hangs up. Malformed frames raise ``ProtocolError`` (the caller
     drops the connection); a transfer in progress when anything goes wrong fails, never hangs."""
@@ -37,25 +52,23 @@ def serve_offers(conn: Conn, endpoint: Endpoint, src_size: int, dst_size: int, p
             if frame is None:
                 return
             offer = Offer.parse(frame, src_size, dst_size)
-            rec, error = endpoint.expected.claim(offer.transfer_id, offer.dst)
+            tid = offer.transfer_id
+            rec, error = endpoint.expected.claim(tid, offer.dst)
+            refused = rec is None
             if rec is not None:
-                error = pull(rec, offer)
+                error = pull(rec, offer)  # (a failed or aborted pull has failed the token)
+                refused = error is not None
+                if error is None:
+                    if not confirm(conn, rec, offer):
+                        error = f"transfer {tid!r} aborted by the sender"
+                        rec.token._fail(error)
+                    elif not rec.token._advance(TransferState.DONE):
+                        error = f"transfer {tid!r} aborted by the receiver"
+                endpoint.expected.finish(rec)
+                rec = None
             conn.send_all([memoryview(Reply(error is None, error).pack())])
-            if error is not None:
-                log.warning("refused transfer %r from %s: %s", offer.transfer_id, addr, error)
-                if rec is not None:  # the pull failed or was aborted: the transfer is over
-                    endpoint.expected.finish(rec)
-                    rec = None
-                continue
-            commit = Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id)
-            if not commit.ok:
-                error = f"transfer {offer.transfer_id!r} aborted by the sender"
-                rec.token._fail(error)
-            elif not rec.token._advance(TransferState.DONE):
-                error = f"transfer {offer.transfer_id!r} aborted by the receiver"
-            endpoint.expected.finish(rec)
-            rec = None
-            conn.send_all([memoryview(Reply(error is None, error).pack())])
+            if refused:
+                log.warning("refused transfer %r from %s: %s", tid, addr, error)
     finally:
         if rec is not None:  # the sender vanished (or the frame was bad) mid-transfer
             rec.token._fail("sender connection lost mid-transfer")

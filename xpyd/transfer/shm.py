@@ -4,12 +4,15 @@ A sending backend owns one segment in /dev/shm (``allocate``; see ``shm_segment`
 lives in it; a backend that only receives may register ordinary memory (it is written by its own
 reader threads; anonymous memory keeps transparent huge pages, which tmpfs here does not).
 
-A transfer is pulled: the sender offers its ``src`` regions over a small control connection, the
-*receiver* maps the sender's segment read-only (once per connection) and copies straight from it into
-its own ``dst`` regions, then the sender commits (its source stayed valid) and the receiver marks DONE
-and replies (so a sender's DONE implies the receiver's). Messages are in ``shm_wire``; framing,
-timeouts and the close pipe come from ``tcp_wire``; threads, sender queues and transfer tables,
-shared with ``tcp``, from ``endpoint``. The payload never crosses a socket.
+A transfer is pulled, in one round trip: the sender publishes a ticket on its abort board (``shm_board``,
+at the end of its segment) and offers its ``src`` regions over a small control connection; the
+*receiver* maps the sender's segment read-only (once per connection), copies straight from it into
+its own ``dst`` regions, checks that the ticket is still on the board (the sender did not abort, so
+its source stayed valid), marks DONE and replies (so a sender's DONE implies the receiver's). A sender
+``abort()`` takes the ticket off the board before it returns. Messages are in ``shm_wire``; the
+receiver's loop in ``pull``; framing, timeouts and the close pipe come from ``tcp_wire``; threads,
+sender queues and transfer tables, shared with ``tcp``, from ``endpoint``. The payload never crosses
+a socket.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
@@ -26,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from xpyd import PROTOCOL_VERSION
-from xpyd.transfer import shm_segment
+from xpyd.transfer import shm_board, shm_segment
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -40,7 +43,8 @@ from xpyd.transfer.base import (
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.sender import connect, send_loop
-from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.shm_board import Board, BoardView
+from xpyd.transfer.shm_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
     Closing,
@@ -96,6 +100,8 @@ class ShmTransferBackend:
         self.host_key = shm_segment.host_key()
         self._endpoint = Endpoint()
         self._segment: shm_segment.Segment | None = None
+        self._board: Board | None = None  # (sender) at the end of the segment, after the pool
+        self._pool_end = 0  # bytes of the segment before the board
         self._buffer: memoryview | None = None
         self._array: np.ndarray | None = None
         self._base = 0  # offset of the registered buffer inside the segment
@@ -103,13 +109,19 @@ class ShmTransferBackend:
 
     # -- public API -------------------------------------------------------
     def allocate(self, size: int) -> memoryview:
-        """Create this backend's segment (zero-filled, ``size`` bytes); register it (or a slice) next."""
+        """Create this backend's segment; its first ``size`` bytes (zero-filled) are returned, to register
+        (or a slice of them) next; the abort board follows them."""
+        if type(size) is not int or size <= 0:
+            raise ValueError(f"size must be a positive int, got {size!r}")
         with self._endpoint.lock:
             self._endpoint.check_open()
             if self._segment is not None:
                 raise TransferError("this backend already allocated its segment")
-            self._segment = shm_segment.create(size, self.tag)
-            return self._segment.buffer()
+            seg = shm_segment.create(shm_board.segment_size(size), self.tag)
+            self._pool_end = shm_board.board_offset(size)
+            self._board = Board(seg.mapping, self._pool_end)
+            self._segment = seg
+            return seg.buffer()[:size]
 
     @property
     def segment_name(self) -> str | None:
@@ -128,7 +140,7 @@ class ShmTransferBackend:
             base = 0  # no segment: receive-only (peers copy into ordinary memory, which keeps huge pages)
             if seg is not None:
                 base = array.ctypes.data - np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
-                if base < 0 or base + buffer.nbytes > seg.size:
+                if base < 0 or base + buffer.nbytes > self._pool_end:
                     raise TransferError("the registered buffer must lie inside the segment from allocate()")
             listener = socket.create_server((self.host, self.port), backlog=128)
             self._endpoint.listen(listener)
@@ -175,9 +187,14 @@ class ShmTransferBackend:
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
+        if self._board is not None:  # after its token failed: a receiver that has not confirmed yet fails
+            self._board.revoke(transfer_id)
 
     def outstanding(self) -> set[str]:
         return self._endpoint.outstanding()
+
+    def progress(self) -> None:
+        """Nothing to do: the receiver's reader threads copy the bytes."""
 
     def forget_peer(self, address: str) -> None:
         self._endpoint.forget_peer(address)
@@ -197,22 +214,25 @@ class ShmTransferBackend:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
-            src, error = None, None
+            src, board, error = None, None, None
             if hello.version != PROTOCOL_VERSION:
                 error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
             elif hello.host != self.host_key:
                 error = "sender is not on this host (different /dev/shm or network namespace)"
             else:
                 try:
-                    src = np.frombuffer(shm_segment.map_peer(hello.segment, hello.size), dtype=np.uint8)
+                    mapping = shm_segment.map_peer(hello.segment, hello.size)
                 except shm_segment.SegmentError as e:
                     error = str(e)
+                else:
+                    src, board = np.frombuffer(mapping, dtype=np.uint8), BoardView(mapping, hello.board)
             conn.send_all([memoryview(Reply(error is None, error).pack())])
             if error is not None:
                 log.warning("refused shm peer %s: %s", addr, error)
                 return
-            serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
-                         lambda rec, offer: self._copy(rec, src, offer), log, addr)
+            serve_offers(conn, self._endpoint, hello.board, self._buffer.nbytes,
+                         lambda rec, offer: self._copy(rec, src, offer),
+                         lambda conn, rec, offer: _confirm(board, rec, offer), log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -223,6 +243,10 @@ class ShmTransferBackend:
             sock.close()
 
     def _copy(self, rec: Transfer, src: np.ndarray, offer: Offer) -> str | None:
+        if offer.board is None:  # (confirming needs it)
+            error = f"offer of {offer.transfer_id!r} has no abort board entry (an older shm sender?)"
+            rec.token._fail(error)
+            return error
         rec.token._advance(TransferState.TRANSFERRING)
         pieces = copy_regions(self._array, rec.regions, src, offer.src)
         while True:
@@ -241,7 +265,8 @@ class ShmTransferBackend:
         conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
             seg = self._segment
-            conn.send_all([memoryview(Hello(PROTOCOL_VERSION, seg.name, seg.size, self.host_key).pack())])
+            hello = Hello(PROTOCOL_VERSION, seg.name, seg.size, self.host_key, self._pool_end)
+            conn.send_all([memoryview(hello.pack())])
             reply = Reply.parse(conn.read_frame(MAX_FRAME))
             if not reply.ok:
                 raise ConnectionError(f"refused: {reply.error}")
@@ -254,18 +279,26 @@ class ShmTransferBackend:
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
         src = tuple(Region(r.offset + self._base, r.length) for r in job.regions)
-        if not job.token._advance(TransferState.TRANSFERRING):
+        with job.lock:  # (abort() fails the token under this lock, then revokes what was published)
+            if not job.token._advance(TransferState.TRANSFERRING):
+                return
+            entry = self._board.publish(tid)
+        if entry is None:
+            job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
             return
-        conn.send_all([memoryview(Offer(tid, src, job.dst).pack())])
-        reply = Reply.parse(conn.read_frame(MAX_FRAME))
-        if not reply.ok:
-            job.token._fail(f"refused by {address}: {reply.error}")
-            return
-        with job.lock:
-            ok = not job.token.finished()  # aborted while the peer copied: its copy is void
-        conn.send_all([memoryview(Commit(tid, ok).pack())])
-        reply = Reply.parse(conn.read_frame(MAX_FRAME))
-        if ok and reply.ok:
+        try:
+            conn.send_all([memoryview(Offer(tid, src, job.dst, entry).pack())])
+            reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        finally:
+            self._board.retire(tid)  # (a receiver still copying after a failure here sees it revoked)
+        if reply.ok:
             job.token._advance(TransferState.DONE)
-        elif ok:
+        else:
             job.token._fail(f"refused by {address}: {reply.error}")
+
+
+def _confirm(board: BoardView, rec: Transfer, offer: Offer) -> bool:
+    """After the copy: is the sender's ticket still on its board? (Read under the transfer's lock, after
+    the last chunk released it, so the read follows the copy; see ``shm_board``.)"""
+    with rec.lock:
+        return board.valid(*offer.board)

@@ -2,21 +2,27 @@
 
 Per connection (sender -> receiver, over TCP loopback, framed as in ``tcp_wire``: u32 length + msgpack)::
 
-    Hello  {v, segment, size, host}      -> Reply {ok, error}   the receiver maps the sender's segment
+    Hello  {v, segment, size, host, board} -> Reply {ok, error}  the receiver maps the sender's segment
+                                                                (``size`` bytes; its abort board at
+                                                                offset ``board``, the pool before it)
     per transfer:
-    Offer  {id, src, dst, total}         -> Reply {ok, error}   the receiver copied src -> dst (or why not)
-    Commit {id, ok}                      -> Reply {ok, error}   ok=False: the sender aborted meanwhile;
-                                                                the receiver marks its token DONE only on ok
+    Offer  {id, src, dst, board}         -> Reply {ok, error}   the receiver copied src -> dst, checked the
+                                                                board entry ``board`` = [slot, ticket] and
+                                                                marked its token DONE (or why not)
 
 The receiver copies (it owns the destination memory, so its ``abort`` stops the copy, as with tcp); the
-sender's commit tells it whether the source was still valid for the whole copy. Every frame is
-bounded (``MAX_FRAME``) and validated; anything malformed raises ``ProtocolError``.
+sender's abort board (``shm_board``) tells it whether the source was still valid for the whole copy.
+Every frame is bounded (``MAX_FRAME``) and validated; anything malformed raises ``ProtocolError``.
+
+The nixl backend uses Offer (without ``board``), Reply and ``Commit {id, ok}``: it confirms by a
+second round trip instead (``pull.commit_round_trip``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xpyd.transfer import shm_board
 from xpyd.transfer.base import Region, check_transfer_id
 from xpyd.transfer.shm_segment import SegmentError, check_name
 from xpyd.transfer.tcp_wire import ProtocolError, pack_frame
@@ -42,25 +48,28 @@ def _regions(pairs: object, limit: int, what: str) -> tuple[Region, ...]:
 class Hello:
     version: int
     segment: str
-    size: int
+    size: int  # bytes of the segment
     host: str
+    board: int  # offset of the abort board in the segment; the pool lies before it
 
     def pack(self) -> bytes:
         return pack_frame({"t": "hello", "v": self.version, "segment": self.segment, "size": self.size,
-                           "host": self.host})
+                           "host": self.host, "board": self.board})
 
     @classmethod
     def parse(cls, d: dict) -> "Hello":
         if d.get("t") != "hello" or type(d.get("v")) is not int:
             raise ProtocolError("expected a hello frame with an int version")
-        seg, size, host = d.get("segment"), d.get("size"), d.get("host")
+        seg, size, host, board = d.get("segment"), d.get("size"), d.get("host"), d.get("board")
         try:
             check_name(seg)
         except SegmentError as e:
             raise ProtocolError(str(e)) from None
         if type(size) is not int or size <= 0 or not isinstance(host, str) or not 0 < len(host) <= 512:
             raise ProtocolError("hello size/host invalid")
-        return cls(d["v"], seg, size, host)
+        if type(board) is not int or board <= 0 or board % 8 or board + shm_board.BYTES > size:
+            raise ProtocolError(f"hello board offset {board!r:.40} invalid for a {size}-byte segment")
+        return cls(d["v"], seg, size, host, board)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +77,14 @@ class Offer:
     transfer_id: str
     src: tuple[Region, ...]
     dst: tuple[Region, ...]
+    board: tuple[int, int] | None = None  # shm: (slot, ticket) of the sender's abort board entry
 
     def pack(self) -> bytes:
-        return pack_frame({"t": "offer", "id": self.transfer_id, "src": [[r.offset, r.length] for r in self.src],
-                           "dst": [[r.offset, r.length] for r in self.dst]})
+        d = {"t": "offer", "id": self.transfer_id, "src": [[r.offset, r.length] for r in self.src],
+             "dst": [[r.offset, r.length] for r in self.dst]}
+        if self.board is not None:
+            d["board"] = list(self.board)
+        return pack_frame(d)
 
     @classmethod
     def parse(cls, d: dict, src_size: int, dst_size: int) -> "Offer":
@@ -84,7 +97,13 @@ class Offer:
         src, dst = _regions(d.get("src"), src_size, "offer src"), _regions(d.get("dst"), dst_size, "offer dst")
         if sum(r.length for r in src) != sum(r.length for r in dst):
             raise ProtocolError("offer src and dst lengths differ")
-        return cls(tid, src, dst)
+        board = d.get("board")
+        if board is not None:
+            if not (isinstance(board, list) and len(board) == 2 and all(type(x) is int for x in board)
+                    and 0 <= board[0] < shm_board.SLOTS and 0 < board[1] <= shm_board.MAX_TICKET):
+                raise ProtocolError(f"offer board entry must be [slot, ticket], got {board!r:.80}")
+            board = (board[0], board[1])
+        return cls(tid, src, dst, board)
 
 
 @dataclass(frozen=True, slots=True)

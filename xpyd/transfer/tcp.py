@@ -145,6 +145,9 @@ class TcpTransferBackend:
         """Ids of transfers being sent or expected (not yet finished or aborted)."""
         return self._endpoint.outstanding()
 
+    def progress(self) -> None:
+        """Nothing to do: the backend's threads move the bytes."""
+
     def forget_peer(self, address: str) -> None:
         """Close the cached connection and sender thread to a peer that left the cluster.
 

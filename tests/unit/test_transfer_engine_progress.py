@@ -1,0 +1,111 @@
+"""Both engines call the transfer backend's ``progress()`` every loop iteration while one of their
+transfers is in flight, and then sleep at most ``TRANSFER_POLL``; with none in flight they neither call
+it nor wake early. Engines are stepped by hand (no engine thread), with a fake backend that counts calls.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from xpyd.decode_worker.engine import DecodeEngine
+from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.engine.config import WorkerConfig
+from xpyd.engine.kv_pool import KVLayout, KVPool
+from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.prefill_worker.engine import PrefillEngine
+from xpyd.prefill_worker.scheduler import PrefillSeq
+from xpyd.signal import messages as m
+from xpyd.signal.request_id import RequestId, transfer_id_of
+from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_slots=3, max_seq_len=8)
+PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
+
+
+def _runner():
+    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=LAYOUT.max_seq_len, eos_token_ids=frozenset())
+
+
+def test_prefill_engine_drives_progress_while_a_send_is_in_flight():
+    net = FakeNetwork()
+    transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
+    engine = PrefillEngine(_runner(), None, WorkerConfig(role="prefill", port=8100), transfer, "m")
+    transfer.register(engine.pool.buffer())
+    decode_desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
+    assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0
+
+    rid = str(RequestId.new(PREFILL, DECODE))
+    engine.sched.add(PrefillSeq(rid, [1, 2, 3]))
+    engine.sched.prefilled(engine.sched.next_to_run(), 42, time.monotonic())  # (its forward pass: not tested here)
+    assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0  # KV held, nobody pulls yet
+    # The decode worker pulls it, through the signal plane's handlers.
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.slot_bytes, LAYOUT.num_slots)
+    assert engine.on_kv_map_init(DECODE, init).ok
+    reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, 0),)))
+    assert reply.results[0].status is m.LookupStatus.SENDING
+    for calls in (1, 2, 3):
+        assert engine.step() == TRANSFER_POLL and transfer.progress_calls == calls
+
+    transfer.complete(transfer_id_of(rid))
+    engine.step()  # sees the send finish
+    calls = transfer.progress_calls
+    assert engine.step() == IDLE_SLEEP and transfer.progress_calls == calls
+    assert engine.sched.num_transferring == 0 and engine.pool.num_used == 0  # nothing left behind
+    transfer.close()
+
+
+class _Signal:
+    """The decode engine's signal client, reduced to what a step calls; no prefill peer answers."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[int] = []
+        self.released: list[str] = []
+
+    def poll(self, timeout_ms: int):
+        self.timeouts.append(timeout_ms)
+        return [], []
+
+    def get(self, addr: str):
+        return None
+
+    def peers(self) -> list:
+        return []
+
+    def pending_requests(self) -> int:
+        return 0
+
+    def send_release(self, addr: str, request_ids: list[str]) -> None:
+        self.released += request_ids
+
+    def close(self) -> None:
+        pass
+
+
+def test_decode_engine_drives_progress_while_a_pull_is_in_flight():
+    transfer = FakeTransferBackend()
+    engine = DecodeEngine(_runner(), None, WorkerConfig(role="decode", port=8100), transfer, "m")
+    transfer.register(engine.pool.buffer())
+    engine.signal = signal = _Signal()
+    engine.step()
+    assert signal.timeouts[-1] == IDLE_SLEEP * 1000 and transfer.progress_calls == 0
+
+    rid = str(RequestId.new(PREFILL, DECODE))
+    payload = SimpleNamespace(arrival=time.monotonic())
+    engine.sched.add(DecodeSeq(rid, [1, 2, 3], PREFILL, payload=payload, deadline=time.monotonic() + 60))
+    engine.sched.mark_ready(rid, 42)  # (prefill's lookup reply is not this test's subject)
+    engine.step()  # gives it a slot and announces the receive
+    assert transfer.expected == [transfer_id_of(rid)]
+    for _ in range(3):
+        calls = transfer.progress_calls
+        engine.step()
+        assert signal.timeouts[-1] == TRANSFER_POLL * 1000 and transfer.progress_calls == calls + 1
+
+    engine._abort(rid)  # the client went away: the receive is cancelled
+    assert signal.released == [rid]
+    calls = transfer.progress_calls
+    engine.step()
+    assert signal.timeouts[-1] == IDLE_SLEEP * 1000 and transfer.progress_calls == calls
+    assert engine.sched.num_transferring == 0 and engine.pool.num_used == 0 and transfer.outstanding() == set()
+    transfer.close()
