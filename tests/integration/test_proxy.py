@@ -27,6 +27,7 @@ from aiohttp import web
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
@@ -93,7 +94,7 @@ class FakeWorker:
         return web.json_response({"status": "ok"})
 
     async def _info(self, request: web.Request) -> web.Response:
-        info = WorkerInfo(self.role, self.url, self.signal_addr, self.model, 1, 8)
+        info = WorkerInfo(self.role, self.url, self.signal_addr, self.model, PROTOCOL_VERSION, 8)
         return web.Response(text=info.to_json(), content_type="application/json")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -731,8 +732,8 @@ async def test_main_dynamic_mode_discovers_workers_in_etcd(etcd):
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
-    regs = [EtcdRegistration(etcd.endpoint, WorkerInfo(w.role, w.url, w.signal_addr, MODEL, 1, 8))
-            for w in (p, d)]
+    regs = [EtcdRegistration(etcd.endpoint, WorkerInfo(w.role, w.url, w.signal_addr, MODEL, PROTOCOL_VERSION, 8))
+            for w in (p, d)]  # (the proxy ignores workers of another protocol version)
 
     async def cluster_size(s: aiohttp.ClientSession, n: int) -> None:
         for _ in range(100):

@@ -22,6 +22,7 @@ from aiohttp import web
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.app import ProxyConfig, create_app
@@ -56,7 +57,7 @@ class Worker:
 
     @property
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.role, self.url, f"127.0.0.1:{self.signal_port}", MODEL, 1,
+        return WorkerInfo(self.role, self.url, f"127.0.0.1:{self.signal_port}", MODEL, PROTOCOL_VERSION,
                           self.capacity)
 
     async def start(self) -> None:
