@@ -12,11 +12,22 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xpyd.netaddr import http_url, is_ipv6
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def has_ipv6_loopback() -> bool:
+    """True if this machine can listen on ``::1`` (containers without IPv6 cannot)."""
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
 
 
 def http_ok(url: str) -> bool:
@@ -81,19 +92,19 @@ class Cluster:
 
 
 def start_1p1d(workdir: Path, model: str, dtype: str = "float32", batch_size: int = 8,
-               max_model_len: int = 512, extra: list[str] | None = None) -> tuple[Cluster, dict[str, str]]:
-    """Prefill + decode workers and a proxy; returns the cluster and its URLs."""
+               max_model_len: int = 512, extra: list[str] | None = None,
+               host: str = "127.0.0.1") -> tuple[Cluster, dict[str, str]]:
+    """Prefill + decode workers and a proxy, all on ``host``; returns the cluster and its URLs."""
     c = Cluster(workdir)
-    pp, ps, dp, dk, xp = (free_port() for _ in range(5))
+    pp, ps, dp, dk, xp = (free_port(host) for _ in range(5))
     common = ["--model", model, "--dtype", dtype, "--threads", "1", "--batch-size", str(batch_size),
-              "--max-model-len", str(max_model_len), *(extra or [])]
-    urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
-            "proxy": f"http://127.0.0.1:{xp}"}
+              "--max-model-len", str(max_model_len), "--host", host, *(extra or [])]
+    urls = {"prefill": http_url(host, pp), "decode": http_url(host, dp), "proxy": http_url(host, xp)}
     c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
     c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     try:
         c.wait_healthy()
-        c.start("proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
+        c.start("proxy", ["proxy", "--host", host, "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
                 urls["proxy"])
         c.wait_healthy()
     except BaseException:

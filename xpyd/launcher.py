@@ -18,6 +18,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from xpyd.netaddr import http_url, is_ipv6
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -81,7 +83,7 @@ def _set_pdeathsig() -> None:
 
 
 def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -209,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         sweep_stale_boards()  # boards of killed runs
         remove_board(share)
         common += ["--cpu-share", share]
-    proxy_url = f"http://{host}:{args.port}"
+    proxy_url = http_url(host, args.port)
 
     stop_requested = []
 
@@ -231,12 +233,12 @@ def run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prefill_ports):
             cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *discovery, "--port", str(p),
                                            "--signal-port", str(p + 1)])
-            worker_urls[f"prefill {i}"] = f"http://{host}:{p}"
+            worker_urls[f"prefill {i}"] = http_url(host, p)
         for j, p in enumerate(decode_ports):
             extra = [] if args.colocated else ["--kv-port", str(p + 1),
                                                "--kv-backend", getattr(args, "kv_backend", "auto")]
             cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *discovery, "--port", str(p), *extra])
-            worker_urls[f"{role} {j}"] = f"http://{host}:{p}"
+            worker_urls[f"{role} {j}"] = http_url(host, p)
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
         if dynamic:

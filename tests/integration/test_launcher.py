@@ -14,24 +14,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import free_port
+from tests.cluster import free_port, has_ipv6_loopback
+from xpyd.netaddr import is_ipv6
 
 
-def _free_pair() -> int:
+def _free_pair(host: str = "127.0.0.1") -> int:
     """A port p with p and p+1 both free (the launcher uses p+1 for signal / KV)."""
     for _ in range(100):
-        p = free_port()
-        if p < 65535 and _bindable(p + 1):
+        p = free_port(host)
+        if p < 65535 and _bindable(p + 1, host):
             return p
     raise RuntimeError("no free port pair")
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
     """Can a new server listen here (as a restarted xpyd would, with SO_REUSEADDR)?"""
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             s.listen()
         except OSError:
             return False
@@ -97,6 +98,39 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
         assert not any(_alive(c) for c in children), "orphaned child processes"
         for p in (port, pp, pp + 1, dp, dp + 1):
             assert _bindable(p), f"port {p} still in use"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in _children(proc.pid):
+            os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path):
+    port, pp, dp = free_port("::1"), _free_pair("::1"), _free_pair("::1")
+    log = tmp_path / "up.log"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--host", "::1", "--port", str(port),
+         "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
+         "--max-model-len", "256"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert f"http://[::1]:{port}/v1" in log.read_text()
+        req = urllib.request.Request(
+            f"http://[::1]:{port}/v1/completions",
+            data=json.dumps({"prompt": "hello there", "max_tokens": 5, "temperature": 0,
+                             "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import msgpack
 import pytest
 import zmq
 
+from tests.cluster import has_ipv6_loopback
 from xpyd import PROTOCOL_VERSION
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
@@ -104,6 +106,34 @@ def test_handshake_map_lookup_pull_release(server):
         assert h.released == [rid]
     finally:
         c.close()
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+@pytest.mark.parametrize("fixed_port", [False, True])
+def test_ipv6_server_and_client_with_bracketed_addresses(fixed_port):
+    port = 0
+    if fixed_port:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6) as probe:
+            port = probe.getsockname()[1]
+    h = Handler()
+    s = SignalServer("::1", port, h)
+    s.start()
+    c = _client(identity="[::1]:7001")
+    try:
+        assert s.port > 0 and (not fixed_port or s.port == port)
+        addr = f"[::1]:{s.port}"
+        p = c.peer(addr)
+        _pump(c, lambda r, f: p.state is not PeerState.HANDSHAKING and p.state is not PeerState.MAPPING)
+        assert p.state is PeerState.READY, p.error
+        rid = str(RequestId.new(addr, "[::1]:7001"))
+        h.ready[rid] = 5
+        c.send_lookup(addr, [m.LookupEntry(rid)])
+        replies, _ = _pump(c, lambda r, f: r)
+        assert replies[0][1].results[0].status is m.LookupStatus.READY
+        assert h.maps["[::1]:7001"].slot_bytes == 1024
+    finally:
+        c.close()
+        s.close()
 
 
 @pytest.mark.parametrize("model,compat,needle", [

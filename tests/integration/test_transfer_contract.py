@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.cluster import has_ipv6_loopback
 from xpyd.transfer import make_backend
 from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState
 
@@ -50,8 +51,8 @@ def _threads() -> list[str]:
 class Side:
     """One backend with a registered buffer (from the backend when it places its own memory)."""
 
-    def __init__(self, name: str, data: bytes | None = None) -> None:
-        self.backend = make_backend(name, io_timeout=5.0)
+    def __init__(self, name: str, data: bytes | None = None, host: str = "127.0.0.1") -> None:
+        self.backend = make_backend(name, host=host, io_timeout=5.0)
         allocate = getattr(self.backend, "allocate", None)
         mem = allocate(SIZE) if allocate is not None else None
         self.buf = mem if mem is not None else memoryview(bytearray(SIZE))
@@ -108,6 +109,21 @@ def test_many_regions_land_exactly(pair):
     assert (stok.state(), rtok.state()) == (TransferState.DONE, TransferState.DONE)
     assert b.bytes() == _landed(a.bytes(), src, dst)
     assert a.backend.outstanding() == set() and b.backend.outstanding() == set()
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_a_transfer_over_the_ipv6_loopback(name):
+    a, b = Side(name, random.Random(2).randbytes(SIZE), host="::1"), Side(name, host="::1")
+    try:
+        assert a.desc.address.startswith("[::1]:") and b.desc.address.startswith("[::1]:")
+        src, dst = [Region(0, 1 << 20)], [Region(SIZE - (1 << 20), 1 << 20)]
+        stok, rtok = _transfer(a, b, "v6", src, dst)
+        assert stok.wait(TIMEOUT) and rtok.wait(TIMEOUT)
+        assert (stok.state(), rtok.state()) == (TransferState.DONE, TransferState.DONE)
+        assert b.bytes() == _landed(a.bytes(), src, dst)
+    finally:
+        a.backend.close()
+        b.backend.close()
 
 
 def test_sender_done_implies_receiver_done(pair):

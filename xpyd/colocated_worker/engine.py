@@ -18,6 +18,7 @@ from xpyd.engine.config import WorkerConfig
 from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.stepping import decode_and_sample, prefill_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.netaddr import host_port
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class ColocatedEngine(WorkerEngine):
         super().__init__(runner, tokenizer, config, served_name)
         self.sched = ColocatedScheduler(config.batch_size, self.pool)
         # Requests name this worker as both peers: the id format stays the same everywhere.
-        addr = f"{config.public_host}:{config.port}"
+        addr = host_port(config.public_host, config.port)
         self.info = WorkerInfo(Role.DECODE, f"http://{addr}", addr, served_name, PROTOCOL_VERSION,
                                config.batch_size)
         self._last_token_at: dict[str, float] = {}

@@ -35,6 +35,7 @@ from xpyd.engine.request import RequestState
 from xpyd.engine.sampling import skip_draw
 from xpyd.engine.stepping import decode_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import transfer_id_of
@@ -80,7 +81,7 @@ class DecodeEngine(WorkerEngine):
             timeout=self.config.signal_timeout,
         )
         self.signal.register_fd(self.wake_fd)
-        self.info = WorkerInfo(Role.DECODE, f"http://{self.config.public_host}:{self.config.port}", identity,
+        self.info = WorkerInfo(Role.DECODE, http_url(self.config.public_host, self.config.port), identity,
                                self.model_id, PROTOCOL_VERSION, self.config.batch_size)
         self.start_thread()
 

@@ -17,6 +17,7 @@ import time
 
 from xpyd.discovery.types import Role
 from xpyd.engine.config import WorkerConfig
+from xpyd.netaddr import host_port
 
 log = logging.getLogger("xpyd.worker")
 
@@ -86,7 +87,7 @@ def run_worker(config: WorkerConfig) -> None:
         engine = PrefillEngine(runner, tokenizer, config, transfer, served)
         server = SignalServer(config.host, config.signal_port, engine)
         server.start()
-        engine.start(f"{config.public_host}:{server.port}")
+        engine.start(host_port(config.public_host, server.port))
     else:
         from xpyd.decode_worker.engine import DecodeEngine
 
@@ -95,7 +96,7 @@ def run_worker(config: WorkerConfig) -> None:
 
     app = create_worker_app(engine, config)
     hc = HyperConfig()
-    hc.bind = [f"{config.host}:{config.port}"]
+    hc.bind = [host_port(config.host, config.port)]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
     hc.graceful_timeout = config.drain_timeout
@@ -219,5 +220,5 @@ async def _wait_listening(host: str, port: int, serving: asyncio.Task) -> None:
             return
         except (OSError, asyncio.TimeoutError):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"HTTP server did not start listening on {host}:{port}") from None
+                raise RuntimeError(f"HTTP server did not start listening on {host_port(host, port)}") from None
             await asyncio.sleep(0.05)

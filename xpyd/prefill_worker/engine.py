@@ -33,6 +33,7 @@ from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
 from xpyd.engine.stepping import prefill_and_sample
 from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.netaddr import http_url
 from xpyd.prefill_worker.recent import RecentIds
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
@@ -86,7 +87,7 @@ class PrefillEngine(WorkerEngine):
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
-        self.info = WorkerInfo(Role.PREFILL, f"http://{self.config.public_host}:{self.config.port}",
+        self.info = WorkerInfo(Role.PREFILL, http_url(self.config.public_host, self.config.port),
                                signal_addr, self.model_id, PROTOCOL_VERSION, self.config.batch_size)
         self.transfer.register(self.pool.buffer())
         self.start_thread()

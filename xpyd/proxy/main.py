@@ -22,6 +22,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
+from xpyd.netaddr import host_port
 from xpyd.proxy.app import create_app
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.routing import Policy
@@ -112,10 +113,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     )
 
 
-def _bind(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def make_registry(config: ProxyConfig) -> Registry:
     if config.etcd is not None:
         try:  # only dynamic mode needs the etcd client
@@ -139,7 +136,7 @@ async def _start_registry(registry: Registry, config: ProxyConfig) -> None:
 
 def _hypercorn_config(config: ProxyConfig) -> HypercornConfig:
     hc = HypercornConfig()
-    hc.bind = [_bind(config.host, config.port)]
+    hc.bind = [host_port(config.host, config.port)]
     hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
     hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
     return hc
@@ -199,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     except RegistryError as e:
         sys.exit(f"xpyd proxy: {e}")
     except OSError as e:  # e.g. the port is taken
-        sys.exit(f"xpyd proxy: cannot serve on {_bind(config.host, config.port)}: {e}")
+        sys.exit(f"xpyd proxy: cannot serve on {host_port(config.host, config.port)}: {e}")
 
 
 if __name__ == "__main__":

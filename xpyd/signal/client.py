@@ -76,6 +76,7 @@ class SignalClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.IPV6, int(addr.startswith("[")))  # '[v6]:port' (request ids bracket IPv6)
         monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         sock.connect(f"tcp://{addr}")
         p = PrefillPeer(addr, sock, monitor)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import zmq
 
+from xpyd.netaddr import bracketed, host_port, is_ipv6
 from xpyd.signal import messages as m
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class SignalHandler(Protocol):
 
 class SignalServer:
     def __init__(self, bind_host: str, port: int, handler: SignalHandler) -> None:
-        self._bind = f"tcp://{bind_host}:{port}"
+        self._host = bind_host
         self._handler = handler
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -47,10 +48,11 @@ class SignalServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.IPV6, int(is_ipv6(self._host)))
         if self.port == 0:
-            self.port = int(sock.bind_to_random_port(self._bind.rsplit(":", 1)[0]))
+            self.port = int(sock.bind_to_random_port(f"tcp://{bracketed(self._host)}"))
         else:
-            sock.bind(self._bind)
+            sock.bind(f"tcp://{host_port(self._host, self.port)}")
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="signal-server", daemon=True)
         self._thread.start()

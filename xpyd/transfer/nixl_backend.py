@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.netaddr import listen_tcp
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -100,7 +101,7 @@ class NixlTransferBackend:
             agent = Agent(f"xpyd-{os.getpid()}-{secrets.token_hex(6)}")
             try:
                 agent.register(addr, buffer.nbytes)
-                listener = socket.create_server((self.host, self.port), backlog=128)
+                listener = listen_tcp(self.host, self.port)
             except BaseException:
                 agent.close()
                 raise

@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.netaddr import listen_tcp
 from xpyd.transfer import shm_board, shm_segment
 from xpyd.transfer.base import (
     BackendDescriptor,
@@ -142,7 +143,7 @@ class ShmTransferBackend:
                 base = array.ctypes.data - np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
                 if base < 0 or base + buffer.nbytes > self._pool_end:
                     raise TransferError("the registered buffer must lie inside the segment from allocate()")
-            listener = socket.create_server((self.host, self.port), backlog=128)
+            listener = listen_tcp(self.host, self.port)
             self._endpoint.listen(listener)
             self._buffer, self._array, self._base = buffer, array, base
             address = format_address(self.advertise_host, listener.getsockname()[1])

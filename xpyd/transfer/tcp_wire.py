@@ -25,6 +25,7 @@ from typing import Sequence
 import msgpack
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.netaddr import host_port
 from xpyd.transfer.base import Region, check_transfer_id
 
 CHUNK = 4 << 20  # largest single iovec / recv_into slice
@@ -71,8 +72,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+format_address = host_port  # 'host:port' or '[v6]:port'
 
 
 def pack_frame(obj: dict) -> bytes:
