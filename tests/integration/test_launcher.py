@@ -61,22 +61,31 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _start_up(model: Path, log: Path, port: int, pp: int, dp: int, *extra: str) -> subprocess.Popen:
+    """`xpyd up` on the tiny model with the given ports, output to `log`."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "xpyd", "up", "--model", str(model), *extra, "--port", str(port),
+         "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
+         "--max-model-len", "256"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, stop_signal):
     port, pp, dp = free_port(), _free_pair(), _free_pair()
     log = tmp_path / "up.log"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--port", str(port),
-         "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
-         "--max-model-len", "256"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    proc = _start_up(tiny_model_dir, log, port, pp, dp)
     try:
-        deadline = time.monotonic() + 180
-        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        _wait_ready(proc, log)
         text = log.read_text()
         assert f"http://127.0.0.1:{port}/v1" in text and "curl " in text
         children = _children(proc.pid)
@@ -109,18 +118,9 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
 def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path):
     port, pp, dp = free_port("::1"), _free_pair("::1"), _free_pair("::1")
     log = tmp_path / "up.log"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--host", "::1", "--port", str(port),
-         "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
-         "--max-model-len", "256"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    proc = _start_up(tiny_model_dir, log, port, pp, dp, "--host", "::1")
     try:
-        deadline = time.monotonic() + 180
-        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        _wait_ready(proc, log)
         assert f"http://[::1]:{port}/v1" in log.read_text()
         req = urllib.request.Request(
             f"http://[::1]:{port}/v1/completions",
