@@ -184,14 +184,19 @@ class FastLlama:
         if choice not in ("kernel", "matmul", "sdpa"):
             raise ValueError(f"decode_attention must be 'kernel', 'matmul' or 'sdpa', not {choice!r}")
         if choice == "kernel":
-            if self.dtype != torch.bfloat16 or self.device.type != "cpu":
-                raise ValueError(f"decode_attention 'kernel' runs bfloat16 on the CPU, not {self.dtype} on {self.device}")
             if self.num_heads % self.num_kv_heads or self.num_heads // self.num_kv_heads > 16 or self.head_dim > 256:
                 raise ValueError("decode_attention 'kernel' handles up to 16 query heads per KV head, head_dim <= 256")
-            self._kernel = native.load_decode_attention()
-            if self._kernel is None:
-                raise ValueError(f"decode_attention 'kernel' is unavailable: {native.unavailable_reason()}")
+            self._kernel = self._native(native.load_decode_attention, "decode_attention.c", "decode_attention 'kernel'")
         self._decode_attention = choice
+
+    def _native(self, load, source: str, what: str):
+        """A native library for bfloat16 on the CPU, or ValueError saying why it cannot be used here."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            raise ValueError(f"{what} runs bfloat16 on the CPU, not {self.dtype} on {self.device}")
+        lib = load()
+        if lib is None:
+            raise ValueError(f"{what} is unavailable: {native.unavailable_reason(source)}")
+        return lib
 
     def _default_attention(self) -> str:
         if self.dtype == torch.float32:
@@ -219,14 +224,8 @@ class FastLlama:
 
     @native_pointwise.setter
     def native_pointwise(self, enabled: bool) -> None:
-        if not enabled:
-            self._pointwise = None
-            return
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
-            raise ValueError(f"native pointwise kernels run bfloat16 on the CPU, not {self.dtype} on {self.device}")
-        self._pointwise = native.load_pointwise()
-        if self._pointwise is None:
-            raise ValueError(f"native pointwise kernels are unavailable: {native.unavailable_reason('pointwise.c')}")
+        self._pointwise = self._native(native.load_pointwise, "pointwise.c", "native pointwise kernels") \
+            if enabled else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._pointwise is not None:

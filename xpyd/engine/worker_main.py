@@ -14,10 +14,14 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from xpyd.discovery.types import Role
 from xpyd.engine.config import WorkerConfig
 from xpyd.netaddr import host_port
+
+if TYPE_CHECKING:
+    from xpyd.engine.model_runner import ModelRunner
 
 log = logging.getLogger("xpyd.worker")
 
@@ -110,18 +114,21 @@ def run_worker(config: WorkerConfig) -> None:
         log.info("%s worker stopped", config.role)
 
 
-def describe_forward(runner: ModelRunner) -> str:
+def describe_forward(runner: "ModelRunner") -> str:
     """Which forward pass (and decode attention) this worker runs, and why not the faster one."""
+    import torch
+
     if runner.fast_path is None:
         return f"general forward (the lean one does not cover this model: {runner.fast_path_reason})"
-    attention = runner.fast_path.decode_attention
-    text = f"lean forward, {attention} decode attention"
-    if attention == "matmul":
+    fast = runner.fast_path
+    text = f"lean forward, {fast.decode_attention} decode attention, " \
+           f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
+    if runner.dtype == torch.bfloat16 and runner.device.type == "cpu":
         from xpyd.engine import native
 
-        reason = native.unavailable_reason()
-        if reason:
-            text += f" (native kernel unavailable: {reason})"
+        reasons = {native.unavailable_reason(src) for src in ("decode_attention.c", "pointwise.c")} - {None}
+        if reasons:
+            text += f" (native kernels unavailable: {'; '.join(sorted(reasons))})"
     return text
 
 

@@ -31,9 +31,9 @@ from typing import Protocol, Sequence
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
+    DerivedToken,
     Region,
     TransferError,
-    TransferState,
     check_buffer,
     check_regions,
     check_transfer_id,
@@ -60,7 +60,7 @@ def layout_hash(tensors: Sequence[DeviceTensor]) -> str:
     return hashlib.sha256(",".join(str(t.nbytes) for t in tensors).encode()).hexdigest()[:16]
 
 
-class _PolledToken(CompletionToken):
+class _PolledToken(DerivedToken):
     """A token that drives its backend's ``poll()`` whenever it is read."""
 
     __slots__ = ("_owner",)
@@ -69,19 +69,9 @@ class _PolledToken(CompletionToken):
         super().__init__(transfer_id)
         self._owner = owner
 
-    def state(self) -> TransferState:
+    def _sync(self) -> None:
         if not CompletionToken.finished(self):
             self._owner.poll()
-        return self._state
-
-    def done(self) -> bool:
-        return self.state() is TransferState.DONE
-
-    def failed(self) -> bool:
-        return self.state() is TransferState.FAILED
-
-    def finished(self) -> bool:
-        return self.state() in (TransferState.DONE, TransferState.FAILED)
 
     def wait(self, timeout: float) -> bool:
         import time
