@@ -152,7 +152,12 @@ class PDCall:
         failed before the pull): tell prefill to drop it (a no-op if it was pulled).
         """
         first = self._prefilled
-        if first is not None and first.finish_reason is None and not self._completed and not self._release_sent:
+        # Prefill may hold KV nobody will pull: it answered and decode did not finish, or its answer was
+        # still on the way when we gave up while the decode worker never got the request (so it cannot
+        # release it either; seen in the cancel storm: KV held until kv_ttl).
+        unanswered = first is None and self._prefill_task is not None and not self._decode_sent.is_set()
+        if ((first is not None and first.finish_reason is None) or unanswered) and not self._completed \
+                and not self._release_sent:
             self._release_sent = True
             self._client.release_later(self._prefill, self.request_id)
         for task in (self._prefill_task, self._decode_task):
