@@ -34,7 +34,28 @@ def _check_report(report: dict, backend: str, sizes: list[int], repeats: int, re
         assert r["backend_vs_socket"] == pytest.approx(r["gbps"] / r["socket_gbps"])
         assert r["regions"] == regions
         assert len(r["samples_s"]) == len(r["socket_samples_s"]) == len(r["memcpy_samples_s"]) == repeats
+        # the same run's memcpy plus one round trip, recomputed from the report's own numbers
+        rtt = report["socket_rtt_s"]
+        assert r["round_trip_bound"] == pytest.approx(r["memcpy_median_s"] / (r["memcpy_median_s"] + rtt))
+        assert 0 < r["round_trip_bound"] < 1
+    assert isinstance(report["socket_rtt_s"], float) and report["socket_rtt_s"] > 0
+    assert 0 < report["socket_rtt_p10_s"] <= report["socket_rtt_s"]
+    assert "round_trip_bound" in report["method"]
     assert json.loads(json.dumps(report)) == report  # JSON as is
+
+
+def _check_table(out: str, report: dict) -> None:
+    """The bound column (last, 3 decimals, one per size) and the round-trip line under the table."""
+    name = report["backend"]
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if f"{name} GB/s | memcpy GB/s" in line)
+    assert lines[head].endswith(f"{name}/memcpy | bound")
+    rows = lines[head + 2:head + 2 + len(report["results"])]
+    for row, r in zip(rows, report["results"]):
+        assert row.split(" | ")[-1].strip() == f"{r['round_trip_bound']:.3f}"
+    assert lines[head + 2 + len(rows)] == (
+        "round trip (1-byte ping-pong, two Python processes, TCP loopback): "
+        f"median {report['socket_rtt_s'] * 1e6:.1f} us, p10 {report['socket_rtt_p10_s'] * 1e6:.1f} us")
 
 
 def test_measure_small_sizes():
@@ -43,6 +64,7 @@ def test_measure_small_sizes():
     _check_report(report, "tcp", sizes, 2, 1)
     assert report["units"].startswith("GB/s = 1e9 bytes")
     assert report["host"]["cpu_count"] >= 1
+    _check_table(tb.format_table(report), report)
 
 
 def test_cli_writes_json_and_prints_table(tmp_path, capsys):
@@ -54,8 +76,9 @@ def test_cli_writes_json_and_prints_table(tmp_path, capsys):
     report = json.loads(path.read_text())
     _check_report(report, "tcp", [64 * KiB, 256 * KiB], 2, 3)
     out = capsys.readouterr().out
-    assert "tcp GB/s | memcpy GB/s | socket GB/s | tcp/socket | tcp/memcpy" in out
+    assert "tcp GB/s | memcpy GB/s | socket GB/s | tcp/socket | tcp/memcpy | bound" in out
     assert "64 KiB" in out and "256 KiB" in out and "3 region(s)" in out
+    _check_table(out, report)
 
 
 def test_cli_defaults():
@@ -132,6 +155,21 @@ def test_stuck_children_are_stopped_at_the_timeout():
     with pytest.raises(TimeoutError, match="no result from the receiver and sender process within 0.5s"):
         tp._run_pair("test", _waiting, _waiting, {}, timeout=0.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_socket_pair_reports_round_trips():
+    """The socket phase alone: one rtt sample per timed ping-pong, each a positive duration."""
+    out = tp._run_pair("socket baseline", tp._socket_receiver, tp._socket_sender,
+                       {"max_size": 4 * KiB, "sizes": [4 * KiB], "reps": 2}, timeout=30)
+    rtt = out["sender"]["rtt_samples_s"]
+    assert len(rtt) == tp.RTT_SAMPLES and all(isinstance(t, float) and t > 0 for t in rtt)
+    assert out["receiver"] == {} and len(out["sender"]["times"][4 * KiB]) == 2 - tp.WARMUP
+
+
+def test_round_trip_bound_formula():
+    assert tb._round_trip_bound(30e-6, 90e-6) == pytest.approx(0.25)
+    assert tb._round_trip_bound(1.0, 0.0) == 1.0
+    assert tb._p10([float(i) for i in range(1, 12)]) == pytest.approx(2.0)
 
 
 def test_corrupted_bytes_are_caught():

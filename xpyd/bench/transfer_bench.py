@@ -13,6 +13,13 @@ Three measurements, one after the other, on the same machine and buffers of the 
 - socket: two spawned processes on TCP loopback (TCP_NODELAY, kernel-default buffers); the sender
   ``sendmsg``s a memoryview of its buffer, the receiver ``recv_into``s a preallocated buffer and
   returns a 1-byte ack, which ends the sample (the same "all bytes landed" point as the backend's ack).
+  After the sized transfers the same connection does a 1-byte ping-pong (a few untimed, then 300 timed
+  round trips): ``socket_rtt_s``, the cost of one message to the other process and one back.
+
+``round_trip_bound`` = memcpy / (memcpy + round trip) per size: the best backend/memcpy ratio a design
+that waits for one cross-process round trip per transfer can reach, even if its copy is as fast as this
+run's memcpy. At 1 MiB the copy takes tens of us and the round trip about as long or longer, so a
+backend/memcpy well below 1 there is the round trip, not the copy; at large sizes the bound nears 1.
 
 Every size gets one untimed warm-up transfer (connection setup, first-touch page faults), then
 ``repeats`` timed ones. GB/s is decimal: 1e9 bytes / the median seconds. The receivers check the bytes
@@ -34,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 from xpyd.bench.transfer_procs import (
     _RECV_FILL,
+    RTT_SAMPLES,
     WARMUP,
     _backend_receiver,
     _backend_sender,
@@ -146,6 +154,17 @@ def _gbps(size: int, seconds: float) -> float:
     return size / seconds / 1e9
 
 
+def _round_trip_bound(memcpy_s: float, rtt_s: float) -> float:
+    """The best backend/memcpy ratio for a transfer that copies at memcpy speed and also waits one round
+    trip: time memcpy_s + rtt_s instead of memcpy_s."""
+    return memcpy_s / (memcpy_s + rtt_s)
+
+
+def _p10(samples: Sequence[float]) -> float:
+    """The 10th percentile (the fast end, less scheduler noise than the median, unlike min not one outlier)."""
+    return statistics.quantiles(samples, n=10, method="inclusive")[0]
+
+
 def measure(
     backend: str = "tcp",
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -191,6 +210,8 @@ def measure(
                      {"backend": backend, "kwargs": kwargs, "max_size": max_size, "sizes": sizes, "reps": reps,
                       "regions": regions}, timeout)
 
+    rtt_s = sock["sender"]["rtt_samples_s"]
+    rtt_med = statistics.median(rtt_s)
     results = []
     for size in sizes:
         b_s = back["sender"]["times"][size]
@@ -217,6 +238,7 @@ def measure(
             "memcpy_samples_s": m_s,
             "socket_samples_s": s_s,
             "memcpy_loops_per_sample": loops,
+            "round_trip_bound": _round_trip_bound(m_med, rtt_med),
         })
     return {
         "backend": backend,
@@ -226,6 +248,8 @@ def measure(
         "warmup": WARMUP,
         "regions": regions,
         "host": host,
+        "socket_rtt_s": rtt_med,
+        "socket_rtt_p10_s": _p10(rtt_s),
         "method": {
             "backend": f"two spawned processes, make_backend({backend!r}) each, a registered buffer of "
                        f"{max_size} B each; receiver expect()s, sender times send() -> token DONE (receiver "
@@ -234,6 +258,10 @@ def measure(
             "socket": "two spawned processes, TCP loopback, TCP_NODELAY, kernel-default buffers; sendmsg of a "
                       "memoryview, recv_into a preallocated buffer, timed until a 1-byte ack",
             "verified": "the receivers compare the bytes that landed with the sender's pattern",
+            "round_trip_bound": f"memcpy_median_s / (memcpy_median_s + socket_rtt_s), socket_rtt_s the median of "
+                                f"{RTT_SAMPLES} 1-byte ping-pongs on the socket baseline's connection: the best "
+                                f"backend/memcpy a design that waits for one cross-process round trip per "
+                                f"transfer can reach with this run's memcpy",
         },
     }
 
@@ -243,9 +271,10 @@ def measure(
 
 def format_table(report: dict) -> str:
     name = report["backend"]
-    head = ["size", f"{name} GB/s", "memcpy GB/s", "socket GB/s", f"{name}/socket", f"{name}/memcpy"]
+    head = ["size", f"{name} GB/s", "memcpy GB/s", "socket GB/s", f"{name}/socket", f"{name}/memcpy", "bound"]
     rows = [[format_size(r["size_bytes"]), f"{r['gbps']:.2f}", f"{r['memcpy_gbps']:.2f}",
-             f"{r['socket_gbps']:.2f}", f"{r['backend_vs_socket']:.2f}", f"{r['backend_vs_memcpy']:.3f}"]
+             f"{r['socket_gbps']:.2f}", f"{r['backend_vs_socket']:.2f}", f"{r['backend_vs_memcpy']:.3f}",
+             f"{r['round_trip_bound']:.3f}"]
             for r in report["results"]]
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     lines = [
@@ -255,6 +284,8 @@ def format_table(report: dict) -> str:
         "-+-".join("-" * w for w in widths),
     ]
     lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.append(f"round trip (1-byte ping-pong, two Python processes, TCP loopback): "
+                 f"median {report['socket_rtt_s'] * 1e6:.1f} us, p10 {report['socket_rtt_p10_s'] * 1e6:.1f} us")
     return "\n".join(lines)
 
 

@@ -24,6 +24,8 @@ OP_TIMEOUT = 60.0  # any single wait inside a child process (peer message, trans
 _PATTERN_SEED = 20240601
 _PATTERN_BLOCK = 4099  # a prime, so the pattern never lines up with chunk or page boundaries
 _RECV_FILL = 0x55
+RTT_WARMUP = 20  # untimed ping-pongs first (the first also waits out the receiver's byte check)
+RTT_SAMPLES = 300  # timed 1-byte round trips: ~30 ms at ~100 us each, plenty for a median and a p10
 
 
 def format_size(n: int) -> str:
@@ -176,6 +178,33 @@ def _send_exact(sock: socket.socket, view: memoryview) -> None:
         pos += sock.sendmsg([view[pos:]])
 
 
+def _echo_pings(sock: socket.socket, count: int) -> None:
+    """The receiver's half of ``_ping_pong``: echo ``count`` 1-byte pings, one at a time."""
+    byte = bytearray(1)
+    for _ in range(count):
+        if sock.recv_into(byte) != 1:
+            raise ConnectionError("sender closed the socket during the ping-pong")
+        sock.sendall(byte)
+
+
+def _ping_pong(sock: socket.socket, count: int) -> list[float]:
+    """Seconds per 1-byte round trip, ``count`` of them, each blocking on the peer's echo.
+
+    No payload to copy, so this is the floor any design pays when a transfer waits for one message to
+    the other process and one back (wake-up, syscalls, interpreter): at small sizes that, not the copy,
+    bounds GB/s. Measured on the already connected TCP_NODELAY socket so nothing else differs.
+    """
+    byte = bytearray(b"\x02")
+    samples = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        sock.sendall(byte)
+        if sock.recv_into(byte) != 1:
+            raise ConnectionError("receiver closed the socket instead of echoing the ping")
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
 def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
     import numpy as np
 
@@ -193,6 +222,7 @@ def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dic
                 _recv_exact(sock, view[:size])
                 sock.sendall(b"\x01")
         _check_landed(buf, max(sizes), "socket baseline")
+        _echo_pings(sock, RTT_WARMUP + RTT_SAMPLES)
     return {}
 
 
@@ -215,7 +245,8 @@ def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
                     raise ConnectionError("receiver closed the socket instead of acknowledging")
                 samples.append(time.perf_counter() - t0)
             times[size] = samples[WARMUP:]
-    return {"times": times}
+        rtt = _ping_pong(sock, RTT_WARMUP + RTT_SAMPLES)[RTT_WARMUP:]
+    return {"times": times, "rtt_samples_s": rtt}
 
 
 def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, timeout: float) -> dict:
