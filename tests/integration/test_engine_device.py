@@ -84,14 +84,14 @@ def test_cuda_is_refused_without_cuda(device):
         WorkerConfig("prefill", device=device)
 
 
-def test_cuda_index_and_nixl_checks_when_cuda_is_there(monkeypatch):
+def test_cuda_index_checks_when_cuda_is_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert check_device("cuda:1") == "cuda:1"
     with pytest.raises(ValueError, match="has 2 CUDA device"):
         check_device("cuda:2")
-    with pytest.raises(ValueError, match="nixl with a GPU pool"):
-        WorkerConfig("decode", device="cuda", kv_backend="nixl")
+    # nixl registers a GPU pool itself (VRAM; untested here), so the config takes it
+    assert WorkerConfig("decode", device="cuda", kv_backend="nixl").kv_backend == "nixl"
     assert WorkerConfig("decode", device="cuda", kv_backend="auto").device == "cuda"
 
 

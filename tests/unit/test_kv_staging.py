@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.engine.kv_staging import HostStaging, StagedTransfer, stage_pool, stage_transfer
-from xpyd.transfer.base import Region, TransferState
+from xpyd.engine.kv_staging import (
+    HostStaging,
+    StagedTransfer,
+    needs_staging,
+    pool_memory,
+    stage_pool,
+    stage_transfer,
+)
+from xpyd.transfer.base import DeviceMemory, Region, TransferState
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_slots=3, max_seq_len=8)
@@ -151,3 +158,26 @@ def test_a_device_pool_has_no_host_buffer_until_staged():
     # a CPU pool passed its device explicitly is the ordinary pool
     cpu = KVPool(LAYOUT, device=torch.device("cpu"))
     assert cpu.staging is None and cpu.buffer().nbytes == LAYOUT.total_bytes
+
+
+class _DeviceBackend:
+    registers_device_memory = True  # like nixl
+
+
+def test_only_backends_without_device_registration_stage_a_device_pool():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    fake = FakeTransferBackend(FakeNetwork())
+    assert needs_staging(fake, cuda) and not needs_staging(fake, cpu)
+    assert not needs_staging(_DeviceBackend(), cuda) and not needs_staging(_DeviceBackend(), cpu)
+
+
+def test_pool_memory_hands_a_device_pool_to_a_device_registering_backend_as_is():
+    pool = KVPool(LAYOUT, device=torch.device("cpu"))
+    assert isinstance(pool_memory(pool, _DeviceBackend()), memoryview)  # host pool: host bytes
+    pool.device = torch.device("cuda", 1)  # stands in for a pool on GPU 1 (no CUDA here)
+    mem = pool_memory(pool, _DeviceBackend())
+    assert mem == DeviceMemory("cuda", 1, pool.tensor.data_ptr(), LAYOUT.total_bytes)
+    with pytest.raises(ValueError, match="not host memory"):  # tcp/shm need the staging copy first
+        pool_memory(pool, FakeTransferBackend(FakeNetwork()))
+    stage_pool(pool, pin=False)
+    assert isinstance(pool_memory(pool, _DeviceBackend()), memoryview)  # staged: the host copy, always

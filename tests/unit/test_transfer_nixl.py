@@ -13,8 +13,9 @@ import msgpack
 import pytest
 
 from xpyd.transfer import make_backend
-from xpyd.transfer.base import Region
-from xpyd.transfer.nixl_agent import plan
+from xpyd.transfer import nixl_backend
+from xpyd.transfer.base import DeviceMemory, Region, TransferError
+from xpyd.transfer.nixl_agent import HOST, descs, memory_of, plan
 from xpyd.transfer.nixl_wire import MAX_METADATA, Hello
 from xpyd.transfer.tcp_wire import ProtocolError
 
@@ -44,12 +45,15 @@ def test_plan_refuses_mismatched_totals_and_bad_chunks():
 
 
 def test_hello_round_trips_and_rejects_bad_fields():
-    h = Hello(1, "xpyd-1-ab", b"\x00md", 4096, 1 << 20)
-    frame = h.pack()
-    assert Hello.parse(msgpack.unpackb(frame[4:], raw=False)) == h
-    good = {"t": "hello", "v": 1, "agent": "a", "md": b"x", "addr": 4096, "size": 10}
+    for memory in (HOST, ("VRAM", 3)):
+        h = Hello(1, "xpyd-1-ab", b"\x00md", 4096, 1 << 20, memory)
+        frame = h.pack()
+        assert Hello.parse(msgpack.unpackb(frame[4:], raw=False)) == h
+    good = {"t": "hello", "v": 1, "agent": "a", "md": b"x", "addr": 4096, "size": 10, "mem": "DRAM", "dev": 0}
+    assert Hello.parse(good).memory == ("DRAM", 0)
     for key, bad in [("md", "text"), ("md", b""), ("md", b"x" * (MAX_METADATA + 1)), ("agent", ""),
-                     ("addr", 0), ("addr", -5), ("size", 0), ("size", 1 << 64), ("v", "1"), ("t", "offer")]:
+                     ("addr", 0), ("addr", -5), ("size", 0), ("size", 1 << 64), ("v", "1"), ("t", "offer"),
+                     ("mem", "BLK"), ("mem", None), ("dev", -1), ("dev", "0"), ("dev", 1 << 16)]:
         with pytest.raises(ProtocolError):
             Hello.parse({**good, key: bad})
 
@@ -61,3 +65,76 @@ def test_imports_without_nixl_and_construction_says_how_to_install(monkeypatch):
         importlib.import_module(mod)
     with pytest.raises(ImportError, match=r"pip install 'xpyd\[nixl\]'.*pip install --no-deps nixl nixl-cu13"):
         make_backend("nixl")
+
+
+def test_descriptors_name_the_device_of_each_side():
+    pieces = [(0, 4096, 10), (100, 8192, 20)]
+    src, dst = descs(pieces, 0, 1 << 20, device=2), descs(pieces, 1, 1 << 30)
+    assert src.tolist() == [[(1 << 20) + 0, 10, 2], [(1 << 20) + 100, 20, 2]]
+    assert dst.tolist() == [[(1 << 30) + 4096, 10, 0], [(1 << 30) + 8192, 20, 0]]
+    assert memory_of("cpu", 0) == ("DRAM", 0) and memory_of("cuda", 1) == ("VRAM", 1)
+    with pytest.raises(ValueError, match="host or CUDA"):
+        memory_of("xla", 0)
+
+
+def test_device_memory_is_validated():
+    assert DeviceMemory("cuda", 0, 1 << 32, 4096).nbytes == 4096
+    for args in [("xla", 0, 4096, 1), ("cuda", -1, 4096, 1), ("cuda", 0, 0, 1), ("cuda", 0, 4096, 0),
+                 ("cuda", 0, (1 << 64) - 8, 16), ("cuda", 0.5, 4096, 1)]:
+        with pytest.raises(ValueError):
+            DeviceMemory(*args)
+
+
+class _RecordingAgent:
+    """Stands in for ``nixl_agent.Agent`` (no NIXL here): records what the backend registers and reads."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.registered, self.reads, self.closed = name, [], [], False
+
+    def register(self, addr, size, memory):
+        self.registered.append((addr, size, memory))
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def read(self, peer, pieces, src_base, dst_base, src_memory, dst_memory):
+        self.reads.append((peer, pieces, src_base, dst_base, src_memory, dst_memory))
+        return "read"
+
+    def release(self, read) -> None:
+        pass
+
+    def kick(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_gpu_pool_is_registered_as_vram_and_reads_name_both_sides_memory(monkeypatch):
+    """The plumbing of a CUDA pool through the nixl backend, with NIXL faked out (no GPU, no NIXL needed):
+    register() passes the device pointer as VRAM of its device, the Hello carries it, and a READ names the
+    sender's memory (from its Hello) and ours. Whether NIXL/UCX then moves GPU bytes is untested here."""
+    monkeypatch.setattr(nixl_backend, "load", lambda: None)
+    monkeypatch.setattr(nixl_backend, "Agent", _RecordingAgent)
+    backend = nixl_backend.NixlTransferBackend()
+    try:
+        assert backend.registers_device_memory
+        desc = backend.register(DeviceMemory("cuda", 1, 0x7F0000000000, 1 << 20))
+        assert desc.backend == "nixl" and desc.buffer_size == 1 << 20
+        agent = backend._agent
+        assert agent.registered == [(0x7F0000000000, 1 << 20, ("VRAM", 1))]
+        sender = Hello(1, "peer", b"md", 0x10000, 1 << 20, HOST)  # a CPU sender
+        monkeypatch.setattr(backend._progress, "wait_read", lambda read, timeout, closed: None)
+        assert backend._read_one("peer", [(0, 4096, 64)], sender) is None
+        assert agent.reads == [("peer", [(0, 4096, 64)], 0x10000, 0x7F0000000000, ("DRAM", 0), ("VRAM", 1))]
+        with pytest.raises(TransferError, match="already registered"):
+            backend.register(memoryview(bytearray(64)))
+    finally:
+        backend.close()
+    host = nixl_backend.NixlTransferBackend()
+    try:
+        host.register(memoryview(bytearray(4096)))
+        assert host._agent.registered[0][1:] == (4096, ("DRAM", 0))
+    finally:
+        host.close()

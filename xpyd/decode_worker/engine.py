@@ -29,6 +29,7 @@ from xpyd.decode_worker.poll_schedule import PollSchedule
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
+from xpyd.engine.kv_staging import pool_memory
 from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
 from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
@@ -71,7 +72,7 @@ class DecodeEngine(WorkerEngine):
         self._last_decode_at = 0.0  # end of the last decode step
 
     def start(self) -> None:
-        desc = self.transfer.register(self.pool.buffer())
+        desc = self.transfer.register(pool_memory(self.pool, self.transfer))
         identity = desc.address  # the decode worker's address in request ids: where prefill sends KV
         layout = self.pool.layout
         self.signal = SignalClient(

@@ -79,10 +79,6 @@ class WorkerConfig:
 
         check_kv_backend(self.kv_backend)
         check_device(self.device)
-        if self.device != "cpu" and self.kv_backend == "nixl" and self.role != "colocated":
-            raise ValueError("--kv-backend nixl with a GPU pool needs NIXL to register device memory, which the "
-                             "nixl backend does not do yet; use tcp, shm or auto (they stage through host "
-                             "memory, see docs/devices.md)")
 
     @property
     def public_host(self) -> str:

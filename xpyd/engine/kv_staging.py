@@ -10,8 +10,9 @@ the backend provides one), registers that copy with the backend, and wraps the b
   returned token copies those regions host -> device and only then reports DONE.
 
 Offsets, descriptors and the wire are unchanged: a peer cannot tell a staged pool from a CPU one.
-Copies are synchronous, on the thread that calls `send` or polls the token. nixl does not stage (it
-would register the device pool itself; not implemented, see docs/devices.md). A CPU pool never stages,
+Copies are synchronous, on the thread that calls `send` or polls the token. nixl does not stage: it
+registers the device pool itself (`registers_device_memory`; NIXL VRAM, untested here: see
+docs/devices.md), and `pool_memory` hands it the pool as `DeviceMemory`. A CPU pool never stages,
 except in tests that force it to prove the round trip.
 """
 
@@ -27,6 +28,7 @@ from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
     DerivedToken,
+    DeviceMemory,
     Region,
     TransferState,
     check_buffer,
@@ -74,6 +76,22 @@ class HostStaging:
         regions, _ = check_regions(regions, self.nbytes, "staged")
         for r in regions:
             self._device[r.offset : r.end].copy_(self._host[r.offset : r.end])
+
+
+def needs_staging(transfer, device: torch.device) -> bool:
+    """A pool on ``device`` reaches ``transfer`` through a host copy: a device pool, unless the backend
+    registers device memory itself (nixl)."""
+    return device.type != "cpu" and not getattr(transfer, "registers_device_memory", False)
+
+
+def pool_memory(pool, transfer) -> memoryview | DeviceMemory:
+    """What a worker registers with its backend: the pool's host bytes (or its staging copy), or the device
+    pool itself for a backend that registers device memory (nixl on a GPU)."""
+    if pool.staging is None and pool.device.type != "cpu" and getattr(transfer, "registers_device_memory", False):
+        t, device = pool.tensor, pool.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DeviceMemory(device.type, index, t.data_ptr(), t.numel() * t.element_size())
+    return pool.buffer()
 
 
 def stage_pool(pool, buffer: memoryview | None = None, pin: bool | None = None) -> HostStaging:

@@ -35,7 +35,7 @@ def run_worker(config: WorkerConfig) -> None:
     from hypercorn.config import Config as HyperConfig
 
     from xpyd.engine.api_server import create_worker_app
-    from xpyd.engine.kv_staging import stage_transfer
+    from xpyd.engine.kv_staging import needs_staging, stage_transfer
     from xpyd.engine.loader import ensure_converted
     from xpyd.engine.model_runner import ModelRunner
     from xpyd.engine.tokenizer import load_tokenizer
@@ -74,8 +74,8 @@ def run_worker(config: WorkerConfig) -> None:
         return runner
 
     runner = in_passing_thread(build_runner)
-    if transfer is not None and device.type != "cpu":  # the pool stays on the device: transfers stage
-        transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # via host memory
+    if transfer is not None and needs_staging(transfer, device):  # a device pool under tcp/shm: transfers
+        transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
     tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
     server = None

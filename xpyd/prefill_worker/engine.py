@@ -28,6 +28,7 @@ import torch
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.engine.config import WorkerConfig
+from xpyd.engine.kv_staging import pool_memory
 from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
 from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.engine.request import RequestState
@@ -89,7 +90,7 @@ class PrefillEngine(WorkerEngine):
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
         self.info = WorkerInfo(Role.PREFILL, http_url(self.config.public_host, self.config.port),
                                signal_addr, self.model_id, PROTOCOL_VERSION, self.config.batch_size)
-        self.transfer.register(self.pool.buffer())
+        self.transfer.register(pool_memory(self.pool, self.transfer))
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------

@@ -11,6 +11,7 @@ import importlib
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
+    DeviceMemory,
     Region,
     TransferBackend,
     TransferError,
@@ -41,6 +42,7 @@ def make_backend(name: str, **kw) -> TransferBackend:
 __all__ = [
     "BackendDescriptor",
     "CompletionToken",
+    "DeviceMemory",
     "Region",
     "TransferBackend",
     "TransferError",

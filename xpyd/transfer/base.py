@@ -152,6 +152,32 @@ class DerivedToken(CompletionToken):
         return self._error
 
 
+DEVICE_KINDS = ("cuda",)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """A KV pool in accelerator memory, for a backend that registers device memory itself (nixl: as
+    NIXL ``VRAM``); tcp and shm move host bytes only, so a device pool reaches them through a host
+    staging copy instead (``xpyd.engine.kv_staging``). ``address`` is the device pointer."""
+
+    kind: str  # "cuda"
+    device_index: int
+    address: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in DEVICE_KINDS:
+            raise ValueError(f"device memory kind must be one of {DEVICE_KINDS}, got {self.kind!r:.40}")
+        if type(self.device_index) is not int or self.device_index < 0:
+            raise ValueError(f"device_index must be an int >= 0, got {self.device_index!r:.40}")
+        if type(self.address) is not int or self.address <= 0 or type(self.nbytes) is not int or self.nbytes <= 0:
+            raise ValueError(f"device memory needs a positive address and size, got {self.address!r:.40}, "
+                             f"{self.nbytes!r:.40}")
+        if self.address + self.nbytes >= 1 << 64:
+            raise ValueError("device memory ends beyond the 64-bit address space")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendDescriptor:
     """How a peer reaches this backend's registered buffer (sent over the signal plane)."""

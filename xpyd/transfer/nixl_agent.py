@@ -35,6 +35,11 @@ MISSING = ("the nixl KV backend needs NVIDIA NIXL, which is not installed: pip i
            "or use --kv-backend auto, tcp or shm")
 
 Piece = tuple[int, int, int]  # (src offset, dst offset, length)
+# Where a registered pool lives, as NIXL names it: (memory type, device id). Host memory is ("DRAM", 0);
+# a pool in GPU memory is ("VRAM", CUDA device index): NIXL/UCX then READs device to device (untested here).
+Memory = tuple[str, int]
+HOST: Memory = ("DRAM", 0)
+MEM_TYPES = ("DRAM", "VRAM")
 PROC, DONE = "PROC", "DONE"  # NIXL's transfer states; anything else is "ERR ..." (ours) or NIXL's error
 
 
@@ -78,11 +83,22 @@ def plan(src: Sequence[Region], dst: Sequence[Region], chunk: int) -> list[list[
     return requests
 
 
-def _descs(pieces: Sequence[Piece], which: int, base: int) -> np.ndarray:
-    out = np.zeros((len(pieces), 3), dtype=np.uint64)  # (address, length, device id 0 = host memory)
+def memory_of(kind: str, device_index: int) -> Memory:
+    """NIXL's name for a pool's memory: ``kind`` "cpu" (host) or "cuda" (GPU ``device_index``)."""
+    if kind == "cpu":
+        return HOST
+    if kind == "cuda":
+        return ("VRAM", device_index)
+    raise ValueError(f"NIXL cannot register {kind!r} memory (host or CUDA only)")
+
+
+def descs(pieces: Sequence[Piece], which: int, base: int, device: int = 0) -> np.ndarray:
+    """NIXL descriptors ``(address, length, device id)`` of one side (``which``: 0 src, 1 dst) of ``pieces``."""
+    out = np.zeros((len(pieces), 3), dtype=np.uint64)
     for i, p in enumerate(pieces):
         out[i, 0] = base + p[which]
         out[i, 1] = p[2]
+    out[:, 2] = device
     return out
 
 
@@ -100,7 +116,7 @@ class Read:
 
 
 class Agent:
-    """A NIXL agent with one registered host buffer; every call is serialized by one lock."""
+    """A NIXL agent with one registered buffer (host or GPU memory); every call is serialized by one lock."""
 
     def __init__(self, name: str) -> None:
         api = load()
@@ -123,9 +139,10 @@ class Agent:
             raise RuntimeError("the NIXL agent is closed")
         return self._agent
 
-    def register(self, addr: int, size: int) -> None:
+    def register(self, addr: int, size: int, memory: Memory = HOST) -> None:
+        mem_type, device = memory
         with self._lock:
-            self._reg = self._live().register_memory([(addr, size, 0, "")], "DRAM")
+            self._reg = self._live().register_memory([(addr, size, device, "")], mem_type)
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -154,13 +171,14 @@ class Agent:
             except Exception as e:  # a dead peer's endpoint may already be gone
                 log.debug("removing NIXL agent %s: %s", name, e)
 
-    def read(self, peer: str, pieces: Sequence[Piece], src_base: int, dst_base: int) -> Read:
+    def read(self, peer: str, pieces: Sequence[Piece], src_base: int, dst_base: int,
+             src_memory: Memory = HOST, dst_memory: Memory = HOST) -> Read:
         """Post one READ of ``pieces`` from ``peer``'s memory into ours (on one host UCX's cma often
         finishes it inside this call). ``release`` it once it ended or is given up."""
         with self._lock:
             agent = self._live()
-            local = agent.get_xfer_descs(_descs(pieces, 1, dst_base), "DRAM")
-            remote = agent.get_xfer_descs(_descs(pieces, 0, src_base), "DRAM")
+            local = agent.get_xfer_descs(descs(pieces, 1, dst_base, dst_memory[1]), dst_memory[0])
+            remote = agent.get_xfer_descs(descs(pieces, 0, src_base, src_memory[1]), src_memory[0])
             try:
                 handle = agent.initialize_xfer("READ", local, remote, peer, b"")
             except Exception as e:

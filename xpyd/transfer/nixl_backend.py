@@ -7,7 +7,9 @@ with its agent metadata and pool address; per transfer it offers its ``src`` reg
 claims the transfer it ``expect``ed and posts NIXL READs from the sender's pool into its own ``dst``
 regions (16 MiB per request, each under the transfer's lock, so once ``abort()`` returns no more bytes
 land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
-UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts.
+UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts. A pool on a GPU is
+registered as it is (``DeviceMemory`` -> NIXL ``VRAM``; untested here) and each side's Hello says where
+its pool lives, so READs name both sides' memory.
 
 No NIXL progress thread (it spins a core). UCX progresses inside our own calls, and the engine's loop
 makes them: ``progress()`` (every engine iteration while a transfer is in flight; never waits) pumps
@@ -35,6 +37,7 @@ from xpyd.netaddr import listen_tcp
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
+    DeviceMemory,
     Region,
     TransferError,
     TransferState,
@@ -44,7 +47,7 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.pull import commit_round_trip, serve_offers
-from xpyd.transfer.nixl_agent import Agent, load, plan
+from xpyd.transfer.nixl_agent import HOST, Agent, Memory, load, memory_of, plan
 from xpyd.transfer.nixl_progress import FALLBACK, Progress
 from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
@@ -86,27 +89,35 @@ class NixlTransferBackend:
         self._endpoint = Endpoint()
         self._agent: Agent | None = None
         self._progress: Progress | None = None
-        self._buffer: memoryview | None = None
+        self._buffer: memoryview | DeviceMemory | None = None
         self._addr = 0  # address of the registered buffer
+        self._memory: Memory = HOST  # where it lives, as NIXL names it
         self._descriptor: BackendDescriptor | None = None
 
     # -- public API -------------------------------------------------------
-    def register(self, buffer: memoryview) -> BackendDescriptor:
-        buffer = check_buffer(buffer)
+    # A pool in GPU memory is registered as it is (NIXL VRAM), not staged through host memory.
+    registers_device_memory = True
+
+    def register(self, buffer: memoryview | DeviceMemory) -> BackendDescriptor:
+        """Register the KV pool: host memory (a memoryview) or a CUDA pool (``DeviceMemory``; untested here)."""
+        if isinstance(buffer, DeviceMemory):
+            addr, memory = buffer.address, memory_of(buffer.kind, buffer.device_index)
+        else:
+            buffer = check_buffer(buffer)
+            addr, memory = np.frombuffer(buffer, dtype=np.uint8).ctypes.data, HOST
         with self._endpoint.lock:
             self._endpoint.check_open()
             if self._buffer is not None:
                 raise TransferError("a buffer is already registered with this backend")
-            addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
             agent = Agent(f"xpyd-{os.getpid()}-{secrets.token_hex(6)}")
             try:
-                agent.register(addr, buffer.nbytes)
+                agent.register(addr, buffer.nbytes, memory)
                 listener = listen_tcp(self.host, self.port)
             except BaseException:
                 agent.close()
                 raise
             self._endpoint.listen(listener)
-            self._agent, self._buffer, self._addr = agent, buffer, addr
+            self._agent, self._buffer, self._addr, self._memory = agent, buffer, addr, memory
             self._progress = Progress(agent, self.fallback_progress)
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
@@ -157,7 +168,7 @@ class NixlTransferBackend:
             self._agent.close()
 
     # -- internals --------------------------------------------------------
-    def _require_buffer(self) -> memoryview:
+    def _require_buffer(self) -> memoryview | DeviceMemory:
         if self._buffer is None:
             raise TransferError("register() a buffer first")
         return self._buffer
@@ -181,7 +192,7 @@ class NixlTransferBackend:
                 log.warning("refused nixl peer %s: %s", addr, error)
                 return
             serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
-                         lambda rec, offer: self._read(rec, peer, hello.addr, offer), commit_round_trip, log, addr)
+                         lambda rec, offer: self._read(rec, peer, hello, offer), commit_round_trip, log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -193,21 +204,21 @@ class NixlTransferBackend:
                 self._agent.drop_peer(peer)
             sock.close()
 
-    def _read(self, rec: Transfer, peer: str, src_addr: int, offer: Offer) -> str | None:
+    def _read(self, rec: Transfer, peer: str, src: Hello, offer: Offer) -> str | None:
         """READ the offer's src into the claimed transfer's dst, request by request; None or why it failed."""
         rec.token._advance(TransferState.TRANSFERRING)
         for pieces in plan(offer.src, rec.regions, READ_CHUNK):
             with rec.lock:
                 if rec.token.finished():
                     return f"transfer {offer.transfer_id!r} aborted by the receiver"
-                error = self._read_one(peer, pieces, src_addr)
+                error = self._read_one(peer, pieces, src)
                 if error is not None:
                     rec.token._fail(error)
                     return error
         return None
 
-    def _read_one(self, peer: str, pieces, src_addr: int) -> str | None:
-        read = self._agent.read(peer, pieces, src_addr, self._addr)
+    def _read_one(self, peer: str, pieces, src: Hello) -> str | None:
+        read = self._agent.read(peer, pieces, src.addr, self._addr, src.memory, self._memory)
         try:
             return self._progress.wait_read(read, self.io_timeout, lambda: self._endpoint.closed)
         finally:
@@ -227,7 +238,7 @@ class NixlTransferBackend:
         conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
             hello = Hello(PROTOCOL_VERSION, self._agent.name, self._agent.metadata(), self._addr,
-                          self._buffer.nbytes)
+                          self._buffer.nbytes, self._memory)
             conn.send_all([memoryview(hello.pack())])
             reply = self._reply(conn)
             if not reply.ok:
