@@ -162,6 +162,38 @@ def test_a_sender_abort_during_the_copy_voids_it():
         receiver.close()
 
 
+def test_large_chunks_are_copied_by_two_threads_and_land_exactly():
+    """24 MiB in 3 regions: pieces of 8 MiB and more are split with a helper thread (``parallel_copy``);
+    every byte lands at its offset, nothing outside the regions is written, and close() stops the helper."""
+    import threading
+
+    import numpy as np
+
+    n = 24 << 20
+    sender, receiver = make_backend("shm"), make_backend("shm", copy_threads=2)
+    try:
+        src = sender.allocate(n + 4096)
+        pattern = (np.arange(n, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
+        np.frombuffer(src, dtype=np.uint8)[:n] = pattern
+        d_send = sender.register(src)
+        dst = np.zeros(n + 8192, dtype=np.uint8)
+        d_recv = receiver.register(memoryview(dst))
+        src_regions = [Region(0, 10 << 20), Region(10 << 20, 4 << 20), Region(14 << 20, 10 << 20)]
+        dst_regions = [Region(4096, 20 << 20), Region((20 << 20) + 8192, 4 << 20)]
+        rtok = receiver.expect("big", dst_regions)
+        stok = sender.send("big", src_regions, d_recv, dst_regions)
+        assert stok.wait(30) and stok.done() and rtok.done()
+        assert np.array_equal(dst[4096:4096 + (20 << 20)], pattern[:20 << 20])
+        assert np.array_equal(dst[(20 << 20) + 8192:], pattern[20 << 20:])
+        assert not dst[:4096].any() and not dst[4096 + (20 << 20):(20 << 20) + 8192].any()
+        assert d_send.buffer_size == n + 4096
+        assert any(t.name.startswith("xpyd-copy") for t in threading.enumerate())
+    finally:
+        sender.close()
+        receiver.close()
+    assert not any(t.name.startswith("xpyd-copy") for t in threading.enumerate())
+
+
 def test_wire_frames_are_validated():
     with pytest.raises(ProtocolError):
         Hello.parse({"t": "hello", "v": 1, "segment": "../x", "size": 1, "host": "h"})

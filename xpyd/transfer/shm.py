@@ -16,15 +16,17 @@ a socket.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
-``abort()`` returns no more bytes of that transfer land in the pool), one sender per peer.
+``abort()`` returns no more bytes of that transfer land in the pool; a chunk of 8 MiB or more is split
+with a helper thread, ``parallel_copy``), one sender per peer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from queue import SimpleQueue
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -42,6 +44,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.parallel_copy import ParallelCopy
 from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_board import Board, BoardView
@@ -63,13 +66,14 @@ MAX_INBOUND = 256
 
 
 def copy_regions(dst: np.ndarray, dst_regions: Sequence[Region], src: np.ndarray, src_regions: Sequence[Region],
-                 chunk: int = COPY_CHUNK):
-    """Yield once per copied piece (at most ``chunk`` bytes), walking both region lists in step."""
+                 chunk: int = COPY_CHUNK, copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto):
+    """Yield once per copied piece (at most ``chunk`` bytes), walking both region lists in step;
+    ``copy(dst, src)`` copies one piece."""
     si = di = s_off = d_off = 0
     while si < len(src_regions):
         s, d = src_regions[si], dst_regions[di]
         n = min(s.length - s_off, d.length - d_off, chunk)
-        np.copyto(dst[d.offset + d_off: d.offset + d_off + n], src[s.offset + s_off: s.offset + s_off + n])
+        copy(dst[d.offset + d_off: d.offset + d_off + n], src[s.offset + s_off: s.offset + s_off + n])
         yield n
         s_off += n
         d_off += n
@@ -88,7 +92,10 @@ class ShmTransferBackend:
     name = "shm"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
-                 io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None) -> None:
+                 io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
+                 copy_threads: int | None = None) -> None:
+        """``copy_threads``: threads that copy one large piece of a transfer into this (receiving) backend's
+        pool (``parallel_copy``; default 2, or 1 on a single CPU)."""
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         if not connect_timeout > 0 or not io_timeout > 0:
@@ -99,6 +106,9 @@ class ShmTransferBackend:
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
+        if copy_threads is None:
+            copy_threads = min(2, len(os.sched_getaffinity(0)))
+        self._copier = ParallelCopy(copy_threads)
         self._endpoint = Endpoint()
         self._segment: shm_segment.Segment | None = None
         self._board: Board | None = None  # (sender) at the end of the segment, after the pool
@@ -201,8 +211,10 @@ class ShmTransferBackend:
         self._endpoint.forget_peer(address)
 
     def close(self) -> None:
-        if self._endpoint.close(join_timeout=self.connect_timeout + 5) and self._segment is not None:
-            self._segment.unlink()  # the mapping (the pool) stays valid until the process exits
+        if self._endpoint.close(join_timeout=self.connect_timeout + 5):
+            self._copier.close()
+            if self._segment is not None:
+                self._segment.unlink()  # the mapping (the pool) stays valid until the process exits
 
     # -- internals --------------------------------------------------------
     def _require_buffer(self) -> memoryview:
@@ -249,7 +261,7 @@ class ShmTransferBackend:
             rec.token._fail(error)
             return error
         rec.token._advance(TransferState.TRANSFERRING)
-        pieces = copy_regions(self._array, rec.regions, src, offer.src)
+        pieces = copy_regions(self._array, rec.regions, src, offer.src, copy=self._copier.copy)
         while True:
             with rec.lock:
                 if rec.token.finished():
