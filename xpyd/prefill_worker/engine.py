@@ -120,6 +120,10 @@ class PrefillEngine(WorkerEngine):
                     if self._release(item.request_id):
                         self._ended.add(item.request_id, (m.LookupStatus.FAILED, "aborted on the prefill worker "
                                                           "(its client went away)"), time.monotonic())
+                    elif self._ended.get(item.request_id) is None:
+                        # The proxy gave up before the request itself got here (its two HTTP calls raced):
+                        # drop it on arrival instead of holding its KV for a whole lease.
+                        self._released_early.add(item.request_id, True, time.monotonic())
                 elif isinstance(item, _PeersLeft):
                     self._drop_peers(item.addrs)
                 else:
@@ -148,7 +152,8 @@ class PrefillEngine(WorkerEngine):
         elif self._released_early.pop(rid):
             # Its decode worker gave up on it (aborted or timed out) before it arrived here.
             self._released_on_arrival += 1
-            item.sink.put(ErrorEvent(409, f"request {rid} was already released by its decode worker"))
+            item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
+                                          "gave up on it)"))
             self.metrics.request_done("aborted")
         else:
             item.start_output(self.tokenizer)

@@ -88,6 +88,28 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     assert s["released_on_arrival"] == released_before + 1
 
 
+def test_an_abort_that_overtakes_its_request_drops_the_request_on_arrival(fault_workers):
+    """The proxy's /xpyd/abort and the prefill call race: an abort for a request the prefill worker has not
+    seen yet is remembered, and the request is refused when it arrives (no KV held until kv_ttl)."""
+    _, urls = fault_workers
+    rid = _rid(urls)
+    released_before = stats(urls["prefill"])["released_on_arrival"]
+    req = urllib.request.Request(urls["prefill"] + "/xpyd/abort", data=b"", headers={"X-Request-Id": rid})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"aborted": rid}
+    status, body = post(urls["prefill"], _prefill_body(), rid)
+    assert status == 409 and "already released" in body["error"]["message"], body
+    s = wait_idle(urls["prefill"])
+    assert s["released_on_arrival"] == released_before + 1
+    other = _rid(urls)  # an abort remembers only its own id: the next request runs as usual
+    status, body = post(urls["prefill"], _prefill_body(), other)
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+    status, body = post(urls["decode"], _decode_body(), other)
+    assert status == 200 and body["usage"]["completion_tokens"] == 6, body
+    wait_idle(urls["prefill"])
+    wait_idle(urls["decode"])
+
+
 def test_a_streamed_prefill_wait_timeout_ends_with_an_error_event_coded_504(fault_workers):
     """How the proxy hears it (it always streams from decode): the event's integer code is the status."""
     _, urls = fault_workers
