@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xpyd.child import die_with_parent
 from xpyd.netaddr import http_url, is_ipv6
 
 
@@ -61,7 +62,8 @@ class Cluster:
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         popen = subprocess.Popen([sys.executable, "-m", "xpyd", *argv], stdout=log.open("wb"),
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                 preexec_fn=die_with_parent)  # (no orphans if pytest is killed)
         p = Proc(name, popen, log, url)
         self.procs.append(p)
         return p

@@ -8,7 +8,6 @@ and the proxy, all discovering each other through etcd.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import socket
@@ -18,9 +17,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from xpyd.child import die_with_parent
 from xpyd.netaddr import http_url, is_ipv6
 
-PR_SET_PDEATHSIG = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,13 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: longest wait in that queue before a 503")
 
 
-def _set_pdeathsig() -> None:
-    """In the child: die with the launcher even if it is SIGKILLed (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
@@ -98,7 +90,7 @@ class Cluster:
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "xpyd", *argv]
-        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_set_pdeathsig, env=env)
+        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, env=env)
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port, has_ipv6_loopback
+from xpyd.child import die_with_parent
 from xpyd.netaddr import is_ipv6
 
 
@@ -68,7 +69,7 @@ def _start_up(model: Path, log: Path, port: int, pp: int, dp: int, *extra: str) 
         [sys.executable, "-m", "xpyd", "up", "--model", str(model), *extra, "--port", str(port),
          "--prefill-port", str(pp), "--decode-port", str(dp), "--dtype", "float32", "--threads", "1",
          "--max-model-len", "256"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

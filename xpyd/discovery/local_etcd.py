@@ -8,7 +8,6 @@ data (when the data dir is kept: a ``data_dir`` was given, or ``restart()`` is u
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import shutil
 import signal
@@ -20,10 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from xpyd.child import die_with_parent
+
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1
 POLL_INTERVAL = 0.05  # seconds between health probes while starting
 PORT_ATTEMPTS = 3  # free ports picked by us can be taken before etcd binds them
 
@@ -51,13 +51,6 @@ def _free_port() -> int:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
-
-def _set_pdeathsig() -> None:
-    """In the child: receive SIGTERM when the parent dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class LocalEtcd:
@@ -173,7 +166,7 @@ class LocalEtcd:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C in the terminal does not reach it; the owner stops it
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=die_with_parent,
         )
 
     def _wait_healthy(self, deadline: float) -> None:
