@@ -116,13 +116,21 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
 
 
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
-def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize("mode", ["static", "etcd"])
+def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path, mode: str):
+    """Static 1P1D, and dynamic 1P1D through etcd: the workers register their IPv6 addresses
+    (``/workers/{role}/::1/{port}``) and the proxy routes to what it watches."""
     port, pp, dp = free_port("::1"), _free_pair("::1"), _free_pair("::1")
+    extra = ["--prefill", "1", "--decode", "1", "--etcd-port", str(_free_pair())] if mode == "etcd" else []
     log = tmp_path / "up.log"
-    proc = _start_up(tiny_model_dir, log, port, pp, dp, "--host", "::1")
+    proc = _start_up(tiny_model_dir, log, port, pp, dp, "--host", "::1", *extra)
     try:
         _wait_ready(proc, log)
         assert f"http://[::1]:{port}/v1" in log.read_text()
+        if mode == "etcd":
+            text = log.read_text()
+            assert f"registered /workers/prefill/::1/{pp} in etcd" in text, text[-3000:]
+            assert f"registered /workers/decode/::1/{dp} in etcd" in text, text[-3000:]
         req = urllib.request.Request(
             f"http://[::1]:{port}/v1/completions",
             data=json.dumps({"prompt": "hello there", "max_tokens": 5, "temperature": 0,
