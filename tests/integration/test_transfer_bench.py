@@ -116,6 +116,24 @@ def test_bad_arguments(kw, match):
         tb.measure("tcp", **{"sizes": [64 * KiB], "repeats": 1, **kw})
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shm_copy_threads_are_used_and_recorded(threads):
+    sizes = [64 * KiB, 9 * MiB]  # 9 MiB: one piece above the 8 MiB split threshold
+    report = tb.measure("shm", sizes, repeats=1, copy_threads=threads)
+    _check_report(report, "shm", sizes, 1, 1)
+    assert report["backend_kwargs"]["copy_threads"] == threads
+    assert report["receiver_copy_threads"] == threads  # what the receiving backend ran with
+    assert f"; {threads} copy thread(s); " in tb.format_table(report).splitlines()[0]
+
+
+def test_copy_threads_are_checked():
+    with pytest.raises(ValueError, match="--copy-threads applies to auto and shm only, not 'tcp'"):
+        tb.measure("tcp", [64 * KiB], repeats=1, copy_threads=2)
+    for bad in (0, 17, 1.5):
+        with pytest.raises(ValueError, match="copy_threads must be an int in 1..16"):
+            tb.measure("shm", [64 * KiB], repeats=1, copy_threads=bad)
+
+
 def test_sizes_parsing():
     assert tb.parse_sizes("1M,16M,64M") == [MiB, 16 * MiB, 64 * MiB]
     assert tb.parse_sizes("64K, 1MiB,4096,1g") == [64 * KiB, MiB, 4096, 1 << 30]

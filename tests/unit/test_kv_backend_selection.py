@@ -11,7 +11,7 @@ import pytest
 
 from xpyd.engine.config import WorkerConfig, add_worker_arguments, config_from_args
 from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.transfer.selection import adopt_pool, make_worker_backend
+from xpyd.transfer.selection import adopt_pool, kv_copy_threads, make_worker_backend
 
 
 def test_config_default_is_auto_and_names_are_checked():
@@ -57,3 +57,29 @@ def test_nixl_builds_when_installed_and_refuses_with_the_pip_command_otherwise(m
 def test_neuron_refuses_with_a_reason():
     with pytest.raises((ImportError, NotImplementedError), match="torch-neuronx|device memory"):
         make_worker_backend("neuron", "127.0.0.1", 0, None)
+
+
+def test_copy_threads_auto_leaves_the_engine_its_cores():
+    """Auto: a second copy thread only when a core is left beside the engine's threads, or on a GPU."""
+    assert kv_copy_threads(0, engine_threads=2, device="cpu", cpus=2) == 1  # this box: engine on both cores
+    assert kv_copy_threads(0, engine_threads=1, device="cpu", cpus=2) == 2
+    assert kv_copy_threads(0, engine_threads=16, device="cpu", cpus=64) == 2
+    assert kv_copy_threads(0, engine_threads=2, device="cuda", cpus=2) == 2  # the cores are free
+    assert kv_copy_threads(3, engine_threads=2, device="cpu", cpus=2) == 3  # asked for: as asked
+    assert WorkerConfig("decode").kv_copy_threads == 0
+    with pytest.raises(ValueError, match="--kv-copy-threads"):
+        WorkerConfig("decode", kv_copy_threads=17)
+    p = argparse.ArgumentParser()
+    add_worker_arguments(p, "decode")
+    assert config_from_args(p.parse_args(["--kv-copy-threads", "2"]), "decode").kv_copy_threads == 2
+
+
+@pytest.mark.parametrize("name", ["shm", "auto"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_worker_backend_copies_with_the_threads_it_was_given(name, threads):
+    t = make_worker_backend(name, "127.0.0.1", 0, None, copy_threads=threads)
+    try:
+        shm = t if name == "shm" else t.extras[0]
+        assert shm._copier.threads == threads
+    finally:
+        t.close()

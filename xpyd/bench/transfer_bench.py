@@ -61,6 +61,8 @@ _MEMCPY_MAX_LOOPS = 1000
 # Constructor keywords for the backends when both ends are on this host.
 _BACKEND_KWARGS: dict[str, dict[str, Any]] = {"tcp": {"host": "127.0.0.1"}, "shm": {"host": "127.0.0.1"},
                                                "auto": {"host": "127.0.0.1"}}
+# Backends whose receiver copies (shm's copy threads, ``xpyd.transfer.parallel_copy``).
+_COPYING = {"shm", "auto"}
 # Backends that cannot move bytes between two processes.
 _IN_PROCESS_ONLY = {"fake": "the 'fake' backend only moves bytes inside one process (FakeNetwork)"}
 
@@ -123,13 +125,19 @@ def _memcpy_times(sizes: list[int], reps: int) -> dict[int, tuple[list[float], i
     return out
 
 
-def _check_backend(backend: str) -> dict:
+def _check_backend(backend: str, copy_threads: int | None = None) -> dict:
     from xpyd.transfer import make_backend
 
     if backend in _IN_PROCESS_ONLY:
         raise ValueError(f"cannot benchmark backend {backend!r} between two processes: "
                          f"{_IN_PROCESS_ONLY[backend]}")
-    kwargs = _BACKEND_KWARGS.get(backend, {})
+    kwargs = dict(_BACKEND_KWARGS.get(backend, {}))
+    if backend in _COPYING:  # the receiver's copy threads: as asked, else the backend's default, recorded
+        if copy_threads is not None and (type(copy_threads) is not int or not 1 <= copy_threads <= 16):
+            raise ValueError(f"copy_threads must be an int in 1..16, got {copy_threads!r}")
+        kwargs["copy_threads"] = copy_threads or min(2, len(os.sched_getaffinity(0)))
+    elif copy_threads is not None:
+        raise ValueError(f"--copy-threads applies to {' and '.join(sorted(_COPYING))} only, not {backend!r}")
     make_backend(backend, **kwargs).close()  # unknown name / missing dependency: fail here, clearly
     return kwargs
 
@@ -171,6 +179,7 @@ def measure(
     repeats: int = DEFAULT_REPEATS,
     *,
     regions: int = 1,
+    copy_threads: int | None = None,
     timeout: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
@@ -196,7 +205,7 @@ def measure(
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
     say = progress or (lambda _msg: None)
-    kwargs = _check_backend(backend)
+    kwargs = _check_backend(backend, copy_threads)
     max_size = max(sizes)
     host = _host_info()
 
@@ -247,6 +256,8 @@ def measure(
         "repeats": repeats,
         "warmup": WARMUP,
         "regions": regions,
+        "backend_kwargs": kwargs,
+        "receiver_copy_threads": back["receiver"].get("copy_threads"),
         "host": host,
         "socket_rtt_s": rtt_med,
         "socket_rtt_p10_s": _p10(rtt_s),
@@ -279,6 +290,8 @@ def format_table(report: dict) -> str:
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     lines = [
         f"transfer backend {name!r} between two processes; {report['regions']} region(s) per transfer; "
+        + (f"{report['backend_kwargs']['copy_threads']} copy thread(s); "
+           if "copy_threads" in report.get("backend_kwargs", {}) else "") +
         f"median of {report['repeats']} repeats after {report['warmup']} warm-up; GB/s = 1e9 bytes/s",
         " | ".join(h.rjust(w) for h, w in zip(head, widths)),
         "-+-".join("-" * w for w in widths),
@@ -295,6 +308,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated bytes per transfer; K/M/G are KiB/MiB/GiB (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="timed transfers per size, after one warm-up (default: %(default)s)")
+    parser.add_argument("--copy-threads", type=int, default=None, metavar="N",
+                        help="shm/auto: threads the receiver copies one large (>= 8 MiB) piece with "
+                             "(default: the backend's, 2 on a machine with 2+ cores; recorded in the JSON)")
     parser.add_argument("--regions", type=int, default=1,
                         help="contiguous regions per transfer; 1 is the KV-pool case (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -312,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
             sizes=sizes,
             repeats=getattr(args, "repeats", DEFAULT_REPEATS),
             regions=getattr(args, "regions", 1),
+            copy_threads=getattr(args, "copy_threads", None),
             timeout=getattr(args, "timeout", None),
             progress=lambda msg: print(f"bench transfer: {msg}", file=sys.stderr, flush=True),
         )

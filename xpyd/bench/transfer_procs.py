@@ -125,7 +125,7 @@ def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes:
             if not t.wait(OP_TIMEOUT) or not t.done():
                 raise RuntimeError(f"receiver token {t!r} did not finish DONE")
         _check_landed(buf, max(sizes), f"{backend} backend")
-        return {"tokens_done": len(tokens)}
+        return {"tokens_done": len(tokens), "copy_threads": getattr(b, "copy_threads", None)}
     finally:
         b.close()
 

@@ -37,6 +37,7 @@ class WorkerConfig:
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
     device: str = "cpu"  # torch device of the model and KV pool: cpu | cuda | cuda:N (docs/devices.md)
+    kv_copy_threads: int = 0  # shm: threads copying one large transfer into the pool (0 = auto, selection.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -73,6 +74,8 @@ class WorkerConfig:
             from xpyd.engine.cpu_share import board_path
 
             board_path(self.cpu_share)  # raises on a bad name
+        if not 0 <= self.kv_copy_threads <= 16:
+            raise ValueError("--kv-copy-threads must be in [0, 16] (0 = auto)")
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
         from xpyd.transfer.selection import check_kv_backend
@@ -106,6 +109,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
                             help="KV transfer backend; auto = shared memory with workers on this host, "
                                  "tcp otherwise (default: auto; see docs/transfer.md)")
+        parser.add_argument("--kv-copy-threads", type=int, default=0, metavar="N",
+                            help="shm: threads that copy one large (>= 8 MiB) transfer into this worker's pool; "
+                                 "0 = auto: 2 when a core is left beside --threads or the model is on a GPU, "
+                                 "else 1 (default 0)")
     parser.add_argument("--batch-size", type=int, default=8,
                         help="max requests running + transferring (also the number of KV slots)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
@@ -181,5 +188,5 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
         prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
         cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
         cpu_share=args.cpu_share, kv_backend=getattr(args, "kv_backend", "auto"),
-        device=getattr(args, "device", "cpu"),
+        device=getattr(args, "device", "cpu"), kv_copy_threads=getattr(args, "kv_copy_threads", 0),
     )

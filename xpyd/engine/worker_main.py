@@ -39,7 +39,7 @@ def run_worker(config: WorkerConfig) -> None:
     from xpyd.engine.loader import ensure_converted
     from xpyd.engine.model_runner import ModelRunner
     from xpyd.engine.tokenizer import load_tokenizer
-    from xpyd.transfer.selection import adopt_pool, make_worker_backend
+    from xpyd.transfer.selection import adopt_pool, kv_copy_threads, make_worker_backend
 
     from xpyd.engine.malloc_tuning import tune_malloc
 
@@ -52,7 +52,12 @@ def run_worker(config: WorkerConfig) -> None:
     device = torch.device(config.device)
     transfer = None
     if config.role in ("prefill", "decode"):
-        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host)
+        copy_threads = kv_copy_threads(config.kv_copy_threads, config.threads, config.device)
+        transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host,
+                                       copy_threads)
+        if config.role == "decode" and config.kv_backend in ("shm", "auto"):
+            log.info("decode: shm transfers of 8 MiB or more are copied with %d thread(s)%s", copy_threads,
+                     "" if config.kv_copy_threads else " (auto: --kv-copy-threads)")
     resolved = None
 
     def build_runner() -> ModelRunner:

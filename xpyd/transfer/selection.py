@@ -15,6 +15,7 @@ advertise ``tcp``); an ``shm``-only worker talks only to ``shm`` workers, likewi
 from __future__ import annotations
 
 import logging
+import os
 
 from xpyd.transfer import make_backend
 from xpyd.transfer.shm_segment import SegmentError
@@ -30,14 +31,30 @@ def check_kv_backend(name: str) -> str:
     return name
 
 
-def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None):
-    """The backend a worker runs for ``--kv-backend name``, listening on ``host:port``."""
+def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int | None = None) -> int:
+    """Threads that copy one large shm transfer into a worker's pool (``--kv-copy-threads``; 0 = auto).
+
+    Auto: 2 when a core is left beside the engine's threads (or the model runs on a GPU, so the cores are
+    free), else 1. On this 2-core host with the decode engine on both cores, a second copy thread cost
+    3-4% output tokens/s and ~1 ms of ITL p50 in the prefill-stall benchmark (docs/transfer.md), while
+    with a spare core it halves a 16 MiB copy."""
+    if requested:
+        return requested
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return 2 if device != "cpu" or cpus > engine_threads else 1
+
+
+def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1):
+    """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
+    shm's receiving copy, see ``kv_copy_threads``)."""
     check_kv_backend(name)
     if name in ("tcp", "nixl"):  # (nixl: an ImportError naming the pip command when NIXL is missing)
         return make_backend(name, host=host, port=port, advertise_host=advertise_host)
     if name in ("shm", "auto"):  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
         tag = str(port) if port else None
-        return make_backend(name, host=host, port=port, advertise_host=advertise_host, tag=tag)
+        return make_backend(name, host=host, port=port, advertise_host=advertise_host, tag=tag,
+                            copy_threads=copy_threads)
     if name == "neuron":
         import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
 

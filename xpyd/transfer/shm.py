@@ -135,6 +135,11 @@ class ShmTransferBackend:
             return seg.buffer()[:size]
 
     @property
+    def copy_threads(self) -> int:
+        """Threads that copy one large piece of an incoming transfer (``parallel_copy``)."""
+        return self._copier.threads
+
+    @property
     def segment_name(self) -> str | None:
         return None if self._segment is None else self._segment.name
 
