@@ -194,6 +194,47 @@ def test_large_chunks_are_copied_by_two_threads_and_land_exactly():
     assert not any(t.name.startswith("xpyd-copy") for t in threading.enumerate())
 
 
+def test_a_receiver_abort_during_a_split_copy_waits_for_every_part(monkeypatch):
+    """abort() returns only after both halves of a chunk being copied by two threads have landed; no
+    byte of the transfer lands after it (the next chunk is never started)."""
+    import threading
+
+    import numpy as np
+
+    from xpyd.transfer import parallel_copy
+
+    real, in_helper = np.copyto, threading.Event()
+
+    def slow_helper_copy(dst, src):
+        if threading.current_thread().name.startswith("xpyd-copy"):
+            in_helper.set()
+            time.sleep(0.3)  # the helper's half is slow: abort() must wait for it
+        real(dst, src)
+
+    monkeypatch.setattr(parallel_copy.np, "copyto", slow_helper_copy)
+    n = 32 << 20  # two 16 MiB chunks
+    sender, receiver = make_backend("shm"), make_backend("shm", copy_threads=2)
+    try:
+        src = sender.allocate(n)
+        np.frombuffer(src, dtype=np.uint8)[:] = 7
+        sender.register(src)
+        dst = np.zeros(n, dtype=np.uint8)
+        d_recv = receiver.register(memoryview(dst))
+        rtok = receiver.expect("x", [Region(0, n)])
+        stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)])
+        assert in_helper.wait(10)  # the first chunk is being copied, its second half slowly
+        receiver.abort("x")
+        landed = int(np.count_nonzero(dst))
+        assert landed == 16 << 20  # exactly the first chunk, both halves: nothing half-copied
+        assert rtok.failed() and rtok.error == "aborted"
+        assert stok.wait(10) and stok.failed()
+        time.sleep(0.5)
+        assert int(np.count_nonzero(dst)) == landed  # and nothing after abort() returned
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_wire_frames_are_validated():
     with pytest.raises(ProtocolError):
         Hello.parse({"t": "hello", "v": 1, "segment": "../x", "size": 1, "host": "h"})

@@ -77,8 +77,13 @@ class TransferTable:
         with self._lock:
             rec = self._recs.pop(tid, None)
         if rec is not None:
-            with rec.lock:  # waits out an in-progress copy; none follows
-                rec.token._fail("aborted")
+            # Fail first, then wait out the piece of I/O in progress (the I/O loops check the token under
+            # the lock before every piece, so none follows). Failing under the lock instead let the I/O
+            # thread, which releases and re-takes the lock at once, win it again and again (Python's
+            # locks are not fair): an abort then waited for whole transfers, not for one piece.
+            rec.token._fail("aborted")
+            with rec.lock:
+                pass
 
     def ids(self) -> set[str]:
         with self._lock:
