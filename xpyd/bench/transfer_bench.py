@@ -135,7 +135,9 @@ def _check_backend(backend: str, copy_threads: int | None = None) -> dict:
     if backend in _COPYING:  # the receiver's copy threads: as asked, else the backend's default, recorded
         if copy_threads is not None and (type(copy_threads) is not int or not 1 <= copy_threads <= 16):
             raise ValueError(f"copy_threads must be an int in 1..16, got {copy_threads!r}")
-        kwargs["copy_threads"] = copy_threads or min(2, len(os.sched_getaffinity(0)))
+        from xpyd.transfer.parallel_copy import default_threads
+
+        kwargs["copy_threads"] = copy_threads or default_threads()
     elif copy_threads is not None:
         raise ValueError(f"--copy-threads applies to {' and '.join(sorted(_COPYING))} only, not {backend!r}")
     make_backend(backend, **kwargs).close()  # unknown name / missing dependency: fail here, clearly

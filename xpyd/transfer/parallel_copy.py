@@ -11,6 +11,7 @@ so a caller that holds a transfer's lock while copying knows no byte is written 
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -18,6 +19,11 @@ import numpy as np
 
 MIN_SPLIT = 8 << 20  # pieces smaller than this are copied by the calling thread alone
 _ALIGN = 4096
+
+
+def default_threads() -> int:
+    """2, or 1 where this process may run on one CPU only."""
+    return min(2, len(os.sched_getaffinity(0)))
 
 
 class ParallelCopy:

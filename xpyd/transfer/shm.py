@@ -23,7 +23,6 @@ with a helper thread, ``parallel_copy``), one sender per peer.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from queue import SimpleQueue
 from typing import Callable, Sequence
@@ -44,7 +43,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
-from xpyd.transfer.parallel_copy import ParallelCopy
+from xpyd.transfer.parallel_copy import ParallelCopy, default_threads
 from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_board import Board, BoardView
@@ -106,9 +105,7 @@ class ShmTransferBackend:
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
-        if copy_threads is None:
-            copy_threads = min(2, len(os.sched_getaffinity(0)))
-        self._copier = ParallelCopy(copy_threads)
+        self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
         self._endpoint = Endpoint()
         self._segment: shm_segment.Segment | None = None
         self._board: Board | None = None  # (sender) at the end of the segment, after the pool
