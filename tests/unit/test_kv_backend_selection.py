@@ -79,7 +79,6 @@ def test_copy_threads_auto_leaves_the_engine_its_cores():
 def test_the_worker_backend_copies_with_the_threads_it_was_given(name, threads):
     t = make_worker_backend(name, "127.0.0.1", 0, None, copy_threads=threads)
     try:
-        shm = t if name == "shm" else t.extras[0]
-        assert shm._copier.threads == threads
+        assert t.copy_threads == threads
     finally:
         t.close()

@@ -75,6 +75,11 @@ class AutoTransferBackend:
     def children(self) -> list:
         return [self.primary, *self.extras]
 
+    @property
+    def copy_threads(self) -> int | None:
+        """The shm part's copy threads (None when running tcp only)."""
+        return next((e.copy_threads for e in self.extras if hasattr(e, "copy_threads")), None)
+
     def allocate(self, size: int) -> memoryview | None:
         """The buffer from the first extra that needs its own memory (shm), if any."""
         for extra in self.extras:
