@@ -24,6 +24,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "neuron": ("neuron.yaml",),
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
+    "network-policy": ("network-policy.yaml",),
 }
 
 

@@ -99,7 +99,8 @@ def test_selectors_match_pod_labels(rendered: list[dict]) -> None:
         others = [n for n, labels in pod_labels.items() if n != w["metadata"]["name"] and selects(selector, labels)]
         assert not others, f"{w['metadata']['name']} also selects the pods of {others}"
     for kind, get_selector in (("Service", lambda o: o["spec"]["selector"]),
-                               ("PodDisruptionBudget", lambda o: o["spec"]["selector"]["matchLabels"])):
+                               ("PodDisruptionBudget", lambda o: o["spec"]["selector"]["matchLabels"]),
+                               ("NetworkPolicy", lambda o: o["spec"]["podSelector"]["matchLabels"])):
         for name, obj in objects(rendered, kind).items():
             matched = [n for n, labels in pod_labels.items() if selects(get_selector(obj), labels)]
             assert len(matched) == 1, f"{kind} {name} selects the pods of {matched}"

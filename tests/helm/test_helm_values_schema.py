@@ -33,6 +33,13 @@ SCHEMA_ERRORS = [
     pytest.param(("decode.extraArgs={batch}",), (), "/decode/extraArgs", id="extra-arg-not-a-flag"),
     pytest.param(("image.tag=15",), (), "/image/tag", id="numeric-image-tag"),
     pytest.param((), ("serviceMonitor.enabled=yes",), "/serviceMonitor/enabled", id="bool-as-string"),
+    pytest.param(("networkPolicy.enable=true",), (), "'enable' not allowed", id="typo-in-network-policy"),
+    pytest.param((), ("networkPolicy.metricsFrom=monitoring",), "/networkPolicy/metricsFrom",
+                 id="peers-not-a-list"),
+    pytest.param((), ("networkPolicy.proxyFrom[0]=10.0.0.0/8",), "/networkPolicy/proxyFrom/0",
+                 id="peer-not-an-object"),
+    pytest.param((), ("networkPolicy.proxyFrom[0].namespaceSelecter.matchLabels.a=b",),
+                 "'namespaceSelecter' not allowed", id="typo-in-peer"),
 ]
 
 TEMPLATE_ERRORS = [
