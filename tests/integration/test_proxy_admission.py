@@ -384,6 +384,21 @@ async def test_decode_failing_after_prefill_answered_releases_the_kv_on_prefill(
     assert prefill.aborted == prefill.received  # the one request, by its id
 
 
+async def test_a_client_gone_before_prefill_answered_releases_prefill_also_when_decode_got_it(make_env):
+    """The decode worker may never register a request whose HTTP call was cut right after it was sent (its
+    handler is cancelled before it submits), so it cannot release prefill's KV: the proxy does."""
+    env = await make_env(n_prefill=1, n_decode=1)
+    prefill = await _swap_prefill(env)
+    prefill.delay = 1.0  # prefill has not answered when the client goes
+    env.decode[0].delay = 5.0
+    task = asyncio.create_task(env.complete(stream=True))
+    await until(lambda: prefill.received and env.decode[0].received, "the request at both workers")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await until(lambda: prefill.aborted, "an abort at the prefill worker")
+    assert prefill.aborted == prefill.received  # the one request, by its id
+
+
 async def test_completed_request_sends_no_abort(make_env):
     env = await make_env(n_prefill=1, n_decode=1)
     prefill = await _swap_prefill(env)

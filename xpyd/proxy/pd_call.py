@@ -152,11 +152,14 @@ class PDCall:
         failed before the pull): tell prefill to drop it (a no-op if it was pulled).
         """
         first = self._prefilled
-        # Prefill may hold KV nobody will pull: it answered and decode did not finish, or its answer was
-        # still on the way when we gave up while the decode worker never got the request (so it cannot
-        # release it either; seen in the cancel storm: KV held until kv_ttl).
-        unanswered = first is None and self._prefill_task is not None and not self._decode_sent.is_set()
-        if ((first is not None and first.finish_reason is None) or unanswered) and not self._completed \
+        # Prefill may hold KV nobody will pull whenever it was called and the request neither ended there
+        # (a final first token: prefill freed it) nor completed on decode. Decode's own release does not
+        # cover it: a decode worker whose HTTP call was cut right after it was sent may never register
+        # the request (its handler is cancelled before it submits), and one that never got it cannot
+        # either (both seen in the cancel storm: KV held until kv_ttl). A release of KV that decode did
+        # pull, or of a request that never reaches prefill, is harmless (remembered, then forgotten).
+        ended_on_prefill = first is not None and first.finish_reason is not None
+        if self._prefill_task is not None and not ended_on_prefill and not self._completed \
                 and not self._release_sent:
             self._release_sent = True
             self._client.release_later(self._prefill, self.request_id)
