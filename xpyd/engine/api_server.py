@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from typing import AsyncIterator, Protocol
 
 from quart import Quart, Response, request
@@ -192,7 +193,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
         model = engine.info.model_id
         n_prompt = len(item.prompt_ids)
         if req.stream:
-            gen = _stream(engine, rid, kind, created, model, n_prompt, sink, req.include_usage, single_event)
+            gen = stream_events(engine, rid, kind, created, model, n_prompt, sink, req.include_usage,
+                                single_event)
             resp = Response(gen, mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.timeout = None
@@ -225,16 +227,41 @@ async def _events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEv
             return
 
 
-async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
+class _Ended:
+    """Whether a stream ended (answered to its end, or its request already dropped)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
+    if not ended.value:
+        ended.value = True
+        engine.abort(rid)
+
+
+def stream_events(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
                   sink: OutputSink, include_usage: bool, single_event: bool) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
+    request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
+    cancelled between returning the response and its first iteration), when the generator object goes."""
+    ended = _Ended()
+    gen = _stream(engine, rid, kind, created, model, n_prompt, sink, include_usage, single_event, ended)
+    weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
+    return gen
+
+
+async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
+                  sink: OutputSink, include_usage: bool, single_event: bool, ended: _Ended) -> AsyncIterator[bytes]:
     completion_tokens = 0
-    ended = False
     try:
         if kind is RequestKind.CHAT:
             yield sse(stream_chunk(rid, created, model, kind, None, None, role=True))
         async for ev in _events(sink, single_event):
             if isinstance(ev, ErrorEvent):
-                ended = True
+                ended.value = True
                 # the status as an integer `code`, as vLLM does: the proxy answers with it (a 504 stays 504)
                 yield sse(APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict())
                 yield SSE_DONE
@@ -242,10 +269,9 @@ async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, mod
             completion_tokens = ev.completion_tokens
             if ev.text or ev.finish_reason is not None:
                 yield sse(stream_chunk(rid, created, model, kind, ev.text, ev.finish_reason))
-        ended = True
+        ended.value = True
         if include_usage:
             yield sse(usage_chunk(rid, created, model, kind, n_prompt, completion_tokens))
         yield SSE_DONE
     finally:
-        if not ended:  # the client went away: drop the request everywhere
-            engine.abort(rid)
+        _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere

@@ -1,0 +1,56 @@
+"""A worker's SSE body drops its request whenever it stops before the end: also when it never ran
+(the client went between the handler returning the response and the body's first iteration)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from xpyd.api.openai import RequestKind
+from xpyd.engine.api_server import stream_events
+from xpyd.engine.work_item import ErrorEvent, OutputSink, TokenEvent
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _body(engine: _Engine, sink: OutputSink):
+    return stream_events(engine, "rid-1", RequestKind.COMPLETION, 0, "m", 3, sink, include_usage=True,
+                         single_event=False)
+
+
+async def test_a_body_that_never_ran_drops_its_request_when_it_goes():
+    engine = _Engine()
+    body = _body(engine, OutputSink(asyncio.get_running_loop()))
+    assert engine.aborted == []
+    del body
+    gc.collect()
+    assert engine.aborted == ["rid-1"]
+
+
+async def test_a_body_cut_midway_drops_its_request_once():
+    engine, sink = _Engine(), OutputSink(asyncio.get_running_loop())
+    body = _body(engine, sink)
+    sink.queue.put_nowait(TokenEvent(" hi", None, 3, 2))
+    assert b" hi" in await body.__anext__()
+    await body.aclose()  # what the server does when the client goes
+    del body
+    gc.collect()
+    assert engine.aborted == ["rid-1"]
+
+
+async def test_a_body_that_ran_to_its_end_or_an_error_drops_nothing():
+    for last in (TokenEvent("!", "length", 3, 3), ErrorEvent(504, "prefill not ready")):
+        engine, sink = _Engine(), OutputSink(asyncio.get_running_loop())
+        body = _body(engine, sink)
+        sink.queue.put_nowait(last)
+        chunks = [c async for c in body]
+        assert chunks[-1] == b"data: [DONE]\n\n"
+        del body
+        gc.collect()
+        assert engine.aborted == []
