@@ -325,6 +325,9 @@ class PrefillEngine(WorkerEngine):
             ended = self._ended.get(e.request_id)
             if ended is not None:
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
+            if self._released_early.get(e.request_id):  # will be refused when it arrives: do not wait for it
+                return m.LookupResult(e.request_id, S.FAILED, error="released before it reached the prefill "
+                                                                    "worker (its client went away)")
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
             return m.LookupResult(e.request_id, S.NOT_READY)

@@ -97,6 +97,10 @@ def test_an_abort_that_overtakes_its_request_drops_the_request_on_arrival(fault_
     req = urllib.request.Request(urls["prefill"] + "/xpyd/abort", data=b"", headers={"X-Request-Id": rid})
     with urllib.request.urlopen(req, timeout=5) as r:
         assert r.status == 200 and json.loads(r.read()) == {"aborted": rid}
+    t0 = time.monotonic()  # its decode side, asking for it meanwhile, is told at once (not at its timeout)
+    status, body = post(urls["decode"], _decode_body(), rid)
+    assert status == 502 and "released before it reached the prefill worker" in body["error"]["message"], body
+    assert time.monotonic() - t0 < PREFILL_WAIT
     status, body = post(urls["prefill"], _prefill_body(), rid)
     assert status == 409 and "already released" in body["error"]["message"], body
     s = wait_idle(urls["prefill"])
