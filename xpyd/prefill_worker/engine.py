@@ -44,6 +44,7 @@ from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 log = logging.getLogger(__name__)
 
 MAX_PEERS = 1024  # handshaken decode workers remembered; beyond that the least recently active is forgotten
+RELEASED_EARLY = "released before it reached the prefill worker (its client went away)"
 MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
 MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
 LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
@@ -150,7 +151,9 @@ class PrefillEngine(WorkerEngine):
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
         elif self._released_early.pop(rid):
-            # Its decode worker gave up on it (aborted or timed out) before it arrived here.
+            # Its decode worker gave up on it (aborted or timed out) before it arrived here. Remembered as
+            # ended, so a decode worker still waiting for it is answered FAILED, not "unknown".
+            self._ended.add(rid, (m.LookupStatus.FAILED, RELEASED_EARLY), time.monotonic())
             self._released_on_arrival += 1
             item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
                                           "gave up on it)"))
@@ -326,8 +329,7 @@ class PrefillEngine(WorkerEngine):
             if ended is not None:
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
             if self._released_early.get(e.request_id):  # will be refused when it arrives: do not wait for it
-                return m.LookupResult(e.request_id, S.FAILED, error="released before it reached the prefill "
-                                                                    "worker (its client went away)")
+                return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
             return m.LookupResult(e.request_id, S.NOT_READY)

@@ -105,6 +105,10 @@ def test_an_abort_that_overtakes_its_request_drops_the_request_on_arrival(fault_
     assert status == 409 and "already released" in body["error"]["message"], body
     s = wait_idle(urls["prefill"])
     assert s["released_on_arrival"] == released_before + 1
+    t0 = time.monotonic()  # and after it was refused too (the entry is not forgotten on arrival)
+    status, body = post(urls["decode"], _decode_body(), rid)
+    assert status == 502 and "released before it reached the prefill worker" in body["error"]["message"], body
+    assert time.monotonic() - t0 < PREFILL_WAIT
     other = _rid(urls)  # an abort remembers only its own id: the next request runs as usual
     status, body = post(urls["prefill"], _prefill_body(), other)
     assert status == 200 and body["usage"]["completion_tokens"] == 1, body
