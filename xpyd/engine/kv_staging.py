@@ -81,13 +81,17 @@ class HostStaging:
 def needs_staging(transfer, device: torch.device) -> bool:
     """A pool on ``device`` reaches ``transfer`` through a host copy: a device pool, unless the backend
     registers device memory itself (nixl)."""
-    return device.type != "cpu" and not getattr(transfer, "registers_device_memory", False)
+    return device.type != "cpu" and not _registers_device_memory(transfer)
+
+
+def _registers_device_memory(transfer) -> bool:
+    return getattr(transfer, "registers_device_memory", False)
 
 
 def pool_memory(pool, transfer) -> memoryview | DeviceMemory:
     """What a worker registers with its backend: the pool's host bytes (or its staging copy), or the device
     pool itself for a backend that registers device memory (nixl on a GPU)."""
-    if pool.staging is None and pool.device.type != "cpu" and getattr(transfer, "registers_device_memory", False):
+    if pool.staging is None and pool.device.type != "cpu" and _registers_device_memory(transfer):
         t, device = pool.tensor, pool.device
         index = device.index if device.index is not None else torch.cuda.current_device()
         return DeviceMemory(device.type, index, t.data_ptr(), t.numel() * t.element_size())
