@@ -34,7 +34,7 @@ RUN pip install . \
 # Convert the default model once, here, instead of in every pod at start.
 RUN mkdir -p /opt/xpyd/models \
  && if [ "$DEFAULT_MODEL" = "1" ]; then \
-      XPYD_CACHE_DIR=/tmp/xpyd-convert python -c "import shutil; from xpyd.engine.loader import ensure_converted; m = ensure_converted(None, progress=False); shutil.copytree(m.path, '/opt/xpyd/models/' + m.served_name)" \
+      XPYD_CACHE_DIR=/tmp/xpyd-convert python -c "import shutil; from xpyd.model.loader import ensure_converted; m = ensure_converted(None, progress=False); shutil.copytree(m.path, '/opt/xpyd/models/' + m.served_name)" \
       && rm -rf /tmp/xpyd-convert; \
     fi \
  && chmod -R a+rX /opt/xpyd/models
@@ -44,7 +44,7 @@ LABEL org.opencontainers.image.title="xpyd" \
       org.opencontainers.image.description="Disaggregated prefill/decode LLM serving (proxy, prefill and decode workers)" \
       org.opencontainers.image.licenses="Apache-2.0"
 # gcc: the workers compile their native decode attention kernel for the node's CPU at first start
-# (xpyd/engine/native.py, cached in XPYD_CACHE_DIR); without it they fall back to a slower torch path.
+# (xpyd/model/native.py, cached in XPYD_CACHE_DIR); without it they fall back to a slower torch path.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*

@@ -43,12 +43,12 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from xpyd.engine.malloc_tuning import tune_malloc
+    from xpyd.worker.malloc_tuning import tune_malloc
 
     tune_malloc()  # as a worker does
 
-    from xpyd.engine.loader import ensure_converted
-    from xpyd.engine.model_runner import ModelRunner
+    from xpyd.model.loader import ensure_converted
+    from xpyd.model.runner import ModelRunner
 
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = ensure_converted(None).path

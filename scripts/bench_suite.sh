@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 url=$1 name=$2 out=${3:-docs/bench}
 mkdir -p "$out"
-tok=$(.venv/bin/python -c "from xpyd.engine.loader import ensure_converted; print(ensure_converted(None).path)")
+tok=$(.venv/bin/python -c "from xpyd.model.loader import ensure_converted; print(ensure_converted(None).path)")
 bench=(.venv/bin/xpyd bench --url "$url" --tokenizer "$tok" --no-progress)
 "${bench[@]}" --num-requests 20 --concurrency 1 --input-len 256 --output-len 64 --warmup 2 \
   --json "$out/${name}_c1.json" > /dev/null

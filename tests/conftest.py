@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF safetensors folder (converted from the wheel's GGUF once, cached)."""
-    from xpyd.engine.loader import ensure_converted
+    from xpyd.model.loader import ensure_converted
 
     return ensure_converted(None, progress=False).path
 

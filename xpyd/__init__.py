@@ -1,4 +1,13 @@
-"""xpyd: disaggregated prefill/decode LLM serving."""
+"""xpyd: disaggregated prefill/decode LLM serving.
+
+Layers, top to bottom (checked by import-linter, pyproject.toml [tool.importlinter]):
+  cli, launcher                               the commands
+  prefill_worker | decode_worker | colocated_worker | proxy | bench
+  worker                                      the worker runtime the roles share
+  model | transfer | signal | discovery | api
+  netaddr | child | histograms                leaf helpers
+A package imports only from layers below it; packages on one line do not import each other.
+"""
 
 __version__ = "0.1.0"
 

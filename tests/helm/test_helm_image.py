@@ -26,7 +26,7 @@ def test_default_model_comes_from_the_wheel_without_its_dependencies() -> None:
 
 
 def test_the_charts_default_model_path_is_baked_into_the_image() -> None:
-    from xpyd.engine.loader import DEFAULT_MODEL_NAME
+    from xpyd.model.loader import DEFAULT_MODEL_NAME
 
     assert "'/opt/xpyd/models/' + m.served_name" in DOCKERFILE
     assert VALUES["model"]["path"] == f"/opt/xpyd/models/{DEFAULT_MODEL_NAME}"

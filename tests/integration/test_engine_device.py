@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from xpyd.engine.config import WorkerConfig, add_worker_arguments, check_device, config_from_args
-from xpyd.engine.llama_fast import FastLlama
-from xpyd.engine.model_runner import ModelRunner
+from xpyd.worker.config import WorkerConfig, add_worker_arguments, check_device, config_from_args
+from xpyd.model.llama_fast import FastLlama
+from xpyd.model.runner import ModelRunner
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster import start_1p1d
-from xpyd.engine.kv_pool import KVLayout
+from xpyd.model.kv_pool import KVLayout
 
 BATCH, MAX_LEN, MAX_TOKENS = 4, 256, 6
 PROMPTS = ["The capital of France is", "One, two, three,", "Tell me a story about a cat who",

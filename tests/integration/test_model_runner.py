@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from xpyd.engine.llama_fast import FastLlama
-from xpyd.engine.model_runner import ModelRunner, UnsupportedModel
-from xpyd.engine.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from xpyd.model.llama_fast import FastLlama
+from xpyd.model.runner import ModelRunner, UnsupportedModel
+from xpyd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
 
 torch.set_num_threads(1)
 
@@ -198,7 +198,7 @@ def test_kv_moved_by_region_bytes_decodes_the_same(tiny, tiny_model_dir):
     first = int(prefill_runner.prefill(src, prompt).argmax())
     decode_runner.pool.allocate()
     dst = decode_runner.pool.allocate()  # a different slot index, a different slot size
-    a, b = prefill_runner.pool.region(src, len(prompt)), decode_runner.pool.region(dst, len(prompt))
+    a, b = prefill_runner.pool.byte_range(src, len(prompt)), decode_runner.pool.byte_range(dst, len(prompt))
     decode_runner.pool.buffer()[b.offset:b.end] = prefill_runner.pool.buffer()[a.offset:a.end]
     decode_runner.pool.set_num_tokens(dst, len(prompt))
     prefill_runner.pool.free(src)
@@ -386,7 +386,7 @@ def test_matmul_decode_attention_equals_sdpa(tiny_model_dir):
 
 
 def test_forward_passes_hold_the_cpu_board_and_release_it_when_done(tiny_model_dir, tmp_path, monkeypatch):
-    from xpyd.engine import cpu_share
+    from xpyd.worker import cpu_share
 
     monkeypatch.setattr(cpu_share, "BOARD_DIR", tmp_path)
     runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=1, max_seq_len=64)

@@ -1,4 +1,4 @@
-"""The native kernels (xpyd/engine/csrc): the decode attention and the pointwise RMSNorm/rotary steps,
+"""The native kernels (xpyd/model/csrc): the decode attention and the pointwise RMSNorm/rotary steps,
 built here with the machine's compiler, checked against the float32 reference and the torch paths they
 replace, and the fallback when they cannot be built."""
 
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from xpyd.engine import native
-from xpyd.engine.llama_fast import FastLlama, _rms_norm
-from xpyd.engine.model_runner import ModelRunner
+from xpyd.model import native
+from xpyd.model.llama_fast import FastLlama, _rms_norm
+from xpyd.model.runner import ModelRunner
 
 from tests.integration.test_model_runner import prompt_of
 

@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 
-from xpyd.engine.kv_pool import KVLayout, KVPool
+from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.transfer import Region, TransferError, TransferState, make_backend, shm_segment
 from xpyd.transfer.shm_segment import SegmentError
 from xpyd.transfer.shm_wire import Hello, Offer

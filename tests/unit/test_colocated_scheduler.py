@@ -7,8 +7,8 @@ import random
 import pytest
 
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
-from xpyd.engine.request import IllegalTransition, RequestState
-from xpyd.engine.slots import FakeSlots
+from xpyd.worker.request import IllegalTransition, RequestState
+from xpyd.worker.slots import FakeSlots
 
 S = RequestState
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from xpyd.engine import cpu_share
-from xpyd.engine.cpu_share import SLOTS, CpuShare, board_path, remove_board
+from xpyd.worker import cpu_share
+from xpyd.worker.cpu_share import SLOTS, CpuShare, board_path, remove_board
 
 
 @pytest.fixture()
@@ -107,7 +107,7 @@ def test_slot_of_a_dead_pid_is_claimed(name):
 
 
 def test_sweep_removes_only_boards_nobody_alive_holds(name, tmp_path):
-    from xpyd.engine.cpu_share import sweep_stale_boards
+    from xpyd.worker.cpu_share import sweep_stale_boards
 
     live = CpuShare(name, cores=2)  # this process holds a slot
     dead = tmp_path / "xpyd-cpu-dead"

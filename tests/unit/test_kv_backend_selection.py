@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from xpyd.engine.config import WorkerConfig, add_worker_arguments, config_from_args
-from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.transfer.selection import adopt_pool, kv_copy_threads, make_worker_backend
+from xpyd.worker.config import WorkerConfig, add_worker_arguments, config_from_args
+from xpyd.model.kv_pool import KVLayout, KVPool
+from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
+from xpyd.worker.kv_staging import adopt_pool
 
 
 def test_config_default_is_auto_and_names_are_checked():

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from xpyd.engine.kv_pool import KVLayout, KVPool, PoolFull
-from xpyd.transfer.base import Region
+from xpyd.model.kv_pool import ByteRange, KVLayout, KVPool, PoolFull
 
 
 def make_pool(dtype="float32", num_slots=3, max_seq_len=8) -> KVPool:
@@ -81,14 +80,14 @@ def test_region_is_one_contiguous_range_of_the_slot():
     pool = make_pool()
     pool.allocate()
     slot = pool.allocate()
-    region = pool.region(slot, 5)
-    assert region == Region(offset=slot * pool.layout.slot_bytes, length=5 * pool.layout.token_bytes)
+    region = pool.byte_range(slot, 5)
+    assert region == ByteRange(slot * pool.layout.slot_bytes, 5 * pool.layout.token_bytes)
     with pytest.raises(ValueError):
-        pool.region(slot, 0)
+        pool.byte_range(slot, 0)
     with pytest.raises(ValueError):
-        pool.region(slot, 9)
+        pool.byte_range(slot, 9)
     with pytest.raises(ValueError):
-        pool.region(2, 1)  # not allocated
+        pool.byte_range(2, 1)  # not allocated
     # the region's bytes are exactly the K/V of tokens [0, 5) of that slot, all layers
     pool.tensor[slot, :5] = torch.arange(5 * 2 * 2 * 3 * 4, dtype=torch.float32).view(5, 2, 2, 3, 4)
     raw = bytes(pool.buffer()[region.offset:region.end])

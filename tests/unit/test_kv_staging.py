@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.engine.kv_staging import (
+from xpyd.model.kv_pool import KVLayout, KVPool
+from xpyd.worker.kv_staging import (
     HostStaging,
     StagedTransfer,
     needs_staging,
@@ -48,7 +48,7 @@ def test_bytes_round_trip_through_both_staging_copies_into_the_right_slot():
     dst_slot = [dst_pool.allocate() for _ in range(3)][2]  # slot 2
     n = 5
     src_pool.tensor[src_slot, :n] = torch.randn(n, *LAYOUT.shape[2:]).to(torch.bfloat16)
-    src, dst = src_pool.region(src_slot, n), dst_pool.region(dst_slot, n)
+    src, dst = Region(*src_pool.byte_range(src_slot, n)), Region(*dst_pool.byte_range(dst_slot, n))
 
     # the registered buffer is the host copy, not the pool: nothing there until a send stages it
     assert src_pool.buffer().nbytes == LAYOUT.total_bytes
@@ -76,7 +76,7 @@ def test_a_failed_transfer_fails_the_token_and_leaves_the_pool_alone():
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
     slot = dst_pool.allocate()
-    token = receiver.expect("t1", [dst_pool.region(slot, 4)])
+    token = receiver.expect("t1", [Region(*dst_pool.byte_range(slot, 4))])
     assert token.state() is TransferState.PENDING
     receiver.inner.fail("t1", "peer died")
     assert token.failed() and token.error == "peer died"
@@ -88,7 +88,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
     slot = dst_pool.allocate()
-    region = dst_pool.region(slot, 4)
+    region = Region(*dst_pool.byte_range(slot, 4))
     token = receiver.expect("t1", [region])
     staging_bytes(dst_pool)[region.offset : region.end] = 7  # bytes arrived...
     receiver.inner.complete("t1")  # ...and the backend finished, but nobody polled yet
@@ -101,7 +101,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
 def test_close_fails_unlanded_receives():
     (dst_pool, receiver) = staged(FakeNetwork(), auto_complete=False)
     receiver.register(dst_pool.buffer())
-    token = receiver.expect("t1", [dst_pool.region(dst_pool.allocate(), 2)])
+    token = receiver.expect("t1", [Region(*dst_pool.byte_range(dst_pool.allocate(), 2))])
     receiver.close()
     assert token.failed()
     assert receiver.inner.closed

@@ -6,8 +6,8 @@ import platform
 
 import pytest
 
-from xpyd.engine import malloc_tuning
-from xpyd.engine.malloc_tuning import tune_malloc
+from xpyd.worker import malloc_tuning
+from xpyd.worker.malloc_tuning import tune_malloc
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning is glibc-only")

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from xpyd.api.openai import APIError
-from xpyd.engine.metrics import LATENCY_BUCKETS, WorkerMetrics
+from xpyd.histograms import LATENCY_BUCKETS
+from xpyd.worker.metrics import WorkerMetrics
 from xpyd.proxy.client import Fault, UpstreamError
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, outcome_of
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from xpyd.engine.output import FinishReason, OutputProcessor, StopParams
-from xpyd.engine.tokenizer import load_tokenizer
+from xpyd.model.output import FinishReason, OutputProcessor, StopParams
+from xpyd.model.tokenizer import load_tokenizer
 
 EOS = 2  # <|im_end|>
 TEXTS = [

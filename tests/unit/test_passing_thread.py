@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from xpyd.engine.worker_main import in_passing_thread
+from xpyd.worker.main import in_passing_thread
 
 
 def test_result_and_exception_come_back_from_a_thread_that_has_ended():
@@ -36,7 +36,7 @@ def test_result_and_exception_come_back_from_a_thread_that_has_ended():
 
 _PROBE = textwrap.dedent("""
     import os, sys, time, torch
-    from xpyd.engine.worker_main import in_passing_thread
+    from xpyd.worker.main import in_passing_thread
     torch.set_num_threads(2)
     tasks = lambda: len(os.listdir("/proc/self/task"))
     def parallel_work():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xpyd.engine.sampling import SamplingParams, make_generator, sample, skip_draw
+from xpyd.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
 torch.set_num_threads(1)
 

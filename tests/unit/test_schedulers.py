@@ -10,8 +10,8 @@ import random
 import pytest
 
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
-from xpyd.engine.request import IllegalTransition, RequestState
-from xpyd.engine.slots import FakeSlots
+from xpyd.worker.request import IllegalTransition, RequestState
+from xpyd.worker.slots import FakeSlots
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.transfer.base import Region
 from xpyd.transfer.fake import FakeTransferBackend

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.kv_pool import KVLayout, KVPool
-from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.worker.config import WorkerConfig
+from xpyd.model.kv_pool import KVLayout, KVPool
+from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq
 from xpyd.signal import messages as m

@@ -7,8 +7,8 @@ import asyncio
 import gc
 
 from xpyd.api.openai import RequestKind
-from xpyd.engine.api_server import stream_events
-from xpyd.engine.work_item import ErrorEvent, OutputSink, TokenEvent
+from xpyd.worker.http_api import stream_events
+from xpyd.worker.work_item import ErrorEvent, OutputSink, TokenEvent
 
 
 class _Engine:

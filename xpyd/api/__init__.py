@@ -1,1 +1,5 @@
-"""The OpenAI-compatible HTTP API: request parsing and response builders (see ``openai``)."""
+"""The OpenAI-compatible HTTP API as data: request parsing and validation (`openai`) and response
+and stream-chunk builders (`responses`), shared by the proxy and the worker HTTP API.
+
+May import: the standard library and the leaf modules; no model, no worker, no network code.
+"""

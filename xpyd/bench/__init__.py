@@ -10,4 +10,7 @@ Serving benchmark (any OpenAI-compatible endpoint), one module per job:
 - ``config`` / ``main``: the CLI (``add_arguments`` / ``run``).
 
 ``transfer_bench`` (KV transfer engine benchmark) is reached as ``xpyd bench transfer``.
+
+May import: aiohttp, xpyd.transfer (the transfer benchmark) and the leaf modules; no worker, model or
+proxy code: it is a client of any OpenAI-compatible server.
 """

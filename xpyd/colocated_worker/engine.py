@@ -14,10 +14,10 @@ import time
 from xpyd import PROTOCOL_VERSION
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
-from xpyd.engine.stepping import decode_and_sample, prefill_and_sample
-from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
+from xpyd.worker.stepping import decode_and_sample, prefill_and_sample
+from xpyd.worker.engine import Abort, WorkerEngine
 from xpyd.netaddr import host_port
 
 log = logging.getLogger(__name__)

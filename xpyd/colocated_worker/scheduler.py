@@ -15,8 +15,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from xpyd.engine.request import RequestState, check_transition, require
-from xpyd.engine.slots import SlotAllocator
+from xpyd.worker.request import RequestState, check_transition, require
+from xpyd.worker.slots import SlotAllocator
 
 S = RequestState
 COLOCATED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {

@@ -28,19 +28,19 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.poll_schedule import PollSchedule
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.kv_staging import pool_memory
-from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
-from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
-from xpyd.engine.request import RequestState
-from xpyd.engine.sampling import skip_draw
-from xpyd.engine.stepping import decode_and_sample
-from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.kv_staging import pool_memory
+from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
+from xpyd.worker.request import RequestState
+from xpyd.model.sampling import skip_draw
+from xpyd.worker.stepping import decode_and_sample
+from xpyd.worker.engine import Abort, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import transfer_id_of
-from xpyd.transfer.base import TransferBackend
+from xpyd.transfer.base import Region, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class DecodeEngine(WorkerEngine):
 
     def _start_pull(self, seq: DecodeSeq) -> None:
         n = len(seq.prompt_ids)
-        dst = self.pool.region(seq.slot, n)
+        dst = Region(*self.pool.byte_range(seq.slot, n))
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout

@@ -1,0 +1,9 @@
+"""The prefill role: prompt -> KV in the pool + first token; serves decode workers' lookups and sends
+the KV.
+
+Owns: the engine (`engine`), its scheduler (`scheduler`), the memory of recently ended requests
+(`recent`) and the process entry (`main`: the worker runtime with this engine and a signal-plane ROUTER).
+
+May import: xpyd.worker, xpyd.model, xpyd.transfer, xpyd.signal, xpyd.discovery and the leaf modules;
+never another role or the proxy.
+"""

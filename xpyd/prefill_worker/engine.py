@@ -27,13 +27,13 @@ import torch
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.kv_staging import pool_memory
-from xpyd.engine.loop import IDLE_SLEEP, TRANSFER_POLL
-from xpyd.engine.work_item import ErrorEvent, TokenEvent, WorkItem
-from xpyd.engine.request import RequestState
-from xpyd.engine.stepping import prefill_and_sample
-from xpyd.engine.worker_engine import Abort, WorkerEngine
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.kv_staging import pool_memory
+from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
+from xpyd.worker.request import RequestState
+from xpyd.worker.stepping import prefill_and_sample
+from xpyd.worker.engine import Abort, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.prefill_worker.recent import RecentIds
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
@@ -342,7 +342,7 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
         if seq.send_token is not None:
             return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
-        src = self.pool.region(seq.slot, n)
+        src = Region(*self.pool.byte_range(seq.slot, n))
         if e.dest_offset % peer.slot_bytes or e.dest_offset + src.length > peer.transfer.buffer_size:
             return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
         started = time.monotonic()

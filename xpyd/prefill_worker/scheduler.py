@@ -18,8 +18,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from xpyd.engine.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
-from xpyd.engine.slots import SlotAllocator
+from xpyd.worker.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
+from xpyd.worker.slots import SlotAllocator
 from xpyd.transfer.base import CompletionToken
 
 S = RequestState

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from werkzeug.exceptions import HTTPException
 
 from xpyd.api.openai import APIError
-from xpyd.engine.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
+from xpyd.histograms import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
 from xpyd.proxy.upstream import UpstreamError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

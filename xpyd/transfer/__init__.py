@@ -2,6 +2,9 @@
 
 Backends are chosen by name; each is imported only when asked for, so an optional
 backend's dependencies are never needed by a worker that does not use it.
+
+May import: pyzmq, msgpack, numpy, the optional backends' libraries (NIXL, torch-neuronx), the standard
+library and the leaf modules; no model, no worker, no role.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ DEVICE_KINDS = ("cuda",)
 class DeviceMemory:
     """A KV pool in accelerator memory, for a backend that registers device memory itself (nixl: as
     NIXL ``VRAM``); tcp and shm move host bytes only, so a device pool reaches them through a host
-    staging copy instead (``xpyd.engine.kv_staging``). ``address`` is the device pointer."""
+    staging copy instead (``xpyd.worker.kv_staging``). ``address`` is the device pointer."""
 
     kind: str  # "cuda"
     device_index: int

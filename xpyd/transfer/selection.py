@@ -14,13 +14,9 @@ advertise ``tcp``); an ``shm``-only worker talks only to ``shm`` workers, likewi
 
 from __future__ import annotations
 
-import logging
 import os
 
 from xpyd.transfer import make_backend
-from xpyd.transfer.shm_segment import SegmentError
-
-log = logging.getLogger(__name__)
 
 KV_BACKENDS = ("auto", "tcp", "shm", "nixl", "neuron")
 
@@ -61,30 +57,3 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
         raise NotImplementedError("--kv-backend neuron needs the KV pool in Neuron device memory, which the "
                                   "workers do not allocate yet (device-agnostic engine); see docs/transfer.md")
     raise ValueError(f"unhandled --kv-backend {name!r}")
-
-
-def adopt_pool(transfer, runner) -> None:
-    """Move ``runner.pool`` into memory the backend provides (shm: its segment), if it provides any.
-
-    For the *sending* (prefill) worker only: with shm the receiver copies out of the sender's segment
-    into its own pool, which stays in ordinary memory. Call before the engine is built (engines hold
-    ``runner.pool``). ``auto`` falls back to tcp only when no segment can be created; ``shm`` raises.
-    """
-    from xpyd.engine.kv_pool import KVPool
-
-    allocate = getattr(transfer, "allocate", None)
-    if allocate is None:
-        return
-    layout = runner.pool.layout
-    try:
-        buffer = allocate(layout.total_bytes)
-    except SegmentError as e:
-        if getattr(transfer, "extras", None) is None:
-            raise
-        log.warning("kv-backend auto: no shared-memory segment (%s); using tcp only", e)
-        for extra in transfer.extras:
-            extra.close()
-        transfer.extras = []
-        return
-    if buffer is not None:
-        runner.pool = KVPool(layout, buffer=buffer)

@@ -12,23 +12,32 @@ logits come back on the CPU, where sampling runs (one copy per step on another d
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from xpyd.engine.cpu_share import CpuShare
-from xpyd.engine.kv_pool import KVLayout, KVPool, dtype_name
-from xpyd.engine.llama_fast import FastLlama, why_not_covered
+from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.model.llama_fast import FastLlama, why_not_covered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class UnsupportedModel(ValueError):
     pass
+
+
+class CoreShare(Protocol):
+    """How many threads a forward pass may use right now, when workers share a host's cores (the
+    worker runtime's `cpu_share.CpuShare` is the real one): ``hold`` before each layer, ``mark_busy``
+    when the pass ended."""
+
+    def hold(self) -> None: ...
+    def threads(self) -> int: ...
+    def mark_busy(self) -> None: ...
 
 
 def _released(forward):
@@ -89,7 +98,7 @@ class ModelRunner:
         if self.fast_path_reason is None:
             self._fast = FastLlama(self.model, max_model_len, dtype)
         self._use_fast = self._fast is not None
-        self.cpu_share: CpuShare | None = None  # set by the worker when roles share this host's cores
+        self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self._threads = torch.get_num_threads()
         if self._fast is not None:
             self._fast.on_layer = self._pace

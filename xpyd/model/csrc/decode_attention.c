@@ -7,7 +7,7 @@
  * the ones `llama_fast._matmul_attention` computes (float32 products and softmax, one rounding to
  * bfloat16 at the end).
  *
- * Built and loaded by xpyd/engine/native.py with the machine's C compiler; called through ctypes with
+ * Built and loaded by xpyd/model/native.py with the machine's C compiler; called through ctypes with
  * raw pointers and element strides (all strides are in elements, not bytes).
  */
 #include <math.h>

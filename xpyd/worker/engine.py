@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xpyd.discovery.types import WorkerInfo
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.loop import EngineThread
-from xpyd.engine.metrics import WorkerMetrics
-from xpyd.engine.work_item import WorkItem
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.loop import EngineThread
+from xpyd.worker.metrics import WorkerMetrics
+from xpyd.worker.work_item import WorkItem
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,12 @@ from xpyd.api.responses import (
     usage_chunk,
 )
 from xpyd.discovery.types import WorkerInfo
-from xpyd.engine.config import WorkerConfig
-from xpyd.engine.metrics import WorkerMetrics
-from xpyd.engine.output import StopParams
-from xpyd.engine.work_item import ErrorEvent, OutputSink, TokenEvent, WorkItem
-from xpyd.engine.sampling import SamplingParams
-from xpyd.engine.tokenizer import encode_chat, encode_prompt
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.metrics import WorkerMetrics
+from xpyd.model.output import StopParams
+from xpyd.worker.work_item import ErrorEvent, OutputSink, TokenEvent, WorkItem
+from xpyd.model.sampling import SamplingParams
+from xpyd.model.tokenizer import encode_chat, encode_prompt
 from xpyd.signal.request_id import RequestIdError, parse_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"

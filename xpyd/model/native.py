@@ -1,4 +1,4 @@
-"""Native CPU kernels: C sources shipped in `xpyd/engine/csrc`, compiled once per machine, called via ctypes.
+"""Native CPU kernels: C sources shipped in `xpyd/model/csrc`, compiled once per machine, called via ctypes.
 
 The decode step's attention reads each request's K/V in place from the KV pool (`decode_attention.c`):
 torch has no kernel for one query token over a strided cache that does not first copy the cache.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from xpyd.engine.loader import cache_dir
+from xpyd.model.loader import cache_dir
 
 ABI_VERSION = 1
 BUILD_TIMEOUT_S = 120.0
@@ -52,7 +52,7 @@ class NativeBuildError(RuntimeError):
 
 def _sources(name: str) -> dict[str, bytes]:
     """`csrc/<name>` and the headers beside it (all of them go into the build key)."""
-    folder = resources.files("xpyd.engine").joinpath("csrc")
+    folder = resources.files("xpyd.model").joinpath("csrc")
     files = {name: folder.joinpath(name).read_bytes()}
     files.update({f.name: f.read_bytes() for f in folder.iterdir() if f.name.endswith(".h")})
     return files

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xpyd.engine import native
+from xpyd.model import native
 
 
 def why_not_covered(model) -> str | None:

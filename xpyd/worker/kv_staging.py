@@ -1,6 +1,8 @@
-"""Host staging for a KV pool that is not host memory (a pool on a GPU) under the tcp and shm backends.
+"""Where a worker's KV pool lives for its transfer backend: the glue between the model's pool and transfer.
 
-Those backends move bytes between host buffers. For a pool on a device the worker keeps a host copy of
+`adopt_pool` moves a CPU pool into memory the backend provides (shm: the prefill pool in a /dev/shm
+segment). Everything else here is host staging for a pool that is not host memory (a pool on a GPU)
+under the tcp and shm backends. Those backends move bytes between host buffers. For a pool on a device the worker keeps a host copy of
 the pool's bytes at the same offsets (`HostStaging`; pinned when it allocates it, the shm segment when
 the backend provides one), registers that copy with the backend, and wraps the backend in
 `StagedTransfer`:
@@ -18,12 +20,14 @@ except in tests that force it to prove the round trip.
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 
+from xpyd.model.kv_pool import KVPool
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -34,6 +38,9 @@ from xpyd.transfer.base import (
     check_buffer,
     check_regions,
 )
+from xpyd.transfer.shm_segment import SegmentError
+
+log = logging.getLogger(__name__)
 
 
 class HostStaging:
@@ -110,21 +117,44 @@ def stage_transfer(transfer, pool, sender: bool) -> "StagedTransfer":
     """Wrap a worker's tcp/shm/auto ``transfer`` for its ``pool`` on a device; before the engine is built.
 
     ``sender`` (prefill): the host copy is the memory the backend provides for sending, if any (shm: its
-    segment, exactly as `xpyd.transfer.selection.adopt_pool` puts a CPU pool there); else pinned memory.
+    segment, exactly as `adopt_pool` puts a CPU pool there); else pinned memory.
     """
     buffer = _backend_host_memory(transfer, pool.layout) if sender else None
     return StagedTransfer(transfer, stage_pool(pool, buffer))
 
 
 def _backend_host_memory(transfer, layout) -> memoryview | None:
-    from xpyd.transfer.selection import adopt_pool
-
     # adopt_pool reads `runner.pool.layout` and, when the backend hands out memory, replaces
     # `runner.pool` with a CPU pool over it: reuse its policy (auto falls back to tcp) for the host copy.
     holder = SimpleNamespace(pool=SimpleNamespace(layout=layout))
     placeholder = holder.pool
     adopt_pool(transfer, holder)
     return None if holder.pool is placeholder else holder.pool.buffer()
+
+
+def adopt_pool(transfer, runner) -> None:
+    """Move ``runner.pool`` into memory the backend provides (shm: its segment), if it provides any.
+
+    For the *sending* (prefill) worker only: with shm the receiver copies out of the sender's segment
+    into its own pool, which stays in ordinary memory. Call before the engine is built (engines hold
+    ``runner.pool``). ``auto`` falls back to tcp only when no segment can be created; ``shm`` raises.
+    """
+    allocate = getattr(transfer, "allocate", None)
+    if allocate is None:
+        return
+    layout = runner.pool.layout
+    try:
+        buffer = allocate(layout.total_bytes)
+    except SegmentError as e:
+        if getattr(transfer, "extras", None) is None:
+            raise
+        log.warning("kv-backend auto: no shared-memory segment (%s); using tcp only", e)
+        for extra in transfer.extras:
+            extra.close()
+        transfer.extras = []
+        return
+    if buffer is not None:
+        runner.pool = KVPool(layout, buffer=buffer)
 
 
 class _LandingToken(DerivedToken):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from xpyd.engine.work_item import WorkItem
-from xpyd.engine.sampling import sample
+from xpyd.worker.work_item import WorkItem
+from xpyd.model.sampling import sample
 
 
 def prefill_and_sample(runner: Any, seq: Any) -> int:

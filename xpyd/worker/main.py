@@ -13,15 +13,29 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
+import torch
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HyperConfig
+
+from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
 from xpyd.discovery.types import Role
-from xpyd.engine.config import WorkerConfig
+from xpyd.model import native
+from xpyd.model.loader import ensure_converted
+from xpyd.model.runner import ModelRunner
+from xpyd.model.tokenizer import load_tokenizer
 from xpyd.netaddr import host_port
-
-if TYPE_CHECKING:
-    from xpyd.engine.model_runner import ModelRunner
+from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
+from xpyd.worker.config import WorkerConfig
+from xpyd.worker.cpu_share import CpuShare
+from xpyd.worker.engine import WorkerEngine
+from xpyd.worker.http_api import create_worker_app
+from xpyd.worker.kv_staging import adopt_pool, needs_staging, stage_transfer
+from xpyd.worker.malloc_tuning import tune_malloc
 
 log = logging.getLogger("xpyd.worker")
 
@@ -29,20 +43,25 @@ DEREGISTER_GRACE = 0.5  # keep serving this long after deregistering (requests a
 LISTEN_TIMEOUT = 30.0
 
 
-def run_worker(config: WorkerConfig) -> None:
-    import torch
-    from hypercorn.asyncio import serve
-    from hypercorn.config import Config as HyperConfig
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What the runtime built for a role's engine: the model runner (with its KV pool), the tokenizer,
+    the config, the KV transfer backend (None for the colocated role) and the served model name."""
 
-    from xpyd.engine.api_server import create_worker_app
-    from xpyd.engine.kv_staging import needs_staging, stage_transfer
-    from xpyd.engine.loader import ensure_converted
-    from xpyd.engine.model_runner import ModelRunner
-    from xpyd.engine.tokenizer import load_tokenizer
-    from xpyd.transfer.selection import adopt_pool, kv_copy_threads, make_worker_backend
+    runner: ModelRunner
+    tokenizer: object
+    config: WorkerConfig
+    transfer: object | None
+    served: str
 
-    from xpyd.engine.malloc_tuning import tune_malloc
 
+# A role's engine factory: builds and starts its engine; returns it and what to close after it stopped.
+StartEngine = Callable[[EngineParts], tuple[WorkerEngine, Callable[[], None] | None]]
+
+
+def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
+    """The worker process for ``config.role``: model, KV pool and transfer backend, the engine that
+    ``start_engine`` builds on them (each role package passes its own), and the HTTP API until SIGTERM."""
     if not tune_malloc():
         log.info("glibc mallopt not available: activation buffers are page-faulted in per prefill")
     if config.nice:
@@ -69,8 +88,6 @@ def run_worker(config: WorkerConfig) -> None:
                              device=device)
         log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
-            from xpyd.engine.cpu_share import CpuShare
-
             runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
         runner.warmup()
         if config.role == "prefill" and device.type == "cpu":
@@ -83,25 +100,7 @@ def run_worker(config: WorkerConfig) -> None:
         transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
     tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
-    server = None
-    if config.role == "colocated":
-        from xpyd.colocated_worker.engine import ColocatedEngine
-
-        engine = ColocatedEngine(runner, tokenizer, config, served)
-        engine.start()
-    elif config.role == "prefill":
-        from xpyd.prefill_worker.engine import PrefillEngine
-        from xpyd.signal.server import SignalServer
-
-        engine = PrefillEngine(runner, tokenizer, config, transfer, served)
-        server = SignalServer(config.host, config.signal_port, engine)
-        server.start()
-        engine.start(host_port(config.public_host, server.port))
-    else:
-        from xpyd.decode_worker.engine import DecodeEngine
-
-        engine = DecodeEngine(runner, tokenizer, config, transfer, served)
-        engine.start()
+    engine, on_stop = start_engine(EngineParts(runner, tokenizer, config, transfer, served))
 
     app = create_worker_app(engine, config)
     hc = HyperConfig()
@@ -114,23 +113,19 @@ def run_worker(config: WorkerConfig) -> None:
         asyncio.run(_serve(config, engine, app, hc, serve))
     finally:
         engine.stop()
-        if server is not None:
-            server.close()
+        if on_stop is not None:
+            on_stop()
         log.info("%s worker stopped", config.role)
 
 
-def describe_forward(runner: "ModelRunner") -> str:
+def describe_forward(runner: ModelRunner) -> str:
     """Which forward pass (and decode attention) this worker runs, and why not the faster one."""
-    import torch
-
     if runner.fast_path is None:
         return f"general forward (the lean one does not cover this model: {runner.fast_path_reason})"
     fast = runner.fast_path
     text = f"lean forward, {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
     if runner.dtype == torch.bfloat16 and runner.device.type == "cpu":
-        from xpyd.engine import native
-
         reasons = {native.unavailable_reason(src) for src in ("decode_attention.c", "pointwise.c")} - {None}
         if reasons:
             text += f" (native kernels unavailable: {'; '.join(sorted(reasons))})"
@@ -146,8 +141,6 @@ def in_passing_thread(fn):
     parallel region of the engine then pays futex wake-ups. A team dies with its thread; so the
     engine's team is the only one left (measured: decode step B=1 on 2 threads 57 -> 28 ms).
     """
-    import threading
-
     box: dict = {}
 
     def run() -> None:
@@ -197,8 +190,6 @@ async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
 
 async def _join(config: WorkerConfig, engine):
     """Register in etcd (we accept connections now) and watch the other role's workers."""
-    from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
-
     registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl)
     await registration.start()
     watcher = EtcdRegistry(config.etcd, model_id=engine.info.model_id)

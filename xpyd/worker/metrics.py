@@ -27,12 +27,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# From a millisecond (a decode step of a tiny model) to tens of seconds (a long prompt on a busy CPU).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                       0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
 
 QUEUE_STATES = ("waiting", "running", "transferring")
 OUTCOMES = ("finished", "failed", "aborted", "rejected")

@@ -1,0 +1,9 @@
+"""The model layer: everything that computes tokens, and nothing that knows about a network or a role.
+
+Owns: loading and GGUF conversion (`loader`), the tokenizer and chat template (`tokenizer`), the forward
+passes over the KV pool (`runner`, the lean Llama forward `llama_fast`, native CPU kernels `native` +
+`csrc/`), the preallocated KV pool (`kv_pool`), sampling (`sampling`) and detokenization with stop
+strings (`output`).
+
+May import: torch, transformers and the standard library; nothing else of xpyd.
+"""
