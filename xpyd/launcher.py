@@ -21,15 +21,18 @@ from xpyd.child import die_with_parent
 from xpyd.discovery.local_etcd import LocalEtcd
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
+from xpyd.proxy.config import ProxyConfig
 from xpyd.transfer.selection import KV_BACKENDS
 from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, check_device
 from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 
-_WORKER = WorkerConfig(role="decode")  # the workers' defaults, passed on unless overridden here
+_WORKER = WorkerConfig(role="decode")  # the workers' and the proxy's defaults (one place: their configs)
+_PROXY = ProxyConfig()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=8000, help="proxy port: the OpenAI API (default 8000)")
+    p.add_argument("--port", type=int, default=_PROXY.port,
+                   help=f"proxy port: the OpenAI API (default {_PROXY.port})")
     p.add_argument("--host", default="127.0.0.1", help="address every component binds (default 127.0.0.1)")
     p.add_argument("--dtype", choices=DTYPES, default=_WORKER.dtype, help="model dtype")
     p.add_argument("--model", default=None,

@@ -62,7 +62,7 @@ def test_neuron_refuses_with_a_reason():
 
 def test_copy_threads_auto_leaves_the_engine_its_cores():
     """Auto: a second copy thread only when a core is left beside the engine's threads, or on a GPU."""
-    assert kv_copy_threads(0, engine_threads=2, device="cpu", cpus=2) == 1  # this box: engine on both cores
+    assert kv_copy_threads(0, engine_threads=2, device="cpu", cpus=2) == 1  # 2 cores, engine on both
     assert kv_copy_threads(0, engine_threads=1, device="cpu", cpus=2) == 2
     assert kv_copy_threads(0, engine_threads=16, device="cpu", cpus=64) == 2
     assert kv_copy_threads(0, engine_threads=2, device="cuda", cpus=2) == 2  # the cores are free

@@ -31,7 +31,7 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
     """Threads that copy one large shm transfer into a worker's pool (``--kv-copy-threads``; 0 = auto).
 
     Auto: 2 when a core is left beside the engine's threads (or the model runs on a GPU, so the cores are
-    free), else 1. On this 2-core host with the decode engine on both cores, a second copy thread cost
+    free), else 1. On a 2-core host with the decode engine on both cores, a second copy thread cost
     3-4% output tokens/s and ~1 ms of ITL p50 in the prefill-stall benchmark (docs/transfer.md), while
     with a spare core it halves a 16 MiB copy."""
     if requested:
