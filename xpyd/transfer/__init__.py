@@ -27,7 +27,7 @@ _BACKENDS = {
     "fake": ("xpyd.transfer.fake", "FakeTransferBackend"),
     "shm": ("xpyd.transfer.shm", "ShmTransferBackend"),
     "auto": ("xpyd.transfer.auto", "make_auto_backend"),
-    "neuron": ("xpyd.transfer.neuron", "make_neuron_backend"),  # needs torch-neuronx; untested here
+    "neuron": ("xpyd.transfer.neuron", "make_neuron_backend"),  # needs torch-neuronx; never run on Neuron hardware
     "nixl": ("xpyd.transfer.nixl_backend", "NixlTransferBackend"),  # needs NIXL (pip install xpyd[nixl])
 }
 

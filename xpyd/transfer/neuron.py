@@ -1,6 +1,6 @@
 """The neuron KV transfer backend on real hardware: torch-neuronx's runtime behind ``neuron_backend``.
 
-UNTESTED HERE: torch-neuronx cannot be installed on this machine, so this module refuses to import
+UNTESTED: torch-neuronx cannot be installed on the development and CI machines, so this module refuses to import
 without it (a clear ImportError). Everything that can run without hardware (region planning into
 tensors/offsets/lengths, communicator bookkeeping, completion tracking, the backend's state machine)
 lives in ``neuron_plan`` / ``neuron_backend`` and is unit-tested with a fake runtime.
@@ -23,7 +23,7 @@ from xpyd.transfer.neuron_backend import NeuronTransferBackend  # noqa: E402
 
 
 class TorchNeuronRuntime:
-    """The real runtime through torch-neuronx (import-guarded; untested on this machine)."""
+    """The real runtime through torch-neuronx (import-guarded; never run on Neuron hardware)."""
 
     def __init__(self, core: int) -> None:
         if os.environ.get(ENV_FLAG) != "1":

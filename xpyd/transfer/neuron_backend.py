@@ -1,6 +1,6 @@
 """Neuron transfer backend logic, runtime injected (``neuron.py`` plugs in the real torch-neuronx runtime).
 
-UNTESTED HERE: torch-neuronx cannot be installed on this machine. The runtime calls below follow the
+UNTESTED: torch-neuronx cannot be installed on the development and CI machines. The runtime calls below follow the
 reference implementation; the bookkeeping around them (regions -> tensors/offsets/lengths,
 communicators, completion tracking) lives in ``neuron_plan`` and is unit-tested, and this class is
 tested against a fake runtime. The real runtime needs ``NEURON_RT_ASYNC_SENDRECV_EXPERIMENTAL_ENABLED=1``.

@@ -36,7 +36,7 @@ MISSING = ("the nixl KV backend needs NVIDIA NIXL, which is not installed: pip i
 
 Piece = tuple[int, int, int]  # (src offset, dst offset, length)
 # Where a registered pool lives, as NIXL names it: (memory type, device id). Host memory is ("DRAM", 0);
-# a pool in GPU memory is ("VRAM", CUDA device index): NIXL/UCX then READs device to device (untested here).
+# a pool in GPU memory is ("VRAM", CUDA device index): NIXL/UCX then READs device to device (never run on a GPU).
 Memory = tuple[str, int]
 HOST: Memory = ("DRAM", 0)
 MEM_TYPES = ("DRAM", "VRAM")

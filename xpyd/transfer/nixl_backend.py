@@ -8,7 +8,7 @@ claims the transfer it ``expect``ed and posts NIXL READs from the sender's pool 
 regions (16 MiB per request, each under the transfer's lock, so once ``abort()`` returns no more bytes
 land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
 UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts. A pool on a GPU is
-registered as it is (``DeviceMemory`` -> NIXL ``VRAM``; untested here) and each side's Hello says where
+registered as it is (``DeviceMemory`` -> NIXL ``VRAM``; never run on a GPU) and each side's Hello says where
 its pool lives, so READs name both sides' memory.
 
 No NIXL progress thread (it spins a core). UCX progresses inside our own calls, and the engine's loop
@@ -99,7 +99,7 @@ class NixlTransferBackend:
     registers_device_memory = True
 
     def register(self, buffer: memoryview | DeviceMemory) -> BackendDescriptor:
-        """Register the KV pool: host memory (a memoryview) or a CUDA pool (``DeviceMemory``; untested here)."""
+        """Register the KV pool: host memory (a memoryview) or a CUDA pool (``DeviceMemory``; never run on a GPU)."""
         if isinstance(buffer, DeviceMemory):
             addr, memory = buffer.address, memory_of(buffer.kind, buffer.device_index)
         else:

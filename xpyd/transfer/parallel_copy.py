@@ -1,6 +1,6 @@
 """Copy large byte ranges with more than one thread (the shm receiver's copy out of the sender's segment).
 
-One core's memcpy does not saturate the memory system: on this host (2 vCPUs, Zen 4) copying 16 MiB out
+One core's memcpy does not saturate the memory system: on a 2-vCPU AMD EPYC (Zen 4) copying 16 MiB out
 of a /dev/shm mapping took 1.68 ms with one thread and 0.82 ms split over two, 64 MiB 6.2 ms and 4.6 ms;
 below a few MiB the hand-off to the second thread costs more than it saves (1 MiB: 29 us with one, 106
 us with two). So a piece of at least ``min_split`` bytes is cut into ``threads`` page-aligned parts, one

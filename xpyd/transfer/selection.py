@@ -2,7 +2,7 @@
 
 - ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the prefill pool
   lives in a /dev/shm segment). ``neuron``: needs torch-neuronx and a pool in Neuron device memory
-  (untested here; refuses to start). ``nixl``: NVIDIA NIXL over UCX, any host (needs ``pip install
+  (never run on Neuron hardware; refuses to start). ``nixl``: NVIDIA NIXL over UCX, any host (needs ``pip install
   xpyd[nixl]``; without it the worker refuses to start and says so).
 - ``auto`` (default): tcp plus shm. The worker's descriptor is its tcp one and also offers shm with
   its host key; the *sending* (prefill) side picks shm when the receiver offers it on the same host,

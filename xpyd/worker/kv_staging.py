@@ -13,7 +13,7 @@ the backend provides one), registers that copy with the backend, and wraps the b
 
 Offsets, descriptors and the wire are unchanged: a peer cannot tell a staged pool from a CPU one.
 Copies are synchronous, on the thread that calls `send` or polls the token. nixl does not stage: it
-registers the device pool itself (`registers_device_memory`; NIXL VRAM, untested here: see
+registers the device pool itself (`registers_device_memory`; NIXL VRAM, never run on a GPU: see
 docs/devices.md), and `pool_memory` hands it the pool as `DeviceMemory`. A CPU pool never stages,
 except in tests that force it to prove the round trip.
 """

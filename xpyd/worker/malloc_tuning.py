@@ -3,8 +3,8 @@
 A prefill's activations are a few hundred KB to tens of MB each. glibc serves blocks above its mmap
 threshold with a fresh mmap and gives them back on free, and it trims the heap top eagerly, so every
 layer of every prefill page-faults its buffers in again (the kernel zeroes each 4 KB page). Raising
-the mmap threshold, the trim threshold and the top pad keeps those pages mapped for reuse: measured
-here, a 256-token bf16 prefill gets ~20-30% faster (docs/benchmarks.md). The cost is resident memory
+the mmap threshold, the trim threshold and the top pad keeps those pages mapped for reuse: measured on a
+2-vCPU CPU, a 256-token bf16 prefill gets ~20-30% faster (docs/benchmarks.md). The cost is resident memory
 that stays at its high-water mark, which a serving worker reaches anyway.
 """
 
