@@ -321,7 +321,7 @@ async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, d
 
 
 def test_xpyd_up_passes_admission_flags_to_the_proxy():
-    from xpyd import launcher
+    from xpyd.launcher import up as launcher
 
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)

@@ -11,19 +11,17 @@ import argparse
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
-from xpyd.child import die_with_parent
 from xpyd.discovery.local_etcd import LocalEtcd
+from xpyd.launcher.supervisor import GiveUp, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
 from xpyd.proxy.config import ProxyConfig
 from xpyd.transfer.selection import KV_BACKENDS
-from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, check_device
+from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, add_worker_arguments, check_device
 from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 
 _WORKER = WorkerConfig(role="decode")  # the workers' and the proxy's defaults (one place: their configs)
@@ -73,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch device of every worker's model and KV pool (default cpu; only cpu is tested, "
                         "see docs/devices.md)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    _add_worker_options(p)
     # --- proxy admission (passed to `xpyd proxy`; see its --help) ---
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="proxy: require 'Authorization: Bearer KEY' (default: $XPYD_API_KEY; unset = open)")
@@ -85,6 +84,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 
+# Worker options `xpyd up` passes on as they are, each to the roles that have it (help and default are the
+# workers' own). --batch-size, --max-model-len, --dtype, --device and --kv-backend are handled above.
+PASSED_ON = (
+    ("--kv-ttl", ("prefill",)),
+    ("--prefill-wait-timeout", ("decode",)),
+    ("--drain-timeout", ("prefill", "decode", "colocated")),
+    ("--lease-ttl", ("prefill", "decode")),
+    ("--kv-copy-threads", ("prefill", "decode")),
+)
+
+
+def _add_worker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker options", "passed on to every worker that has the option")
+    for flag, roles in PASSED_ON:
+        worker = argparse.ArgumentParser(add_help=False)
+        add_worker_arguments(worker, roles[0])
+        action = next(a for a in worker._actions if flag in a.option_strings)
+        g.add_argument(flag, type=action.type, default=action.default,
+                       metavar=action.metavar or ("SECONDS" if action.type is float else "N"),
+                       help=f"{'/'.join(roles)}: {action.help}")
+
+
+def worker_options(args: argparse.Namespace, role: str) -> list[str]:
+    """The PASSED_ON options for a worker of ``role``, as command-line words."""
+    out: list[str] = []
+    for flag, roles in PASSED_ON:
+        if role in roles:
+            out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    return out
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -93,30 +123,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-@dataclass
-class Cluster:
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "xpyd", *argv]
-        self.procs[name] = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent, env=env)
-
-    def dead(self) -> list[str]:
-        return [n for n, p in self.procs.items() if p.poll() is not None]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def _proxy_admission_args(args: argparse.Namespace) -> list[str]:
@@ -140,7 +146,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _wait_ready(cluster: Cluster, urls: dict[str, str], deadline: float, stopping) -> None:
+def _wait_ready(cluster: Supervisor, urls: dict[str, str], deadline: float, stopping) -> None:
     pending = dict(urls)
     while pending:
         if stopping():
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         stop_requested.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = Cluster()
+    cluster = Supervisor()
     etcd = None
     try:
         discovery: list[str] = []
@@ -226,13 +232,15 @@ def run(args: argparse.Namespace) -> int:
             discovery = ["--etcd", endpoint]
         worker_urls = {}
         for i, p in enumerate(prefill_ports):
-            cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *discovery, "--port", str(p),
+            cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *worker_options(args, "prefill"),
+                                           *discovery, "--port", str(p),
                                            "--signal-port", str(p + 1)])
             worker_urls[f"prefill {i}"] = http_url(host, p)
         for j, p in enumerate(decode_ports):
             extra = [] if args.colocated else ["--kv-port", str(p + 1),
                                                "--kv-backend", args.kv_backend]
-            cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *discovery, "--port", str(p), *extra])
+            cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *worker_options(args, role), *discovery,
+                                          "--port", str(p), *extra])
             worker_urls[f"{role} {j}"] = http_url(host, p)
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
@@ -243,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
         cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args,
-                                *_proxy_admission_args(args)], _proxy_env(args))
+                                *_proxy_admission_args(args)], _proxy_env(args), restart=False)
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
         where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
         shape = ("1 colocated worker: prefill and decode in one batch" if args.colocated else
@@ -256,10 +264,14 @@ def run(args: argparse.Namespace) -> int:
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
               + (f"  xpyd status --etcd {discovery[1]}\n" if dynamic else "")
               + "Press Ctrl-C to stop.\n", flush=True)
-        while not stop_requested:
-            dead = cluster.dead()
-            if dead:
-                print(f"xpyd up: {', '.join(dead)} exited unexpectedly; stopping the cluster", file=sys.stderr)
+        while not stop_requested:  # workers that exit are restarted; the proxy or etcd exiting stops us
+            try:
+                cluster.check()
+            except GiveUp as e:
+                print(f"xpyd up: {e}; stopping the cluster", file=sys.stderr)
+                return 1
+            if etcd is not None and not etcd.running:
+                print("xpyd up: the local etcd exited unexpectedly; stopping the cluster", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0

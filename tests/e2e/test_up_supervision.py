@@ -1,0 +1,190 @@
+"""`xpyd up` keeps serving when a worker dies, as Kubernetes would: the worker is restarted, the others serve.
+
+Real processes started by `xpyd up` (tiny random Llama): a SIGKILLed decode worker under eight streams in
+a dynamic 2P2D cluster (etcd), and the only decode worker of a static 1P1D cluster (the proxy answers 503
+with Retry-After while the role has no live worker, then serves again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import free_port
+from tests.e2e.test_dead_workers import CLIENTS, FAULT_BOUND, Load, _on, stream_once
+from xpyd.child import die_with_parent
+
+STARTUP = 120.0  # generous: a worker's start-up time on a busy 2-core machine
+
+
+def _free_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free."""
+    for _ in range(200):
+        p = free_port()
+        if p + n < 65535 and all(_bindable(p + i) for i in range(1, n)):
+            return p
+    raise RuntimeError("no free port range")
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.1)
+
+
+def _json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _worker_pid(up_pid: int, role: str, port: int) -> int:
+    """The pid of `xpyd up`'s child serving ``role`` on HTTP ``port``."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or role.encode() not in argv:
+            continue
+        i = argv.index(b"--port")
+        if argv[i + 1] == str(port).encode():
+            return int(d.name)
+    raise LookupError(f"no {role} child on port {port}")
+
+
+class Up:
+    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+        self.port, self.pp, self.dp = free_port(), _free_run(4), _free_run(4)
+        self.log = log
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xpyd", "up", "--model", str(model), "--port", str(self.port),
+             "--prefill-port", str(self.pp), "--decode-port", str(self.dp), "--dtype", "float32",
+             "--threads", "1", "--max-model-len", "256", *extra],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        _wait(lambda: self.proc.poll() is not None or "Press Ctrl-C to stop" in self.text(), 2 * STARTUP,
+              "xpyd up ready")
+        assert self.proc.poll() is None, self.text()[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_model_dir: Path, tmp_path: Path):
+    etcd_port = _free_run(2)
+    up = Up(tiny_model_dir, tmp_path / "up.log", "--prefill", "2", "--decode", "2", "--etcd-port", str(etcd_port),
+            "--batch-size", "4")
+    try:
+        up.wait_ready()
+        victim_url = f"http://127.0.0.1:{up.dp}"
+        victim_addr = _json(victim_url + "/xpyd/info")["signal_addr"]
+        victim_pid = _worker_pid(up.proc.pid, "decode", up.dp)
+
+        load = Load(up.url)
+        _wait(lambda: sum(1 for r in load.results if r.outcome == "ok") >= CLIENTS, 60, "streams flowing")
+        os.kill(victim_pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        time.sleep(FAULT_BOUND + 0.5)  # the window the affected requests must end in
+        results = load.stop()
+
+        bad = [r for r in results if r.outcome not in ("ok", "error")]
+        assert not bad, bad[:5]
+        in_flight = [r for r in results if r.start < t_kill < r.end]
+        errors = [r for r in in_flight if r.outcome == "error"]
+        late = [(round(r.end - t_kill, 3), r.detail) for r in errors if r.end - t_kill > FAULT_BOUND]
+        assert not late, late
+        assert all(r.rid is None or _on(r, victim_addr) for r in errors), errors
+        others = [r for r in in_flight if r.rid is not None and not _on(r, victim_addr)]
+        assert others and all(r.outcome == "ok" for r in others), [r for r in others if r.outcome != "ok"]
+        assert up.proc.poll() is None, "xpyd up stopped the cluster:\n" + up.text()[-3000:]
+
+        next16 = [stream_once(up.url, i) for i in range(16)]
+        assert all(r.outcome == "ok" for r in next16), [r for r in next16 if r.outcome != "ok"]
+
+        # The killed worker is back: a new process on the same port, registered in etcd, routed to.
+        _wait(lambda: _healthy(victim_url), STARTUP, "restarted decode worker healthy")
+        assert _worker_pid(up.proc.pid, "decode", up.dp) != victim_pid
+
+        def routed() -> bool:
+            workers = _json(up.url + "/cluster")["workers"]
+            return any(w["http_url"] == victim_url and w["health"] == "up" for w in workers)
+        _wait(routed, STARTUP, "restarted decode worker registered and up at the proxy")
+        text = up.text()
+        assert "decode 0 exited unexpectedly (killed by SIGKILL)" in text, text[-3000:]
+        assert "decode 0 restarted (restart 1" in text
+        assert "stopping the cluster" not in text
+    finally:
+        up.stop()
+    assert up.proc.returncode == 0
+
+
+def test_static_1p1d_answers_503_while_its_decode_worker_is_down_then_serves_again(tiny_model_dir: Path,
+                                                                                   tmp_path: Path):
+    up = Up(tiny_model_dir, tmp_path / "up.log")
+    try:
+        up.wait_ready()
+        assert stream_once(up.url, 0).outcome == "ok"
+        victim_pid = _worker_pid(up.proc.pid, "decode", up.dp)
+        os.kill(victim_pid, signal.SIGKILL)
+        _wait(lambda: "decode 0 exited unexpectedly" in up.text(), 10, "the launcher noticed the exit")
+
+        body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+        req = urllib.request.Request(up.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 503
+        assert int(err.value.headers["Retry-After"]) >= 1
+        assert "no decode worker available" in json.loads(err.value.read())["error"]["message"]
+
+        def serving() -> bool:
+            return stream_once(up.url, 1).outcome == "ok"
+        _wait(serving, STARTUP, "served again after the restart")
+        assert _worker_pid(up.proc.pid, "decode", up.dp) != victim_pid
+    finally:
+        up.stop()
+    assert up.proc.returncode == 0
