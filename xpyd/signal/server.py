@@ -106,7 +106,7 @@ class SignalServer:
         try:
             env = m.decode(frame)
         except m.MessageError as e:
-            return m.encode(_seq_guess(frame), m.ErrorReply(str(e)[:1000]))
+            return m.encode(m.seq_of(frame), m.ErrorReply(str(e)[:1000]))
         msg = env.msg
         if getattr(msg, "sender", identity) != identity:
             return m.encode(env.seq, m.ErrorReply("sender does not match the connection identity"))
@@ -128,15 +128,3 @@ class SignalServer:
             return m.encode(env.seq, reply)
         except m.MessageError as e:  # e.g. a reply that would exceed the frame limit
             return m.encode(env.seq, m.ErrorReply(f"cannot send the reply: {e}"))
-
-
-def _seq_guess(frame: bytes) -> int:
-    """Best effort: echo the seq of a frame we refuse, so the peer can match it."""
-    try:
-        import msgpack
-
-        d = msgpack.unpackb(frame, raw=False)
-        seq = d.get("seq") if isinstance(d, dict) else None
-        return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
-    except Exception:
-        return 0

@@ -59,7 +59,8 @@ def _bodies(rng: random.Random, prefill_addr: str) -> list[tuple[str, dict]]:
 
 def _bad_frame(rng: random.Random, prefill_addr: str) -> bytes | list[bytes]:
     t, body = rng.choice(_bodies(rng, prefill_addr))
-    env = {"v": PROTOCOL_VERSION, "t": t, "seq": rng.randint(0, 1000), "b": body}
+    msg = {"type": t, **body}
+    env = {"version": PROTOCOL_VERSION, "seq": rng.randint(0, 1000), "msg": msg}
     kind = rng.randrange(8)
     if kind == 0:
         return rng.randbytes(rng.randint(0, 300))
@@ -68,27 +69,29 @@ def _bad_frame(rng: random.Random, prefill_addr: str) -> bytes | list[bytes]:
         return frame[: rng.randint(0, len(frame) - 1)]
     if kind == 2:  # trailing bytes
         return msgpack.packb(env) + rng.randbytes(rng.randint(1, 20))
-    if kind == 3:  # an envelope field of the wrong type, or missing
-        key = rng.choice(["v", "t", "seq", "b"])
+    if kind == 3:  # an envelope field or the message tag of the wrong type, or missing
+        key = rng.choice(["version", "seq", "msg", "type"])
+        where = msg if key == "type" else env
         if rng.random() < 0.3:
-            del env[key]
+            del where[key]
         else:
-            env[key] = _junk(rng)
-    elif kind == 4:  # a body field of the wrong type, or missing
+            where[key] = _junk(rng)
+    elif kind == 4:  # a message field of the wrong type, or missing
         key = rng.choice(list(body))
         if rng.random() < 0.3:
-            del body[key]
+            del msg[key]
         else:
-            body[key] = _junk(rng)
+            msg[key] = _junk(rng)
     elif kind == 5:  # unknown type / wrong protocol version
-        env["t" if rng.random() < 0.5 else "v"] = rng.choice(["evil", "handshake_reply", PROTOCOL_VERSION + 1, 0])
+        where, key = (msg, "type") if rng.random() < 0.5 else (env, "version")
+        where[key] = rng.choice(["evil", "handshake_reply", PROTOCOL_VERSION + 1, 0])
     elif kind == 6:  # request ids that do not parse, or too many entries
         if t == "lookup_all":
-            body["entries"] = [[_junk(rng) if rng.random() < 0.5 else "x" * rng.randint(1, 700), None]
-                               for _ in range(rng.choice([1, 3, m.MAX_ENTRIES + 1]))]
+            msg["entries"] = [[_junk(rng) if rng.random() < 0.5 else "x" * rng.randint(1, 700), None]
+                              for _ in range(rng.choice([1, 3, m.MAX_ENTRIES + 1]))]
         else:
-            body["request_ids"] = [rng.choice(["", "~~", "xpyd-" + "0" * 32, "x" * 700])]
-            t = env["t"] = "release"
+            msg["request_ids"] = [rng.choice(["", "~~", "xpyd-" + "0" * 32, "x" * 700])]
+            msg["type"] = "release"
     else:  # several frames in one message
         return [msgpack.packb(env), rng.randbytes(8)]
     return msgpack.packb(env)
@@ -142,15 +145,16 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
                 raw = sock.recv()  # every frame must be answered (RCVTIMEO 5 s)
             except zmq.Again:
                 pytest.fail(f"no reply to fuzz frame {i} ({_size(frame)} bytes): {str(frame)[:400]}")
-            reply = msgpack.unpackb(raw, raw=False)
-            assert reply["v"] == PROTOCOL_VERSION and reply["t"] in REPLY_TYPES, reply
-            kinds[reply["t"]] = kinds.get(reply["t"], 0) + 1
-            if reply["t"] == "handshake_reply":  # fuzzed handshakes carry a wrong token or none
-                assert reply["b"]["ok"] is False and "cluster token" in reply["b"]["error"], reply
-            if reply["t"] == "lookup_reply":  # only ids this identity may ask about, none ready
-                assert all(r[1] in ("unknown", "failed") for r in reply["b"]["results"]), reply
-            if reply["t"] == "release_reply":
-                assert reply["b"]["released"] == 0
+            reply = msgpack.unpackb(raw, raw=False)  # read raw: the wire shape itself is checked
+            assert reply["version"] == PROTOCOL_VERSION and reply["msg"]["type"] in REPLY_TYPES, reply
+            body, t = reply["msg"], reply["msg"]["type"]
+            kinds[t] = kinds.get(t, 0) + 1
+            if t == "handshake_reply":  # fuzzed handshakes carry a wrong token or none
+                assert body["ok"] is False and "cluster token" in body["error"], reply
+            if t == "lookup_reply":  # only ids this identity may ask about, none ready
+                assert all(r[1] in ("unknown", "failed") for r in body["results"]), reply
+            if t == "release_reply":
+                assert body["released"] == 0
         assert kinds.get("error", 0) > N_SIGNAL // 2, kinds
         # A frame over the limit: ZMQ closes that connection; the ROUTER keeps serving the others.
         big = _dealer(ctx, port, "127.0.0.1:10")

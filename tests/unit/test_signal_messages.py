@@ -1,0 +1,152 @@
+"""Signal-plane messages (xpyd.signal.messages): round trips, the wire shape, and refusals of bad frames."""
+
+from __future__ import annotations
+
+import random
+import typing
+
+import msgpack
+import pytest
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.signal import messages as m
+
+RID = "xpyd-0123456789abcdef0123456789abcdef~p~10.0.0.1:7100~d~10.0.0.2:7200"
+COMPAT = {"layout": "slot-token-major/1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32"}
+TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096, "offers": [["tcp", "x"]]}
+
+EVERY_MESSAGE = [
+    m.Handshake("10.0.0.2:7200", "m", COMPAT),
+    m.Handshake("10.0.0.2:7200", "m", COMPAT, "token"),
+    m.HandshakeReply(True, None, "m"),
+    m.HandshakeReply(False, "model mismatch"),
+    m.KVMapInit("10.0.0.2:7200", TRANSFER, 1024, 4),
+    m.KVMapReply(True),
+    m.KVMapReply(False, "KV map does not fit the registered buffer"),
+    m.LookupAll("10.0.0.2:7200", (m.LookupEntry(RID), m.LookupEntry(RID, 0), m.LookupEntry(RID, 1 << 40))),
+    m.LookupAll("10.0.0.2:7200", ()),
+    m.LookupReply(tuple(m.LookupResult(RID, s, 7 if s in (m.LookupStatus.READY, m.LookupStatus.SENDING) else None,
+                                       3, "why" if s is m.LookupStatus.FAILED else None) for s in m.LookupStatus)),
+    m.Release("10.0.0.2:7200", (RID, "xpyd-short")),
+    m.ReleaseReply(2),
+    m.ErrorReply("handshake first"),
+]
+
+
+def test_every_message_type_is_covered():
+    assert {type(x) for x in EVERY_MESSAGE} == set(typing.get_args(m.Message))
+
+
+@pytest.mark.parametrize("msg", EVERY_MESSAGE, ids=lambda x: x.TYPE)
+def test_round_trip(msg):
+    env = m.decode(m.encode(12, msg))
+    assert env.seq == 12 and env.version == PROTOCOL_VERSION and env.msg == msg and type(env.msg) is type(msg)
+
+
+def test_wire_shape_is_a_versioned_map_with_tagged_message_and_enum_values():
+    frame = m.encode(5, m.LookupReply((m.LookupResult(RID, m.LookupStatus.READY, 9, 3),)))
+    assert msgpack.unpackb(frame) == {"version": PROTOCOL_VERSION, "seq": 5, "msg": {
+        "type": "lookup_reply", "results": [[RID, "ready", 9, 3, None]]}}
+    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, 64), m.LookupEntry(RID))))
+    assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1", "entries": [[RID, 64], [RID, None]]}
+
+
+def test_limits_are_inclusive():
+    full = m.LookupAll("a:1", (m.LookupEntry("x" * m.MAX_REQUEST_ID_LEN, 0),) * m.MAX_ENTRIES)
+    assert m.decode(m.encode(1, full)).msg == full
+    assert m.decode(m.encode(2, m.Release("a:1", ("r",) * m.MAX_ENTRIES))).msg.request_ids == ("r",) * m.MAX_ENTRIES
+
+
+def _frame(msg: dict | None = None, **envelope) -> bytes:
+    return msgpack.packb({"version": PROTOCOL_VERSION, "seq": 3, "msg": msg, **envelope})
+
+
+LOOKUP = {"type": "lookup_all", "sender": "a:1"}
+RELEASE = {"type": "release", "sender": "a:1"}
+HANDSHAKE = {"type": "handshake", "sender": "a:1", "model_id": "m", "kv_compat": COMPAT}
+RESULT = [RID, "ready", 9, 3, None]
+
+
+@pytest.mark.parametrize("frame, needle", [
+    pytest.param(b"\xc1garbage", "undecodable", id="garbage"),
+    pytest.param(_frame(HANDSHAKE)[:-4], "undecodable", id="truncated"),
+    pytest.param(_frame(HANDSHAKE) + b"\x00", "undecodable", id="trailing-bytes"),
+    pytest.param(b"\x81\xa1x" + b"\x91" * 200_000 + b"\xc0", "undecodable", id="nested-too-deep"),
+    pytest.param(_frame({**HANDSHAKE, "model_id": "@@@"}).replace(b"@@@", b"\xff\xfe\xfd"),
+                 "undecodable", id="not-utf8"),
+    pytest.param(b"", "undecodable", id="empty"),
+    pytest.param(msgpack.packb([1, 2, 3]), "invalid message", id="not-a-map"),
+    pytest.param(_frame(HANDSHAKE, version=PROTOCOL_VERSION + 1), "protocol version mismatch", id="newer-version"),
+    pytest.param(_frame({"type": "handshake"}, version=PROTOCOL_VERSION + 1), "peer speaks",
+                 id="newer-version-bad-body"),
+    pytest.param(msgpack.packb({"v": 3, "t": "handshake", "seq": 1, "b": {}}), "peer speaks 3", id="protocol-3-frame"),
+    pytest.param(_frame(HANDSHAKE, version="4"), "protocol version mismatch", id="version-not-an-int"),
+    pytest.param(_frame(HANDSHAKE, seq=-1), "$.seq", id="negative-seq"),
+    pytest.param(_frame(HANDSHAKE, seq=True), "$.seq", id="bool-seq"),
+    pytest.param(_frame(None), "$.msg", id="no-message"),
+    pytest.param(_frame({"type": "evil"}), "$.msg.type", id="unknown-tag"),
+    pytest.param(_frame({"type": ["handshake"]}), "$.msg.type", id="tag-not-a-string"),
+    pytest.param(_frame({**HANDSHAKE, "sender": 3}), "$.msg.sender", id="wrong-type"),
+    pytest.param(_frame({**HANDSHAKE, "sender": b"a:1"}), "$.msg.sender", id="bytes-for-str"),
+    pytest.param(_frame({k: v for k, v in HANDSHAKE.items() if k != "model_id"}), "model_id", id="missing-field"),
+    pytest.param(_frame({**HANDSHAKE, "kv_compat": {1: 2}}), "$.msg.kv_compat", id="non-str-key"),
+    pytest.param(_frame({"type": "handshake_reply", "ok": 1}), "$.msg.ok", id="int-for-bool"),
+    pytest.param(_frame({**LOOKUP, "entries": [["x" * 601, None]]}), "$.msg.entries[0][0]", id="request-id-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["", None]]}), "$.msg.entries[0][0]", id="empty-request-id"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", -5]]}), "$.msg.entries[0][1]", id="negative-offset"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", True]]}), "$.msg.entries[0][1]", id="bool-offset"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", 1.0]]}), "$.msg.entries[0][1]", id="float-offset"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", 0, 1]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r"]] * (m.MAX_ENTRIES + 1)}), "$.msg.entries", id="too-many-entries"),
+    pytest.param(_frame({**LOOKUP, "entries": {"r": 0}}), "$.msg.entries", id="entries-not-a-list"),
+    pytest.param(_frame({**RELEASE, "request_ids": ["x" * 601]}), "$.msg.request_ids[0]", id="release-id-too-long"),
+    pytest.param(_frame({**RELEASE, "request_ids": ["r"] * (m.MAX_ENTRIES + 1)}), "$.msg.request_ids",
+                 id="release-too-many"),
+    pytest.param(_frame({"type": "lookup_reply", "results": [RESULT] * (m.MAX_ENTRIES + 1)}), "$.msg.results",
+                 id="too-many-results"),
+    pytest.param(_frame({"type": "lookup_reply", "results": [[RID, "done", 9, 3, None]]}), "$.msg.results[0][1]",
+                 id="unknown-status"),
+    pytest.param(_frame({"type": "lookup_reply", "results": [[RID, "ready", 9, -3, None]]}), "$.msg.results[0][3]",
+                 id="negative-num-tokens"),
+    pytest.param(_frame({"type": "kv_map_init", "sender": "a:1", "transfer": TRANSFER, "slot_bytes": 0,
+                         "num_slots": 4}), "$.msg.slot_bytes", id="zero-slot-bytes"),
+    pytest.param(_frame({"type": "release_reply", "released": -1}), "$.msg.released", id="negative-released"),
+])
+def test_bad_frames_raise_message_error(frame, needle):
+    with pytest.raises(m.MessageError) as info:
+        m.decode(frame)
+    assert needle in str(info.value)
+
+
+def test_a_frame_over_the_limit_is_refused_before_decoding():
+    with pytest.raises(m.MessageError, match="exceeds"):
+        m.decode(b"x" * (m.MAX_FRAME_BYTES + 1))
+    with pytest.raises(m.MessageError, match="exceeds"):
+        m.encode(1, m.ErrorReply("x" * m.MAX_FRAME_BYTES))
+
+
+@pytest.mark.parametrize("frame, seq", [
+    (_frame({"type": "evil"}, seq=41), 41),
+    (msgpack.packb({"v": 3, "t": "handshake", "seq": 8, "b": {}}), 8),
+    (_frame({"type": "evil"}, seq=-4), 0),
+    (_frame({"type": "evil"}, seq=True), 0),
+    (b"\xc1", 0),
+    (msgpack.packb([1, 2]), 0),
+])
+def test_seq_of_a_refused_frame(frame, seq):
+    assert m.seq_of(frame) == seq
+
+
+def test_mutated_frames_decode_or_raise_message_error_only():
+    rng = random.Random(3)
+    frames = [m.encode(i, msg) for i, msg in enumerate(EVERY_MESSAGE)]
+    refused = 0
+    for _ in range(3000):
+        frame = bytearray(rng.choice(frames))
+        for _ in range(rng.randint(1, 4)):
+            frame[rng.randrange(len(frame))] = rng.randrange(256)
+        try:
+            m.decode(bytes(frame))
+        except m.MessageError:
+            refused += 1
+    assert refused > 1000
