@@ -252,6 +252,17 @@ def test_unreachable_endpoint_exits_1_via_cli(tmp_path):
     assert "cannot reach" in proc.stderr and not (tmp_path / "r.json").exists()
 
 
+def test_plot_without_matplotlib_exits_2_via_cli_before_any_request(tmp_path):
+    """Nothing listens on the port: had the run started, it would exit 1 (cannot reach)."""
+    hide = "import sys; sys.modules['matplotlib'] = None; from xpyd.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", hide, "bench", "--url", f"http://127.0.0.1:{_closed_port()}",
+                           "--num-requests", "2", "--plot", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--plot needs matplotlib" in proc.stderr and "pip install 'xpyd[plot]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "plots").exists()
+
+
 def test_model_list_missing(fake, tmp_path, capsys):
     s = fake(ttft_s=0.01, itl_s=0.01, models=False)
     base = ["--url", s.url, "--num-requests", "1", "--input-len", "4", "--output-len", "2"]

@@ -32,12 +32,16 @@ def test_percentile_linear_interpolation_known_values():
     assert percentile([7.0], 99) == 7.0
 
 
-def test_percentile_matches_numpy_linear():
-    np = pytest.importorskip("numpy")
+def test_percentile_is_the_documented_linear_interpolation():
+    """The module's formula (vLLM's: numpy's default method), written out here without numpy."""
     rng = random.Random(1)
     xs = [rng.expovariate(3.0) for _ in range(101)]
-    for p in (1, 10, 50, 90, 99, 99.9):
-        assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+    s = sorted(xs)
+    for p in (0, 1, 10, 50, 90, 99, 99.9, 100):
+        rank = p / 100 * (len(s) - 1)
+        k = int(rank)
+        expected = s[k] + (s[min(k + 1, len(s) - 1)] - s[k]) * (rank - k)
+        assert percentile(xs, p) == pytest.approx(expected)
 
 
 def test_percentile_rejects_empty_and_out_of_range():
@@ -50,6 +54,8 @@ def test_percentile_rejects_empty_and_out_of_range():
 def test_distribution_is_in_ms_and_empty_is_none():
     d = Distribution.of_seconds([0.010, 0.020, 0.030])
     assert (d.count, d.mean, d.p50, d.max) == (3, pytest.approx(20.0), pytest.approx(20.0), pytest.approx(30.0))
+    assert (d.p90, d.p99) == (pytest.approx(28.0), pytest.approx(29.8))  # ranks 1.8 and 1.98
+    assert all(type(v) is float for v in (d.mean, d.p50, d.p90, d.p99, d.max))  # plain floats for the JSON
     e = Distribution.of_seconds([])
     assert (e.count, e.mean, e.p50, e.p90, e.p99) == (0, None, None, None, None)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import random
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from xpyd.bench import plot
 from xpyd.bench.client import (Endpoint, EndpointUnreachable, NotOpenAI, RequestResult, StreamingClient,
                                fetch_model_names)
 from xpyd.bench.config import BenchConfig, StallConfig, Workload, config_from_args
@@ -138,7 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput: ttft, tpot, itl (every gap), e2e; units us/ms/s, bare = ms "
                         "(e.g. ttft=500ms,itl=50ms,e2e=2s)")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    g.add_argument("--plot", metavar="DIR", help="write latency CDFs and ITL over time as PNGs (matplotlib)")
+    g.add_argument("--plot", metavar="DIR",
+                   help="write latency CDFs and ITL over time as PNGs (needs matplotlib: pip install 'xpyd[plot]')")
     g.add_argument("--include-requests", action="store_true",
                    help="put every request's timeline into the JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -240,8 +241,8 @@ def run(args: argparse.Namespace) -> int:
         return transfer_bench.run(args)
     try:
         config = config_from_args(args)
-        if config.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+        if config.plot_dir is not None:
+            plot.check_available()  # matplotlib is optional: refuse now, not after the run
         plan = build_plan(config)
     except ValueError as e:  # includes WorkloadError
         return _error(str(e), 2)
@@ -266,10 +267,8 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
         write_json(config.json_path, report)
         print(f"results: {config.json_path}")
     if config.plot_dir is not None:
-        from xpyd.bench.plot import write_plots
-
         title = f"{config.workload.value}, {model}"
-        for path in write_plots(results, measured.start, config.plot_dir, title):
+        for path in plot.write_plots(results, measured.start, config.plot_dir, title):
             print(f"plot: {path}")
     if overall.completed == 0:
         print("xpyd bench: warning: every request failed (see errors above)", file=sys.stderr)

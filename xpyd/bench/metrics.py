@@ -8,8 +8,9 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
 - TPOT: (E2E - TTFT) / (output_tokens - 1), with output_tokens from ``usage.completion_tokens``
   (the number of content chunks when the server sends no usage); undefined for one-token outputs.
 - E2E: end of the stream (``[DONE]``) - send time.
-- Percentiles are linearly interpolated between order statistics (numpy's default, "linear"):
-  the p-th percentile of sorted x[0..n-1] is x[k] + (x[k+1] - x[k]) * f with k + f = p/100 * (n-1).
+- Percentiles are ``numpy.percentile`` with its default method ("linear"), as ``vllm bench serve``
+  computes them: the p-th percentile of sorted x[0..n-1] is x[k] + (x[k+1] - x[k]) * f with
+  k + f = p/100 * (n-1). Mean and max are numpy's too.
 - Throughputs divide by the wall duration of the run (first send to last response end).
 - Failed requests are excluded from every latency and token count but counted as ``failed``.
 - Goodput (vLLM's definition, from DistServe): completed requests per second that meet *every* given
@@ -20,10 +21,11 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from xpyd.bench.client import RequestResult
 
@@ -34,11 +36,7 @@ def percentile(values: Sequence[float], p: float) -> float:
         raise ValueError("percentile of no values")
     if not 0 <= p <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {p}")
-    xs = sorted(values)
-    rank = p / 100 * (len(xs) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+    return float(np.percentile(values, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +54,9 @@ class Distribution:
     def of_seconds(cls, values_s: Sequence[float]) -> Distribution:
         if not values_s:
             return cls(0, None, None, None, None, None)
-        ms = [v * 1000.0 for v in values_s]
-        return cls(len(ms), sum(ms) / len(ms), percentile(ms, 50), percentile(ms, 90),
-                   percentile(ms, 99), max(ms))
+        ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99]).tolist()
+        return cls(int(ms.size), float(ms.mean()), p50, p90, p99, float(ms.max()))
 
 
 _SLO_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2e": "e2e_s", "e2el": "e2e_s"}

@@ -1,5 +1,8 @@
 """PNG plots of a run (matplotlib, Agg backend, imported only when --plot is given).
 
+matplotlib is optional (``pip install 'xpyd[plot]'``): ``check_available`` is called with the other
+argument checks, so a missing matplotlib is a bad argument (exit 2) before any load is sent.
+
 - ``latency_cdf.png``: empirical CDFs of TTFT, ITL and E2E, one line per request class;
 - ``itl_over_time.png``: every ITL gap at the time its chunk arrived, one colour per class, with the
   send times of long prompts (prefill-stall) as vertical lines: a stall shows up as a column of high
@@ -14,13 +17,20 @@ from xpyd.bench.client import RequestResult
 from xpyd.bench.workload import LABEL_LONG
 
 FILES = ("latency_cdf.png", "itl_over_time.png")
+INSTALL_HINT = "pip install 'xpyd[plot]'"
+
+
+def check_available() -> None:
+    """Raises ValueError (naming the install command) if matplotlib cannot be imported."""
+    try:
+        _import_pyplot()
+    except ImportError as e:
+        raise ValueError(f"--plot needs matplotlib, which cannot be imported ({e}): {INSTALL_HINT}") from None
 
 
 def _import_pyplot():
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from e
+    import matplotlib
+
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -44,7 +54,7 @@ def _cdf(ax, values_ms: list[float], label: str) -> None:
 
 
 def write_plots(results: list[RequestResult], start: float, out_dir: Path, title: str) -> list[Path]:
-    """Writes the PNGs into ``out_dir`` (created) and returns their paths."""
+    """Writes the PNGs into ``out_dir`` (created) and returns their paths (``check_available`` first)."""
     plt = _import_pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = _by_class(results)

@@ -24,6 +24,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
+from cachetools import TTLCache
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
@@ -35,7 +36,7 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_and_sample
 from xpyd.worker.engine import Abort, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.recent import RecentIds
+from xpyd.prefill_worker.recent import recent_ids
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
@@ -81,8 +82,9 @@ class PrefillEngine(WorkerEngine):
         self._handshaken: OrderedDict[str, None] = OrderedDict()
         retention = max(MIN_RETENTION, config.kv_ttl)
         # request id -> (status, error) of requests that ended here before a decode worker pulled them
-        self._ended: RecentIds[tuple[m.LookupStatus, str]] = RecentIds(retention, MAX_REMEMBERED)
-        self._released_early: RecentIds[bool] = RecentIds(retention, MAX_REMEMBERED)
+        self._ended: TTLCache[str, tuple[m.LookupStatus, str]] = recent_ids(retention, MAX_REMEMBERED)
+        # request ids released before they arrived here (value: True)
+        self._released_early: TTLCache[str, bool] = recent_ids(retention, MAX_REMEMBERED)
         self._expired = 0
         self._left: dict[str, float] = {}  # decode workers that left the cluster -> when
         self._released_on_arrival = 0
@@ -119,12 +121,12 @@ class PrefillEngine(WorkerEngine):
             with self._lock:
                 if isinstance(item, Abort):
                     if self._release(item.request_id):
-                        self._ended.add(item.request_id, (m.LookupStatus.FAILED, "aborted on the prefill worker "
-                                                          "(its client went away)"), time.monotonic())
-                    elif self._ended.get(item.request_id) is None:
+                        self._ended[item.request_id] = (m.LookupStatus.FAILED, "aborted on the prefill worker "
+                                                        "(its client went away)")
+                    elif item.request_id not in self._ended:
                         # The proxy gave up before the request itself got here (its two HTTP calls raced):
                         # drop it on arrival instead of holding its KV for a whole lease.
-                        self._released_early.add(item.request_id, True, time.monotonic())
+                        self._released_early[item.request_id] = True
                 elif isinstance(item, _PeersLeft):
                     self._drop_peers(item.addrs)
                 else:
@@ -150,10 +152,10 @@ class PrefillEngine(WorkerEngine):
         if self.sched.get(rid) is not None:
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
-        elif self._released_early.pop(rid):
+        elif self._released_early.pop(rid, False):
             # Its decode worker gave up on it (aborted or timed out) before it arrived here. Remembered as
             # ended, so a decode worker still waiting for it is answered FAILED, not "unknown".
-            self._ended.add(rid, (m.LookupStatus.FAILED, RELEASED_EARLY), time.monotonic())
+            self._ended[rid] = (m.LookupStatus.FAILED, RELEASED_EARLY)
             self._released_on_arrival += 1
             item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
                                           "gave up on it)"))
@@ -182,10 +184,10 @@ class PrefillEngine(WorkerEngine):
             self.sched.release(rid, RequestState.FAILED)
             self.metrics.request_done("failed")
             self._expired += 1
-            self._ended.add(rid, (m.LookupStatus.EXPIRED, f"KV expired: {why}, freed"), now)
+            self._ended[rid] = (m.LookupStatus.EXPIRED, f"KV expired: {why}, freed")
             log.info("request %s: KV %s, freed", rid, why)
-        self._ended.prune(now)
-        self._released_early.prune(now)
+        self._ended.expire()
+        self._released_early.expire()
 
     def _update_metrics(self) -> None:
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
@@ -206,8 +208,7 @@ class PrefillEngine(WorkerEngine):
             log.exception("prefill failed for %s", seq.request_id)
             with self._lock:
                 self.sched.fail_running(seq, str(e))
-                self._ended.add(seq.request_id, (m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}"),
-                                time.monotonic())
+                self._ended[seq.request_id] = (m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}")
             self.metrics.request_done("failed")
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
@@ -328,7 +329,7 @@ class PrefillEngine(WorkerEngine):
             ended = self._ended.get(e.request_id)
             if ended is not None:
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
-            if self._released_early.get(e.request_id):  # will be refused when it arrives: do not wait for it
+            if e.request_id in self._released_early:  # will be refused when it arrives: do not wait for it
                 return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
@@ -357,15 +358,14 @@ class PrefillEngine(WorkerEngine):
         if not self._known(identity):
             return m.ErrorReply("handshake first")
         n = 0
-        now = time.monotonic()
         with self._lock:
             for rid in msg.request_ids:
                 if _decode_addr_of(rid) != identity:
                     continue  # not this decode worker's request (or not a request id): ignored
                 if self._release(rid):
                     n += 1
-                elif self._ended.get(rid) is None:
-                    self._released_early.add(rid, True, now)  # dropped if it arrives later
+                elif rid not in self._ended:
+                    self._released_early[rid] = True  # dropped if it arrives later
         return m.ReleaseReply(n)
 
 
