@@ -1,3 +1,4 @@
+# Not pydantic: pydantic 2 models parsed slower (chat 21->30 us, completion 14->17 us), +100 ms import, vaguer errors.
 """The OpenAI HTTP API as xpyd speaks it: request parsing and validation.
 
 Shared by the proxy (which validates every client body before any worker sees

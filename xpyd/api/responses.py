@@ -13,7 +13,8 @@ import uuid
 
 from xpyd.api.openai import RequestKind
 
-SSE_DONE = b"data: [DONE]\n\n"
+DONE_DATA = b"[DONE]"  # the data of the event that ends an OpenAI stream
+SSE_DONE = b"data: " + DONE_DATA + b"\n\n"
 
 
 def new_response_id(kind: RequestKind) -> str:

@@ -10,6 +10,7 @@ returned, never raised: a benchmark counts them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from enum import Enum
 
 import aiohttp
 
+from xpyd.api.responses import DONE_DATA
+from xpyd.api.sse import sse_data
 from xpyd.bench.workload import RequestSpec
 
 
@@ -162,47 +165,42 @@ class StreamingClient:
             result.error, result.error_detail = ErrorKind.DISCONNECTED.value, str(e) or type(e).__name__
         except (aiohttp.ClientConnectionError, OSError) as e:
             result.error, result.error_detail = ErrorKind.CONNECTION.value, str(e) or type(e).__name__
-        except (aiohttp.ClientError, ValueError) as e:  # ValueError: an SSE line over aiohttp's limit
+        except (aiohttp.ClientError, ValueError) as e:  # ValueError: an SSE event over the parser's limit
             result.error, result.error_detail = ErrorKind.BAD_RESPONSE.value, str(e) or type(e).__name__
         result.end_time = time.perf_counter()
         return result
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
         done = False
-        async for raw in resp.content:
-            now = time.perf_counter()
-            event = parse_sse_line(raw)
-            if event is None:
-                continue
-            if event is DONE:
-                done = True
-                break
-            if "error" in event:
-                raise _StreamFailure(ErrorKind.STREAM_ERROR.value, json.dumps(event["error"])[:300])
-            if chunk_text(event, self._endpoint):
-                result.chunk_times.append(now)
-            usage = event.get("usage")
-            if isinstance(usage, dict):
-                result.output_tokens = usage.get("completion_tokens", result.output_tokens)
-                result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+        async with contextlib.aclosing(sse_data(resp.content.iter_any())) as events:
+            async for data in events:
+                now = time.perf_counter()
+                event = parse_event(data)
+                if event is DONE:
+                    done = True
+                    break
+                if "error" in event:
+                    raise _StreamFailure(ErrorKind.STREAM_ERROR.value, json.dumps(event["error"])[:300])
+                if chunk_text(event, self._endpoint):
+                    result.chunk_times.append(now)
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+                    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         if not done:
             raise _StreamFailure(ErrorKind.DISCONNECTED.value, "stream ended without [DONE]")
         if not result.chunk_times:
             raise _StreamFailure(ErrorKind.EMPTY.value, "no content chunk in the stream")
 
 
-DONE = object()  # the `data: [DONE]` sentinel
+DONE = object()  # the `data: [DONE]` event
 
 
-def parse_sse_line(raw: bytes) -> dict | object | None:
-    """One SSE line -> its JSON object, ``DONE``, or None (blank, comment, other fields).
+def parse_event(data: bytes) -> dict | object:
+    """One SSE event's data (``xpyd.api.sse``) -> its JSON object, or ``DONE``.
 
-    Raises ``_StreamFailure(bad_response)`` for a data line that is not JSON."""
-    line = raw.strip()
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    if data == b"[DONE]":
+    Raises ``_StreamFailure(bad_response)`` for data that is not a JSON object."""
+    if data.strip() == DONE_DATA:
         return DONE
     try:
         obj = json.loads(data)

@@ -1,9 +1,9 @@
 """Reading the decode worker's SSE answer: tokens 2..n, then usage, then ``[DONE]``.
 
-Lines that are not ``data:`` are skipped; an error event ends the stream with
-an UpstreamError (``in_stream_error``), and so does a stream that ends without
-a finish reason. After ``[DONE]`` the (empty) rest of the body is read briefly
-so the connection goes back to the pool.
+``xpyd.api.sse`` splits the body into events; an error event ends the stream
+with an UpstreamError (``in_stream_error``), and so does a stream that ends
+without a finish reason. After ``[DONE]`` the (empty) rest of the body is read
+briefly so the connection goes back to the pool.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from xpyd.api.openai import RequestKind
+from xpyd.api.responses import DONE_DATA
+from xpyd.api.sse import sse_data
 from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors
 from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
@@ -35,23 +37,21 @@ class DecodeStream:
     async def deltas(self) -> AsyncIterator[Delta]:
         finished = False
         with upstream_errors(self._worker):
-            async for line in self._resp.content:
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, event names
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    await self._release()
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise in_stream_error(obj["error"], self._worker)
-                if obj.get("usage"):
-                    self.usage = parse_usage(obj["usage"])
-                for choice in obj.get("choices") or ():
-                    delta = parse_delta(choice, self._kind)
-                    if delta is not None:
-                        finished = finished or delta.finish_reason is not None
-                        yield delta
+            async with contextlib.aclosing(sse_data(self._resp.content.iter_any())) as events:
+                async for data in events:
+                    if data.strip() == DONE_DATA:
+                        await self._release()
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        raise in_stream_error(obj["error"], self._worker)
+                    if obj.get("usage"):
+                        self.usage = parse_usage(obj["usage"])
+                    for choice in obj.get("choices") or ():
+                        delta = parse_delta(choice, self._kind)
+                        if delta is not None:
+                            finished = finished or delta.finish_reason is not None
+                            yield delta
         if not finished:
             raise UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "
                                 "without a finish_reason", worker=self._worker)
