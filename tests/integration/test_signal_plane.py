@@ -228,8 +228,8 @@ def test_refused_connection_fails_at_once_and_reconnects_on_demand(server):
     try:
         t0 = time.monotonic()
         p = c.peer(f"127.0.0.1:{port}")
-        _, failed = _pump(c, lambda r, f: f, timeout=3)
-        assert failed == [p] and "refused the connection" in p.error and time.monotonic() - t0 < 2
+        _, failed = _pump(c, lambda r, f: f, timeout=15)
+        assert failed == [p] and "refused the connection" in p.error and time.monotonic() - t0 < 10  # not 30 s
         s, _ = server
         addr = f"127.0.0.1:{s.port}"
         q = c.peer(addr)
@@ -251,8 +251,8 @@ def test_peer_that_dies_fails_at_once_and_a_new_one_is_reached(server):
         assert p.state is PeerState.READY
         t0 = time.monotonic()
         s.close()  # its connection drops, like a killed process
-        _, failed = _pump(c, lambda r, f: f, timeout=3)
-        assert failed == [p] and "closed the connection" in p.error and time.monotonic() - t0 < 2
+        _, failed = _pump(c, lambda r, f: f, timeout=15)
+        assert failed == [p] and "closed the connection" in p.error and time.monotonic() - t0 < 10  # not 30 s
         assert c.get(addr) is p and p.sock.closed
         s2 = SignalServer("127.0.0.1", s.port, h)  # back on the same address
         s2.start()

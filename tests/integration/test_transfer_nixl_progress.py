@@ -127,7 +127,7 @@ def test_receiver_abort_finishes_the_read_without_the_engine(tcp_pair):
         assert rtok.state() is TransferState.TRANSFERRING
         t0 = time.monotonic()
         b.backend.abort("ab")  # the engine thread's abort: the reader checks its READ itself and lets go
-        assert time.monotonic() - t0 < 3.0  # not the 10 s io_timeout
+        assert time.monotonic() - t0 < 5.0  # not the 10 s io_timeout
         assert rtok.failed() and rtok.error == "aborted"
         assert stok.wait(TIMEOUT) and stok.failed() and "aborted by the receiver" in stok.error
 
@@ -137,7 +137,7 @@ def test_progress_never_waits_for_the_agent(pair):
     with a.backend._agent._lock:  # a backend thread inside NIXL
         t0 = time.monotonic()
         a.backend.progress()
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 1.0  # (waiting for the lock this thread holds would never return)
 
 
 def test_without_any_progress_timeouts_fire_and_close_works():

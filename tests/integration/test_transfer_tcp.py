@@ -273,7 +273,8 @@ def test_sender_abort_mid_stream_stops_reading_the_pool():
 def test_hung_peer_times_out_and_polls_never_block():
     """A peer that accepts but never answers: tokens poll instantly, queued jobs abort, the send times out."""
     listener = socket.create_server(("127.0.0.1", 0))
-    a = Side(b"\x05" * SIZE, io_timeout=0.5)
+    io_timeout = 2.0
+    a = Side(b"\x05" * SIZE, io_timeout=io_timeout)
     try:
         peer = BackendDescriptor("tcp", f"127.0.0.1:{listener.getsockname()[1]}", SIZE)
         t0 = time.monotonic()
@@ -291,8 +292,9 @@ def test_hung_peer_times_out_and_polls_never_block():
             time.sleep(0.001)
         elapsed = time.monotonic() - t0
         assert TransferState.TRANSFERRING in states and queued.error == "aborted"
-        assert first.failed() and "no progress within 0.5s" in first.error
-        assert 0.4 < elapsed < 3 and slowest < 0.2  # a blocking poll would take the whole 0.5 s
+        assert first.failed() and f"no progress within {io_timeout:g}s" in first.error
+        assert io_timeout * 0.8 < elapsed < io_timeout + 8
+        assert slowest < io_timeout / 4  # a blocking poll would take the whole io_timeout
     finally:
         a.backend.close()
         listener.close()
@@ -303,8 +305,8 @@ def test_closed_peer_fails_fast(pair):
     b.backend.close()
     t0 = time.monotonic()
     stok = a.backend.send("late", [Region(0, 100)], b.desc, [Region(0, 100)])
-    assert stok.wait(5) and stok.failed() and "cannot connect" in stok.error
-    assert time.monotonic() - t0 < 2
+    assert stok.wait(10) and stok.failed() and "cannot connect" in stok.error
+    assert time.monotonic() - t0 < 4  # refused at once: not the 5 s io_timeout
     assert untouched(b.buf)
 
 
@@ -419,7 +421,7 @@ def test_close_fails_outstanding_and_joins_threads():
         time.sleep(0.001)
     t0 = time.monotonic()
     a.backend.close()
-    assert time.monotonic() - t0 < 1  # close wakes blocked threads, no waiting out io_timeout
+    assert time.monotonic() - t0 < 10  # close wakes blocked threads, no waiting out io_timeout (30 s)
     assert _threads() == []
     assert rtok.failed() and stok.failed() and "closed" in rtok.error and "closed" in stok.error
     a.backend.close()  # idempotent

@@ -38,6 +38,27 @@ def workers(tmp_path_factory, tiny_model_dir: Path):
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """Greedy single-process transformers generate() on the same folder, float32: (text, tokens, finish)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+    def generate(prompt: str, n: int) -> tuple[str, int, str]:
+        ids = tok(prompt).input_ids
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False)
+        new = out[0, len(ids):].tolist()
+        finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
+        return tok.decode(new, skip_special_tokens=True), len(new), finish
+
+    return generate
+
+
 def _post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -77,7 +98,7 @@ def _assert_idle(url: str, timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def test_matching_pair_serves_through_worker_apis(workers):
+def test_matching_pair_serves_through_worker_apis(workers, reference):
     dinfo = _info(workers["decode_ok"])
     pinfo = _info(workers["prefill"])
     assert pinfo["role"] == "prefill" and dinfo["role"] == "decode" and pinfo["signal_addr"] == workers["signal"]
@@ -97,8 +118,13 @@ def test_matching_pair_serves_through_worker_apis(workers):
     (ps, pbody), (ds, dbody) = out["p"], out["d"]
     assert ps == 200 and ds == 200, (pbody, dbody)
     assert pbody["id"] == rid and dbody["id"] == rid  # used verbatim
-    assert pbody["usage"]["completion_tokens"] == 1 and dbody["usage"]["completion_tokens"] == 6
-    assert dbody["choices"][0]["finish_reason"] in ("length", "stop")
+    want_text, want_n, want_finish = reference(body["prompt"], 6)
+    first_text, first_n, _ = reference(body["prompt"], 1)
+    # prefill answers with the first token; decode continues after it (the proxy joins the two texts)
+    assert pbody["choices"][0]["text"] == first_text and pbody["usage"]["completion_tokens"] == first_n == 1
+    assert pbody["choices"][0]["text"] + dbody["choices"][0]["text"] == want_text
+    assert dbody["usage"]["completion_tokens"] == want_n
+    assert dbody["choices"][0]["finish_reason"] == want_finish
 
 
 @pytest.mark.parametrize("headers,body,status,needle", [

@@ -18,6 +18,7 @@ from tests.integration.faults.fault_helpers import decode_body as _decode_body
 from tests.integration.faults.fault_helpers import pair as _pair
 from tests.integration.faults.fault_helpers import prefill_body as _prefill_body
 from tests.integration.faults.fault_helpers import rid_for as _rid
+from tests.waiting import wait_until
 
 
 def test_right_token_serves_and_both_sides_end_idle(fault_workers):
@@ -51,14 +52,14 @@ def test_unpulled_kv_is_freed_after_kv_ttl_and_a_later_pull_is_told_expired(faul
     _, urls = fault_workers
     rid = _rid(urls)
     expired_before = stats(urls["prefill"])["expired"]
+    t_sent = time.monotonic()  # its lease starts after this (when prefill has run), so it ends after +KV_TTL
     status, body = post(urls["prefill"], _prefill_body(), rid)
-    t_first = time.monotonic()
     assert status == 200 and body["usage"]["completion_tokens"] == 1, body
     held = stats(urls["prefill"])
     assert held["kv_slots_used"] == 1 and held["transferring"] == 1 and held["kv_used_bytes"] > 0, held
-    s = wait_idle(urls["prefill"], timeout=KV_TTL + 5)
-    freed_after = time.monotonic() - t_first
-    assert KV_TTL * 0.8 <= freed_after <= KV_TTL + 5
+    s = wait_idle(urls["prefill"], timeout=KV_TTL + 10)
+    freed_after = time.monotonic() - t_sent
+    assert KV_TTL * 0.9 <= freed_after <= KV_TTL + 10
     assert s["expired"] == expired_before + 1
     t0 = time.monotonic()
     status, body = post(urls["decode"], _decode_body(), rid)
@@ -77,7 +78,7 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     elapsed = time.monotonic() - t0
     assert status == 504, body
     assert f"within {PREFILL_WAIT:g}s" in body["error"]["message"]
-    assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + 3
+    assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + 10  # (the wait starts after t0)
     s = wait_idle(urls["decode"])
     assert s["failures"].get("timeout", 0) >= 1
     # The decode worker released it: the prefill request arriving now is refused, no KV is held for it.
@@ -145,11 +146,8 @@ def _open_decode_stream(urls: dict, rid: str) -> socket.socket:
     return sock
 
 
-def _wait_for(url: str, key: str, value: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stats(url)[key] != value and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stats(url)[key] == value, stats(url)
+def _wait_for(url: str, key: str, value: int) -> None:
+    wait_until(lambda: stats(url)[key] == value, f"{key} == {value} on {url}")
 
 
 def test_client_gone_while_decode_waits_releases_on_prefill(fault_workers):
@@ -198,6 +196,7 @@ def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
     victim = next(p for p in cluster.procs if p.name == "prefill_victim")
     rids = [_rid(urls, prefill="prefill_victim") for _ in range(4)]
     results: dict[str, tuple[float, int, dict]] = {}
+    before = stats(urls["decode"])
 
     def call(rid: str) -> None:
         status, body = post(urls["decode"], _decode_body(), rid)
@@ -206,11 +205,10 @@ def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
     threads = [threading.Thread(target=call, args=(r,)) for r in rids]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while stats(urls["decode"])["waiting"] < 4 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stats(urls["decode"])["waiting"] == 4
-    time.sleep(0.3)  # the decode worker is connected and polling the victim
+    # all four wait, and the decode worker is connected to the victim and asking it about each of them
+    wait_until(lambda: stats(urls["decode"])["waiting"] == 4, "4 requests waiting on decode")
+    wait_until(lambda: stats(urls["decode"])["status_polls"] >= before["status_polls"] + 4,
+               "decode asking the victim about all 4 requests")
     killed_at = time.monotonic()
     os.kill(victim.popen.pid, signal.SIGKILL)
     victim.popen.wait(10)
@@ -219,14 +217,16 @@ def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
     assert set(results) == set(rids)
     for ended, status, body in results.values():
         assert status == 502, body
-        assert "closed the connection" in body["error"]["message"], body
-        assert ended - killed_at < 2.0  # not the prefill-wait timeout
-    wait_idle(urls["decode"])
+        assert "closed the connection" in body["error"]["message"], body  # not the prefill-wait timeout
+        assert ended - killed_at < PREFILL_WAIT
+    s = wait_idle(urls["decode"])
+    assert s["failures"].get("peer", 0) == before["failures"].get("peer", 0) + 4
+    assert s["failures"].get("timeout", 0) == before["failures"].get("timeout", 0)
     # New requests for the dead worker fail fast too (connection refused), and the others still work.
     t0 = time.monotonic()
     status, body = post(urls["decode"], _decode_body(), _rid(urls, prefill="prefill_victim"))
     assert status == 502 and "refused the connection" in body["error"]["message"], body
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < PREFILL_WAIT  # not the prefill-wait timeout
     (ps, _), (ds, dbody) = _pair(urls, _rid(urls))
     assert ps == 200 and ds == 200, dbody
     wait_idle(urls["decode"])
