@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -113,3 +114,86 @@ def start_1p1d(workdir: Path, model: str, dtype: str = "float32", batch_size: in
         c.stop()
         raise
     return c, urls
+
+
+# --- `xpyd up` as a child process -------------------------------------------------------------
+
+STARTUP = 120.0  # generous: a worker's start-up time on a busy 2-core machine
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Wait for ``predicate()`` to hold (polled every 0.1 s); fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.1)
+
+
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1, below the ephemeral range (32768-60999 on Linux),
+    so that no outgoing connection of another process takes one of them before the server binds it."""
+    rng = random.Random()
+    for _ in range(500):
+        p = rng.randrange(20000, 32000 - n)
+        if all(_bindable(p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no free port range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def up_child_pid(up_pid: int, role: str, port: int) -> int:
+    """The pid of `xpyd up`'s child serving ``role`` on HTTP ``port``."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or role.encode() not in argv:
+            continue
+        i = argv.index(b"--port")
+        if argv[i + 1] == str(port).encode():
+            return int(d.name)
+    raise LookupError(f"no {role} child on port {port}")
+
+
+class UpProcess:
+    """`xpyd up` on free ports (prefill and decode HTTP ports with room for 2 workers each)."""
+
+    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+        self.port, self.pp, self.dp = free_port_run(1), free_port_run(4), free_port_run(4)
+        self.log = log
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "xpyd", "up", "--model", str(model), "--port", str(self.port),
+             "--prefill-port", str(self.pp), "--decode-port", str(self.dp), "--dtype", "float32",
+             "--threads", "1", *extra],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        wait_until(lambda: self.proc.poll() is not None or "Press Ctrl-C to stop" in self.text(), 2 * STARTUP,
+                   "xpyd up ready")
+        assert self.proc.poll() is None, self.text()[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

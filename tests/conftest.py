@@ -26,6 +26,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
     initializer_range=0.5 so its outputs depend on the context: with the usual 0.02 every token
     predicts the same thing and a corrupted KV cache would go unnoticed.
     """
+    return _tiny_llama(tmp_path_factory, smollm_dir, max_positions=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    """The same tiny Llama with a 4,096-token context, for long prompts."""
+    return _tiny_llama(tmp_path_factory, smollm_dir, max_positions=4096)
+
+
+def _tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path, max_positions: int) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +47,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         initializer_range=0.5,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,40 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import free_port
+from tests.cluster import STARTUP, UpProcess as Up, free_port_run as _free_run, up_child_pid as _worker_pid
+from tests.cluster import wait_until as _wait
 from tests.e2e.test_dead_workers import CLIENTS, FAULT_BOUND, Load, _on, stream_once
-from xpyd.child import die_with_parent
-
-STARTUP = 120.0  # generous: a worker's start-up time on a busy 2-core machine
-
-
-def _free_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free."""
-    for _ in range(200):
-        p = free_port()
-        if p + n < 65535 and all(_bindable(p + i) for i in range(1, n)):
-            return p
-    raise RuntimeError("no free port range")
-
-
-def _bindable(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
-        time.sleep(0.1)
-
 
 def _json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -67,56 +34,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _worker_pid(up_pid: int, role: str, port: int) -> int:
-    """The pid of `xpyd up`'s child serving ``role`` on HTTP ``port``."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != up_pid or role.encode() not in argv:
-            continue
-        i = argv.index(b"--port")
-        if argv[i + 1] == str(port).encode():
-            return int(d.name)
-    raise LookupError(f"no {role} child on port {port}")
-
-
-class Up:
-    def __init__(self, model: Path, log: Path, *extra: str) -> None:
-        self.port, self.pp, self.dp = free_port(), _free_run(4), _free_run(4)
-        self.log = log
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xpyd", "up", "--model", str(model), "--port", str(self.port),
-             "--prefill-port", str(self.pp), "--decode-port", str(self.dp), "--dtype", "float32",
-             "--threads", "1", "--max-model-len", "256", *extra],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        _wait(lambda: self.proc.poll() is not None or "Press Ctrl-C to stop" in self.text(), 2 * STARTUP,
-              "xpyd up ready")
-        assert self.proc.poll() is None, self.text()[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_model_dir: Path, tmp_path: Path):
     etcd_port = _free_run(2)
-    up = Up(tiny_model_dir, tmp_path / "up.log", "--prefill", "2", "--decode", "2", "--etcd-port", str(etcd_port),
+    up = Up(tiny_model_dir, tmp_path / "up.log", "--max-model-len", "256", "--prefill", "2", "--decode", "2",
+            "--etcd-port", str(etcd_port),
             "--batch-size", "4")
     try:
         up.wait_ready()
@@ -164,7 +85,7 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
 
 def test_static_1p1d_answers_503_while_its_decode_worker_is_down_then_serves_again(tiny_model_dir: Path,
                                                                                    tmp_path: Path):
-    up = Up(tiny_model_dir, tmp_path / "up.log")
+    up = Up(tiny_model_dir, tmp_path / "up.log", "--max-model-len", "256")
     try:
         up.wait_ready()
         assert stream_once(up.url, 0).outcome == "ok"

@@ -29,6 +29,10 @@ EVERY_MESSAGE = [
                                        3, "why" if s is m.LookupStatus.FAILED else None) for s in m.LookupStatus)),
     m.Release("10.0.0.2:7200", (RID, "xpyd-short")),
     m.ReleaseReply(2),
+    m.Heartbeat("10.0.0.2:7200"),
+    m.HeartbeatReply(),
+    m.Notify((m.LookupResult(RID, m.LookupStatus.READY, 7, 3), m.LookupResult(RID, m.LookupStatus.EXPIRED,
+                                                                            error="KV expired"))),
     m.ErrorReply("handshake first"),
 ]
 

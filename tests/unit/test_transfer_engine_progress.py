@@ -67,6 +67,9 @@ class _Signal:
         self.timeouts.append(timeout_ms)
         return [], []
 
+    def heartbeat(self, interval: float) -> None:
+        pass
+
     def get(self, addr: str):
         return None
 

@@ -1,7 +1,11 @@
 """Decode engine: pulls KV from prefill workers and runs the continuous decode batch.
 
 One engine thread owns the scheduler, the signal-plane DEALERs and the model.
-Each step: take new requests/aborts, read signal replies, call the transfer
+A new request is *claimed* at its prefill worker at once (a lookup without a destination); the
+prefill worker pushes ``notify`` when the request is ready (first token) or ended there, so no
+request is polled for (a safety re-ask goes out only after ``SAFETY_REASK`` seconds without news).
+Heartbeats keep every connected prefill worker told that this worker is alive.
+Each step: take new requests/aborts, read signal replies and notifies, call the transfer
 backend's ``progress()`` while a pull is in flight, poll transfer tokens
 (arrived requests join the batch), start pulls for ready requests while the
 batch has room, then run one decode step over every running request. Transfers
@@ -25,7 +29,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
-from xpyd.decode_worker.poll_schedule import PollSchedule
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
@@ -44,7 +47,8 @@ from xpyd.transfer.base import Region, TransferBackend
 
 log = logging.getLogger(__name__)
 
-LOOKUP_INTERVAL = 0.002  # status polls per prefill peer while requests wait
+SAFETY_REASK = 5.0  # seconds a claimed request waits without news before it is asked about again
+HEARTBEAT_INTERVAL = 1.0  # a prefill peer sent nothing for this long gets a heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +66,9 @@ class DecodeEngine(WorkerEngine):
         self.sched = DecodeScheduler(config.batch_size, self.pool)
         self.signal: SignalClient | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
-        self._polls = PollSchedule()  # status polls wait until a prefill could be done
-        self._next_poll = 0.0  # monotonic time the next held-back status poll is due
-        self._status_polls = 0  # "is it ready?" entries sent (not pulls)
+        self._asked: dict[str, float] = {}  # waiting request id -> when it was last claimed / asked about
+        self._claims = 0  # requests claimed at their prefill worker
+        self._status_polls = 0  # safety re-asks about claimed requests (no news for SAFETY_REASK)
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
@@ -107,7 +111,7 @@ class DecodeEngine(WorkerEngine):
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
                        "pulls": dict(self._pulls), "failures": dict(self._failures),
-                       "status_polls": self._status_polls}
+                       "claims": self._claims, "status_polls": self._status_polls}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
@@ -130,11 +134,10 @@ class DecodeEngine(WorkerEngine):
             timeout_ms = 0
         elif self.sched.num_transferring:
             timeout_ms = int(TRANSFER_POLL * 1000)
-        elif self.sched.has_work():  # waiting requests: sleep until the next status poll is due
-            timeout_ms = min(50, max(2, int((self._next_poll - time.monotonic()) * 1000)))
-        else:
+        else:  # (a notify or a reply wakes the poll at once)
             timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
+        self.signal.heartbeat(HEARTBEAT_INTERVAL)
         if self.sched.num_transferring:
             self.transfer.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
@@ -204,7 +207,7 @@ class DecodeEngine(WorkerEngine):
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
 
     def _fail_peer(self, addr: str, error: str) -> None:
-        self._polls.forget(addr)  # a restarted worker may be faster or slower
+        self._pending_pulls.pop(addr, None)  # (their requests fail below)
         for seq in self.sched.waiting() + self.sched.transferring():
             if seq.prefill_addr == addr:
                 self._fail_seq(seq, 502, error, "peer")
@@ -225,7 +228,7 @@ class DecodeEngine(WorkerEngine):
                 error = f"KV from prefill worker {seq.prefill_addr} did not arrive within {limit:g}s"
             self._fail_seq(seq, 504, error, "timeout", release=True)
 
-    def _on_lookup_reply(self, addr: str, reply: m.LookupReply) -> None:
+    def _on_lookup_reply(self, addr: str, reply: m.LookupReply | m.Notify) -> None:
         S = m.LookupStatus
         for r in reply.results:
             seq = self.sched.get(r.request_id)
@@ -245,7 +248,6 @@ class DecodeEngine(WorkerEngine):
                     self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
                                    release=True)
                     continue
-                self._polls.observe(addr, seq.payload.arrival, time.monotonic(), len(seq.prompt_ids))
                 self._first_token(seq, r.first_token)
 
     def _first_token(self, seq: DecodeSeq, token: int) -> None:
@@ -282,29 +284,32 @@ class DecodeEngine(WorkerEngine):
         self.metrics.observe_e2e(time.monotonic() - item.arrival)
 
     def _send_lookups(self) -> None:
+        """Pulls for requests given a slot; claims for new requests; a safety re-ask for old claims."""
         now = time.monotonic()
         status: dict[str, list[m.LookupEntry]] = {}
-        next_poll = now + 0.05
         for seq in self.sched.waiting():
-            if not seq.ready:
-                due = self._polls.start_at(seq.prefill_addr, seq.payload.arrival, len(seq.prompt_ids))
-                if due > now:  # its prefill cannot be done yet: do not disturb it
-                    next_poll = min(next_poll, due)
-                    continue
-                next_poll = now
-                status.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, None))
-        self._next_poll = next_poll
+            asked = self._asked.get(seq.request_id)
+            if seq.ready or (asked is not None and now - asked < SAFETY_REASK):
+                continue
+            status.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, None))
         for addr in set(status) | set(self._pending_pulls):
             peer = self.signal.get(addr)
             if peer is None or peer.state is not PeerState.READY:
                 continue
-            pulls = self._pending_pulls.pop(addr, [])
-            entries = pulls
-            if not peer.lookup_in_flight and now - peer.last_lookup >= LOOKUP_INTERVAL:
-                entries = pulls + status.get(addr, [])
-                self._status_polls += len(status.get(addr, ()))
+            entries = self._pending_pulls.pop(addr, [])
+            if not peer.lookup_in_flight:  # (claims wait for the previous answer: one lookup in flight)
+                for e in status.get(addr, ())[: m.MAX_ENTRIES - len(entries)]:
+                    if e.request_id in self._asked:
+                        self._status_polls += 1
+                    else:
+                        self._claims += 1
+                    self._asked[e.request_id] = now
+                    entries.append(e)
             if entries:
                 self.signal.send_lookup(addr, entries[: m.MAX_ENTRIES])
+        if len(self._asked) > self.sched.num_waiting:  # forget requests that left the queue
+            waiting = {seq.request_id for seq in self.sched.waiting()}
+            self._asked = {rid: t for rid, t in self._asked.items() if rid in waiting}
 
     def _decode_step(self) -> None:
         running = self.sched.running()

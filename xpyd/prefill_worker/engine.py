@@ -6,8 +6,13 @@ every ``TRANSFER_POLL``), the signal-server thread (answers decode workers;
 starts sends), transfer threads (move bytes). The scheduler is shared between
 the first two under one lock.
 
-Faults: KV that no decode worker pulls within ``kv_ttl`` is freed, and a later
-lookup for it is answered ``expired``; requests that ended here unpulled
+Readiness is pushed: a decode worker claims a request (a lookup without a destination) as soon
+as it has it; the moment the prefill ends (or the request fails or expires here), the server
+thread pushes a ``notify`` to the claimant.
+
+Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a
+later lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or
+until its decode worker has sent nothing (heartbeats included) for ``peer_timeout``; requests that ended here unpulled
 (aborted, failed) are remembered for a while so lookups get a clear answer; a
 release that arrives before its request drops the request on arrival. With a
 cluster token configured, a decode worker must present it at the handshake
@@ -22,6 +27,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from cachetools import TTLCache
@@ -78,13 +84,16 @@ class PrefillEngine(WorkerEngine):
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
         self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
-        # Decode identities whose handshake was accepted, least recently active first.
-        self._handshaken: OrderedDict[str, None] = OrderedDict()
+        # Decode identities whose handshake was accepted -> when we last heard from them, least recent first.
+        self._handshaken: OrderedDict[str, float] = OrderedDict()
         retention = max(MIN_RETENTION, config.kv_ttl)
         # request id -> (status, error) of requests that ended here before a decode worker pulled them
         self._ended: TTLCache[str, tuple[m.LookupStatus, str]] = recent_ids(retention, MAX_REMEMBERED)
         # request ids released before they arrived here (value: True)
         self._released_early: TTLCache[str, bool] = recent_ids(retention, MAX_REMEMBERED)
+        # request ids claimed by their decode worker before they arrived here (value: True)
+        self._early_claims: TTLCache[str, bool] = recent_ids(retention, MAX_REMEMBERED)
+        self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
         self._expired = 0
         self._left: dict[str, float] = {}  # decode workers that left the cluster -> when
         self._released_on_arrival = 0
@@ -120,9 +129,10 @@ class PrefillEngine(WorkerEngine):
         for item in self.drain_inbox():
             with self._lock:
                 if isinstance(item, Abort):
+                    seq = self.sched.get(item.request_id)
                     if self._release(item.request_id):
-                        self._ended[item.request_id] = (m.LookupStatus.FAILED, "aborted on the prefill worker "
-                                                        "(its client went away)")
+                        self._record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the prefill worker "
+                                         "(its client went away)", seq.claimed)
                     elif item.request_id not in self._ended:
                         # The proxy gave up before the request itself got here (its two HTTP calls raced):
                         # drop it on arrival instead of holding its KV for a whole lease.
@@ -134,7 +144,7 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             self._sends_ended(self.sched.poll())
             self._expire(time.monotonic())
-            seq = self.sched.next_to_run()
+            seq = self.sched.next_to_run(self._live_peers(time.monotonic()))
             sending = self.sched.sends_in_flight()
         if sending:
             self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
@@ -155,39 +165,61 @@ class PrefillEngine(WorkerEngine):
         elif self._released_early.pop(rid, False):
             # Its decode worker gave up on it (aborted or timed out) before it arrived here. Remembered as
             # ended, so a decode worker still waiting for it is answered FAILED, not "unknown".
-            self._ended[rid] = (m.LookupStatus.FAILED, RELEASED_EARLY)
+            self._record_end(rid, m.LookupStatus.FAILED, RELEASED_EARLY, self._early_claims.pop(rid, False))
             self._released_on_arrival += 1
             item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
                                           "gave up on it)"))
             self.metrics.request_done("aborted")
         else:
             item.start_output(self.tokenizer)
-            self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item))
+            self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
+                                      claimed=self._early_claims.pop(rid, False)))
 
     def _expire(self, now: float) -> None:
-        """Free KV that waited for a pull longer than its lease; later lookups are answered 'expired'.
+        """Free KV that waits for a pull in vain; later lookups are answered 'expired'.
 
-        The lease is kv_ttl, or LEFT_PEER_GRACE once the decode worker it waits for left the cluster.
+        Unclaimed KV is kept for kv_ttl; claimed KV while its decode worker lives (it sent anything within
+        peer_timeout); either for LEFT_PEER_GRACE once the decode worker left the cluster (discovery).
         """
-        ttl = self.config.kv_ttl
+        ttl, silent = self.config.kv_ttl, self.config.peer_timeout
         for addr, left_at in list(self._left.items()):
             if now - left_at >= ttl:  # whatever it held has expired by now
                 del self._left[addr]
-        late = {s.request_id: f"not pulled within kv_ttl={ttl:g}s" for s in self.sched.expired(now, ttl)}
-        if self._left:
-            grace = min(ttl, LEFT_PEER_GRACE)
-            for seq in self.sched.expired(now, grace):
-                left_at = self._left.get(_decode_addr_of(seq.request_id) or "")
-                if left_at is not None and now - left_at >= grace and seq.request_id not in late:
-                    late[seq.request_id] = f"its decode worker left the cluster and did not pull it within {grace:g}s"
-        for rid, why in late.items():
-            self.sched.release(rid, RequestState.FAILED)
+        grace = min(ttl, LEFT_PEER_GRACE)
+        late = {}
+        for seq in self.sched.held():
+            left_at = self._left.get(seq.peer)
+            if left_at is not None and now - max(left_at, seq.held_since) >= grace:
+                late[seq] = f"its decode worker left the cluster and did not pull it within {grace:g}s"
+            elif seq.claimed and now - self._handshaken.get(seq.peer, 0.0) >= silent:
+                late[seq] = f"its decode worker {seq.peer} claimed it but sent nothing for {silent:g}s"
+            elif not seq.claimed and now - seq.held_since >= ttl:
+                late[seq] = f"not pulled within kv_ttl={ttl:g}s"
+        for seq, why in late.items():
+            self.sched.release(seq.request_id, RequestState.FAILED)
             self.metrics.request_done("failed")
             self._expired += 1
-            self._ended[rid] = (m.LookupStatus.EXPIRED, f"KV expired: {why}, freed")
-            log.info("request %s: KV %s, freed", rid, why)
+            self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
+            log.info("request %s: KV %s, freed", seq.request_id, why)
         self._ended.expire()
         self._released_early.expire()
+        self._early_claims.expire()
+
+    def _live_peers(self, now: float) -> int:
+        """Decode workers heard from within peer_timeout and not gone from the cluster."""
+        silent = self.config.peer_timeout
+        return sum(1 for addr, seen in self._handshaken.items() if now - seen < silent and addr not in self._left)
+
+    def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
+        """Remember how a request ended here unpulled; tell the decode worker that claimed it."""
+        self._ended[request_id] = (status, error)
+        if claimed:
+            self._push(request_id, m.LookupResult(request_id, status, error=error))
+
+    def _push(self, request_id: str, result: m.LookupResult) -> None:
+        peer = _decode_addr_of(request_id)
+        if self.notify is not None and peer is not None:
+            self.notify(peer, m.Notify((result,)))
 
     def _update_metrics(self) -> None:
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
@@ -208,7 +240,8 @@ class PrefillEngine(WorkerEngine):
             log.exception("prefill failed for %s", seq.request_id)
             with self._lock:
                 self.sched.fail_running(seq, str(e))
-                self._ended[seq.request_id] = (m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}")
+                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
+                                 seq.claimed)
             self.metrics.request_done("failed")
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
@@ -220,6 +253,10 @@ class PrefillEngine(WorkerEngine):
             self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
                 self.metrics.request_done(_outcome(seq))
+            elif seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
+                # that arrives later is answered READY by the lookup itself)
+                self._push(seq.request_id, m.LookupResult(seq.request_id, m.LookupStatus.READY, token,
+                                                          len(seq.prompt_ids)))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
 
     def _release(self, request_id: str) -> int:
@@ -263,7 +300,7 @@ class PrefillEngine(WorkerEngine):
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)
         with self._lock:
-            self._handshaken[identity] = None
+            self._handshaken[identity] = time.monotonic()
             self._handshaken.move_to_end(identity)
             self._left.pop(identity, None)  # back (restarted on the same address)
             while len(self._handshaken) > MAX_PEERS:  # forget the least recently active (it shakes hands again)
@@ -276,8 +313,12 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             if identity not in self._handshaken:
                 return False
+            self._handshaken[identity] = time.monotonic()
             self._handshaken.move_to_end(identity)
             return True
+
+    def on_heartbeat(self, identity: str, msg: m.Heartbeat) -> m.HeartbeatReply | m.ErrorReply:
+        return m.HeartbeatReply() if self._known(identity) else m.ErrorReply("handshake first")
 
     def _check_token(self, presented: str | None) -> str | None:
         """Why a handshake is refused for its cluster token, or None if it may proceed."""
@@ -331,7 +372,11 @@ class PrefillEngine(WorkerEngine):
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
             if e.request_id in self._released_early:  # will be refused when it arrives: do not wait for it
                 return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
+            if e.dest_offset is None:
+                self._early_claims[e.request_id] = True  # claimed on arrival; notified when ready
             return m.LookupResult(e.request_id, S.UNKNOWN)
+        if e.dest_offset is None:
+            seq.claimed = True  # notified when ready (or ended); its KV waits for this decode worker
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
             return m.LookupResult(e.request_id, S.NOT_READY)
         n = len(seq.prompt_ids)

@@ -15,6 +15,7 @@ def start_engine(parts: EngineParts) -> tuple[PrefillEngine, Callable[[], None]]
     config = parts.config
     engine = PrefillEngine(parts.runner, parts.tokenizer, config, parts.transfer, parts.served)
     server = SignalServer(config.host, config.signal_port, engine)
+    engine.notify = server.push  # "ready" goes to the decode worker that claimed the request
     server.start()
     engine.start(host_port(config.public_host, server.port))
     return engine, server.close

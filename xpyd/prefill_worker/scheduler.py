@@ -5,16 +5,23 @@ Queues a request moves through::
     waiting --(nothing running, room)--> running --(first token)--> transferring
     transferring: KV held in the pool until a decode worker pulls it; then the
     send's completion token is polled each step --> finished (slot freed)
-    KV held (no send started) longer than the lease (kv_ttl) is ``expired``: the
-    engine releases it.
+    KV held (no send started) and not claimed by its decode worker longer than the
+    lease (kv_ttl) is ``expired``: the engine releases it. Claimed KV stays until it
+    is pulled, released, or its decode worker is gone (the engine decides that).
 
 Invariants: at most one request RUNNING; RUNNING + TRANSFERRING <= batch_size;
 every RUNNING/TRANSFERRING request owns exactly one slot.
+
+Admission per decode worker: KV waits here for the decode worker named in the request id,
+so one slow or full decode worker must not take every slot from the others. A decode worker
+may hold at most ``batch_size`` minus one slot for each other live decode worker, and while
+requests for other decode workers wait, at most its fair share (``batch_size`` over the decode
+workers that have work here). The oldest request whose decode worker is under its cap runs next.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +44,8 @@ class PrefillSeq:
     error: str | None = None
     cancel_requested: bool = False  # abort/release while a send is in flight
     held_since: float = 0.0  # monotonic time the KV started waiting for a pull (set by prefilled)
+    peer: str = ""  # the decode worker this request's KV waits for (its address in the request id)
+    claimed: bool = False  # that decode worker claimed it: no kv_ttl; kept while the worker lives
 
     def set_state(self, new: RequestState) -> None:
         check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
@@ -76,9 +85,12 @@ class PrefillScheduler:
         return list(self._transferring.values())
 
     def expired(self, now: float, ttl: float) -> list[PrefillSeq]:
-        """Requests whose KV has waited for a pull (no send started) for ``ttl`` seconds or more."""
-        return [s for s in self._transferring.values()
-                if s.send_token is None and not s.cancel_requested and now - s.held_since >= ttl]
+        """Unclaimed requests whose KV has waited for a pull (no send started) for ``ttl`` seconds or more."""
+        return [s for s in self.held() if not s.claimed and now - s.held_since >= ttl]
+
+    def held(self) -> list[PrefillSeq]:
+        """Requests whose KV waits for a pull (no send started, not being dropped)."""
+        return [s for s in self._transferring.values() if s.send_token is None and not s.cancel_requested]
 
     def sends_in_flight(self) -> bool:
         return any(s.send_token is not None for s in self._transferring.values())
@@ -93,13 +105,19 @@ class PrefillScheduler:
         self._live[seq.request_id] = seq
         self._waiting.append(seq)
 
-    def next_to_run(self) -> PrefillSeq | None:
-        """Start the next prefill if nothing runs and there is room."""
+    def next_to_run(self, live_peers: int = 1) -> PrefillSeq | None:
+        """Start the next prefill if nothing runs and there is room (``live_peers``: decode workers alive)."""
         if self._running is not None or not self._waiting:
             return None
         if self.num_transferring + 1 > self.batch_size or not self.slots.can_allocate():
             return None
-        seq = self._waiting.popleft()
+        held = Counter(s.peer for s in self._transferring.values())
+        demand = {s.peer for s in self._waiting}
+        peers = max(live_peers, len(demand | set(held)))
+        seq = next((s for s in self._waiting if held[s.peer] < self._cap(s.peer, peers, demand)), None)
+        if seq is None:
+            return None
+        self._waiting.remove(seq)
         seq.slot = self.slots.allocate()
         seq.set_state(S.RUNNING)
         self._running = seq
@@ -168,6 +186,13 @@ class PrefillScheduler:
         return seq
 
     # --- internals ---------------------------------------------------------
+    def _cap(self, peer: str, peers: int, demand: set[str]) -> int:
+        """How many slots the KV for ``peer`` may hold (see the module docstring)."""
+        cap = self.batch_size - min(self.batch_size - 1, peers - 1)
+        if demand - {peer}:
+            cap = min(cap, -(-self.batch_size // len(demand | {peer})))
+        return max(1, cap)
+
     def _expect_running(self, seq: PrefillSeq) -> None:
         if self._running is not seq:
             raise ValueError(f"request {seq.request_id} is not the running prefill")

@@ -6,9 +6,12 @@
     DOWN worker -> GET /health     -> 200: UP again
 
 Each tick first syncs the table with the registry, so workers that left are
-forgotten even when no request comes. A probe that times out changes nothing:
+forgotten even when no request comes. One probe that times out changes nothing:
 a worker that is slow to answer is busy, not dead (requests to it have their
-own timeouts, and those do mark it down). A worker that hangs gets no second
+own timeouts, and those do mark it down). But a worker that answered none of
+``STALLED_PROBES`` probes in a row (each waited ``timeout``) is stalled (stopped,
+swapping, its event loop blocked): it is marked DOWN so no new request waits on
+it, and UP again when its /health answers. A worker that hangs gets no second
 probe while the first is pending, so one slow worker never delays the others.
 """
 
@@ -29,6 +32,7 @@ from xpyd.proxy.workers import Health, Stats, WorkerTable
 log = logging.getLogger(__name__)
 
 MAX_STATS_BYTES = 64 * 1024
+STALLED_PROBES = 3  # probes in a row without an answer: the worker is stalled, not just busy
 CLOSE_TIMEOUT = 2.0
 
 
@@ -50,6 +54,7 @@ class HealthPoller:
         self._task: asyncio.Task | None = None
         self._probes: dict[tuple[Role, str], asyncio.Task] = {}
         self._on_probe = on_probe  # after every probe: what the table says may have changed
+        self._unanswered: dict[tuple[Role, str], int] = {}  # UP worker -> probes in a row that timed out
 
     def start(self) -> None:
         if self._task is None:
@@ -90,13 +95,19 @@ class HealthPoller:
         state = self._table.get(worker)
         if state is None:
             return
+        key = (worker.role, worker.http_url)
         try:
             if state.health is Health.DOWN:
                 await self._check_health(worker)
             else:
                 await self._read_stats(worker)
-        except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead
-            pass
+            self._unanswered.pop(key, None)
+        except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead, stalled is
+            if state.health is not Health.DOWN:
+                self._unanswered[key] = missed = self._unanswered.get(key, 0) + 1
+                if missed >= STALLED_PROBES:
+                    del self._unanswered[key]
+                    self._table.mark_down(worker, f"poll: no answer to {missed} probes in a row (stalled?)")
         except aiohttp.ClientError as e:
             self._table.mark_down(worker, f"poll: {type(e).__name__}: {e}",
                                   unreachable=isinstance(e, aiohttp.ClientConnectionError))

@@ -5,6 +5,11 @@ Connecting a new peer sends ``handshake`` then ``kv_map_init``; lookups are
 only sent to a peer once both were accepted. Every request has a deadline; a
 peer that misses one is marked FAILED and its requests fail (no hang).
 
+Prefill pushes ``notify`` (seq 0) for requests this worker claimed; ``poll`` returns those with the
+lookup replies. ``heartbeat`` keeps each ready peer told that this worker is alive (prefill frees
+the KV claimed by a decode worker it has not heard from for a while) and, through the reply's
+deadline, notices a prefill worker that stopped answering.
+
 A socket monitor watches each connection: a prefill worker that dies (its TCP
 connection drops) or refuses connections is marked FAILED at once, without
 waiting for a deadline. A FAILED peer's socket is closed; the next request for
@@ -47,6 +52,7 @@ class PrefillPeer:
     pending: dict[int, tuple[str, float]] = field(default_factory=dict)  # seq -> (type, deadline)
     lookup_in_flight: bool = False
     last_lookup: float = 0.0
+    last_sent: float = 0.0  # monotonic time of the last message sent to this peer
 
 
 class SignalClient:
@@ -132,7 +138,8 @@ class SignalClient:
         except zmq.Again:
             self._fail(p, "peer not reachable (send queue full)")
             return seq
-        p.pending[seq] = (msg.TYPE, time.monotonic() + self._timeout)
+        p.last_sent = time.monotonic()
+        p.pending[seq] = (msg.TYPE, p.last_sent + self._timeout)
         return seq
 
     def pending_requests(self) -> int:
@@ -152,10 +159,18 @@ class SignalClient:
         if p is not None and p.state is PeerState.READY and request_ids:
             self._send(p, m.Release(self.identity, tuple(request_ids)))
 
+    def heartbeat(self, interval: float) -> None:
+        """Send a heartbeat to every ready peer that was sent nothing for ``interval`` seconds."""
+        now = time.monotonic()
+        for p in self._peers.values():
+            if p.state is PeerState.READY and now - p.last_sent >= interval:
+                self._send(p, m.Heartbeat(self.identity))
+
     # --- progress ----------------------------------------------------------
-    def poll(self, timeout_ms: int) -> tuple[list[tuple[str, m.LookupReply]], list[PrefillPeer]]:
-        """Wait up to timeout for replies. Returns (lookup replies, peers that just failed)."""
-        replies: list[tuple[str, m.LookupReply]] = []
+    def poll(self, timeout_ms: int) -> tuple[list[tuple[str, m.LookupReply | m.Notify]], list[PrefillPeer]]:
+        """Wait up to timeout for replies. Returns (lookup replies and pushed notifies, peers that just
+        failed)."""
+        replies: list[tuple[str, m.LookupReply | m.Notify]] = []
         events = dict(self._poller.poll(timeout_ms))
         for mon, p in list(self._by_monitor.items()):
             if mon in events:
@@ -196,6 +211,9 @@ class SignalClient:
         except m.MessageError as e:
             self._fail(p, f"bad reply from {p.addr}: {e}")
             return
+        if env.seq == 0 and isinstance(env.msg, m.Notify):  # pushed, not a reply
+            replies.append((p.addr, env.msg))
+            return
         sent = p.pending.pop(env.seq, None)
         if sent is None:
             log.warning("unexpected reply seq %d from %s", env.seq, p.addr)
@@ -217,7 +235,7 @@ class SignalClient:
         elif isinstance(msg, m.LookupReply):
             p.lookup_in_flight = False
             replies.append((p.addr, msg))
-        elif isinstance(msg, m.ReleaseReply):
+        elif isinstance(msg, (m.ReleaseReply, m.HeartbeatReply)):
             pass
 
     def _fail(self, p: PrefillPeer, error: str) -> None:

@@ -5,9 +5,15 @@ with exactly one reply carrying the same ``seq``.
 
 - ``handshake``   -> ``handshake_reply``  (protocol version, model, KV layout must match)
 - ``kv_map_init`` -> ``kv_map_reply``     (where the decode side's KV pool can be written)
-- ``lookup_all``  -> ``lookup_reply``     (status of many requests; entries with a
-  destination also start the KV send when the request is ready)
+- ``lookup_all``  -> ``lookup_reply``     (status of many requests. An entry without a destination
+  *claims* the request: prefill keeps its KV for this decode worker and pushes a ``notify`` the
+  moment the request is ready or ended. An entry with a destination starts the KV send.)
 - ``release``     -> ``release_reply``    (decode no longer needs a request's KV)
+- ``heartbeat``   -> ``heartbeat_reply``  (both sides learn the other is alive; claimed KV of a decode
+  worker that stops sending anything is freed)
+
+Unsolicited, prefill -> decode, with ``seq`` 0: ``notify`` (results of claimed requests that became
+ready, failed or expired).
 
 A frame is one msgpack map, ``{"version": PROTOCOL_VERSION, "seq": n, "msg": {"type": "lookup_all", ...}}``:
 the messages are a union tagged by ``type``. Lookup entries and results are arrays (``[request_id,
@@ -110,6 +116,20 @@ class ReleaseReply(_Message, frozen=True, tag="release_reply"):
     released: NonNegative
 
 
+class Heartbeat(_Message, frozen=True, tag="heartbeat"):
+    sender: str
+
+
+class HeartbeatReply(_Message, frozen=True, tag="heartbeat_reply"):
+    pass
+
+
+class Notify(_Message, frozen=True, tag="notify"):
+    """Pushed by prefill (seq 0) to the decode worker that claimed these requests."""
+
+    results: Annotated[tuple[LookupResult, ...], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
 class ErrorReply(_Message, frozen=True, tag="error"):
     """Sent instead of a typed reply when a request frame cannot be served."""
 
@@ -117,7 +137,7 @@ class ErrorReply(_Message, frozen=True, tag="error"):
 
 
 Message = (Handshake | HandshakeReply | KVMapInit | KVMapReply | LookupAll | LookupReply | Release
-           | ReleaseReply | ErrorReply)
+           | ReleaseReply | Heartbeat | HeartbeatReply | Notify | ErrorReply)
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -5,11 +5,16 @@ Every frame is size-limited and decoded into a typed message; a frame that is
 not valid gets an ``error`` reply (when it can be addressed) and changes nothing.
 A frame over the size limit makes ZMQ close that peer's connection; the ROUTER
 keeps serving everyone else.
+
+``push`` (any thread) sends an unsolicited message (``notify``, seq 0) to one decode
+worker: it is queued and sent by the server thread, which owns the socket.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 from typing import Protocol
 
@@ -28,6 +33,7 @@ class SignalHandler(Protocol):
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply: ...
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply: ...
     def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply: ...
+    def on_heartbeat(self, identity: str, msg: m.Heartbeat) -> m.HeartbeatReply: ...
 
     # Any of them may answer ``m.ErrorReply`` instead (e.g. a peer that has not shaken hands).
 
@@ -40,7 +46,19 @@ class SignalServer:
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._outbox: queue.SimpleQueue[tuple[str, m.Message]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.port = port
+
+    def push(self, identity: str, msg: m.Message) -> None:
+        """Send ``msg`` unsolicited (seq 0) to the decode worker ``identity``; from any thread."""
+        self._outbox.put((identity, msg))
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # pipe full: the server is awake anyway
+            pass
 
     def start(self) -> None:
         self._ctx = zmq.Context()
@@ -65,18 +83,39 @@ class SignalServer:
             self._sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
     def _serve(self) -> None:
         assert self._sock is not None
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(100):
-                    continue
-                self._serve_one()
+                events = dict(poller.poll(100))
+                if self._wake_r in events:
+                    self._send_pushed()
+                if self._sock in events:
+                    self._serve_one()
             except Exception:  # never let one bad frame (or a bug) stop the signal plane
                 log.exception("signal server: request dropped")
+
+    def _send_pushed(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                identity, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._sock.send_multipart([identity.encode(), m.encode(0, msg)], zmq.NOBLOCK)
+            except (zmq.ZMQError, m.MessageError) as e:  # gone, or queue full: its re-ask or timeout covers it
+                log.warning("could not push %s to %r: %s", msg.TYPE, identity[:64], e)
 
     def _serve_one(self) -> None:
         try:
@@ -119,6 +158,8 @@ class SignalServer:
                 reply = self._handler.on_lookup_all(identity, msg)
             elif isinstance(msg, m.Release):
                 reply = self._handler.on_release(identity, msg)
+            elif isinstance(msg, m.Heartbeat):
+                reply = self._handler.on_heartbeat(identity, msg)
             else:
                 reply = m.ErrorReply(f"{msg.TYPE} is not a request")
         except Exception as e:  # a handler bug must not kill the signal plane

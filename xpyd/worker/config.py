@@ -36,6 +36,7 @@ class WorkerConfig:
     drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
     kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
     prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
+    peer_timeout: float = 10.0  # prefill: free the claimed KV of a decode worker silent this long
     cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
@@ -72,6 +73,9 @@ class WorkerConfig:
             raise ValueError("--kv-ttl must be in [0.1, 86400] seconds")
         if not 0.1 <= self.prefill_wait_timeout <= 86400:
             raise ValueError("--prefill-wait-timeout must be in [0.1, 86400] seconds")
+        if not 3.0 <= self.peer_timeout <= 3600:
+            raise ValueError("--peer-timeout must be in [3, 3600] seconds (decode workers send a heartbeat "
+                             "every second)")
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
         if self.cpu_share is not None:
@@ -128,8 +132,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="on SIGTERM: deregister at once, then finish in-flight work for up to this long")
     if role == "prefill":
         parser.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
-                            help="seconds a prefilled request's KV waits for a decode worker to pull it "
-                                 "before it is freed (a later pull is answered 'expired')")
+                            help="seconds a prefilled request's KV waits for a decode worker to claim or pull "
+                                 "it before it is freed (a later pull is answered 'expired')")
+        parser.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
+                            help="KV claimed by a decode worker is kept until it is pulled or released, or until "
+                                 "that worker has sent nothing (it sends a heartbeat every second) for this many "
+                                 "seconds")
     if role == "decode":
         parser.add_argument("--prefill-wait-timeout", type=float, default=d.prefill_wait_timeout,
                             help="seconds a request waits for its prefill to be ready before it fails")
