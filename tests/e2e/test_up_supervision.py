@@ -19,7 +19,9 @@ import pytest
 
 from tests.cluster import STARTUP, UpProcess as Up, free_port_run as _free_run, up_child_pid as _worker_pid
 from tests.cluster import wait_until as _wait
-from tests.e2e.test_dead_workers import CLIENTS, FAULT_BOUND, Load, _on, stream_once
+from tests.e2e.test_dead_workers import CLIENTS, Load, _on, stream_once
+
+FAULT_BOUND = 2.0  # seconds from the kill to the end of every affected stream
 
 def _json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
