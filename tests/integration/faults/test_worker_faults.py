@@ -207,8 +207,8 @@ def test_sigkilled_prefill_fails_waiting_decode_requests_fast(fault_workers):
         t.start()
     # all four wait, and the decode worker is connected to the victim and asking it about each of them
     wait_until(lambda: stats(urls["decode"])["waiting"] == 4, "4 requests waiting on decode")
-    wait_until(lambda: stats(urls["decode"])["status_polls"] >= before["status_polls"] + 4,
-               "decode asking the victim about all 4 requests")
+    wait_until(lambda: stats(urls["decode"])["claims"] >= before["claims"] + 4,
+               "decode claiming all 4 requests at the victim")
     killed_at = time.monotonic()
     os.kill(victim.popen.pid, signal.SIGKILL)
     victim.popen.wait(10)
