@@ -126,6 +126,24 @@ def test_a_transfer_over_the_ipv6_loopback(name):
         b.backend.close()
 
 
+def test_finished_tokens_wake_their_waiters_without_being_polled(pair):
+    """Backends whose threads move the bytes (``progress_tick`` None) finish tokens by themselves and fire
+    ``on_finish``: an engine can sleep until then. A backend that needs ``progress()`` gets it here."""
+    a, b = pair
+    sent, landed = threading.Event(), threading.Event()
+    stok, rtok = _transfer(a, b, "woken", [Region(0, 1 << 20)], [Region(4096, 1 << 20)])
+    stok.on_finish(sent.set)
+    rtok.on_finish(landed.set)
+    deadline = time.monotonic() + TIMEOUT
+    while not (sent.is_set() and landed.is_set()) and time.monotonic() < deadline:
+        for side in (a, b):
+            if side.backend.progress_tick is not None:
+                side.backend.progress()
+        (sent if not sent.is_set() else landed).wait(0.01)  # (no token is read while waiting)
+    assert sent.is_set() and landed.is_set()
+    assert stok.done() and rtok.done()
+
+
 def test_sender_done_implies_receiver_done(pair):
     a, b = pair
     for i in range(20):

@@ -1,6 +1,8 @@
 """Both engines call the transfer backend's ``progress()`` every loop iteration while one of their
-transfers is in flight, and then sleep at most ``TRANSFER_POLL``; with none in flight they neither call
-it nor wake early. Engines are stepped by hand (no engine thread), with a fake backend that counts calls.
+transfers is in flight. A backend whose threads move the bytes (``progress_tick`` None) lets the engine
+sleep until the transfer's token finishes, which wakes it; one that needs its ``progress()`` called (nixl)
+is called every ``progress_tick``. With none in flight they neither call it nor wake early. Engines are
+stepped by hand (no engine thread), with a fake backend that counts calls.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
 from xpyd.worker.config import WorkerConfig
 from xpyd.model.kv_pool import KVLayout, KVPool
-from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
+import os
+
+import pytest
+
+from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq
 from xpyd.signal import messages as m
@@ -27,9 +33,22 @@ def _runner():
     return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=LAYOUT.max_seq_len, eos_token_ids=frozenset())
 
 
-def test_prefill_engine_drives_progress_while_a_send_is_in_flight():
+TICK = 0.001
+
+
+def _woken(engine) -> bool:
+    """Did something post to the engine (its wake pipe has a byte)? Consumes the wake."""
+    try:
+        return bool(os.read(engine.wake_fd, 4096))
+    except BlockingIOError:
+        return False
+
+
+@pytest.mark.parametrize("tick", [None, TICK])
+def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     net = FakeNetwork()
     transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
+    transfer.progress_tick = tick
     engine = PrefillEngine(_runner(), None, WorkerConfig(role="prefill", port=8100), transfer, "m")
     transfer.register(engine.pool.buffer())
     decode_desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
@@ -46,9 +65,11 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight():
     reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, 0),)))
     assert reply.results[0].status is m.LookupStatus.SENDING
     for calls in (1, 2, 3):
-        assert engine.step() == TRANSFER_POLL and transfer.progress_calls == calls
+        assert engine.step() == (IDLE_SLEEP if tick is None else tick) and transfer.progress_calls == calls
 
+    _woken(engine)
     transfer.complete(transfer_id_of(rid))
+    assert _woken(engine)  # the finished send wakes the loop
     engine.step()  # sees the send finish
     calls = transfer.progress_calls
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == calls
@@ -86,8 +107,10 @@ class _Signal:
         pass
 
 
-def test_decode_engine_drives_progress_while_a_pull_is_in_flight():
+@pytest.mark.parametrize("tick", [None, TICK])
+def test_decode_engine_drives_progress_while_a_pull_is_in_flight(tick):
     transfer = FakeTransferBackend()
+    transfer.progress_tick = tick
     engine = DecodeEngine(_runner(), None, WorkerConfig(role="decode", port=8100), transfer, "m")
     transfer.register(engine.pool.buffer())
     engine.signal = signal = _Signal()
@@ -103,8 +126,12 @@ def test_decode_engine_drives_progress_while_a_pull_is_in_flight():
     for _ in range(3):
         calls = transfer.progress_calls
         engine.step()
-        assert signal.timeouts[-1] == TRANSFER_POLL * 1000 and transfer.progress_calls == calls + 1
+        expected = IDLE_SLEEP * 1000 if tick is None else tick * 1000
+        assert signal.timeouts[-1] == expected and transfer.progress_calls == calls + 1
 
+    _woken(engine)
+    transfer.fail(transfer_id_of(rid), "test: the pull ends")  # finishing the token wakes the loop
+    assert _woken(engine)
     engine._abort(rid)  # the client went away: the receive is cancelled
     assert signal.released == [rid]
     calls = transfer.progress_calls

@@ -8,7 +8,7 @@ import gc
 
 from xpyd.api.openai import RequestKind
 from xpyd.worker.http_api import stream_events
-from xpyd.worker.work_item import ErrorEvent, OutputSink, TokenEvent
+from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent
 
 
 class _Engine:
@@ -26,7 +26,7 @@ def _body(engine: _Engine, sink: OutputSink):
 
 async def test_a_body_that_never_ran_drops_its_request_when_it_goes():
     engine = _Engine()
-    body = _body(engine, OutputSink(asyncio.get_running_loop()))
+    body = _body(engine, OutputSink(EventDispatch(asyncio.get_running_loop())))
     assert engine.aborted == []
     del body
     gc.collect()
@@ -34,7 +34,7 @@ async def test_a_body_that_never_ran_drops_its_request_when_it_goes():
 
 
 async def test_a_body_cut_midway_drops_its_request_once():
-    engine, sink = _Engine(), OutputSink(asyncio.get_running_loop())
+    engine, sink = _Engine(), OutputSink(EventDispatch(asyncio.get_running_loop()))
     body = _body(engine, sink)
     sink.queue.put_nowait(TokenEvent(" hi", None, 3, 2))
     assert b" hi" in await body.__anext__()
@@ -46,7 +46,7 @@ async def test_a_body_cut_midway_drops_its_request_once():
 
 async def test_a_body_that_ran_to_its_end_or_an_error_drops_nothing():
     for last in (TokenEvent("!", "length", 3, 3), ErrorEvent(504, "prefill not ready")):
-        engine, sink = _Engine(), OutputSink(asyncio.get_running_loop())
+        engine, sink = _Engine(), OutputSink(EventDispatch(asyncio.get_running_loop()))
         body = _body(engine, sink)
         sink.queue.put_nowait(last)
         chunks = [c async for c in body]
@@ -54,3 +54,30 @@ async def test_a_body_that_ran_to_its_end_or_an_error_drops_nothing():
         del body
         gc.collect()
         assert engine.aborted == []
+
+
+async def test_events_of_one_engine_step_reach_the_loop_in_one_wake_up_in_order():
+    loop = asyncio.get_running_loop()
+    dispatch = EventDispatch(loop)
+    sinks = [OutputSink(dispatch) for _ in range(8)]
+    scheduled = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args):
+        if getattr(callback, "__self__", None) is dispatch:  # (to_thread schedules its own callbacks)
+            scheduled.append(callback)
+        return real(callback, *args)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        def engine_step(step: int) -> None:  # (the engine thread: every request gets a token)
+            for i, sink in enumerate(sinks):
+                sink.put(TokenEvent(f"{step}.{i}", None, 3, step))
+
+        await asyncio.to_thread(engine_step, 1)
+        await asyncio.to_thread(engine_step, 2)
+        for i, sink in enumerate(sinks):
+            assert [(await sink.queue.get()).text for _ in range(2)] == [f"1.{i}", f"2.{i}"]
+    finally:
+        del loop.call_soon_threadsafe
+    assert len(scheduled) <= 2  # one wake-up per step (or fewer), not one per request

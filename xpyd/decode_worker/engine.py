@@ -11,7 +11,8 @@ backend's ``progress()`` while a pull is in flight, poll transfer tokens
 batch has room, then run one decode step over every running request. Transfers
 move bytes in the backend's threads (nixl: in UCX, advanced by ``progress()``,
 with the backend's threads as a slow fallback), so running decodes never wait;
-with nothing to decode and a pull in flight the loop wakes every ``TRANSFER_POLL``.
+with nothing to decode and a pull in flight the loop sleeps until the pull's token finishes
+and wakes it (or every ``progress_tick`` of a backend that needs its ``progress()`` called).
 
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout``
 (or whose KV does not arrive within it once the pull started) fails with 504;
@@ -33,7 +34,7 @@ from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_staging import pool_memory
-from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
 from xpyd.model.sampling import skip_draw
@@ -132,8 +133,8 @@ class DecodeEngine(WorkerEngine):
         busy = bool(self.sched.running())
         if busy:
             timeout_ms = 0
-        elif self.sched.num_transferring:
-            timeout_ms = int(TRANSFER_POLL * 1000)
+        elif self.sched.num_transferring and self.transfer.progress_tick is not None:
+            timeout_ms = max(1, int(self.transfer.progress_tick * 1000))
         else:  # (a notify or a reply wakes the poll at once)
             timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
@@ -268,6 +269,7 @@ class DecodeEngine(WorkerEngine):
         n = len(seq.prompt_ids)
         dst = Region(*self.pool.byte_range(seq.slot, n))
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
+        token.on_finish(self._wake)  # the loop sleeps until the KV landed
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self._recv_started[seq.request_id] = (time.monotonic(), dst.length)
@@ -335,6 +337,9 @@ class DecodeEngine(WorkerEngine):
             if text or finish is not None:
                 item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
         self._last_decode_at = now
+
+    def _wake(self) -> None:
+        self.post(None)
 
     def shutdown(self) -> None:
         if self.signal is not None:

@@ -1,8 +1,9 @@
 """Prefill engine: runs one prefill at a time and holds the KV until a decode worker pulls it.
 
 Threads: the engine thread (forward passes, scheduling, polling sends and, while
-any is in flight, calling the backend's ``progress()`` every iteration, at least
-every ``TRANSFER_POLL``), the signal-server thread (answers decode workers;
+any is in flight, calling the backend's ``progress()`` every iteration; it sleeps
+until a send's token finishes and wakes it, or every ``progress_tick`` of a backend
+that needs one), the signal-server thread (answers decode workers;
 starts sends), transfer threads (move bytes). The scheduler is shared between
 the first two under one lock.
 
@@ -36,7 +37,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_staging import pool_memory
-from xpyd.worker.loop import IDLE_SLEEP, TRANSFER_POLL
+from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_and_sample
@@ -155,7 +156,8 @@ class PrefillEngine(WorkerEngine):
             sending = self.sched.sends_in_flight()
         if seq is not None:
             return 0.0
-        return TRANSFER_POLL if sending else IDLE_SLEEP
+        tick = self.transfer.progress_tick
+        return tick if sending and tick is not None else IDLE_SLEEP  # (a finished send wakes us)
 
     def _add(self, item: WorkItem) -> None:
         rid = str(item.request_id)
@@ -284,6 +286,9 @@ class PrefillEngine(WorkerEngine):
             log.info("decode worker %s left: its unpulled KV expires in %gs", addr,
                      min(self.config.kv_ttl, LEFT_PEER_GRACE))
 
+    def _wake(self) -> None:
+        self.post(None)
+
     def shutdown(self) -> None:
         self.transfer.close()
 
@@ -394,6 +399,7 @@ class PrefillEngine(WorkerEngine):
         started = time.monotonic()
         token = self.transfer.send(rid.short, [src], peer.transfer, [Region(e.dest_offset, src.length)])
         self.sched.start_send(e.request_id, token)
+        token.on_finish(self._wake)
         self._send_started[e.request_id] = (started, src.length)
         self._sends[identity] += 1
         self.post(None)  # wake the engine to poll the send

@@ -29,6 +29,9 @@ class _EitherToken(DerivedToken):
         self._children = children
         self._owner = owner
 
+    def _followed(self) -> list[CompletionToken]:
+        return [tok for _, tok in self._children]
+
     def _sync(self) -> None:
         if CompletionToken.finished(self):
             return
@@ -164,6 +167,11 @@ class AutoTransferBackend:
     def progress(self) -> None:
         for child in self.children:
             child.progress()
+
+    @property
+    def progress_tick(self) -> float | None:
+        ticks = [c.progress_tick for c in self.children if c.progress_tick is not None]
+        return min(ticks) if ticks else None
 
     def forget_peer(self, address: str) -> None:
         self.primary.forget_peer(address)

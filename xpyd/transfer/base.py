@@ -15,10 +15,14 @@ Token states are ordered and only move forward; failure is sticky::
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol, Sequence, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 MAX_TRANSFER_ID_LEN = 256
 MAX_ADDRESS_LEN = 512
@@ -63,15 +67,29 @@ class TransferError(Exception):
 
 
 class CompletionToken:
-    """Progress of one transfer; thread-safe. Created by a backend, polled by a scheduler."""
+    """Progress of one transfer; thread-safe. Created by a backend, polled by a scheduler.
 
-    __slots__ = ("transfer_id", "_cond", "_state", "_error")
+    ``on_finish(callback)`` runs ``callback()`` when the token is DONE or FAILED, on the thread that
+    finished it (at once if it already is; a derived token may run it more than once): the engine wakes
+    its loop with it instead of ticking.
+    """
+
+    __slots__ = ("transfer_id", "_cond", "_state", "_error", "_callbacks")
 
     def __init__(self, transfer_id: str) -> None:
         self.transfer_id = transfer_id
         self._cond = threading.Condition(threading.Lock())
         self._state = TransferState.PENDING
         self._error: str | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (cheap, never raising into the backend) when this token finishes."""
+        with self._cond:
+            if self._state not in (TransferState.DONE, TransferState.FAILED):
+                self._callbacks.append(callback)
+                return
+        _call(callback)
 
     def state(self) -> TransferState:
         return self._state
@@ -115,23 +133,44 @@ class CompletionToken:
                 raise ValueError(f"illegal transition {self._state.name} -> {state.name}")
             self._state = state
             self._error = error
+            callbacks: list[Callable[[], None]] = []
             if state in (TransferState.DONE, TransferState.FAILED):
                 self._cond.notify_all()
-            return True
+                callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:  # outside the lock: a callback may read this token
+            _call(callback)
+        return True
 
     def __repr__(self) -> str:
         err = f", error={self._error!r}" if self._error else ""
         return f"CompletionToken({self.transfer_id!r}, {self._state.name}{err})"
 
 
+def _call(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:  # a waker's bug must not break the backend's I/O thread
+        log.exception("transfer completion callback failed")
+
+
 class DerivedToken(CompletionToken):
     """A token whose progress follows other tokens (auto's per-backend children, a staged receive):
-    every read first calls ``_sync()``, which the subclass defines and which moves this token forward."""
+    every read first calls ``_sync()``, which the subclass defines and which moves this token forward.
+    ``_followed()`` names those tokens: ``on_finish`` fires when one of them finishes (the reader's next
+    ``_sync`` then settles this one)."""
 
     __slots__ = ()
 
     def _sync(self) -> None:
         raise NotImplementedError
+
+    def _followed(self) -> Sequence[CompletionToken]:
+        raise NotImplementedError
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        for token in self._followed():
+            token.on_finish(callback)
+        CompletionToken.on_finish(self, callback)  # (also when this token itself is failed: an abort)
 
     def state(self) -> TransferState:
         self._sync()
@@ -262,6 +301,12 @@ class TransferBackend(Protocol):
         """Move in-flight transfers along; cheap, never blocks. The engine calls it every loop iteration
         while it has a transfer in flight. A no-op where the backend's own threads move the bytes
         (tcp, shm); nixl makes UCX progress here (see docs/transfer.md)."""
+        ...
+
+    @property
+    def progress_tick(self) -> float | None:
+        """How often the engine must call ``progress()`` while a transfer is in flight (seconds), or None
+        when the backend's own threads move the bytes and its tokens' ``on_finish`` wake the engine."""
         ...
 
     def forget_peer(self, address: str) -> None:

@@ -147,6 +147,8 @@ class FakeTransferBackend:
         """Ids whose tokens are not finished yet (for leak checks)."""
         return set(self._sending) | set(self._expecting)
 
+    progress_tick = None  # tokens finish when a test completes or fails them
+
     def progress(self) -> None:
         """Nothing moves by itself here (tests call ``complete``/``fail``); counted for engine tests."""
         self.progress_calls += 1

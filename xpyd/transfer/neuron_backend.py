@@ -73,6 +73,9 @@ class _PolledToken(DerivedToken):
         if not CompletionToken.finished(self):
             self._owner.poll()
 
+    def _followed(self) -> list[CompletionToken]:
+        return []  # polled (the backend's progress_tick), nothing to follow
+
     def wait(self, timeout: float) -> bool:
         import time
 
@@ -194,6 +197,8 @@ class NeuronTransferBackend:
                     continue
                 self._tracker.queued(tid, native, self._queue_timeout)
             self._tracker.poll()
+
+    progress_tick = 0.001  # completions are learned by polling the runtime
 
     def progress(self) -> None:
         """The engine's loop moves transfers along (what polling a token or ``outstanding()`` does too)."""

@@ -206,6 +206,8 @@ class ShmTransferBackend:
     def outstanding(self) -> set[str]:
         return self._endpoint.outstanding()
 
+    progress_tick = None  # the receiver's threads copy the bytes; tokens wake the engine when finished
+
     def progress(self) -> None:
         """Nothing to do: the receiver's reader threads copy the bytes."""
 

@@ -145,6 +145,8 @@ class TcpTransferBackend:
         """Ids of transfers being sent or expected (not yet finished or aborted)."""
         return self._endpoint.outstanding()
 
+    progress_tick = None  # the backend's threads move the bytes; tokens wake the engine when finished
+
     def progress(self) -> None:
         """Nothing to do: the backend's threads move the bytes."""
 

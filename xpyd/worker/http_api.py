@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Protocol
 
 from quart import Quart, Response, request
@@ -32,7 +33,7 @@ from xpyd.discovery.types import WorkerInfo
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.output import StopParams
-from xpyd.worker.work_item import ErrorEvent, OutputSink, TokenEvent, WorkItem
+from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
 from xpyd.model.sampling import SamplingParams
 from xpyd.model.tokenizer import encode_chat, encode_prompt
 from xpyd.signal.request_id import RequestIdError, parse_request_id
@@ -113,6 +114,20 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
     app.config["BODY_TIMEOUT"] = 30
     single_event = config.role == "prefill"  # prefill answers with the first token only
+    # Tokenizing a long prompt (and rendering a chat template) takes milliseconds to tens of them: done in
+    # a thread of its own so the event loop keeps streaming other requests' tokens meanwhile.
+    tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xpyd-tokenize")
+    dispatches: dict[asyncio.AbstractEventLoop, EventDispatch] = {}  # (one loop when serving)
+
+    def dispatch_for(loop: asyncio.AbstractEventLoop) -> EventDispatch:
+        d = dispatches.get(loop)
+        if d is None:
+            d = dispatches[loop] = EventDispatch(loop)
+        return d
+
+    @app.after_serving
+    async def stop_tokenizer() -> None:
+        tokenize.shutdown(wait=False, cancel_futures=True)
 
     @app.get("/health")
     async def health() -> Response:
@@ -181,8 +196,10 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             check_content_type(request.headers.get("Content-Type"))
             body = await request.get_data(cache=False)
             req = parse_request(body, kind)
-            sink = OutputSink(asyncio.get_running_loop())
-            item = build_work_item(engine, config, req, request.headers.get(REQUEST_ID_HEADER), sink)
+            loop = asyncio.get_running_loop()
+            sink = OutputSink(dispatch_for(loop))
+            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req,
+                                              request.headers.get(REQUEST_ID_HEADER), sink)
         except APIError as e:
             if e.status < 500:
                 engine.metrics.request_done("rejected")

@@ -169,6 +169,9 @@ class _LandingToken(DerivedToken):
         self._owner = owner
         self._landing = threading.Lock()  # one copy into the pool, never after an abort
 
+    def _followed(self) -> list[CompletionToken]:
+        return [self._inner]
+
     def _sync(self) -> None:
         if CompletionToken.finished(self):
             return
@@ -242,6 +245,10 @@ class StagedTransfer:
 
     def progress(self) -> None:
         self.inner.progress()
+
+    @property
+    def progress_tick(self) -> float | None:
+        return self.inner.progress_tick
 
     def forget_peer(self, address: str) -> None:
         self.inner.forget_peer(address)

@@ -12,10 +12,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# How long a worker's loop may sleep with nothing to do: while one of its KV transfers is in flight it
-# wakes every TRANSFER_POLL to poll the tokens and call the backend's progress() (nixl moves bytes only
-# inside such calls); otherwise IDLE_SLEEP (new work wakes it at once through ``post``).
-TRANSFER_POLL = 0.001
+# How long a worker's loop may sleep with nothing to do. New work (``post``) and a finished KV transfer
+# (its token's ``on_finish``) wake it at once; a backend that moves bytes only inside ``progress()``
+# (nixl) names its own ``progress_tick``.
 IDLE_SLEEP = 0.05
 
 

@@ -1,0 +1,90 @@
+"""Prefill admission per decode worker: KV waiting for one slow or full decode worker never takes every
+slot from the others, and claimed KV is not subject to kv_ttl (scheduler level; the engine decides when a
+claimant is gone)."""
+
+from __future__ import annotations
+
+import random
+
+from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from xpyd.worker.request import RequestState
+from xpyd.worker.slots import FakeSlots
+
+S = RequestState
+
+
+def _prefill(sched: PrefillScheduler, live_peers: int = 1, now: float = 0.0) -> PrefillSeq | None:
+    seq = sched.next_to_run(live_peers)
+    if seq is not None:
+        sched.prefilled(seq, 7, now)
+    return seq
+
+
+def test_one_decode_worker_alone_may_use_every_slot():
+    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    for i in range(5):
+        sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
+    assert [_prefill(sched).request_id for _ in range(4)] == ["a0", "a1", "a2", "a3"]
+    assert _prefill(sched) is None  # full
+    sched.check_invariants()
+
+
+def test_a_slot_stays_free_for_each_other_live_decode_worker():
+    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    for i in range(6):
+        sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
+    ran = [_prefill(sched, live_peers=2) for _ in range(4)]
+    assert [s.request_id for s in ran if s] == ["a0", "a1", "a2"]  # A (stuck, never pulls) stops at 3 of 4
+    sched.add(PrefillSeq("b0", [1], peer="B"))
+    assert _prefill(sched, live_peers=2).request_id == "b0"  # B is served at once despite A's backlog
+    sched.check_invariants()
+
+
+def test_while_several_decode_workers_wait_each_gets_a_fair_share_oldest_first():
+    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    for i in range(4):
+        sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
+    for i in range(2):
+        sched.add(PrefillSeq(f"b{i}", [1], peer="B"))
+    order = [_prefill(sched, live_peers=2).request_id for _ in range(4)]
+    assert order == ["a0", "a1", "b0", "b1"]  # A may hold 2 of 4 while B waits; then B's two run
+    sched.check_invariants()
+
+
+def test_claimed_kv_never_expires_on_kv_ttl_unclaimed_does():
+    sched = PrefillScheduler(batch_size=2, slots=FakeSlots(2))
+    sched.add(PrefillSeq("claimed", [1], peer="A", claimed=True))
+    sched.add(PrefillSeq("unclaimed", [1], peer="A"))
+    _prefill(sched, now=0.0)
+    _prefill(sched, now=0.0)
+    assert [s.request_id for s in sched.expired(now=100.0, ttl=30.0)] == ["unclaimed"]
+    assert {s.request_id for s in sched.held()} == {"claimed", "unclaimed"}
+
+
+def test_random_arrivals_from_several_decode_workers_keep_the_invariants():
+    rng = random.Random(3)
+    slots = FakeSlots(6)
+    sched = PrefillScheduler(batch_size=6, slots=slots)
+    peers = ["A", "B", "C"]
+    n = 0
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            sched.add(PrefillSeq(f"r{n}", [1], peer=rng.choice(peers)))
+            n += 1
+        elif op < 0.7:
+            _prefill(sched, live_peers=rng.randint(1, 3))
+        elif sched.held():
+            sched.release(rng.choice(sched.held()).request_id, S.FINISHED)
+        sched.check_invariants()
+        held = [s.peer for s in sched.held()]
+        waiting_peers = {s.peer for s in sched._waiting}
+        if len(waiting_peers) > 1 and len(held) == 6:  # full while others wait: no single peer holds all
+            assert max(held.count(p) for p in peers) < 6
+    for s in list(sched.held()):
+        sched.release(s.request_id, S.FINISHED)
+    while sched.num_waiting:
+        _prefill(sched)
+        for s in list(sched.held()):
+            sched.release(s.request_id, S.FINISHED)
+    assert slots.num_used == 0 and not sched.has_work()
