@@ -31,20 +31,26 @@ Event = TokenEvent | ErrorEvent
 
 
 class OutputSink:
-    """Thread-safe hand-off from the engine thread to the request's asyncio task."""
+    """Thread-safe hand-off from the engine thread to the request's asyncio task.
+
+    ``ended``: an error or the last token was put (a request that failed here is not failed again).
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.ended = False
 
     def put(self, event: Event) -> None:
+        if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+            self.ended = True
         try:
             self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # loop closed during shutdown
             pass
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)  # (the engine tracks its items weakly)
 class WorkItem:
     """A tokenized, validated request as the engine thread sees it."""
 
