@@ -59,9 +59,10 @@ class Cluster:
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], url: str) -> Proc:
+    def start(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None) -> Proc:
+        """Start ``python -m xpyd *argv`` (``env``: variables added to this process's environment)."""
         log = self.workdir / f"{name}.log"
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **(env or {}))
         popen = subprocess.Popen([sys.executable, "-m", "xpyd", *argv], stdout=log.open("wb"),
                                  stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                  preexec_fn=die_with_parent)  # (no orphans if pytest is killed)

@@ -15,6 +15,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.request import RequestState
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.stepping import decode_and_sample, prefill_and_sample
 from xpyd.worker.engine import Abort, WorkerEngine
@@ -60,22 +61,41 @@ class ColocatedEngine(WorkerEngine):
     def step(self) -> float:
         for item in self.drain_inbox():
             if isinstance(item, Abort):
-                if self.sched.abort(item.request_id) is not None:
-                    self._last_token_at.pop(item.request_id, None)
-                    self.metrics.request_done("aborted")
-            elif self.sched.get(str(item.request_id)) is not None:
-                self.metrics.request_done("rejected")
-                item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
+                with self.isolate(item.request_id):
+                    if self.sched.abort(item.request_id) is not None:
+                        self._last_token_at.pop(item.request_id, None)
+                        self.metrics.request_done("aborted")
             else:
-                item.start_output(self.tokenizer)
-                self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item))
+                self.admit(item, self._add)
         seq = self.sched.next_prefill()
         if seq is not None:
-            self._prefill(seq)
+            with self.isolate(seq.request_id, seq.payload):
+                self._prefill(seq)
         elif self.sched.running():
             self._decode_step()
         self._update_stats()
         return 0.0 if self.sched.has_work() else 0.05
+
+    def _add(self, item: WorkItem) -> None:
+        if self.sched.get(str(item.request_id)) is not None:
+            self.metrics.request_done("rejected")
+            item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
+        else:
+            item.start_output(self.tokenizer)
+            self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item))
+
+    def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
+        seq = self.sched.get(request_id)
+        if seq is None or (item is not None and seq.payload is not item):
+            return False
+        if seq.state is RequestState.WAITING:
+            self.sched.abort(request_id)  # (its fail() is for running requests; abort() leaves the queue)
+        else:
+            self.sched.fail(seq, error)
+        self._last_token_at.pop(request_id, None)
+        self.metrics.request_done("failed")
+        seq.payload.sink.put(ErrorEvent(500, error))
+        return True
 
     def _prefill(self, seq: ColocatedSeq) -> None:
         item: WorkItem = seq.payload
@@ -109,8 +129,9 @@ class ColocatedEngine(WorkerEngine):
         now = time.monotonic()
         self.metrics.observe_step("decode", now - t0, len(running))
         for seq, tok in zip(running, new):
-            self.metrics.observe_itl(now - self._last_token_at.get(seq.request_id, now))
-            self._emit(seq, tok, now)
+            with self.isolate(seq.request_id, seq.payload):
+                self.metrics.observe_itl(now - self._last_token_at.get(seq.request_id, now))
+                self._emit(seq, tok, now)
 
     def _emit(self, seq: ColocatedSeq, token: int, now: float) -> None:
         item: WorkItem = seq.payload

@@ -124,12 +124,13 @@ class DecodeEngine(WorkerEngine):
         assert self.signal is not None
         for item in self.drain_inbox():
             if isinstance(item, Abort):
-                self._abort(item.request_id)
+                with self.isolate(item.request_id):
+                    self._abort(item.request_id)
             elif isinstance(item, _PeersLeft):
                 for addr in item.addrs:
                     self._peer_left(addr)
             else:
-                self._add(item)
+                self.admit(item, self._add)
         busy = bool(self.sched.running())
         if busy:
             timeout_ms = 0
@@ -142,23 +143,28 @@ class DecodeEngine(WorkerEngine):
         if self.sched.num_transferring:
             self.transfer.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
-            self._on_lookup_reply(addr, reply)
+            for r in reply.results:
+                with self.isolate(r.request_id):
+                    self._on_lookup_result(addr, r)
         for peer in failed_peers:
             if self.signal.get(peer.addr) is peer:  # not already replaced by a new connection
                 self._fail_peer(peer.addr, peer.error or "prefill worker failed")
         self._fail_overdue(time.monotonic())
         joined, failed = self.sched.poll_transfers()
         for seq in joined:
-            self._recv_ended(seq, ok=True)
-            self.pool.set_num_tokens(seq.slot, len(seq.prompt_ids))
+            with self.isolate(seq.request_id, seq.payload):
+                self._recv_ended(seq, ok=True)
+                self.pool.set_num_tokens(seq.slot, len(seq.prompt_ids))
         for seq in failed:
-            self._recv_ended(seq, ok=False)
-            self.metrics.request_done("failed")
-            self._failures["transfer"] += 1
-            seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
-            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            with self.isolate(seq.request_id, seq.payload):
+                self._recv_ended(seq, ok=False)
+                self.metrics.request_done("failed")
+                self._failures["transfer"] += 1
+                seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
+                self.signal.send_release(seq.prefill_addr, [seq.request_id])
         for seq in self.sched.schedule_transfers():
-            self._start_pull(seq)
+            with self.isolate(seq.request_id, seq.payload):
+                self._start_pull(seq)
         self._send_lookups()
         if self.sched.running():
             self._decode_step()
@@ -207,6 +213,13 @@ class DecodeEngine(WorkerEngine):
         if release and state in (RequestState.WAITING, RequestState.TRANSFERRING):
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
 
+    def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
+        seq = self.sched.get(request_id)
+        if seq is None or (item is not None and seq.payload is not item):
+            return False
+        self._fail_seq(seq, 500, error, "internal", release=True)
+        return True
+
     def _fail_peer(self, addr: str, error: str) -> None:
         self._pending_pulls.pop(addr, None)  # (their requests fail below)
         for seq in self.sched.waiting() + self.sched.transferring():
@@ -229,27 +242,26 @@ class DecodeEngine(WorkerEngine):
                 error = f"KV from prefill worker {seq.prefill_addr} did not arrive within {limit:g}s"
             self._fail_seq(seq, 504, error, "timeout", release=True)
 
-    def _on_lookup_reply(self, addr: str, reply: m.LookupReply | m.Notify) -> None:
+    def _on_lookup_result(self, addr: str, r: m.LookupResult) -> None:
+        """One entry of a lookup reply or a notify from prefill worker ``addr``."""
         S = m.LookupStatus
-        for r in reply.results:
-            seq = self.sched.get(r.request_id)
-            if seq is None or seq.prefill_addr != addr:
-                continue
-            if r.status is S.FAILED:
-                self._fail_seq(seq, 502, f"prefill worker: {r.error}", "prefill")
-            elif r.status is S.EXPIRED:
-                self._fail_seq(seq, 502, f"prefill worker {addr}: {r.error or 'KV expired before it was pulled'}",
-                               "expired")
-            elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
-                # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
-                self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request",
-                               "prefill")
-            elif r.status in (S.READY, S.SENDING) and not seq.ready:
-                if r.num_tokens != len(seq.prompt_ids) or r.first_token is None:
-                    self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
-                                   release=True)
-                    continue
-                self._first_token(seq, r.first_token)
+        seq = self.sched.get(r.request_id)
+        if seq is None or seq.prefill_addr != addr:
+            return
+        if r.status is S.FAILED:
+            self._fail_seq(seq, 502, f"prefill worker: {r.error}", "prefill")
+        elif r.status is S.EXPIRED:
+            self._fail_seq(seq, 502, f"prefill worker {addr}: {r.error or 'KV expired before it was pulled'}",
+                           "expired")
+        elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
+            # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
+            self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request", "prefill")
+        elif r.status in (S.READY, S.SENDING) and not seq.ready:
+            if r.num_tokens != len(seq.prompt_ids) or r.first_token is None:
+                self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
+                               release=True)
+                return
+            self._first_token(seq, r.first_token)
 
     def _first_token(self, seq: DecodeSeq, token: int) -> None:
         """Prefill's first token: the client already has its text; we continue after it."""
@@ -326,16 +338,17 @@ class DecodeEngine(WorkerEngine):
         now = time.monotonic()
         self.metrics.observe_step("decode", now - t0, len(running))
         for seq, tok in zip(running, new):
-            item: WorkItem = seq.payload
-            text, finish = item.output.append(tok)
-            n_out = len(item.output.token_ids)
-            if n_out > 2:  # its previous token came from the previous decode step (every step runs them all)
-                self.metrics.observe_itl(now - self._last_decode_at)
-            if finish is not None:
-                self.sched.finish(seq)
-                self._finished(item)
-            if text or finish is not None:
-                item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
+            with self.isolate(seq.request_id, seq.payload):
+                item: WorkItem = seq.payload
+                text, finish = item.output.append(tok)
+                n_out = len(item.output.token_ids)
+                if n_out > 2:  # its previous token came from the previous decode step (every step runs them all)
+                    self.metrics.observe_itl(now - self._last_decode_at)
+                if finish is not None:
+                    self.sched.finish(seq)
+                    self._finished(item)
+                if text or finish is not None:
+                    item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
         self._last_decode_at = now
 
     def _wake(self) -> None:

@@ -80,7 +80,7 @@ class PrefillEngine(WorkerEngine):
         super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
         self.sched = PrefillScheduler(config.batch_size, self.pool)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
         self._peers: dict[str, PeerMap] = {}
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
@@ -130,18 +130,19 @@ class PrefillEngine(WorkerEngine):
         for item in self.drain_inbox():
             with self._lock:
                 if isinstance(item, Abort):
-                    seq = self.sched.get(item.request_id)
-                    if self._release(item.request_id):
-                        self._record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the prefill worker "
-                                         "(its client went away)", seq.claimed)
-                    elif item.request_id not in self._ended:
-                        # The proxy gave up before the request itself got here (its two HTTP calls raced):
-                        # drop it on arrival instead of holding its KV for a whole lease.
-                        self._released_early[item.request_id] = True
+                    with self.isolate(item.request_id):
+                        seq = self.sched.get(item.request_id)
+                        if self._release(item.request_id):
+                            self._record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the prefill "
+                                             "worker (its client went away)", seq.claimed)
+                        elif item.request_id not in self._ended:
+                            # The proxy gave up before the request itself got here (its two HTTP calls raced):
+                            # drop it on arrival instead of holding its KV for a whole lease.
+                            self._released_early[item.request_id] = True
                 elif isinstance(item, _PeersLeft):
                     self._drop_peers(item.addrs)
                 else:
-                    self._add(item)
+                    self.admit(item, self._add)
         with self._lock:
             self._sends_ended(self.sched.poll())
             self._expire(time.monotonic())
@@ -150,7 +151,8 @@ class PrefillEngine(WorkerEngine):
         if sending:
             self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
         if seq is not None:
-            self._run_prefill(seq)
+            with self.isolate(seq.request_id, seq.payload):
+                self._run_prefill(seq)
         with self._lock:
             self._update_metrics()
             sending = self.sched.sends_in_flight()
@@ -261,6 +263,23 @@ class PrefillEngine(WorkerEngine):
                                                           len(seq.prompt_ids)))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
 
+    def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
+        with self._lock:
+            seq = self.sched.get(request_id)
+            if seq is None or (item is not None and seq.payload is not item):
+                return False
+            if seq.state is RequestState.RUNNING:
+                self.sched.fail_running(seq, error)
+            else:  # (a send in flight is aborted; its slot is freed, and the request counted, when it ends)
+                self.sched.release(request_id, RequestState.FAILED)
+                if seq.send_token is not None and not seq.send_token.finished():
+                    self.transfer.abort(transfer_id_of(request_id))
+            self._record_end(request_id, m.LookupStatus.FAILED, error, seq.claimed)
+        if seq.state.is_final:
+            self.metrics.request_done("failed")
+        seq.payload.sink.put(ErrorEvent(500, error))
+        return True
+
     def _release(self, request_id: str) -> int:
         seq = self.sched.release(request_id)
         if seq is None:
@@ -359,8 +378,15 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             peer = self._peers.get(identity)
             for e in msg.entries:
-                results.append(self._lookup_one(identity, peer, e))
+                results.append(self._lookup_isolated(identity, peer, e))
         return m.LookupReply(tuple(results))
+
+    def _lookup_isolated(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
+        """``_lookup_one``; if it raises, that request fails here and the decode worker is told so."""
+        with self.isolate(e.request_id):
+            return self._lookup_one(identity, peer, e)
+        ended = self._ended.get(e.request_id)
+        return m.LookupResult(e.request_id, m.LookupStatus.FAILED, error=ended[1] if ended else "internal error")
 
     def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
         S = m.LookupStatus

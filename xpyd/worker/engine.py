@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 from xpyd.discovery.types import WorkerInfo
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.faults import FaultInjection, FaultSite, RequestScope
 from xpyd.worker.loop import EngineThread
 from xpyd.worker.metrics import WorkerMetrics
-from xpyd.worker.work_item import WorkItem
+from xpyd.worker.work_item import ErrorEvent, WorkItem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +26,11 @@ class Abort:
 
 
 class WorkerEngine(EngineThread):
-    """The model runner, its KV pool, the tokenizer, config and metrics; ``submit``/``abort`` from HTTP."""
+    """The model runner, its KV pool, the tokenizer, config and metrics; ``submit``/``abort`` from HTTP.
+
+    A role's step runs each piece of one request's work in ``isolate`` (adding a request: ``admit``);
+    the role says how one of its requests fails (``fail_held``).
+    """
 
     def __init__(self, runner, tokenizer, config: WorkerConfig, served_name: str) -> None:
         super().__init__()
@@ -32,9 +43,55 @@ class WorkerEngine(EngineThread):
         self.model_id = served_name
         self.metrics = WorkerMetrics(config.role)
         self.info: WorkerInfo | None = None
+        self._items: weakref.WeakSet[WorkItem] = weakref.WeakSet()  # submitted, still referenced by the engine
+        self._fault: FaultInjection | None = None
 
+    def start_thread(self) -> None:
+        self._fault = FaultInjection.from_env(os.environ)  # test-only fault injection: see worker/faults.py
+        super().start_thread()
+
+    # --- HTTP side ---------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
-        self.post(item)
+        self._items.add(item)
+        if not self.post_unless_failed(item):
+            item.sink.put(ErrorEvent(503, f"the {self.config.role} worker's engine failed ({self.failure()}); "
+                                          "it is restarting"))
 
     def abort(self, request_id: str) -> None:
         self.post(Abort(request_id))
+
+    # --- engine thread -----------------------------------------------------
+    def isolate(self, request_id: str, item: WorkItem | None = None) -> RequestScope:
+        """``with engine.isolate(rid, item):`` an exception inside fails just this request (500) and the
+        step goes on. ``item``: the request's work item when it may not be held yet (being added)."""
+        return RequestScope(self._request_failed, request_id, item)
+
+    def admit(self, item: WorkItem, add: Callable[[WorkItem], None]) -> None:
+        """Add a request from the inbox with the role's ``add``, isolated."""
+        fault = self._fault.site_for(item, self.tokenizer) if self._fault is not None else None
+        with self.isolate(str(item.request_id), item):
+            add(item)
+            if fault is FaultSite.ADD:
+                raise self._fault.error()
+        if fault is FaultSite.STEP:
+            raise self._fault.error()
+
+    def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
+        """Fail this request (``item``'s, if given) if the engine holds it: the scheduler's fail path (KV
+        and slot freed), an ``ErrorEvent(500, error)`` on its sink, metrics. False if not held. Override."""
+        return False
+
+    def _request_failed(self, request_id: str, item: WorkItem | None, exc: Exception) -> None:
+        log.error("request %s failed in the %s engine", request_id, self.config.role, exc_info=exc)
+        error = f"internal error in the {self.config.role} worker: {type(exc).__name__}: {exc}"
+        if not self.fail_held(request_id, item, error) and item is not None and not item.sink.ended:
+            self.metrics.request_done("failed")  # (raised before the scheduler took it)
+            item.sink.put(ErrorEvent(500, error))
+
+    def fail_all(self, error: str) -> None:
+        message = f"the {self.config.role} worker's engine failed ({error}); it is restarting"
+        posted = [i for i in self.drain_inbox() if isinstance(i, WorkItem)]
+        for item in {*self._items, *posted}:
+            if not item.sink.ended:
+                self.metrics.request_done("failed")
+                item.sink.put(ErrorEvent(500, message))

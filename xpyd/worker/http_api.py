@@ -51,6 +51,7 @@ class Engine(Protocol):
     metrics: WorkerMetrics
 
     def ready(self) -> bool: ...
+    def failure(self) -> str | None: ...
     def submit(self, item: WorkItem) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def stats(self) -> dict: ...
@@ -131,7 +132,10 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response("ok" if engine.ready() else "starting", status=200 if engine.ready() else 503)
+        if engine.ready():
+            return Response("ok", status=200)
+        failure = engine.failure()
+        return Response("starting" if failure is None else f"engine failed: {failure}", status=503)
 
     @app.get("/xpyd/info")
     async def info() -> Response:
@@ -191,7 +195,10 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
 
     async def _generate(kind: RequestKind) -> Response:
         if not engine.ready():
-            return _error(APIError(503, "worker is starting", "service_unavailable"))
+            failure = engine.failure()
+            return _error(APIError(503, "worker is starting" if failure is None else
+                                   f"the {config.role} worker's engine failed ({failure}); it is restarting",
+                                   "service_unavailable"))
         try:
             check_content_type(request.headers.get("Content-Type"))
             body = await request.get_data(cache=False)

@@ -1,4 +1,12 @@
-"""The engine thread shell both workers use: an inbox, a wake pipe, start/stop."""
+"""The engine thread shell every role uses: an inbox, a wake pipe, start/stop, and what happens when a
+step fails as a whole.
+
+An exception that escapes ``step()`` leaves the engine's state unknown: the thread fails every request
+it holds (``fail_all``), marks the engine failed (``ready()`` is False from then on, ``failure()`` says
+why, ``post_unless_failed`` refuses), calls the handler set with ``on_failure`` (the process then
+deregisters and exits non-zero) and ends. Failures of one request's work are contained earlier, by the
+engine (``WorkerEngine.isolate``), and never reach this loop.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import queue
 import select
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,9 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._failure: str | None = None  # why the engine failed (set once, under _failure_lock)
+        self._failure_lock = threading.Lock()
+        self._on_failure: Callable[[], None] | None = None
 
     # --- called from other threads -----------------------------------------
     def post(self, item: Any) -> None:
@@ -44,8 +55,28 @@ class EngineThread:
         except BlockingIOError:  # pipe full: the loop is awake anyway
             pass
 
+    def post_unless_failed(self, item: Any) -> bool:
+        """Post ``item`` unless the engine failed (False: nothing will ever take it from the inbox)."""
+        with self._failure_lock:  # (fail_all drains the inbox after the flag is set: nothing slips in)
+            if self._failure is not None:
+                return False
+            self.post(item)
+            return True
+
     def ready(self) -> bool:
-        return self._ready.is_set() and not self._stop.is_set()
+        return self._ready.is_set() and not self._stop.is_set() and self._failure is None
+
+    def failure(self) -> str | None:
+        """Why the engine failed (the exception that escaped a step), or None while it is sound."""
+        return self._failure
+
+    def on_failure(self, handler: Callable[[], None]) -> None:
+        """Call ``handler()`` (from the engine thread) once the engine failed; at once if it already has."""
+        with self._failure_lock:
+            if self._failure is None:
+                self._on_failure = handler
+                return
+        handler()
 
     def idle(self) -> bool:
         """No request held in any state (safe to stop). Override."""
@@ -55,7 +86,7 @@ class EngineThread:
         """Wait (from another thread) until idle or timeout; True if idle."""
         deadline = time.monotonic() + timeout
         while not self.idle():
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._failure is not None:
                 return False
             time.sleep(0.05)
         return True
@@ -97,18 +128,38 @@ class EngineThread:
 
     def _run(self) -> None:
         self._ready.set()
-        while not self._stop.is_set():
-            try:
+        try:
+            while not self._stop.is_set():
                 idle = self.step()
-            except Exception:  # keep serving; the failing requests were failed by step()
-                log.exception("engine step failed")
-                idle = 0.01
-            if idle > 0 and not self._stop.is_set():
-                self.wait(idle)
-        self.shutdown()
+                if idle > 0 and not self._stop.is_set():
+                    self.wait(idle)
+        except BaseException as e:  # not one request's failure (step contains those): the state is unknown
+            self._failed(e)
+        finally:
+            self.shutdown()
+
+    def _failed(self, error: BaseException) -> None:
+        log.critical("%s: a step failed; its state can no longer be trusted: failing every request it holds",
+                     self.name, exc_info=error)
+        with self._failure_lock:
+            self._failure = f"{type(error).__name__}: {error}"
+            handler = self._on_failure
+        try:
+            self.fail_all(self._failure)
+        except Exception:  # the handler below must run whatever happens
+            log.exception("%s: could not fail every request", self.name)
+        if handler is not None:
+            try:
+                handler()
+            except Exception:
+                log.exception("%s: the failure handler failed", self.name)
 
     def step(self) -> float:
         raise NotImplementedError
+
+    def fail_all(self, error: str) -> None:
+        """After a failed step: end every request held or posted with an error (the engine thread is gone
+        after this, so nothing else would). Override."""
 
     def shutdown(self) -> None:
         pass

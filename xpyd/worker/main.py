@@ -4,7 +4,10 @@ With ``--etcd`` the worker registers itself once it accepts connections, and
 watches the other role's workers so it can drop connections to peers that
 left. On SIGTERM it deregisters first (the proxy stops routing to it within
 milliseconds), keeps serving for a short grace period, then finishes what is
-in flight (HTTP streams, KV not yet pulled) before exiting.
+in flight (HTTP streams, KV not yet pulled) before exiting. If its engine fails (a step raised: its
+state can no longer be trusted; every request it held has been sent an error) it deregisters, gives the
+HTTP streams ``FAILED_FLUSH`` seconds to deliver those errors and exits with ``ENGINE_FAILED_EXIT``, to be
+restarted (Kubernetes, ``xpyd up``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ log = logging.getLogger("xpyd.worker")
 
 DEREGISTER_GRACE = 0.5  # keep serving this long after deregistering (requests already routed here)
 LISTEN_TIMEOUT = 30.0
+FAILED_FLUSH = 1.0  # seconds the HTTP streams get to deliver their error events once the engine failed
+ENGINE_FAILED_EXIT = 70  # EX_SOFTWARE: the engine failed; restart the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,10 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
         if on_stop is not None:
             on_stop()
         log.info("%s worker stopped", config.role)
+    if engine.failure() is not None:
+        log.error("%s worker: exiting with code %d (its engine failed: %s)", config.role, ENGINE_FAILED_EXIT,
+                  engine.failure())
+        raise SystemExit(ENGINE_FAILED_EXIT)
 
 
 def describe_forward(runner: ModelRunner) -> str:
@@ -159,20 +168,27 @@ def in_passing_thread(fn):
 
 async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
     stop = asyncio.Event()
+    failed = asyncio.Event()
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    engine.on_failure(lambda: loop.call_soon_threadsafe(failed.set))
     serving = asyncio.create_task(serve(app, hc, shutdown_trigger=shutdown.wait))
     await _wait_listening(config.host, config.port, serving)
     log.info("%s worker ready on http://%s:%d (signal %s)", config.role, config.host, config.port,
              engine.info.signal_addr)
 
     registration = watcher = None
-    if config.etcd:
+    if config.etcd and not failed.is_set():
         registration, watcher = await _join(config, engine)
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped, failing = asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())
+    await asyncio.wait({serving, stopped, failing}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.is_set():
+        await _leave_failed(config, registration, watcher, serving, shutdown)
+        stopped.cancel()
+        return
+    failing.cancel()
     t0 = time.monotonic()
     if registration is not None:
         await registration.close()  # the key disappears now; the proxy stops routing here
@@ -186,6 +202,22 @@ async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
     if watcher is not None:
         await watcher.close()
     stopped.cancel()
+
+
+async def _leave_failed(config: WorkerConfig, registration, watcher, serving: asyncio.Task,
+                        shutdown: asyncio.Event) -> None:
+    """The engine failed and sent every request it held an error: deregister, let the HTTP handlers deliver
+    those errors (at most FAILED_FLUSH seconds), stop."""
+    log.error("%s worker: its engine failed; deregistering and exiting", config.role)
+    if registration is not None:
+        await registration.close()
+    shutdown.set()  # hypercorn stops accepting, then waits for the handlers (each has its error by now)
+    await asyncio.wait({serving}, timeout=FAILED_FLUSH)
+    if not serving.done():
+        serving.cancel()
+        await asyncio.wait({serving})
+    if watcher is not None:
+        await watcher.close()
 
 
 async def _join(config: WorkerConfig, engine):

@@ -35,8 +35,8 @@ class EventDispatch:
     """Hands events from the engine thread to the event loop in batches (one per worker and loop).
 
     The first event after a flush schedules one ``call_soon_threadsafe``; every event put before that
-    flush runs rides along. So the requests of one engine step cost the event loop one wake-up, not one
-    per request (with 8 streams, 8 self-pipe writes and callbacks per step before). Order is kept.
+    flush runs rides along. So while the event loop is busy (writing other streams), the requests of one
+    engine step cost it one wake-up and one self-pipe write, not one per request. Order is kept.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -62,17 +62,23 @@ class EventDispatch:
 
 
 class OutputSink:
-    """Thread-safe hand-off from the engine thread to the request's asyncio task."""
+    """Thread-safe hand-off from the engine thread to the request's asyncio task.
+
+    ``ended``: an error or the last token was put (a request that failed here is not failed again).
+    """
 
     def __init__(self, dispatch: EventDispatch) -> None:
         self._dispatch = dispatch
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.ended = False
 
     def put(self, event: Event) -> None:
+        if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+            self.ended = True
         self._dispatch.put(self.queue, event)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)  # (the engine tracks its items weakly)
 class WorkItem:
     """A tokenized, validated request as the engine thread sees it."""
 
