@@ -105,7 +105,11 @@ _WRONG = {  # field -> values that are wrong for it (type or range)
     "guided_json": [{"type": "object"}],
     "stream_options": [{"include_usage": True}, "x", {"continuous_usage_stats": True}],
     "model": [5, [], {}, "no-such-model", ""],
-    "kv_transfer_params": ["x", 5, [], {"max_tokens": 0}, {"max_tokens": "x"}],
+    "kv_transfer_params": ["x", 5, [], {"max_tokens": 0}, {"max_tokens": "x"},
+                           {"response": "x"}, {"response": {"id": "", "created": 1, "model": "m"}},
+                           {"response": {"id": "x", "created": -1, "model": "m"}},
+                           {"response": {"id": "x", "created": 1, "model": "m\n"}},
+                           {"response": {"id": "x", "created": 1, "model": "m", "extra": 1}}],
 }
 
 
@@ -292,6 +296,94 @@ def test_worker_edge_fuzz(cluster, role):
     status, _, raw = send(urls[role], Case("abort", path="/xpyd/abort", body=b"", headers={"X-Request-Id": rid}))
     assert status == 200 and json.loads(raw) == {"aborted": rid}
     assert_healthy(c, urls)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_refuses_a_bad_response_name(cluster, role):
+    """What the proxy tells a worker to call its response (kv_transfer_params.response) is checked:
+    a 400 OpenAI error naming the field, before the request goes anywhere."""
+    c, urls = cluster
+    good = {"id": "cmpl-abc", "created": 1_700_000_000, "model": "served"}
+    bad = [("x", "response"), ({**good, "id": "a b"}, "response.id"), ({**good, "id": "i" * 257}, "response.id"),
+           ({**good, "created": "now"}, "response.created"), ({**good, "created": 2**40}, "response.created"),
+           ({**good, "created": False}, "response.created"), ({**good, "model": 7}, "response.model"),
+           ({**good, "model": "m" * 1025}, "response.model"), ({"id": "x", "created": 1}, "response.model")]
+    rid = str(RequestId.new(urls["prefill_signal"], urls["decode_signal"]))
+    for stream in (False, True):
+        for response, field_name in bad:
+            body = {"prompt": "hello world", "max_tokens": 2, "stream": stream,
+                    "kv_transfer_params": {"role": role, "response": response}}
+            case = Case(f"response {response!r}", body=json.dumps(body).encode(),
+                        headers={"Content-Type": "application/json", "X-Request-Id": rid})
+            status, ctype, raw = send(urls[role], case)
+            assert_error(status, ctype, raw, case)
+            error = json.loads(raw)["error"]
+            assert status == 400 and error["param"] == f"kv_transfer_params.{field_name}", (case.why, error)
+    assert_healthy(c, urls)
+
+
+def _stream_events(url: str, body: dict) -> list[dict | str]:
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        raw = r.read()
+    assert raw.endswith(b"\n\n")
+    events = []
+    for event in raw[:-2].split(b"\n\n"):
+        assert event.startswith(b"data: "), event
+        events.append("[DONE]" if event == b"data: [DONE]" else json.loads(event[6:]))
+    return events
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_is_one_response_from_its_first_chunk_to_done(cluster, kind):
+    """The proxy's own chunks (chat role, prefill's token) and decode's, relayed: one id, created and
+    model; the role chunk first; usage only if asked; [DONE] last; the text is the JSON answer's."""
+    _, urls = cluster
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "hello there"}]} if kind == "chat" else
+               {"prompt": "hello there"})}
+    status, _, raw = send(urls["proxy"], Case("json", path=path, body=json.dumps(body).encode()))
+    assert status == 200, raw
+    answer = json.loads(raw)
+    for include_usage in (True, False):
+        events = _stream_events(urls["proxy"] + path, {**body, "stream_options": {"include_usage": include_usage}})
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks}) == 1, chunks
+        assert chunks[0]["id"].startswith("chatcmpl-" if kind == "chat" else "cmpl-")
+        assert chunks[0]["model"] == answer["model"]
+        if include_usage:
+            usage = chunks.pop()
+            assert usage["choices"] == [] and usage["usage"] == answer["usage"]
+        assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
+        if kind == "chat":
+            assert chunks.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in c["choices"][0]["delta"] for c in chunks)
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            assert text == answer["choices"][0]["message"]["content"]
+        else:
+            assert "".join(c["choices"][0]["text"] for c in chunks) == answer["choices"][0]["text"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_openai_client_stream_equals_the_json_answer(cluster):
+    import openai
+
+    _, urls = cluster
+    client = openai.OpenAI(base_url=urls["proxy"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    kw = {"model": model, "messages": msgs, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    answer = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        answer.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-2].choices[0].finish_reason == "length"
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].model == model
 
 
 def test_every_listening_socket_is_on_loopback(cluster):

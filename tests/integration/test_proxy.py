@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -31,6 +32,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy import decode_stream
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.main import add_arguments, config_from_args
 from xpyd.proxy.routing import Policy
@@ -65,6 +67,12 @@ class FakeWorker:
     prefill_finish: str | None = None  # prefill: end the request on the first token
     fail: tuple[int, dict | str] | None = None  # answer (status, body) instead
     stream_error: dict | None = None  # decode: after the role chunk, this error event and [DONE]
+    error_after: int = 0  # decode: tokens it sends before stream_error
+    compact: bool = True  # decode: JSON as a worker writes it (xpyd.api.responses.dumps); False: json.dumps' spaces
+    ignore_identity: bool = False  # decode: chunks named and opened as a worker told nothing does
+    last_finish: str | None = "length"  # decode: the finish_reason of its last token
+    chop: int = 0  # decode: hold the events back, then write them all in pieces of this many bytes
+    sent: list[bytes] = field(default_factory=list)  # decode: the bytes of each SSE event it wrote
     received: list[Received] = field(default_factory=list)
     hung_up: asyncio.Event = field(default_factory=asyncio.Event)
     health_checks: int = 0  # GET /health answered
@@ -113,7 +121,7 @@ class FakeWorker:
             await asyncio.sleep(self.delay)
             if self.role is Role.PREFILL:
                 return web.json_response(self._first_token(chat))
-            return await self._stream(request, chat)
+            return await self._stream(request, chat, body)
         except (asyncio.CancelledError, ConnectionResetError):
             self.hung_up.set()
             raise
@@ -129,37 +137,55 @@ class FakeWorker:
                       "total_tokens": PROMPT_TOKENS + 1},
         }
 
-    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chat: bool, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
         async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj)
-            await resp.write(f"data: {data}\n\n".encode())
+            separators = (",", ":") if self.compact else None
+            data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=separators)
+            event = f"data: {data}\n\n".encode()
+            self.sent.append(event)
+            if not self.chop:
+                await resp.write(event)
 
-        base = {"id": "ignored", "created": 1, "model": self.model,
-                "object": "chat.completion.chunk" if chat else "text_completion"}
-        if chat:  # a worker may open with a role chunk; the proxy must drop it
-            await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
-        if self.stream_error is not None:  # as a worker that fails once the status line is out
-            await send({"error": self.stream_error})
-            await send("[DONE]")
+        async def end() -> None:
+            if self.chop:  # events split anywhere and run together, as TCP may deliver them
+                held = b"".join(self.sent)
+                for i in range(0, len(held), self.chop):
+                    await resp.write(held[i:i + self.chop])
+                    await asyncio.sleep(0.001)
             await resp.write_eof()
-            return resp
+
+        # As a worker: named by the proxy (kv_transfer_params.response), a chat stream has no role chunk.
+        named = (body.get("kv_transfer_params") or {}).get("response")
+        if self.ignore_identity:
+            named = None
+        name = named or {"id": "worker-own-id", "created": 1, "model": self.model}
+        base = {"id": name["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": name["created"], "model": name["model"]}
+        if chat and named is None:
+            await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
         rest = self.tokens[1:]
         for i, tok in enumerate(rest):
-            finish = "length" if i == len(rest) - 1 else None
-            choice = {"index": 0, "finish_reason": finish}
-            choice.update({"delta": {"content": tok}} if chat else {"text": tok})
+            if self.stream_error is not None and i == self.error_after:  # a worker failing mid-stream
+                await send({"error": self.stream_error})
+                await send("[DONE]")
+                await end()
+                return resp
+            finish = self.last_finish if i == len(rest) - 1 else None
+            choice = {"index": 0, **({"delta": {"content": tok}} if chat else {"text": tok}),
+                      "logprobs": None, "finish_reason": finish}
             await send({**base, "choices": [choice]})
             await asyncio.sleep(self.token_delay)
         n = len(self.tokens)
-        await send({**base, "choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS,
-                                                     "completion_tokens": n,
-                                                     "total_tokens": PROMPT_TOKENS + n}})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send({**base, "choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS,
+                                                         "completion_tokens": n,
+                                                         "total_tokens": PROMPT_TOKENS + n}})
         await send("[DONE]")
-        await resp.write_eof()
+        await end()
         return resp
 
 
@@ -296,8 +322,11 @@ async def test_completion_non_stream_and_worker_bodies(cluster: Cluster):
     assert p.body["max_tokens"] == 1 and p.body["stream"] is False
     assert "stream_options" not in p.body
     assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5}
-    assert d.body["stream"] is True and d.body["stream_options"] == {"include_usage": True}
-    assert d.body["kv_transfer_params"] == {"role": "decode"} and d.body["max_tokens"] == 5
+    assert d.body["stream"] is True and d.body["stream_options"] == {"include_usage": True}  # for the JSON body
+    # decode names its chunks as the client's response is named
+    assert d.body["kv_transfer_params"] == {
+        "role": "decode", "response": {"id": data["id"], "created": data["created"], "model": MODEL}}
+    assert d.body["max_tokens"] == 5
     assert p.body["prompt"] == d.body["prompt"] == "Say hello"
     assert p.body["temperature"] == d.body["temperature"] == 0
 
@@ -332,7 +361,7 @@ async def test_chat_stream(cluster: Cluster, include_usage: bool):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert len({c["created"] for c in chunks}) == 1
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
-    # Exactly one role chunk, first (the worker's own role chunk is dropped).
+    # Exactly one role chunk, first (the proxy's: decode, continuing the stream, sends none).
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
     if include_usage:
@@ -356,6 +385,109 @@ async def test_completion_stream(cluster: Cluster):
     assert [content_of(c) for c in content] == TOKENS
     assert content[-1]["choices"][0]["finish_reason"] == "length"
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+# ------------------------------------------------------------------ decode's stream, relayed
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Each event of an SSE body written as ``data: ...\\n\\n``, with its framing."""
+    assert raw.endswith(b"\n\n"), raw[-100:]
+    return [e + b"\n\n" for e in raw[:-2].split(b"\n\n")]
+
+
+def stream_request(kind: str, include_usage: bool, **kw) -> tuple[str, dict]:
+    extra = {"stream": True, "stream_options": {"include_usage": include_usage}, **kw}
+    return ("/v1/chat/completions", chat(**extra)) if kind == "chat" else ("/v1/completions", completion(**extra))
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [True, False])
+@pytest.mark.parametrize("how", ["compact", "spaced", "chopped"])
+async def test_stream_relays_decode_bytes_unchanged(cluster: Cluster, kind: str, include_usage: bool, how: str):
+    """After its own chunks (chat role, prefill's first token) the proxy sends what decode wrote, byte
+    for byte: tokens 2..n, the usage chunk if asked, [DONE]. Whatever the JSON's spacing (only a worker's
+    own compact form skips parsing) and however the events arrive (here in 7-byte pieces)."""
+    cluster.decode.compact = how != "spaced"
+    cluster.decode.chop = 7 if how == "chopped" else 0
+    path, body = stream_request(kind, include_usage)
+    async with cluster.post(path, body) as r:
+        assert r.status == 200
+        raw = await r.read()
+    relayed = b"".join(cluster.decode.sent)
+    assert relayed.endswith(b"data: [DONE]\n\n")
+    assert raw.endswith(relayed) and len(raw) > len(relayed)
+    own = sse_events(raw[:-len(relayed)])
+    assert len(own) == (2 if kind == "chat" else 1)  # [role chunk,] prefill's token
+    chunks = [json.loads(e[6:]) for e in own + cluster.decode.sent[:-1]]
+    # One name for the whole stream, the one decode was given.
+    (d,) = cluster.decode.received
+    named = d.body["kv_transfer_params"]["response"]
+    assert {(c["id"], c["created"], c["model"]) for c in chunks} == {(named["id"], named["created"], MODEL)}
+    assert named["id"].startswith("chatcmpl-" if kind == "chat" else "cmpl-")
+    assert d.body["stream_options"] == {"include_usage": include_usage}
+    assert ("usage" in chunks[-1]) is include_usage
+    content = [c for c in chunks if c["choices"]]
+    if kind == "chat":
+        assert content.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [content_of(c) for c in content] == TOKENS
+
+
+async def test_token_chunks_are_relayed_without_parsing(cluster: Cluster, monkeypatch):
+    """Of decode's events only the last token chunk and the usage chunk are parsed."""
+    parsed = []
+    loads = decode_stream.json.loads
+    monkeypatch.setattr(decode_stream, "json", SimpleNamespace(loads=lambda d: parsed.append(d) or loads(d)))
+    cluster.prefill.tokens = cluster.decode.tokens = ["t"] * 40
+    path, body = stream_request("chat", True, max_tokens=40)
+    async with cluster.post(path, body) as r:
+        events = await read_sse(r)
+    assert "".join(content_of(c) for c in events[:-1] if c["choices"]) == "t" * 40
+    assert events[-2]["usage"]["completion_tokens"] == 40
+    assert [json.loads(d)["choices"] for d in parsed] == [
+        [{"index": 0, "delta": {"content": "t"}, "logprobs": None, "finish_reason": "length"}], []]
+
+
+async def test_decode_chunks_of_another_response_are_an_error(cluster: Cluster):
+    """A decode worker that ignores the name it was given (e.g. one that does not speak this
+    proxy's worker API): the client gets an error event, never chunks of two different ids."""
+    cluster.decode.ignore_identity = True
+    for kind in ("chat", "completion"):
+        path, body = stream_request(kind, True)
+        async with cluster.post(path, body) as r:
+            assert r.status == 200
+            events = await read_sse(r)
+        assert content_of(events[-3]) == "Hello"
+        error = events[-2]["error"]
+        assert error["type"] == "server_error" and "sent a chunk of another response" in error["message"]
+        assert events[-1] == "[DONE]"
+        assert all(c["id"] != "worker-own-id" for c in events[:-2])
+
+
+async def test_decode_error_after_some_tokens_is_an_error_event(cluster: Cluster):
+    """The tokens decode sent go on unchanged; its error event does not: the proxy's own takes its place."""
+    cluster.decode.error_after = 2
+    cluster.decode.stream_error = {"message": "engine failed", "type": "server_error", "param": None, "code": 500}
+    path, body = stream_request("chat", True)
+    async with cluster.post(path, body) as r:
+        raw = await r.read()
+    tokens = b"".join(cluster.decode.sent[:2])
+    assert tokens in raw and b"engine failed" in cluster.decode.sent[2]
+    events = sse_events(raw)
+    assert events[2:4] == cluster.decode.sent[:2] and events[-1] == b"data: [DONE]\n\n"
+    error = json.loads(events[-2][6:])["error"]
+    assert error == {"message": f"decode worker {cluster.decode.url} failed: engine failed", "type": "server_error",
+                     "param": None, "code": None}
+    assert len(events) == 6  # role, Hello, 2 tokens, the error, [DONE]
+
+
+async def test_decode_stream_without_a_finish_reason_is_an_error(cluster: Cluster):
+    cluster.decode.last_finish = None
+    path, body = stream_request("completion", True)
+    async with cluster.post(path, body) as r:
+        events = await read_sse(r)
+    assert [content_of(c) for c in events[:-3]] == TOKENS  # then the usage chunk, as decode sent it
+    assert "without a finish_reason" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
 
 
 async def test_openai_client(cluster: Cluster):

@@ -257,7 +257,7 @@ async def test_lone_surrogate_is_400(make_env):
 class StallingDecode(Worker):
     """Opens its stream and then sends nothing: waiting for KV that never comes."""
 
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await asyncio.sleep(60)
@@ -431,9 +431,9 @@ class StallOnce(Worker):
 
     stalled: int = 0
 
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         if self.stalled:
-            return await super()._stream(request)
+            return await super()._stream(request, body)
         self.stalled += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

@@ -90,7 +90,7 @@ class Worker:
                                   "running": 0, "transferring": 0})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
+        body = await request.json()
         self.received.append(request.headers["X-Request-Id"])
         self.active += 1
         try:
@@ -105,21 +105,22 @@ class Worker:
                 await resp.write_eof()
                 self.answered.append(request.headers["X-Request-Id"])
                 return resp
-            return await self._stream(request)
+            return await self._stream(request, body)
         finally:
             self.active -= 1
 
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        name = {**body["kv_transfer_params"]["response"], "object": "text_completion"}  # as the proxy said
         for i, text in enumerate([" there", "!"]):
-            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": "length" if i else None}]}
+            chunk = {**name, "choices": [{"index": 0, "text": text, "finish_reason": "length" if i else None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if self.drop_mid_stream:
                 request.transport.close()
                 return resp
         usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        await resp.write(f"data: {json.dumps({**name, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xpyd.api.sse import SSEParser, sse_data
+from xpyd.api.sse import SSEParser, sse_batches, sse_data
 
 # What a worker sends, plus what other servers may: comments, named fields, multi-line data.
 SAMPLE = (
@@ -108,3 +108,19 @@ async def test_sse_data_over_async_chunks():
             yield SAMPLE[i:i + 7]
 
     assert [data async for data in sse_data(chunks())] == EXPECTED
+
+
+async def test_sse_batches_are_the_events_each_chunk_completed():
+    async def chunks():
+        yield b"data: 1\n\ndata: 2\n\ndata: "  # two events and the start of a third
+        yield b"3\n"  # completes none
+        yield b"\ndata: 4"
+        yield b"\n\n"
+        yield b"data: 5"  # ended by the end of the stream
+
+    assert [batch async for batch in sse_batches(chunks())] == [[b"1", b"2"], [b"3"], [b"4"], [b"5"]]
+    assert [b async for b in sse_batches(_one(SAMPLE))] == [EXPECTED]
+
+
+async def _one(chunk: bytes):
+    yield chunk

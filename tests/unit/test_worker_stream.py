@@ -1,14 +1,17 @@
-"""A worker's SSE body drops its request whenever it stops before the end: also when it never ran
-(the client went between the handler returning the response and the body's first iteration)."""
+"""A worker's SSE body: its shape (named by the proxy or not), and it drops its request whenever it stops
+before the end: also when it never ran (the client went between the handler returning the response and
+the body's first iteration)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import gc
+import json
+import threading
 
 from xpyd.api.openai import RequestKind
-from xpyd.worker.http_api import stream_events
+from xpyd.api.responses import chunk_head
+from xpyd.worker.http_api import StreamShape, stream_events
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent
 
 
@@ -21,8 +24,43 @@ class _Engine:
 
 
 def _body(engine: _Engine, sink: OutputSink):
-    return stream_events(engine, "rid-1", RequestKind.COMPLETION, 0, "m", 3, sink, include_usage=True,
-                         single_event=False)
+    shape = StreamShape(RequestKind.COMPLETION, "rid-1", 0, "m", 3, include_usage=True, role_chunk=True)
+    return stream_events(engine, "rid-1", shape, sink, single_event=False)
+
+
+async def _run(shape: StreamShape, *events: TokenEvent) -> list[bytes]:
+    sink = OutputSink(EventDispatch(asyncio.get_running_loop()))
+    for ev in events:
+        sink.queue.put_nowait(ev)
+    return [c async for c in stream_events(_Engine(), "xpyd-rid", shape, sink, single_event=False)]
+
+
+async def test_a_stream_the_proxy_named_is_the_rest_of_its_stream():
+    """Named by the proxy: every chunk carries its id, created and model (not the request id), a chat
+    stream opens with no role chunk (the proxy sent it), and the usage chunk comes only if asked."""
+    events = (TokenEvent(" a", None, 3, 2), TokenEvent("", None, 3, 3), TokenEvent(" b", "length", 3, 4))
+    for kind in RequestKind:
+        for include_usage in (True, False):
+            shape = StreamShape(kind, "chatcmpl-x", 1700000000, "served/name", 3, include_usage, role_chunk=False)
+            chunks = await _run(shape, *events)
+            assert chunks[-1] == b"data: [DONE]\n\n"
+            head = b"data: " + chunk_head("chatcmpl-x", 1700000000, "served/name", kind)
+            assert all(c.startswith(head) for c in chunks[:-1])  # what the proxy's relay checks
+            objs = [json.loads(c[6:]) for c in chunks[:-1]]
+            if include_usage:
+                assert objs.pop()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+            assert [o["choices"][0]["finish_reason"] for o in objs] == [None, "length"]  # no empty chunk
+            texts = [o["choices"][0]["delta"]["content"] if kind is RequestKind.CHAT else o["choices"][0]["text"]
+                     for o in objs]
+            assert texts == [" a", " b"]
+
+
+async def test_an_unnamed_chat_stream_opens_with_the_role_chunk():
+    shape = StreamShape(RequestKind.CHAT, "xpyd-rid", 5, "m", 3, include_usage=False, role_chunk=True)
+    chunks = await _run(shape, TokenEvent("hi", "stop", 3, 2))
+    objs = [json.loads(c[6:]) for c in chunks[:-1]]
+    assert [o["choices"][0]["delta"] for o in objs] == [{"role": "assistant", "content": ""}, {"content": "hi"}]
+    assert {o["id"] for o in objs} == {"xpyd-rid"}
 
 
 async def test_a_body_that_never_ran_drops_its_request_when_it_goes():

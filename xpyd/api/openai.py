@@ -11,7 +11,9 @@ The response bodies and SSE framing are built in ``xpyd.api.responses``.
 ``kv_transfer_params`` is the xpyd extension the proxy adds for the workers::
 
     prefill: {"role": "prefill", "max_tokens": <client's max_tokens or null>}
-    decode:  {"role": "decode"}
+    decode:  {"role": "decode", "response": {"id": ..., "created": ..., "model": ...}}
+
+(``response``: what the worker calls its response, ``xpyd.api.identity``.)
 """
 
 from __future__ import annotations

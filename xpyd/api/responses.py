@@ -67,6 +67,17 @@ def _chunk_object(kind: RequestKind) -> str:
     return "chat.completion.chunk" if kind is RequestKind.CHAT else "text_completion"
 
 
+def _chunk_base(request_id: str, created: int, model: str, kind: RequestKind) -> dict:
+    """What every chunk of one stream starts with, in this order."""
+    return {"id": request_id, "object": _chunk_object(kind), "created": created, "model": model}
+
+
+def chunk_head(request_id: str, created: int, model: str, kind: RequestKind) -> bytes:
+    """The bytes the JSON of every chunk of this stream starts with (``stream_chunk`` and ``usage_chunk``
+    through ``dumps``), up to and including ``"choices":``: a relay checks a chunk's name with it."""
+    return dumps(_chunk_base(request_id, created, model, kind))[:-1] + b',"choices":'
+
+
 def stream_chunk(
     request_id: str,
     created: int,
@@ -86,13 +97,7 @@ def stream_chunk(
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": _chunk_object(kind),
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    return {**_chunk_base(request_id, created, model, kind), "choices": [choice]}
 
 
 def usage_chunk(
@@ -104,14 +109,8 @@ def usage_chunk(
     completion_tokens: int,
 ) -> dict:
     """The trailing usage chunk of a stream (``stream_options.include_usage``)."""
-    return {
-        "id": request_id,
-        "object": _chunk_object(kind),
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": _usage(prompt_tokens, completion_tokens),
-    }
+    return {**_chunk_base(request_id, created, model, kind), "choices": [],
+            "usage": _usage(prompt_tokens, completion_tokens)}
 
 
 def dumps(obj: dict) -> bytes:

@@ -2,12 +2,14 @@
 """Reading a server-sent-event stream (what ``xpyd.api.responses.sse`` writes): the ``data`` of each event.
 
 ``SSEParser`` is fed the body's bytes as they arrive, split anywhere, and returns the data of every
-event completed so far; ``sse_data`` does that over an async iterable of chunks. Per the SSE spec
-(html.spec.whatwg.org, "Parsing an event stream"): lines end with CRLF, LF or CR; a blank line ends
-an event; ``data:`` loses one leading space; several ``data`` lines are joined with ``\\n``; an event
-with no ``data`` line is not dispatched; comments (``:...``) and other fields (``event``, ``id``,
-``retry``) are skipped. Unlike the spec, an event the stream ends in (no blank line after it) is
-dispatched at ``close()``, as a line-by-line reader would see it; a leading BOM is not removed.
+event completed so far; ``sse_data`` does that over an async iterable of chunks, and ``sse_batches``
+too but as one list per chunk (what one read completed, for a relay that forwards it at once).
+Per the SSE spec (html.spec.whatwg.org, "Parsing an event stream"): lines end with CRLF, LF or CR;
+a blank line ends an event; ``data:`` loses one leading space; several ``data`` lines are joined
+with ``\\n``; an event with no ``data`` line is not dispatched; comments (``:...``) and other fields
+(``event``, ``id``, ``retry``) are skipped. Unlike the spec, an event the stream ends in (no blank
+line after it) is dispatched at ``close()``, as a line-by-line reader would see it; a leading BOM is
+not removed.
 
 Data is returned as bytes, undecoded (``json.loads`` takes bytes). Only the standard library.
 """
@@ -80,3 +82,17 @@ async def sse_data(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVEN
             yield data
     for data in parser.close():
         yield data
+
+
+async def sse_batches(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES
+                      ) -> AsyncIterator[list[bytes]]:
+    """As ``sse_data``, but the data of the events each chunk completed, together (chunks that complete
+    none are skipped). Stop early inside ``contextlib.aclosing`` as well."""
+    parser = SSEParser(max_event_bytes)
+    async for chunk in chunks:
+        events = parser.feed(chunk)
+        if events:
+            yield events
+    events = parser.close()
+    if events:
+        yield events

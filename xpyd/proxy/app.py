@@ -10,7 +10,8 @@ A request moves through::
     -> a worker unreachable before the client got anything: it is marked down and
        the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
-    -> decode's deltas follow; usage chunk if asked; [DONE]
+    -> decode's chunks follow as decode wrote them (it was told the response's id,
+       created and model); its usage chunk if asked; [DONE]
        (a failure after the first byte ends the stream with an error event; so does the
        prefill worker going down before decode has the KV: see ``InFlight.worker_down``)
 
@@ -32,12 +33,14 @@ session and the health poller (started before serving, stopped after).
 from __future__ import annotations
 
 import logging
+import time
 
 import aiohttp
 from quart import Quart, Response, request
 
+from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
-from xpyd.api.responses import models_response
+from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
@@ -147,8 +150,8 @@ class Proxy:
             if slot is not None and not slot.handed_off:
                 slot.release()
 
-    async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, str]:
-        """The client's request, checked, and the model name to answer with."""
+    async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity]:
+        """The client's request, checked, and what its response is called (id, created, model)."""
         check_content_type(request.headers.get("Content-Type"))
         req = parse_request(await request.get_data(cache=False), kind)
         model = self.served_model()
@@ -157,17 +160,20 @@ class Proxy:
         if req.model is not None and req.model != model:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
-        return req, model
+        try:
+            return req, ResponseIdentity(new_response_id(kind), int(time.time()), model)
+        except ValueError as e:  # a worker's served name no worker would accept back
+            raise APIError(500, f"cannot serve model {model[:80]!r}: {e}", type="server_error") from None
 
     async def _generate(self, kind: RequestKind, timer: RequestTimer, slot: Slot) -> Response:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
-        req, model = await self._read_request(kind)
+        req, identity = await self._read_request(kind)
         failed: UpstreamError | None = None
         retries = self.config.retries
         await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
-            call = self._start(self._client, req, failed)
+            call = self._start(self._client, req, identity, failed)
             streaming = False
             try:
                 first = await call.first_token()
@@ -176,8 +182,8 @@ class Proxy:
                 if req.stream:
                     streaming = True  # from here the body owns the call, the timer and the slot
                     call.hold(slot)
-                    return stream_response(call, req, first, model, headers, timer, self.worker_failed)
-                body = await complete_body(call, req, first, model, timer)
+                    return stream_response(call, req, first, headers, timer, self.worker_failed)
+                body = await complete_body(call, req, first, timer)
                 timer.end(Outcome.OK)
                 return json_response(body, headers=headers)
             except UpstreamError as e:
@@ -193,7 +199,7 @@ class Proxy:
                 if not streaming:
                     await call.aclose()
 
-    def _start(self, client: WorkerClient, req: CompletionRequest,
+    def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
                failed: UpstreamError | None) -> TrackedCall:
         try:
             prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL))
@@ -202,7 +208,7 @@ class Proxy:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
-        return self.inflight.start(client, req, prefill, decode, request_id)
+        return self.inflight.start(client, req, prefill, decode, request_id, identity)
 
     def _decode_room(self) -> int | None:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))

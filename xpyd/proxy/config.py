@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from xpyd.api.identity import MAX_MODEL_CHARS
 from xpyd.proxy.routing import Policy
 
 
@@ -39,6 +40,10 @@ class ProxyConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("model_name must not be blank")
+        if self.model_name is not None and not (len(self.model_name) <= MAX_MODEL_CHARS
+                                                and self.model_name.isprintable()):
+            raise ValueError(f"model_name must be at most {MAX_MODEL_CHARS} printable characters (workers are "
+                             "told to write it into every chunk)")
         for name in ("connect_timeout", "read_timeout", "discovery_timeout", "poll_interval",
                      "poll_timeout", "queue_timeout"):
             value = getattr(self, name)

@@ -1,9 +1,15 @@
 """Reading the decode worker's SSE answer: tokens 2..n, then usage, then ``[DONE]``.
 
-``xpyd.api.sse`` splits the body into events; an error event ends the stream
-with an UpstreamError (``in_stream_error``), and so does a stream that ends
-without a finish reason. After ``[DONE]`` the (empty) rest of the body is read
-briefly so the connection goes back to the pool.
+``xpyd.api.sse`` splits the body into events. Two ways to read it::
+
+    relay(identity)  streaming client: each read's events as they came, for the client as they are;
+                     only events that do not look like an ordinary token chunk of this response
+                     are parsed: the last one (finish_reason), the usage chunk, an error
+    deltas()         JSON client: every event parsed into Deltas, and ``usage`` set
+
+An error event ends the stream with an UpstreamError (``in_stream_error``), and so
+does a stream that ends without a finish reason. After ``[DONE]`` the (empty) rest
+of the body is read briefly so the connection goes back to the pool.
 """
 
 from __future__ import annotations
@@ -15,24 +21,78 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
+from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
-from xpyd.api.responses import DONE_DATA
-from xpyd.api.sse import sse_data
+from xpyd.api.responses import DONE_DATA, chunk_head
+from xpyd.api.sse import sse_batches, sse_data
 from xpyd.discovery.types import WorkerInfo
-from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors
+from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors, who
 from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
 
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
+_NOT_LAST = b'"finish_reason":null'  # in every token chunk but the last (as ``dumps`` writes it)
 
 
 class DecodeStream:
-    """The decode worker's SSE response; ``deltas()`` yields tokens 2..n, then ``usage`` is set."""
+    """The decode worker's SSE response: ``relay()`` or ``deltas()`` (once), then ``close()``."""
 
     def __init__(self, resp: aiohttp.ClientResponse, worker: WorkerInfo, kind: RequestKind) -> None:
         self._resp = resp
         self._worker = worker
         self._kind = kind
-        self.usage: Usage | None = None
+        self.usage: Usage | None = None  # set by deltas()
+
+    async def relay(self, identity: ResponseIdentity) -> AsyncIterator[bytes]:
+        """The stream's events up to ``[DONE]`` (not included), one block per read, unchanged.
+
+        A token chunk that starts with this response's head (id, object, created, model) and has
+        ``"finish_reason":null`` goes on without parsing; any other event is parsed and checked:
+        an error event raises, a chunk of another response is a 502, a finish reason is noted.
+        """
+        head = chunk_head(identity.id, identity.created, identity.model, self._kind)
+        finished = done = False
+        with upstream_errors(self._worker):
+            async with contextlib.aclosing(sse_batches(self._resp.content.iter_any())) as batches:
+                async for batch in batches:
+                    block, error = [], None
+                    for data in batch:
+                        if data == DONE_DATA:
+                            done = True
+                            break
+                        if not (data.startswith(head) and _NOT_LAST in data):
+                            try:
+                                finished = self._check(data, identity) or finished
+                            except Exception as e:  # raised once the events before it are sent
+                                error = e
+                                break
+                        block.append(b"data: " + data + b"\n\n")  # as the worker framed it (``sse``)
+                    if block:
+                        yield b"".join(block)
+                    if error is not None:
+                        raise error
+                    if done:
+                        break
+        if done:
+            await self._release()
+        if not finished:
+            raise self._unfinished()
+
+    def _check(self, data: bytes, identity: ResponseIdentity) -> bool:
+        """An event off the fast path: raise if it is an error or not this response's; True if it is the last."""
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise TypeError("an SSE event that is not a JSON object")
+        if "error" in obj:
+            raise in_stream_error(obj["error"], self._worker)
+        got = (obj.get("id"), obj.get("created"), obj.get("model"))
+        if got != (identity.id, identity.created, identity.model):
+            raise UpstreamError(502, f"{who(self._worker)} sent a chunk of another response (id, created, "
+                                f"model: {got}; expected {identity.to_wire()}); does it speak this proxy's "
+                                "worker API?", worker=self._worker)
+        choices = obj["choices"]
+        if not isinstance(choices, list):
+            raise TypeError("choices must be a list")
+        return any(c["finish_reason"] is not None for c in choices)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         finished = False
@@ -53,8 +113,11 @@ class DecodeStream:
                             finished = finished or delta.finish_reason is not None
                             yield delta
         if not finished:
-            raise UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "
-                                "without a finish_reason", worker=self._worker)
+            raise self._unfinished()
+
+    def _unfinished(self) -> UpstreamError:
+        return UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "
+                             "without a finish_reason", worker=self._worker)
 
     async def _release(self) -> None:
         """Read the (empty) rest of the body so the connection goes back to the pool."""
@@ -65,7 +128,7 @@ class DecodeStream:
         self._resp.release()  # closes instead if the body did not end
 
     def fail(self, error: UpstreamError) -> None:
-        """End ``deltas()`` with ``error`` from another task (it may be waiting for a read)."""
+        """End ``relay()`` or ``deltas()`` with ``error`` from another task (it may be waiting for a read)."""
         self._resp.content.set_exception(error)
 
     def close(self) -> None:

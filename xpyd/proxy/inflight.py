@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.admission import Slot
@@ -34,8 +35,8 @@ class TrackedCall(PDCall):
     """
 
     def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-                 decode: WorkerInfo, request_id: str, inflight: InFlight) -> None:
-        super().__init__(client, req, prefill, decode, request_id)
+                 decode: WorkerInfo, request_id: str, identity: ResponseIdentity, inflight: InFlight) -> None:
+        super().__init__(client, req, prefill, decode, request_id, identity)
         self._inflight = inflight
         self._workers: tuple[WorkerInfo, ...] = (prefill, decode)
         self._slot: Slot | None = None
@@ -61,8 +62,8 @@ class InFlight:
         self._calls: set[TrackedCall] = set()
 
     def start(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-              decode: WorkerInfo, request_id: str) -> TrackedCall:
-        return TrackedCall(client, req, prefill, decode, request_id, self)
+              decode: WorkerInfo, request_id: str, identity: ResponseIdentity) -> TrackedCall:
+        return TrackedCall(client, req, prefill, decode, request_id, identity, self)
 
     def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...]) -> None:
         for worker in workers:

@@ -3,9 +3,11 @@
 Both upstream calls start at once::
 
     first_token(): prefill <- prefill_body  -> first token  (returned once decode has the request too)
-                   decode  <- decode_body   -> open SSE stream
-    rest():        decode's deltas (tokens 2..n), unless the request ended on prefill
-    usage:         decode's usage chunk, or prefill's, or what was counted
+                   decode  <- decode_body   -> open SSE stream, its chunks named ``identity``
+    relay():       streaming: decode's events for tokens 2..n as the client gets them (bytes)
+    rest():        or, for a JSON answer, decode's deltas (tokens 2..n)
+                   (neither yields anything if the request ended on prefill)
+    usage:         after rest(): decode's usage chunk, or prefill's, or what was counted
     aclose():      cancel what still runs; tell prefill to drop KV decode never pulled
 
 The first error from either side is the call's error (an ``UpstreamError``).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient
@@ -28,9 +31,9 @@ class PDCall:
     """One client request split across a prefill and a decode worker, called concurrently.
 
     ``first_token()`` starts both calls and returns prefill's answer (or the first
-    error from either side); ``rest()`` yields decode's deltas unless the request
-    already ended on prefill. Always finish with ``aclose()`` (or ``abort()`` where
-    awaiting is impossible): it cancels whatever is still running.
+    error from either side); ``relay()`` or ``rest()`` yields decode's part unless the
+    request already ended on prefill. Always finish with ``aclose()`` (or ``abort()``
+    where awaiting is impossible): it cancels whatever is still running.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class PDCall:
         prefill: WorkerInfo,
         decode: WorkerInfo,
         request_id: str,
+        identity: ResponseIdentity,
     ) -> None:
         if prefill.role is not Role.PREFILL or decode.role is not Role.DECODE:
             raise ValueError("PDCall needs a prefill worker and a decode worker")
@@ -48,12 +52,13 @@ class PDCall:
         self._prefill = prefill
         self._decode = decode
         self.request_id = request_id
+        self.identity = identity  # the response's id, created and model, in decode's chunks too
         self._prefill_task: asyncio.Task[FirstToken] | None = None
         self._decode_task: asyncio.Task[DecodeStream] | None = None
         self._first: FirstToken | None = None
         self._prefilled: FirstToken | None = None  # prefill's answer, even if first_token() failed after it
         self._stream: DecodeStream | None = None
-        self._decoded_tokens = 0
+        self._decoded = 0  # deltas (or relayed blocks) from decode so far
         self._completed = False  # decode's stream ended normally
         self._release_sent = False
         self._decode_sent = asyncio.Event()
@@ -72,7 +77,7 @@ class PDCall:
         """
         if self._first is None:
             return False  # prefill has not answered: its own call fails (or times out)
-        if self._decoded_tokens or self._first.finish_reason is not None or self._lost.done():
+        if self._decoded or self._first.finish_reason is not None or self._lost.done():
             return False
         self._lost.set_result(error)
         if self._stream is not None:
@@ -86,7 +91,7 @@ class PDCall:
         self._prefill_task = asyncio.create_task(self._client.prefill(
             self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
         self._decode_task = asyncio.create_task(self._client.open_decode(
-            self._decode, kind, decode_body(self._req, self._decode), self.request_id,
+            self._decode, kind, decode_body(self._req, self._decode, self.identity), self.request_id,
             self._decode_sent))
         pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
         while True:
@@ -116,19 +121,37 @@ class PDCall:
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()
 
-    async def rest(self) -> AsyncIterator[Delta]:
+    async def _open_stream(self) -> DecodeStream | None:
+        """Decode's open stream, or None if the request ended on prefill."""
         if self._first is None:
-            raise RuntimeError("first_token() must succeed before rest()")
+            raise RuntimeError("first_token() must succeed before decode's part")
         if self._first.finish_reason is not None:
-            return  # ended on prefill; aclose() drops the decode stream
+            return None  # ended on prefill; aclose() drops the decode stream
         assert self._decode_task is not None
         if not self._decode_task.done():
             await asyncio.wait({self._decode_task, self._lost}, return_when=asyncio.FIRST_COMPLETED)
         if self._lost.done():
             raise self._lost.result()
         self._stream = await self._decode_task
-        async for delta in self._stream.deltas():
-            self._decoded_tokens += 1
+        return self._stream
+
+    async def relay(self) -> AsyncIterator[bytes]:
+        """Decode's SSE events for tokens 2..n (and its usage chunk if the client asked), unchanged,
+        without the final ``[DONE]``."""
+        stream = await self._open_stream()
+        if stream is None:
+            return
+        async for block in stream.relay(self.identity):
+            self._decoded += 1
+            yield block
+        self._completed = True
+
+    async def rest(self) -> AsyncIterator[Delta]:
+        stream = await self._open_stream()
+        if stream is None:
+            return
+        async for delta in stream.deltas():
+            self._decoded += 1
             yield delta  # the stream goes on to its usage chunk and [DONE]
         self._completed = True
 
@@ -142,7 +165,7 @@ class PDCall:
         if self._stream is not None and self._stream.usage is not None:
             return self._stream.usage
         # The decode worker sent no usage chunk: count what we saw.
-        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded_tokens)
+        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded)
 
     def abort(self) -> None:
         """Cancel both calls and drop the decode stream, without waiting.

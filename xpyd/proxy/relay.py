@@ -1,10 +1,14 @@
 """A P/D call's output as the client gets it: one JSON body, or an SSE stream.
 
-Either way the client sees one response id and ``created``, the served model
-name, prefill's first token and then decode's deltas. A streaming response
-goes::
+Either way the client sees the call's ``identity`` (one response id and
+``created``, the served model name), prefill's first token and then decode's
+part. A streaming response goes::
 
-    [role chunk (chat)] -> first token -> deltas -> [usage chunk if asked] -> [DONE]
+    [role chunk (chat)] -> first token            the proxy's own chunks
+    -> tokens 2..n -> [usage chunk if asked]      decode's events, passed on as they came
+    -> [DONE]
+
+(a request that ended on prefill: the proxy writes the usage chunk itself).
 
 A failure once the status line is sent becomes an error event and ``[DONE]``
 (as vLLM does); the body owns the call and the request's timer, and drops the
@@ -14,21 +18,13 @@ call when it ends or, if the client left before it started, when it is collected
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 
 from quart import Response
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
-from xpyd.api.responses import (
-    SSE_DONE,
-    completion_response,
-    new_response_id,
-    sse,
-    stream_chunk,
-    usage_chunk,
-)
+from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
@@ -36,26 +32,22 @@ from xpyd.proxy.worker_api import FirstToken
 log = logging.getLogger(__name__)
 
 
-async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
-                        timer: RequestTimer) -> dict:
+async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
     """The whole (non-streaming) response, once decode has finished."""
     parts, finish_reason = [first.text], first.finish_reason
     async for delta in call.rest():
         timer.token()
         parts.append(delta.text)
         finish_reason = delta.finish_reason or finish_reason
-    usage = call.usage
-    return completion_response(
-        new_response_id(req.kind), int(time.time()), model, req.kind, "".join(parts),
-        finish_reason, usage.prompt_tokens, usage.completion_tokens,
-    )
+    usage, name = call.usage, call.identity
+    return completion_response(name.id, name.created, name.model, req.kind, "".join(parts), finish_reason,
+                               usage.prompt_tokens, usage.completion_tokens)
 
 
-def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
-                    headers: dict, timer: RequestTimer,
-                    on_error: Callable[[APIError], None]) -> Response:
+def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
+                    timer: RequestTimer, on_error: Callable[[APIError], None]) -> Response:
     """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here."""
-    body = _stream(call, req, first, model, on_error, timer)
+    body = _stream(call, req, first, on_error, timer)
     # If the client leaves before the body starts, the generator never runs
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
@@ -69,30 +61,29 @@ def _abandon(call: PDCall, timer: RequestTimer) -> None:
 
 
 async def _stream(
-    call: PDCall, req: CompletionRequest, first: FirstToken, model: str,
+    call: PDCall, req: CompletionRequest, first: FirstToken,
     on_error: Callable[[APIError], None], timer: RequestTimer,
 ) -> AsyncIterator[bytes]:
-    kind, rid, created = req.kind, new_response_id(req.kind), int(time.time())
+    kind, name = req.kind, call.identity
 
     def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        return sse(stream_chunk(rid, created, model, kind, text, finish_reason, role=role))
+        return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role))
 
     try:
         if kind is RequestKind.CHAT:
             yield chunk(None, None, role=True)
         if first.finish_reason is not None:
             yield chunk(first.text or None, first.finish_reason)
+            if req.include_usage:
+                usage = first.usage
+                yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,
+                                      usage.completion_tokens))
         else:
             if first.text:
                 yield chunk(first.text, None)
-            async for delta in call.rest():
+            async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
                 timer.token()
-                if delta.finish_reason is not None or delta.text:
-                    yield chunk(delta.text or None, delta.finish_reason)
-        if req.include_usage:
-            usage = call.usage
-            yield sse(usage_chunk(rid, created, model, kind, usage.prompt_tokens,
-                                  usage.completion_tokens))
+                yield block
         timer.end(Outcome.OK)
         yield SSE_DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does

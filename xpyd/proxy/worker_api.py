@@ -3,9 +3,12 @@
 For one client request::
 
     prefill worker  <- prefill_body: body + max_tokens=1, stream=false -> parse_first_token (JSON)
-    decode worker   <- decode_body: body + stream=true, include_usage  -> parse_delta per SSE choice, usage
+    decode worker   <- decode_body: body + stream=true + the response's identity
+                       -> streaming: the chunks the client gets for tokens 2..n (+ usage if asked)
+                       -> not streaming: parse_delta per SSE choice, and the usage chunk
 
-Both carry the request's id in ``X-Request-Id``. The parsers raise ValueError,
+Both carry the request's id in ``X-Request-Id``; decode's ``kv_transfer_params.response`` names the
+response (``xpyd.api.identity``) so its chunks need no rewriting. The parsers raise ValueError,
 KeyError, TypeError or IndexError on a malformed answer (``upstream_errors``
 turns those into a 502).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xpyd.api.identity import WIRE_KEY, ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
 from xpyd.discovery.types import WorkerInfo
 
@@ -52,13 +56,15 @@ def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
     return body
 
 
-def decode_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
+def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseIdentity) -> dict:
+    """Decode always streams; to a streaming client its chunks go as they are (the usage chunk only if
+    the client asked), while for a JSON answer the proxy needs decode's usage."""
     return {
         **req.raw,
         "model": worker.model_id,
         "stream": True,
-        "stream_options": {"include_usage": True},
-        "kv_transfer_params": {"role": "decode"},
+        "stream_options": {"include_usage": req.include_usage or not req.stream},
+        "kv_transfer_params": {"role": "decode", WIRE_KEY: identity.to_wire()},
     }
 
 

@@ -5,6 +5,12 @@ The prefill worker answers with the first token (the proxy calls it with
 ``X-Request-Id`` header verbatim as the rendezvous key, and drop a request on
 ``POST /xpyd/abort`` with that header. Every error is OpenAI-style JSON: bodies
 that are not JSON (415), too large (413), invalid (400), unknown routes (404/405).
+
+A response is called by the request id, the time it arrived and the served
+model, unless the proxy names it (``kv_transfer_params.response``, see
+``xpyd.api.identity``): then every chunk carries the proxy's id, ``created`` and
+model, and a chat stream has no role chunk (it continues the one the proxy
+opened), so the proxy passes the stream on unchanged.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import logging
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from xpyd.api.identity import response_identity
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import (
     SSE_DONE,
@@ -203,6 +211,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             check_content_type(request.headers.get("Content-Type"))
             body = await request.get_data(cache=False)
             req = parse_request(body, kind)
+            named = response_identity(req.kv_transfer_params)
             loop = asyncio.get_running_loop()
             sink = OutputSink(dispatch_for(loop))
             item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req,
@@ -213,12 +222,15 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             return _error(e)
         rid = str(item.request_id)
         engine.submit(item)
-        created = int(time.time())
-        model = engine.info.model_id
         n_prompt = len(item.prompt_ids)
+        if named is None:
+            shape = StreamShape(kind, rid, int(time.time()), engine.info.model_id, n_prompt, req.include_usage,
+                                role_chunk=True)
+        else:  # the proxy's name; its stream has its own role chunk
+            shape = StreamShape(kind, named.id, named.created, named.model, n_prompt, req.include_usage,
+                                role_chunk=False)
         if req.stream:
-            gen = stream_events(engine, rid, kind, created, model, n_prompt, sink, req.include_usage,
-                                single_event)
+            gen = stream_events(engine, rid, shape, sink, single_event)
             resp = Response(gen, mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.timeout = None
@@ -234,8 +246,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
                 text.append(ev.text)
                 finish, completion_tokens = ev.finish_reason, ev.completion_tokens
             ended = True
-            return _json(completion_response(rid, created, model, kind, "".join(text), finish, n_prompt,
-                                             completion_tokens))
+            return _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
+                                             n_prompt, completion_tokens))
         finally:
             if not ended:  # the client went away: drop the request everywhere
                 engine.abort(rid)
@@ -249,6 +261,25 @@ async def _events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEv
         yield ev
         if isinstance(ev, ErrorEvent) or ev.finish_reason is not None or single_event:
             return
+
+
+@dataclass(frozen=True, slots=True)
+class StreamShape:
+    """How a response is written around its tokens: its name, and the chunks it opens and ends with."""
+
+    kind: RequestKind
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    include_usage: bool  # end with the usage chunk
+    role_chunk: bool  # chat: open with the assistant role chunk
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role))
+
+    def usage(self, completion_tokens: int) -> bytes:
+        return sse(usage_chunk(self.id, self.created, self.model, self.kind, self.prompt_tokens, completion_tokens))
 
 
 class _Ended:
@@ -266,23 +297,23 @@ def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
         engine.abort(rid)
 
 
-def stream_events(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
-                  sink: OutputSink, include_usage: bool, single_event: bool) -> AsyncIterator[bytes]:
+def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink,
+                  single_event: bool) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
     request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
     cancelled between returning the response and its first iteration), when the generator object goes."""
     ended = _Ended()
-    gen = _stream(engine, rid, kind, created, model, n_prompt, sink, include_usage, single_event, ended)
+    gen = _stream(engine, rid, shape, sink, single_event, ended)
     weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
     return gen
 
 
-async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, model: str, n_prompt: int,
-                  sink: OutputSink, include_usage: bool, single_event: bool, ended: _Ended) -> AsyncIterator[bytes]:
+async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
+                  ended: _Ended) -> AsyncIterator[bytes]:
     completion_tokens = 0
     try:
-        if kind is RequestKind.CHAT:
-            yield sse(stream_chunk(rid, created, model, kind, None, None, role=True))
+        if shape.kind is RequestKind.CHAT and shape.role_chunk:
+            yield shape.chunk(None, None, role=True)
         async for ev in _events(sink, single_event):
             if isinstance(ev, ErrorEvent):
                 ended.value = True
@@ -292,10 +323,10 @@ async def _stream(engine: Engine, rid: str, kind: RequestKind, created: int, mod
                 return
             completion_tokens = ev.completion_tokens
             if ev.text or ev.finish_reason is not None:
-                yield sse(stream_chunk(rid, created, model, kind, ev.text, ev.finish_reason))
+                yield shape.chunk(ev.text, ev.finish_reason)
         ended.value = True
-        if include_usage:
-            yield sse(usage_chunk(rid, created, model, kind, n_prompt, completion_tokens))
+        if shape.include_usage:
+            yield shape.usage(completion_tokens)
         yield SSE_DONE
     finally:
         _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere
