@@ -111,7 +111,7 @@ def test_engine_remembers_a_release_that_overtook_its_request():
         engine.post(SimpleNamespace(request_id=rid, sink=sink, prompt_ids=[1, 2]))  # (a WorkItem, reduced)
         engine.step()
         assert [type(e) for e in sink.events] == [ErrorEvent] and sink.events[0].status == 409
-        assert rid not in engine._released_early and engine.stats()["released_on_arrival"] == 1
+        assert rid not in engine._memory.released_early and engine.stats()["released_on_arrival"] == 1
         assert (_lookup(engine, rid).status, _lookup(engine, rid).error) == (m.LookupStatus.FAILED, RELEASED_EARLY)
         assert engine.sched.get(rid) is None and engine.pool.num_used == 0  # nothing held for it
     finally:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
@@ -39,7 +38,7 @@ from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
 from xpyd.model.sampling import skip_draw
 from xpyd.worker.stepping import decode_and_sample
-from xpyd.worker.engine import Abort, WorkerEngine
+from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
@@ -50,11 +49,6 @@ log = logging.getLogger(__name__)
 
 SAFETY_REASK = 5.0  # seconds a claimed request waits without news before it is asked about again
 HEARTBEAT_INTERVAL = 1.0  # a prefill peer sent nothing for this long gets a heartbeat
-
-
-@dataclass(frozen=True, slots=True)
-class _PeersLeft:
-    addrs: frozenset[str]
 
 
 class DecodeEngine(WorkerEngine):
@@ -92,10 +86,6 @@ class DecodeEngine(WorkerEngine):
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------
-    def peers_left(self, addrs: set[str]) -> None:
-        """Prefill workers that left the cluster: close their connections once nothing waits on them."""
-        self.post(_PeersLeft(frozenset(addrs)))
-
     def idle(self) -> bool:
         s = self._stats
         return not (s.get("waiting") or s.get("running") or s.get("transferring"))
@@ -126,7 +116,7 @@ class DecodeEngine(WorkerEngine):
             if isinstance(item, Abort):
                 with self.isolate(item.request_id):
                     self._abort(item.request_id)
-            elif isinstance(item, _PeersLeft):
+            elif isinstance(item, PeersLeft):
                 for addr in item.addrs:
                     self._peer_left(addr)
             else:

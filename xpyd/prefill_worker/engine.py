@@ -13,25 +13,20 @@ thread pushes a ``notify`` to the claimant.
 
 Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a
 later lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or
-until its decode worker has sent nothing (heartbeats included) for ``peer_timeout``; requests that ended here unpulled
-(aborted, failed) are remembered for a while so lookups get a clear answer; a
-release that arrives before its request drops the request on arrival. With a
+until its decode worker has sent nothing (heartbeats included) for ``peer_timeout``. Requests that
+ended here unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
+(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival. With a
 cluster token configured, a decode worker must present it at the handshake
 (constant-time compare), and nothing but a handshake is served before that.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter
 from typing import Callable
-
-import torch
-from cachetools import TTLCache
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
@@ -41,9 +36,10 @@ from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_and_sample
-from xpyd.worker.engine import Abort, WorkerEngine
+from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.recent import recent_ids
+from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
+from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
@@ -51,25 +47,10 @@ from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
 
-MAX_PEERS = 1024  # handshaken decode workers remembered; beyond that the least recently active is forgotten
 RELEASED_EARLY = "released before it reached the prefill worker (its client went away)"
 MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
 MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
 LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
-
-
-@dataclass(frozen=True, slots=True)
-class _PeersLeft:
-    addrs: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerMap:
-    """A decode worker's registered KV pool, from its kv_map_init."""
-
-    transfer: BackendDescriptor
-    slot_bytes: int
-    num_slots: int
 
 
 class PrefillEngine(WorkerEngine):
@@ -81,22 +62,13 @@ class PrefillEngine(WorkerEngine):
         self.transfer = transfer
         self.sched = PrefillScheduler(config.batch_size, self.pool)
         self._lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
-        self._peers: dict[str, PeerMap] = {}
+        self._peers = DecodePeers()
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
         self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
-        # Decode identities whose handshake was accepted -> when we last heard from them, least recent first.
-        self._handshaken: OrderedDict[str, float] = OrderedDict()
-        retention = max(MIN_RETENTION, config.kv_ttl)
-        # request id -> (status, error) of requests that ended here before a decode worker pulled them
-        self._ended: TTLCache[str, tuple[m.LookupStatus, str]] = recent_ids(retention, MAX_REMEMBERED)
-        # request ids released before they arrived here (value: True)
-        self._released_early: TTLCache[str, bool] = recent_ids(retention, MAX_REMEMBERED)
-        # request ids claimed by their decode worker before they arrived here (value: True)
-        self._early_claims: TTLCache[str, bool] = recent_ids(retention, MAX_REMEMBERED)
+        self._memory = RequestMemory(max(MIN_RETENTION, config.kv_ttl), MAX_REMEMBERED)
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
         self._expired = 0
-        self._left: dict[str, float] = {}  # decode workers that left the cluster -> when
         self._released_on_arrival = 0
 
     def start(self, signal_addr: str) -> None:
@@ -107,10 +79,6 @@ class PrefillEngine(WorkerEngine):
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------
-    def peers_left(self, addrs: set[str]) -> None:
-        """Decode workers that left the cluster: close transfer connections, shorten their KV's lease."""
-        self.post(_PeersLeft(frozenset(addrs)))
-
     def idle(self) -> bool:
         with self._lock:
             return not self.sched.has_work()
@@ -122,7 +90,8 @@ class PrefillEngine(WorkerEngine):
                     "transferring": self.sched.num_transferring, "requests_held": held,
                     "kv_used_bytes": self.pool.used_bytes(), "kv_slots_used": self.pool.num_used,
                     "transfers_in_flight": len(self.transfer.outstanding()),
-                    "peers": len(self._peers), "handshaken": len(self._handshaken), "sends": dict(self._sends),
+                    "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
+                    "sends": dict(self._sends),
                     "expired": self._expired, "released_on_arrival": self._released_on_arrival}
 
     # --- engine thread -----------------------------------------------------
@@ -135,18 +104,18 @@ class PrefillEngine(WorkerEngine):
                         if self._release(item.request_id):
                             self._record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the prefill "
                                              "worker (its client went away)", seq.claimed)
-                        elif item.request_id not in self._ended:
+                        elif item.request_id not in self._memory.ended:
                             # The proxy gave up before the request itself got here (its two HTTP calls raced):
                             # drop it on arrival instead of holding its KV for a whole lease.
-                            self._released_early[item.request_id] = True
-                elif isinstance(item, _PeersLeft):
+                            self._memory.released_early[item.request_id] = True
+                elif isinstance(item, PeersLeft):
                     self._drop_peers(item.addrs)
                 else:
                     self.admit(item, self._add)
         with self._lock:
-            self._sends_ended(self.sched.poll())
+            self._sends_finished(self.sched.poll())
             self._expire(time.monotonic())
-            seq = self.sched.next_to_run(self._live_peers(time.monotonic()))
+            seq = self.sched.next_to_run(self._peers.live(time.monotonic(), self.config.peer_timeout))
             sending = self.sched.sends_in_flight()
         if sending:
             self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
@@ -166,10 +135,11 @@ class PrefillEngine(WorkerEngine):
         if self.sched.get(rid) is not None:
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
-        elif self._released_early.pop(rid, False):
+        elif self._memory.released_early.pop(rid, False):
             # Its decode worker gave up on it (aborted or timed out) before it arrived here. Remembered as
             # ended, so a decode worker still waiting for it is answered FAILED, not "unknown".
-            self._record_end(rid, m.LookupStatus.FAILED, RELEASED_EARLY, self._early_claims.pop(rid, False))
+            claimed = self._memory.claimed_early.pop(rid, False)
+            self._record_end(rid, m.LookupStatus.FAILED, RELEASED_EARLY, claimed)
             self._released_on_arrival += 1
             item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
                                           "gave up on it)"))
@@ -177,7 +147,7 @@ class PrefillEngine(WorkerEngine):
         else:
             item.start_output(self.tokenizer)
             self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
-                                      claimed=self._early_claims.pop(rid, False)))
+                                      claimed=self._memory.claimed_early.pop(rid, False)))
 
     def _expire(self, now: float) -> None:
         """Free KV that waits for a pull in vain; later lookups are answered 'expired'.
@@ -186,16 +156,14 @@ class PrefillEngine(WorkerEngine):
         peer_timeout); either for LEFT_PEER_GRACE once the decode worker left the cluster (discovery).
         """
         ttl, silent = self.config.kv_ttl, self.config.peer_timeout
-        for addr, left_at in list(self._left.items()):
-            if now - left_at >= ttl:  # whatever it held has expired by now
-                del self._left[addr]
+        self._peers.forget_left(before=now - ttl)  # whatever they held has expired by now
         grace = min(ttl, LEFT_PEER_GRACE)
         late = {}
         for seq in self.sched.held():
-            left_at = self._left.get(seq.peer)
+            left_at = self._peers.left_at(seq.peer)
             if left_at is not None and now - max(left_at, seq.held_since) >= grace:
                 late[seq] = f"its decode worker left the cluster and did not pull it within {grace:g}s"
-            elif seq.claimed and now - self._handshaken.get(seq.peer, 0.0) >= silent:
+            elif seq.claimed and now - (self._peers.last_heard(seq.peer) or 0.0) >= silent:
                 late[seq] = f"its decode worker {seq.peer} claimed it but sent nothing for {silent:g}s"
             elif not seq.claimed and now - seq.held_since >= ttl:
                 late[seq] = f"not pulled within kv_ttl={ttl:g}s"
@@ -205,18 +173,11 @@ class PrefillEngine(WorkerEngine):
             self._expired += 1
             self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
-        self._ended.expire()
-        self._released_early.expire()
-        self._early_claims.expire()
-
-    def _live_peers(self, now: float) -> int:
-        """Decode workers heard from within peer_timeout and not gone from the cluster."""
-        silent = self.config.peer_timeout
-        return sum(1 for addr, seen in self._handshaken.items() if now - seen < silent and addr not in self._left)
+        self._memory.expire()
 
     def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
         """Remember how a request ended here unpulled; tell the decode worker that claimed it."""
-        self._ended[request_id] = (status, error)
+        self._memory.ended[request_id] = (status, error)
         if claimed:
             self._push(request_id, m.LookupResult(request_id, status, error=error))
 
@@ -229,7 +190,7 @@ class PrefillEngine(WorkerEngine):
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
 
-    def _sends_ended(self, seqs: list[PrefillSeq]) -> None:
+    def _sends_finished(self, seqs: list[PrefillSeq]) -> None:
         for seq in seqs:
             started, nbytes = self._send_started.pop(seq.request_id)
             self.metrics.transfer_done("send", nbytes, time.monotonic() - started, seq.send_token.done())
@@ -298,8 +259,7 @@ class PrefillEngine(WorkerEngine):
         (one that was killed never pulls it). Cached transfer connections to it are closed."""
         now = time.monotonic()
         for addr in addrs:
-            self._left[addr] = now
-            peer = self._peers.get(addr)
+            peer = self._peers.leave(addr, now)
             if peer is not None:
                 self.transfer.forget_peer(peer.transfer.address)
             log.info("decode worker %s left: its unpulled KV expires in %gs", addr,
@@ -313,7 +273,7 @@ class PrefillEngine(WorkerEngine):
 
     # --- signal plane (server thread) --------------------------------------
     def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply:
-        refusal = self._check_token(msg.cluster_token)
+        refusal = token_refusal(self.config.cluster_token, msg.cluster_token)
         if refusal is not None:
             log.warning("refused handshake from %r: %s", identity[:64], refusal)
             return m.HandshakeReply(False, refusal)
@@ -324,36 +284,16 @@ class PrefillEngine(WorkerEngine):
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)
         with self._lock:
-            self._handshaken[identity] = time.monotonic()
-            self._handshaken.move_to_end(identity)
-            self._left.pop(identity, None)  # back (restarted on the same address)
-            while len(self._handshaken) > MAX_PEERS:  # forget the least recently active (it shakes hands again)
-                old, _ = self._handshaken.popitem(last=False)
-                self._peers.pop(old, None)
+            self._peers.accept(identity, time.monotonic())
         return m.HandshakeReply(True, None, self.model_id)
 
     def _known(self, identity: str) -> bool:
         """Has this decode worker shaken hands? (marks it active)"""
         with self._lock:
-            if identity not in self._handshaken:
-                return False
-            self._handshaken[identity] = time.monotonic()
-            self._handshaken.move_to_end(identity)
-            return True
+            return self._peers.heard_from(identity, time.monotonic())
 
     def on_heartbeat(self, identity: str, msg: m.Heartbeat) -> m.HeartbeatReply | m.ErrorReply:
         return m.HeartbeatReply() if self._known(identity) else m.ErrorReply("handshake first")
-
-    def _check_token(self, presented: str | None) -> str | None:
-        """Why a handshake is refused for its cluster token, or None if it may proceed."""
-        expected = self.config.cluster_token
-        if expected is None:
-            return None
-        if presented is None:
-            return "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"
-        if not hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode()):
-            return "cluster token mismatch"
-        return None
 
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply | m.ErrorReply:
         if not self._known(identity):
@@ -368,7 +308,7 @@ class PrefillEngine(WorkerEngine):
         if msg.slot_bytes <= 0 or msg.num_slots <= 0 or msg.slot_bytes * msg.num_slots > desc.buffer_size:
             return m.KVMapReply(False, "KV map does not fit the registered buffer")
         with self._lock:
-            self._peers[identity] = PeerMap(desc, msg.slot_bytes, msg.num_slots)
+            self._peers.register(identity, PeerMap(desc, msg.slot_bytes, msg.num_slots))
         return m.KVMapReply(True)
 
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
@@ -376,7 +316,7 @@ class PrefillEngine(WorkerEngine):
             return m.ErrorReply("handshake first")
         results = []
         with self._lock:
-            peer = self._peers.get(identity)
+            peer = self._peers.pool(identity)
             for e in msg.entries:
                 results.append(self._lookup_isolated(identity, peer, e))
         return m.LookupReply(tuple(results))
@@ -385,7 +325,7 @@ class PrefillEngine(WorkerEngine):
         """``_lookup_one``; if it raises, that request fails here and the decode worker is told so."""
         with self.isolate(e.request_id):
             return self._lookup_one(identity, peer, e)
-        ended = self._ended.get(e.request_id)
+        ended = self._memory.ended.get(e.request_id)
         return m.LookupResult(e.request_id, m.LookupStatus.FAILED, error=ended[1] if ended else "internal error")
 
     def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
@@ -398,13 +338,13 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.FAILED, error="request belongs to another decode worker")
         seq = self.sched.get(e.request_id)
         if seq is None:
-            ended = self._ended.get(e.request_id)
+            ended = self._memory.ended.get(e.request_id)
             if ended is not None:
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
-            if e.request_id in self._released_early:  # will be refused when it arrives: do not wait for it
+            if e.request_id in self._memory.released_early:  # refused when it arrives: do not wait for it
                 return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
             if e.dest_offset is None:
-                self._early_claims[e.request_id] = True  # claimed on arrival; notified when ready
+                self._memory.claimed_early[e.request_id] = True  # claimed on arrival; notified when ready
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if e.dest_offset is None:
             seq.claimed = True  # notified when ready (or ended); its KV waits for this decode worker
@@ -441,8 +381,8 @@ class PrefillEngine(WorkerEngine):
                     continue  # not this decode worker's request (or not a request id): ignored
                 if self._release(rid):
                     n += 1
-                elif rid not in self._ended:
-                    self._released_early[rid] = True  # dropped if it arrives later
+                elif rid not in self._memory.ended:
+                    self._memory.released_early[rid] = True  # dropped if it arrives later
         return m.ReleaseReply(n)
 
 
@@ -460,6 +400,3 @@ def _decode_addr_of(request_id: str) -> str | None:
     except RequestIdError:
         return None
 
-
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)

@@ -26,3 +26,22 @@ def recent_ids(retention: float, max_entries: int, timer: Callable[[], float] = 
     if retention <= 0 or max_entries < 1:
         raise ValueError("retention must be > 0 and max_entries >= 1")
     return TTLCache(maxsize=max_entries, ttl=retention, timer=timer)
+
+
+class RequestMemory:
+    """What a prefill worker remembers of requests it no longer holds (each a ``recent_ids`` memory):
+
+    - ``ended``: request id -> (status, error) of requests that ended here unpulled (expired, aborted,
+      failed), so a later lookup is answered that instead of "unknown";
+    - ``released_early``: ids released before they arrived (dropped on arrival);
+    - ``claimed_early``: ids their decode worker claimed before they arrived (claimed on arrival).
+    """
+
+    def __init__(self, retention: float, max_entries: int, timer: Callable[[], float] = time.monotonic) -> None:
+        self.ended: TTLCache = recent_ids(retention, max_entries, timer)
+        self.released_early: TTLCache = recent_ids(retention, max_entries, timer)
+        self.claimed_early: TTLCache = recent_ids(retention, max_entries, timer)
+
+    def expire(self) -> None:
+        for memory in (self.ended, self.released_early, self.claimed_early):
+            memory.expire()

@@ -25,6 +25,13 @@ class Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class PeersLeft:
+    """Posted to the engine thread: these workers of the other role left the cluster (discovery)."""
+
+    addrs: frozenset[str]
+
+
 class WorkerEngine(EngineThread):
     """The model runner, its KV pool, the tokenizer, config and metrics; ``submit``/``abort`` from HTTP.
 
@@ -59,6 +66,10 @@ class WorkerEngine(EngineThread):
 
     def abort(self, request_id: str) -> None:
         self.post(Abort(request_id))
+
+    def peers_left(self, addrs: set[str]) -> None:
+        """Workers of the other role left the cluster (signal addresses): the role's step handles it."""
+        self.post(PeersLeft(frozenset(addrs)))
 
     # --- engine thread -----------------------------------------------------
     def isolate(self, request_id: str, item: WorkItem | None = None) -> RequestScope:

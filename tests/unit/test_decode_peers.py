@@ -1,0 +1,41 @@
+"""The prefill worker's record of decode workers: liveness, departures, eviction, the cluster token."""
+
+from __future__ import annotations
+
+from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
+from xpyd.transfer.base import BackendDescriptor
+
+DESC = BackendDescriptor("tcp", "127.0.0.1:9", 4096)
+
+
+def test_only_handshaken_peers_are_heard_from_and_live_counts_recent_ones_still_in_the_cluster():
+    peers = DecodePeers()
+    assert not peers.heard_from("a", 1.0)  # no handshake yet
+    peers.accept("a", 0.0)
+    peers.accept("b", 0.0)
+    assert peers.heard_from("a", 8.0) and peers.last_heard("a") == 8.0
+    assert peers.live(now=11.0, silent=10.0) == 1  # b silent for 11 s
+    peers.leave("a", 12.0)
+    assert peers.live(now=12.0, silent=10.0) == 0 and peers.left_at("a") == 12.0
+    peers.forget_left(before=13.0)
+    assert peers.left_at("a") is None
+    peers.leave("b", 14.0)
+    peers.accept("b", 15.0)  # restarted on the same address: back
+    assert peers.left_at("b") is None and peers.live(19.0, 10.0) == 1  # (a: silent for 11 s)
+
+
+def test_the_least_recently_heard_from_is_forgotten_beyond_the_limit_with_its_pool():
+    peers = DecodePeers(max_peers=2)
+    for i, name in enumerate("abc"):
+        peers.accept(name, float(i))
+        peers.register(name, PeerMap(DESC, 64, 8))
+    assert peers.num_handshaken == 2 and peers.pool("a") is None and not peers.heard_from("a", 5.0)
+    assert peers.pool("c") == PeerMap(DESC, 64, 8) and peers.leave("c", 6.0) == PeerMap(DESC, 64, 8)
+
+
+def test_token_refusal():
+    assert token_refusal(None, None) is None and token_refusal(None, "x") is None
+    assert "required" in token_refusal("s3cret-token", None)
+    assert token_refusal("s3cret-token", "wrong") == "cluster token mismatch"
+    assert token_refusal("s3cret-token", "s3cret-token") is None
+    assert token_refusal("s3cret-token", "\udcff") == "cluster token mismatch"  # lone surrogate: no crash

@@ -1,0 +1,95 @@
+"""The decode workers a prefill worker serves, as its engine keeps track of them.
+
+Who shook hands and when each was last heard from (any message counts, heartbeats included), the KV pool
+each registered (``kv_map_init``), and which left the cluster (discovery). At most ``max_peers`` are
+remembered; beyond that the least recently heard from is forgotten (it shakes hands again). Not
+thread-safe: the engine's lock guards it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from xpyd.transfer.base import BackendDescriptor
+
+MAX_PEERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMap:
+    """A decode worker's registered KV pool, from its kv_map_init."""
+
+    transfer: BackendDescriptor
+    slot_bytes: int
+    num_slots: int
+
+
+class DecodePeers:
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
+        self._max = max_peers
+        self._seen: OrderedDict[str, float] = OrderedDict()  # handshaken -> last heard from, least recent first
+        self._maps: dict[str, PeerMap] = {}
+        self._left: dict[str, float] = {}  # left the cluster -> when
+
+    def accept(self, identity: str, now: float) -> None:
+        """A handshake was accepted (again, after a restart on the same address: it is back)."""
+        self._seen[identity] = now
+        self._seen.move_to_end(identity)
+        self._left.pop(identity, None)
+        while len(self._seen) > self._max:
+            old, _ = self._seen.popitem(last=False)
+            self._maps.pop(old, None)
+
+    def heard_from(self, identity: str, now: float) -> bool:
+        """A message from ``identity``: True (and noted) if it has shaken hands."""
+        if identity not in self._seen:
+            return False
+        self._seen[identity] = now
+        self._seen.move_to_end(identity)
+        return True
+
+    def last_heard(self, identity: str) -> float | None:
+        return self._seen.get(identity)
+
+    def register(self, identity: str, pool: PeerMap) -> None:
+        self._maps[identity] = pool
+
+    def pool(self, identity: str) -> PeerMap | None:
+        return self._maps.get(identity)
+
+    def leave(self, identity: str, now: float) -> PeerMap | None:
+        """Discovery says it left; its registered pool (to close transfer connections to), if any."""
+        self._left[identity] = now
+        return self._maps.get(identity)
+
+    def left_at(self, identity: str) -> float | None:
+        return self._left.get(identity)
+
+    def forget_left(self, before: float) -> None:
+        """Stop remembering departures older than ``before``."""
+        self._left = {a: t for a, t in self._left.items() if t > before}
+
+    def live(self, now: float, silent: float) -> int:
+        """Decode workers heard from within ``silent`` seconds and not gone from the cluster."""
+        return sum(1 for a, t in self._seen.items() if now - t < silent and a not in self._left)
+
+    @property
+    def num_handshaken(self) -> int:
+        return len(self._seen)
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._maps)
+
+
+def token_refusal(expected: str | None, presented: str | None) -> str | None:
+    """Why a handshake is refused for its cluster token, or None if it may proceed (constant-time)."""
+    if expected is None:
+        return None
+    if presented is None:
+        return "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"
+    if not hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode()):
+        return "cluster token mismatch"
+    return None
