@@ -132,12 +132,23 @@ def test_matching_pair_serves_through_worker_apis(workers, reference):
     ({"X-Request-Id": "nope"}, {"prompt": "x"}, 400, "malformed request id"),
     ({"X-Request-Id": "RID"}, {"prompt": "x", "model": "other"}, 404, "does not exist"),
     ({"X-Request-Id": "RID"}, b"{bad json", 400, ""),
-    ({"X-Request-Id": "RID"}, {"prompt": "x " * 400}, 400, "context length"),
-    ({"X-Request-Id": "RID"}, {"prompt": [999999999]}, 400, "vocabulary"),
     ({"X-Request-Id": "RID"}, {"prompt": "x", "kv_transfer_params": {"max_tokens": 0}}, 400, "max_tokens"),
+    ({"X-Request-Id": "RID"}, {"prompt": "x", "max_tokens": 256}, 400, "context length"),
+    ({"X-Request-Id": "RID"}, {"prompt": [999999999]}, 400, "vocabulary"),  # (a token list needs no tokenizer)
+    ({"X-Request-Id": "RID"}, {"prompt": list(range(1, 300))}, 400, "context length"),
 ])
 @pytest.mark.parametrize("role", ["prefill", "decode_ok"])
 def test_worker_rejects_bad_requests(workers, role, headers, body, status, needle):
+    _rejects(workers, role, headers, body, status, needle)
+
+
+def test_prefill_rejects_a_text_prompt_over_the_context(workers):
+    """A text prompt is tokenized once, by prefill: the decode worker takes its length from prefill's "ready"
+    (the proxy sends both the same request; prefill's 400 is the client's answer)."""
+    _rejects(workers, "prefill", {"X-Request-Id": "RID"}, {"prompt": "x " * 400}, 400, "context length")
+
+
+def _rejects(workers, role, headers, body, status, needle):
     if headers.get("X-Request-Id") == "RID":
         headers = {"X-Request-Id": str(RequestId.new(workers["signal"], _info(workers["decode_ok"])["signal_addr"]))}
     got, resp = _post(workers[role] + "/v1/completions", body, headers)

@@ -97,9 +97,10 @@ class _Fake(WorkerEngine):
         return {o: sample("xpyd_requests_total", {"role": "decode", "outcome": o}) for o in ("finished", "failed")}
 
 
-def _item(*prompt_ids: int) -> WorkItem:
+def _item(*prompt_ids: int, mark: str | None = None) -> WorkItem:
     return WorkItem(RequestId.new("127.0.0.1:7000", "127.0.0.1:7001"), list(prompt_ids), SamplingParams(),
-                    StopParams(max_tokens=4), OutputSink(EventDispatch(asyncio.get_running_loop())))
+                    StopParams(max_tokens=4, stop=(mark,) if mark else ()),
+                    OutputSink(EventDispatch(asyncio.get_running_loop())))
 
 
 async def _next(item: WorkItem):
@@ -186,7 +187,7 @@ async def test_a_request_whose_fail_path_raises_fails_the_engine(engine):
 async def test_an_injected_add_fault_fails_just_the_marked_request(engine, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "add:<9>")
     engine.start_thread()
-    marked, ok = _item(FINISH, 9), _item(FINISH, 8)
+    marked, ok = _item(FINISH, mark="<9>"), _item(FINISH, mark="<8>")
     engine.submit(marked)
     engine.submit(ok)
     error = await _next(marked)
@@ -201,7 +202,7 @@ async def test_an_injected_step_fault_fails_the_engine_with_every_request(engine
     held = _item(HOLD)
     engine.submit(held)
     await asyncio.sleep(0.1)
-    marked = _item(HOLD, 9)
+    marked = _item(HOLD, mark="<9>")
     engine.submit(marked)
     for item in (held, marked):
         error = await _next(item)
@@ -221,12 +222,12 @@ def test_fault_injection_values():
 
 def test_a_step_fault_fires_once_an_add_fault_every_time():
     item = WorkItem(RequestId.new("127.0.0.1:7000", "127.0.0.1:7001"), [9], SamplingParams(),
-                    StopParams(max_tokens=4), sink=None)
+                    StopParams(max_tokens=4, stop=("<9>",)), sink=None)
     step = FaultInjection(FaultSite.STEP, "<9>")
-    assert [step.site_for(item, _Tokenizer()) for _ in range(2)] == [FaultSite.STEP, None]
+    assert [step.site_for(item) for _ in range(2)] == [FaultSite.STEP, None]
     add = FaultInjection(FaultSite.ADD, "<9>")
-    assert [add.site_for(item, _Tokenizer()) for _ in range(2)] == [FaultSite.ADD, FaultSite.ADD]
-    assert FaultInjection(FaultSite.ADD, "<8>").site_for(item, _Tokenizer()) is None
+    assert [add.site_for(item) for _ in range(2)] == [FaultSite.ADD, FaultSite.ADD]
+    assert FaultInjection(FaultSite.ADD, "<8>").site_for(item) is None
 
 
 async def test_a_sink_has_ended_after_an_error_or_its_last_token():

@@ -138,7 +138,7 @@ def test_prefill_failed_forward_and_duplicates():
 def test_decode_runs_only_after_kv_arrived(backend):
     slots = FakeSlots(2)
     sched = DecodeScheduler(batch_size=2, slots=slots)
-    seqs = [DecodeSeq(f"r{i}", [1, 2], "p:1") for i in range(3)]
+    seqs = [DecodeSeq(f"r{i}", "p:1", prompt_len=2) for i in range(3)]
     for s in seqs:
         sched.add(s)
     assert sched.schedule_transfers() == []  # nothing ready yet: no slot taken
@@ -183,7 +183,7 @@ def test_decode_runs_only_after_kv_arrived(backend):
 def test_decode_abort_in_every_state(backend):
     slots = FakeSlots(4)
     sched = DecodeScheduler(batch_size=4, slots=slots)
-    w, t, r = DecodeSeq("w", [1], "p:1"), DecodeSeq("t", [1], "p:1"), DecodeSeq("r", [1], "p:1")
+    w, t, r = (DecodeSeq(name, "p:1", prompt_len=1) for name in "wtr")
     for s in (w, t, r):
         sched.add(s)
     sched.mark_ready("t", 1); sched.mark_ready("r", 1)
@@ -205,7 +205,7 @@ def test_decode_random_lifecycles_keep_invariants(backend):
     batch = 4
     slots = FakeSlots(batch)
     sched = DecodeScheduler(batch_size=batch, slots=slots)
-    seqs = [DecodeSeq(f"q{i}", [1] * rng.randint(1, 9), "p:1") for i in range(60)]
+    seqs = [DecodeSeq(f"q{i}", "p:1", prompt_len=rng.randint(1, 9)) for i in range(60)]
     pending = list(seqs)
     steps = 0
     while steps < 5000 and (pending or sched.has_work()):
@@ -267,9 +267,9 @@ def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
 def test_decode_overdue_waiting_and_transferring_but_not_ready_waiting(backend):
     slots = FakeSlots(1)
     sched = DecodeScheduler(batch_size=1, slots=slots)
-    w = DecodeSeq("w", [1], "p:1", deadline=5.0)  # prefill never ready
-    r = DecodeSeq("r", [1], "p:1", deadline=5.0)  # ready, waits for room (decode's own capacity)
-    t = DecodeSeq("t", [1], "p:1", deadline=5.0)  # pull started, KV never arrives
+    w = DecodeSeq("w", "p:1", prompt_len=1, deadline=5.0)  # prefill never ready
+    r = DecodeSeq("r", "p:1", prompt_len=1, deadline=5.0)  # ready, waits for room (decode's own capacity)
+    t = DecodeSeq("t", "p:1", prompt_len=1, deadline=5.0)  # pull started, KV never arrives
     for s in (t, w, r):
         sched.add(s)
     sched.mark_ready("t", 1)

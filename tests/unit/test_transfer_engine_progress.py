@@ -119,7 +119,7 @@ def test_decode_engine_drives_progress_while_a_pull_is_in_flight(tick):
 
     rid = str(RequestId.new(PREFILL, DECODE))
     payload = SimpleNamespace(arrival=time.monotonic())
-    engine.sched.add(DecodeSeq(rid, [1, 2, 3], PREFILL, payload=payload, deadline=time.monotonic() + 60))
+    engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=payload, deadline=time.monotonic() + 60))
     engine.sched.mark_ready(rid, 42)  # (prefill's lookup reply is not this test's subject)
     engine.step()  # gives it a slot and announces the receive
     assert transfer.expected == [transfer_id_of(rid)]

@@ -24,7 +24,7 @@ class _Engine:
 
 
 def _body(engine: _Engine, sink: OutputSink):
-    shape = StreamShape(RequestKind.COMPLETION, "rid-1", 0, "m", 3, include_usage=True, role_chunk=True)
+    shape = StreamShape(RequestKind.COMPLETION, "rid-1", 0, "m", include_usage=True, role_chunk=True)
     return stream_events(engine, "rid-1", shape, sink, single_event=False)
 
 
@@ -41,7 +41,7 @@ async def test_a_stream_the_proxy_named_is_the_rest_of_its_stream():
     events = (TokenEvent(" a", None, 3, 2), TokenEvent("", None, 3, 3), TokenEvent(" b", "length", 3, 4))
     for kind in RequestKind:
         for include_usage in (True, False):
-            shape = StreamShape(kind, "chatcmpl-x", 1700000000, "served/name", 3, include_usage, role_chunk=False)
+            shape = StreamShape(kind, "chatcmpl-x", 1700000000, "served/name", include_usage, role_chunk=False)
             chunks = await _run(shape, *events)
             assert chunks[-1] == b"data: [DONE]\n\n"
             head = b"data: " + chunk_head("chatcmpl-x", 1700000000, "served/name", kind)
@@ -56,7 +56,7 @@ async def test_a_stream_the_proxy_named_is_the_rest_of_its_stream():
 
 
 async def test_an_unnamed_chat_stream_opens_with_the_role_chunk():
-    shape = StreamShape(RequestKind.CHAT, "xpyd-rid", 5, "m", 3, include_usage=False, role_chunk=True)
+    shape = StreamShape(RequestKind.CHAT, "xpyd-rid", 5, "m", include_usage=False, role_chunk=True)
     chunks = await _run(shape, TokenEvent("hi", "stop", 3, 2))
     objs = [json.loads(c[6:]) for c in chunks[:-1]]
     assert [o["choices"][0]["delta"] for o in objs] == [{"role": "assistant", "content": ""}, {"content": "hi"}]

@@ -34,6 +34,10 @@ class ColocatedSeq:
     slot: int | None = None
     error: str | None = None
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
     def set_state(self, new: RequestState) -> None:
         check_transition(COLOCATED_TRANSITIONS, self.request_id, self.state, new)
         self.state = new

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
@@ -144,7 +145,7 @@ class DecodeEngine(WorkerEngine):
         for seq in joined:
             with self.isolate(seq.request_id, seq.payload):
                 self._recv_ended(seq, ok=True)
-                self.pool.set_num_tokens(seq.slot, len(seq.prompt_ids))
+                self.pool.set_num_tokens(seq.slot, seq.prompt_len)
         for seq in failed:
             with self.isolate(seq.request_id, seq.payload):
                 self._recv_ended(seq, ok=False)
@@ -167,8 +168,7 @@ class DecodeEngine(WorkerEngine):
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
             return
-        item.start_output(self.tokenizer)
-        seq = DecodeSeq(rid, item.prompt_ids, item.request_id.prefill_addr, payload=item,
+        seq = DecodeSeq(rid, item.request_id.prefill_addr, payload=item,
                         deadline=item.arrival + self.config.prefill_wait_timeout)
         self.sched.add(seq)
         peer = self.signal.peer(seq.prefill_addr)  # connect on demand
@@ -247,15 +247,26 @@ class DecodeEngine(WorkerEngine):
             # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
             self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request", "prefill")
         elif r.status in (S.READY, S.SENDING) and not seq.ready:
-            if r.num_tokens != len(seq.prompt_ids) or r.first_token is None:
-                self._fail_seq(seq, 500, "prefill and decode tokenized the prompt differently", "mismatch",
-                               release=True)
+            if r.first_token is None or r.num_tokens < 1:
+                self._fail_seq(seq, 502, f"prefill worker {addr} said ready without a first token and prompt "
+                               "length", "prefill", release=True)
                 return
-            self._first_token(seq, r.first_token)
+            self._first_token(seq, r.first_token, r.num_tokens)
 
-    def _first_token(self, seq: DecodeSeq, token: int) -> None:
-        """Prefill's first token: the client already has its text; we continue after it."""
+    def _first_token(self, seq: DecodeSeq, token: int, prompt_len: int) -> None:
+        """Prefill's first token and the prompt's length: the client already has the token's text; we
+        continue after it (the prompt was tokenized and checked once, by prefill)."""
         item: WorkItem = seq.payload
+        limit = self.max_model_len
+        if item.open_ended:
+            item.stop = replace(item.stop, max_tokens=max(1, limit - prompt_len))
+        if prompt_len + item.stop.max_tokens > limit:  # (prefill refuses these first: a safety net)
+            self._fail_seq(seq, 400, f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
+                           f"{item.stop.max_tokens} in the completion).", "length", release=True)
+            return
+        seq.prompt_len = prompt_len
+        item.start_output(self.tokenizer)
         if item.sampling.temperature > 0:
             skip_draw(item.generator)  # prefill used this draw for the first token
         _, finish = item.output.append(token)
@@ -263,12 +274,12 @@ class DecodeEngine(WorkerEngine):
             self.sched.finish(seq)
             self._finished(item)
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
-            item.sink.put(TokenEvent("", finish.value, len(seq.prompt_ids), 1))
+            item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1))
             return
         self.sched.mark_ready(seq.request_id, token)
 
     def _start_pull(self, seq: DecodeSeq) -> None:
-        n = len(seq.prompt_ids)
+        n = seq.prompt_len
         dst = Region(*self.pool.byte_range(seq.slot, n))
         token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
         token.on_finish(self._wake)  # the loop sleeps until the KV landed
@@ -338,7 +349,7 @@ class DecodeEngine(WorkerEngine):
                     self.sched.finish(seq)
                     self._finished(item)
                 if text or finish is not None:
-                    item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), n_out))
+                    item.sink.put(TokenEvent(text, finish.value if finish else None, seq.prompt_len, n_out))
         self._last_decode_at = now
 
     def _wake(self) -> None:

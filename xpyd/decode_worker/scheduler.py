@@ -31,7 +31,6 @@ S = RequestState
 @dataclass(eq=False, slots=True)
 class DecodeSeq:
     request_id: str
-    prompt_ids: list[int]
     prefill_addr: str
     payload: Any = None  # the worker's per-request extras (sampling, output sink)
     state: RequestState = S.WAITING
@@ -41,6 +40,7 @@ class DecodeSeq:
     recv_token: CompletionToken | None = None
     error: str | None = None
     deadline: float = math.inf  # monotonic time by which prefill must be ready / the KV must have arrived
+    prompt_len: int = 0  # prompt tokens (their KV comes from prefill): known once prefill says "ready"
 
     def set_state(self, new: RequestState) -> None:
         check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)

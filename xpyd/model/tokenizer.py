@@ -30,6 +30,24 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int]) -> list
     return ids
 
 
+def prompt_length_unrendered(tok: PreTrainedTokenizerBase, prompt: str | list[int] | None,
+                             messages: list[dict] | None) -> int | None:
+    """Every check of a prompt that needs no tokenizing or chat template: a token-id list in full (its
+    length is then known and returned), a text prompt's emptiness, the messages' structure. None: the
+    length is only known after tokenizing (a decode worker learns it from prefill)."""
+    if messages is not None:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
+        for i, m in enumerate(_check_list(messages)):
+            _check_message(i, m)
+        return None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return None
+    return len(encode_prompt(tok, prompt if prompt is not None else ""))
+
+
 def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Chat messages -> prompt ids through the model's chat template, ending with the assistant turn."""
     if not getattr(tok, "chat_template", None):

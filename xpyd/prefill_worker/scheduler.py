@@ -47,6 +47,10 @@ class PrefillSeq:
     peer: str = ""  # the decode worker this request's KV waits for (its address in the request id)
     claimed: bool = False  # that decode worker claimed it: no kv_ttl; kept while the worker lives
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
     def set_state(self, new: RequestState) -> None:
         check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
         self.state = new

@@ -79,7 +79,7 @@ class WorkerEngine(EngineThread):
 
     def admit(self, item: WorkItem, add: Callable[[WorkItem], None]) -> None:
         """Add a request from the inbox with the role's ``add``, isolated."""
-        fault = self._fault.site_for(item, self.tokenizer) if self._fault is not None else None
+        fault = self._fault.site_for(item) if self._fault is not None else None
         with self.isolate(str(item.request_id), item):
             add(item)
             if fault is FaultSite.ADD:

@@ -6,8 +6,8 @@ request, through its engine's normal fail path, and the step goes on. An excepti
 escapes the step and is fatal (see ``loop.EngineThread``).
 
 ``XPYD_TEST_FAULT`` (tests only, read once when an engine starts) injects such exceptions:
-``add:MARKER`` raises in the scope of adding a request whose prompt contains MARKER; ``step:MARKER``
-raises once out of the step that added such a request.
+``add:MARKER`` raises in the scope of adding a request that has MARKER among its ``stop`` strings (what
+both roles see without tokenizing); ``step:MARKER`` raises once out of the step that added such a request.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class FaultSite(str, Enum):
 
 
 class FaultInjection:
-    """Where to raise, and for requests whose prompt contains which marker."""
+    """Where to raise, and for requests with which marker among their stop strings."""
 
     def __init__(self, site: FaultSite, marker: str) -> None:
         self.site = site
@@ -71,9 +71,9 @@ class FaultInjection:
             raise ValueError(f"{FAULT_ENV} must be add:MARKER or step:MARKER, not {value!r}")
         return cls(FaultSite(site), marker)
 
-    def site_for(self, item: WorkItem, tokenizer) -> FaultSite | None:
+    def site_for(self, item: WorkItem) -> FaultSite | None:
         """Where to raise for this request being added (a step fault fires once)."""
-        if self._fired or self.marker not in tokenizer.decode(item.prompt_ids):
+        if self._fired or self.marker not in item.stop.stop:
             return None
         self._fired = self.site is FaultSite.STEP
         return self.site

@@ -43,7 +43,7 @@ from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.output import StopParams
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
 from xpyd.model.sampling import SamplingParams
-from xpyd.model.tokenizer import encode_chat, encode_prompt
+from xpyd.model.tokenizer import encode_chat, encode_prompt, prompt_length_unrendered
 from xpyd.signal.request_id import RequestIdError, parse_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -75,7 +75,10 @@ def _json(obj: dict, status: int = 200) -> Response:
 
 def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest, rid_text: str | None,
                     sink: OutputSink) -> WorkItem:
-    """Validate and tokenize; raise APIError (4xx) for anything the client got wrong."""
+    """Validate and tokenize; raise APIError (4xx) for anything the client got wrong.
+
+    A decode worker does not tokenize: prefill, which has the same request, tokenizes and checks it, and its
+    "ready" carries the prompt's length (the decode engine finishes the length checks then)."""
     served = engine.info.model_id
     if req.model is not None and req.model != served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
@@ -83,16 +86,9 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
         rid = parse_request_id(rid_text or "")
     except RequestIdError as e:
         raise APIError(400, f"{REQUEST_ID_HEADER}: {e}", param=REQUEST_ID_HEADER) from None
-    try:
-        if req.kind is RequestKind.CHAT:
-            ids = encode_chat(engine.tokenizer, req.messages or [])
-        else:
-            ids = encode_prompt(engine.tokenizer, req.prompt if req.prompt is not None else "")
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if req.kind is RequestKind.CHAT else "prompt") from None
-    n = len(ids)
-    if n == 0:
-        raise APIError(400, "The prompt is empty.", param="prompt")
+    decode = config.role == "decode"
+    ids = [] if decode else _tokenize(engine.tokenizer, req)
+    n = len(ids) if not decode else (_untokenized_length(engine.tokenizer, req) or 1)  # (decode: at least one)
     limit = engine.max_model_len
     kvp = req.kv_transfer_params or {}
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
@@ -102,7 +98,8 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
     if n >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
                        f"{n} input tokens. Please reduce the length of the input.", param="prompt")
-    if max_tokens is None:
+    open_ended = max_tokens is None
+    if open_ended:
         max_tokens = limit - n
     if n + max_tokens > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -114,7 +111,29 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
         raise APIError(400, str(e)) from None
     stop = StopParams(max_tokens=max_tokens, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
                       eos_token_ids=engine.eos_token_ids)
-    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink)
+    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended)
+
+
+def _untokenized_length(tokenizer, req: CompletionRequest) -> int | None:
+    """Decode's checks of the prompt (all but tokenizing): its length when that needs no tokenizer."""
+    chat = req.kind is RequestKind.CHAT
+    try:
+        return prompt_length_unrendered(tokenizer, None if chat else req.prompt, (req.messages or []) if chat else None)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+
+
+def _tokenize(tokenizer, req: CompletionRequest) -> list[int]:
+    try:
+        if req.kind is RequestKind.CHAT:
+            ids = encode_chat(tokenizer, req.messages or [])
+        else:
+            ids = encode_prompt(tokenizer, req.prompt if req.prompt is not None else "")
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages" if req.kind is RequestKind.CHAT else "prompt") from None
+    if not ids:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    return ids
 
 
 def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
@@ -222,13 +241,11 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             return _error(e)
         rid = str(item.request_id)
         engine.submit(item)
-        n_prompt = len(item.prompt_ids)
         if named is None:
-            shape = StreamShape(kind, rid, int(time.time()), engine.info.model_id, n_prompt, req.include_usage,
+            shape = StreamShape(kind, rid, int(time.time()), engine.info.model_id, req.include_usage,
                                 role_chunk=True)
         else:  # the proxy's name; its stream has its own role chunk
-            shape = StreamShape(kind, named.id, named.created, named.model, n_prompt, req.include_usage,
-                                role_chunk=False)
+            shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
         if req.stream:
             gen = stream_events(engine, rid, shape, sink, single_event)
             resp = Response(gen, mimetype="text/event-stream")
@@ -237,17 +254,17 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             return resp
         ended = False
         try:
-            text, finish, completion_tokens = [], None, 0
+            text, finish, prompt_tokens, completion_tokens = [], None, 0, 0
             async for ev in _events(sink, single_event):
                 if isinstance(ev, ErrorEvent):
                     ended = True
                     return _error(APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else
                                            "invalid_request_error"))
                 text.append(ev.text)
-                finish, completion_tokens = ev.finish_reason, ev.completion_tokens
+                finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
             ended = True
             return _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
-                                             n_prompt, completion_tokens))
+                                             prompt_tokens, completion_tokens))
         finally:
             if not ended:  # the client went away: drop the request everywhere
                 engine.abort(rid)
@@ -271,15 +288,14 @@ class StreamShape:
     id: str
     created: int
     model: str
-    prompt_tokens: int
     include_usage: bool  # end with the usage chunk
     role_chunk: bool  # chat: open with the assistant role chunk
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
         return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role))
 
-    def usage(self, completion_tokens: int) -> bytes:
-        return sse(usage_chunk(self.id, self.created, self.model, self.kind, self.prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens))
 
 
 class _Ended:
@@ -310,7 +326,7 @@ def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
 
 async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
                   ended: _Ended) -> AsyncIterator[bytes]:
-    completion_tokens = 0
+    prompt_tokens = completion_tokens = 0  # (decode learns the prompt's length from prefill: from events)
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
             yield shape.chunk(None, None, role=True)
@@ -321,12 +337,12 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 yield sse(APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict())
                 yield SSE_DONE
                 return
-            completion_tokens = ev.completion_tokens
+            prompt_tokens, completion_tokens = ev.prompt_tokens, ev.completion_tokens
             if ev.text or ev.finish_reason is not None:
                 yield shape.chunk(ev.text, ev.finish_reason)
         ended.value = True
         if shape.include_usage:
-            yield shape.usage(completion_tokens)
+            yield shape.usage(prompt_tokens, completion_tokens)
         yield SSE_DONE
     finally:
         _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere

@@ -1,8 +1,8 @@
 """One forward pass plus sampling, for the engines of every role.
 
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has a
-``slot``, ``prompt_ids`` and a ``payload`` WorkItem whose output processor
-holds the tokens generated so far.
+``slot``, a ``prompt_len`` (prefill: its ``prompt_ids``) and a ``payload`` WorkItem
+whose output processor holds the tokens generated so far.
 """
 
 from __future__ import annotations
@@ -27,6 +27,6 @@ def decode_and_sample(runner: Any, seqs: Sequence[Any]) -> list[int]:
         ids = seq.payload.output.token_ids
         slots.append(seq.slot)
         tokens.append(ids[-1])
-        positions.append(len(seq.prompt_ids) + len(ids) - 1)
+        positions.append(seq.prompt_len + len(ids) - 1)
     logits = runner.decode(slots, tokens, positions)
     return sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])

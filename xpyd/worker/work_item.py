@@ -90,6 +90,7 @@ class WorkItem:
     generator: torch.Generator | None = None
     output: OutputProcessor | None = None
     arrival: float = field(default_factory=time.monotonic)  # validated and handed over (for latency metrics)
+    open_ended: bool = False  # no max_tokens given: as many as the context allows (decode settles it when ready)
 
     def start_output(self, tokenizer) -> None:
         self.generator = make_generator(self.sampling.seed)

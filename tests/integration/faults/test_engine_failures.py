@@ -41,7 +41,7 @@ def _common(model: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, tiny_model_dir: Path):
-    """A prefill and a decode worker, each failing the requests whose prompt holds its marker when added."""
+    """A prefill and a decode worker, each failing the requests with its marker (a stop string) when added."""
     c = Cluster(tmp_path_factory.mktemp("engine-faults"))
     pp, ps, dp = free_port(), free_port(), free_port()
     urls = {"prefill": f"http://127.0.0.1:{pp}", "prefill_signal": f"127.0.0.1:{ps}",
@@ -76,11 +76,13 @@ def reference(tiny_model_dir: Path) -> str:
     return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
-def _body(role: str, prompt: str = PROMPT, stream: bool = False) -> dict:
+def _body(role: str, mark: str | None = None, stream: bool = False) -> dict:
+    """A request for ``role``; ``mark``: the fault marker, among its stop strings (what the hook looks at)."""
+    stop = {"stop": [mark]} if mark else {}
     if role == "prefill":
-        return {**BODY, "prompt": prompt, "stream": stream, "ignore_eos": False, "max_tokens": 1,
+        return {**BODY, **stop, "prompt": PROMPT, "stream": stream, "ignore_eos": False, "max_tokens": 1,
                 "kv_transfer_params": {"role": "prefill", "max_tokens": MAX_TOKENS}}
-    return {**BODY, "prompt": prompt, "stream": stream, "ignore_eos": False, "max_tokens": MAX_TOKENS,
+    return {**BODY, **stop, "prompt": PROMPT, "stream": stream, "ignore_eos": False, "max_tokens": MAX_TOKENS,
             "kv_transfer_params": {"role": "decode"}}
 
 
@@ -141,15 +143,15 @@ def _assert_internal_error(status: int, body: dict, elapsed: float) -> None:
 def test_a_request_that_raises_on_the_prefill_worker_fails_alone(faulty, reference):
     _, urls = faulty
     rid = {k: str(RequestId.new(urls["prefill_signal"], urls["decode_id"])) for k in ("a", "b", "bad", "bad_s")}
-    bad_prompt = f"{PROMPT} {PREFILL_MARK}"
+    bad = PREFILL_MARK
     results: dict = {}
     threads = []
     for k in ("a", "b"):  # two requests served by the pair meanwhile
         threads.append(_timed(results, k + "/d", _stream, urls["decode"], _body("decode"), rid[k]))
         threads.append(_timed(results, k + "/p", post, urls["prefill"], _body("prefill"), rid[k]))
-    threads.append(_timed(results, "bad", post, urls["prefill"], _body("prefill", bad_prompt), rid["bad"]))
-    threads.append(_timed(results, "bad/d", post, urls["decode"], _body("decode", bad_prompt), rid["bad"]))
-    threads.append(_timed(results, "bad_s", _stream, urls["prefill"], _body("prefill", bad_prompt), rid["bad_s"]))
+    threads.append(_timed(results, "bad", post, urls["prefill"], _body("prefill", bad), rid["bad"]))
+    threads.append(_timed(results, "bad/d", post, urls["decode"], _body("decode", bad), rid["bad"]))
+    threads.append(_timed(results, "bad_s", _stream, urls["prefill"], _body("prefill", bad), rid["bad_s"]))
     _join(threads)
 
     elapsed, (status, body) = results["bad"]
@@ -169,14 +171,14 @@ def test_a_request_that_raises_on_the_prefill_worker_fails_alone(faulty, referen
 def test_a_request_that_raises_on_the_decode_worker_fails_alone(faulty, reference):
     _, urls = faulty
     rid = {k: str(RequestId.new(urls["prefill_signal"], urls["decode_id"])) for k in ("a", "b", "bad", "bad_s")}
-    bad_prompt = f"{PROMPT} {DECODE_MARK}"
+    bad = DECODE_MARK
     results: dict = {}
     threads = []
     for k in ("a", "b"):
         threads.append(_timed(results, k + "/d", _stream, urls["decode"], _body("decode"), rid[k]))
         threads.append(_timed(results, k + "/p", post, urls["prefill"], _body("prefill"), rid[k]))
-    threads.append(_timed(results, "bad", post, urls["decode"], _body("decode", bad_prompt), rid["bad"]))
-    threads.append(_timed(results, "bad_s", _stream, urls["decode"], _body("decode", bad_prompt), rid["bad_s"]))
+    threads.append(_timed(results, "bad", post, urls["decode"], _body("decode", bad), rid["bad"]))
+    threads.append(_timed(results, "bad_s", _stream, urls["decode"], _body("decode", bad), rid["bad_s"]))
     _join(threads)
 
     elapsed, (status, body) = results["bad"]
@@ -246,7 +248,7 @@ def test_a_fatal_fault_on_a_decode_worker_fails_every_request_deregisters_and_ex
         threads = [_timed(results, k, _stream, url, _body("decode"), rid[k]) for k in ("w1", "w2")]
         wait_until(lambda: stats(url)["waiting"] == 2, "2 requests waiting on the decode worker")
         t_fatal = time.monotonic()
-        threads.append(_timed(results, "fatal", post, url, _body("decode", f"{PROMPT} {FATAL_MARK}"),
+        threads.append(_timed(results, "fatal", post, url, _body("decode", FATAL_MARK),
                               rid["fatal"]))
         _join(threads)
         _assert_failed_and_gone(c, url, etcd, results, t_fatal)
@@ -268,7 +270,7 @@ def test_a_fatal_fault_on_a_prefill_worker_fails_every_request_deregisters_and_e
         threads = [_timed(results, "queued", _stream, url, _body("prefill"), rid["queued"])]
         wait_until(lambda: stats(url)["waiting"] == 1, "a request queued on the prefill worker")
         t_fatal = time.monotonic()
-        threads.append(_timed(results, "fatal", post, url, _body("prefill", f"{PROMPT} {FATAL_MARK}"),
+        threads.append(_timed(results, "fatal", post, url, _body("prefill", FATAL_MARK),
                               rid["fatal"]))
         _join(threads)
         _assert_failed_and_gone(c, url, etcd, results, t_fatal)
