@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import STARTUP, UpProcess as Up, free_port_run as _free_run, up_child_pid as _worker_pid
+from tests.cluster import STARTUP, http_ok, UpProcess as Up, free_port_run as _free_run, up_child_pid as _worker_pid
 from tests.cluster import wait_until as _wait
 from tests.e2e.test_dead_workers import CLIENTS, Load, _on, stream_once
 
@@ -26,14 +26,6 @@ FAULT_BOUND = 2.0  # seconds from the kill to the end of every affected stream
 def _json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return json.loads(r.read())
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_model_dir: Path, tmp_path: Path):
@@ -69,7 +61,7 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
         assert all(r.outcome == "ok" for r in next16), [r for r in next16 if r.outcome != "ok"]
 
         # The killed worker is back: a new process on the same port, registered in etcd, routed to.
-        _wait(lambda: _healthy(victim_url), STARTUP, "restarted decode worker healthy")
+        _wait(lambda: http_ok(victim_url + "/health"), STARTUP, "restarted decode worker healthy")
         assert _worker_pid(up.proc.pid, "decode", up.dp) != victim_pid
 
         def routed() -> bool:
