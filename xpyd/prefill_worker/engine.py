@@ -1,23 +1,21 @@
 """Prefill engine: runs one prefill at a time and holds the KV until a decode worker pulls it.
 
-Threads: the engine thread (forward passes, scheduling, polling sends and, while
-any is in flight, calling the backend's ``progress()`` every iteration; it sleeps
-until a send's token finishes and wakes it, or every ``progress_tick`` of a backend
-that needs one), the signal-server thread (answers decode workers;
-starts sends), transfer threads (move bytes). The scheduler is shared between
-the first two under one lock.
+Threads: the engine thread (forward passes, scheduling, polling sends and, while any is in flight,
+calling the backend's ``progress()`` every iteration; it sleeps until a send's token finishes and wakes
+it, or every ``progress_tick`` of a backend that needs one), the signal-server thread (answers decode
+workers; starts sends), transfer threads (move bytes). The first two share the scheduler under one lock.
 
-Readiness is pushed: a decode worker claims a request (a lookup without a destination) as soon
-as it has it; the moment the prefill ends (or the request fails or expires here), the server
-thread pushes a ``notify`` to the claimant.
+Readiness is pushed: a decode worker claims a request (a lookup without a destination) as soon as it has
+it; the moment the prefill ends (or the request fails or expires here), the server thread pushes a
+``notify`` to the claimant.
 
-Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a
-later lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or
-until its decode worker has sent nothing (heartbeats included) for ``peer_timeout``. Requests that
-ended here unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
-(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival. With a
-cluster token configured, a decode worker must present it at the handshake
-(constant-time compare), and nothing but a handshake is served before that.
+Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a later
+lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or until its
+decode worker has sent nothing (heartbeats included) for ``peer_timeout``. Requests that ended here
+unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
+(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival. With
+a cluster token configured, a decode worker must present it at the handshake (constant-time compare),
+and nothing but a handshake is served before that.
 """
 
 from __future__ import annotations
