@@ -31,6 +31,10 @@ from xpyd.proxy.worker_api import FirstToken
 
 log = logging.getLogger(__name__)
 
+# In every token chunk once, as its JSON key (a quote inside a generated text is escaped, so the text
+# cannot contain it): counting it finds the tokens of a relayed block without parsing.
+TOKEN_CHUNK_KEY = b'"finish_reason":'
+
 
 async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
     """The whole (non-streaming) response, once decode has finished."""
@@ -82,7 +86,8 @@ async def _stream(
             if first.text:
                 yield chunk(first.text, None)
             async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
-                timer.token()
+                for _ in range(block.count(TOKEN_CHUNK_KEY)):  # its token chunks (not the usage chunk)
+                    timer.token()
                 yield block
         timer.end(Outcome.OK)
         yield SSE_DONE
