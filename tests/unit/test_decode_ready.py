@@ -6,30 +6,23 @@ from __future__ import annotations
 
 import asyncio
 
-from types import SimpleNamespace
-
-from tests.unit.test_request_failures import DECODE, LAYOUT, PREFILL, _Signal, _runner
+from tests.unit.fake_signal import FakeSignal
+from tests.unit.test_request_failures import DECODE, LAYOUT, PREFILL, _runner
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.model.output import StopParams
 from xpyd.model.sampling import SamplingParams
 from xpyd.signal import messages as m
-from xpyd.signal.client import PeerState
 from xpyd.signal.request_id import RequestId, transfer_id_of
 from xpyd.transfer.fake import FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, WorkItem
 
 
-class _Connected(_Signal):
-    def peer(self, addr: str):
-        return SimpleNamespace(state=PeerState.READY)
-
-
 def _engine(tokenizer) -> tuple[DecodeEngine, FakeTransferBackend]:
     transfer = FakeTransferBackend()
     engine = DecodeEngine(_runner(), tokenizer, WorkerConfig(role="decode", port=8100), transfer, "m")
     transfer.register(engine.pool.buffer())
-    engine.signal = _Connected()
+    engine.signal = FakeSignal()
     return engine, transfer
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from tests.unit.fake_signal import FakeSignal
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
 from xpyd.decode_worker.engine import DecodeEngine
@@ -104,36 +105,6 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     transfer.close()
 
 
-class _Signal:
-    """The decode engine's signal client, reduced to what a step calls; ``replies`` go out with the next poll."""
-
-    def __init__(self) -> None:
-        self.replies: list = []
-        self.released: list[str] = []
-
-    def poll(self, timeout_ms: int):
-        replies, self.replies = self.replies, []
-        return replies, []
-
-    def heartbeat(self, interval: float) -> None:
-        pass
-
-    def get(self, addr: str):
-        return None
-
-    def peers(self) -> list:
-        return []
-
-    def pending_requests(self) -> int:
-        return 0
-
-    def send_release(self, addr: str, request_ids: list[str]) -> None:
-        self.released += request_ids
-
-    def close(self) -> None:
-        pass
-
-
 class _Output:
     def __init__(self, broken: bool) -> None:
         self.broken = broken
@@ -150,7 +121,7 @@ def _decode_engine():
     transfer = _Refusing()
     engine = DecodeEngine(_runner(), None, WorkerConfig(role="decode", port=8100), transfer, "m")
     transfer.register(engine.pool.buffer())
-    engine.signal = _Signal()
+    engine.signal = FakeSignal()
     return engine, transfer
 
 

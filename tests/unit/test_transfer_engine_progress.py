@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from tests.unit.fake_signal import FakeSignal
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
 from xpyd.worker.config import WorkerConfig
@@ -77,43 +78,13 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     transfer.close()
 
 
-class _Signal:
-    """The decode engine's signal client, reduced to what a step calls; no prefill peer answers."""
-
-    def __init__(self) -> None:
-        self.timeouts: list[int] = []
-        self.released: list[str] = []
-
-    def poll(self, timeout_ms: int):
-        self.timeouts.append(timeout_ms)
-        return [], []
-
-    def heartbeat(self, interval: float) -> None:
-        pass
-
-    def get(self, addr: str):
-        return None
-
-    def peers(self) -> list:
-        return []
-
-    def pending_requests(self) -> int:
-        return 0
-
-    def send_release(self, addr: str, request_ids: list[str]) -> None:
-        self.released += request_ids
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("tick", [None, TICK])
 def test_decode_engine_drives_progress_while_a_pull_is_in_flight(tick):
     transfer = FakeTransferBackend()
     transfer.progress_tick = tick
     engine = DecodeEngine(_runner(), None, WorkerConfig(role="decode", port=8100), transfer, "m")
     transfer.register(engine.pool.buffer())
-    engine.signal = signal = _Signal()
+    engine.signal = signal = FakeSignal()
     engine.step()
     assert signal.timeouts[-1] == IDLE_SLEEP * 1000 and transfer.progress_calls == 0
 
