@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 # Version of the worker<->worker signal plane and transfer headers. Bump on any
 # incompatible change to a message schema; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 5  # 5: claims, pushed notify and heartbeats on the signal plane;
+PROTOCOL_VERSION = 6  # 6: a paged KV cache: pulls name block lists, ready names the prompt's block hashes;
+# 5: claims, pushed notify and heartbeats on the signal plane;
 # 4: a signal frame is {version, seq, msg: {type, ...}} (msgspec tagged union);
 # 3: a nixl Hello names the pool's memory (DRAM or VRAM + device); 2: shm confirms by its abort board

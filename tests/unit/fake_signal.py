@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState
+
+
+def ready(request_id: str, first_token: int, num_tokens: int, block_size: int = 4,
+          status: m.LookupStatus = m.LookupStatus.READY) -> m.LookupResult:
+    """A prefill worker's "ready" for a prompt of ``num_tokens``: block hashes for its full blocks (made up,
+    distinct) and the tokens after them, as a real prefill worker names them."""
+    full = num_tokens // block_size
+    return m.LookupResult(request_id, status, first_token, num_tokens,
+                          block_hashes=m.pack_hashes([1000 + i for i in range(full)]),
+                          tail=tuple(range(num_tokens - full * block_size)))
 
 
 class FakeSignal:

@@ -8,14 +8,14 @@ import pytest
 
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
 from xpyd.worker.request import IllegalTransition, RequestState
-from xpyd.worker.slots import FakeSlots
+from tests.unit.kv_fixtures import kv_cache
 
 S = RequestState
 
 
 def test_prefill_first_until_batch_full():
-    slots = FakeSlots(2)
-    sched = ColocatedScheduler(batch_size=2, slots=slots)
+    slots = kv_cache(2)
+    sched = ColocatedScheduler(batch_size=2, kv=slots)
     seqs = [ColocatedSeq(f"r{i}", [1]) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -28,13 +28,13 @@ def test_prefill_first_until_batch_full():
     sched.abort("r1")
     sched.fail(seqs[2], "x")
     assert [s.state for s in seqs] == [S.FINISHED, S.ABORTED, S.FAILED]
-    assert slots.num_used == 0 and not sched.has_work()
+    assert slots.allocator.num_referenced == 0 and not sched.has_work()
     with pytest.raises(IllegalTransition):
         seqs[0].set_state(S.RUNNING)
 
 
 def test_duplicates_and_abort_waiting():
-    sched = ColocatedScheduler(batch_size=1, slots=FakeSlots(1))
+    sched = ColocatedScheduler(batch_size=1, kv=kv_cache(1))
     sched.add(ColocatedSeq("a", [1]))
     with pytest.raises(ValueError):
         sched.add(ColocatedSeq("a", [1]))
@@ -46,8 +46,8 @@ def test_duplicates_and_abort_waiting():
 
 def test_random_lifecycles_keep_invariants():
     rng = random.Random(7)
-    slots = FakeSlots(3)
-    sched = ColocatedScheduler(batch_size=3, slots=slots)
+    slots = kv_cache(3)
+    sched = ColocatedScheduler(batch_size=3, kv=slots)
     seqs = [ColocatedSeq(f"q{i}", [1]) for i in range(50)]
     pending = list(seqs)
     for _ in range(3000):
@@ -63,6 +63,6 @@ def test_random_lifecycles_keep_invariants():
             victim = rng.choice(sched.running() or list(sched._waiting))
             sched.abort(victim.request_id)
         sched.check_invariants()
-        assert sched.num_running == slots.num_used
-    assert not pending and not sched.has_work() and slots.num_used == 0
+        assert sched.num_running == slots.allocator.num_referenced
+    assert not pending and not sched.has_work() and slots.allocator.num_referenced == 0
     assert all(s.state.is_final for s in seqs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.unit.fake_signal import FakeSignal
+from tests.unit.fake_signal import FakeSignal, ready
 from tests.unit.test_request_failures import DECODE, LAYOUT, PREFILL, _runner
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.model.output import StopParams
@@ -37,10 +37,10 @@ async def test_an_open_ended_request_gets_the_rest_of_the_context_and_its_pull_t
     from transformers import AutoTokenizer
 
     engine, transfer = _engine(AutoTokenizer.from_pretrained(str(smollm_dir)))
-    limit = LAYOUT.max_seq_len  # 8 tokens
+    limit = 8  # 8 tokens
     item = _submit(engine, max_tokens=limit - 1, open_ended=True)
     rid = str(item.request_id)
-    engine.signal.replies = [(PREFILL, m.Notify((m.LookupResult(rid, m.LookupStatus.READY, 42, 5),)))]
+    engine.signal.replies = [(PREFILL, m.Notify((ready(rid, 42, 5),)))]
     engine.step()
     seq = engine.sched.get(rid)
     assert seq.prompt_len == 5 and item.stop.max_tokens == limit - 5
@@ -55,7 +55,7 @@ async def test_a_prompt_too_long_for_its_max_tokens_fails_with_400_and_releases_
     engine, transfer = _engine(None)
     item = _submit(engine, max_tokens=4, open_ended=False)
     rid = str(item.request_id)
-    engine.signal.replies = [(PREFILL, m.Notify((m.LookupResult(rid, m.LookupStatus.READY, 42, 6),)))]
+    engine.signal.replies = [(PREFILL, m.Notify((ready(rid, 42, 6),)))]
     engine.step()  # 6 + 4 > 8
     event = await asyncio.wait_for(item.sink.queue.get(), 5)
     assert isinstance(event, ErrorEvent) and event.status == 400 and "context length" in event.message

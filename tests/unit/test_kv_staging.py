@@ -1,7 +1,7 @@
 """Host staging for device KV pools, exercised on CPU pools with staging forced on.
 
 A staged pool registers a separate host copy; these tests prove the bytes of a request go pool ->
-host copy -> wire -> host copy -> pool, land in the right slot and nowhere else, and only once the
+host copy -> wire -> host copy -> pool, land in the right blocks and nowhere else, and only once the
 receive token is polled; and that aborts, failures and close leave the pool untouched.
 """
 
@@ -22,7 +22,7 @@ from xpyd.worker.kv_staging import (
 from xpyd.transfer.base import DeviceMemory, Region, TransferState
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_slots=3, max_seq_len=8)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_blocks=6, block_size=4)
 
 
 def staged(network: FakeNetwork, auto_complete: bool = True) -> tuple[KVPool, StagedTransfer]:
@@ -39,16 +39,15 @@ def staging_bytes(pool: KVPool) -> torch.Tensor:
     return torch.frombuffer(pool.buffer(), dtype=torch.uint8)
 
 
-def test_bytes_round_trip_through_both_staging_copies_into_the_right_slot():
+def test_bytes_round_trip_through_both_staging_copies_into_the_right_blocks():
     net = FakeNetwork()
     (src_pool, sender), (dst_pool, receiver) = staged(net), staged(net)
     peer = receiver.register(dst_pool.buffer())
     sender.register(src_pool.buffer())
-    src_slot = [src_pool.allocate() for _ in range(2)][1]  # slot 1
-    dst_slot = [dst_pool.allocate() for _ in range(3)][2]  # slot 2
-    n = 5
-    src_pool.tensor[src_slot, :n] = torch.randn(n, *LAYOUT.shape[2:]).to(torch.bfloat16)
-    src, dst = Region(*src_pool.byte_range(src_slot, n)), Region(*dst_pool.byte_range(dst_slot, n))
+    src_blocks, dst_blocks = [1, 2], [4, 5]
+    src_pool.tensor[src_blocks] = torch.randn(2, *LAYOUT.shape[1:]).to(torch.bfloat16)
+    (src,), (dst,) = [Region(*r) for r in src_pool.byte_ranges(src_blocks)], \
+        [Region(*r) for r in dst_pool.byte_ranges(dst_blocks)]
 
     # the registered buffer is the host copy, not the pool: nothing there until a send stages it
     assert src_pool.buffer().nbytes == LAYOUT.total_bytes
@@ -64,10 +63,10 @@ def test_bytes_round_trip_through_both_staging_copies_into_the_right_slot():
     assert receiver.outstanding() == {"t1"}
 
     assert recv.done() and recv.state() is TransferState.DONE and recv.error is None
-    assert torch.equal(dst_pool.tensor[dst_slot, :n], src_pool.tensor[src_slot, :n])
-    untouched = torch.ones(LAYOUT.shape[:2], dtype=torch.bool)
-    untouched[dst_slot, :n] = False
-    assert not dst_pool.tensor[untouched].any()  # no other slot, no later position of the slot
+    assert torch.equal(dst_pool.tensor[dst_blocks], src_pool.tensor[src_blocks])
+    untouched = torch.ones(LAYOUT.num_blocks, dtype=torch.bool)
+    untouched[dst_blocks] = False
+    assert not dst_pool.tensor[untouched].any()  # no other block
     assert receiver.outstanding() == set()
 
 
@@ -75,8 +74,7 @@ def test_a_failed_transfer_fails_the_token_and_leaves_the_pool_alone():
     net = FakeNetwork()
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
-    slot = dst_pool.allocate()
-    token = receiver.expect("t1", [Region(*dst_pool.byte_range(slot, 4))])
+    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([3])])
     assert token.state() is TransferState.PENDING
     receiver.inner.fail("t1", "peer died")
     assert token.failed() and token.error == "peer died"
@@ -87,8 +85,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
     net = FakeNetwork()
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
-    slot = dst_pool.allocate()
-    region = Region(*dst_pool.byte_range(slot, 4))
+    (region,) = [Region(*r) for r in dst_pool.byte_ranges([3])]
     token = receiver.expect("t1", [region])
     staging_bytes(dst_pool)[region.offset : region.end] = 7  # bytes arrived...
     receiver.inner.complete("t1")  # ...and the backend finished, but nobody polled yet
@@ -101,7 +98,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
 def test_close_fails_unlanded_receives():
     (dst_pool, receiver) = staged(FakeNetwork(), auto_complete=False)
     receiver.register(dst_pool.buffer())
-    token = receiver.expect("t1", [Region(*dst_pool.byte_range(dst_pool.allocate(), 2))])
+    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([0])])
     receiver.close()
     assert token.failed()
     assert receiver.inner.closed

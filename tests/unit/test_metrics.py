@@ -46,6 +46,11 @@ def test_worker_metrics_render_names_types_and_values():
     m.transfer_done("recv", 1000, 0.02, ok=True)
     m.transfer_done("recv", 500, 0.01, ok=True)
     m.transfer_done("recv", 700, 0.05, ok=False)  # failed: counted, but no bytes and no duration
+    stats = {"blocks_used": 5, "blocks_cached": 9, "blocks_free": 20, "prefix_query_tokens": 100,
+             "prefix_hit_tokens": 64}
+    m.set_kv_cache(stats)
+    m.set_kv_cache(stats | {"prefix_query_tokens": 150, "prefix_hit_tokens": 80})  # counters grow by the difference
+    m.kv_reused(4096)
 
     types, v = parse(m.render())
     assert types == {
@@ -55,6 +60,8 @@ def test_worker_metrics_render_names_types_and_values():
         "xpyd_e2e_request_latency_seconds": "histogram", "xpyd_engine_step_seconds": "histogram",
         "xpyd_engine_batch_size": "histogram", "xpyd_kv_transfer_bytes": "counter",
         "xpyd_kv_transfer_seconds": "histogram", "xpyd_kv_transfers": "counter",
+        "xpyd_kv_blocks": "gauge", "xpyd_prefix_cache_queries": "counter", "xpyd_prefix_cache_hits": "counter",
+        "xpyd_kv_reuse_saved_bytes": "counter",
     } | {name: "gauge" for name in types if name.endswith("_created")}
     assert all(name.startswith("xpyd_") for name in types)
     assert all(dict(labels).get("role") == "decode" for _, labels in v), "every series carries the role"
@@ -88,6 +95,11 @@ def test_worker_metrics_render_names_types_and_values():
     assert value(v, "xpyd_kv_transfer_seconds_sum", **d) == pytest.approx(0.03)
     assert value(v, "xpyd_kv_transfers_total", **d, outcome="ok") == 2
     assert value(v, "xpyd_kv_transfers_total", **d, outcome="failed") == 1
+    assert {s: value(v, "xpyd_kv_blocks", **r, state=s) for s in ("used", "cached", "free")} == \
+        {"used": 5, "cached": 9, "free": 20}
+    assert value(v, "xpyd_prefix_cache_queries_total", **r) == 150
+    assert value(v, "xpyd_prefix_cache_hits_total", **r) == 80
+    assert value(v, "xpyd_kv_reuse_saved_bytes_total", **r) == 4096
 
 
 def test_worker_latency_buckets_span_milliseconds_to_tens_of_seconds():

@@ -196,7 +196,8 @@ def test_completion_response_shapes():
     assert c == {
         "id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
         "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
     }
     ch = completion_response("chatcmpl-1", 100, "m", CHAT, "hi", "stop", 3, 1)
     assert ch["object"] == "chat.completion"
@@ -215,7 +216,8 @@ def test_stream_chunk_shapes():
     comp = stream_chunk("cmpl-1", 1, "m", C, None, "length")
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == ""
     u = usage_chunk("cmpl-1", 1, "m", C, 4, 6)
-    assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert u["choices"] == [] and u["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                                                 "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_sse_and_models():

@@ -8,7 +8,7 @@ import random
 
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.worker.request import RequestState
-from xpyd.worker.slots import FakeSlots
+from tests.unit.kv_fixtures import kv_cache
 
 S = RequestState
 
@@ -21,7 +21,7 @@ def _prefill(sched: PrefillScheduler, live_peers: int = 1, now: float = 0.0) -> 
 
 
 def test_one_decode_worker_alone_may_use_every_slot():
-    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    sched = PrefillScheduler(batch_size=4, kv=kv_cache(4))
     for i in range(5):
         sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
     assert [_prefill(sched).request_id for _ in range(4)] == ["a0", "a1", "a2", "a3"]
@@ -30,7 +30,7 @@ def test_one_decode_worker_alone_may_use_every_slot():
 
 
 def test_a_slot_stays_free_for_each_other_live_decode_worker():
-    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    sched = PrefillScheduler(batch_size=4, kv=kv_cache(4))
     for i in range(6):
         sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
     ran = [_prefill(sched, live_peers=2) for _ in range(4)]
@@ -41,7 +41,7 @@ def test_a_slot_stays_free_for_each_other_live_decode_worker():
 
 
 def test_while_several_decode_workers_wait_each_gets_a_fair_share_oldest_first():
-    sched = PrefillScheduler(batch_size=4, slots=FakeSlots(4))
+    sched = PrefillScheduler(batch_size=4, kv=kv_cache(4))
     for i in range(4):
         sched.add(PrefillSeq(f"a{i}", [1], peer="A"))
     for i in range(2):
@@ -52,7 +52,7 @@ def test_while_several_decode_workers_wait_each_gets_a_fair_share_oldest_first()
 
 
 def test_claimed_kv_never_expires_on_kv_ttl_unclaimed_does():
-    sched = PrefillScheduler(batch_size=2, slots=FakeSlots(2))
+    sched = PrefillScheduler(batch_size=2, kv=kv_cache(2))
     sched.add(PrefillSeq("claimed", [1], peer="A", claimed=True))
     sched.add(PrefillSeq("unclaimed", [1], peer="A"))
     _prefill(sched, now=0.0)
@@ -63,8 +63,8 @@ def test_claimed_kv_never_expires_on_kv_ttl_unclaimed_does():
 
 def test_random_arrivals_from_several_decode_workers_keep_the_invariants():
     rng = random.Random(3)
-    slots = FakeSlots(6)
-    sched = PrefillScheduler(batch_size=6, slots=slots)
+    slots = kv_cache(6)
+    sched = PrefillScheduler(batch_size=6, kv=slots)
     peers = ["A", "B", "C"]
     n = 0
     for _ in range(2000):
@@ -87,4 +87,4 @@ def test_random_arrivals_from_several_decode_workers_keep_the_invariants():
         _prefill(sched)
         for s in list(sched.held()):
             sched.release(s.request_id, S.FINISHED)
-    assert slots.num_used == 0 and not sched.has_work()
+    assert slots.allocator.num_referenced == 0 and not sched.has_work()

@@ -80,7 +80,7 @@ def test_rejects_nonsense_limits():
 
 
 # --- as the prefill engine uses it ------------------------------------------------------------------
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", num_slots=2, max_seq_len=8)
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
 
 
@@ -97,7 +97,7 @@ def _lookup(engine: PrefillEngine, rid: str) -> m.LookupResult:
 
 
 def test_engine_remembers_a_release_that_overtook_its_request():
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=LAYOUT.max_seq_len, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
     transfer = FakeTransferBackend(FakeNetwork())
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100), transfer, "m")
     try:

@@ -1,4 +1,4 @@
-"""Each role engine fails just the request whose work raised: its slot freed through the scheduler's fail
+"""Each role engine fails just the request whose work raised: its blocks released through the scheduler's fail
 path, a 500 on its sink, the peer told; the other requests in the same step go on. Engines are stepped
 by hand (no engine thread) with a fake transfer backend that refuses chosen transfers; every test ends
 with a leak check."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from tests.unit.fake_signal import FakeSignal
+from tests.unit.fake_signal import FakeSignal, ready
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
 from xpyd.decode_worker.engine import DecodeEngine
@@ -23,13 +23,13 @@ from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.work_item import ErrorEvent
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_slots=3, max_seq_len=8)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
 S = m.LookupStatus
 
 
 def _runner():
-    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=LAYOUT.max_seq_len, eos_token_ids=frozenset())
+    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
 
 
 class _Sink:
@@ -78,7 +78,7 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     transfer.register(engine.pool.buffer())
     desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
     assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
-    assert engine.on_kv_map_init(DECODE, m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.slot_bytes, LAYOUT.num_slots)).ok
+    assert engine.on_kv_map_init(DECODE, m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)).ok
     rids = [str(RequestId.new(PREFILL, DECODE)) for _ in range(2)]
     sinks = {rid: _Sink() for rid in rids}
     for rid in rids:  # prefilled, KV held, claimed by the decode worker
@@ -88,14 +88,14 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     bad, good = rids
     transfer.refused.add(transfer_id_of(bad))
 
-    entries = (m.LookupEntry(bad, 0), m.LookupEntry(good, LAYOUT.slot_bytes))
+    entries = (m.LookupEntry(bad, (0,)), m.LookupEntry(good, (1,)))
     reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, entries))
     assert [r.status for r in reply.results] == [S.FAILED, S.SENDING]
     assert "TransferError: cannot send" in reply.results[0].error
     assert _internal_error(sinks[bad], "prefill", "TransferError") and sinks[good].events == []
     assert [(r.request_id, r.status) for n in pushed for r in n.results] == [(bad, S.FAILED)]  # its claimant told
     assert engine.sched.get(bad) is None and engine.pool.num_used == 1 and _failed_count(engine) == 1
-    again = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(bad, 0),))).results[0]
+    again = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(bad, (0,)),))).results[0]
     assert again.status is S.FAILED and "TransferError" in again.error  # remembered as failed here
 
     transfer.complete(transfer_id_of(good))
@@ -156,8 +156,8 @@ def test_decode_a_pull_that_cannot_start_fails_just_its_request():
 def test_decode_a_notify_entry_that_raises_fails_just_its_request():
     engine, transfer = _decode_engine()
     (bad, bad_sink), (good, good_sink) = _decode_request(engine, broken_output=True), _decode_request(engine)
-    ready = tuple(m.LookupResult(rid, S.READY, 42, 3) for rid in (bad, good))
-    engine.signal.replies = [(PREFILL, m.Notify(ready))]
+    results = tuple(ready(rid, 42, 3) for rid in (bad, good))
+    engine.signal.replies = [(PREFILL, m.Notify(results))]
     engine.step()
     assert _internal_error(bad_sink, "decode", "UnicodeDecodeError") and good_sink.events == []
     assert engine.sched.get(bad) is None and engine.signal.released == [bad]

@@ -11,7 +11,7 @@ import pytest
 
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.worker.request import IllegalTransition, RequestState
-from xpyd.worker.slots import FakeSlots
+from tests.unit.kv_fixtures import kv_cache
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.transfer.base import Region
 from xpyd.transfer.fake import FakeTransferBackend
@@ -34,15 +34,15 @@ def send(backend: FakeTransferBackend, rid: str):
 # --- prefill ----------------------------------------------------------------
 
 def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
-    slots = FakeSlots(3)
-    sched = PrefillScheduler(batch_size=3, slots=slots)
+    slots = kv_cache(3)
+    sched = PrefillScheduler(batch_size=3, kv=slots)
     seqs = [PrefillSeq(f"r{i}", [1, 2, 3]) for i in range(5)]
     for s in seqs:
         sched.add(s)
     sched.check_invariants()
 
     a = sched.next_to_run()
-    assert a is seqs[0] and a.state is S.RUNNING and a.slot is not None
+    assert a is seqs[0] and a.state is S.RUNNING and a.kv is not None
     assert sched.next_to_run() is None  # one prefill at a time
     sched.prefilled(a, first_token=42)
     assert a.state is S.TRANSFERRING and a.first_token == 42
@@ -53,13 +53,13 @@ def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
     sched.check_invariants()
     # running + transferring <= batch: three KV held, the fourth must wait
     assert sched.num_transferring == 3 and sched.next_to_run() is None
-    assert slots.num_used == 3
+    assert slots.allocator.num_referenced == 3
 
     tok = send(backend, "r0")
     sched.start_send("r0", tok)
     assert sched.poll() == []  # not finished: slot still held
     backend.complete("r0")
-    assert sched.poll() == [a] and a.state is S.FINISHED and a.slot is None
+    assert sched.poll() == [a] and a.state is S.FINISHED and a.kv is None
     sched.check_invariants()
 
     d = sched.next_to_run()
@@ -74,13 +74,13 @@ def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
         backend.complete(s.request_id)
     sched.poll()
     sched.check_invariants()
-    assert not sched.has_work() and slots.num_used == 0
+    assert not sched.has_work() and slots.allocator.num_referenced == 0
     assert [s.state for s in seqs] == [S.FINISHED, S.ABORTED, S.FINISHED, S.FINISHED, S.FINISHED]
 
 
 def test_prefill_failed_send_and_cancel_during_send(backend):
-    slots = FakeSlots(2)
-    sched = PrefillScheduler(batch_size=2, slots=slots)
+    slots = kv_cache(2)
+    sched = PrefillScheduler(batch_size=2, kv=slots)
     a, b = PrefillSeq("a", [1]), PrefillSeq("b", [1])
     sched.add(a); sched.add(b)
     sched.prefilled(sched.next_to_run(), 1)
@@ -92,7 +92,7 @@ def test_prefill_failed_send_and_cancel_during_send(backend):
     backend.fail("a", "peer died")
     # cancelling a send in flight keeps the slot until the token finishes
     sched.release("b")
-    assert b.state is S.TRANSFERRING and slots.num_used == 2
+    assert b.state is S.TRANSFERRING and slots.allocator.num_referenced == 2
     sched.poll()
     assert a.state is S.FAILED and a.error == "peer died"
     assert b.state is S.TRANSFERRING
@@ -100,13 +100,13 @@ def test_prefill_failed_send_and_cancel_during_send(backend):
     sched.poll()
     assert b.state is S.ABORTED
     sched.check_invariants()
-    assert slots.num_used == 0 and not sched.has_work()
+    assert slots.allocator.num_referenced == 0 and not sched.has_work()
     backend.complete("a2")
 
 
 def test_prefill_abort_while_waiting_and_while_running():
-    slots = FakeSlots(2)
-    sched = PrefillScheduler(batch_size=2, slots=slots)
+    slots = kv_cache(2)
+    sched = PrefillScheduler(batch_size=2, kv=slots)
     a, b = PrefillSeq("a", [1]), PrefillSeq("b", [1])
     sched.add(a); sched.add(b)
     sched.release("b")
@@ -115,20 +115,20 @@ def test_prefill_abort_while_waiting_and_while_running():
     sched.release("a")  # mid-forward: ends when the forward returns
     assert a.state is S.RUNNING
     sched.prefilled(run, 5)
-    assert a.state is S.ABORTED and slots.num_used == 0
+    assert a.state is S.ABORTED and slots.allocator.num_referenced == 0
     sched.check_invariants()
     assert sched.release("zzz") is None
 
 
 def test_prefill_failed_forward_and_duplicates():
-    slots = FakeSlots(1)
-    sched = PrefillScheduler(batch_size=1, slots=slots)
+    slots = kv_cache(1)
+    sched = PrefillScheduler(batch_size=1, kv=slots)
     a = PrefillSeq("a", [1])
     sched.add(a)
     with pytest.raises(ValueError):
         sched.add(PrefillSeq("a", [2]))
     sched.fail_running(sched.next_to_run(), "boom")
-    assert a.state is S.FAILED and slots.num_used == 0
+    assert a.state is S.FAILED and slots.allocator.num_referenced == 0
     with pytest.raises(IllegalTransition):
         a.set_state(S.RUNNING)
 
@@ -136,13 +136,13 @@ def test_prefill_failed_forward_and_duplicates():
 # --- decode -----------------------------------------------------------------
 
 def test_decode_runs_only_after_kv_arrived(backend):
-    slots = FakeSlots(2)
-    sched = DecodeScheduler(batch_size=2, slots=slots)
+    slots = kv_cache(2)
+    sched = DecodeScheduler(batch_size=2, kv=slots)
     seqs = [DecodeSeq(f"r{i}", "p:1", prompt_len=2) for i in range(3)]
     for s in seqs:
         sched.add(s)
     assert sched.schedule_transfers() == []  # nothing ready yet: no slot taken
-    assert slots.num_used == 0
+    assert slots.allocator.num_referenced == 0
 
     sched.mark_ready("r1", 11)
     started = sched.schedule_transfers()
@@ -177,12 +177,12 @@ def test_decode_runs_only_after_kv_arrived(backend):
     sched.check_invariants()
     assert sched.running() == [seqs[2]]
     sched.finish(seqs[2])
-    assert not sched.has_work() and slots.num_used == 0
+    assert not sched.has_work() and slots.allocator.num_referenced == 0
 
 
 def test_decode_abort_in_every_state(backend):
-    slots = FakeSlots(4)
-    sched = DecodeScheduler(batch_size=4, slots=slots)
+    slots = kv_cache(4)
+    sched = DecodeScheduler(batch_size=4, kv=slots)
     w, t, r = (DecodeSeq(name, "p:1", prompt_len=1) for name in "wtr")
     for s in (w, t, r):
         sched.add(s)
@@ -195,7 +195,7 @@ def test_decode_abort_in_every_state(backend):
     for rid in ("w", "t", "r"):
         sched.abort(rid)
     assert all(s.state is S.ABORTED for s in (w, t, r))
-    assert slots.num_used == 0 and not sched.has_work()
+    assert slots.allocator.num_referenced == 0 and not sched.has_work()
     assert sched.abort("w") is None
 
 
@@ -203,8 +203,8 @@ def test_decode_random_lifecycles_keep_invariants(backend):
     """Many requests, random events; invariants hold at every step; nothing leaks."""
     rng = random.Random(1234)
     batch = 4
-    slots = FakeSlots(batch)
-    sched = DecodeScheduler(batch_size=batch, slots=slots)
+    slots = kv_cache(batch * 2)  # (4-token blocks: a 9-token prompt takes 3; the pool also limits the batch)
+    sched = DecodeScheduler(batch_size=batch, kv=slots)
     seqs = [DecodeSeq(f"q{i}", "p:1", prompt_len=rng.randint(1, 9)) for i in range(60)]
     pending = list(seqs)
     steps = 0
@@ -233,17 +233,19 @@ def test_decode_random_lifecycles_keep_invariants(backend):
                 backend.abort(victim.request_id)
             sched.abort(victim.request_id)
         sched.check_invariants()
-        assert sched.num_running + sched.num_transferring == slots.num_used
+        held = sched.running() + sched.transferring()
+        assert sum(len(s.kv.blocks) for s in held) == slots.allocator.num_referenced
+        assert all(len(s.kv.blocks) == slots.blocks_for(s.prompt_len) for s in held)
     assert not pending and not sched.has_work()
-    assert slots.num_used == 0 and backend.outstanding() == set()
+    assert slots.allocator.num_referenced == 0 and backend.outstanding() == set()
     assert all(s.state.is_final for s in seqs)
 
 
 # --- leases and deadlines ------------------------------------------------------
 
 def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
-    slots = FakeSlots(3)
-    sched = PrefillScheduler(batch_size=3, slots=slots)
+    slots = kv_cache(3)
+    sched = PrefillScheduler(batch_size=3, kv=slots)
     a, b, c = PrefillSeq("a", [1]), PrefillSeq("b", [1]), PrefillSeq("c", [1])
     for s in (a, b, c):
         sched.add(s)
@@ -253,7 +255,7 @@ def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
     sched.start_send("a", send(backend, "a"))  # a pull started: its lease no longer applies
     assert sched.expired(now=14.0, ttl=3.0) == [b]
     sched.release("b", S.FAILED)
-    assert b.state is S.FAILED and slots.num_used == 1  # a still sending; c not prefilled yet
+    assert b.state is S.FAILED and slots.allocator.num_referenced == 1  # a still sending; c not prefilled yet
     assert c.state is S.WAITING and sched.expired(now=100.0, ttl=3.0) == []  # not prefilled: no lease
     backend.complete("a")
     sched.poll()
@@ -261,12 +263,12 @@ def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
     sched.release("c")
     sched.check_invariants()
     assert a.state is S.FINISHED and c.state is S.ABORTED
-    assert slots.num_used == 0 and not sched.has_work()
+    assert slots.allocator.num_referenced == 0 and not sched.has_work()
 
 
 def test_decode_overdue_waiting_and_transferring_but_not_ready_waiting(backend):
-    slots = FakeSlots(1)
-    sched = DecodeScheduler(batch_size=1, slots=slots)
+    slots = kv_cache(1)
+    sched = DecodeScheduler(batch_size=1, kv=slots)
     w = DecodeSeq("w", "p:1", prompt_len=1, deadline=5.0)  # prefill never ready
     r = DecodeSeq("r", "p:1", prompt_len=1, deadline=5.0)  # ready, waits for room (decode's own capacity)
     t = DecodeSeq("t", "p:1", prompt_len=1, deadline=5.0)  # pull started, KV never arrives
@@ -284,6 +286,6 @@ def test_decode_overdue_waiting_and_transferring_but_not_ready_waiting(backend):
     for s in sched.overdue(8.0):
         sched.fail(s, "late")
     sched.check_invariants()
-    assert (w.state, t.state, r.state) == (S.FAILED, S.FAILED, S.WAITING) and slots.num_used == 0
+    assert (w.state, t.state, r.state) == (S.FAILED, S.FAILED, S.WAITING) and slots.allocator.num_referenced == 0
     sched.abort("r")
     assert not sched.has_work() and backend.outstanding() == set()

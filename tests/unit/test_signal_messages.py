@@ -12,7 +12,8 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.signal import messages as m
 
 RID = "xpyd-0123456789abcdef0123456789abcdef~p~10.0.0.1:7100~d~10.0.0.2:7200"
-COMPAT = {"layout": "slot-token-major/1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32"}
+COMPAT = {"layout": "block-head-major/1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32",
+          "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096, "offers": [["tcp", "x"]]}
 
 EVERY_MESSAGE = [
@@ -23,7 +24,7 @@ EVERY_MESSAGE = [
     m.KVMapInit("10.0.0.2:7200", TRANSFER, 1024, 4),
     m.KVMapReply(True),
     m.KVMapReply(False, "KV map does not fit the registered buffer"),
-    m.LookupAll("10.0.0.2:7200", (m.LookupEntry(RID), m.LookupEntry(RID, 0), m.LookupEntry(RID, 1 << 40))),
+    m.LookupAll("10.0.0.2:7200", (m.LookupEntry(RID), m.LookupEntry(RID, (0,)), m.LookupEntry(RID, (1 << 40, 3, 4), 2))),
     m.LookupAll("10.0.0.2:7200", ()),
     m.LookupReply(tuple(m.LookupResult(RID, s, 7 if s in (m.LookupStatus.READY, m.LookupStatus.SENDING) else None,
                                        3, "why" if s is m.LookupStatus.FAILED else None) for s in m.LookupStatus)),
@@ -31,7 +32,8 @@ EVERY_MESSAGE = [
     m.ReleaseReply(2),
     m.Heartbeat("10.0.0.2:7200"),
     m.HeartbeatReply(),
-    m.Notify((m.LookupResult(RID, m.LookupStatus.READY, 7, 3), m.LookupResult(RID, m.LookupStatus.EXPIRED,
+    m.Notify((m.LookupResult(RID, m.LookupStatus.READY, 7, 35, block_hashes=m.pack_hashes([1, 2**64 - 1]), tail=(5, 6, 7),
+                             cached_tokens=16), m.LookupResult(RID, m.LookupStatus.EXPIRED,
                                                                             error="KV expired"))),
     m.ErrorReply("handshake first"),
 ]
@@ -48,16 +50,24 @@ def test_round_trip(msg):
 
 
 def test_wire_shape_is_a_versioned_map_with_tagged_message_and_enum_values():
-    frame = m.encode(5, m.LookupReply((m.LookupResult(RID, m.LookupStatus.READY, 9, 3),)))
+    result = m.LookupResult(RID, m.LookupStatus.READY, 9, 19, block_hashes=m.pack_hashes([258]), tail=(4, 5, 6),
+                            cached_tokens=16)
+    frame = m.encode(5, m.LookupReply((result,)))
     assert msgpack.unpackb(frame) == {"version": PROTOCOL_VERSION, "seq": 5, "msg": {
-        "type": "lookup_reply", "results": [[RID, "ready", 9, 3, None]]}}
-    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, 64), m.LookupEntry(RID))))
-    assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1", "entries": [[RID, 64], [RID, None]]}
+        "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16]]}}
+    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1), m.LookupEntry(RID))))
+    assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1",
+                                              "entries": [[RID, [64, 65], 1], [RID, None, 0]]}
+    assert m.unpack_hashes(m.pack_hashes([0, 7, 2**64 - 1])) == [0, 7, 2**64 - 1]
+    with pytest.raises(m.MessageError, match="multiple of 8"):
+        m.unpack_hashes(b"\0" * 9)
 
 
 def test_limits_are_inclusive():
-    full = m.LookupAll("a:1", (m.LookupEntry("x" * m.MAX_REQUEST_ID_LEN, 0),) * m.MAX_ENTRIES)
+    full = m.LookupAll("a:1", (m.LookupEntry("x" * m.MAX_REQUEST_ID_LEN, (0,)),) * m.MAX_ENTRIES)
     assert m.decode(m.encode(1, full)).msg == full
+    blocks = m.LookupAll("a:1", (m.LookupEntry("r", tuple(range(m.MAX_BLOCKS))),))
+    assert m.decode(m.encode(1, blocks)).msg == blocks
     assert m.decode(m.encode(2, m.Release("a:1", ("r",) * m.MAX_ENTRIES))).msg.request_ids == ("r",) * m.MAX_ENTRIES
 
 
@@ -97,10 +107,15 @@ RESULT = [RID, "ready", 9, 3, None]
     pytest.param(_frame({"type": "handshake_reply", "ok": 1}), "$.msg.ok", id="int-for-bool"),
     pytest.param(_frame({**LOOKUP, "entries": [["x" * 601, None]]}), "$.msg.entries[0][0]", id="request-id-too-long"),
     pytest.param(_frame({**LOOKUP, "entries": [["", None]]}), "$.msg.entries[0][0]", id="empty-request-id"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", -5]]}), "$.msg.entries[0][1]", id="negative-offset"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", True]]}), "$.msg.entries[0][1]", id="bool-offset"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", 1.0]]}), "$.msg.entries[0][1]", id="float-offset"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", 0, 1]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [-5]]]}), "$.msg.entries[0][1][0]", id="negative-block"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [True]]]}), "$.msg.entries[0][1][0]", id="bool-block"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [1.0]]]}), "$.msg.entries[0][1][0]", id="float-block"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", 5]]}), "$.msg.entries[0][1]", id="offset-not-blocks"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", []]]}), "$.msg.entries[0][1]", id="no-blocks"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", list(range(m.MAX_BLOCKS + 1))]]}), "$.msg.entries[0][1]",
+                 id="too-many-blocks"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], -1]]}), "$.msg.entries[0][2]", id="negative-first-block"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, 2]]}), "$.msg.entries[0]", id="entry-too-long"),
     pytest.param(_frame({**LOOKUP, "entries": [["r"]] * (m.MAX_ENTRIES + 1)}), "$.msg.entries", id="too-many-entries"),
     pytest.param(_frame({**LOOKUP, "entries": {"r": 0}}), "$.msg.entries", id="entries-not-a-list"),
     pytest.param(_frame({**RELEASE, "request_ids": ["x" * 601]}), "$.msg.request_ids[0]", id="release-id-too-long"),
@@ -112,8 +127,10 @@ RESULT = [RID, "ready", 9, 3, None]
                  id="unknown-status"),
     pytest.param(_frame({"type": "lookup_reply", "results": [[RID, "ready", 9, -3, None]]}), "$.msg.results[0][3]",
                  id="negative-num-tokens"),
-    pytest.param(_frame({"type": "kv_map_init", "sender": "a:1", "transfer": TRANSFER, "slot_bytes": 0,
-                         "num_slots": 4}), "$.msg.slot_bytes", id="zero-slot-bytes"),
+    pytest.param(_frame({"type": "kv_map_init", "sender": "a:1", "transfer": TRANSFER, "block_bytes": 0,
+                         "num_blocks": 4}), "$.msg.block_bytes", id="zero-block-bytes"),
+    pytest.param(_frame({"type": "lookup_reply", "results": [[RID, "ready", 9, 3, None, b"", list(range(1025))]]}),
+                 "$.msg.results[0][6]", id="tail-too-long"),
     pytest.param(_frame({"type": "release_reply", "released": -1}), "$.msg.released", id="negative-released"),
 ])
 def test_bad_frames_raise_message_error(frame, needle):

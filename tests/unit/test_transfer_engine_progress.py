@@ -26,12 +26,12 @@ from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId, transfer_id_of
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_slots=3, max_seq_len=8)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
 
 
 def _runner():
-    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=LAYOUT.max_seq_len, eos_token_ids=frozenset())
+    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
 
 
 TICK = 0.001
@@ -61,9 +61,9 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0  # KV held, nobody pulls yet
     # The decode worker pulls it, through the signal plane's handlers.
     assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
-    init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.slot_bytes, LAYOUT.num_slots)
+    init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
-    reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, 0),)))
+    reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, (0,)),)))
     assert reply.results[0].status is m.LookupStatus.SENDING
     for calls in (1, 2, 3):
         assert engine.step() == (IDLE_SLEEP if tick is None else tick) and transfer.progress_calls == calls

@@ -48,7 +48,8 @@ async def test_a_stream_the_proxy_named_is_the_rest_of_its_stream():
             assert all(c.startswith(head) for c in chunks[:-1])  # what the proxy's relay checks
             objs = [json.loads(c[6:]) for c in chunks[:-1]]
             if include_usage:
-                assert objs.pop()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+                assert objs.pop()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                  "prompt_tokens_details": {"cached_tokens": 0}}
             assert [o["choices"][0]["finish_reason"] for o in objs] == [None, "length"]  # no empty chunk
             texts = [o["choices"][0]["delta"]["content"] if kind is RequestKind.CHAT else o["choices"][0]["text"]
                      for o in objs]

@@ -23,11 +23,14 @@ def new_response_id(kind: RequestKind) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the
+    prefix cache (not computed again)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -40,6 +43,7 @@ def completion_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int = 0,
 ) -> dict:
     """A complete non-streaming ``text_completion`` / ``chat.completion`` object."""
     if kind is RequestKind.CHAT:
@@ -59,7 +63,7 @@ def completion_response(
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -107,10 +111,11 @@ def usage_chunk(
     kind: RequestKind,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int = 0,
 ) -> dict:
     """The trailing usage chunk of a stream (``stream_options.include_usage``)."""
     return {**_chunk_base(request_id, created, model, kind), "choices": [],
-            "usage": _usage(prompt_tokens, completion_tokens)}
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def dumps(obj: dict) -> bytes:

@@ -29,7 +29,7 @@ class ColocatedEngine(WorkerEngine):
 
     def __init__(self, runner, tokenizer, config: WorkerConfig, served_name: str) -> None:
         super().__init__(runner, tokenizer, config, served_name)
-        self.sched = ColocatedScheduler(config.batch_size, self.pool)
+        self.sched = ColocatedScheduler(config.batch_size, self.kv_cache)
         # Requests name this worker as both peers: the id format stays the same everywhere.
         addr = host_port(config.public_host, config.port)
         self.info = WorkerInfo(Role.DECODE, f"http://{addr}", addr, served_name, PROTOCOL_VERSION,
@@ -53,10 +53,10 @@ class ColocatedEngine(WorkerEngine):
 
     def _update_stats(self) -> None:
         self._stats = {"role": "colocated", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
-                       "transferring": 0, "kv_used_bytes": self.pool.used_bytes(),
-                       "kv_slots_used": self.pool.num_used}
+                       "transferring": 0, "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats()}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, 0)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
+        self.metrics.set_kv_cache(self.kv_cache.stats())
 
     def step(self) -> float:
         for item in self.drain_inbox():
@@ -82,16 +82,16 @@ class ColocatedEngine(WorkerEngine):
             item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
         else:
             item.start_output(self.tokenizer)
-            self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item))
+            n = len(item.prompt_ids)
+            self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item,
+                                        final_len=min(self.max_model_len, n + item.stop.max_tokens),
+                                        hashes=self.kv_cache.hashes(item.prompt_ids)))
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         seq = self.sched.get(request_id)
         if seq is None or (item is not None and seq.payload is not item):
             return False
-        if seq.state is RequestState.WAITING:
-            self.sched.abort(request_id)  # (its fail() is for running requests; abort() leaves the queue)
-        else:
-            self.sched.fail(seq, error)
+        self.sched.fail(seq, error)
         self._last_token_at.pop(request_id, None)
         self.metrics.request_done("failed")
         seq.payload.sink.put(ErrorEvent(500, error))
@@ -109,6 +109,7 @@ class ColocatedEngine(WorkerEngine):
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
         now = time.monotonic()
+        self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.prompt_ids[len(seq.kv.hashes) * self.kv_cache.block_size:])
         self.metrics.observe_step("prefill", now - t0, 1)
         self.metrics.observe_ttft(now - item.arrival)
         self._emit(seq, token, now)
@@ -117,7 +118,7 @@ class ColocatedEngine(WorkerEngine):
         running = self.sched.running()
         t0 = time.monotonic()
         try:
-            new = decode_and_sample(self.runner, running)
+            new = decode_and_sample(self.runner, self.kv_cache, running)
         except Exception as e:
             log.exception("decode step failed")
             for seq in running:
@@ -137,6 +138,7 @@ class ColocatedEngine(WorkerEngine):
         item: WorkItem = seq.payload
         text, finish = item.output.append(token)
         self._last_token_at[seq.request_id] = now
+        cached = seq.kv.cached_tokens if seq.kv is not None else 0
         if finish is not None:
             self.sched.finish(seq)
             self._last_token_at.pop(seq.request_id, None)
@@ -144,4 +146,4 @@ class ColocatedEngine(WorkerEngine):
             self.metrics.observe_e2e(now - item.arrival)
         if text or finish is not None or len(item.output.token_ids) == 1:
             item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids),
-                                     len(item.output.token_ids)))
+                                     len(item.output.token_ids), cached))

@@ -5,8 +5,10 @@ continuous batching, a new prefill is preferred whenever the batch has room:
 while it runs (batch size 1), every running decode waits — the prefill stall
 that disaggregation removes.
 
-Queues: waiting --(room)--> running (after its prefill) --> finished.
-Invariant: RUNNING <= batch_size; every RUNNING request owns one slot.
+Queues: waiting --(room: batch and KV blocks)--> running (after its prefill) --> finished.
+Invariant: RUNNING <= batch_size; every RUNNING request holds the blocks of its tokens so far and a
+reservation for the rest (prompt + max_tokens, `KVCache.admit`); a waiting request holds none. Its
+prompt's cached prefix is reused, not computed again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xpyd.worker.request import RequestState, check_transition, require
-from xpyd.worker.slots import SlotAllocator
+from xpyd.worker.kv_cache import KVCache, RequestKV
 
 S = RequestState
 COLOCATED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
@@ -31,7 +33,9 @@ class ColocatedSeq:
     prompt_ids: list[int]
     payload: Any = None
     state: RequestState = S.WAITING
-    slot: int | None = None
+    final_len: int = 0  # prompt + max_tokens: the most tokens it can reach (its KV reservation)
+    hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks
+    kv: RequestKV | None = None
     error: str | None = None
 
     @property
@@ -46,7 +50,7 @@ class ColocatedSeq:
 @dataclass(slots=True)
 class ColocatedScheduler:
     batch_size: int
-    slots: SlotAllocator
+    kv: KVCache
     _waiting: deque[ColocatedSeq] = field(default_factory=deque)
     _running: "OrderedDict[str, ColocatedSeq]" = field(default_factory=OrderedDict)
 
@@ -79,11 +83,16 @@ class ColocatedScheduler:
         self._waiting.append(seq)
 
     def next_prefill(self) -> ColocatedSeq | None:
-        """The oldest waiting request, given a slot, if the batch has room (prefill first)."""
-        if not self._waiting or self.num_running >= self.batch_size or not self.slots.can_allocate():
+        """The oldest waiting request, given its KV blocks, if the batch and the pool have room (prefill first)."""
+        if not self._waiting or self.num_running >= self.batch_size:
             return None
-        seq = self._waiting.popleft()
-        seq.slot = self.slots.allocate()
+        seq = self._waiting[0]
+        kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
+                           reuse_tokens=seq.prompt_len - 1)
+        if kv is None:
+            return None
+        self._waiting.popleft()
+        seq.kv = kv
         seq.set_state(S.RUNNING)
         self._running[seq.request_id] = seq
         return seq
@@ -98,21 +107,22 @@ class ColocatedScheduler:
     def abort(self, request_id: str) -> ColocatedSeq | None:
         seq = self.get(request_id)
         if seq is not None:
-            if seq.state is S.WAITING:
-                self._waiting.remove(seq)
             self._end(seq, S.ABORTED)
         return seq
 
     def _end(self, seq: ColocatedSeq, state: RequestState) -> None:
+        if seq.state is S.WAITING:
+            self._waiting.remove(seq)
         seq.set_state(state)
         self._running.pop(seq.request_id, None)
-        if seq.slot is not None:
-            self.slots.free(seq.slot)
-            seq.slot = None
+        if seq.kv is not None:
+            self.kv.free(seq.kv)
+            seq.kv = None
 
     def check_invariants(self) -> None:
         require(self.num_running <= self.batch_size, "batch exceeded")
         for seq in self._running.values():
-            require(seq.state is S.RUNNING and seq.slot is not None, "bad running seq")
+            require(seq.state is S.RUNNING and seq.kv is not None and
+                    len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len), "bad running seq")
         for seq in self._waiting:
-            require(seq.state is S.WAITING and seq.slot is None, "bad waiting seq")
+            require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")

@@ -59,7 +59,7 @@ class DecodeEngine(WorkerEngine):
                  served_name: str) -> None:
         super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
-        self.sched = DecodeScheduler(config.batch_size, self.pool)
+        self.sched = DecodeScheduler(config.batch_size, self.kv_cache)
         self.signal: SignalClient | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
         self._asked: dict[str, float] = {}  # waiting request id -> when it was last claimed / asked about
@@ -70,6 +70,7 @@ class DecodeEngine(WorkerEngine):
         self._stats: dict = {}
         self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._last_decode_at = 0.0  # end of the last decode step
+        self._reused_blocks = 0  # prompt blocks found in this worker's prefix cache (not pulled)
 
     def start(self) -> None:
         desc = self.transfer.register(pool_memory(self.pool, self.transfer))
@@ -78,7 +79,7 @@ class DecodeEngine(WorkerEngine):
         self.signal = SignalClient(
             identity,
             m.Handshake(identity, self.model_id, layout.compat(), self.config.cluster_token),
-            m.KVMapInit(identity, desc.to_dict(), layout.slot_bytes, layout.num_slots),
+            m.KVMapInit(identity, desc.to_dict(), layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
         )
         self.signal.register_fd(self.wake_fd)
@@ -98,7 +99,8 @@ class DecodeEngine(WorkerEngine):
         held = self.sched.num_waiting + self.sched.num_running + self.sched.num_transferring
         self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                        "transferring": self.sched.num_transferring, "requests_held": held,
-                       "kv_used_bytes": self.pool.used_bytes(), "kv_slots_used": self.pool.num_used,
+                       "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
+                       "kv_reused_blocks": self._reused_blocks,
                        "transfers_in_flight": len(self.transfer.outstanding()),
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
@@ -106,6 +108,7 @@ class DecodeEngine(WorkerEngine):
                        "claims": self._claims, "status_polls": self._status_polls}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
+        self.metrics.set_kv_cache(self.kv_cache.stats())
 
     # --- engine thread -----------------------------------------------------
     def wait(self, timeout: float) -> None:
@@ -145,7 +148,7 @@ class DecodeEngine(WorkerEngine):
         for seq in joined:
             with self.isolate(seq.request_id, seq.payload):
                 self._recv_ended(seq, ok=True)
-                self.pool.set_num_tokens(seq.slot, seq.prompt_len)
+                self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
         for seq in failed:
             with self.isolate(seq.request_id, seq.payload):
                 self._recv_ended(seq, ok=False)
@@ -251,6 +254,17 @@ class DecodeEngine(WorkerEngine):
                 self._fail_seq(seq, 502, f"prefill worker {addr} said ready without a first token and prompt "
                                "length", "prefill", release=True)
                 return
+            try:
+                hashes = m.unpack_hashes(r.block_hashes)
+            except m.MessageError as e:
+                self._fail_seq(seq, 502, f"prefill worker {addr}: {e}", "prefill", release=True)
+                return
+            bs = self.kv_cache.block_size
+            if len(hashes) != r.num_tokens // bs or len(r.tail) != r.num_tokens % bs:
+                self._fail_seq(seq, 502, f"prefill worker {addr} named {len(hashes)} block hashes and {len(r.tail)} "
+                               f"more tokens for a {r.num_tokens}-token prompt", "prefill", release=True)
+                return
+            seq.hashes, seq.tail, seq.cached_tokens = hashes, r.tail, r.cached_tokens
             self._first_token(seq, r.first_token, r.num_tokens)
 
     def _first_token(self, seq: DecodeSeq, token: int, prompt_len: int) -> None:
@@ -266,6 +280,7 @@ class DecodeEngine(WorkerEngine):
                            f"{item.stop.max_tokens} in the completion).", "length", release=True)
             return
         seq.prompt_len = prompt_len
+        seq.final_len = prompt_len + item.stop.max_tokens
         item.start_output(self.tokenizer)
         if item.sampling.temperature > 0:
             skip_draw(item.generator)  # prefill used this draw for the first token
@@ -274,20 +289,30 @@ class DecodeEngine(WorkerEngine):
             self.sched.finish(seq)
             self._finished(item)
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
-            item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1))
+            item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1, seq.cached_tokens))
             return
         self.sched.mark_ready(seq.request_id, token)
 
     def _start_pull(self, seq: DecodeSeq) -> None:
-        n = seq.prompt_len
-        dst = Region(*self.pool.byte_range(seq.slot, n))
-        token = self.transfer.expect(transfer_id_of(seq.request_id), [dst])
+        """Receive the prompt's blocks after the ones this worker's cache already holds (none: join now)."""
+        first = seq.kv.cached_tokens // self.kv_cache.block_size
+        blocks = seq.kv.blocks[first:]
+        self._reused_blocks += first
+        self.metrics.kv_reused(first * self.pool.layout.block_bytes)
+        if not blocks:  # the whole prompt is cached here: nothing to move; prefill can drop its copy
+            self.sched.skip_transfer(seq)
+            self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
+            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            return
+        dst = [Region(*r) for r in self.pool.byte_ranges(blocks)]
+        token = self.transfer.expect(transfer_id_of(seq.request_id), dst)
         token.on_finish(self._wake)  # the loop sleeps until the KV landed
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
-        self._recv_started[seq.request_id] = (time.monotonic(), dst.length)
+        self._recv_started[seq.request_id] = (time.monotonic(), len(blocks) * self.pool.layout.block_bytes)
         self._pulls[seq.prefill_addr] += 1
-        self._pending_pulls.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, dst.offset))
+        self._pending_pulls.setdefault(seq.prefill_addr, []).append(
+            m.LookupEntry(seq.request_id, tuple(blocks), first))
 
     def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
         started = self._recv_started.pop(seq.request_id, None)
@@ -330,7 +355,7 @@ class DecodeEngine(WorkerEngine):
         running = self.sched.running()
         t0 = time.monotonic()
         try:
-            new = decode_and_sample(self.runner, running)
+            new = decode_and_sample(self.runner, self.kv_cache, running)
         except Exception as e:
             log.exception("decode step failed")
             for seq in running:
@@ -349,7 +374,8 @@ class DecodeEngine(WorkerEngine):
                     self.sched.finish(seq)
                     self._finished(item)
                 if text or finish is not None:
-                    item.sink.put(TokenEvent(text, finish.value if finish else None, seq.prompt_len, n_out))
+                    item.sink.put(TokenEvent(text, finish.value if finish else None, seq.prompt_len, n_out,
+                                             seq.cached_tokens))
         self._last_decode_at = now
 
     def _wake(self) -> None:

@@ -2,16 +2,21 @@
 
 Queues a request moves through::
 
-    waiting (until prefill reports ready) --(room in the batch)--> transferring
-    (slot allocated, KV being received; token polled each step) --> running
+    waiting (until prefill reports ready) --(room in the batch and the pool)--> transferring
+    (blocks allocated, KV being received; token polled each step) --> running
     (in the continuous batch; joins and leaves at any step) --> finished
+
+A ready request's leading prompt blocks that this worker's prefix cache already holds are reused: only
+the blocks after them are pulled (``kv.cached_tokens``), none at all when the cache holds the whole
+prompt (``skip_transfer``).
 
 A request that waits too long for its prefill, or whose KV does not arrive in
 time, is ``overdue`` (its ``deadline``, set by the engine, has passed).
 
 Invariants: RUNNING + TRANSFERRING <= batch_size; RUNNING <= batch_size; a
 request runs only after its KV arrived; every TRANSFERRING/RUNNING request
-owns exactly one slot.
+holds the blocks of its prompt (and of the tokens it generated) plus a reservation for the rest
+(prompt + max_tokens: it never waits for a block once admitted); a waiting request holds none.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xpyd.worker.request import DECODE_TRANSITIONS, RequestState, check_transition, require
-from xpyd.worker.slots import SlotAllocator
+from xpyd.worker.kv_cache import KVCache, RequestKV
 from xpyd.transfer.base import CompletionToken
 
 S = RequestState
@@ -36,11 +41,15 @@ class DecodeSeq:
     state: RequestState = S.WAITING
     ready: bool = False  # prefill has the KV and the first token
     first_token: int | None = None
-    slot: int | None = None
+    kv: RequestKV | None = None
     recv_token: CompletionToken | None = None
     error: str | None = None
     deadline: float = math.inf  # monotonic time by which prefill must be ready / the KV must have arrived
     prompt_len: int = 0  # prompt tokens (their KV comes from prefill): known once prefill says "ready"
+    final_len: int = 0  # prompt + max_tokens: the most tokens it can reach (its KV reservation)
+    hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks (from prefill)
+    tail: tuple[int, ...] = ()  # the prompt's tokens after its full blocks (from prefill)
+    cached_tokens: int = 0  # prompt tokens prefill reused from its cache (reported in usage)
 
     def set_state(self, new: RequestState) -> None:
         check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)
@@ -50,7 +59,7 @@ class DecodeSeq:
 @dataclass(slots=True)
 class DecodeScheduler:
     batch_size: int
-    slots: SlotAllocator
+    kv: KVCache
     _waiting: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
     _transferring: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
     _running: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
@@ -109,7 +118,7 @@ class DecodeScheduler:
         return seq
 
     def schedule_transfers(self) -> list[DecodeSeq]:
-        """Give slots to ready requests, oldest first, while the batch has room.
+        """Give KV blocks to ready requests, oldest first, while the batch and the pool have room.
 
         The caller then announces each receive to the transfer backend and
         asks prefill to send (``set_recv_token``).
@@ -120,9 +129,11 @@ class DecodeScheduler:
                 break
             if not seq.ready:
                 continue
-            if not self.slots.can_allocate():
-                break
-            seq.slot = self.slots.allocate()
+            kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
+                               reuse_tokens=seq.prompt_len)
+            if kv is None:
+                break  # the oldest waits for blocks rather than being overtaken
+            seq.kv = kv
             seq.set_state(S.TRANSFERRING)
             del self._waiting[seq.request_id]
             self._transferring[seq.request_id] = seq
@@ -132,6 +143,13 @@ class DecodeScheduler:
     def set_recv_token(self, seq: DecodeSeq, token: CompletionToken) -> None:
         require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
         seq.recv_token = token
+
+    def skip_transfer(self, seq: DecodeSeq) -> None:
+        """Nothing to pull (the prefix cache holds the whole prompt): the request joins the batch now."""
+        require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
+        seq.set_state(S.RUNNING)
+        del self._transferring[seq.request_id]
+        self._running[seq.request_id] = seq
 
     def poll_transfers(self) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
         """Without blocking: move arrived requests to RUNNING; return (joined, failed)."""
@@ -169,18 +187,21 @@ class DecodeScheduler:
         seq.set_state(state)
         for q in (self._waiting, self._transferring, self._running):
             q.pop(seq.request_id, None)
-        if seq.slot is not None:
-            self.slots.free(seq.slot)
-            seq.slot = None
+        if seq.kv is not None:
+            self.kv.free(seq.kv)
+            seq.kv = None
 
     def check_invariants(self) -> None:
         """Raise InvariantError if the scheduling rules are broken (used by tests)."""
         require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
         require(self.num_running <= self.batch_size, "too many running")
         for seq in self._running.values():
-            require(seq.state is S.RUNNING and seq.slot is not None, "bad running seq")
-            require(seq.recv_token is not None and seq.recv_token.done(), "running before KV arrived")
+            require(seq.state is S.RUNNING and self._holds_prompt(seq), "bad running seq")
+            require(seq.recv_token is None or seq.recv_token.done(), "running before KV arrived")
         for seq in self._transferring.values():
-            require(seq.state is S.TRANSFERRING and seq.slot is not None, "bad transferring seq")
+            require(seq.state is S.TRANSFERRING and self._holds_prompt(seq), "bad transferring seq")
         for seq in self._waiting.values():
-            require(seq.state is S.WAITING and seq.slot is None, "bad waiting seq")
+            require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")
+
+    def _holds_prompt(self, seq: DecodeSeq) -> bool:
+        return seq.kv is not None and len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len)

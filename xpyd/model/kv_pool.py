@@ -1,8 +1,15 @@
-"""The preallocated KV cache of one worker, in slots of `max_seq_len` tokens (one request per slot).
+"""The preallocated KV cache of one worker, in fixed-size blocks (paged): a request holds a list of blocks.
 
-Shape `[num_slots, max_seq_len, num_layers, 2 (K/V), num_kv_heads, head_dim]`: token-major inside a
-slot, so a request's KV for its first n tokens is ONE contiguous byte range of the pool. The transfer
-engine sends or receives that range straight from/into the pool (`buffer()` + `byte_range()`), no staging.
+Shape `[num_blocks, num_kv_heads, num_layers, 2 (K/V), block_size, head_dim]`. Token t of a request lives in
+block `blocks[t // block_size]` at row `t % block_size`. Inside a block the KV heads are outermost, so
+the bytes of one head slice of a block (what a decode worker with a larger tensor-parallel degree
+needs) are one contiguous run, and for one (head, layer, K or V) the block's rows are contiguous, which
+is what the decode attention reads. A block is one contiguous byte range of the pool; adjacent
+blocks coalesce into one region for the transfer engine (`byte_ranges`), which sends or receives them
+straight from/into the pool (`buffer()`), no staging.
+
+Which blocks are free, referenced or cached (prefix caching) is the `BlockAllocator`'s business
+(`pool.blocks`); the pool only holds the memory and names its byte ranges.
 
 The pool lives on a torch device (CPU by default). A pool on another device (a GPU) is not host memory:
 its `buffer()` is the host staging copy that `xpyd.worker.kv_staging` attaches (same offsets), and the
@@ -12,11 +19,15 @@ staging transfer wrapper copies each request's region between the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
-LAYOUT_NAME = "slot-token-major/1"
+from xpyd.model.kv_blocks import BlockAllocator, PoolFull
+
+__all__ = ["LAYOUT_NAME", "ByteRange", "KVLayout", "KVPool", "PoolFull", "block_ranges", "dtype_name"]
+
+LAYOUT_NAME = "block-head-major/1"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,13 +45,13 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    num_slots: int
-    max_seq_len: int
+    num_blocks: int
+    block_size: int
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_slots", "max_seq_len"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
@@ -51,7 +62,7 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_slots, self.max_seq_len, self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
 
     @property
     def token_bytes(self) -> int:
@@ -59,12 +70,21 @@ class KVLayout:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
     @property
-    def slot_bytes(self) -> int:
-        return self.max_seq_len * self.token_bytes
+    def block_bytes(self) -> int:
+        return self.block_size * self.token_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (the last one possibly partly filled)."""
+        return -(-num_tokens // self.block_size)
 
     def compat(self) -> dict:
         """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
@@ -74,6 +94,7 @@ class KVLayout:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
+            "block_size": self.block_size,
         }
 
 
@@ -88,16 +109,13 @@ class ByteRange(NamedTuple):
         return self.offset + self.length
 
 
-class PoolFull(Exception):
-    """No free slot: the caller should wait until a request finishes."""
-
-
 class KVPool:
     def __init__(self, layout: KVLayout, buffer: memoryview | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, caching: bool = True) -> None:
         """``buffer``: optional writable memory of exactly ``layout.total_bytes`` to hold the pool (e.g. a
         shared-memory segment from the shm transfer backend); it is zeroed here and must outlive the pool.
-        ``device``: where the pool lives (default CPU); ``buffer`` is host memory, so CPU only."""
+        ``device``: where the pool lives (default CPU); ``buffer`` is host memory, so CPU only.
+        ``caching``: keep the blocks of ended requests for prefix reuse (``blocks``)."""
         self.layout = layout
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.staging = None  # kv_staging.HostStaging: the host copy a non-CPU pool's transfers go through
@@ -116,8 +134,7 @@ class KVPool:
             flat = torch.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=torch.uint8)
             self.tensor = flat.view(layout.torch_dtype).view(layout.shape)
             self.tensor.zero_()
-        self._free = list(range(layout.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._tokens: dict[int, int] = {}  # allocated slot -> tokens held
+        self.blocks = BlockAllocator(layout.num_blocks, caching=caching)
 
     def buffer(self) -> memoryview:
         """Writable uint8 view of the whole pool, sharing its memory (for the transfer engine).
@@ -132,50 +149,31 @@ class KVPool:
         return memoryview(flat)
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used(self) -> int:
-        return len(self._tokens)
-
-    def can_allocate(self) -> bool:
-        return bool(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise PoolFull(f"all {self.layout.num_slots} KV slots are in use")
-        slot = self._free.pop()
-        self._tokens[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        self._check_allocated(slot)
-        del self._tokens[slot]
-        self._free.append(slot)
-
-    def set_num_tokens(self, slot: int, n: int) -> None:
-        self._check_allocated(slot)
-        if not 0 <= n <= self.layout.max_seq_len:
-            raise ValueError(f"slot {slot}: {n} tokens outside [0, {self.layout.max_seq_len}]")
-        self._tokens[slot] = n
-
-    def num_tokens(self, slot: int) -> int:
-        self._check_allocated(slot)
-        return self._tokens[slot]
+        """Blocks some request holds."""
+        return self.blocks.num_referenced
 
     def used_bytes(self) -> int:
-        return sum(self._tokens.values()) * self.layout.token_bytes
+        return self.blocks.num_referenced * self.layout.block_bytes
 
-    def byte_range(self, slot: int, num_tokens: int) -> ByteRange:
-        """The bytes of the KV for positions [0, num_tokens) of `slot`: one contiguous region."""
-        self._check_allocated(slot)
-        if not 1 <= num_tokens <= self.layout.max_seq_len:
-            raise ValueError(f"region of {num_tokens} tokens outside [1, {self.layout.max_seq_len}]")
-        return ByteRange(slot * self.layout.slot_bytes, num_tokens * self.layout.token_bytes)
+    def byte_ranges(self, blocks: Sequence[int]) -> list[ByteRange]:
+        """The bytes of ``blocks`` in order, runs of consecutive block ids coalesced into one range each."""
+        return block_ranges(blocks, self.layout.block_bytes, self.layout.num_blocks)
 
-    def _check_allocated(self, slot: int) -> None:
-        if slot not in self._tokens:
-            if isinstance(slot, int) and 0 <= slot < self.layout.num_slots:
-                raise ValueError(f"KV slot {slot} is not allocated (double free?)")
-            raise ValueError(f"KV slot {slot!r} does not exist (pool has {self.layout.num_slots})")
+
+def block_ranges(blocks: Sequence[int], block_bytes: int, num_blocks: int) -> list[ByteRange]:
+    """The byte ranges of ``blocks`` of a pool of ``num_blocks`` blocks of ``block_bytes`` bytes, in order,
+    runs of consecutive ids coalesced (ValueError for an id outside the pool)."""
+    out: list[ByteRange] = []
+    run_start = prev = -2
+    for b in blocks:
+        if type(b) is not int or not 0 <= b < num_blocks:
+            raise ValueError(f"KV block {b!r} does not exist (pool has {num_blocks})")
+        if b != prev + 1:
+            if run_start >= 0:
+                out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
+            run_start = b
+        prev = b
+    if run_start >= 0:
+        out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
+    return out

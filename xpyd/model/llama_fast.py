@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xpyd.model import native
+from xpyd.model import native, paged
 
 
 def why_not_covered(model) -> str | None:
@@ -252,34 +252,48 @@ class FastLlama:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, self.norm, self.norm_eps)).float()
 
-    def prefill(self, kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n]; kv = pool[slot, :n] (written in place). Returns float32 logits [vocab] of the last token."""
+    def prefill(self, pool: torch.Tensor, table: list[int], ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """ids [n]: the tokens at positions [start, start + n) of the request whose blocks are ``table``
+        (K/V of [0, start) already there; [start, start + n) written in place). Returns float32 logits
+        [vocab] of the last token."""
         n, nh, nkv, hd = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        end = start + n
         x = F.embedding(ids, self.embed)  # [n, hidden]
-        cos, sin = self.cos[:n], self.sin[:n]
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        where = paged.rows_of(table, torch.arange(start, end, device=self.device), pool.shape[4], self.device)
+        if start:  # a cached prefix: attend over it too, each new token up to its own position
+            prefix = paged.padded_tables([table], self.blocks_for(pool, start), self.device)
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
         for index, layer in enumerate(self.layers):
             self.on_layer()
             qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(n, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
-            kv[:, index, 0] = qk[:, nh:]
-            kv[:, index, 1] = qkv[:, nh + nkv :]
-            attn = F.scaled_dot_product_attention(
-                qk[:, :nh].transpose(0, 1).unsqueeze(0),
-                kv[:, index, 0].transpose(0, 1).unsqueeze(0),
-                kv[:, index, 1].transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=self.scale, enable_gqa=True,
-            )  # [1, heads, n, hd]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * hd))
+            k, v = qk[:, nh:], qkv[:, nh + nkv :]
+            paged.write(pool, index, where, k, v)
+            q = qk[:, :nh].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
+            if start:
+                k_old, v_old = paged.gather(pool, index, prefix, start)
+                attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
+                                                      attn_mask=mask, scale=self.scale, enable_gqa=True)
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * hd))  # (attn [1, heads, n, hd])
             x = self._mlp(layer, x)
         return self.logits(x[-1:])[0]
 
-    def decode(self, pool: torch.Tensor, slots: list[int], positions: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """One token per request: ids[i] at positions[i] of slots[i]. Returns float32 logits [B, vocab]."""
-        batch, nh, nkv, hd = len(slots), self.num_heads, self.num_kv_heads, self.head_dim
+    @staticmethod
+    def blocks_for(pool: torch.Tensor, num_tokens: int) -> int:
+        return -(-num_tokens // pool.shape[4])
+
+    def decode(self, pool: torch.Tensor, tables: list[list[int]], positions: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """One token per request: ids[i] at positions[i] of the request whose blocks are tables[i].
+        Returns float32 logits [B, vocab]."""
+        batch, nh, nkv, hd = len(tables), self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [B, hidden]
         pos_t = torch.tensor(positions, device=self.device)
         cos, sin = self.cos[pos_t], self.sin[pos_t]
-        attend = self._attention_plan(pool, slots, positions, pos_t)
+        attend = self._attention_plan(pool, tables, positions, pos_t)
         for index, layer in enumerate(self.layers):
             self.on_layer()
             qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
@@ -289,81 +303,63 @@ class FastLlama:
             x = self._mlp(layer, x)
         return self.logits(x)
 
-    def _attention_plan(self, pool, slots, positions, pos_t):
+    def _attention_plan(self, pool, tables, positions, pos_t):
         """A function (layer, q, k_new, v_new) -> attention output [B, heads, hd] that also writes k/v
         into the pool.
 
-        With the native kernel: one call per layer (it writes k/v and reads each slot's live K/V in place).
-        Otherwise batched when the batch's slots sit close together: one attention over the window of slots
-        [lo, hi) and positions [0, longest), each row masked to its own live length (rows of slots
-        outside the batch attend to their position 0 and are dropped). Otherwise one attention per
-        request over a view of its live KV. Either way the pool is only read, never rearranged.
+        With the native kernel: one call per layer (it writes k/v and reads each request's blocks in
+        place). Otherwise each layer's K/V is gathered through the block tables: for the whole batch at
+        once, padded to the longest request and masked, or (when one long request among short ones would
+        make the padding cost more than the live tokens) one request at a time.
         """
-        batch = len(slots)
         if self._decode_attention == "kernel":
-            return self._kernel_plan(pool, slots, positions)
-        lo, hi = min(slots), max(slots) + 1
-        live_total = sum(positions) + batch
-        # The window costs rows x longest; per request costs only the live tokens. One long prompt among
-        # short streams made the window read (and copy) ~5x the KV it needed: 189 ms steps instead of ~60.
-        if batch == 1 or hi - lo > 2 * batch or (hi - lo) * (max(positions) + 1) > 2 * live_total:
-            live = [pool[s, : p + 1].permute(1, 2, 3, 0, 4) for s, p in zip(slots, positions)]
-            new = [pool[s, p] for s, p in zip(slots, positions)]  # [layers, 2, kv_heads, hd]
-            attend_one = self._matmul_attention if self.decode_attention == "matmul" else self._sdpa_attention
+            return self._kernel_plan(pool, tables, positions)
+        batch, block_size = len(tables), pool.shape[4]
+        where = paged.RowIndex(
+            torch.tensor([t[p // block_size] for t, p in zip(tables, positions)], device=self.device),
+            pos_t % block_size)
+        attend_rows = self._matmul_attention if self.decode_attention == "matmul" else self._sdpa_attention
+        lengths = [p + 1 for p in positions]
+        longest = max(lengths)
+        if batch > 1 and batch * longest > 2 * sum(lengths):
+            singles = [paged.padded_tables([t], self.blocks_for(pool, n), self.device) for t, n in zip(tables, lengths)]
 
             def per_request(index, q, k_new, v_new):
+                paged.write(pool, index, where, k_new, v_new)
                 outs = []
                 for i in range(batch):
-                    slot_kv = new[i][index]
-                    slot_kv[0].copy_(k_new[i])
-                    slot_kv[1].copy_(v_new[i])
-                    keys, values = live[i][index]  # [kv_heads, n, hd] each
-                    outs.append(attend_one(q[i : i + 1], keys.unsqueeze(0), values.unsqueeze(0), None))
-                return torch.cat(outs) if batch > 1 else outs[0]
+                    keys, values = paged.gather(pool, index, singles[i], lengths[i])
+                    outs.append(attend_rows(q[i : i + 1], keys, values, None))
+                return torch.cat(outs)
 
             return per_request
 
-        rows_n, length = hi - lo, max(positions) + 1
-        window = pool[lo:hi, :length]  # [rows, length, layers, 2, kv_heads, hd]
-        slot_t = torch.tensor(slots, device=self.device)
-        in_order = slots == list(range(lo, hi))
-        rows = slot_t - lo
-        row_pos = torch.zeros(rows_n, dtype=torch.long, device=self.device)
-        row_pos[rows] = pos_t
-        mask = (torch.arange(length, device=self.device) <= row_pos.unsqueeze(1)).view(rows_n, 1, 1, length)
-        if self.decode_attention == "matmul":
-            attend_rows = self._matmul_attention
-            # additive, float32
-            mask = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))
-        else:
-            attend_rows = self._sdpa_attention
+        padded = paged.padded_tables(tables, self.blocks_for(pool, longest), self.device)
+        mask = None
+        if batch > 1 and min(lengths) < longest:
+            mask = (torch.arange(longest, device=self.device) <= pos_t.unsqueeze(1)).view(batch, 1, 1, longest)
+            if attend_rows is self._matmul_attention:  # additive, float32
+                mask = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))
 
-        def windowed(index, q, k_new, v_new):
-            pool[slot_t, pos_t, index, 0] = k_new
-            pool[slot_t, pos_t, index, 1] = v_new
-            if not in_order:
-                padded = q.new_zeros((rows_n, *q.shape[1:]))
-                padded[rows] = q
-                q = padded
-            out = attend_rows(q, window[:, :, index, 0].transpose(1, 2), window[:, :, index, 1].transpose(1, 2), mask)
-            return out if in_order else out[rows]
+        def batched(index, q, k_new, v_new):
+            paged.write(pool, index, where, k_new, v_new)
+            keys, values = paged.gather(pool, index, padded, longest)
+            return attend_rows(q, keys, values, mask)
 
-        return windowed
+        return batched
 
-    def _kernel_plan(self, pool, slots, positions):
+    def _kernel_plan(self, pool, tables, positions):
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             raise ValueError(f"the native decode attention needs a bfloat16 CPU pool, not {pool.dtype} on {pool.device}")
-        for slot, pos in zip(slots, positions):  # the kernel writes at (slot, pos): keep it inside the pool
-            if not (0 <= slot < pool.shape[0] and 0 <= pos < pool.shape[1]):
-                raise ValueError(f"slot {slot} position {pos} outside the pool {tuple(pool.shape[:2])}")
-        slot_t = torch.tensor(slots, dtype=torch.int64)
-        lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
-        out = torch.empty((len(slots), self.num_heads, self.head_dim), dtype=torch.bfloat16)
+        lens = [p + 1 for p in positions]
+        table_t = paged.padded_tables(tables, self.blocks_for(pool, max(lens)), self.device)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        out = torch.empty((len(tables), self.num_heads, self.head_dim), dtype=torch.bfloat16)
         kernel, scale = self._kernel, self.scale
 
         def native_attention(index, q, k_new, v_new):
             # `out` is reused by every layer: o_proj has consumed the previous layer's before this call
-            return kernel(q, k_new, v_new, pool, index, slot_t, lens_t, scale, out)
+            return kernel(q, k_new, v_new, pool, index, table_t, lens_t, scale, out)
 
         return native_attention
 

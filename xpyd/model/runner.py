@@ -1,9 +1,11 @@
-"""Forward passes for Llama-family models over the preallocated KV pool.
+"""Forward passes for Llama-family models over the preallocated, paged KV pool.
 
 The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
-into the request's pool slot, then attends over that slot's live tokens only. No DynamicCache,
-nothing concatenated per step, so the pool stays the single copy of every request's KV.
+into the request's blocks, then attends over that request's tokens only, read through its block
+table. No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
+block tables (which blocks a request holds, shared prefix blocks included); a prefill may start after a
+cached prefix (``start``), computing only the rest.
 
 Weights, pool and every per-step tensor live on one torch device (`device`, CPU by default); the
 logits come back on the CPU, where sampling runs (one copy per step on another device, none on CPU).
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from xpyd.model import paged
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 
@@ -55,8 +58,8 @@ def _released(forward):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, num_slots: int, max_seq_len: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, num_blocks: int, max_seq_len: int,
+                 block_size: int = 16, device: torch.device | str = "cpu", caching: bool = True) -> None:
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
         _check_supported(config, max_model_len)
@@ -87,11 +90,13 @@ class ModelRunner:
                 num_kv_heads=self._num_kv_heads,
                 head_dim=self._head_dim,
                 dtype=dtype_name(dtype),
-                num_slots=num_slots,
-                max_seq_len=max_model_len,
+                num_blocks=num_blocks,
+                block_size=block_size,
             ),
             device=self.device,
+            caching=caching,
         )
+        self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
         self._fast: FastLlama | None = None
@@ -131,86 +136,101 @@ class ModelRunner:
 
     @torch.inference_mode()
     @_released
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Run the prompt, write its K/V at positions [0, n) of `slot`; float32 logits [vocab] of the last token."""
+    def prefill(self, blocks: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Run the prompt ``token_ids`` from position ``start`` on (the K/V of [0, start) are already in
+        ``blocks``), writing the K/V of [start, n) into ``blocks``; float32 logits [vocab] of the last token."""
         n = len(token_ids)
         if not 1 <= n <= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
-        self.pool.num_tokens(slot)  # raises if the slot is not allocated
+        if not 0 <= start < n:
+            raise ValueError(f"prefill from position {start} of a {n}-token prompt (at least one token is computed)")
+        self._check_table(blocks, n)
+        ids = self._ids(token_ids[start:])
         if self._use_fast:
-            logits = self._fast.prefill(self.pool.tensor[slot, :n], self._ids(token_ids))
-            self.pool.set_num_tokens(slot, n)
+            logits = self._fast.prefill(self.pool.tensor, blocks, ids, start)
             return logits if self._on_cpu else logits.cpu()
-        ids = self._ids(token_ids).unsqueeze(0)  # [1, n]
-        hidden = self._embed(ids)
-        cos, sin = self._rotary(hidden, torch.arange(n, device=self.device).unsqueeze(0))
-        kv = self.pool.tensor[slot, :n]  # [n, layers, 2, kv_heads, head_dim], a view into the pool
+        m = n - start
+        hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
+        cos, sin = self._rotary(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
+        pool = self.pool.tensor
+        where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
+        prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
+        mask = torch.ones(m, n, dtype=torch.bool, device=self.device).tril_(start) if start else None
         for index, layer in enumerate(self._layers):
             self._pace()
-            q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, n, head_dim]
-            kv[:, index, 0] = k[0].transpose(0, 1)
-            kv[:, index, 1] = v[0].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
+            q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, m, head_dim]
+            paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            if prefix is not None:
+                k_old, v_old = paged.gather(pool, index, prefix, start)
+                attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
+                                                      attn_mask=mask, scale=self._scale, enable_gqa=True)
+            else:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
             hidden = self._finish_layer(layer, hidden, attn)
-        self.pool.set_num_tokens(slot, n)
         return self._logits(hidden[:, -1])[0]
 
     @torch.inference_mode()
     @_released
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for a batch: token i sits at positions[i] of slots[i] and attends over [0, positions[i]].
+    def decode(self, tables: list[list[int]], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for a batch: token i sits at positions[i] of the request whose blocks are tables[i]
+        and attends over [0, positions[i]].
 
-        Positions [0, positions[i]) of each slot must already hold KV. Returns float32 logits [B, vocab].
+        Positions [0, positions[i]) of each request must already hold KV. Returns float32 logits [B, vocab].
         """
-        batch = len(slots)
+        batch = len(tables)
         if batch == 0 or len(token_ids) != batch or len(positions) != batch:
-            raise ValueError("decode needs equally long, non-empty slots, token_ids and positions")
-        if len(set(slots)) != batch:
-            raise ValueError(f"a slot appears twice in one decode batch: {slots}")
-        for slot, pos in zip(slots, positions):
-            held = self.pool.num_tokens(slot)
-            if not 0 <= pos <= held or pos >= self.max_model_len:
-                raise ValueError(
-                    f"slot {slot}: position {pos} invalid (slot holds {held} tokens, max {self.max_model_len})"
-                )
+            raise ValueError("decode needs equally long, non-empty tables, token_ids and positions")
+        bs = self.block_size
+        for table, pos in zip(tables, positions):
+            if not 0 <= pos < self.max_model_len:
+                raise ValueError(f"position {pos} outside [0, {self.max_model_len})")
+            self._check_table(table, pos + 1)
+        written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
+        if len(set(written)) != batch:
+            raise ValueError("two requests of one decode batch write the same KV row")
         if self._use_fast:
-            logits = self._fast.decode(self.pool.tensor, slots, positions, self._ids(token_ids))
-            for slot, pos in zip(slots, positions):
-                self.pool.set_num_tokens(slot, pos + 1)
+            logits = self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
             return logits if self._on_cpu else logits.cpu()
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
-        slot_t = torch.tensor(slots, device=self.device)
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
-        views = [pool[slot, : pos + 1] for slot, pos in zip(slots, positions)]  # [len, layers, 2, kvh, hd]
+        where = paged.RowIndex(torch.tensor([b for b, _ in written], device=self.device), pos_t % bs)
+        singles = [paged.padded_tables([t], self.pool.layout.blocks_for(p + 1), self.device)
+                   for t, p in zip(tables, positions)]
         for index, layer in enumerate(self._layers):
             self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
-            pool[slot_t, pos_t, index, 0] = k[:, :, 0]
-            pool[slot_t, pos_t, index, 1] = v[:, :, 0]
+            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0])
             outs = []
-            for i, view in enumerate(views):
-                keys = view[:, index, 0].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, len, hd]
-                values = view[:, index, 1].transpose(0, 1).unsqueeze(0)
-                outs.append(
-                    F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale, enable_gqa=True)
-                )
+            for i, table in enumerate(singles):
+                keys, values = paged.gather(pool, index, table, positions[i] + 1)  # [1, kv_heads, len, hd]
+                outs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale,
+                                                           enable_gqa=True))
             attn = torch.cat(outs) if batch > 1 else outs[0]
             hidden = self._finish_layer(layer, hidden, attn)
-        for slot, pos in zip(slots, positions):
-            self.pool.set_num_tokens(slot, pos + 1)
         return self._logits(hidden[:, -1])
 
     def warmup(self) -> None:
         """One tiny prefill + decode so the first real request does not pay for lazy initialisation."""
-        slot = self.pool.allocate()
+        blocks = self.pool.blocks.allocate(self.pool.layout.blocks_for(5))
         try:
-            self.prefill(slot, [0, 1, 2, 3])
-            self.decode([slot], [4], [4])
+            self.prefill(blocks, [0, 1, 2, 3])
+            self.decode([blocks], [4], [4])
         finally:
-            self.pool.free(slot)
+            self.pool.blocks.release(blocks)
+
+    def _check_table(self, blocks: list[int], num_tokens: int) -> None:
+        """``blocks`` must hold ``num_tokens`` tokens, with ids inside the pool (a bad id must never reach
+        the in-place writes)."""
+        need = self.pool.layout.blocks_for(num_tokens)
+        if len(blocks) < need:
+            raise ValueError(f"{len(blocks)} KV blocks cannot hold {num_tokens} tokens (need {need})")
+        count = self.pool.layout.num_blocks
+        for b in blocks[:need]:
+            if type(b) is not int or not 0 <= b < count:
+                raise ValueError(f"KV block {b!r} does not exist (pool has {count})")
 
     def _ids(self, token_ids: list[int]) -> torch.Tensor:
         """Token ids on the runner's device, checked on the CPU first (no device sync for the check)."""
@@ -239,6 +259,14 @@ class ModelRunner:
         """float32 logits on the CPU (sampling's side)."""
         logits = self._lm_head(self._norm(last_hidden)).float()
         return logits if self._on_cpu else logits.cpu()
+
+
+def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
 
 
 def _check_supported(config, max_model_len: int) -> None:

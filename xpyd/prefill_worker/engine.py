@@ -41,6 +41,7 @@ from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
+from xpyd.model.kv_pool import block_ranges
 from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class PrefillEngine(WorkerEngine):
                  served_name: str) -> None:
         super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
-        self.sched = PrefillScheduler(config.batch_size, self.pool)
+        self.sched = PrefillScheduler(config.batch_size, self.kv_cache)
         self._lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
         self._peers = DecodePeers()
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
@@ -86,7 +87,7 @@ class PrefillEngine(WorkerEngine):
             held = self.sched.num_waiting + self.sched.num_running + self.sched.num_transferring
             return {"role": "prefill", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                     "transferring": self.sched.num_transferring, "requests_held": held,
-                    "kv_used_bytes": self.pool.used_bytes(), "kv_slots_used": self.pool.num_used,
+                    "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
                     "transfers_in_flight": len(self.transfer.outstanding()),
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self._sends),
@@ -145,6 +146,7 @@ class PrefillEngine(WorkerEngine):
         else:
             item.start_output(self.tokenizer)
             self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
+                                      hashes=self.kv_cache.hashes(item.prompt_ids),
                                       claimed=self._memory.claimed_early.pop(rid, False)))
 
     def _expire(self, now: float) -> None:
@@ -187,6 +189,7 @@ class PrefillEngine(WorkerEngine):
     def _update_metrics(self) -> None:
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
+        self.metrics.set_kv_cache(self.kv_cache.stats())
 
     def _sends_finished(self, seqs: list[PrefillSeq]) -> None:
         for seq in seqs:
@@ -212,15 +215,25 @@ class PrefillEngine(WorkerEngine):
         self.metrics.observe_step("prefill", now - t0, 1)
         self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token)
+        cached = seq.kv.cached_tokens
         with self._lock:
+            self.kv_cache.prompt_done(seq.kv, seq.prompt_len, ())
             self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
                 self.metrics.request_done(_outcome(seq))
             elif seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
-                self._push(seq.request_id, m.LookupResult(seq.request_id, m.LookupStatus.READY, token,
-                                                          len(seq.prompt_ids)))
-        item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1))
+                self._push(seq.request_id, self._ready(seq, m.LookupStatus.READY))
+        item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
+
+    def _ready(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
+        """What a decode worker learns of a prefilled request: first token, prompt length, the prompt's
+        block hashes and the tokens after them (for its own prefix cache), how much prefill reused."""
+        full = len(seq.hashes)
+        return m.LookupResult(seq.request_id, status, seq.first_token, seq.prompt_len,
+                              block_hashes=m.pack_hashes(seq.hashes),
+                              tail=tuple(seq.prompt_ids[full * self.kv_cache.block_size:]),
+                              cached_tokens=seq.kv.cached_tokens if seq.kv is not None else 0)
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         with self._lock:
@@ -229,7 +242,7 @@ class PrefillEngine(WorkerEngine):
                 return False
             if seq.state is RequestState.RUNNING:
                 self.sched.fail_running(seq, error)
-            else:  # (a send in flight is aborted; its slot is freed, and the request counted, when it ends)
+            else:  # (a send in flight is aborted; its blocks are released, and the request counted, when it ends)
                 self.sched.release(request_id, RequestState.FAILED)
                 if seq.send_token is not None and not seq.send_token.finished():
                     self.transfer.abort(transfer_id_of(request_id))
@@ -303,10 +316,13 @@ class PrefillEngine(WorkerEngine):
         if desc.backend != self.transfer.name:
             return m.KVMapReply(False, f"transfer backend mismatch: prefill uses {self.transfer.name}, "
                                        f"decode uses {desc.backend}")
-        if msg.slot_bytes <= 0 or msg.num_slots <= 0 or msg.slot_bytes * msg.num_slots > desc.buffer_size:
+        if msg.block_bytes != self.pool.layout.block_bytes:
+            return m.KVMapReply(False, f"KV block size mismatch: prefill blocks hold {self.pool.layout.block_bytes} "
+                                       f"bytes, decode blocks {msg.block_bytes}")
+        if msg.block_bytes * msg.num_blocks > desc.buffer_size:
             return m.KVMapReply(False, "KV map does not fit the registered buffer")
         with self._lock:
-            self._peers.register(identity, PeerMap(desc, msg.slot_bytes, msg.num_slots))
+            self._peers.register(identity, PeerMap(desc, msg.block_bytes, msg.num_blocks))
         return m.KVMapReply(True)
 
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
@@ -341,30 +357,35 @@ class PrefillEngine(WorkerEngine):
                 return m.LookupResult(e.request_id, ended[0], error=ended[1])
             if e.request_id in self._memory.released_early:  # refused when it arrives: do not wait for it
                 return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
-            if e.dest_offset is None:
+            if e.dest_blocks is None:
                 self._memory.claimed_early[e.request_id] = True  # claimed on arrival; notified when ready
             return m.LookupResult(e.request_id, S.UNKNOWN)
-        if e.dest_offset is None:
+        if e.dest_blocks is None:
             seq.claimed = True  # notified when ready (or ended); its KV waits for this decode worker
         if seq.state in (RequestState.WAITING, RequestState.RUNNING):
             return m.LookupResult(e.request_id, S.NOT_READY)
         n = len(seq.prompt_ids)
-        if e.dest_offset is None:
-            st = S.READY if seq.send_token is None else S.SENDING
-            return m.LookupResult(e.request_id, st, seq.first_token, n)
+        if e.dest_blocks is None:
+            return self._ready(seq, S.READY if seq.send_token is None else S.SENDING)
         # A pull (only the decode worker named in the request id gets here).
         if peer is None:
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
         if seq.send_token is not None:
             return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
-        src = Region(*self.pool.byte_range(seq.slot, n))
-        if e.dest_offset % peer.slot_bytes or e.dest_offset + src.length > peer.transfer.buffer_size:
+        blocks = seq.kv.blocks[e.first_block:]
+        if len(e.dest_blocks) != len(blocks):
+            return m.LookupResult(e.request_id, S.FAILED, error=f"the pull names {len(e.dest_blocks)} blocks; the "
+                                  f"request has {len(blocks)} from block {e.first_block} on")
+        try:
+            dst = [Region(*r) for r in block_ranges(e.dest_blocks, peer.block_bytes, peer.num_blocks)]
+        except ValueError:
             return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
+        src = [Region(*r) for r in self.pool.byte_ranges(blocks)]
         started = time.monotonic()
-        token = self.transfer.send(rid.short, [src], peer.transfer, [Region(e.dest_offset, src.length)])
+        token = self.transfer.send(rid.short, src, peer.transfer, dst)
         self.sched.start_send(e.request_id, token)
         token.on_finish(self._wake)
-        self._send_started[e.request_id] = (started, src.length)
+        self._send_started[e.request_id] = (started, len(blocks) * self.pool.layout.block_bytes)
         self._sends[identity] += 1
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)

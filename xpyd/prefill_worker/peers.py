@@ -22,8 +22,8 @@ class PeerMap:
     """A decode worker's registered KV pool, from its kv_map_init."""
 
     transfer: BackendDescriptor
-    slot_bytes: int
-    num_slots: int
+    block_bytes: int
+    num_blocks: int
 
 
 class DecodePeers:

@@ -4,17 +4,20 @@ Queues a request moves through::
 
     waiting --(nothing running, room)--> running --(first token)--> transferring
     transferring: KV held in the pool until a decode worker pulls it; then the
-    send's completion token is polled each step --> finished (slot freed)
+    send's completion token is polled each step --> finished (blocks released)
     KV held (no send started) and not claimed by its decode worker longer than the
     lease (kv_ttl) is ``expired``: the engine releases it. Claimed KV stays until it
     is pulled, released, or its decode worker is gone (the engine decides that).
 
 Invariants: at most one request RUNNING; RUNNING + TRANSFERRING <= batch_size;
-every RUNNING/TRANSFERRING request owns exactly one slot.
+every RUNNING/TRANSFERRING request holds the KV blocks of its whole prompt (its cached prefix shared
+with other requests, the rest its own); a waiting request holds none. A request starts only when the
+pool has the blocks it still needs (`KVCache.admit`); the oldest eligible request waits for them
+rather than being overtaken.
 
 Admission per decode worker: KV waits here for the decode worker named in the request id,
-so one slow or full decode worker must not take every slot from the others. A decode worker
-may hold at most ``batch_size`` minus one slot for each other live decode worker, and while
+so one slow or full decode worker must not take every place from the others. A decode worker
+may hold at most ``batch_size`` minus one place for each other live decode worker, and while
 requests for other decode workers wait, at most its fair share (``batch_size`` over the decode
 workers that have work here). The oldest request whose decode worker is under its cap runs next.
 """
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xpyd.worker.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
-from xpyd.worker.slots import SlotAllocator
+from xpyd.worker.kv_cache import KVCache, RequestKV
 from xpyd.transfer.base import CompletionToken
 
 S = RequestState
@@ -38,7 +41,8 @@ class PrefillSeq:
     prompt_ids: list[int]
     payload: Any = None  # the worker's per-request extras (sampling, output sink)
     state: RequestState = S.WAITING
-    slot: int | None = None
+    hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks
+    kv: RequestKV | None = None  # its KV blocks while running / transferring
     first_token: int | None = None
     send_token: CompletionToken | None = None
     error: str | None = None
@@ -59,7 +63,7 @@ class PrefillSeq:
 @dataclass(slots=True)
 class PrefillScheduler:
     batch_size: int
-    slots: SlotAllocator
+    kv: KVCache
     _waiting: deque[PrefillSeq] = field(default_factory=deque)
     _live: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)  # not final
     _running: PrefillSeq | None = None
@@ -113,7 +117,7 @@ class PrefillScheduler:
         """Start the next prefill if nothing runs and there is room (``live_peers``: decode workers alive)."""
         if self._running is not None or not self._waiting:
             return None
-        if self.num_transferring + 1 > self.batch_size or not self.slots.can_allocate():
+        if self.num_transferring + 1 > self.batch_size:
             return None
         held = Counter(s.peer for s in self._transferring.values())
         demand = {s.peer for s in self._waiting}
@@ -121,8 +125,12 @@ class PrefillScheduler:
         seq = next((s for s in self._waiting if held[s.peer] < self._cap(s.peer, peers, demand)), None)
         if seq is None:
             return None
+        n = seq.prompt_len
+        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1)  # (the last token is computed: its logits)
+        if kv is None:
+            return None  # not enough free KV blocks yet: it runs when requests release theirs
         self._waiting.remove(seq)
-        seq.slot = self.slots.allocate()
+        seq.kv = kv
         seq.set_state(S.RUNNING)
         self._running = seq
         return seq
@@ -153,7 +161,7 @@ class PrefillScheduler:
         return seq
 
     def poll(self) -> list[PrefillSeq]:
-        """Check send tokens without blocking; free the slots of finished sends."""
+        """Check send tokens without blocking; release the blocks of finished sends."""
         ended = []
         for seq in list(self._transferring.values()):
             tok = seq.send_token
@@ -173,7 +181,7 @@ class PrefillScheduler:
         """Drop a request (decode does not need it, or the client went away).
 
         A send in flight is left to finish or fail (the caller aborts it in the
-        backend); the slot is freed only when its token is finished.
+        backend); its blocks are released only when its token is finished.
         """
         seq = self._live.get(request_id)
         if seq is None:
@@ -191,7 +199,7 @@ class PrefillScheduler:
 
     # --- internals ---------------------------------------------------------
     def _cap(self, peer: str, peers: int, demand: set[str]) -> int:
-        """How many slots the KV for ``peer`` may hold (see the module docstring)."""
+        """How many requests' KV for ``peer`` may be held (see the module docstring)."""
         cap = self.batch_size - min(self.batch_size - 1, peers - 1)
         if demand - {peer}:
             cap = min(cap, -(-self.batch_size // len(demand | {peer})))
@@ -205,19 +213,23 @@ class PrefillScheduler:
         seq.set_state(state)
         self._transferring.pop(seq.request_id, None)
         self._live.pop(seq.request_id, None)
-        if seq.slot is not None:
-            self.slots.free(seq.slot)
-            seq.slot = None
+        if seq.kv is not None:
+            self.kv.free(seq.kv)
+            seq.kv = None
 
     def check_invariants(self) -> None:
         """Raise InvariantError if the scheduling rules are broken (used by tests)."""
         require(self.num_running <= 1, "more than one prefill running")
         require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
         for seq in self._transferring.values():
-            require(seq.state is S.TRANSFERRING and seq.slot is not None, "bad transferring seq")
+            require(seq.state is S.TRANSFERRING and _holds_prompt(seq, self.kv), "bad transferring seq")
         if self._running is not None:
-            require(self._running.state is S.RUNNING and self._running.slot is not None, "bad running seq")
+            require(self._running.state is S.RUNNING and _holds_prompt(self._running, self.kv), "bad running seq")
         for seq in self._waiting:
-            require(seq.state is S.WAITING and seq.slot is None, "bad waiting seq")
+            require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")
         require(len(self._live) == len(self._waiting) + self.num_running + self.num_transferring,
                 "lost track of a request")
+
+
+def _holds_prompt(seq: PrefillSeq, kv: KVCache) -> bool:
+    return seq.kv is not None and len(seq.kv.blocks) == kv.blocks_for(seq.prompt_len)

@@ -17,11 +17,18 @@ ready, failed or expired).
 
 A frame is one msgpack map, ``{"version": PROTOCOL_VERSION, "seq": n, "msg": {"type": "lookup_all", ...}}``:
 the messages are a union tagged by ``type``. Lookup entries and results are arrays (``[request_id,
-dest_offset]``), the rest maps keyed by field name. Decoding checks types, required fields and bounds.
+dest_blocks, first_block]``), the rest maps keyed by field name. Decoding checks types, required fields
+and bounds.
+
+KV moves in blocks (the paged pool): a pull names the decode worker's destination blocks for the
+request's blocks from ``first_block`` on (the ones before it decode already holds: a cached prefix).
+A ready result names the chain hashes of the prompt's full blocks (packed, ``pack_hashes``) and the
+prompt's tokens after them (``tail``), so decode can find and extend the prefix in its own cache.
 """
 
 from __future__ import annotations
 
+import struct
 from enum import Enum
 from typing import Annotated, Any
 
@@ -30,8 +37,10 @@ import msgspec
 from xpyd import PROTOCOL_VERSION
 from xpyd.signal.request_id import MAX_LEN as MAX_REQUEST_ID_LEN
 
-MAX_FRAME_BYTES = 1 << 20  # a signal-plane frame is small; anything bigger is refused
+MAX_FRAME_BYTES = 4 << 20  # a signal-plane frame is small; anything bigger is refused
 MAX_ENTRIES = 1024
+MAX_BLOCKS = 1 << 16  # KV blocks of one request (max_model_len / block_size)
+MAX_TAIL = 1024  # tokens after a prompt's last full block (< block_size)
 
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -74,8 +83,8 @@ class HandshakeReply(_Message, frozen=True, tag="handshake_reply"):
 class KVMapInit(_Message, frozen=True, tag="kv_map_init"):
     sender: str
     transfer: dict[str, Any]  # BackendDescriptor.to_dict() of the decode worker's registered pool
-    slot_bytes: Positive
-    num_slots: Positive
+    block_bytes: Positive
+    num_blocks: Positive
 
 
 class KVMapReply(_Message, frozen=True, tag="kv_map_reply"):
@@ -85,9 +94,10 @@ class KVMapReply(_Message, frozen=True, tag="kv_map_reply"):
 
 class LookupEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     request_id: RequestIdText
-    # Byte offset of the destination slot in the decode worker's pool (registered
-    # with kv_map_init). None asks for the status only.
-    dest_offset: NonNegative | None = None
+    # The decode worker's blocks (of the pool registered with kv_map_init) that receive the request's
+    # blocks first_block, first_block + 1, ... (all the rest). None asks for the status only (a claim).
+    dest_blocks: Annotated[tuple[NonNegative, ...], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)] | None = None
+    first_block: NonNegative = 0
 
 
 class LookupAll(_Message, frozen=True, tag="lookup_all"):
@@ -101,6 +111,9 @@ class LookupResult(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     first_token: NonNegative | None = None
     num_tokens: NonNegative = 0  # prompt tokens whose KV will be sent
     error: str | None = None
+    block_hashes: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCKS)] = b""  # the prompt's full blocks
+    tail: Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=MAX_TAIL)] = ()  # prompt tokens after them
+    cached_tokens: NonNegative = 0  # prompt tokens prefill found in its prefix cache (not computed)
 
 
 class LookupReply(_Message, frozen=True, tag="lookup_reply"):
@@ -162,6 +175,17 @@ _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 _head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def pack_hashes(hashes: list[int]) -> bytes:
+    """Block hashes (64-bit) as the bytes a ready result carries."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(data: bytes) -> list[int]:
+    if len(data) % 8:
+        raise MessageError(f"block hashes of {len(data)} bytes (not a multiple of 8)")
+    return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
 def encode(seq: int, msg: Message) -> bytes:

@@ -43,6 +43,10 @@ class WorkerConfig:
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
     device: str = "cpu"  # torch device of the model and KV pool: cpu | cuda | cuda:N (docs/devices.md)
     kv_copy_threads: int = 0  # shm: threads copying one large transfer into the pool (0 = auto, selection.py)
+    block_size: int = 16  # tokens per KV block (paged cache; prefix-cache granularity)
+    kv_cache_tokens: int | None = None  # KV capacity in tokens (None: batch_size x max_model_len)
+    kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
+    prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -84,8 +88,32 @@ class WorkerConfig:
             raise ValueError("--kv-copy-threads must be in [0, 16] (0 = auto)")
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError("--block-size must be in [1, 1024] tokens")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
+            raise ValueError("give the KV cache's size once: --kv-cache-tokens or --kv-cache-memory")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(f"--kv-cache-tokens {self.kv_cache_tokens} cannot hold one request of "
+                             f"--max-model-len {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
         check_kv_backend(self.kv_backend)
         check_device(self.device)
+
+    def kv_blocks(self, token_bytes: int) -> int:
+        """Blocks in the KV pool, given the bytes of one token's KV (from the model); ValueError when the
+        cache cannot hold one request of max_model_len tokens."""
+        if self.kv_cache_memory is not None:
+            tokens = self.kv_cache_memory // token_bytes
+        elif self.kv_cache_tokens is not None:
+            tokens = self.kv_cache_tokens
+        else:
+            tokens = self.batch_size * self.max_model_len
+        blocks = tokens // self.block_size
+        if blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"a KV cache of {tokens} tokens ({blocks} blocks of {self.block_size}) cannot hold "
+                             f"one request of --max-model-len {self.max_model_len}")
+        return blocks
 
     @property
     def public_host(self) -> str:
@@ -119,7 +147,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                                  "0 = auto: 2 when a core is left beside --threads or the model is on a GPU, "
                                  "else 1 (default 0)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
-                        help="max requests running + transferring (also the number of KV slots)")
+                        help="max requests running + transferring (they also need KV blocks: see --kv-cache-tokens)")
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help=f"tokens per KV block: the paged cache's unit and the prefix cache's granularity "
+                             f"(default {d.block_size}; prefill and decode workers must agree)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
+                      help="KV cache capacity in tokens (default: --batch-size x --max-model-len)")
+    size.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
+                      help="KV cache capacity in bytes, e.g. 512MiB or 2GiB (instead of --kv-cache-tokens)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="turn prefix caching off: every prompt is computed, and its KV moved, whole")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")
     parser.add_argument("--threads", type=int, default=_default_threads(),
                         help="torch threads for this worker")
@@ -176,6 +214,22 @@ def check_device(device: str) -> str:
     if index >= count:
         raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
     return device
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes (argparse type; ArgumentTypeError says why)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1.5GB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
 
 
 def _is_host_port(text: str) -> bool:

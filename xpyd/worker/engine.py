@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xpyd.discovery.types import WorkerInfo
+from xpyd.model.prefix_hash import hash_seed
+from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.faults import FaultInjection, FaultSite, RequestScope
 from xpyd.worker.loop import EngineThread
@@ -32,6 +35,13 @@ class PeersLeft:
     addrs: frozenset[str]
 
 
+def _kv_cache(pool, served_name: str) -> KVCache:
+    """The schedulers' view of ``pool``; block hashes are seeded with the model and the KV layout, so
+    workers agree on them exactly when their KV bytes mean the same."""
+    layout = pool.layout
+    return KVCache(pool.blocks, layout.block_size, hash_seed(served_name, json.dumps(layout.compat(), sort_keys=True)))
+
+
 class WorkerEngine(EngineThread):
     """The model runner, its KV pool, the tokenizer, config and metrics; ``submit``/``abort`` from HTTP.
 
@@ -45,6 +55,7 @@ class WorkerEngine(EngineThread):
         self.tokenizer = tokenizer
         self.config = config
         self.pool = runner.pool
+        self.kv_cache = _kv_cache(self.pool, served_name) if self.pool is not None else None
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids
         self.model_id = served_name
@@ -89,7 +100,7 @@ class WorkerEngine(EngineThread):
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         """Fail this request (``item``'s, if given) if the engine holds it: the scheduler's fail path (KV
-        and slot freed), an ``ErrorEvent(500, error)`` on its sink, metrics. False if not held. Override."""
+        and blocks released), an ``ErrorEvent(500, error)`` on its sink, metrics. False if not held. Override."""
         return False
 
     def _request_failed(self, request_id: str, item: WorkItem | None, exc: Exception) -> None:

@@ -254,7 +254,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
             return resp
         ended = False
         try:
-            text, finish, prompt_tokens, completion_tokens = [], None, 0, 0
+            text, finish, prompt_tokens, completion_tokens, cached = [], None, 0, 0, 0
             async for ev in _events(sink, single_event):
                 if isinstance(ev, ErrorEvent):
                     ended = True
@@ -262,9 +262,10 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
                                            "invalid_request_error"))
                 text.append(ev.text)
                 finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
+                cached = ev.cached_tokens
             ended = True
             return _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
-                                             prompt_tokens, completion_tokens))
+                                             prompt_tokens, completion_tokens, cached))
         finally:
             if not ended:  # the client went away: drop the request everywhere
                 engine.abort(rid)
@@ -294,8 +295,9 @@ class StreamShape:
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
         return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role))
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+        return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
+                               cached_tokens))
 
 
 class _Ended:
@@ -326,7 +328,7 @@ def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
 
 async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
                   ended: _Ended) -> AsyncIterator[bytes]:
-    prompt_tokens = completion_tokens = 0  # (decode learns the prompt's length from prefill: from events)
+    prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
             yield shape.chunk(None, None, role=True)
@@ -337,12 +339,12 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 yield sse(APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict())
                 yield SSE_DONE
                 return
-            prompt_tokens, completion_tokens = ev.prompt_tokens, ev.completion_tokens
+            prompt_tokens, completion_tokens, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
             if ev.text or ev.finish_reason is not None:
                 yield shape.chunk(ev.text, ev.finish_reason)
         ended.value = True
         if shape.include_usage:
-            yield shape.usage(prompt_tokens, completion_tokens)
+            yield shape.usage(prompt_tokens, completion_tokens, cached)
         yield SSE_DONE
     finally:
         _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere

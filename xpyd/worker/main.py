@@ -29,7 +29,7 @@ from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
 from xpyd.discovery.types import Role
 from xpyd.model import native
 from xpyd.model.loader import ensure_converted
-from xpyd.model.runner import ModelRunner
+from xpyd.model.runner import ModelRunner, kv_token_bytes
 from xpyd.model.tokenizer import load_tokenizer
 from xpyd.netaddr import host_port
 from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
@@ -87,10 +87,12 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
     def build_runner() -> ModelRunner:
         nonlocal resolved
         resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
-        log.info("%s: loading %s (%s on %s, %d slots x %d tokens)", config.role, resolved.path, config.dtype,
-                 device, config.batch_size, config.max_model_len)
-        runner = ModelRunner(resolved.path, dtype, num_slots=config.batch_size, max_seq_len=config.max_model_len,
-                             device=device)
+        num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
+        log.info("%s: loading %s (%s on %s; KV cache of %d blocks x %d tokens%s)", config.role, resolved.path,
+                 config.dtype, device, num_blocks, config.block_size,
+                 ", prefix caching" if config.prefix_cache else "")
+        runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
+                             block_size=config.block_size, device=device, caching=config.prefix_cache)
         log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
             runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)

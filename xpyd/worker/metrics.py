@@ -20,6 +20,10 @@ xpyd_engine_batch_size                     histogram  kind=prefill|decode: reque
 xpyd_kv_transfer_bytes_total               counter    direction=send|recv: bytes of completed transfers
 xpyd_kv_transfer_seconds                   histogram  direction: start -> completion (completed only)
 xpyd_kv_transfers_total                    counter    direction, outcome=ok|failed
+xpyd_kv_blocks                             gauge      state=used|cached|free: KV blocks of the paged cache
+xpyd_prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
+xpyd_prefix_cache_hits_total               counter    ... and found there (not computed / not moved)
+xpyd_kv_reuse_saved_bytes_total            counter    decode: KV bytes not transferred (prefix blocks held)
 =========================================  =========  ================================================
 """
 
@@ -33,6 +37,7 @@ QUEUE_STATES = ("waiting", "running", "transferring")
 OUTCOMES = ("finished", "failed", "aborted", "rejected")
 STEP_KINDS = ("prefill", "decode")
 DIRECTIONS = ("send", "recv")
+BLOCK_STATES = ("used", "cached", "free")
 
 
 def _children(metric, role: str, values: tuple[str, ...]) -> dict:
@@ -86,6 +91,15 @@ class WorkerMetrics:
         transfers = Counter("xpyd_kv_transfers", "KV transfers that ended, by outcome",
                             ("role", "direction", "outcome"), registry=r)
         self._transfers = {(d, o): transfers.labels(role, d, o) for d in DIRECTIONS for o in ("ok", "failed")}
+        blocks = Gauge("xpyd_kv_blocks", "KV blocks of the paged cache, by state", ("role", "state"), registry=r)
+        self._blocks = _children(blocks, role, BLOCK_STATES)
+        self._queries = Counter("xpyd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                ("role",), registry=r).labels(role)
+        self._hits = Counter("xpyd_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                             ("role",), registry=r).labels(role)
+        self._saved = Counter("xpyd_kv_reuse_saved_bytes", "KV bytes not transferred because this worker's prefix "
+                              "cache held them", ("role",), registry=r).labels(role)
+        self._counted = (0, 0)  # prefix-cache queries and hits already counted
 
     def set_queue(self, waiting: int, running: int, transferring: int) -> None:
         for state, n in zip(QUEUE_STATES, (waiting, running, transferring)):
@@ -94,6 +108,19 @@ class WorkerMetrics:
     def set_kv(self, used_bytes: int, capacity_bytes: int) -> None:
         self._kv_used.set(used_bytes)
         self._kv_capacity.set(capacity_bytes)
+
+    def set_kv_cache(self, stats: dict) -> None:
+        """From ``KVCache.stats()``: block states, and the prefix-cache counters' growth since last time."""
+        self._blocks["used"].set(stats["blocks_used"])
+        self._blocks["cached"].set(stats["blocks_cached"])
+        self._blocks["free"].set(stats["blocks_free"])
+        queries, hits = stats["prefix_query_tokens"], stats["prefix_hit_tokens"]
+        self._queries.inc(queries - self._counted[0])
+        self._hits.inc(hits - self._counted[1])
+        self._counted = (queries, hits)
+
+    def kv_reused(self, nbytes: int) -> None:
+        self._saved.inc(nbytes)
 
     def request_done(self, outcome: str) -> None:
         _pick(self._requests, outcome, "outcome").inc()

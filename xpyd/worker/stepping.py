@@ -1,32 +1,39 @@
 """One forward pass plus sampling, for the engines of every role.
 
-``seq`` objects are the schedulers' (prefill, decode, colocated): each has a
-``slot``, a ``prompt_len`` (prefill: its ``prompt_ids``) and a ``payload`` WorkItem
-whose output processor holds the tokens generated so far.
+``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
+``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
+``prompt_ids``) and a ``payload`` WorkItem whose output processor holds the tokens generated so far.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from xpyd.worker.work_item import WorkItem
 from xpyd.model.sampling import sample
+from xpyd.worker.kv_cache import KVCache
+from xpyd.worker.work_item import WorkItem
 
 
 def prefill_and_sample(runner: Any, seq: Any) -> int:
-    """Run ``seq``'s prompt into its slot and sample its first token."""
+    """Run ``seq``'s prompt after its cached prefix into its blocks and sample its first token."""
     item: WorkItem = seq.payload
-    logits = runner.prefill(seq.slot, seq.prompt_ids)
+    logits = runner.prefill(seq.kv.blocks, seq.prompt_ids, start=seq.kv.cached_tokens)
     return sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
 
 
-def decode_and_sample(runner: Any, seqs: Sequence[Any]) -> list[int]:
-    """One decode step over every running ``seq`` (each feeds its last token); their next tokens."""
-    slots, tokens, positions = [], [], []
+def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
+    """One decode step over every running ``seq`` (each feeds its last token, growing into a new block
+    when it needs one); their next tokens. The fed tokens' KV is then complete: blocks they fill are
+    cached."""
+    tables, tokens, positions = [], [], []
     for seq in seqs:
         ids = seq.payload.output.token_ids
-        slots.append(seq.slot)
+        position = seq.prompt_len + len(ids) - 1
+        cache.grow(seq.kv, position + 1)
+        tables.append(seq.kv.blocks)
         tokens.append(ids[-1])
-        positions.append(seq.prompt_len + len(ids) - 1)
-    logits = runner.decode(slots, tokens, positions)
+        positions.append(position)
+    logits = runner.decode(tables, tokens, positions)
+    for seq, token in zip(seqs, tokens):
+        cache.append_tokens(seq.kv, (token,))
     return sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])

@@ -20,6 +20,7 @@ class TokenEvent:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int  # generated so far, including the first token
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,53 @@
+"""Reading and writing K/V through block tables, in torch (the forward passes' paged-attention plumbing).
+
+The pool is `[num_blocks, kv_heads, layers, 2, block_size, head_dim]` (kv_pool.py). A request's token t
+sits in block `table[t // block_size]`, row `t % block_size`. Nothing here rearranges the pool: writes
+scatter one step's rows into place, reads gather a layer's K/V of some requests into a fresh tensor.
+The native decode kernel (native.py) reads the pool in place instead; these are the general path
+(float32, other devices, no compiler) and prefill's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+
+class RowIndex(NamedTuple):
+    """Where some tokens' rows are: block ids and rows inside them (int64 tensors on the pool's device)."""
+
+    blocks: torch.Tensor
+    rows: torch.Tensor
+
+
+def rows_of(table: Sequence[int], positions: torch.Tensor, block_size: int, device: torch.device) -> RowIndex:
+    """The (block, row) of each of ``positions`` (int64, any order) in one request's block ``table``."""
+    table_t = torch.as_tensor(list(table), dtype=torch.int64, device=device)
+    return RowIndex(table_t[positions // block_size], positions % block_size)
+
+
+def write(pool: torch.Tensor, layer: int, where: RowIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim]: the K/V of T tokens into their rows of ``layer``."""
+    pool[where.blocks, :, layer, 0, where.rows] = k
+    pool[where.blocks, :, layer, 1, where.rows] = v
+
+
+def padded_tables(tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """[B, num_blocks] int64: each table's first ``num_blocks`` entries, rows padded with block 0."""
+    out = torch.zeros((len(tables), num_blocks), dtype=torch.int64)
+    for i, table in enumerate(tables):
+        row = table[:num_blocks]
+        out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.int64)
+    return out if device.type == "cpu" else out.to(device)
+
+
+def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``layer`` for the first ``length`` positions of each row of ``tables`` [B, nb]:
+    two fresh [B, kv_heads, length, head_dim] tensors (positions past a request's own tokens hold
+    whatever the padding blocks hold: mask them)."""
+    batch, nb = tables.shape
+    kv_heads, block_size, head_dim = pool.shape[1], pool.shape[4], pool.shape[5]
+    blocks = pool[:, :, layer][tables]  # [B, nb, kv_heads, 2, bs, hd], a copy
+    both = blocks.permute(3, 0, 2, 1, 4, 5).reshape(2, batch, kv_heads, nb * block_size, head_dim)
+    return both[0, :, :, :length], both[1, :, :, :length]

@@ -1,0 +1,138 @@
+"""The worker's paged KV cache as the schedulers see it: the blocks each request holds, prefix reuse,
+and reservations.
+
+A request is admitted with the blocks it needs now (cached prefix blocks reused, the rest allocated)
+and a *reservation* for the blocks it may still grow into (prompt + max_tokens): admission never
+promises memory the pool cannot give, so a running request never waits for a block and nothing is
+preempted. Reserved blocks are a count, not particular blocks: until a request grows into them they
+keep holding cached prefixes of finished requests.
+
+Prefix reuse: a full block is named by a hash chained over the tokens so far (`prefix_hash`); a
+request's leading full blocks that the cache holds are shared (reference-counted), not computed or
+moved again. Once a block's KV is complete its hash is recorded (`cache_blocks`, `append_tokens`),
+so the next request with that prefix finds it; blocks of ended requests stay cached until the pool
+needs the memory (least recently used first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from xpyd.model.kv_blocks import BlockAllocator, PoolFull
+from xpyd.model.prefix_hash import block_hashes
+
+
+@dataclass(eq=False, slots=True)
+class RequestKV:
+    """The KV blocks one request holds, in token order."""
+
+    blocks: list[int]
+    hashes: list[int]  # chain hashes of the request's full blocks known so far (prompt, then generated)
+    cached_tokens: int  # leading tokens found in the cache (not computed / not moved)
+    reserved: int  # blocks it may still grow into
+    committed: int = 0  # leading blocks whose hashes are recorded in the cache (or skipped as duplicates)
+    tail: list[int] = field(default_factory=list)  # tokens after the last hashed block (decode's chain)
+
+
+class KVCache:
+    def __init__(self, allocator: BlockAllocator, block_size: int, seed: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.seed = seed
+        self.reserved = 0  # blocks promised to admitted requests and not yet allocated
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # ... and found there
+
+    @property
+    def caching(self) -> bool:
+        return self.allocator.caching
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """The chain hashes of the full blocks of ``token_ids`` ([] when caching is off)."""
+        if not self.caching:
+            return []
+        return block_hashes(token_ids, self.block_size, self.seed)
+
+    def can_admit(self, blocks: int) -> bool:
+        """Could a request needing ``blocks`` in all (now and later) be admitted, ignoring cache hits?"""
+        return self.allocator.num_free - self.reserved >= blocks
+
+    def admit(self, hashes: Sequence[int], num_tokens: int, final_tokens: int, reuse_tokens: int) -> RequestKV | None:
+        """Blocks for a request of ``num_tokens`` tokens now, growing to ``final_tokens``: the cached blocks
+        of its longest cached prefix (at most ``reuse_tokens`` tokens of it, whole blocks), new blocks for
+        the rest, and a reservation for the growth. None (nothing changed) when that does not fit."""
+        if final_tokens < num_tokens:
+            raise ValueError(f"a request cannot end ({final_tokens} tokens) before it starts ({num_tokens})")
+        alloc = self.allocator
+        hits = alloc.match(hashes[: max(0, reuse_tokens) // self.block_size]) if self.caching else []
+        now, total = self.blocks_for(num_tokens), self.blocks_for(final_tokens)
+        taken_from_free = sum(1 for b in hits if alloc.ref(b) == 0)  # acquiring them takes them off the free list
+        if alloc.num_free - self.reserved < taken_from_free + (total - len(hits)):
+            return None
+        alloc.acquire(hits)
+        try:
+            fresh = alloc.allocate(now - len(hits))
+        except PoolFull:  # (cannot happen after the check above; keep the pool consistent if it does)
+            alloc.release(hits)
+            return None
+        self.reserved += total - now
+        self.query_tokens += num_tokens if self.caching else 0
+        self.hit_tokens += len(hits) * self.block_size
+        return RequestKV(hits + fresh, list(hashes), len(hits) * self.block_size, total - now, committed=len(hits))
+
+    def grow(self, kv: RequestKV, num_tokens: int) -> None:
+        """Make ``kv`` hold ``num_tokens`` tokens, from its reservation (beyond it only if blocks are free)."""
+        extra = self.blocks_for(num_tokens) - len(kv.blocks)
+        if extra <= 0:
+            return
+        kv.blocks.extend(self.allocator.allocate(extra))
+        from_reservation = min(extra, kv.reserved)
+        kv.reserved -= from_reservation
+        self.reserved -= from_reservation
+
+    def cache_blocks(self, kv: RequestKV, upto_tokens: int) -> None:
+        """The KV of ``kv``'s first ``upto_tokens`` tokens is complete: record the hashes of its full blocks
+        among them (those ``kv.hashes`` names) so later requests reuse them."""
+        if not self.caching:
+            return
+        end = min(upto_tokens // self.block_size, len(kv.hashes), len(kv.blocks))
+        for i in range(kv.committed, end):
+            self.allocator.commit(kv.blocks[i], kv.hashes[i])  # (False: another block holds it; ours stays private)
+        kv.committed = max(kv.committed, end)
+
+    def prompt_done(self, kv: RequestKV, prompt_len: int, tail: Sequence[int]) -> None:
+        """The KV of the whole prompt is in ``kv``'s blocks (computed or received): cache its full blocks;
+        ``tail`` are the prompt's tokens after them, where the chain of generated blocks starts."""
+        self.cache_blocks(kv, prompt_len)
+        if self.caching:
+            kv.tail = list(tail)
+
+    def append_tokens(self, kv: RequestKV, tokens: Sequence[int]) -> None:
+        """Tokens whose KV was just written after the hashed ones (``kv.tail`` holds those before them):
+        extend the hash chain over each block they complete and cache it (decode's generated tokens)."""
+        if not self.caching:
+            return
+        kv.tail.extend(tokens)
+        while len(kv.tail) >= self.block_size and len(kv.hashes) < len(kv.blocks):
+            parent = kv.hashes[-1] if kv.hashes else self.seed  # (the chain starts from the seed: h_-1)
+            (h,) = block_hashes(kv.tail[: self.block_size], self.block_size, parent)
+            kv.hashes.append(h)
+            del kv.tail[: self.block_size]
+            self.cache_blocks(kv, len(kv.hashes) * self.block_size)
+
+    def free(self, kv: RequestKV) -> None:
+        """The request ended: drop its references (cached blocks stay for reuse) and its reservation."""
+        self.allocator.release(kv.blocks)
+        kv.blocks = []
+        self.reserved -= kv.reserved
+        kv.reserved = 0
+
+    def stats(self) -> dict:
+        a = self.allocator
+        return {"blocks_total": a.num_blocks, "blocks_used": a.num_referenced, "blocks_cached": a.num_cached,
+                "blocks_free": a.num_free, "blocks_reserved": self.reserved,
+                "prefix_query_tokens": self.query_tokens, "prefix_hit_tokens": self.hit_tokens}
