@@ -221,7 +221,7 @@ def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
     assert cross_pulls_seen(), [_stats(d.url)["pulls"] for d in workers[2:]]
     for p in workers[:2]:
         s = _stats(p.url)
-        assert s["kv_slots_used"] == 0 and len(s["sends"]) == 2
+        assert s["blocks_used"] == s["blocks_reserved"] == 0 and len(s["sends"]) == 2
 
 
 def test_join_receives_requests_soon_after_registering(dyn, reference):

@@ -149,7 +149,7 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
             threading.Thread(target=post, args=(d1, decode_body(480), rid, 60), daemon=True).start()
             assert post(p, prefill_body(480), rid)[0] == 200
         wait_until(lambda: stats(d1)["running"] == 1 and stats(d1)["waiting"] == 2, 30, "d1 busy with a queue")
-        assert stats(p)["kv_slots_used"] == 2  # the two queued ones' KV waits on prefill for d1
+        assert stats(p)["transferring"] == 2  # the two queued ones' KV waits on prefill for d1
         os.kill(victim.popen.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -165,7 +165,7 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
                 with urllib.request.urlopen(req, timeout=30) as r:
                     assert json.loads(r.read())["usage"]["completion_tokens"] == 8
             # d1's claimed KV is freed once it has been silent for --peer-timeout (3 s).
-            wait_until(lambda: stats(p)["kv_slots_used"] == 0, 15, "the stopped worker's KV freed")
+            wait_until(lambda: stats(p)["blocks_used"] == 0, 15, "the stopped worker's KV freed")
             assert time.monotonic() - stopped >= 3.0 - 0.5
             assert stats(p)["expired"] == 2
         finally:

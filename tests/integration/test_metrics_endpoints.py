@@ -14,8 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster import start_1p1d
 from xpyd.model.kv_pool import KVLayout
+from xpyd.worker.config import WorkerConfig
 
 BATCH, MAX_LEN, MAX_TOKENS = 4, 256, 6
+BLOCK = WorkerConfig(role="prefill").block_size  # the workers' default
 PROMPTS = ["The capital of France is", "One, two, three,", "Tell me a story about a cat who",
            "In the beginning"]
 
@@ -32,7 +34,7 @@ def cluster(tmp_path_factory, tiny_model_dir: Path):
 def layout(tiny_model_dir: Path) -> KVLayout:
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     return KVLayout(cfg["num_hidden_layers"], cfg["num_key_value_heads"],
-                    cfg["hidden_size"] // cfg["num_attention_heads"], "float32", BATCH, MAX_LEN)
+                    cfg["hidden_size"] // cfg["num_attention_heads"], "float32", BATCH * MAX_LEN // BLOCK, BLOCK)
 
 
 def scrape(url: str) -> dict[tuple, float]:
@@ -84,7 +86,7 @@ def test_metrics_count_the_requests_served(cluster, layout):
         prompt_tokens = list(pool.map(completion, [cluster["proxy"]] * len(PROMPTS), PROMPTS,
                                       [i % 2 == 0 for i in range(len(PROMPTS))]))
     n = len(PROMPTS)
-    kv_bytes = sum(prompt_tokens) * layout.token_bytes
+    kv_bytes = sum(layout.blocks_for(t) for t in prompt_tokens) * layout.block_bytes  # whole blocks move
 
     got = wait_idle(cluster)
     p, d, x = got["prefill"], got["decode"], got["proxy"]
@@ -110,6 +112,13 @@ def test_metrics_count_the_requests_served(cluster, layout):
     assert value(d, "xpyd_kv_transfers_total", **D, direction="recv", outcome="ok") == n
     assert value(p, "xpyd_kv_transfer_seconds_count", **P, direction="send") == n
     assert value(d, "xpyd_kv_transfer_seconds_count", **D, direction="recv") == n
+    # The prefix cache: every prompt looked up on prefill; these share no full block, so nothing hit or saved.
+    assert value(p, "xpyd_prefix_cache_queries_total", **P) == sum(prompt_tokens)
+    assert value(p, "xpyd_prefix_cache_hits_total", **P) == 0
+    assert value(d, "xpyd_kv_reuse_saved_bytes_total", **D) == 0
+    for m, r in ((p, P), (d, D)):
+        assert value(m, "xpyd_kv_blocks", **r, state="used") == 0
+        assert value(m, "xpyd_kv_blocks", **r, state="free") == layout.num_blocks
 
     # Latencies: one TTFT per request (prefill, proxy), one ITL per later token, E2E per request.
     assert value(p, "xpyd_time_to_first_token_seconds_count", **P) == n

@@ -16,7 +16,7 @@ from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import RequestId
 from xpyd.signal.server import SignalServer
 
-COMPAT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "layout": "slot-token-major/1"}
+COMPAT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "layout": "block-head-major/1", "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096}
 
 
@@ -89,7 +89,7 @@ def test_handshake_map_lookup_pull_release(server):
         p = c.peer(addr)
         _pump(c, lambda r, f: p.state is PeerState.READY)
         assert p.state is PeerState.READY
-        assert h.maps["127.0.0.1:7001"].slot_bytes == 1024
+        assert h.maps["127.0.0.1:7001"].block_bytes == 1024
         rid = str(RequestId.new(addr, "127.0.0.1:7001"))
         c.send_lookup(addr, [m.LookupEntry(rid)])
         replies, _ = _pump(c, lambda r, f: r)
@@ -130,7 +130,7 @@ def test_ipv6_server_and_client_with_bracketed_addresses(fixed_port):
         c.send_lookup(addr, [m.LookupEntry(rid)])
         replies, _ = _pump(c, lambda r, f: r)
         assert replies[0][1].results[0].status is m.LookupStatus.READY
-        assert h.maps["[::1]:7001"].slot_bytes == 1024
+        assert h.maps["[::1]:7001"].block_bytes == 1024
     finally:
         c.close()
         s.close()

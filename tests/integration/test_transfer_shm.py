@@ -80,7 +80,7 @@ def test_segment_of_a_sigkilled_worker_is_swept_on_next_start():
 
 
 def test_kv_pool_in_a_segment_is_zero_and_shared():
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", num_slots=2, max_seq_len=16)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", num_blocks=8, block_size=4)
     b = make_backend("shm")
     try:
         buf = b.allocate(layout.total_bytes)
@@ -88,7 +88,7 @@ def test_kv_pool_in_a_segment_is_zero_and_shared():
         pool = KVPool(layout, buffer=buf)
         assert bytes(buf[:8]) == bytes(8) and float(pool.tensor.abs().sum()) == 0.0
         pool.tensor[1, 0, 0, 0, 0, 0] = 2.0
-        r = Region(layout.slot_bytes, 4)
+        r = Region(layout.block_bytes, 4)
         assert bytes(buf[r.offset:r.end]) == struct.pack("<f", 2.0)
         desc = b.register(pool.buffer())
         assert desc.backend == "shm" and desc.buffer_size == layout.total_bytes

@@ -93,26 +93,45 @@ PASSED_ON = (
     ("--drain-timeout", ("prefill", "decode", "colocated")),
     ("--lease-ttl", ("prefill", "decode")),
     ("--kv-copy-threads", ("prefill", "decode")),
+    ("--block-size", ("prefill", "decode", "colocated")),
+    ("--kv-cache-tokens", ("prefill", "decode", "colocated")),
+    ("--kv-cache-memory", ("prefill", "decode", "colocated")),
+    ("--no-prefix-cache", ("prefill", "decode", "colocated")),
 )
+
+
+def _worker_action(flag: str, role: str) -> argparse.Action:
+    worker = argparse.ArgumentParser(add_help=False)
+    add_worker_arguments(worker, role)
+    return next(a for a in worker._actions if flag in a.option_strings)
 
 
 def _add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker options", "passed on to every worker that has the option")
     for flag, roles in PASSED_ON:
-        worker = argparse.ArgumentParser(add_help=False)
-        add_worker_arguments(worker, roles[0])
-        action = next(a for a in worker._actions if flag in a.option_strings)
-        g.add_argument(flag, type=action.type, default=action.default,
-                       metavar=action.metavar or ("SECONDS" if action.type is float else "N"),
-                       help=f"{'/'.join(roles)}: {action.help}")
+        action = _worker_action(flag, roles[0])
+        help_text = f"{'/'.join(roles)}: {action.help}"
+        if action.nargs == 0:  # a switch (--no-prefix-cache)
+            g.add_argument(flag, dest=action.dest, action="store_false" if action.default else "store_true",
+                           help=help_text)
+        else:
+            g.add_argument(flag, dest=action.dest, type=action.type, default=action.default,
+                           metavar=action.metavar or ("SECONDS" if action.type is float else "N"), help=help_text)
 
 
 def worker_options(args: argparse.Namespace, role: str) -> list[str]:
-    """The PASSED_ON options for a worker of ``role``, as command-line words."""
+    """The PASSED_ON options for a worker of ``role`` that differ from its default, as command-line words."""
     out: list[str] = []
     for flag, roles in PASSED_ON:
-        if role in roles:
-            out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+        if role not in roles:
+            continue
+        action = _worker_action(flag, roles[0])
+        value = getattr(args, action.dest)
+        if action.nargs == 0:
+            if value != action.default:
+                out.append(flag)
+        elif value is not None:
+            out += [flag, str(value)]
     return out
 
 

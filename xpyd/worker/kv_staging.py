@@ -154,7 +154,7 @@ def adopt_pool(transfer, runner) -> None:
         transfer.extras = []
         return
     if buffer is not None:
-        runner.pool = KVPool(layout, buffer=buffer)
+        runner.pool = KVPool(layout, buffer=buffer, caching=runner.pool.blocks.caching)
 
 
 class _LandingToken(DerivedToken):

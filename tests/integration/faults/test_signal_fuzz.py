@@ -28,7 +28,7 @@ N_SIGNAL = 2000
 N_TRANSFER = 300
 IDENTITY = "127.0.0.1:9"  # the fuzzer's DEALER identity (a host:port, so request ids can name it)
 REPLY_TYPES = {"error", "handshake_reply", "kv_map_reply", "lookup_reply", "release_reply"}
-COMPAT = {"layout": "slot-token-major/1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
+COMPAT = {"layout": "block-head-major/1", "block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
 
 
 def _junk(rng: random.Random, depth: int = 0):
@@ -51,8 +51,8 @@ def _bodies(rng: random.Random, prefill_addr: str) -> list[tuple[str, dict]]:
     return [
         ("handshake", {"sender": IDENTITY, "model_id": "x", "kv_compat": COMPAT,
                        "cluster_token": rng.choice([None, "wrong-token-123"])}),
-        ("kv_map_init", {"sender": IDENTITY, "transfer": transfer, "slot_bytes": 4096, "num_slots": 4}),
-        ("lookup_all", {"sender": IDENTITY, "entries": [[rid, None], [rid, 0], ["xpyd-not-an-id", None]]}),
+        ("kv_map_init", {"sender": IDENTITY, "transfer": transfer, "block_bytes": 4096, "num_blocks": 4}),
+        ("lookup_all", {"sender": IDENTITY, "entries": [[rid, None], [rid, [0]], ["xpyd-not-an-id", None]]}),
         ("release", {"sender": IDENTITY, "request_ids": [rid, "garbage"]}),
     ]
 
