@@ -24,6 +24,9 @@ import pytest
 
 from tests.cluster import Cluster, start_1p1d
 from xpyd.signal.request_id import RequestId
+from xpyd.worker.config import WorkerConfig
+
+BLOCK = WorkerConfig(role="prefill").block_size  # the workers' default KV block size
 
 SEED = 20261122
 CASES = 150  # per edge
@@ -356,7 +359,10 @@ def test_a_stream_is_one_response_from_its_first_chunk_to_done(cluster, kind):
         assert chunks[0]["model"] == answer["model"]
         if include_usage:
             usage = chunks.pop()
-            assert usage["choices"] == [] and usage["usage"] == answer["usage"]
+            # the same prompt again: its full blocks come from the prefix cache (all but the last token's)
+            cached = (answer["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK
+            assert usage["choices"] == [] and usage["usage"] == {**answer["usage"],
+                                                                 "prompt_tokens_details": {"cached_tokens": cached}}
         assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
         if kind == "chat":
             assert chunks.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}

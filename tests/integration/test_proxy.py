@@ -315,7 +315,7 @@ async def test_completion_non_stream_and_worker_bodies(cluster: Cluster):
     assert data["choices"] == [{"index": 0, "text": "".join(TOKENS), "logprobs": None,
                                 "finish_reason": "length"}]
     assert data["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 5,
-                             "total_tokens": PROMPT_TOKENS + 5}
+                             "total_tokens": PROMPT_TOKENS + 5, "prompt_tokens_details": {"cached_tokens": 0}}
 
     (p,), (d,) = cluster.prefill.received, cluster.decode.received
     assert p.path == d.path == "/v1/completions"

@@ -45,10 +45,10 @@ class Handler:
         for e in msg.entries:
             if e.request_id not in self.ready:
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.UNKNOWN))
-            elif e.dest_offset is None:
+            elif e.dest_blocks is None:
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.READY, self.ready[e.request_id], 3))
             else:
-                self.pulls.append((e.request_id, e.dest_offset))
+                self.pulls.append((e.request_id, e.dest_blocks))
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.SENDING, self.ready[e.request_id], 3))
         return m.LookupReply(tuple(out))
 
@@ -95,12 +95,12 @@ def test_handshake_map_lookup_pull_release(server):
         replies, _ = _pump(c, lambda r, f: r)
         assert replies[0][1].results[0].status is m.LookupStatus.UNKNOWN
         h.ready[rid] = 42
-        c.send_lookup(addr, [m.LookupEntry(rid), m.LookupEntry(rid, 2048)])
+        c.send_lookup(addr, [m.LookupEntry(rid), m.LookupEntry(rid, (2, 3))])
         replies, _ = _pump(c, lambda r, f: r)
         res = replies[0][1].results
         assert [x.status for x in res] == [m.LookupStatus.READY, m.LookupStatus.SENDING]
         assert res[0].first_token == 42 and res[0].num_tokens == 3
-        assert h.pulls == [(rid, 2048)]
+        assert h.pulls == [(rid, (2, 3))]
         c.send_release(addr, [rid])
         _pump(c, lambda r, f: h.released)
         assert h.released == [rid]

@@ -223,10 +223,10 @@ class PrefillEngine(WorkerEngine):
                 self.metrics.request_done(_outcome(seq))
             elif seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
-                self._push(seq.request_id, self._ready(seq, m.LookupStatus.READY))
+                self._push(seq.request_id, self._ready_result(seq, m.LookupStatus.READY))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
 
-    def _ready(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
+    def _ready_result(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
         """What a decode worker learns of a prefilled request: first token, prompt length, the prompt's
         block hashes and the tokens after them (for its own prefix cache), how much prefill reused."""
         full = len(seq.hashes)
@@ -366,7 +366,7 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.NOT_READY)
         n = len(seq.prompt_ids)
         if e.dest_blocks is None:
-            return self._ready(seq, S.READY if seq.send_token is None else S.SENDING)
+            return self._ready_result(seq, S.READY if seq.send_token is None else S.SENDING)
         # A pull (only the decode worker named in the request id gets here).
         if peer is None:
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")

@@ -29,6 +29,7 @@ N_TRANSFER = 300
 IDENTITY = "127.0.0.1:9"  # the fuzzer's DEALER identity (a host:port, so request ids can name it)
 REPLY_TYPES = {"error", "handshake_reply", "kv_map_reply", "lookup_reply", "release_reply"}
 COMPAT = {"layout": "block-head-major/1", "block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
+BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # tokens x layers x K/V x kv heads x head_dim x float32
 
 
 def _junk(rng: random.Random, depth: int = 0):
@@ -129,7 +130,7 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
         sock.send(m.encode(1, m.Handshake(IDENTITY, model, COMPAT, TOKEN)))
         assert m.decode(sock.recv()).msg == m.HandshakeReply(True, None, model)
         sock.send(m.encode(2, m.KVMapInit(IDENTITY, {"backend": "tcp", "address": "127.0.0.1:9",
-                                                     "buffer_size": 1 << 20}, 4096, 4)))
+                                                     "buffer_size": 1 << 20}, BLOCK_BYTES, 4)))
         assert m.decode(sock.recv()).msg == m.KVMapReply(True)
         before = stats(urls["prefill"])
         kinds: dict[str, int] = {}
