@@ -19,6 +19,7 @@ from xpyd.bench import main as bench_main
 
 MODEL = "fake-model"
 LONG_WORDS = 300  # prompts with more words than this are "long" to the fake server
+CACHE_BLOCK = 16  # the fake prefix cache's block, in words
 
 
 @dataclass
@@ -29,15 +30,24 @@ class FakeTimings:
     fail_every: int = 0  # every n-th request answers 503
     long_ttft_s: float = 0.25  # for long prompts; short streams stall while one is "prefilled"
     models: bool = True  # False: GET /v1/models answers 404
+    prefix_cache: bool = False  # report usage.prompt_tokens_details.cached_tokens (see FakeOpenAI)
+    cached_ttft_s: float = 0.02  # the TTFT of a request with cached tokens
     bodies: list[dict] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # the text streamed for bodies[i]
 
 
 class FakeOpenAI:
-    """/v1/models and streaming /v1/completions + /v1/chat/completions, in a thread of its own."""
+    """/v1/models and streaming /v1/completions + /v1/chat/completions, in a thread of its own.
+
+    A prompt is its words (chat: every message's, in order), one token each. Each answer is unique
+    (" r<request>t<i>" per token). With ``prefix_cache`` the fake has a prefix cache of CACHE_BLOCK-word
+    blocks: cached_tokens = the longest word prefix shared with any earlier prompt, rounded down to
+    whole blocks (decided on arrival, so a run's total is exact whatever the interleaving)."""
 
     def __init__(self, timings: FakeTimings) -> None:
         self.t = timings
         self.stall_until = 0.0
+        self.seen: list[list[str]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.url = ""
@@ -75,10 +85,13 @@ class FakeOpenAI:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.t.bodies.append(body)
-        if self.t.fail_every and len(self.t.bodies) % self.t.fail_every == 0:
+        rid = len(self.t.bodies)
+        self.t.answers.append("")
+        if self.t.fail_every and rid % self.t.fail_every == 0:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
         chat = "messages" in body
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        cached = self._cached(prompt.split())
         n = body["max_tokens"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -90,13 +103,14 @@ class FakeOpenAI:
             self.stall_until = max(self.stall_until, loop.time() + self.t.long_ttft_s)
             await asyncio.sleep(self.t.long_ttft_s)
         else:
-            await asyncio.sleep(self.t.ttft_s)
+            await asyncio.sleep(self.t.cached_ttft_s if cached else self.t.ttft_s)
         sent = 0
         while sent < n:
             if not long_prompt and loop.time() < self.stall_until:  # a long prefill holds short streams
                 await asyncio.sleep(self.stall_until - loop.time())
             k = min(self.t.tokens_per_chunk, n - sent)
-            text = " tok" * k
+            text = "".join(f" r{rid}t{sent + i}" for i in range(k))
+            self.t.answers[rid - 1] += text
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await self._send(resp, {"choices": [choice]})
             sent += k
@@ -104,11 +118,21 @@ class FakeOpenAI:
                 await asyncio.sleep(self.t.itl_s)
         last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
         await self._send(resp, {"choices": [last | {"finish_reason": "length"}]})
-        await self._send(resp, {"choices": [], "usage": {"prompt_tokens": len(prompt.split()),
-                                                         "completion_tokens": n}})
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": cached} if self.t.prefix_cache else None}
+        await self._send(resp, {"choices": [], "usage": usage})
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return resp
+
+
+    def _cached(self, words: list[str]) -> int:
+        best = 0
+        for old in self.seen:
+            common = next((i for i, (a, b) in enumerate(zip(old, words)) if a != b), min(len(old), len(words)))
+            best = max(best, common)
+        self.seen.append(words)
+        return best // CACHE_BLOCK * CACHE_BLOCK
 
 
 @pytest.fixture
@@ -238,6 +262,86 @@ def test_jsonl_prompts(fake, tmp_path):
     assert json.loads(out.read_text())["total_output_tokens"] == 2 + 4 + 2
 
 
+def test_shared_prefix_hit_rate_is_exact(fake, tmp_path, capsys):
+    s = fake(ttft_s=0.06, itl_s=0.01, prefix_cache=True, cached_ttft_s=0.02)
+    out = tmp_path / "r.json"
+    rc = bench(["--url", s.url, "--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "32",
+                "--input-len", "8", "--output-len", "3", "--num-requests", "8", "--concurrency", "4",
+                "--warmup", "2", "--json", str(out), "--include-requests"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    # 40-word prompts; the first request of each prefix misses, the 6 others hit the 32 prefix words
+    # (the warmup's prefixes are its own: they do not warm the measured ones)
+    assert r["prefix_cache"] == {"hit_rate": 6 * 32 / (8 * 40), "cached_tokens": 192, "prompt_tokens": 320,
+                                 "requests": 8}
+    assert r["completed"] == 8 and r["total_output_tokens"] == 24
+    assert sorted(q["cached_tokens"] for q in r["requests"]) == [0, 0] + [32] * 6
+    assert r["config"]["shared_prefix"] == {"num_prefixes": 2, "prefix_len": 32, "suffix_len": 8,
+                                            "assignment": "round-robin"}
+    measured = [b["prompt"].split() for b in s.t.bodies[2:]]
+    assert [w[:32] for w in measured[:2]] == [w[:32] for w in measured[2:4]]  # round-robin
+    assert measured[0][:32] != measured[1][:32]
+    assert "prefix cache hit rate       60.0% (192 of 320 prompt tokens)" in capsys.readouterr().out
+
+
+def test_shared_prefix_chat_without_cached_tokens_is_n_a(fake, tmp_path, capsys):
+    s = fake(ttft_s=0.02, itl_s=0.01)  # no prompt_tokens_details: the server does not say
+    out = tmp_path / "r.json"
+    assert bench(["--url", s.url, "--endpoint", "chat", "--workload", "shared-prefix", "--num-prefixes", "2",
+                  "--prefix-len", "20", "--input-len", "4", "--output-len", "2", "--num-requests", "4",
+                  "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prefix_cache"] == {"hit_rate": None, "cached_tokens": 0, "prompt_tokens": 0, "requests": 0}
+    assert r["completed"] == 4 and r["mean_prompt_tokens"] == 24
+    roles = [[m["role"] for m in b["messages"]] for b in s.t.bodies]
+    assert roles == [["system", "user"]] * 4
+    assert s.t.bodies[0]["messages"][0] == s.t.bodies[2]["messages"][0] != s.t.bodies[1]["messages"][0]
+    assert "prefix cache hit rate       n/a" in capsys.readouterr().out
+
+
+def _transcript(body: dict) -> str:
+    return " ".join(m["content"] for m in body["messages"]) if "messages" in body else body["prompt"]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_multi_turn_histories_and_per_turn_report(fake, tmp_path, capsys, endpoint):
+    s = fake(ttft_s=0.08, itl_s=0.01, prefix_cache=True, cached_ttft_s=0.02)
+    out = tmp_path / "r.json"
+    rc = bench(["--url", s.url, "--endpoint", endpoint, "--workload", "multi-turn", "--conversations", "3",
+                "--turns", "3", "--concurrency", "2", "--prefix-len", "32", "--input-len", "8",
+                "--output-len", "3", "--think-time", "0.02", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["config"]["num_requests"], r["config"]["concurrency"]) == (9, 0, 9, 2)
+    # turn 1: 32 + 8 words, nothing cached; turn 2: + 3 answer + 8 words = 51, its 40 first words are
+    # turn 1's prompt (2 blocks cached); turn 3: 62 words, 51 of them turn 2's prompt (3 blocks)
+    mt = r["multi_turn"]
+    assert [t["prefix_cache"] for t in mt["turns"]] == [
+        {"hit_rate": 0.0, "cached_tokens": 0, "prompt_tokens": 120, "requests": 3},
+        {"hit_rate": 96 / 153, "cached_tokens": 96, "prompt_tokens": 153, "requests": 3},
+        {"hit_rate": 144 / 186, "cached_tokens": 144, "prompt_tokens": 186, "requests": 3}]
+    assert mt["first_turn"]["prefix_cache"]["hit_rate"] == 0.0
+    assert mt["later_turns"]["prefix_cache"]["hit_rate"] == 240 / 339
+    assert r["prefix_cache"]["hit_rate"] == 240 / 459 and mt["turns_not_sent"] == 0
+    assert [t["turn"] for t in mt["turns"]] == [1, 2, 3] and all(t["completed"] == 3 for t in mt["turns"])
+    assert mt["turns"][0]["ttft_ms"]["p50"] == pytest.approx(80, abs=25)  # the fake's uncached TTFT
+    assert mt["turns"][2]["ttft_ms"]["p50"] == pytest.approx(20, abs=15)  # ... and its cached one
+    # every later turn is an earlier request + the answer the fake streamed for it + a new question
+    answers = {_transcript(b): a for b, a in zip(s.t.bodies, s.t.answers)}
+    later = [b for b in s.t.bodies if len(_transcript(b).split()) > 40]
+    assert len(later) == 6
+    for b in later:
+        if endpoint == "chat":
+            prev = " ".join(m["content"] for m in b["messages"][:-2])
+            assert [m["role"] for m in b["messages"][-2:]] == ["assistant", "user"]
+            assert b["messages"][-2]["content"] == answers[prev]
+        else:
+            prev = max((p for p in answers if b["prompt"].startswith(p) and p != b["prompt"]), key=len)
+            assert b["prompt"].startswith(prev + answers[prev] + " ")
+    printed = capsys.readouterr().out
+    assert "--- turns" in printed and "turns 2+                    70.8% (240 of 339 prompt tokens)" in printed
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -282,6 +386,18 @@ def test_model_list_missing(fake, tmp_path, capsys):
     (["--url", "http://x:1", "--num-requests", "2", "--input-len-range", "5:1", "--workload", "random"],
      "1 <= A <= B"),
     (["--url", "http://x:1", "--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--url", "http://x:1", "--num-requests", "2", "--num-prefixes", "2"],
+     "--num-prefixes goes with --workload shared-prefix"),
+    (["--url", "http://x:1", "--workload", "shared-prefix", "--num-requests", "2", "--turns", "2"],
+     "--turns goes with --workload multi-turn"),
+    (["--url", "http://x:1", "--num-requests", "2", "--think-time", "0"], "--think-time goes with"),
+    (["--url", "http://x:1", "--num-requests", "2", "--shared-context"], "--shared-context goes with"),
+    (["--url", "http://x:1", "--workload", "multi-turn", "--rate", "2"], "not --rate"),
+    (["--url", "http://x:1", "--workload", "multi-turn", "--conversations", "3", "--turns", "2",
+      "--num-requests", "5"], "3 x 2 = 6 requests; --num-requests 5 disagrees"),
+    (["--url", "http://x:1", "--workload", "multi-turn", "--conversations", "2", "--concurrency", "3"],
+     "--concurrency 3 > --conversations 2"),
+    (["--url", "http://x:1", "--workload", "multi-turn", "--think-time", "-1"], "--think-time must be >= 0"),
 ])
 def test_bad_arguments_exit_2(argv, msg, capsys):
     assert bench(argv) == 2

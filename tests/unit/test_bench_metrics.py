@@ -1,4 +1,5 @@
-"""xpyd bench metric math on synthetic timelines with known answers, SLO parsing, SSE chunk reading."""
+"""xpyd bench metric math on synthetic timelines with known answers, prefix-cache hit rates, SLO parsing,
+SSE chunk reading."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import random
 
 import pytest
 
-from xpyd.bench.client import DONE, Endpoint, RequestResult, _StreamFailure, chunk_text, parse_event
-from xpyd.bench.metrics import SLO, Distribution, RequestLatency, percentile, summarize
+from xpyd.bench.client import DONE, Endpoint, RequestResult, _StreamFailure, chunk_text, parse_event, read_usage
+from xpyd.bench.metrics import SLO, CacheHits, Distribution, RequestLatency, percentile, summarize, summarize_turns
+from xpyd.bench.report import build_report, format_table
 
 
 def ok(send: float, chunks: list[float], end: float, tokens: int | None = None, label: str = "all") -> RequestResult:
@@ -152,6 +154,74 @@ def test_summarize_all_failed():
     s = summarize([failed("connection"), failed("connection")], duration_s=1.0, slo=SLO.parse("ttft=1s"))
     assert (s.completed, s.failed, s.good, s.goodput_requests_per_s) == (0, 2, 0, 0.0)
     assert s.ttft.mean is None and s.itl.p99 is None
+
+
+# ---- prefix-cache hit rate -----------------------------------------------------------------------
+
+def cached(prompt: int, hits: int | None, turn: int | None = None, ttft: float = 0.1) -> RequestResult:
+    r = ok(0.0, [ttft, ttft + 0.01], ttft + 0.01)
+    r.prompt_tokens, r.cached_tokens, r.turn = prompt, hits, turn
+    return r
+
+
+def test_hit_rate_is_cached_over_prompt_tokens_of_the_reporting_requests():
+    results = [cached(100, 0), cached(100, 64), cached(200, 192), cached(50, None),  # None: not reported
+               failed("http_500")]
+    s = summarize(results, duration_s=1.0)
+    assert s.cache == CacheHits(requests=3, prompt_tokens=400, cached_tokens=256)
+    assert s.cache.hit_rate == pytest.approx(0.64)
+    assert s.total_prompt_tokens == 450  # the token totals still count every completed request
+    bad = failed("timeout")
+    bad.prompt_tokens, bad.cached_tokens = 100, 100  # a failed request does not count
+    assert CacheHits.of([cached(100, 0), bad]).hit_rate == 0.0
+
+
+def test_hit_rate_is_none_without_cached_tokens_and_the_report_says_n_a():
+    s = summarize([cached(100, None), cached(80, None)], duration_s=1.0)
+    assert s.cache == CacheHits(0, 0, 0) and s.cache.hit_rate is None
+    config = {"url": "http://x", "endpoint": "completions", "workload": "fixed", "concurrency": 1}
+    report = build_report(s, {}, config, "m")
+    assert report["prefix_cache"] == {"hit_rate": None, "cached_tokens": 0, "prompt_tokens": 0, "requests": 0}
+    text = format_table(s, {}, config, "m")
+    assert "prefix cache hit rate       n/a" in text and "--enable-prompt-tokens-details" in text
+    hit = summarize([cached(100, 25), cached(100, 50)], duration_s=1.0)
+    assert "prefix cache hit rate       37.5% (75 of 200 prompt tokens)" in format_table(hit, {}, config, "m")
+    assert build_report(hit, {}, config, "m")["prefix_cache"]["hit_rate"] == pytest.approx(0.375)
+
+
+def test_per_turn_ttft_and_hit_rates():
+    results = [cached(100, 0, turn=1, ttft=0.30), cached(100, 0, turn=1, ttft=0.50),
+               cached(180, 96, turn=2, ttft=0.10), cached(180, 160, turn=2, ttft=0.20),
+               cached(260, 240, turn=3, ttft=0.05), failed("http_500")]
+    results[-1].turn = 3
+    t = summarize_turns(results, expected=7)
+    assert [(s.turn, s.completed, s.failed) for s in t.turns] == [(1, 2, 0), (2, 2, 0), (3, 1, 1)]
+    assert [s.ttft.p50 for s in t.turns] == [pytest.approx(400), pytest.approx(150), pytest.approx(50)]
+    assert [s.cache.hit_rate for s in t.turns] == [0.0, pytest.approx(256 / 360), pytest.approx(240 / 260)]
+    assert t.first.hit_rate == 0.0 and t.later == CacheHits(3, 620, 496)
+    assert t.not_sent == 1  # 7 planned, 6 sent
+    config = {"url": "http://x", "endpoint": "chat", "workload": "multi-turn", "concurrency": 2}
+    report = build_report(summarize(results, 1.0), {}, config, "m", turns=t)["multi_turn"]
+    assert [x["ttft_ms"]["p50"] for x in report["turns"]] == [pytest.approx(400), pytest.approx(150),
+                                                              pytest.approx(50)]
+    assert report["later_turns"]["prefix_cache"]["hit_rate"] == pytest.approx(0.8)
+    assert report["turns_not_sent"] == 1
+    text = format_table(summarize(results, 1.0), {}, config, "m", turns=t)
+    assert "turns 2+                    80.0% (496 of 620 prompt tokens)" in text
+    assert "turn 1                      0.0% (0 of 200 prompt tokens)" in text
+
+
+def test_usage_cached_tokens_parsing():
+    def parse(usage: dict) -> RequestResult:
+        r = RequestResult(label="all", send_time=0.0)
+        read_usage(usage, r)
+        return r
+
+    r = parse({"prompt_tokens": 90, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 64}})
+    assert (r.prompt_tokens, r.output_tokens, r.cached_tokens) == (90, 4, 64)
+    assert parse({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}).cached_tokens == 0
+    for details in (None, {}, {"cached_tokens": None}, {"cached_tokens": "5"}, {"cached_tokens": True}):
+        assert parse({"prompt_tokens": 9, "prompt_tokens_details": details}).cached_tokens is None  # vLLM: null
 
 
 # ---- SLO parsing ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""xpyd bench workloads: exact prompt lengths, deterministic arrivals, prompt files, request bodies."""
+"""xpyd bench workloads: exact prompt lengths, shared prefixes, deterministic arrivals, prompt files, request
+bodies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from xpyd.bench.client import Endpoint, StreamingClient
 from xpyd.bench.workload import (WORDS, RequestSpec, TokenizerPromptBuilder, WordPromptBuilder, WorkloadError,
                                  cycle_to, fixed_requests, load_jsonl, parse_range, poisson_offsets,
-                                 random_requests)
+                                 random_requests, shared_prefix_requests)
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,46 @@ def test_request_bodies_stream_with_usage_and_exact_length():
     chat = StreamingClient("http://h:1", Endpoint.CHAT, "m", timeout_s=5, max_connections=1).body(spec)
     assert chat["messages"] == [{"role": "user", "content": "the cat"}] and "prompt" not in chat
     assert chat["ignore_eos"] is True and chat["stream_options"] == {"include_usage": True}
+
+
+# ---- shared-prefix -------------------------------------------------------------------------------
+
+def test_shared_prefix_exact_tokens_with_a_tokenizer(smollm_builder):
+    specs = shared_prefix_requests(smollm_builder, 7, 3, 96, 12, 5, random.Random(0), chat=False)
+    ids = [smollm_builder.encode(s.prompt) for s in specs]
+    assert all(len(x) == 96 + 12 for x in ids) and {s.input_len for s in specs} == {108}
+    assert {s.max_tokens for s in specs} == {5}
+    for i, a in enumerate(ids):  # round-robin: request i has prefix i % 3
+        for j, b in enumerate(ids):
+            assert (a[:96] == b[:96]) == (i % 3 == j % 3)
+    assert len({tuple(x[96:]) for x in ids}) == 7  # every suffix its own
+    assert len({tuple(x[:96]) for x in ids}) == 3
+
+
+def test_shared_prefix_with_words_is_seeded_and_round_robin():
+    b = WordPromptBuilder()
+    specs = shared_prefix_requests(b, 10, 4, 50, 8, 3, random.Random(1), chat=False)
+    words = [s.prompt.split() for s in specs]
+    assert all(len(w) == 58 for w in words)
+    assert [" ".join(w[:50]) for w in words[:4]] == [" ".join(w[:50]) for w in words[4:8]]
+    assert len({" ".join(w[:50]) for w in words}) == 4
+    assert len({" ".join(w[50:]) for w in words}) == 10
+    assert specs == shared_prefix_requests(b, 10, 4, 50, 8, 3, random.Random(1), chat=False)
+    assert specs != shared_prefix_requests(b, 10, 4, 50, 8, 3, random.Random(2), chat=False)
+
+
+def test_shared_prefix_chat_puts_the_prefix_in_the_system_message():
+    specs = shared_prefix_requests(WordPromptBuilder(), 4, 2, 20, 5, 3, random.Random(0), chat=True)
+    assert [[m["role"] for m in s.messages] for s in specs] == [["system", "user"]] * 4
+    system = [s.messages[0]["content"] for s in specs]
+    assert system[0] == system[2] != system[1] == system[3] and len(system[0].split()) == 20
+    assert len({s.messages[1]["content"] for s in specs}) == 4
+    body = StreamingClient("http://h:1", Endpoint.CHAT, "m", timeout_s=5, max_connections=1).body(specs[0])
+    assert body["messages"] == list(specs[0].messages) and "prompt" not in body
+
+
+def test_shared_prefix_refuses_what_it_cannot_build():
+    with pytest.raises(WorkloadError, match="different suffixes"):  # 300 one-word suffixes from ~200 words
+        shared_prefix_requests(WordPromptBuilder(), 300, 2, 8, 1, 3, random.Random(0), chat=False)
+    with pytest.raises(WorkloadError, match="--num-prefixes"):
+        shared_prefix_requests(WordPromptBuilder(), 3, 0, 8, 4, 3, random.Random(0), chat=False)

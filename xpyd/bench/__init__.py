@@ -2,10 +2,13 @@
 
 Serving benchmark (any OpenAI-compatible endpoint), one module per job:
 
-- ``workload``: request specs (prompts of exact token lengths, jsonl files) and Poisson arrival times;
+- ``workload``: request specs (prompts of exact token lengths, shared prefixes, jsonl files) and
+  Poisson arrival times;
+- ``conversation``: multi-turn conversations, whose requests are built from the previous answers;
 - ``client``: one aiohttp session; each streaming request becomes a ``RequestResult`` timeline;
-- ``runner``: arrival processes (closed loop, Poisson open loop, prefill-stall);
-- ``metrics``: TTFT / TPOT / ITL / E2E distributions, throughput, SLOs and goodput (pure);
+- ``runner``: arrival processes (closed loop, Poisson open loop, prefill-stall, conversations);
+- ``metrics``: TTFT / TPOT / ITL / E2E distributions, throughput, SLOs and goodput, prefix-cache hit
+  rates (pure);
 - ``report`` / ``plot``: JSON, printed table, PNGs;
 - ``config`` / ``main``: the CLI (``add_arguments`` / ``run``).
 

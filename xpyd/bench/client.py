@@ -3,8 +3,10 @@
 A ``StreamingClient`` owns one aiohttp session for the whole run (connection limit set by the
 caller, >= the concurrency) and turns each ``RequestSpec`` into a ``RequestResult``: the send time,
 the arrival time of every content chunk (a chunk carries one or more tokens, so gaps are per chunk),
-the end time, the token counts from the trailing ``usage`` chunk, or an error kind. Errors are
-returned, never raised: a benchmark counts them.
+the end time, the generated text, the token counts from the trailing ``usage`` chunk (with
+``usage.prompt_tokens_details.cached_tokens``, the prompt tokens the server's prefix cache had,
+when the server reports it), or an error kind. Errors are returned, never raised: a benchmark counts
+them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class RequestResult:
     end_time: float = 0.0
     output_tokens: int | None = None  # usage.completion_tokens (None: the server sent no usage)
     prompt_tokens: int | None = None  # usage.prompt_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
+    text: str = ""  # the generated text (multi-turn builds the next turn from it)
+    turn: int | None = None  # the spec's turn (multi-turn)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -150,7 +155,7 @@ class StreamingClient:
         if self._session is None:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = self.body(spec)
-        result = RequestResult(label=spec.label, send_time=time.perf_counter())
+        result = RequestResult(label=spec.label, send_time=time.perf_counter(), turn=spec.turn)
         try:
             async with self._session.post(self._url, json=body) as resp:
                 if resp.status != 200:
@@ -172,6 +177,7 @@ class StreamingClient:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
         done = False
+        parts: list[str] = []
         async with contextlib.aclosing(sse_data(resp.content.iter_any())) as events:
             async for data in events:
                 now = time.perf_counter()
@@ -181,12 +187,14 @@ class StreamingClient:
                     break
                 if "error" in event:
                     raise _StreamFailure(ErrorKind.STREAM_ERROR.value, json.dumps(event["error"])[:300])
-                if chunk_text(event, self._endpoint):
+                text = chunk_text(event, self._endpoint)
+                if text:
                     result.chunk_times.append(now)
+                    parts.append(text)
                 usage = event.get("usage")
                 if isinstance(usage, dict):
-                    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
-                    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+                    read_usage(usage, result)
+        result.text = "".join(parts)
         if not done:
             raise _StreamFailure(ErrorKind.DISCONNECTED.value, "stream ended without [DONE]")
         if not result.chunk_times:
@@ -209,6 +217,18 @@ def parse_event(data: bytes) -> dict | object:
     if not isinstance(obj, dict):
         raise _StreamFailure(ErrorKind.BAD_RESPONSE.value, f"not a JSON object: {data[:100]!r}")
     return obj
+
+
+def read_usage(usage: dict, result: RequestResult) -> None:
+    """Token counts from a ``usage`` object into ``result`` (a later usage chunk overrides an earlier
+    one). ``cached_tokens`` stays None unless ``prompt_tokens_details.cached_tokens`` is an integer:
+    vLLM sends ``prompt_tokens_details: null`` unless started with --enable-prompt-tokens-details."""
+    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        result.cached_tokens = cached
 
 
 def chunk_text(event: dict, endpoint: Endpoint) -> str:

@@ -8,6 +8,7 @@ from enum import Enum
 from pathlib import Path
 
 from xpyd.bench.client import Endpoint
+from xpyd.bench.conversation import MultiTurnConfig
 from xpyd.bench.metrics import SLO
 from xpyd.bench.workload import parse_range
 
@@ -17,9 +18,12 @@ class Workload(str, Enum):
     RANDOM = "random"  # lengths uniform over --input-len-range / --output-len-range
     JSONL = "jsonl"  # prompts from --prompts
     PREFILL_STALL = "prefill-stall"  # short streams at fixed concurrency + Poisson long prompts
+    SHARED_PREFIX = "shared-prefix"  # a few long prefixes, each request one of them + its own suffix
+    MULTI_TURN = "multi-turn"  # conversations whose every turn carries the history with the answers
 
 
-DEFAULT_LENS = {Workload.PREFILL_STALL: (64, 128)}  # others: (128, 128)
+DEFAULT_LENS = {Workload.PREFILL_STALL: (64, 128), Workload.SHARED_PREFIX: (64, 32),
+                Workload.MULTI_TURN: (64, 32)}  # others: (128, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,20 @@ class StallConfig:
             raise ValueError("--stall-long-input, --stall-long-output and --stall-short-concurrency must be >= 1")
         if not self.long_rate > 0:
             raise ValueError(f"--stall-long-rate must be > 0, got {self.long_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixConfig:
+    """The shared-prefix workload (``vllm bench serve --dataset-name prefix_repetition``'s shape:
+    num_prefixes / prefix_len, suffix_len = --input-len, output_len = --output-len); prefixes are
+    assigned round-robin (``workload.shared_prefix_requests``)."""
+
+    num_prefixes: int = 4
+    prefix_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.num_prefixes < 1 or self.prefix_len < 1:
+            raise ValueError("--num-prefixes and --prefix-len must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +84,8 @@ class BenchConfig:
     progress: bool = True
     include_requests: bool = False
     stall: StallConfig = field(default_factory=StallConfig)
+    shared_prefix: SharedPrefixConfig = field(default_factory=SharedPrefixConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -93,12 +113,29 @@ class BenchConfig:
         if self.workload is Workload.PREFILL_STALL and self.rate is not None:
             raise ValueError("prefill-stall has its own arrivals: --stall-short-concurrency for the short "
                              "streams and --stall-long-rate for the long prompts, not --rate")
+        if self.workload is Workload.MULTI_TURN:
+            self._check_multi_turn()
+
+    def _check_multi_turn(self) -> None:
+        mt = self.multi_turn
+        if self.rate is not None:
+            raise ValueError("multi-turn runs conversations in a closed loop: --concurrency (conversations "
+                             "in flight), not --rate")
+        if self.num_requests != mt.conversations * mt.turns:
+            raise ValueError(f"multi-turn sends --conversations x --turns = {mt.conversations} x {mt.turns} = "
+                             f"{mt.conversations * mt.turns} requests; --num-requests {self.num_requests} "
+                             f"disagrees (leave it out)")
+        if self.concurrency is not None and self.concurrency > mt.conversations:
+            raise ValueError(f"--concurrency {self.concurrency} > --conversations {mt.conversations}: a "
+                             f"conversation has one request in flight at a time")
 
     @property
     def effective_concurrency(self) -> int:
         """Workers of the closed loop (the short class for prefill-stall)."""
         if self.workload is Workload.PREFILL_STALL:
             return self.stall.short_concurrency
+        if self.workload is Workload.MULTI_TURN:  # conversations in flight: all of them by default
+            return self.concurrency or self.multi_turn.conversations
         return self.concurrency or 1
 
     @property
@@ -128,6 +165,15 @@ class BenchConfig:
             out["stall"] = {"long_input": self.stall.long_input, "long_output": self.stall.long_output,
                             "long_rate": self.stall.long_rate,
                             "short_concurrency": self.stall.short_concurrency}
+        if self.workload is Workload.SHARED_PREFIX:
+            sp = self.shared_prefix
+            out["shared_prefix"] = {"num_prefixes": sp.num_prefixes, "prefix_len": sp.prefix_len,
+                                    "suffix_len": self.input_len, "assignment": "round-robin"}
+        if self.workload is Workload.MULTI_TURN:
+            mt = self.multi_turn
+            out["multi_turn"] = {"conversations": mt.conversations, "turns": mt.turns,
+                                 "prefix_len": mt.prefix_len, "shared_context": mt.shared_context,
+                                 "think_time_s": mt.think_time_s, "think_time": "exponential"}
         return out
 
 
@@ -135,9 +181,21 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Raises ValueError with a message naming the flag for anything inconsistent."""
     if args.url is None:
         raise ValueError("--url is required")
-    if args.num_requests is None:
-        raise ValueError("--num-requests is required")
     workload = Workload(args.workload)
+    _check_workload_flags(args, workload)
+    shared_prefix = SharedPrefixConfig(**_given(num_prefixes=args.num_prefixes, prefix_len=args.prefix_len))
+    multi_turn = MultiTurnConfig()
+    if workload is Workload.MULTI_TURN:  # conversations: --conversations, else --concurrency, else 4
+        conc = args.concurrency if args.concurrency is not None and args.concurrency >= 1 else None
+        multi_turn = MultiTurnConfig(**_given(
+            conversations=args.conversations if args.conversations is not None else conc,
+            turns=args.turns, prefix_len=args.prefix_len, think_time_s=args.think_time),
+            shared_context=args.shared_context)
+    num_requests = args.num_requests
+    if num_requests is None and workload is Workload.MULTI_TURN:
+        num_requests = multi_turn.conversations * multi_turn.turns
+    if num_requests is None:
+        raise ValueError("--num-requests is required")
     d_in, d_out = DEFAULT_LENS.get(workload, (128, 128))
     input_len = args.input_len if args.input_len is not None else d_in
     output_len = args.output_len if args.output_len is not None else d_out
@@ -151,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                         long_rate=args.stall_long_rate,
                         **({} if short is None else {"short_concurrency": short}))
     return BenchConfig(
-        url=args.url, num_requests=args.num_requests, endpoint=Endpoint(args.endpoint), model=args.model,
+        url=args.url, num_requests=num_requests, endpoint=Endpoint(args.endpoint), model=args.model,
         workload=workload, concurrency=args.concurrency, rate=args.rate, input_len=input_len,
         output_len=output_len, input_range=input_range, output_range=output_range,
         prompts_path=Path(args.prompts) if args.prompts else None,
@@ -159,5 +217,28 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         duration_s=args.duration, seed=args.seed, timeout_s=args.timeout, api_key=args.api_key,
         slo=SLO.parse(args.slo or ""), json_path=Path(args.json) if args.json else None,
         plot_dir=Path(args.plot) if args.plot else None, progress=not args.no_progress,
-        include_requests=args.include_requests, stall=stall,
+        include_requests=args.include_requests, stall=stall, shared_prefix=shared_prefix, multi_turn=multi_turn,
     )
+
+
+def _given(**values) -> dict:
+    """The keyword arguments that were given (not None): the others keep the dataclass defaults."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+_WORKLOAD_FLAGS = {  # flag: (attribute, the workloads it goes with)
+    "--num-prefixes": ("num_prefixes", (Workload.SHARED_PREFIX,)),
+    "--prefix-len": ("prefix_len", (Workload.SHARED_PREFIX, Workload.MULTI_TURN)),
+    "--conversations": ("conversations", (Workload.MULTI_TURN,)),
+    "--turns": ("turns", (Workload.MULTI_TURN,)),
+    "--think-time": ("think_time", (Workload.MULTI_TURN,)),
+    "--shared-context": ("shared_context", (Workload.MULTI_TURN,)),
+}
+
+
+def _check_workload_flags(args: argparse.Namespace, workload: Workload) -> None:
+    for flag, (attr, workloads) in _WORKLOAD_FLAGS.items():
+        value = getattr(args, attr)
+        if value is not None and value is not False and workload not in workloads:
+            names = " or ".join(w.value for w in workloads)
+            raise ValueError(f"{flag} goes with --workload {names}")

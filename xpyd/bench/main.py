@@ -24,13 +24,15 @@ from tqdm import tqdm
 from xpyd.bench import plot
 from xpyd.bench.client import (Endpoint, EndpointUnreachable, NotOpenAI, RequestResult, StreamingClient,
                                fetch_model_names)
-from xpyd.bench.config import BenchConfig, StallConfig, Workload, config_from_args
-from xpyd.bench.metrics import summarize
+from xpyd.bench.config import BenchConfig, SharedPrefixConfig, StallConfig, Workload, config_from_args
+from xpyd.bench.conversation import Conversation, MultiTurnConfig, build_conversations
+from xpyd.bench.metrics import summarize, summarize_turns
 from xpyd.bench.report import build_report, format_table, request_records, write_json
-from xpyd.bench.runner import Timed, closed_loop, open_loop, prefill_stall, timed
+from xpyd.bench.runner import Timed, closed_loop, conversations, open_loop, prefill_stall, timed
 from xpyd.bench.workload import (LABEL_ALL, LABEL_LONG, LABEL_SHORT, PromptBuilder, RequestSpec,
                                  TokenizerPromptBuilder, WordPromptBuilder, cycle_to, fixed_requests,
-                                 iter_fixed, load_jsonl, poisson_offsets, random_requests)
+                                 iter_fixed, load_jsonl, poisson_offsets, random_requests,
+                                 shared_prefix_requests)
 
 DESCRIPTION = """\
 Benchmark a serving endpoint (xpyd, vLLM, llama.cpp: anything OpenAI-compatible) with streaming
@@ -44,6 +46,13 @@ examples:
   xpyd bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 4 \\
       --input-len 256 --output-len 64 --slo ttft=500ms,itl=50ms --json out.json --plot plots/
   xpyd bench --url http://127.0.0.1:8000 --workload prefill-stall --num-requests 40 --json stall.json
+  xpyd bench --url http://127.0.0.1:8000 --workload shared-prefix --num-prefixes 4 --prefix-len 1024 \\
+      --input-len 64 --output-len 32 --num-requests 64 --concurrency 4 --tokenizer PATH
+  xpyd bench --url http://127.0.0.1:8000 --endpoint chat --workload multi-turn --conversations 8 \\
+      --turns 4 --prefix-len 512 --input-len 64 --output-len 32 --think-time 1 --concurrency 4
+
+The prefix-cache hit rate (sum of usage.prompt_tokens_details.cached_tokens / sum of prompt_tokens) is
+reported when the server sends cached_tokens (vLLM: --enable-prompt-tokens-details), else "n/a".
 
 Exit status: 0 when the run completed (failed requests are reported, not fatal), 2 for bad
 arguments, 1 when the endpoint cannot be reached at all."""
@@ -92,10 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-request timeout, whole stream (default: %(default)s)")
 
     g = parser.add_argument_group("load")
-    g.add_argument("--num-requests", type=int, metavar="N", help="measured requests (required)")
+    g.add_argument("--num-requests", type=int, metavar="N",
+                   help="measured requests (required; multi-turn: --conversations x --turns, which it must "
+                        "equal if given)")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--concurrency", type=int, metavar="C",
-                   help="closed loop: C requests in flight at all times (default: 1)")
+                   help="closed loop: C requests in flight at all times (default: 1; multi-turn: C "
+                        "conversations in flight, default: all)")
     m.add_argument("--rate", type=float, metavar="R",
                    help="open loop: Poisson arrivals at R requests/s (exponential gaps from --seed)")
     g.add_argument("--duration", type=float, metavar="SECONDS",
@@ -108,12 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", choices=[w.value for w in Workload], default="fixed",
                    help="fixed: --input-len/--output-len; random: lengths uniform in the ranges; jsonl: "
-                        "--prompts; prefill-stall: short streams + Poisson long prompts (default: fixed)")
+                        "--prompts; prefill-stall: short streams + Poisson long prompts; shared-prefix: "
+                        "shared prefixes + unique suffixes; multi-turn: conversations (default: fixed)")
     g.add_argument("--input-len", type=int, metavar="TOKENS",
-                   help="prompt tokens (default: 128; prefill-stall short class: 64)")
+                   help="prompt tokens (default: 128; prefill-stall short class: 64; shared-prefix: the "
+                        "suffix, 64; multi-turn: each question, 64)")
     g.add_argument("--output-len", type=int, metavar="TOKENS",
-                   help="max_tokens, exact thanks to ignore_eos (default: 128; jsonl: lines without "
-                        "max_tokens)")
+                   help="max_tokens, exact thanks to ignore_eos (default: 128; shared-prefix and "
+                        "multi-turn: 32; jsonl: lines without max_tokens)")
     g.add_argument("--input-len-range", metavar="A:B", help="random: prompt tokens in [A, B]")
     g.add_argument("--output-len-range", metavar="A:B", help="random: output tokens in [A, B]")
     g.add_argument("--prompts", metavar="FILE.jsonl",
@@ -133,6 +147,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-short-concurrency", type=int, metavar="C",
                    help=f"short streams in flight (default: --concurrency, else {d.short_concurrency})")
 
+    g = parser.add_argument_group("shared-prefix and multi-turn workloads (prefix-cache reuse)")
+    sp, mt = SharedPrefixConfig(), MultiTurnConfig()
+    g.add_argument("--prefix-len", type=int, metavar="TOKENS",
+                   help=f"shared-prefix: tokens of each shared prefix (default: {sp.prefix_len}); multi-turn: "
+                        f"the context that opens each conversation's first message (default: {mt.prefix_len})")
+    g.add_argument("--num-prefixes", type=int, metavar="N",
+                   help=f"shared-prefix: distinct prefixes, assigned to the requests round-robin (default: "
+                        f"{sp.num_prefixes})")
+    g.add_argument("--conversations", type=int, metavar="N",
+                   help=f"multi-turn: conversations (default: --concurrency, else {mt.conversations})")
+    g.add_argument("--turns", type=int, metavar="T", help=f"multi-turn: turns a conversation (default: {mt.turns})")
+    g.add_argument("--think-time", type=float, metavar="SECONDS",
+                   help=f"multi-turn: pause between a conversation's turns, exponential with this mean "
+                        f"from --seed; 0: none (default: {mt.think_time_s})")
+    g.add_argument("--shared-context", action="store_true",
+                   help="multi-turn: every conversation opens with the same context (default: each its own)")
+
     g = parser.add_argument_group("output")
     g.add_argument("--slo", metavar="K=V,...",
                    help="SLOs for goodput: ttft, tpot, itl (every gap), e2e; units us/ms/s, bare = ms "
@@ -147,11 +178,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What to send: the measured requests (short class for prefill-stall), long prompts, warmup."""
+    """What to send: the measured requests (short class for prefill-stall), long prompts, warmup;
+    or, for multi-turn, the conversations (their requests are built as the answers come)."""
 
     specs: list[RequestSpec]
     warmup: list[RequestSpec]
     long_specs: Iterator[RequestSpec] | None = None
+    conversations: list[Conversation] | None = None
 
 
 def build_plan(config: BenchConfig) -> Plan:
@@ -165,6 +198,17 @@ def build_plan(config: BenchConfig) -> Plan:
     if config.workload is Workload.RANDOM:
         return Plan(random_requests(builder, n, config.input_range, config.output_range, rng),
                     random_requests(builder, w, config.input_range, config.output_range, warm_rng))
+    chat = config.endpoint is Endpoint.CHAT
+    if config.workload is Workload.SHARED_PREFIX:  # warmup: prefixes of its own, the measured stay cold
+        shape = (config.shared_prefix.num_prefixes, config.shared_prefix.prefix_len, config.input_len,
+                 config.output_len)
+        return Plan(shared_prefix_requests(builder, n, *shape, rng, chat),
+                    shared_prefix_requests(builder, w, *shape, warm_rng, chat))
+    if config.workload is Workload.MULTI_TURN:  # warmup: unrelated single requests
+        convs = build_conversations(builder, config.multi_turn, config.input_len, config.output_len, chat,
+                                    config.seed)
+        warmup = fixed_requests(builder, w, config.input_len, config.output_len, warm_rng)
+        return Plan([], warmup, conversations=convs)
     label = LABEL_SHORT if config.workload is Workload.PREFILL_STALL else LABEL_ALL
     specs = fixed_requests(builder, n, config.input_len, config.output_len, rng, label)
     warmup = fixed_requests(builder, w, config.input_len, config.output_len, warm_rng, label)
@@ -191,7 +235,7 @@ async def _resolve_model(config: BenchConfig) -> str:
 
 
 async def _measure(config: BenchConfig, plan: Plan, client: StreamingClient) -> Timed:
-    bar = tqdm(total=len(plan.specs), unit="req", desc="bench", file=sys.stderr, disable=not config.progress)
+    bar = tqdm(total=config.num_requests, unit="req", desc="bench", file=sys.stderr, disable=not config.progress)
     counts = {"failed": 0, "long": 0}
 
     def on_done(r: RequestResult) -> None:
@@ -207,6 +251,9 @@ async def _measure(config: BenchConfig, plan: Plan, client: StreamingClient) -> 
         if plan.long_specs is not None:
             phase = prefill_stall(client.send, plan.specs, config.stall.short_concurrency, plan.long_specs,
                                   config.stall.long_rate, config.seed, deadline, on_done)
+        elif plan.conversations is not None:
+            phase = conversations(client.send, (c.dialogue() for c in plan.conversations),
+                                  config.effective_concurrency, deadline, on_done)
         elif config.rate is not None:
             offsets = poisson_offsets(config.rate, len(plan.specs), config.seed)
             phase = open_loop(client.send, plan.specs, offsets, deadline, on_done)
@@ -258,9 +305,11 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
     overall = summarize(results, measured.duration_s, config.slo)
     classes = ({lab: summarize([r for r in results if r.label == lab], measured.duration_s, config.slo)
                 for lab in (LABEL_SHORT, LABEL_LONG)} if config.workload is Workload.PREFILL_STALL else {})
+    turns = (summarize_turns(results, config.num_requests) if config.workload is Workload.MULTI_TURN
+             else None)
     described = config.describe() | {"model": model}
-    print(format_table(overall, classes, described, model))
-    report = build_report(overall, classes, described, model, warmup_failed)
+    print(format_table(overall, classes, described, model, turns))
+    report = build_report(overall, classes, described, model, warmup_failed, turns)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
     if config.json_path is not None:

@@ -17,6 +17,9 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
   SLO, each inclusive (value <= SLO): TTFT, TPOT (a one-token request meets it), E2E, and - an
   xpyd addition - ITL, met when every ITL gap of the request is <= the SLO. With no SLO given every
   completed request is good (goodput = request throughput).
+- Prefix-cache hit rate: sum(cached_tokens) / sum(prompt_tokens) over the completed requests whose
+  usage reports ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI do); None ("n/a") when
+  none of them does. Multi-turn runs also get it, with the TTFT distribution, per turn index.
 """
 
 from __future__ import annotations
@@ -147,6 +150,25 @@ class RequestLatency:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheHits:
+    """Prefix-cache reuse as the server reports it, over the completed requests that report it."""
+
+    requests: int  # completed requests whose usage had cached_tokens (and prompt_tokens)
+    prompt_tokens: int  # their prompt tokens
+    cached_tokens: int  # of those, the tokens the server found in its prefix cache
+
+    @classmethod
+    def of(cls, results: Iterable[RequestResult]) -> CacheHits:
+        rs = [r for r in results if r.ok and r.cached_tokens is not None and r.prompt_tokens is not None]
+        return cls(len(rs), sum(r.prompt_tokens for r in rs), sum(r.cached_tokens for r in rs))
+
+    @property
+    def hit_rate(self) -> float | None:
+        """None when no request reported cached tokens (the server does not say)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+@dataclass(frozen=True, slots=True)
 class Summary:
     """The metrics of one group of requests over a run of ``duration_s`` seconds."""
 
@@ -166,6 +188,7 @@ class Summary:
     total_output_tokens: int
     total_prompt_tokens: int
     usage_missing: int  # completed requests whose stream had no usage chunk
+    cache: CacheHits
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -205,5 +228,39 @@ def summarize(results: Iterable[RequestResult], duration_s: float, slo: SLO | No
         total_output_tokens=out_tokens,
         total_prompt_tokens=sum(r.prompt_tokens or 0 for r in results if r.ok),
         usage_missing=sum(lat.usage_missing for lat in done),
+        cache=CacheHits.of(results),
         error_samples=samples,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """The requests of one turn index across the conversations of a multi-turn run."""
+
+    turn: int
+    completed: int
+    failed: int
+    ttft: Distribution
+    cache: CacheHits
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSummary:
+    turns: list[TurnStats]  # by turn index, 1 first
+    first: CacheHits  # turn 1 (the context is new unless shared)
+    later: CacheHits  # turns 2.. (the history so far should be cached)
+    not_sent: int  # turns never sent: a failed turn ends its conversation; --duration
+
+
+def summarize_turns(results: Iterable[RequestResult], expected: int) -> TurnSummary:
+    """Per turn index: completed, failed, TTFT and prefix-cache hits; ``expected`` = turns planned."""
+    results = [r for r in results if r.turn is not None]
+    stats = []
+    for turn in sorted({r.turn for r in results}):
+        rs = [r for r in results if r.turn == turn]
+        done = [r for r in rs if r.ok]
+        stats.append(TurnStats(turn, len(done), len(rs) - len(done),
+                               Distribution.of_seconds([RequestLatency.of(r).ttft_s for r in done]),
+                               CacheHits.of(done)))
+    return TurnSummary(stats, CacheHits.of(r for r in results if r.turn == 1),
+                       CacheHits.of(r for r in results if r.turn > 1), max(expected - len(results), 0))

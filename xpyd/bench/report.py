@@ -3,8 +3,12 @@
 JSON top level: ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (each ``mean``, ``p50``, ``p90``,
 ``p99``, ``max``, ``count``; null when there is no sample), ``output_tokens_per_s``, ``requests_per_s``,
 ``goodput_requests_per_s``, ``completed``, ``failed``, plus ``duration_s``, ``errors`` (failed
-requests by kind), ``slo_ms`` / ``good`` / ``slo_missed``, token totals, ``config``, ``definitions``,
-``classes`` (per request class, same keys; prefill-stall: ``short`` and ``long``), and with
+requests by kind), ``slo_ms`` / ``good`` / ``slo_missed``, token totals, ``prefix_cache``
+(``hit_rate``, null when the server reports no cached tokens; ``cached_tokens``, ``prompt_tokens``,
+``requests``: the completed requests that reported them), ``config``, ``definitions``, ``classes``
+(per request class, same keys; prefill-stall: ``short`` and ``long``), ``multi_turn`` (multi-turn:
+``turns``, one entry per turn index with ``completed``, ``failed``, ``ttft_ms``, ``prefix_cache``;
+``first_turn`` and ``later_turns`` prefix caches; ``turns_not_sent``), and with
 ``--include-requests`` every request's timeline (``requests``).
 """
 
@@ -14,7 +18,7 @@ import json
 from pathlib import Path
 
 from xpyd.bench.client import RequestResult
-from xpyd.bench.metrics import Distribution, Summary
+from xpyd.bench.metrics import CacheHits, Distribution, Summary, TurnSummary
 
 SCHEMA_VERSION = 1
 
@@ -27,11 +31,28 @@ DEFINITIONS = {
     "throughput": "over duration_s, the wall time from the first send to the last response end",
     "goodput": "completed requests/s meeting every SLO (value <= SLO; itl: every gap <= SLO), as vLLM",
     "failed": "excluded from latencies and token counts",
+    "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
+                    "the completed requests reporting cached_tokens; null when none does",
 }
 
 
 def _dist(d: Distribution) -> dict:
     return {"mean": d.mean, "p50": d.p50, "p90": d.p90, "p99": d.p99, "max": d.max, "count": d.count}
+
+
+def _cache(c: CacheHits) -> dict:
+    return {"hit_rate": c.hit_rate, "cached_tokens": c.cached_tokens, "prompt_tokens": c.prompt_tokens,
+            "requests": c.requests}
+
+
+def turns_dict(t: TurnSummary) -> dict:
+    return {
+        "turns": [{"turn": s.turn, "completed": s.completed, "failed": s.failed, "ttft_ms": _dist(s.ttft),
+                   "prefix_cache": _cache(s.cache)} for s in t.turns],
+        "first_turn": {"prefix_cache": _cache(t.first)},
+        "later_turns": {"prefix_cache": _cache(t.later)},
+        "turns_not_sent": t.not_sent,
+    }
 
 
 def summary_dict(s: Summary) -> dict:
@@ -53,6 +74,7 @@ def summary_dict(s: Summary) -> dict:
         "mean_prompt_tokens": s.total_prompt_tokens / s.completed if s.completed else None,
         "mean_output_tokens": s.total_output_tokens / s.completed if s.completed else None,
         "usage_missing": s.usage_missing,
+        "prefix_cache": _cache(s.cache),
         "errors": s.errors,
         "error_samples": s.error_samples,
     }
@@ -67,12 +89,14 @@ def request_records(results: list[RequestResult], start: float) -> list[dict]:
         "end_s": r.end_time - start,
         "output_tokens": r.output_tokens,
         "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "turn": r.turn,
         "error": r.error,
     } for r in results]
 
 
 def build_report(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
-                 warmup_failed: int = 0) -> dict:
+                 warmup_failed: int = 0, turns: TurnSummary | None = None) -> dict:
     out = summary_dict(overall)
     out.update({
         "schema_version": SCHEMA_VERSION,
@@ -84,6 +108,8 @@ def build_report(overall: Summary, classes: dict[str, Summary], config: dict, mo
     })
     if classes:
         out["classes"] = {name: summary_dict(s) for name, s in classes.items()}
+    if turns is not None:
+        out["multi_turn"] = turns_dict(turns)
     return out
 
 
@@ -98,6 +124,12 @@ def _fmt(v: float | None, width: int = 10) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:>{width}.2f}"
 
 
+def _hit_rate(c: CacheHits) -> str:
+    if c.hit_rate is None:
+        return "n/a"
+    return f"{100 * c.hit_rate:.1f}% ({c.cached_tokens} of {c.prompt_tokens} prompt tokens)"
+
+
 def _section(title: str, s: Summary) -> list[str]:
     lines = [f"--- {title} ".ljust(62, "-"),
              f"{'completed / failed':<28}{s.completed} / {s.failed}",
@@ -106,6 +138,7 @@ def _section(title: str, s: Summary) -> list[str]:
              f"{'goodput requests/s':<28}{s.goodput_requests_per_s:.3f}"
              + (f"  (missed: {', '.join(f'{k} {v}' for k, v in s.slo_misses.items())})"
                 if s.slo_misses else ""),
+             f"{'prefix cache hit rate':<28}{_hit_rate(s.cache)}",
              f"{'latency (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
     for name, d in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e)):
         lines.append(f"{name:<12}" + "".join(_fmt(v) for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
@@ -115,16 +148,41 @@ def _section(title: str, s: Summary) -> list[str]:
     return lines
 
 
-def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str) -> str:
+def _turns_section(t: TurnSummary) -> list[str]:
+    lines = ["--- turns ".ljust(62, "-"),
+             f"{'turn':<6}{'completed':>10}{'failed':>8}{'TTFT p50 (ms)':>15}  prefix cache hit rate"]
+    for s in t.turns:
+        lines.append(f"{s.turn:<6}{s.completed:>10}{s.failed:>8}{_fmt(s.ttft.p50, 15)}  {_hit_rate(s.cache)}")
+    lines.append(f"{'turn 1':<28}{_hit_rate(t.first)}")
+    lines.append(f"{'turns 2+':<28}{_hit_rate(t.later)}")
+    if t.not_sent:
+        lines.append(f"turns not sent: {t.not_sent} (a failed turn ends its conversation; --duration)")
+    return lines
+
+
+def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
+                 turns: TurnSummary | None = None) -> str:
     load = (f"rate {config['rate']} req/s" if config.get("rate") is not None
             else f"concurrency {config.get('concurrency')}")
     lines = ["=" * 62,
              f"xpyd bench: {config['url']} ({config['endpoint']}), model {model}",
              f"workload {config['workload']}, {load}, duration {overall.duration_s:.2f} s",
              f"SLO: {', '.join(f'{k}<={v:g}ms' for k, v in config.get('slo_ms', {}).items()) or 'none'}"]
+    if sp := config.get("shared_prefix"):
+        lines.append(f"shared prefixes: {sp['num_prefixes']} of {sp['prefix_len']} tokens, {sp['assignment']}; "
+                     f"suffixes: {sp['suffix_len']} tokens, each request its own")
+    if mt := config.get("multi_turn"):
+        lines.append(f"{mt['conversations']} conversations x {mt['turns']} turns, context {mt['prefix_len']} "
+                     f"tokens ({'shared' if mt['shared_context'] else 'each its own'}), think time "
+                     f"mean {mt['think_time_s']:g} s ({mt['think_time']})")
     lines += _section("all requests", overall)
     for name, s in classes.items():
         lines += _section(f"class {name}", s)
+    if turns is not None:
+        lines += _turns_section(turns)
     lines.append("ITL is per streamed chunk; TPOT uses usage.completion_tokens.")
+    if overall.cache.hit_rate is None:
+        lines.append("prefix cache n/a: no usage.prompt_tokens_details.cached_tokens "
+                     "(vLLM: --enable-prompt-tokens-details)")
     lines.append("=" * 62)
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 - closed loop: C workers, each sends its next request as soon as its previous one ended;
 - open loop: Poisson arrivals at a given send time each, regardless of what is in flight;
 - prefill-stall: a closed loop of short streams plus an open-ended Poisson process of long prompts
-  that stops issuing once the short class has finished.
+  that stops issuing once the short class has finished;
+- conversations: C workers, each drives one multi-turn conversation at a time (its turns one after
+  another, a think time between them, each turn built from the previous answer), then the next.
 
 Every process stops *issuing* at the deadline (``--duration``) and always waits for what is in
 flight. ``send`` never raises for a failed request: it returns a ``RequestResult`` with an error.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Iterator
 
 from xpyd.bench.client import RequestResult
+from xpyd.bench.conversation import Dialogue
 from xpyd.bench.workload import RequestSpec, iter_poisson_gaps
 
 Send = Callable[[RequestSpec], Awaitable[RequestResult]]
@@ -99,6 +102,47 @@ async def prefill_stall(send: Send, short_specs: Iterable[RequestSpec], short_co
     finally:
         for t in [shorts, *longs]:
             t.cancel()  # only does something when we are being cancelled
+    return results
+
+
+async def conversations(send: Send, dialogues: Iterable[Dialogue], concurrency: int,
+                        deadline: float | None = None, on_done: OnDone = _noop) -> list[RequestResult]:
+    """At most ``concurrency`` conversations in flight, each sequential: sleep the turn's think time,
+    send it, feed the answer's text back to the dialogue for the next turn. A failed turn ends its
+    conversation (there is no answer to build on); past the deadline no turn is sent."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    it = iter(dialogues)
+    results: list[RequestResult] = []
+
+    async def drive(dialogue: Dialogue) -> None:
+        try:
+            turn = next(dialogue)
+            while True:
+                pause = turn.think_s if deadline is None else min(turn.think_s, deadline - time.perf_counter())
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                if _past(deadline):
+                    return
+                r = await send(turn.spec)
+                results.append(r)
+                on_done(r)
+                if not r.ok:
+                    return
+                turn = dialogue.send(r.text)
+        except StopIteration:
+            return
+        finally:
+            dialogue.close()
+
+    async def worker() -> None:
+        while not _past(deadline):
+            dialogue = next(it, None)
+            if dialogue is None:
+                return
+            await drive(dialogue)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
 

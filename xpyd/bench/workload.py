@@ -3,7 +3,8 @@
 Prompts of an exact token length come from a ``PromptBuilder``: with the served model's tokenizer
 (``TokenizerPromptBuilder``, exact) or from a fixed list of common English words that are one token
 each in the usual BPE vocabularies (``WordPromptBuilder``, about one token per word). Every prompt is
-drawn from a seeded ``random.Random``, so a run is reproducible and prompts do not share prefixes.
+drawn from a seeded ``random.Random``, so a run is reproducible and prompts do not share prefixes,
+except in the shared-prefix workload (``shared_prefix_requests``), where that is the point.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RequestSpec:
     messages: tuple[dict, ...] | None = None
     input_len: int | None = None  # prompt tokens as built here (None: unknown, e.g. from a file)
     label: str = LABEL_ALL  # the request class the report groups by
+    turn: int | None = None  # multi-turn: the 1-based turn of its conversation
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -54,11 +56,18 @@ class RequestSpec:
 
 
 class PromptBuilder(Protocol):
+    """Builds prompt text of a token length. ``separator`` joins two built texts so that the result
+    has (about, or with a tokenizer exactly) the sum of their lengths."""
+
+    separator: str
+
     def build(self, num_tokens: int, rng: random.Random) -> str: ...
 
 
 class WordPromptBuilder:
     """Random words from ``WORDS``: about one token per word, with no tokenizer at hand."""
+
+    separator = " "
 
     def build(self, num_tokens: int, rng: random.Random) -> str:
         return " ".join(rng.choices(WORDS, k=num_tokens))
@@ -75,6 +84,7 @@ class TokenizerPromptBuilder:
 
     _WORD = re.compile(r"^ [a-z]{2,12}$")
     _MAX_FIXES = 20
+    separator = ""  # every built text starts with a space-led word
 
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
@@ -90,8 +100,11 @@ class TokenizerPromptBuilder:
             raise WorkloadError(f"cannot load a tokenizer from {path}: {e}") from e
         return cls(tok)
 
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
     def count(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False))
+        return len(self.encode(text))
 
     def _single_token_words(self) -> list[str]:
         ids = list(range(len(self._tok)))
@@ -117,6 +130,48 @@ class TokenizerPromptBuilder:
             else:
                 text += "".join(rng.choices(self._pool, k=num_tokens - len(ids)))
         raise WorkloadError(f"could not build a prompt of exactly {num_tokens} tokens with this tokenizer")
+
+
+def shared_prefix_requests(builder: PromptBuilder, n: int, num_prefixes: int, prefix_len: int,
+                           suffix_len: int, output_len: int, rng: random.Random,
+                           chat: bool) -> list[RequestSpec]:
+    """The shared-prefix workload (the shape of ``vllm bench serve --dataset-name prefix_repetition``).
+
+    ``num_prefixes`` prefixes of ``prefix_len`` tokens are drawn first; request ``i`` takes prefix
+    ``i % num_prefixes`` (round-robin: the first ``num_prefixes`` requests are a cold cache's misses,
+    and each prefix serves n / num_prefixes requests, give or take one) followed by a suffix of
+    ``suffix_len`` tokens that no other request has. Completions: one prompt, prefix then suffix;
+    chat: the prefix is the system message and the suffix the user message."""
+    if num_prefixes < 1 or prefix_len < 1 or suffix_len < 1:
+        raise WorkloadError("shared-prefix needs --num-prefixes, --prefix-len and --input-len >= 1")
+    prefixes = [builder.build(prefix_len, rng) for _ in range(num_prefixes)]
+    suffixes = _distinct(builder, n, suffix_len, rng)
+    out = []
+    for i, suffix in enumerate(suffixes):
+        prefix = prefixes[i % num_prefixes]
+        if chat:
+            messages = ({"role": "system", "content": prefix}, {"role": "user", "content": suffix})
+            out.append(RequestSpec(messages=messages, max_tokens=output_len, input_len=prefix_len + suffix_len))
+        else:
+            out.append(RequestSpec(prompt=prefix + builder.separator + suffix, max_tokens=output_len,
+                                   input_len=prefix_len + suffix_len))
+    return out
+
+
+def _distinct(builder: PromptBuilder, n: int, num_tokens: int, rng: random.Random) -> list[str]:
+    """``n`` different texts: a repeated suffix would make a whole prompt a cache hit."""
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        for _ in range(100):
+            text = builder.build(num_tokens, rng)
+            if text not in seen:
+                break
+        else:
+            raise WorkloadError(f"cannot draw {n} different suffixes of {num_tokens} tokens: raise --input-len")
+        seen.add(text)
+        out.append(text)
+    return out
 
 
 def parse_range(text: str) -> tuple[int, int]:
