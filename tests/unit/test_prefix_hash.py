@@ -12,7 +12,7 @@ from hashlib import blake2b
 
 import pytest
 
-from xpyd.model.prefix_hash import block_hashes, hash_seed
+from xpyd.prefix_hash import block_hashes, hash_seed
 
 SEED = hash_seed("HuggingFaceTB/SmolLM2-135M-Instruct", "paged/1")
 
@@ -43,7 +43,7 @@ def test_the_construction():
 
 
 def test_same_in_another_process():
-    code = ("from xpyd.model.prefix_hash import block_hashes, hash_seed;"
+    code = ("from xpyd.prefix_hash import block_hashes, hash_seed;"
             "print(block_hashes(list(range(64)), 16, hash_seed('m', 3)))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # Python's own hash() would differ
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -3,7 +3,7 @@
 Owns: loading and GGUF conversion (`loader`), the tokenizer and chat template (`tokenizer`), the forward
 passes over the KV pool (`runner`, the lean Llama forward `llama_fast`, native CPU kernels `native` +
 `csrc/`), the preallocated KV pool (`kv_pool`), the KV blocks' reference counts, prefix cache and LRU
-eviction (`kv_blocks`), the chained hashes that name full blocks (`prefix_hash`), sampling (`sampling`)
+eviction (`kv_blocks`; blocks are named by `xpyd.prefix_hash`), sampling (`sampling`)
 and detokenization with stop strings (`output`).
 
 May import: torch, transformers and the standard library; nothing else of xpyd.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xpyd.discovery.types import WorkerInfo
-from xpyd.model.prefix_hash import hash_seed
+from xpyd.prefix_hash import hash_seed
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.faults import FaultInjection, FaultSite, RequestScope

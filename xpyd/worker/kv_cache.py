@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
-from xpyd.model.prefix_hash import block_hashes
+from xpyd.prefix_hash import block_hashes
 
 
 @dataclass(eq=False, slots=True)
