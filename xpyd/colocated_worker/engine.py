@@ -57,6 +57,7 @@ class ColocatedEngine(WorkerEngine):
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, 0)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
         self.metrics.set_kv_cache(self.kv_cache.stats())
+        self.publish_kv_events()
 
     def step(self) -> float:
         for item in self.drain_inbox():

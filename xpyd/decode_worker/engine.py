@@ -109,6 +109,7 @@ class DecodeEngine(WorkerEngine):
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
         self.metrics.set_kv_cache(self.kv_cache.stats())
+        self.publish_kv_events()
 
     # --- engine thread -----------------------------------------------------
     def wait(self, timeout: float) -> None:

@@ -12,6 +12,22 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def describe_tokenizer(tok: PreTrainedTokenizerBase) -> dict:
+    """What another process needs to tokenize exactly as ``encode_prompt`` / ``encode_chat`` do without
+    transformers: the fast tokenizer's JSON, the chat template and the special tokens' strings."""
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one is what apply_chat_template uses
+        template = template.get("default")
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = getattr(tok, name, None)
+        special[name] = value if isinstance(value, str) else None
+    return {"tokenizer": tok.backend_tokenizer.to_str(), "chat_template": template, "special_tokens": special}
+
+
 def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
     """A text prompt is tokenized as `generate` users would (`tok(prompt)`, special tokens on);
     a list of token ids is used as is after checking every id is in the vocabulary."""

@@ -88,6 +88,7 @@ class PrefillEngine(WorkerEngine):
             return {"role": "prefill", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                     "transferring": self.sched.num_transferring, "requests_held": held,
                     "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
+                    "queued_tokens": self.sched.queued_tokens(),
                     "transfers_in_flight": len(self.transfer.outstanding()),
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self._sends),
@@ -190,6 +191,7 @@ class PrefillEngine(WorkerEngine):
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
         self.metrics.set_kv_cache(self.kv_cache.stats())
+        self.publish_kv_events()
 
     def _sends_finished(self, seqs: list[PrefillSeq]) -> None:
         for seq in seqs:

@@ -100,6 +100,14 @@ class PrefillScheduler:
         """Requests whose KV waits for a pull (no send started, not being dropped)."""
         return [s for s in self._transferring.values() if s.send_token is None and not s.cancel_requested]
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to compute: the waiting requests' and the running one's (its cached prefix
+        excluded); what a router weighs as this worker's queue."""
+        queued = sum(s.prompt_len for s in self._waiting)
+        if self._running is not None and self._running.kv is not None:
+            queued += self._running.prompt_len - self._running.kv.cached_tokens
+        return queued
+
     def sends_in_flight(self) -> bool:
         return any(s.send_token is not None for s in self._transferring.values())
 

@@ -12,6 +12,7 @@ from typing import Callable
 from xpyd.discovery.types import WorkerInfo
 from xpyd.prefix_hash import hash_seed
 from xpyd.worker.kv_cache import KVCache
+from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.faults import FaultInjection, FaultSite, RequestScope
 from xpyd.worker.loop import EngineThread
@@ -56,6 +57,7 @@ class WorkerEngine(EngineThread):
         self.config = config
         self.pool = runner.pool
         self.kv_cache = _kv_cache(self.pool, served_name) if self.pool is not None else None
+        self.kv_events = KVEventLog()  # the block hashes this worker caches, for routers
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids
         self.model_id = served_name
@@ -83,6 +85,12 @@ class WorkerEngine(EngineThread):
         self.post(PeersLeft(frozenset(addrs)))
 
     # --- engine thread -----------------------------------------------------
+    def publish_kv_events(self) -> None:
+        """Move the allocator's stored/removed block hashes into the log routers read (engine thread, with
+        whatever lock guards the allocator held)."""
+        if self.pool is not None:
+            self.kv_events.record(*self.pool.blocks.take_events())
+
     def isolate(self, request_id: str, item: WorkItem | None = None) -> RequestScope:
         """``with engine.isolate(rid, item):`` an exception inside fails just this request (500) and the
         step goes on. ``item``: the request's work item when it may not be held yet (being added)."""

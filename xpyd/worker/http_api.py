@@ -39,11 +39,13 @@ from xpyd.api.responses import (
 )
 from xpyd.discovery.types import WorkerInfo
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.kv_cache import KVCache
+from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.output import StopParams
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
 from xpyd.model.sampling import SamplingParams
-from xpyd.model.tokenizer import encode_chat, encode_prompt, prompt_length_unrendered
+from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, prompt_length_unrendered
 from xpyd.signal.request_id import RequestIdError, parse_request_id
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -63,6 +65,8 @@ class Engine(Protocol):
     def submit(self, item: WorkItem) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def stats(self) -> dict: ...
+    kv_cache: KVCache
+    kv_events: KVEventLog
 
 
 def _error(e: APIError) -> Response:
@@ -171,6 +175,25 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
     @app.get("/xpyd/stats")
     async def stats() -> Response:
         return _json(engine.stats())
+
+    described: list[bytes] = []  # the tokenizer's description, made on first request
+
+    @app.get("/xpyd/tokenizer")
+    async def tokenizer() -> Response:
+        """How to tokenize and name KV blocks exactly as this worker does (for a cache-aware router)."""
+        if not described:
+            desc = await asyncio.get_running_loop().run_in_executor(tokenize, describe_tokenizer, engine.tokenizer)
+            desc |= {"block_size": engine.kv_cache.block_size, "hash_seed": engine.kv_cache.seed}
+            described.append(json.dumps(desc, ensure_ascii=False).encode())
+        return Response(described[0], mimetype="application/json")
+
+    @app.get("/xpyd/kv_events")
+    async def kv_events() -> Response:
+        """The block hashes this worker stored and evicted after ``since`` (of ``epoch``), or a snapshot."""
+        since = request.args.get("since")
+        if since is not None and not since.isdigit():
+            return _error(APIError(400, "since must be a non-negative integer", param="since"))
+        return _json(engine.kv_events.since(request.args.get("epoch"), int(since) if since is not None else None))
 
     @app.get("/metrics")
     async def metrics() -> Response:

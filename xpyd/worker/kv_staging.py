@@ -154,7 +154,8 @@ def adopt_pool(transfer, runner) -> None:
         transfer.extras = []
         return
     if buffer is not None:
-        runner.pool = KVPool(layout, buffer=buffer, caching=runner.pool.blocks.caching)
+        blocks = getattr(runner.pool, "blocks", None)
+        runner.pool = KVPool(layout, buffer=buffer, caching=blocks.caching if blocks is not None else True)
 
 
 class _LandingToken(DerivedToken):

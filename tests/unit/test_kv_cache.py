@@ -1,0 +1,116 @@
+"""The schedulers' view of the paged KV cache: admission with reuse and reservations, growth, caching the
+blocks a request completes (its prompt, then decode's generated tokens), and the event log routers read."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.kv_fixtures import kv_cache
+from xpyd.prefix_hash import block_hashes
+from xpyd.worker.kv_events import KVEventLog
+
+BS = 4
+
+
+def test_admit_allocates_now_and_reserves_the_rest():
+    cache = kv_cache(10)
+    kv = cache.admit([], num_tokens=5, final_tokens=13, reuse_tokens=4)
+    assert len(kv.blocks) == 2 and kv.reserved == 2 and cache.reserved == 2  # 13 tokens: 4 blocks in all
+    assert cache.allocator.num_referenced == 2 and kv.cached_tokens == 0
+    # 10 blocks - 2 held - 2 promised: a request needing 7 in all does not fit, one needing 6 does
+    assert cache.admit([], 4, 28, 0) is None and cache.reserved == 2 and cache.allocator.num_referenced == 2
+    other = cache.admit([], 4, 24, 0)
+    assert other is not None and cache.reserved == 7
+    cache.grow(kv, 9)  # into its reservation
+    assert len(kv.blocks) == 3 and kv.reserved == 1 and cache.reserved == 6
+    cache.grow(kv, 9)  # nothing more needed
+    assert len(kv.blocks) == 3
+    cache.free(kv)
+    cache.free(other)
+    assert cache.reserved == 0 and cache.allocator.num_referenced == 0
+    with pytest.raises(ValueError):
+        cache.admit([], 5, 4, 0)
+
+
+def test_a_cached_prefix_is_reused_up_to_the_limit_and_only_whole_blocks():
+    cache = kv_cache(12)
+    prompt = list(range(100, 111))  # 11 tokens: 2 full blocks and 3 more
+    hashes = cache.hashes(prompt)
+    assert hashes == block_hashes(prompt, BS, cache.seed) and len(hashes) == 2
+    first = cache.admit(hashes, 11, 11, reuse_tokens=10)
+    assert first.cached_tokens == 0 and cache.hit_tokens == 0 and cache.query_tokens == 11
+    cache.prompt_done(first, 11, prompt[8:])
+    assert [cache.allocator.hash_of(b) for b in first.blocks] == [*hashes, None]
+    second = cache.admit(hashes, 11, 11, reuse_tokens=10)
+    assert second.blocks[:2] == first.blocks[:2] and second.blocks[2] != first.blocks[2]
+    assert second.cached_tokens == 8 and cache.hit_tokens == 8
+    assert [cache.allocator.ref(b) for b in second.blocks] == [2, 2, 1]
+    # prefill computes at least the last token: an 8-token prompt (2 full blocks) reuses only the first
+    third = cache.admit(hashes, 8, 8, reuse_tokens=7)
+    assert third.cached_tokens == 4 and third.blocks[0] == first.blocks[0] and third.blocks[1] != first.blocks[1]
+    for kv in (first, second, third):
+        cache.free(kv)
+    assert cache.allocator.num_referenced == 0 and cache.allocator.num_cached == 2  # kept for the next one
+    cache.allocator.check()
+
+
+def test_hits_that_sit_on_the_free_list_count_against_admission():
+    cache = kv_cache(3)
+    prompt = list(range(8))
+    kv = cache.admit(cache.hashes(prompt), 8, 8, 8)
+    cache.prompt_done(kv, 8, [])
+    cache.free(kv)  # both blocks cached, unreferenced: they are the pool's free blocks too
+    assert cache.allocator.num_free == 3
+    # reusing both and growing by two more needs 4 blocks of 3
+    assert cache.admit(cache.hashes(prompt), 8, 16, 8) is None
+    fits = cache.admit(cache.hashes(prompt), 8, 12, 8)
+    assert fits is not None and fits.cached_tokens == 8 and fits.reserved == 1 and cache.allocator.num_free == 1
+    cache.free(fits)
+
+
+def test_decode_extends_the_chain_over_generated_tokens():
+    cache = kv_cache(8)
+    prompt = list(range(50, 56))  # 1 full block + 2
+    kv = cache.admit(cache.hashes(prompt), 6, 14, 6)
+    cache.prompt_done(kv, 6, prompt[4:])
+    generated = [7, 8, 9, 10, 11, 12]
+    for i, token in enumerate(generated):  # token i is fed at position 6 + i
+        cache.grow(kv, 6 + i + 1)
+        cache.append_tokens(kv, (token,))
+    # blocks 1 (positions 4-7) and 2 (8-11) filled: named as if the whole sequence had been a prompt
+    assert kv.hashes == block_hashes(prompt + generated, BS, cache.seed)
+    assert [cache.allocator.hash_of(b) for b in kv.blocks] == kv.hashes and len(kv.hashes) == 3
+    cache.free(kv)
+    follow_up = prompt + generated + [99]
+    again = cache.admit(cache.hashes(follow_up), 13, 13, 13)
+    assert again.cached_tokens == 12  # a follow-up turn finds the generated blocks too
+    cache.free(again)
+
+
+def test_caching_off_reuses_nothing_and_records_nothing():
+    cache = kv_cache(6, caching=False)
+    prompt = list(range(12))
+    for _ in range(2):
+        kv = cache.admit(cache.hashes(prompt), 12, 12, 11)
+        assert kv.cached_tokens == 0
+        cache.prompt_done(kv, 12, [])
+        cache.append_tokens(kv, [1, 2, 3, 4])
+        cache.free(kv)
+    assert cache.allocator.num_cached == 0 and cache.hit_tokens == 0 and cache.query_tokens == 0
+
+
+def test_event_log_serves_events_after_a_cursor_or_a_snapshot():
+    log = KVEventLog(max_events=4)
+    first = log.since(None, None)
+    assert first == {"epoch": log.epoch, "seq": 0, "snapshot": []}
+    log.record([11, 12], [])
+    assert log.since(log.epoch, 0) == {"epoch": log.epoch, "seq": 2, "events": [["stored", 11], ["stored", 12]]}
+    log.record([13], [11])
+    assert log.since(log.epoch, 2) == {"epoch": log.epoch, "seq": 4, "events": [["removed", 11], ["stored", 13]]}
+    assert log.since(log.epoch, 4)["events"] == []
+    log.record([14, 15], [])  # the log keeps 4 events: a reader at 0 fell behind
+    assert log.since(log.epoch, 0) == {"epoch": log.epoch, "seq": 6, "snapshot": [12, 13, 14, 15]}
+    assert log.since("another-process", 6)["snapshot"] == [12, 13, 14, 15]
+    assert log.since(log.epoch, 99)["snapshot"] == [12, 13, 14, 15]  # a cursor from the future: resync
+    assert log.since(log.epoch, 2)["events"] == [["removed", 11], ["stored", 13], ["stored", 14], ["stored", 15]]
+    assert log.num_cached == 4
