@@ -165,7 +165,7 @@ class PDCall:
         if self._stream is not None and self._stream.usage is not None:
             return self._stream.usage
         # The decode worker sent no usage chunk: count what we saw.
-        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded)
+        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded, self._first.usage.cached_tokens)
 
     def abort(self) -> None:
         """Cancel both calls and drop the decode stream, without waiting.

@@ -45,7 +45,7 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
         finish_reason = delta.finish_reason or finish_reason
     usage, name = call.usage, call.identity
     return completion_response(name.id, name.created, name.model, req.kind, "".join(parts), finish_reason,
-                               usage.prompt_tokens, usage.completion_tokens)
+                               usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
@@ -81,7 +81,7 @@ async def _stream(
             if req.include_usage:
                 usage = first.usage
                 yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,
-                                      usage.completion_tokens))
+                                      usage.completion_tokens, usage.cached_tokens))
         else:
             if first.text:
                 yield chunk(first.text, None)

@@ -30,7 +30,7 @@ ROUTES = {RequestKind.COMPLETION: "/v1/completions", RequestKind.CHAT: "/v1/chat
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
@@ -76,9 +76,11 @@ def _str_or_none(v: object) -> str | None:
 
 def parse_usage(d: dict) -> Usage:
     prompt, completion = d["prompt_tokens"], d["completion_tokens"]
-    if not (isinstance(prompt, int) and isinstance(completion, int)):
+    details = d.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") or 0 if isinstance(details, dict) else 0
+    if not (isinstance(prompt, int) and isinstance(completion, int) and isinstance(cached, int)):
         raise TypeError("usage token counts must be integers")
-    return Usage(prompt, completion)
+    return Usage(prompt, completion, cached)
 
 
 def parse_first_token(data: dict, kind: RequestKind) -> FirstToken:

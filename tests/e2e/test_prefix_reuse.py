@@ -1,0 +1,144 @@
+"""KV reuse across requests on a real 1P1D cluster (SmolLM2-135M, float32): prompts that share a prefix
+are answered from cached blocks on prefill (not computed again) and on decode (not moved again), with the
+same tokens as a cold run and as transformers ``generate``, also while the small cache evicts; a
+follow-up chat turn moves only the KV decode does not hold yet."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import start_1p1d
+from xpyd.worker.config import WorkerConfig
+
+MAX_MODEL_LEN = 512
+CACHE_TOKENS = 1024  # 64 blocks of 16: a handful of these prompts fill it
+BLOCK = WorkerConfig(role="prefill").block_size
+NEW_TOKENS = 12
+DOC = ("The river town kept its records in a stone tower by the bridge. Every spring the clerks climbed the "
+       "stairs with new ledgers, and every autumn they carried the old ones down to the cellar, where the damp "
+       "slowly turned the ink to a soft brown. Nobody remembered who had started the custom, but everyone "
+       "agreed that it mattered, because the tower was the one place the floods had never reached. ") * 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, smollm_dir: Path):
+    c, urls = start_1p1d(tmp_path_factory.mktemp("reuse"), str(smollm_dir), dtype="float32", batch_size=4,
+                         max_model_len=MAX_MODEL_LEN, extra=["--kv-cache-tokens", str(CACHE_TOKENS)])
+    yield urls
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xpyd.model.tokenizer import encode_chat, encode_prompt
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+
+    def generate(prompt=None, messages=None, max_tokens=NEW_TOKENS) -> tuple[list[int], str]:
+        ids = encode_chat(tok, messages) if messages is not None else encode_prompt(tok, prompt)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False)
+        new = out[0, len(ids):].tolist()
+        return ids, tok.decode(new, skip_special_tokens=True)
+
+    return generate
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/xpyd/stats", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def recv_bytes(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('xpyd_kv_transfer_bytes_total{') and 'direction="recv"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no recv byte counter")
+
+
+def complete(urls, prompt: str) -> dict:
+    return post(urls["proxy"], "/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+
+
+def test_shared_prefixes_are_reused_on_both_roles_with_the_same_tokens(cluster, reference):
+    a, b = DOC + "Question: who kept the records?", DOC + "Question: what happened every spring?"
+    ids_a, want_a = reference(prompt=a)
+    ids_b, want_b = reference(prompt=b)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)  # tokens the two prompts share
+    assert shared >= 4 * BLOCK
+    before = stats(cluster["decode"])
+
+    first = complete(cluster, a)
+    assert first["choices"][0]["text"] == want_a
+    assert first["usage"]["prompt_tokens"] == len(ids_a)
+    second = complete(cluster, b)  # its shared full blocks come from both caches
+    assert second["choices"][0]["text"] == want_b
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // BLOCK * BLOCK
+    again = complete(cluster, a)  # all of it but the last token's block
+    assert again["choices"][0]["text"] == want_a
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids_a) - 1) // BLOCK * BLOCK
+
+    after = stats(cluster["decode"])
+    reused = after["kv_reused_blocks"] - before["kv_reused_blocks"]
+    assert reused == shared // BLOCK + len(ids_a) // BLOCK  # decode pulled none of the blocks it held
+    for url in (cluster["prefill"], cluster["decode"]):
+        s = stats(url)
+        assert s["blocks_used"] == s["blocks_reserved"] == 0 and s["blocks_cached"] > 0
+
+
+def test_a_cache_over_capacity_evicts_and_answers_stay_exact(cluster, reference):
+    prompts = [f"Story {i}: " + DOC[i * 7:] + f" Chapter {i} begins" for i in range(6)]  # ~6 x 180 tokens
+    wants = [reference(prompt=p)[1] for p in prompts]
+    for _ in range(2):  # the second round finds some of the first's blocks and recomputes the evicted ones
+        for prompt, want in zip(prompts, wants):
+            assert complete(cluster, prompt)["choices"][0]["text"] == want
+    for url in (cluster["prefill"], cluster["decode"]):
+        s = stats(url)
+        assert s["blocks_cached"] <= s["blocks_total"] == CACHE_TOKENS // BLOCK
+        assert s["blocks_used"] == s["blocks_reserved"] == 0
+    p = stats(cluster["prefill"])
+    assert 0 < p["prefix_hit_tokens"] < p["prefix_query_tokens"]
+
+
+def test_a_follow_up_turn_moves_only_the_kv_decode_does_not_hold(cluster, reference, smollm_dir):
+    from xpyd.model.runner import kv_token_bytes
+
+    import torch
+
+    token_bytes = kv_token_bytes(smollm_dir, torch.float32)
+    turn1 = [{"role": "user", "content": DOC + "Summarise this in one sentence."}]
+    ids1, want1 = reference(messages=turn1, max_tokens=24)
+    body = {"messages": turn1, "max_tokens": 24, "temperature": 0}
+    r1 = post(cluster["proxy"], "/v1/chat/completions", body)
+    answer = r1["choices"][0]["message"]["content"]
+    assert answer == want1
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why the tower?"}]
+    ids2, want2 = reference(messages=turn2)
+    held = len(ids1) + r1["usage"]["completion_tokens"] - 1  # decode wrote the KV of all but its last token
+    assert ids2[: len(ids1)] == ids1
+    before = recv_bytes(cluster["decode"])
+    r2 = post(cluster["proxy"], "/v1/chat/completions", {"messages": turn2, "max_tokens": NEW_TOKENS, "temperature": 0})
+    assert r2["choices"][0]["message"]["content"] == want2
+    moved = recv_bytes(cluster["decode"]) - before
+    new_tokens = len(ids2) - held
+    # whole blocks move: the new tokens, the partly held block before them and the last block's padding
+    assert 0 < moved <= (new_tokens + 2 * BLOCK - 2) * token_bytes, (moved / token_bytes, new_tokens)
+    assert moved < len(ids2) * token_bytes / 2  # far less than the whole prompt
