@@ -1,12 +1,14 @@
 """Time one ModelRunner decode step (and a 256-token prefill) on the default model.
 
     .venv/bin/python scripts/bench_decode_step.py [--threads 1] [--dtype bfloat16] [--steps 32]
-                                                  [--batches 1,4,8] [--context 256]
+                                                  [--batches 1,4,8] [--context 256] [--block-size 16]
                                                   [--reference | --compare] [--attention LIST]
                                                   [--profile B]
 
 Prints the median ms per decode step for each batch size (each request prefilled with ~context
-tokens first) and the median prefill time for `context` tokens. --reference forces the general
+tokens first, into blocks scattered over the pool as a busy worker's are) and the median prefill time
+for `context` tokens, cold and after a cached prefix of all its full blocks but the last (the
+prefix cache's best case: only the tail is computed). --reference forces the general
 (HF-module) path; --compare times both alternately in one run (the fair before/after on a
 shared machine). --attention kernel,matmul times the lean forward with each decode attention
 alternately, the same way (`kernel+torch-pointwise`: RMSNorm and rotary as torch ops). --profile B prints a torch.profiler table of decode steps at batch B.
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--reference", action="store_true", help="use the general (HF-module) path")
     ap.add_argument("--compare", action="store_true",
                     help="time the fast and the general path alternately (in rounds of 4 steps) in one run")
@@ -53,8 +56,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = ensure_converted(None).path
     t0 = time.perf_counter()
-    runner = ModelRunner(model_dir, getattr(torch, args.dtype), num_slots=max(batches),
-                         max_seq_len=args.context + 2 * args.steps + 16)
+    max_len = args.context + 2 * args.steps + 16
+    per_request = -(-max_len // args.block_size)
+    runner = ModelRunner(model_dir, getattr(torch, args.dtype), num_blocks=(max(batches) + 1) * per_request,
+                         max_seq_len=max_len, block_size=args.block_size)
+    blocks = runner.pool.blocks
     if args.attention:
         modes = [a.strip() for a in args.attention.split(",")]
     else:
@@ -77,30 +83,48 @@ def main() -> None:
     def prompt(i: int) -> list[int]:
         return torch.randint(3, runner.vocab_size, (args.context - i,), generator=gen).tolist()
 
-    slot = runner.pool.allocate()
+    def scattered(n: int) -> list[int]:
+        """``n`` blocks spread over the pool in random order, as a worker's requests get them."""
+        everything = blocks.allocate(blocks.num_free)
+        order = torch.randperm(len(everything), generator=gen).tolist()
+        blocks.release([everything[i] for i in order])
+        return blocks.allocate(n)
+
+    ids = prompt(0)
+    cached = (len(ids) - 1) // args.block_size * args.block_size  # every full block but the last computed token's
+    table = scattered(-(-len(ids) // args.block_size))
     for mode in modes[:1] if args.attention else modes:  # the attention does not change prefill
         use(mode)
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            runner.prefill(slot, prompt(0))
-            times.append(time.perf_counter() - t)
-        print(f"[{mode}] prefill {args.context} tokens: {statistics.median(times) * 1e3:.1f} ms (median of 3)")
-    runner.pool.free(slot)
+        for start in (0, cached):
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                runner.prefill(table, ids, start=start)
+                times.append(time.perf_counter() - t)
+            print(f"[{mode}] prefill {args.context} tokens from {start}: {statistics.median(times) * 1e3:.1f} ms "
+                  "(median of 3)")
+    blocks.release(table)
 
     for batch in batches:
-        slots = [runner.pool.allocate() for _ in range(batch)]
         prompts = [prompt(i) for i in range(batch)]  # slightly different lengths
-        for s, p in zip(slots, prompts):
-            runner.prefill(s, p)
+        tables = [scattered(-(-len(p) // args.block_size)) for p in prompts]
+        for table, p in zip(tables, prompts):
+            runner.prefill(table, p)
         pos = [len(p) for p in prompts]
         toks = [5] * batch
         times: dict[str, list[float]] = {mode: [] for mode in modes}
+
+        def grow() -> None:
+            for table, p in zip(tables, pos):
+                if p // args.block_size == len(table):
+                    table += blocks.allocate(1)
+
         for step in range(args.steps * len(modes)):
             mode = modes[(step // 4) % len(modes)]
             use(mode)
+            grow()
             t = time.perf_counter()
-            logits = runner.decode(slots, toks, pos)
+            logits = runner.decode(tables, toks, pos)
             times[mode].append(time.perf_counter() - t)
             toks = logits.argmax(-1).tolist()
             pos = [p + 1 for p in pos]
@@ -112,12 +136,13 @@ def main() -> None:
         if batch == args.profile:
             from torch.profiler import ProfilerActivity, profile
 
+            grow()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(8):
-                    runner.decode(slots, toks, pos)
+                    runner.decode(tables, toks, pos)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-        for s in slots:
-            runner.pool.free(s)
+        for table in tables:
+            blocks.release(table)
 
 
 if __name__ == "__main__":

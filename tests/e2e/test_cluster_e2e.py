@@ -70,7 +70,7 @@ def sampled_reference(smollm_dir: Path):
     from xpyd.model.tokenizer import encode_prompt, load_tokenizer
 
     torch.set_num_threads(1)  # as the workers (--threads 1)
-    runner = ModelRunner(smollm_dir, torch.float32, num_slots=1, max_seq_len=MAX_MODEL_LEN)
+    runner = ModelRunner(smollm_dir, torch.float32, num_blocks=MAX_MODEL_LEN // 16, max_seq_len=MAX_MODEL_LEN)
     tok = load_tokenizer(smollm_dir)
 
     def generate(body: dict) -> tuple[str, int, str]:
@@ -79,14 +79,17 @@ def sampled_reference(smollm_dir: Path):
         generator = make_generator(params.seed)
         out = OutputProcessor(tok, StopParams(max_tokens=body["max_tokens"], eos_token_ids=runner.eos_token_ids))
         ids = encode_prompt(tok, body["prompt"])
-        slot = runner.pool.allocate()
+        blocks = runner.pool.blocks
+        table = blocks.allocate(runner.pool.layout.blocks_for(len(ids)))
         try:
-            token = sample(runner.prefill(slot, ids).unsqueeze(0), [params], [generator])[0]
+            token = sample(runner.prefill(table, ids).unsqueeze(0), [params], [generator])[0]
             while out.append(token)[1] is None:
                 position = len(ids) + len(out.token_ids) - 1
-                token = sample(runner.decode([slot], [token], [position]), [params], [generator])[0]
+                if position // runner.block_size == len(table):  # the token starts a new block
+                    table += blocks.allocate(1)
+                token = sample(runner.decode([table], [token], [position]), [params], [generator])[0]
         finally:
-            runner.pool.free(slot)
+            blocks.release(table)
         return out.text, len(out.token_ids), out.finished.value
 
     return generate

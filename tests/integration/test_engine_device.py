@@ -5,7 +5,7 @@ machine does not have is refused at startup (CPU only here; GPUs are untested).
 'meta' tensors stand in for a GPU where a test needs a device that is not the CPU: they carry no data.
 `DeviceLedger` watches every aten op while a step runs on 'meta': it records each copy between the host
 and the device, and any op that takes tensors of both (what a per-step tensor made on the host, e.g.
-positions, slot indices or a mask, would do); a copy off 'meta' gives a host tensor of a chosen byte.
+positions, block tables or a mask, would do); a copy off 'meta' gives a host tensor of a chosen byte.
 """
 
 from __future__ import annotations
@@ -112,44 +112,56 @@ def tensor_devices(obj, seen: set[int] | None = None) -> set[str]:
 
 
 def test_explicit_cpu_device_gives_the_default_runner(tiny_model_dir):
-    default = ModelRunner(tiny_model_dir, torch.float32, num_slots=2, max_seq_len=64)
-    explicit = ModelRunner(tiny_model_dir, torch.float32, num_slots=2, max_seq_len=64, device=torch.device("cpu"))
+    default = ModelRunner(tiny_model_dir, torch.float32, num_blocks=4, max_seq_len=64, block_size=4)
+    explicit = ModelRunner(tiny_model_dir, torch.float32, num_blocks=4, max_seq_len=64, block_size=4,
+                           device=torch.device("cpu"))
     assert explicit.device == torch.device("cpu") and explicit.pool.device == torch.device("cpu")
     assert explicit.fast_path.device == torch.device("cpu")
     assert tensor_devices(explicit.model) == {"cpu"} and explicit.pool.tensor.device.type == "cpu"
     assert tensor_devices(explicit.fast_path) == {"cpu"}
     prompt = [1, 5, 9, 2, 7]
-    for runner in (default, explicit):
-        runner.slot = runner.pool.allocate()
-    first = [r.prefill(r.slot, prompt) for r in (default, explicit)]
+    runners = (default, explicit)
+    tables = [r.pool.blocks.allocate(2) for r in runners]
+    first = [r.prefill(t, prompt) for r, t in zip(runners, tables)]
     assert torch.equal(first[0], first[1]) and first[1].device.type == "cpu"
-    steps = [r.decode([r.slot], [3], [len(prompt)]) for r in (default, explicit)]
+    steps = [r.decode([t], [3], [len(prompt)]) for r, t in zip(runners, tables)]
     assert torch.equal(steps[0], steps[1])
-    explicit.use_fast_path(False)
-    default.use_fast_path(False)
-    steps = [r.decode([r.slot], [4], [len(prompt) + 1]) for r in (default, explicit)]
+    for r, t in zip(runners, tables):
+        r.use_fast_path(False)
+        r.pool.blocks.acquire(t[:1])
+    # the general path, decoding and prefilling after a shared block
+    steps = [r.decode([t], [4], [len(prompt) + 1]) for r, t in zip(runners, tables)]
     assert torch.equal(steps[0], steps[1])
+    shared = [t[:1] + r.pool.blocks.allocate(1) for r, t in zip(runners, tables)]
+    steps = [r.prefill(t, prompt[:4] + [8, 8], start=4) for r, t in zip(runners, shared)]
+    assert torch.equal(steps[0], steps[1])
+    for r, t, s in zip(runners, tables, shared):
+        r.pool.blocks.release(t + s)
+        assert r.pool.num_used == 0
 
 
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])
-@pytest.mark.parametrize("slots", [[0], [0, 1, 2], [5, 1]])  # one request, the batched window, per request
-def test_lean_forward_runs_on_a_non_cpu_device(tiny_model_dir, attention, slots):
+@pytest.mark.parametrize("batch", [  # (tables, positions): one request, a padded batch, per request (ragged)
+    ([[3]], [6]), ([[3], [0, 1], [6, 2]], [6, 20, 17]), ([[3, 5, 7], [0], [6]], [40, 2, 3])],
+    ids=["one", "padded", "per-request"])
+def test_lean_forward_runs_on_a_non_cpu_device(tiny_model_dir, attention, batch):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16).eval().to("meta")
     fast = FastLlama(model, 64, torch.bfloat16, decode_attention=attention)
     assert fast.device.type == "meta" and fast.cos.device.type == "meta"
     assert all(lin.packed is None for lin in (fast.lm_head, fast.layers[0].qkv))  # oneDNN packing is CPU-only
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    pool = torch.zeros(8, 64, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, head_dim, dtype=torch.bfloat16,
+    pool = torch.zeros(8, cfg.num_key_value_heads, cfg.num_hidden_layers, 2, 16, head_dim, dtype=torch.bfloat16,
                        device="meta")
     assert tensor_devices(fast) == {"meta"}  # weights, fused weights, rotary tables
-    ids = torch.tensor([1, 2, 3, 4, 5, 6], device="meta")
+    tables, positions = batch
     with torch.inference_mode(), DeviceLedger() as ledger:
-        logits = fast.prefill(pool[0, :6], ids)
+        logits = fast.prefill(pool, [3], torch.tensor([1, 2, 3, 4, 5, 6], device="meta"))
         assert logits.shape == (cfg.vocab_size,) and logits.device.type == "meta"
-        positions = [6 + i for i in range(len(slots))]
-        logits = fast.decode(pool, slots, positions, torch.tensor([7] * len(slots), device="meta"))
-    assert logits.shape == (len(slots), cfg.vocab_size) and logits.device.type == "meta"
+        logits = fast.prefill(pool, [3, 4], torch.tensor([5, 6], device="meta"), start=16)  # after a cached block
+        assert logits.shape == (cfg.vocab_size,) and logits.device.type == "meta"
+        logits = fast.decode(pool, tables, positions, torch.tensor([7] * len(tables), device="meta"))
+    assert logits.shape == (len(tables), cfg.vocab_size) and logits.device.type == "meta"
     assert ledger.mixed == []  # no per-step tensor was made on the host
     assert ledger.copies == []  # and none was copied over: the lean forward makes them on its device
     with pytest.raises(ValueError, match="CPU-only"):
@@ -158,15 +170,22 @@ def test_lean_forward_runs_on_a_non_cpu_device(tiny_model_dir, attention, slots)
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "general-forward"])
 def test_runner_on_a_device_keeps_weights_pool_and_every_step_there(tiny_model_dir, lean):
-    runner = ModelRunner(tiny_model_dir, torch.float32, num_slots=3, max_seq_len=64, device="meta")
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=8, max_seq_len=64, block_size=4, device="meta")
     runner.use_fast_path(lean)
     assert tensor_devices(runner.model) == {"meta"}
     assert runner.pool.tensor.device.type == "meta" and tensor_devices(runner.fast_path) == {"meta"}
     vocab = runner.vocab_size
-    prompts = [[1, 5, 9, 2, 7], [4, 4, 8]]
-    slots = [runner.pool.allocate() for _ in prompts]
-    steps = [(lambda s=s, p=p: runner.prefill(s, p), len(p), vocab) for s, p in zip(slots, prompts)]
-    steps.append((lambda: runner.decode(slots, [3, 6], [len(p) for p in prompts]), 2, 2 * vocab))
+    prompts = [[1, 5, 9, 2, 7], [4, 4, 8], [1, 5, 9, 2, 6, 6]]  # the third after the first one's first block
+    tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
+
+    def prefill_after_shared_block():
+        runner.pool.blocks.acquire(tables[0][:1])
+        tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
+        return runner.prefill(tables[2], prompts[2], start=4)
+
+    steps = [(lambda t=t, p=p: runner.prefill(t, p), len(p), vocab) for t, p in zip(tables, prompts[:2])]
+    steps.append((prefill_after_shared_block, 2, vocab))
+    steps.append((lambda: runner.decode(tables, [3, 6, 9], [len(p) for p in prompts]), 3, 3 * vocab))
     for step, num_ids, num_logits in steps:
         with DeviceLedger(fill=0) as ledger:
             logits = step()
@@ -175,14 +194,16 @@ def test_runner_on_a_device_keeps_weights_pool_and_every_step_there(tiny_model_d
         # per step, one copy each way: at most the token ids in, exactly the logits out
         assert [(c.numel, c.dtype) for c in ledger.to_device()] in ([], [(num_ids, torch.long)]), ledger.copies
         assert [(c.numel, c.dtype) for c in ledger.to_host()] == [(num_logits, torch.float32)], ledger.copies
-    assert [runner.pool.num_tokens(s) for s in slots] == [len(p) + 1 for p in prompts]
+    for table in tables:
+        runner.pool.blocks.release(table)
+    assert runner.pool.num_used == 0
 
 
 def test_staged_transfer_copies_a_device_pool_through_host_memory():
     """A pool on a device under a host-memory backend: send copies exactly the request's bytes device ->
     host before the backend sends them; a receive copies host -> device exactly the bytes that arrived,
     and only when its token is polled."""
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_slots=3, max_seq_len=8)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_blocks=6, block_size=4)
     net = FakeNetwork()
     src_pool, dst_pool = KVPool(layout, device="meta"), KVPool(layout, device="meta")
     backend = FakeTransferBackend(net, auto_complete=True)
@@ -192,27 +213,31 @@ def test_staged_transfer_copies_a_device_pool_through_host_memory():
     assert isinstance(sender, StagedTransfer) and isinstance(receiver, StagedTransfer)
     peer = receiver.register(dst_pool.buffer())
     sender.register(src_pool.buffer())
-    n = 5
-    src_slot = [src_pool.allocate() for _ in range(2)][1]
-    dst_slot = [dst_pool.allocate() for _ in range(3)][2]
-    src, dst = Region(*src_pool.byte_range(src_slot, n)), Region(*dst_pool.byte_range(dst_slot, n))
-    assert src != dst
+    src_blocks = src_pool.blocks.allocate(3)[1:]  # a request's two blocks: adjacent here, not there
+    dst_blocks = dst_pool.blocks.allocate(5)[2::2]
+    (src,), (dst, dst2) = [Region(*r) for r in src_pool.byte_ranges(src_blocks)], \
+        [Region(*r) for r in dst_pool.byte_ranges(dst_blocks)]
+    assert src.offset != dst.offset and src.length == dst.length + dst2.length
     host = {name: torch.frombuffer(pool.buffer(), dtype=torch.uint8) for name, pool in
             (("src", src_pool), ("dst", dst_pool))}
 
     with DeviceLedger(fill=0xA5) as ledger:
-        token = receiver.expect("t1", [dst])
+        token = receiver.expect("t1", [dst, dst2])
         assert ledger.copies == []
-        assert sender.send("t1", [src], peer, [dst]).done()
+        assert sender.send("t1", [src], peer, [dst, dst2]).done()
         assert ledger.copies == [Copy("meta", "cpu", src.length, torch.uint8, src.offset)]  # the request only
         # the pool's bytes (0xA5) went through the sender's host copy into the receiver's
         assert set(host["src"][src.offset : src.end].tolist()) == {0xA5}
         assert host["src"].count_nonzero() == src.length
-        assert set(host["dst"][dst.offset : dst.end].tolist()) == {0xA5}
+        for r in (dst, dst2):
+            assert set(host["dst"][r.offset : r.end].tolist()) == {0xA5}
+        assert host["dst"].count_nonzero() == src.length
         assert len(ledger.copies) == 1  # not in the receiver's pool until its token is polled
         assert token.done()
-    assert ledger.copies[1:] == [Copy("cpu", "meta", dst.length, torch.uint8, dst.offset, (0xA5,))]
+    assert ledger.copies[1:] == [Copy("cpu", "meta", r.length, torch.uint8, r.offset, (0xA5,)) for r in (dst, dst2)]
     assert receiver.outstanding() == set() and ledger.mixed == []
+    src_pool.blocks.release(src_blocks)
+    dst_pool.blocks.release(dst_blocks)
 
 
 def test_device_names_are_checked():

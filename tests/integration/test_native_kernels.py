@@ -13,7 +13,7 @@ from xpyd.model import native
 from xpyd.model.llama_fast import FastLlama, _rms_norm
 from xpyd.model.runner import ModelRunner
 
-from tests.integration.test_model_runner import prompt_of
+from tests.integration.test_model_runner import decode, new_seq, prefill, prompt_of, release, scattered
 
 BF16 = torch.bfloat16
 
@@ -102,54 +102,69 @@ def test_kernel_runs_on_torchs_openmp_runtime(kernel):
 
 
 def test_bfloat16_runner_uses_the_kernel_and_batches_equal_single_requests(tiny_model_dir, kernel):
-    runner = ModelRunner(tiny_model_dir, BF16, num_slots=6, max_seq_len=64)
+    """Scattered block tables over stale KV, the last request sharing the first one's leading blocks: the
+    kernel's batch equals each request alone, and the torch matmul attention."""
+    runner = ModelRunner(tiny_model_dir, BF16, num_blocks=96, max_seq_len=64, block_size=5)
     assert runner.fast_path.decode_attention == "kernel"
-    slots = [runner.pool.allocate() for _ in range(6)]
-    for slot in slots:  # stale KV everywhere; each request must see only its own live tokens
-        runner.prefill(slot, prompt_of(40, 90 + slot))
-    chosen = [4, 0, 2]
-    prompts = {s: prompt_of(3 + 9 * i, 100 + s) for i, s in enumerate(chosen)}
-    first = {s: int(runner.prefill(s, prompts[s]).argmax()) for s in chosen}
-    positions = [len(prompts[s]) for s in chosen]
-    batched = runner.decode(chosen, [first[s] for s in chosen], positions)
-    for i, s in enumerate(chosen):
-        runner.pool.set_num_tokens(s, len(prompts[s]))
-        alone = runner.decode([s], [first[s]], [len(prompts[s])])[0]
-        torch.testing.assert_close(batched[i], alone, rtol=2e-2, atol=2e-2)  # bf16 GEMMs at M=1 vs M=3
-        runner.pool.set_num_tokens(s, len(prompts[s]))
-        runner.fast_path.decode_attention = "matmul"
-        torch.testing.assert_close(runner.decode([s], [first[s]], [len(prompts[s])])[0], alone, rtol=2e-2, atol=2e-2)
-        runner.fast_path.decode_attention = "kernel"
+    pool = runner.pool
+    stale = scattered(pool, pool.blocks.num_free, seed=1)
+    for i in range(0, len(stale) - 8, 8):  # stale KV everywhere; each request must see only its own live tokens
+        runner.prefill(stale[i : i + 8], prompt_of(40, 90 + i))
+    pool.blocks.release(stale)
+    prompts = [prompt_of(3 + 9 * i, 100 + i) for i in range(3)]
+    seqs = [new_seq(pool, p, seed=2 + i) for i, p in enumerate(prompts)]
+    try:
+        for s in seqs:
+            prefill(runner, s)
+        seqs.append(new_seq(pool, prompts[2][:10] + prompt_of(8, 104), seed=5, prefix=seqs[2].table[:2]))
+        prefill(runner, seqs[-1])
+        positions = [len(s.prompt) for s in seqs]
+        for s, pos in zip(seqs, positions):
+            s.table += pool.blocks.allocate(pool.layout.blocks_for(pos + 1) - len(s.table))
+        batched = runner.decode([s.table for s in seqs], [s.out[0] for s in seqs], positions)
+        for i, s in enumerate(seqs):
+            alone = runner.decode([s.table], [s.out[0]], [positions[i]])[0]
+            torch.testing.assert_close(batched[i], alone, rtol=2e-2, atol=2e-2)  # bf16 GEMMs at M=1 vs M=4
+            runner.fast_path.decode_attention = "matmul"
+            torch.testing.assert_close(runner.decode([s.table], [s.out[0]], [positions[i]])[0], alone, rtol=2e-2,
+                                       atol=2e-2)
+            runner.fast_path.decode_attention = "kernel"
+    finally:
+        release(pool, seqs)
+    assert pool.num_used == 0
 
 
 def test_native_and_torch_steps_pick_the_same_greedy_tokens(smollm_dir, kernel, pointwise):
     """The real model, three requests of different lengths decoded together for 16 steps: native
     attention and pointwise steps vs torch's matmul attention and ops."""
-    runner = ModelRunner(smollm_dir, BF16, num_slots=3, max_seq_len=256)
+    runner = ModelRunner(smollm_dir, BF16, num_blocks=32, max_seq_len=256)
     assert runner.fast_path.native_pointwise
     prompts = [[1, *range(100 + 7 * i, 160 + 11 * i)] for i in range(3)]
+    prompts.append(prompts[2])  # the third again, prefilled after the third one's first two blocks
     tokens = {}
     for attention in ("kernel", "matmul"):
         runner.fast_path.decode_attention = attention
         runner.fast_path.native_pointwise = attention == "kernel"
-        slots = [runner.pool.allocate() for _ in prompts]
-        step = [int(runner.prefill(s, p).argmax()) for s, p in zip(slots, prompts)]
-        positions = [len(p) for p in prompts]
-        tokens[attention] = [step]
-        for _ in range(16):
-            step = runner.decode(slots, step, positions).argmax(-1).tolist()
-            positions = [p + 1 for p in positions]
-            tokens[attention].append(step)
-        for s in slots:
-            runner.pool.free(s)
+        seqs = [new_seq(runner.pool, p, seed=i) for i, p in enumerate(prompts[:3])]
+        try:
+            for s in seqs:
+                prefill(runner, s)
+            seqs.append(new_seq(runner.pool, prompts[3], seed=3, prefix=seqs[2].table[:2]))
+            prefill(runner, seqs[3])
+            for _ in range(16):
+                decode(runner, seqs)
+        finally:
+            release(runner.pool, seqs)
+        tokens[attention] = [s.out for s in seqs]
     assert tokens["kernel"] == tokens["matmul"]
+    assert runner.pool.num_used == 0
 
 
 def test_without_a_compiler_the_matmul_attention_is_used(fresh_native, monkeypatch, tiny_model_dir):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert native.load_decode_attention() is None
     assert "no C compiler" in native.unavailable_reason()
-    runner = ModelRunner(tiny_model_dir, BF16, num_slots=1, max_seq_len=64)
+    runner = ModelRunner(tiny_model_dir, BF16, num_blocks=1, max_seq_len=64)
     assert runner.fast_path.decode_attention == "matmul" and not runner.fast_path.native_pointwise
     with pytest.raises(ValueError, match="unavailable: no C compiler"):
         runner.fast_path.decode_attention = "kernel"
@@ -175,7 +190,7 @@ def test_a_build_is_cached_per_cpu(fresh_native, monkeypatch):
 
 
 def test_float32_and_other_devices_keep_their_attention(tiny_model_dir, kernel):
-    model = ModelRunner(tiny_model_dir, torch.float32, num_slots=1, max_seq_len=64).model
+    model = ModelRunner(tiny_model_dir, torch.float32, num_blocks=1, max_seq_len=64).model
     fp32 = FastLlama(model, 64, torch.float32)
     assert fp32.decode_attention == "sdpa" and not fp32.native_pointwise  # transformers' own ops
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):
@@ -200,7 +215,7 @@ def test_rms_norm_is_transformers_rms_norm(pointwise):
 
 
 def test_rope_is_the_torch_rotary_step(tiny_model_dir, pointwise):
-    model = ModelRunner(tiny_model_dir, BF16, num_slots=1, max_seq_len=64).model
+    model = ModelRunner(tiny_model_dir, BF16, num_blocks=1, max_seq_len=64).model
     fast = FastLlama(model, 64, BF16)
     assert fast.native_pointwise
     heads = fast.num_heads + 2 * fast.num_kv_heads

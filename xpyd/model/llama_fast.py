@@ -318,7 +318,8 @@ class FastLlama:
         where = paged.RowIndex(
             torch.tensor([t[p // block_size] for t, p in zip(tables, positions)], device=self.device),
             pos_t % block_size)
-        attend_rows = self._matmul_attention if self.decode_attention == "matmul" else self._sdpa_attention
+        matmul = self._decode_attention == "matmul"
+        attend_rows = self._matmul_attention if matmul else self._sdpa_attention
         lengths = [p + 1 for p in positions]
         longest = max(lengths)
         if batch > 1 and batch * longest > 2 * sum(lengths):
@@ -338,7 +339,7 @@ class FastLlama:
         mask = None
         if batch > 1 and min(lengths) < longest:
             mask = (torch.arange(longest, device=self.device) <= pos_t.unsqueeze(1)).view(batch, 1, 1, longest)
-            if attend_rows is self._matmul_attention:  # additive, float32
+            if matmul:  # additive, float32 (a bool mask added to the scores would mask nothing)
                 mask = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))
 
         def batched(index, q, k_new, v_new):

@@ -34,12 +34,10 @@ def write(pool: torch.Tensor, layer: int, where: RowIndex, k: torch.Tensor, v: t
 
 
 def padded_tables(tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
-    """[B, num_blocks] int64: each table's first ``num_blocks`` entries, rows padded with block 0."""
-    out = torch.zeros((len(tables), num_blocks), dtype=torch.int64)
-    for i, table in enumerate(tables):
-        row = table[:num_blocks]
-        out[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.int64)
-    return out if device.type == "cpu" else out.to(device)
+    """[B, num_blocks] int64 on ``device`` (made there, as `rows_of`'s): each table's first ``num_blocks``
+    entries, rows padded with block 0."""
+    rows = [list(table[:num_blocks]) for table in tables]
+    return torch.tensor([row + [0] * (num_blocks - len(row)) for row in rows], dtype=torch.int64, device=device)
 
 
 def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

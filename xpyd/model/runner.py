@@ -138,13 +138,18 @@ class ModelRunner:
     @_released
     def prefill(self, blocks: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Run the prompt ``token_ids`` from position ``start`` on (the K/V of [0, start) are already in
-        ``blocks``), writing the K/V of [start, n) into ``blocks``; float32 logits [vocab] of the last token."""
+        ``blocks``), writing the K/V of [start, n) into ``blocks``; float32 logits [vocab] of the last token.
+
+        The blocks of [start, n) must be the request's own: held, and by no other request (a shared block
+        is another request's prefix too). ValueError, and nothing written, for a bad table or start."""
         n = len(token_ids)
         if not 1 <= n <= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
-        if not 0 <= start < n:
-            raise ValueError(f"prefill from position {start} of a {n}-token prompt (at least one token is computed)")
-        self._check_table(blocks, n)
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n:
+            raise ValueError(f"prefill from position {start!r} of a {n}-token prompt: start is an int in [0, {n}) "
+                             "(at least one token is computed)")
+        blocks = self._table(blocks, n)
+        self._check_own(blocks[start // self.block_size :])
         ids = self._ids(token_ids[start:])
         if self._use_fast:
             logits = self._fast.prefill(self.pool.tensor, blocks, ids, start)
@@ -175,19 +180,22 @@ class ModelRunner:
         """One step for a batch: token i sits at positions[i] of the request whose blocks are tables[i]
         and attends over [0, positions[i]].
 
-        Positions [0, positions[i]) of each request must already hold KV. Returns float32 logits [B, vocab].
+        Positions [0, positions[i]) of each request must already hold KV; the block of positions[i] must be
+        the request's own (held by it alone), and no two requests write one row. Returns float32 logits
+        [B, vocab]; ValueError, and nothing written, for a bad batch.
         """
         batch = len(tables)
         if batch == 0 or len(token_ids) != batch or len(positions) != batch:
             raise ValueError("decode needs equally long, non-empty tables, token_ids and positions")
         bs = self.block_size
-        for table, pos in zip(tables, positions):
-            if not 0 <= pos < self.max_model_len:
-                raise ValueError(f"position {pos} outside [0, {self.max_model_len})")
-            self._check_table(table, pos + 1)
+        for pos in positions:
+            if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.max_model_len:
+                raise ValueError(f"position {pos!r} outside [0, {self.max_model_len})")
+        tables = [self._table(t, p + 1) for t, p in zip(tables, positions)]
         written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
         if len(set(written)) != batch:
             raise ValueError("two requests of one decode batch write the same KV row")
+        self._check_own([b for b, _ in written])
         if self._use_fast:
             logits = self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
             return logits if self._on_cpu else logits.cpu()
@@ -221,16 +229,31 @@ class ModelRunner:
         finally:
             self.pool.blocks.release(blocks)
 
-    def _check_table(self, blocks: list[int], num_tokens: int) -> None:
-        """``blocks`` must hold ``num_tokens`` tokens, with ids inside the pool (a bad id must never reach
-        the in-place writes)."""
+    def _table(self, blocks: list[int], num_tokens: int) -> list[int]:
+        """The leading blocks of ``blocks`` that hold ``num_tokens`` tokens. Every id of ``blocks`` must be a
+        block of the pool, and none may repeat among those (a bad id must never reach the in-place
+        writes); the forward passes see only these, so no block past them is ever read."""
         need = self.pool.layout.blocks_for(num_tokens)
         if len(blocks) < need:
             raise ValueError(f"{len(blocks)} KV blocks cannot hold {num_tokens} tokens (need {need})")
         count = self.pool.layout.num_blocks
-        for b in blocks[:need]:
+        for b in blocks:
             if type(b) is not int or not 0 <= b < count:
                 raise ValueError(f"KV block {b!r} does not exist (pool has {count})")
+        table = list(blocks[:need])
+        if len(set(table)) != need:
+            raise ValueError(f"a block appears twice in one request's blocks {table}: two positions, one row")
+        return table
+
+    def _check_own(self, blocks: list[int]) -> None:
+        """New KV goes only into blocks exactly one request holds: a shared block is another request's
+        (cached) prefix, and an unheld one may be handed out or evicted meanwhile."""
+        alloc = self.pool.blocks
+        for b in blocks:
+            ref = alloc.ref(b)
+            if ref != 1:
+                held = "not held by any request" if ref == 0 else f"shared by {ref} requests"
+                raise ValueError(f"KV block {b} is {held}: new KV is written only into a request's own blocks")
 
     def _ids(self, token_ids: list[int]) -> torch.Tensor:
         """Token ids on the runner's device, checked on the CPU first (no device sync for the check)."""
