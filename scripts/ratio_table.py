@@ -1,4 +1,5 @@
-"""Markdown table of the serving suite (scripts/bench_suite.sh) for a baseline and xpyd, with ratios.
+"""Markdown table of the serving suites (scripts/bench_suite.sh, scripts/bench_prefix.sh) for a baseline and
+xpyd, with ratios (rows whose JSON is missing are left out).
 
     python scripts/ratio_table.py docs/bench/vllm docs/bench/xpyd_di [--names "vLLM CPU" "xpyd 1P1D"]
 """
@@ -18,7 +19,19 @@ ROWS = [  # (file suffix, label, metric, lower is better)
     ("stall", "prefill-stall", "short-stream ITL p99 (ms)", lambda d: d["classes"]["short"]["itl_ms"]["p99"]),
     ("stall", "prefill-stall", "ITL p99, all (ms)", lambda d: d["itl_ms"]["p99"]),
     ("stall", "prefill-stall", "output tok/s", lambda d: d["output_tokens_per_s"]),
+    ("shared", "shared-prefix", "TTFT p50 (ms)", lambda d: d["ttft_ms"]["p50"]),
+    ("shared", "shared-prefix", "ITL p50 (ms)", lambda d: d["itl_ms"]["p50"]),
+    ("shared", "shared-prefix", "output tok/s", lambda d: d["output_tokens_per_s"]),
+    ("shared", "shared-prefix", "prefix-cache hit rate", lambda d: d["prefix_cache"]["hit_rate"]),
+    ("multiturn", "multi-turn", "TTFT p50 (ms)", lambda d: d["ttft_ms"]["p50"]),
+    ("multiturn", "multi-turn", "ITL p50 (ms)", lambda d: d["itl_ms"]["p50"]),
+    ("multiturn", "multi-turn", "output tok/s", lambda d: d["output_tokens_per_s"]),
+    ("multiturn", "multi-turn", "prefix-cache hit rate", lambda d: d["prefix_cache"]["hit_rate"]),
 ]
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def main() -> None:
@@ -33,9 +46,14 @@ def main() -> None:
         try:
             a = get(json.load(open(f"{args.baseline}_{suffix}.json")))
             b = get(json.load(open(f"{args.ours}_{suffix}.json")))
-        except (OSError, KeyError):
+        except (OSError, KeyError, TypeError):
             continue
-        print(f"| {label} | {metric} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+        if a is None or b is None:
+            print(f"| {label} | {metric} | {_fmt(a)} | {_fmt(b)} | |")
+            continue
+        digits = 2 if "rate" in metric else 1
+        ratio = f"{b / a:.2f}" if a else ""
+        print(f"| {label} | {metric} | {a:.{digits}f} | {b:.{digits}f} | {ratio} |")
 
 
 if __name__ == "__main__":
