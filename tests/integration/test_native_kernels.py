@@ -43,54 +43,144 @@ def fresh_native(monkeypatch, tmp_path):
     return tmp_path
 
 
-def reference(q, pool, layer, slots, lens, scale):
-    """float32 softmax(q k^T * scale) v per request and query head (GQA: head h reads KV head h // group)."""
+def reference(q, pool, layer, tables, lens, scale):
+    """float32 softmax(q k^T * scale) v per request and query head (GQA: head h reads KV head h // group),
+    each request's tokens gathered block by block through its table."""
     batch, heads, hd = q.shape
-    kv_heads = pool.shape[4]
+    kv_heads, block_size = pool.shape[1], pool.shape[4]
     group = heads // kv_heads
     out = torch.empty(batch, heads, hd)
-    for b, (slot, n) in enumerate(zip(slots, lens)):
-        keys, values = pool[slot, :n, layer, 0].float(), pool[slot, :n, layer, 1].float()  # [n, kvh, hd]
+    for b, n in enumerate(lens):
+        blocks = [int(i) for i in tables[b, : -(-n // block_size)]]
+        kv = torch.cat([pool[i, :, layer] for i in blocks], dim=2)[:, :, :n].float()  # [kvh, 2, n, hd]
         for h in range(heads):
-            scores = keys[:, h // group] @ q[b, h].float() * scale
-            out[b, h] = torch.softmax(scores, 0) @ values[:, h // group]
+            keys, values = kv[h // group, 0], kv[h // group, 1]
+            scores = keys @ q[b, h].float() * scale
+            out[b, h] = torch.softmax(scores, 0) @ values
     return out.to(BF16)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_kernel_writes_the_new_kv_and_attends_like_the_reference(kernel, heads, kv_heads, hd):
-    gen = torch.Generator().manual_seed(heads * hd)
-    layers, batch = 3, 3
-    pool = torch.randn(5, 48, layers, 2, kv_heads, hd, generator=gen).to(BF16)
-    # q, k and v as FastLlama hands them over: strided views of one projection output per request
-    qkv = torch.randn(batch, heads + 2 * kv_heads, hd, generator=gen).to(BF16)
+def paged_case(heads, kv_heads, hd, block_size, lens, *, layers=3, spare=5, row_pad=0, seed=0):
+    """A random pool [blocks, kv_heads, layers, 2, block_size, hd] with `spare` blocks no request owns
+    (row_pad > 0: rows of hd + row_pad elements, the pool a view of the first hd), shuffled block tables
+    padded with 0, and q/k/v as FastLlama hands them over (strided views of one projection output)."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + spare
+    pool = torch.randn(num_blocks, kv_heads, layers, 2, block_size, hd + row_pad, generator=gen).to(BF16)
+    pool = pool[..., :hd]
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(used) + 2, dtype=torch.int64)
+    at = 0
+    for b, k in enumerate(used):
+        tables[b, :k] = order[at : at + k]
+        at += k
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, hd, generator=gen).to(BF16)
     q, k_new, v_new = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    slots, positions = [3, 0, 4], [5, 17, 47]
+    return pool, tables, q, k_new, v_new
+
+
+SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 32), (12, 2, 96), (16, 1, 256)]  # the last three: the generic copy
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
+def test_kernel_writes_the_new_kv_and_attends_like_the_reference(kernel, heads, kv_heads, hd, block_size):
+    bs = block_size
+    # one token, exactly one and three blocks, just past a boundary, mid-block, a long one
+    lens = [1, bs, bs + 1, 3 * bs, 2 * bs + bs // 2 + 1, 67]
+    pool, tables, q, k_new, v_new = paged_case(heads, kv_heads, hd, bs, lens, row_pad=8 if hd == 64 else 0,
+                                               seed=heads * hd + bs)
+    assert pool.stride(4) == (hd + 8 if hd == 64 else hd)  # the token stride is the pool's, not head_dim
+    layer = 1
     before = pool.clone()
-    out = torch.empty(batch, heads, hd, dtype=BF16)
-    kernel(q, k_new, v_new, pool, 1, torch.tensor(slots), torch.tensor(positions) + 1, hd**-0.5, out)
+    out = torch.empty(len(lens), heads, hd, dtype=BF16)
+    kernel(q, k_new, v_new, pool, layer, tables, torch.tensor(lens), hd**-0.5, out)
 
     expected = before.clone()
-    for b, (slot, pos) in enumerate(zip(slots, positions)):
-        expected[slot, pos, 1, 0] = k_new[b]
-        expected[slot, pos, 1, 1] = v_new[b]
-    assert torch.equal(pool, expected)  # the new K/V at each request's position, nothing else touched
-    ref = reference(q, pool, 1, slots, [p + 1 for p in positions], hd**-0.5)
+    for b, n in enumerate(lens):
+        block, row = int(tables[b, (n - 1) // bs]), (n - 1) % bs
+        expected[block, :, layer, 0, row] = k_new[b]
+        expected[block, :, layer, 1, row] = v_new[b]
+    assert torch.equal(pool, expected)  # the new K/V at each request's (block, row), nothing else touched
+    ref = reference(q, pool, layer, tables, lens, hd**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)  # bf16: one rounding
     assert (out == ref).float().mean() > 0.97  # float32 sums in another order flip the odd rounding
+    assert torch.equal(out[0], v_new[0].repeat_interleave(heads // kv_heads, 0))  # one token: its own V
+
+
+def test_kernel_leaves_the_rest_of_the_pool_alone(kernel):
+    """Every byte outside the written rows, padding columns of the pool's rows included, is unchanged."""
+    lens = [5, 16, 33]
+    pool, tables, q, k_new, v_new = paged_case(9, 3, 64, 16, lens, row_pad=8, seed=7)
+    storage = pool._base
+    raw_before = storage.view(torch.int16).clone()
+    out = torch.empty(3, 9, 64, dtype=BF16)
+    kernel(q, k_new, v_new, pool, 2, tables, torch.tensor(lens), 0.125, out)
+    changed = (storage.view(torch.int16) != raw_before).nonzero().tolist()
+    allowed = set()
+    for b, n in enumerate(lens):
+        block, row = int(tables[b, (n - 1) // 16]), (n - 1) % 16
+        allowed |= {(block, h, 2, kv, row) for h in range(3) for kv in (0, 1)}
+    assert changed and {tuple(c[:5]) for c in changed} <= allowed and all(c[5] < 64 for c in changed)
+
+
+@pytest.mark.parametrize("bad", ["negative", "num_blocks", "huge"])
+@pytest.mark.parametrize("where", [0, 2])  # a block it would only read, the block it would write
+def test_a_bad_block_id_raises_before_anything_is_written(kernel, bad, where):
+    lens = [20, 7]  # blocks of 8: 3 + 1, and no spare ones
+    pool, tables, q, k_new, v_new = paged_case(4, 2, 32, 8, lens, spare=0)
+    tables[0, where] = {"negative": -1, "num_blocks": pool.shape[0], "huge": 10**12}[bad]
+    before = pool.clone()
+    out = torch.zeros(2, 4, 32, dtype=BF16)
+    with pytest.raises(ValueError, match=f"request 0's block {where} is"):
+        kernel(q, k_new, v_new, pool, 0, tables, torch.tensor(lens), 0.25, out)
+    assert torch.equal(pool, before) and not out.any()
+
+
+def test_table_entries_past_a_requests_blocks_are_ignored(kernel):
+    lens = [20, 7]
+    pool, tables, q, k_new, v_new = paged_case(4, 2, 32, 8, lens, spare=0)
+    clean = torch.empty(2, 4, 32, dtype=BF16)
+    kernel(q, k_new, v_new, pool.clone(), 0, tables, torch.tensor(lens), 0.25, clean)
+    tables[0, 3:], tables[1, 1:] = -5, 10**9  # padding: never read
+    out = torch.empty(2, 4, 32, dtype=BF16)
+    kernel(q, k_new, v_new, pool, 0, tables, torch.tensor(lens), 0.25, out)
+    assert torch.equal(out, clean)
+    with pytest.raises(ValueError, match="need 6 blocks, the tables hold 5"):  # longer than its table
+        kernel(q, k_new, v_new, pool, 0, tables, torch.tensor([41, 7]), 0.25, out)
+
+
+def test_the_c_side_refuses_a_negative_block_id(kernel):
+    """The wrapper stops bad ids first; the kernel itself still refuses negative ones (code -4, nothing written)."""
+    pool, tables, q, k_new, v_new = paged_case(4, 2, 32, 8, [9], spare=0)
+    tables[0, 1] = -1
+    before = pool.clone()
+    out = torch.empty(1, 4, 32, dtype=BF16)
+    lens = torch.tensor([9])
+    rc = kernel._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
+                    pool.data_ptr(), pool.stride(0), pool.stride(1), 0, pool.stride(3), pool.stride(4), 8,
+                    tables.data_ptr(), tables.stride(0), lens.data_ptr(), 1, 4, 2, 32, 0.25, out.data_ptr(), 1)
+    assert rc == -4 and torch.equal(pool, before)
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel):
-    pool = torch.zeros(2, 8, 1, 2, 2, 16, dtype=BF16)
+    pool = torch.zeros(2, 2, 1, 2, 8, 16, dtype=BF16)
     q, kv = torch.zeros(1, 4, 16, dtype=BF16), torch.zeros(1, 2, 16, dtype=BF16)
     out = torch.empty(1, 4, 16, dtype=BF16)
-    one, slot = torch.tensor([1]), torch.tensor([0])
+    one, table = torch.tensor([1]), torch.tensor([[0]])
     with pytest.raises(ValueError, match="bfloat16"):
-        kernel(q.float(), kv, kv, pool, 0, slot, one, 0.25, out)
+        kernel(q.float(), kv, kv, pool, 0, table, one, 0.25, out)
     with pytest.raises(ValueError, match="index dtypes"):
-        kernel(q, kv, kv, pool, 0, slot.int(), one, 0.25, out)
+        kernel(q, kv, kv, pool, 0, table.int(), one, 0.25, out)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernel(q, kv, kv, pool, 1, table, one, 0.25, out)  # the pool has one layer
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernel(q, kv, kv, pool.transpose(1, 2), 0, table, one, 0.25, out)
+    with pytest.raises(ValueError, match="tables"):
+        kernel(q, kv, kv, pool, 0, table[0], one, 0.25, out)
     with pytest.raises(RuntimeError, match="code -2"):  # a request with nothing to attend over
-        kernel(q, kv, kv, pool, 0, slot, torch.tensor([0]), 0.25, out)
+        kernel(q, kv, kv, pool, 0, table, torch.tensor([0]), 0.25, out)
     assert not pool.any()
 
 

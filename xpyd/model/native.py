@@ -1,7 +1,8 @@
 """Native CPU kernels: C sources shipped in `xpyd/model/csrc`, compiled once per machine, called via ctypes.
 
-The decode step's attention reads each request's K/V in place from the KV pool (`decode_attention.c`):
-torch has no kernel for one query token over a strided cache that does not first copy the cache.
+The decode step's attention reads each request's K/V in place from the paged KV pool, through the request's
+block table (`decode_attention.c`): torch has no kernel for one query token over a strided, scattered cache
+that does not first gather it.
 RMSNorm and the rotary step run as one call each (`pointwise.c`) instead of 5-8 small torch ops.
 
 Built with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
@@ -27,19 +28,22 @@ import threading
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from xpyd.model.loader import cache_dir
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # decode_attention.c (2: paged pool, block tables)
+POINTWISE_ABI_VERSION = 1  # pointwise.c
 BUILD_TIMEOUT_S = 120.0
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
-             _P, _I64, _I64, _I64, _I64, _I64,  # pool, slot/token strides, K/V offsets, head stride
-             _P, _P, _INT, _INT, _INT, _INT, _F32, _P, _INT]  # slots, lens, sizes, scale, out, threads
+             _P, _I64, _I64, _I64, _I64,  # pool, block and head strides, the layer's K and V offsets
+             _I64, _I64, _P, _I64, _P,  # token (row) stride, block size, block tables and their row stride, lens
+             _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -107,12 +111,12 @@ def build(name: str) -> Path:
     return target
 
 
-def _open(path: Path, abi_symbol: str, functions: dict[str, list]) -> list:
+def _open(path: Path, abi_symbol: str, abi: int, functions: dict[str, list]) -> list:
     """Load the library, check its ABI version, and type its `functions` (name -> argtypes; int result)."""
     lib = ctypes.CDLL(str(path))
-    abi = getattr(lib, abi_symbol)()
-    if abi != ABI_VERSION:
-        raise NativeBuildError(f"{path}: ABI {abi}, expected {ABI_VERSION}")
+    found = getattr(lib, abi_symbol)()
+    if found != abi:
+        raise NativeBuildError(f"{path}: ABI {found}, expected {abi}")
     typed = []
     for name, argtypes in functions.items():
         fn = getattr(lib, name)
@@ -122,39 +126,77 @@ def _open(path: Path, abi_symbol: str, functions: dict[str, list]) -> list:
 
 
 class DecodeAttention:
-    """`decode_attention.c` loaded: attention for one new token per request, K/V written in place."""
+    """`decode_attention.c` loaded: attention for one new token per request over the paged KV pool, the
+    step's K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        (self._fn,) = _open(path, "xpyd_abi_version", {"xpyd_decode_attention_bf16": _ARGTYPES})
+        (self._fn,) = _open(path, "xpyd_abi_version", ABI_VERSION, {"xpyd_decode_attention_bf16": _ARGTYPES})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
-                 layer: int, slots: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+                 layer: int, tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
         """q [B, heads, hd], k_new/v_new [B, kv_heads, hd] (rows may be strided), pool
-        [slots, tokens, layers, 2, kv_heads, hd] (any strides), all bfloat16 on the CPU; slots/lens int64 [B]
-        (lens: tokens attended over, the new one at lens-1 included); out [B, heads, hd] contiguous."""
+        [blocks, kv_heads, layers, 2, block_size, hd] (any strides, the last contiguous), all bfloat16 on the
+        CPU; tables int64 [B, max_blocks] (request b's token t in block tables[b, t // block_size], row
+        t % block_size; entries past a request's ceil(lens[b] / block_size) blocks are ignored); lens int64 [B]
+        (tokens attended over, the new one at lens-1 included); out [B, heads, hd] contiguous.
+
+        The new K/V go to row lens[b]-1 of each request; two requests of one call must not share that block
+        row. Every block id the kernel would touch is checked against the pool first (ValueError: nothing
+        written)."""
         batch, heads, hd = q.shape
         kv_heads = k_new.shape[1]
-        for t in (q, k_new, v_new):
-            if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != hd:
-                raise ValueError("decode attention wants bfloat16 rows of contiguous heads")
-        if pool.stride(5) != 1 or not out.is_contiguous() or slots.dtype != torch.int64 or lens.dtype != torch.int64:
+        bf16 = torch.bfloat16
+        if q.dtype != bf16 or k_new.dtype != bf16 or v_new.dtype != bf16 or q.stride(2) != 1 or q.stride(1) != hd \
+                or k_new.stride()[1:] != (hd, 1) or v_new.stride()[1:] != (hd, 1):
+            raise ValueError("decode attention wants bfloat16 rows of contiguous heads")
+        if pool.dim() != 6 or k_new.shape != (batch, kv_heads, hd) or v_new.shape != (batch, kv_heads, hd) or \
+                pool.shape[1] != kv_heads or pool.shape[3] != 2 or pool.shape[5] != hd or not 0 <= layer < pool.shape[2]:
+            raise ValueError("decode attention: q, k_new, v_new and the pool's shapes disagree")
+        if pool.dtype != bf16 or pool.stride(5) != 1 or not pool.is_cpu or out.dtype != bf16 or out.shape != q.shape \
+                or not out.is_contiguous() or tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("decode attention: bad pool strides, output or index dtypes")
-        base = pool.stride(2) * layer
+        if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1 or lens.shape != (batch,) or \
+                lens.stride(0) != 1 or not tables.is_cpu or not lens.is_cpu:
+            raise ValueError("decode attention: tables [B, max_blocks] and lens [B], CPU tensors with contiguous rows")
+        block_size = pool.shape[4]
+        _check_tables(tables, lens, pool.shape[0], block_size)
+        stride = pool.stride()
+        k_off = stride[2] * layer
         rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
-                      pool.data_ptr(), pool.stride(0), pool.stride(1), base, base + pool.stride(3), pool.stride(4),
-                      slots.data_ptr(), lens.data_ptr(), batch, heads, kv_heads, hd, scale, out.data_ptr(),
-                      torch.get_num_threads())
+                      pool.data_ptr(), stride[0], stride[1], k_off, k_off + stride[3], stride[4], block_size,
+                      tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, heads, kv_heads, hd, scale,
+                      out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native decode attention failed (code {rc})")
         return out
+
+
+def _check_tables(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """ValueError unless each request's first ceil(lens[b] / block_size) table entries are block ids in
+    [0, num_blocks). (lens <= 0 is the kernel's to refuse.) A few microseconds per call: one max over the
+    used columns read as unsigned (a negative id is huge), and the exact per-row check only when that
+    finds something out of range (padding past a request's blocks may hold anything)."""
+    need = (max(lens.tolist(), default=0) + block_size - 1) // block_size
+    if need <= 0:
+        return
+    if need > tables.shape[1]:
+        raise ValueError(f"decode attention: lens need {need} blocks, the tables hold {tables.shape[1]}")
+    ids = tables.numpy()[:, :need]
+    if int(ids.view(np.uint64).max()) < num_blocks:
+        return
+    used = (lens.numpy() + (block_size - 1)) // block_size
+    bad = ((ids < 0) | (ids >= num_blocks)) & (np.arange(need) < used[:, None])
+    if bad.any():
+        b, j = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"decode attention: request {b}'s block {j} is {int(ids[b, j])}, the pool has {num_blocks}")
 
 
 class Pointwise:
     """`pointwise.c` loaded: transformers' RMSNorm and the lean forward's rotary step, bfloat16, one call each."""
 
     def __init__(self, path: Path) -> None:
-        self._norm, self._rope = _open(path, "xpyd_pointwise_abi_version", {
+        self._norm, self._rope = _open(path, "xpyd_pointwise_abi_version", POINTWISE_ABI_VERSION, {
             "xpyd_rms_norm_bf16": [_P, _I64, _P, _P, _I64, _I64, _INT, _F32, _INT],
             "xpyd_rope_bf16": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]})
         self.path = path

@@ -1,14 +1,21 @@
-/* Decode attention over xpyd's KV pool, bfloat16 in, float32 math, bfloat16 out.
+/* Decode attention over xpyd's paged KV pool, bfloat16 in, float32 math, bfloat16 out.
+ *
+ * The pool is a set of fixed-size blocks; each request owns a block table (its blocks in token order), and
+ * token t of a request sits in block table[t / block_size] at row t % block_size. Inside a block, the rows
+ * of one (KV head, layer, K or V) are consecutive: [num_blocks, kv_heads, layers, 2, block_size, head_dim].
  *
  * One query token per request. For request b and KV head h (one work item each, spread over OpenMP
- * threads) the kernel first writes the step's new K and V at position len[b]-1 of the request's slot,
- * then computes softmax(q k^T * scale) v for the `group` query heads that share h, reading K and V in
- * place from the pool through its strides (no gather, no float32 copy of the cache). The numbers are
- * the ones `llama_fast._matmul_attention` computes (float32 products and softmax, one rounding to
- * bfloat16 at the end).
+ * threads) the kernel first writes the step's new K and V at position len[b]-1 (block
+ * table[b][(len[b]-1) / block_size], row (len[b]-1) % block_size), then computes softmax(q k^T * scale) v
+ * for the `group` query heads that share h, reading K and V in place from the blocks through the table
+ * and the pool's strides (no gather, no float32 copy of the cache). The numbers are the ones
+ * `llama_fast._matmul_attention` computes (float32 products and softmax, one rounding to bfloat16 at the
+ * end).
  *
  * Built and loaded by xpyd/model/native.py with the machine's C compiler; called through ctypes with
- * raw pointers and element strides (all strides are in elements, not bytes).
+ * raw pointers and element strides (all strides are in elements, not bytes). The block ids are checked
+ * against the pool's size by the Python wrapper before the call (this kernel refuses negative ones only:
+ * it is not told how many blocks there are).
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,19 +24,52 @@
 
 #include "bf16.h"
 
-/* Rows this many tokens ahead are prefetched: consecutive tokens of one layer sit a whole token of KV
-   apart (23 KB for SmolLM2-135M), too far for the hardware prefetcher (measured: 4, 8, 16 -> 16 best,
-   10-30% faster than none; an AVX-512-BF16 intrinsics version was 1.5-2x slower than this plain C). */
-#define XPYD_PREFETCH 16
+/* Software prefetch of the row XPYD_PREFETCH tokens ahead (following the block table across block
+   boundaries; -DXPYD_PREFETCH=0 turns it off). In a block the rows of one (KV head, layer) are consecutive,
+   yet prefetching still pays: measured here (AMD EPYC Zen 4 VM, 2 threads, SmolLM2-135M's shape, 30 layers
+   in the pool, shuffled tables, one call per layer in turn; scripts/bench_decode_attention.py
+   --prefetch-ab 0,16,32,64), us per call, no prefetch -> 16 / 32 / 64 rows ahead:
+     context 1024, batch 16: block 8   2827 -> 1666 / 1636 / 1664,  block 16  2086 -> 1265 / 1120 / 1220,
+                             block 64  1567 -> 1181 / 1151 / 1142
+     context 2048, batch 16: block 8   6387 -> 4111 / 4480 / 3963,  block 16  4542 -> 2895 / 2783 / 2704,
+                             block 64  3026 -> 2273 / 2313 / 2371
+     context 2048, batch 1:  block 16   280 ->  176 /  206 /  191;  context 256, batch 1, block 16: 33 -> 29 / 28 / 31
+   so 25-40% faster with it; 16, 32 and 64 rows ahead are within the noise of one another: 32. */
+#ifndef XPYD_PREFETCH
+#define XPYD_PREFETCH 32
+#endif
 #define XPYD_MAX_GROUP 16
 #define XPYD_MAX_HEAD_DIM 256
 
+/* Rows of one K (or V) pass: the request's tokens [0, n) in order, one block at a time. */
+#define XPYD_FOR_ROWS(OFF, ROW, BODY)                                                                  \
+    do {                                                                                               \
+        int64_t pf_t = XPYD_PREFETCH, pf_j = XPYD_PREFETCH / block_size, pf_i = XPYD_PREFETCH % block_size; \
+        int64_t t = 0;                                                                                 \
+        for (int64_t j = 0; t < n; j++) {                                                              \
+            const uint16_t *blk = head + table[j] * block_stride + (OFF);                              \
+            const int64_t rows = n - t < block_size ? n - t : block_size;                              \
+            for (int64_t i = 0; i < rows; i++, t++) {                                                  \
+                const uint16_t *ROW = blk + i * token_stride;                                          \
+                if (XPYD_PREFETCH > 0 && pf_t < n) {                                                   \
+                    const uint16_t *p = head + table[pf_j] * block_stride + (OFF) + pf_i * token_stride; \
+                    for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(p + d, 0, 3);            \
+                    pf_t++;                                                                            \
+                    if (++pf_i == block_size) pf_i = 0, pf_j++;                                        \
+                }                                                                                      \
+                BODY                                                                                   \
+            }                                                                                          \
+        }                                                                                              \
+    } while (0)
+
 /* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
+   `head` is the pool shifted to this KV head; `table` the request's block ids.
    always_inline: the dispatch below compiles it once per common (group, head_dim), both constant, so the
    loops unroll (15-20% faster than the generic copy in an A/B here); other shapes run the generic copy. */
 static inline __attribute__((always_inline)) void attend_item(
-    const uint16_t *q, const uint16_t *base, int64_t n, int64_t token_stride, int64_t k_off, int64_t v_off,
-    float scale, float *scores, uint16_t *out, const int group, const int head_dim) {
+    const uint16_t *q, const uint16_t *head, const int64_t *table, int64_t n, int64_t block_stride,
+    int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale, float *scores,
+    uint16_t *out, const int group, const int head_dim) {
     float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
     float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
     for (int g = 0; g < group; g++) {
@@ -39,10 +79,7 @@ static inline __attribute__((always_inline)) void attend_item(
         }
         top[g] = -3.0e38f;
     }
-    for (int64_t t = 0; t < n; t++) { /* scores = q . k */
-        const uint16_t *kt = base + t * token_stride + k_off;
-        if (t + XPYD_PREFETCH < n)
-            for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(kt + XPYD_PREFETCH * token_stride + d, 0, 3);
+    XPYD_FOR_ROWS(k_off, kt, { /* scores = q . k */
         for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
         for (int g = 0; g < group; g++) {
             float s = 0.0f;
@@ -51,7 +88,7 @@ static inline __attribute__((always_inline)) void attend_item(
             scores[g * n + t] = s;
             if (s > top[g]) top[g] = s;
         }
-    }
+    });
     for (int g = 0; g < group; g++) { /* softmax numerators and their sum */
         float total = 0.0f;
         float *sg = scores + g * n;
@@ -62,16 +99,13 @@ static inline __attribute__((always_inline)) void attend_item(
         }
         sum[g] = total;
     }
-    for (int64_t t = 0; t < n; t++) { /* acc = sum_t p_t v_t */
-        const uint16_t *vt = base + t * token_stride + v_off;
-        if (t + XPYD_PREFETCH < n)
-            for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(vt + XPYD_PREFETCH * token_stride + d, 0, 3);
+    XPYD_FOR_ROWS(v_off, vt, { /* acc = sum_t p_t v_t */
         for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
         for (int g = 0; g < group; g++) {
             const float p = scores[g * n + t];
             for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
         }
-    }
+    });
     for (int g = 0; g < group; g++) {
         const float inv = 1.0f / sum[g];
         for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = f32_to_bf16(acc[g][d] * inv);
@@ -79,14 +113,16 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 /* The shapes of common models get their own compiled copy (group = heads / kv_heads). */
-#define XPYD_SHAPE(G, D) \
-    if (group == G && head_dim == D) { \
-        attend_item(q, base, n, token_stride, k_off, v_off, scale, scores, out, G, D); \
-        return; \
+#define XPYD_SHAPE(G, D)                                                                                  \
+    if (group == G && head_dim == D) {                                                                    \
+        attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
+                    out, G, D);                                                                           \
+        return;                                                                                           \
     }
 
-static void attend(const uint16_t *q, const uint16_t *base, int64_t n, int64_t token_stride, int64_t k_off,
-                   int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim) {
+static void attend(const uint16_t *q, const uint16_t *head, const int64_t *table, int64_t n, int64_t block_stride,
+                   int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale,
+                   float *scores, uint16_t *out, int group, int head_dim) {
     XPYD_SHAPE(3, 64)  /* SmolLM2-135M */
     XPYD_SHAPE(4, 64)  /* Llama 3.2 1B, SmolLM2-360M-ish */
     XPYD_SHAPE(8, 64)  /* TinyLlama */
@@ -96,45 +132,56 @@ static void attend(const uint16_t *q, const uint16_t *base, int64_t n, int64_t t
     XPYD_SHAPE(6, 128) /* Qwen2 1.5B */
     XPYD_SHAPE(1, 64)
     XPYD_SHAPE(1, 128)
-    attend_item(q, base, n, token_stride, k_off, v_off, scale, scores, out, group, head_dim);
+    attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, out,
+                group, head_dim);
 }
 
-int xpyd_abi_version(void) { return 1; }
+int xpyd_abi_version(void) { return 2; }
 
-/* Returns 0, or a negative code for arguments the kernel does not handle (nothing is written then). */
+/* Returns 0, or a negative code for arguments the kernel does not handle (nothing is written then):
+   -1 sizes, -2 a request with no token, -3 out of memory (the new K/V are written then), -4 a negative block id among those it would touch. */
 int xpyd_decode_attention_bf16(
     const uint16_t *q, int64_t q_row,          /* [B, heads, head_dim]: row stride q_row, heads contiguous */
     const uint16_t *k_new, int64_t k_new_row,  /* [B, kv_heads, head_dim] */
     const uint16_t *v_new, int64_t v_new_row,
-    uint16_t *kv, int64_t slot_stride, int64_t token_stride, int64_t k_off, int64_t v_off, int64_t head_stride,
-    const int64_t *slots, const int64_t *lens, /* lens[b]: tokens to attend over, the new one included */
+    uint16_t *pool, int64_t block_stride, int64_t head_stride, /* [blocks, kv_heads, layers, 2, bs, head_dim] */
+    int64_t k_off, int64_t v_off,              /* the layer's K and V within a (block, head): layer*layer_stride (+kv) */
+    int64_t token_stride, int64_t block_size,  /* row stride inside a block (head_dim when contiguous); rows per block */
+    const int64_t *tables, int64_t table_row,  /* [B, >= ceil(lens[b] / block_size)] block ids, row stride table_row */
+    const int64_t *lens,                       /* lens[b]: tokens to attend over, the new one included */
     int batch, int heads, int kv_heads, int head_dim, float scale,
     uint16_t *out,                             /* [B, heads, head_dim] contiguous */
     int threads) {
     if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
-        heads / kv_heads > XPYD_MAX_GROUP || threads <= 0)
+        heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
         return -1;
     for (int b = 0; b < batch; b++)
         if (lens[b] <= 0) return -2;
+    for (int b = 0; b < batch; b++) {
+        const int64_t used = (lens[b] + block_size - 1) / block_size;
+        for (int64_t j = 0; j < used; j++)
+            if (tables[b * table_row + j] < 0) return -4;
+    }
     const int group = heads / kv_heads;
     int failed = 0;
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
     for (int item = 0; item < batch * kv_heads; item++) {
         const int b = item / kv_heads, h = item % kv_heads;
-        const int64_t n = lens[b];
-        uint16_t *base = kv + slots[b] * slot_stride + (int64_t)h * head_stride;
-        uint16_t *k_last = base + (n - 1) * token_stride + k_off, *v_last = base + (n - 1) * token_stride + v_off;
-        memcpy(k_last, k_new + b * k_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
-        memcpy(v_last, v_new + b * v_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
+        const int64_t n = lens[b], last = n - 1;
+        const int64_t *table = tables + b * table_row;
+        uint16_t *head = pool + (int64_t)h * head_stride;
+        uint16_t *row = head + table[last / block_size] * block_stride + (last % block_size) * token_stride;
+        memcpy(row + k_off, k_new + b * k_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
+        memcpy(row + v_off, v_new + b * v_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
 
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        attend(q + b * q_row + (int64_t)h * group * head_dim, base, n, token_stride, k_off, v_off, scale, scores,
-               out + ((int64_t)b * heads + h * group) * head_dim, group, head_dim);
+        attend(q + b * q_row + (int64_t)h * group * head_dim, head, table, n, block_stride, block_size, token_stride,
+               k_off, v_off, scale, scores, out + ((int64_t)b * heads + h * group) * head_dim, group, head_dim);
         free(scores);
     }
     return failed ? -3 : 0;
