@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from xpyd.model.kv_pool import KVPool
 from xpyd.model.llama_fast import FastLlama
-from xpyd.model.prefix_hash import block_hashes, hash_seed
+from xpyd.prefix_hash import block_hashes, hash_seed
 from xpyd.model.runner import ModelRunner, UnsupportedModel
 from xpyd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
 
