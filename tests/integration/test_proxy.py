@@ -34,6 +34,7 @@ from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy import decode_stream
 from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.config import default_policy
 from xpyd.proxy.main import add_arguments, config_from_args
 from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id
@@ -240,6 +241,8 @@ async def make_cluster(n_decode: int = 1, **config_kw):
         await w.start()
     registry = StaticRegistry([prefill.url], [d.url for d in decodes], timeout=5)
     await registry.start()
+    # The policy `xpyd proxy` would choose for these workers: least_loaded for 1P1D.
+    config_kw.setdefault("policy", default_policy(None, (prefill.url,), tuple(d.url for d in decodes)))
     config = ProxyConfig(port=free_port(), **config_kw)
     url, stop, task = await start_proxy(config, registry)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
@@ -929,7 +932,11 @@ def test_cli_builds_a_valid_config():
     config = config_from_args(args)
     assert config.prefill_urls == ("http://a:1", "http://b:2") and config.decode_urls == ("http://c:3",)
     assert (config.port, config.model_name, config.read_timeout, config.host) == (9000, "m", 30.0, "127.0.0.1")
-    assert config.etcd is None and config.policy is Policy.LEAST_LOADED
+    assert config.etcd is None and config.policy is Policy.CACHE_AWARE  # two prefill workers: a choice
+    one_each = ["--prefill", "http://a:1", "--decode", "http://c:3"]
+    assert config_from_args(parser.parse_args(one_each)).policy is Policy.LEAST_LOADED  # no choice
+    assert config_from_args(parser.parse_args([*one_each, "--policy", "cache_aware"])).policy is Policy.CACHE_AWARE
+    assert config_from_args(parser.parse_args(["--etcd", "e:2379"])).policy is Policy.CACHE_AWARE
     for argv in (["--prefill", "http://a:1"], [], ["--etcd", "e:2379", "--decode", "http://c:3"]):
         with pytest.raises(ValueError):  # static needs both roles; etcd excludes static
             config_from_args(parser.parse_args(argv))

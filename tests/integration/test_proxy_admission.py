@@ -316,18 +316,20 @@ async def test_prefill_down_ends_requests_waiting_for_its_kv(make_env, stream, d
     await until(places_free, "the request's place given back")
 
 
-def test_xpyd_up_passes_admission_flags_to_the_proxy():
+def test_xpyd_up_passes_routing_and_admission_flags_to_the_proxy():
     from xpyd.launcher import up as launcher
 
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
     args = parser.parse_args([])
-    assert launcher._proxy_admission_args(args) == [] and launcher._proxy_env(args) is None
+    assert launcher._proxy_options(args) == [] and launcher._proxy_env(args) is None
     args = parser.parse_args(["--api-key", KEY, "--max-concurrent-requests", "9", "--max-queue", "0",
-                              "--queue-timeout", "1.5"])
-    assert launcher._proxy_admission_args(args) == ["--max-concurrent-requests", "9", "--max-queue", "0",
-                                                    "--queue-timeout", "1.5"]
+                              "--queue-timeout", "1.5", "--policy", "cache_aware"])
+    assert launcher._proxy_options(args) == ["--policy", "cache_aware", "--max-concurrent-requests", "9",
+                                             "--max-queue", "0", "--queue-timeout", "1.5"]
     assert launcher._proxy_env(args)["XPYD_API_KEY"] == KEY  # not on the command line
+    with pytest.raises(ValueError, match="colocated"):
+        launcher._plan(parser.parse_args(["--colocated", "--policy", "least_loaded"]))
 
 
 # ------------------------------------------------------------------ decode fails after prefill answered

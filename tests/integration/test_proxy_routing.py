@@ -439,7 +439,7 @@ async def test_dynamic_start_with_no_workers(make_env):
 # ------------------------------------------------------------------ /cluster
 
 
-@pytest.mark.parametrize("policy", [Policy.LEAST_LOADED, Policy.ROUND_ROBIN])
+@pytest.mark.parametrize("policy", list(Policy))
 async def test_cluster_json(make_env, policy):
     env = await make_env(n_prefill=1, policy=policy)
     for _ in range(3):
@@ -458,7 +458,12 @@ async def test_cluster_json(make_env, policy):
     p, d0, d1 = data["workers"]
     assert p == {"role": "prefill", "http_url": env.prefill[0].url, "signal_addr": "127.0.0.1:15000",
                  "model_id": MODEL, "capacity": 4, "health": "up",
-                 "load": {"waiting": 0, "running": 0, "transferring": 0, "assigned": 0, "score": 0.0},
+                 "load": {"waiting": 0, "running": 0, "transferring": 0, "assigned": 0, "score": 0.0,
+                          "queued_tokens": None, "assigned_blocks": 0},
+                 # These fake workers report no blocks and have no KV events (as older workers).
+                 "cache": {"blocks_total": None, "blocks_used": None, "blocks_cached": None, "hit_rate": None,
+                           "indexed_blocks": None},
                  "requests": 3}
     assert sorted([d0["requests"], d1["requests"]]) == [1, 2]
-    assert d1["load"] == {"waiting": 2, "running": 0, "transferring": 0, "assigned": 0, "score": 0.5}
+    assert d1["load"] == {"waiting": 2, "running": 0, "transferring": 0, "assigned": 0, "score": 0.5,
+                          "queued_tokens": None, "assigned_blocks": 0}

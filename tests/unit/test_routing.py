@@ -1,13 +1,17 @@
-"""Routing policies and the worker table: load scores, burst spreading, mark-down and recovery."""
+"""Routing policies and the worker table: load scores, burst spreading, mark-down and recovery, and
+the cache-aware router's choices (prefix holders, overload, cold requests, ties)."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
 
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.prefix_index import KVUpdate, PrefixIndex, PromptKeys
 from xpyd.proxy.routing import (
+    CacheAwareRouter,
     LeastLoadedRouter,
     NoWorkerError,
     Policy,
@@ -218,16 +222,23 @@ def test_cluster_view_of_a_worker():
     w = worker(1, capacity=4)
     (state,) = table.sync(Role.DECODE, [w])
     assert state.to_dict()["load"] == {"waiting": None, "running": None, "transferring": None,
-                                       "assigned": 0, "score": 0.0}
-    table.started(w)
-    report(table, w, waiting=1, running=1, transferring=1)
-    table.started(w)
+                                       "assigned": 0, "score": 0.0, "queued_tokens": None, "assigned_blocks": 0}
+    assert state.to_dict()["cache"] == {"blocks_total": None, "blocks_used": None, "blocks_cached": None,
+                                        "hit_rate": None}
+    table.started(w, blocks=3)
+    table.report(w, Stats(1, 1, 1, blocks_total=100, blocks_used=20, blocks_cached=30, prefix_query_tokens=300,
+                          prefix_hit_tokens=100), table.report_mark(w))
+    table.started(w, blocks=5)
     assert state.to_dict() == {
         "role": "decode", "http_url": w.http_url, "signal_addr": w.signal_addr, "model_id": "m",
         "capacity": 4, "health": "up",
-        "load": {"waiting": 1, "running": 1, "transferring": 1, "assigned": 1, "score": 1.0},
+        "load": {"waiting": 1, "running": 1, "transferring": 1, "assigned": 1, "score": 1.0,
+                 "queued_tokens": None, "assigned_blocks": 5},
+        "cache": {"blocks_total": 100, "blocks_used": 20, "blocks_cached": 30, "hit_rate": 0.3333},
         "requests": 2,
     }
+    report(table, w)  # an older worker: no block counts, no hit rate
+    assert state.to_dict()["cache"]["hit_rate"] is None and state.to_dict()["load"]["assigned_blocks"] == 0
 
 
 @pytest.mark.parametrize("d", [
@@ -245,3 +256,161 @@ def test_stats_are_validated(d):
 def test_stats_extra_fields_are_ignored():
     d = {"role": "decode", "waiting": 1, "running": 2, "transferring": 3, "kv_used_bytes": 10}
     assert Stats.from_dict(d).total == 6
+
+
+def test_stats_block_counts_are_optional():
+    d = {"waiting": 0, "running": 1, "transferring": 0, "queued_tokens": 40, "blocks_total": 64,
+         "blocks_used": 8, "blocks_cached": 20, "blocks_free": 36, "blocks_reserved": 4,
+         "prefix_query_tokens": 0, "prefix_hit_tokens": 0}
+    stats = Stats.from_dict(d)
+    assert (stats.queued_tokens, stats.blocks_used, stats.blocks_cached) == (40, 8, 20)
+    assert stats.hit_rate is None  # no lookups yet: no rate, not 0
+    assert Stats.from_dict({**d, "prefix_query_tokens": 64, "prefix_hit_tokens": 16}).hit_rate == 0.25
+    # Missing (an older worker) or not a count: unknown, and the request counts still stand.
+    odd = Stats.from_dict({"waiting": 0, "running": 1, "transferring": 0, "blocks_used": -1, "queued_tokens": "9"})
+    assert odd.total == 1 and odd.blocks_used is None and odd.queued_tokens is None
+    with pytest.raises(ValueError):
+        Stats(0, 0, 0, blocks_used=-1)
+
+
+# ------------------------------------------------------------------ cache aware
+
+BS = 16  # tokens per block
+
+
+def prompt(chain: list[int], extra_tokens: int = 8) -> PromptKeys:
+    """A request whose full blocks hash to ``chain``, plus a partial block of ``extra_tokens``."""
+    return PromptKeys(len(chain) * BS + extra_tokens, BS, tuple(chain))
+
+
+def cache_env(n: int = 2, role: Role = Role.PREFILL, capacity: int = 4):
+    table, index = WorkerTable(), PrefixIndex()
+    router = CacheAwareRouter(table, index, rng=random.Random(0))
+    workers = [worker(i, role, capacity) for i in range(n)]
+    table.sync(role, workers)
+    for w in workers:
+        report(table, w)  # idle
+    return table, index, router, workers
+
+
+def holds(index: PrefixIndex, w: WorkerInfo, chain: list[int]) -> None:
+    index.apply(w, index.entry(w), KVUpdate("e", 1, snapshot=set(chain)))
+
+
+def block_report(table: WorkerTable, w: WorkerInfo, waiting: int = 0, queued_tokens: int | None = None,
+                 blocks_used: int | None = None) -> None:
+    table.report(w, Stats(waiting, 0, 0, queued_tokens=queued_tokens, blocks_used=blocks_used),
+                 table.report_mark(w))
+
+
+LONG = list(range(100, 140))  # a 40-block prefix
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_the_worker_holding_the_prefix_wins(role):
+    table, index, router, (a, b, c) = cache_env(3, role)
+    holds(index, b, LONG[:30])
+    holds(index, c, LONG[:10])
+    for _ in range(3):
+        assert router.pick(role, [a, b, c], prompt(LONG)) == b  # 30 of 40 blocks there
+    # A busier holder still wins while the blocks it saves outweigh its backlog: 11 to compute + 15 queued
+    # on b against 31 to compute on c ...
+    block_report(table, b, waiting=1, **({"queued_tokens": 15 * BS} if role is Role.PREFILL else {"blocks_used": 15}))
+    assert router.pick(role, [a, b, c], prompt(LONG)) == b
+    # ... and not once they do not: 11 + 25 on b against 31 on c (and 41 on a).
+    block_report(table, b, waiting=1, **({"queued_tokens": 25 * BS} if role is Role.PREFILL else {"blocks_used": 25}))
+    assert router.pick(role, [a, b, c], prompt(LONG)) == c
+    # A request the proxy could not tokenize goes least-loaded (b has a request waiting).
+    assert router.pick(role, [a, b, c], None) in (a, c)
+
+
+def test_the_overloaded_holder_is_avoided():
+    table, index, router, (a, b) = cache_env(2, Role.DECODE, capacity=4)
+    holds(index, b, LONG)
+    block_report(table, b, waiting=4)  # a batch more than a (0): still a candidate
+    assert router.pick(Role.DECODE, [a, b], prompt(LONG)) == b
+    block_report(table, b, waiting=5)  # more than a batch more: not chosen for its cache
+    assert router.pick(Role.DECODE, [a, b], prompt(LONG)) == a
+    block_report(table, a, waiting=2)  # the gap is what counts: 5 - 2 <= 4
+    assert router.pick(Role.DECODE, [a, b], prompt(LONG)) == b
+
+
+def test_a_cold_request_goes_to_the_least_loaded():
+    table, index, router, (a, b, c) = cache_env(3, Role.PREFILL)
+    holds(index, a, [1, 2, 3])  # other prompts' blocks
+    block_report(table, a, waiting=1, queued_tokens=300)
+    block_report(table, b, waiting=2, queued_tokens=40)
+    block_report(table, c, waiting=1, queued_tokens=100)
+    assert router.pick(Role.PREFILL, [a, b, c], prompt(LONG)) == b  # the shortest queue, in blocks
+    # Workers that report no queue (older ones): the proxy's own counts, then least_loaded's score.
+    for w in (a, b, c):
+        report(table, w, waiting=2)
+    report(table, c, waiting=1)
+    assert router.pick(Role.PREFILL, [a, b, c], prompt(LONG)) == c
+
+
+def test_blocks_sent_since_the_report_count_as_backlog():
+    table, index, router, (a, b) = cache_env(2, Role.PREFILL)
+    holds(index, a, LONG[:20])
+    first = prompt(LONG[:20] + [1, 2, 3, 4, 5])  # 20 cached on a, 5 (+1 partial) to compute
+    assert router.pick(Role.PREFILL, [a, b], first) == a
+    router.started(a, first)
+    assert table.get(a).assigned_blocks == 6
+    # Another request of the same prefix: a now has 6 blocks queued, still less than the 20 it saves.
+    second = prompt(LONG[:20] + [6, 7, 8])
+    assert router.pick(Role.PREFILL, [a, b], second) == a
+    router.started(a, second)
+    assert table.get(a).assigned_blocks == 6 + 4
+    # The next report includes them in its own queue: nothing is counted twice.
+    block_report(table, a, waiting=2, queued_tokens=10 * BS)
+    assert table.get(a).assigned_blocks == 0
+    third = prompt(LONG[:20] + [9])  # 22 blocks, 20 cached
+    assert router.cost(table.get(a), third) == 2 + 10
+    # Untokenized requests add load, not blocks.
+    router.started(b)
+    assert table.get(b).assigned_blocks == 0 and table.get(b).assigned == 1
+
+
+def test_routed_requests_are_expected_in_the_cache_at_once():
+    table, index, router, (a, b) = cache_env(2, Role.DECODE)
+    turn1 = prompt(LONG[:8])
+    w = router.pick(Role.DECODE, [a, b], turn1)  # cold: either
+    router.started(w, turn1)
+    other = b if w == a else a
+    block_report(table, w, blocks_used=0)  # turn 1 ended (its events, not polled yet, would list its blocks)
+    # The conversation's next turn, before the worker's events confirm anything: back to its history.
+    turn2 = prompt(LONG[:8] + [7, 7, 7])
+    assert index.match(w, turn2.hashes) == 8
+    assert router.pick(Role.DECODE, [a, b], turn2) == w
+    assert router.pick(Role.DECODE, [a, b], prompt([5, 5, 5, 5, 5, 5, 5, 5, 5, 5])) == other
+
+
+def test_equal_costs_spread_like_least_loaded():
+    table, index, router, workers = cache_env(3, Role.PREFILL)
+    for w in workers:
+        holds(index, w, LONG)  # everyone holds it: only the tie-break decides
+    picks = []
+    for _ in range(12):
+        w = router.pick(Role.PREFILL, workers, prompt(LONG, extra_tokens=0))
+        router.started(w, prompt(LONG, extra_tokens=0))  # nothing missing: no blocks assigned
+        router.finished(w)
+        report(table, w)
+        picks.append(workers.index(w))
+    rounds = [sorted(picks[i:i + 3]) for i in range(0, 12, 3)]
+    assert rounds == [[0, 1, 2]] * 4  # everyone once per round, as least_loaded shares
+    # A burst of cold requests with the same prompt: each worker computes the prompt once, then they share.
+    table, index, router, workers = cache_env(2, Role.PREFILL)
+    counts = Counter()
+    for i in range(6):
+        keys = prompt(LONG[:4], extra_tokens=i + 1)
+        w = router.pick(Role.PREFILL, workers, keys)
+        router.started(w, keys)
+        counts[w.http_url] += 1
+    assert sorted(counts.values()) == [3, 3]
+
+
+def test_make_cache_aware_router():
+    table = WorkerTable()
+    assert make_router(Policy.CACHE_AWARE, table, PrefixIndex()).policy is Policy.CACHE_AWARE
+    with pytest.raises(ValueError, match="prefix index"):
+        make_router(Policy.CACHE_AWARE, table)

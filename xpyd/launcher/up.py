@@ -20,6 +20,7 @@ from xpyd.launcher.supervisor import GiveUp, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
 from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.routing import Policy
 from xpyd.transfer.selection import KV_BACKENDS
 from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, add_worker_arguments, check_device
 from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
@@ -72,7 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "see docs/devices.md)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     _add_worker_options(p)
-    # --- proxy admission (passed to `xpyd proxy`; see its --help) ---
+    # --- proxy routing and admission (passed to `xpyd proxy`; see its --help) ---
+    p.add_argument("--policy", choices=[policy.value for policy in Policy], default=None,
+                   help="proxy: how workers are chosen (default: cache_aware with --prefill/--decode, "
+                        "least_loaded for the static 1P1D cluster, where there is no choice)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="proxy: require 'Authorization: Bearer KEY' (default: $XPYD_API_KEY; unset = open)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
@@ -145,9 +149,10 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _proxy_admission_args(args: argparse.Namespace) -> list[str]:
+def _proxy_options(args: argparse.Namespace) -> list[str]:
+    """The routing and admission flags given to `xpyd up`, for `xpyd proxy` (the others: its defaults)."""
     out = []
-    for flag in ("max_concurrent_requests", "max_queue", "queue_timeout"):
+    for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return out
@@ -188,6 +193,8 @@ def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
     if args.colocated:
         if dynamic:
             raise ValueError("--colocated runs one worker; it does not combine with --prefill/--decode")
+        if args.policy is not None:
+            raise ValueError("--policy chooses between P/D workers; the colocated baseline has one worker")
         return False, 0, 1
     x, y = args.prefill or 1, args.decode or 1
     if not (1 <= x <= 32 and 1 <= y <= 32):
@@ -271,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
         cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args,
-                                *_proxy_admission_args(args)], _proxy_env(args), restart=False)
+                                *_proxy_options(args)], _proxy_env(args), restart=False)
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
         where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
         shape = ("1 colocated worker: prefill and decode in one batch" if args.colocated else

@@ -94,8 +94,7 @@ def decode_room(states: Iterable[WorkerState]) -> int | None:
         return None
     free = 0
     for s in up:
-        load = (s.stats.total if s.stats is not None else 0) + s.assigned
-        free += max(0, DECODE_DEPTH * max(s.info.capacity, 1) - load)
+        free += max(0, DECODE_DEPTH * max(s.info.capacity, 1) - s.load)
     return free
 
 

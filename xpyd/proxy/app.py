@@ -4,6 +4,7 @@ A request moves through::
 
     API key (401, when one is set) -> concurrency limit (429) -> Content-Type (415)
     -> read body (size limit, 413) -> parse_request (400s stop here) -> model check (404)
+    -> cache_aware: the prompt's token ids and block hashes (in a thread; none if it cannot be tokenized)
     -> every decode worker full: wait in the bounded queue (503 when full or timed out)
     -> Router picks prefill + decode among the UP workers (503 if a role has none)
     -> RequestId.new(p, d) -> PDCall: prefill and decode called at once
@@ -15,7 +16,8 @@ A request moves through::
        (a failure after the first byte ends the stream with an error event; so does the
        prefill worker going down before decode has the KV: see ``InFlight.worker_down``)
 
-Where each step lives: admission (401, 429, the queue), routing (the pick),
+Where each step lives: admission (401, 429, the queue), routing (the pick; for
+cache_aware also prompt_tokens, prefix_index and cache_feed, which the poller drives),
 pd_call (the two worker calls; their HTTP in client, worker_api, decode_stream,
 upstream), inflight (calls in flight), relay (the JSON body or SSE stream),
 http_errors (errors in OpenAI's shape).
@@ -32,6 +34,7 @@ session and the health poller (started before serving, stopped after).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -44,14 +47,16 @@ from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
+from xpyd.proxy.cache_feed import CacheFeed
 from xpyd.proxy.client import WorkerClient, worker_session
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.http_errors import json_response, register_error_handlers
 from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.poller import HealthPoller
+from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
 from xpyd.proxy.relay import complete_body, stream_response
-from xpyd.proxy.routing import NoWorkerError, Router, make_router
+from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
 from xpyd.proxy.upstream import Fault, UpstreamError
 from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES
 from xpyd.proxy.workers import Health, WorkerTable
@@ -69,29 +74,39 @@ class Proxy:
         self.config = config
         self.registry = registry
         self.table = WorkerTable()
-        self.router: Router = make_router(config.policy, self.table)
+        # cache_aware: which blocks each worker caches, fed by the poller through the CacheFeed (open()).
+        self.index = PrefixIndex() if config.policy is Policy.CACHE_AWARE else None
+        self.router: Router = make_router(config.policy, self.table, self.index)
         self.metrics = ProxyMetrics()
         self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
         self.limit = ConcurrencyLimit(config.max_concurrent_requests)
         self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
         self.inflight = InFlight(self.router, on_end=self.queue.wake)
         self.table.on_down(self.inflight.worker_down)
+        if (index := self.index) is not None:  # a worker back from down starts with a snapshot
+            self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))
         self._session: aiohttp.ClientSession | None = None
         self._client: WorkerClient | None = None
         self._poller: HealthPoller | None = None
+        self._feed: CacheFeed | None = None
 
     async def open(self) -> None:
         c = self.config
         self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections)
         self._client = WorkerClient(self._session, c.connect_timeout)
+        if self.index is not None:
+            self._feed = CacheFeed(self._session, self.index)
         self._poller = HealthPoller(self.registry, self.table, self._session,
-                                    c.poll_interval, c.poll_timeout, on_probe=self.queue.wake)
+                                    c.poll_interval, c.poll_timeout, on_probe=self.queue.wake, feed=self._feed)
         self._poller.start()
 
     async def close(self) -> None:
         if self._poller is not None:
             await self._poller.close()
             self._poller = None
+        if self._feed is not None:
+            await self._feed.close()
+            self._feed = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -117,11 +132,17 @@ class Proxy:
         return json_response(models_response([name] if name else []))
 
     def cluster(self) -> Response:
-        workers = [state.to_dict() for role in Role
-                   for state in self.table.sync(role, self.registry.workers(role))]
+        workers = []
+        for role in Role:
+            for state in self.table.sync(role, self.registry.workers(role)):
+                view = state.to_dict()
+                view["cache"]["indexed_blocks"] = self.index.blocks(state.info) if self.index is not None else None
+                workers.append(view)
         queue = {"waiting": self.queue.waiting, "max": self.config.max_queue,
                  "active_requests": self.limit.active}
-        return json_response({"workers": workers, "policy": self.router.policy.value, "queue": queue})
+        return json_response({"workers": workers, "policy": self.router.policy.value,
+                              "tokenizer": self._feed.describe() if self._feed is not None else None,
+                              "queue": queue})
 
     def metrics_response(self) -> Response:
         for role in Role:
@@ -169,11 +190,12 @@ class Proxy:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
         req, identity = await self._read_request(kind)
+        keys = await self._prompt_keys(req)
         failed: UpstreamError | None = None
         retries = self.config.retries
         await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
-            call = self._start(self._client, req, identity, failed)
+            call = self._start(self._client, req, identity, failed, keys)
             streaming = False
             try:
                 first = await call.first_token()
@@ -199,16 +221,35 @@ class Proxy:
                 if not streaming:
                     await call.aclose()
 
-    def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
-               failed: UpstreamError | None) -> TrackedCall:
+    async def _prompt_keys(self, req: CompletionRequest) -> PromptKeys | None:
+        """The prompt's block hashes for the cache-aware router; None when it has no use for them or they
+        cannot be had (no tokenizer yet, a prompt the workers will refuse): routed by load then."""
+        tokenizer = self._feed.tokenizer if self._feed is not None else None
+        if tokenizer is None or not self._have_choice():
+            return None
         try:
-            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL))
-            decode = self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE))
+            return await asyncio.to_thread(tokenizer.keys, req)
+        except ValueError as e:
+            log.debug("routing a request by load alone: %s", e)
+        except Exception:  # routing never fails a request
+            log.exception("tokenizing a prompt for routing failed; routing it by load alone")
+        return None
+
+    def _have_choice(self) -> bool:
+        """More than one UP worker for some role (else the blocks would change nothing)."""
+        return any(sum(s.health is Health.UP for s in self.table.sync(role, self.registry.workers(role))) > 1
+                   for role in Role)
+
+    def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
+               failed: UpstreamError | None, keys: PromptKeys | None) -> TrackedCall:
+        try:
+            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys)
+            decode = self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE), keys)
         except NoWorkerError as e:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
-        return self.inflight.start(client, req, prefill, decode, request_id, identity)
+        return self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
 
     def _decode_room(self) -> int | None:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))

@@ -19,7 +19,7 @@ class ProxyConfig:
     decode_urls: tuple[str, ...] = ()
     etcd: str | None = None  # dynamic discovery: etcd's HOST:PORT
     colocated_url: str | None = None  # baseline mode: one worker doing prefill and decode (no P/D split)
-    policy: Policy = Policy.LEAST_LOADED
+    policy: Policy = Policy.CACHE_AWARE  # the CLI's default for static 1P1D is least_loaded: see default_policy
     poll_interval: float = 0.2  # every worker's stats (UP) or health (DOWN) this often
     poll_timeout: float = 1.0  # one poll
     retries: int = 1  # a request whose worker was unreachable starts over this often
@@ -78,3 +78,11 @@ class ProxyConfig:
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")
         if not 0 <= self.retries <= 3:
             raise ValueError(f"retries must be in 0..3, got {self.retries}")
+
+
+def default_policy(etcd: str | None, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...]) -> Policy:
+    """cache_aware wherever there is a choice to make; least_loaded for a static 1P1D cluster (`xpyd up`'s
+    default), where the proxy would tokenize every prompt and poll KV events for nothing."""
+    if etcd is None and len(prefill_urls) <= 1 and len(decode_urls) <= 1:
+        return Policy.LEAST_LOADED
+    return Policy.CACHE_AWARE

@@ -2,7 +2,7 @@
 
 A call moves through::
 
-    InFlight.start -> router.started(prefill, decode), tracked
+    InFlight.start -> router.started(prefill, decode; with the prompt's keys), tracked
     (streaming: hold(slot) -- the response body now owns the concurrency slot)
     abort/aclose, exactly once -> router.finished(both), untracked, slot released, on_end()
 
@@ -22,6 +22,7 @@ from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.admission import Slot
 from xpyd.proxy.client import WorkerClient
 from xpyd.proxy.pd_call import PDCall
+from xpyd.proxy.prefix_index import PromptKeys
 from xpyd.proxy.routing import Router
 from xpyd.proxy.upstream import Fault, UpstreamError
 
@@ -35,12 +36,13 @@ class TrackedCall(PDCall):
     """
 
     def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-                 decode: WorkerInfo, request_id: str, identity: ResponseIdentity, inflight: InFlight) -> None:
+                 decode: WorkerInfo, request_id: str, identity: ResponseIdentity, inflight: InFlight,
+                 keys: PromptKeys | None = None) -> None:
         super().__init__(client, req, prefill, decode, request_id, identity)
         self._inflight = inflight
         self._workers: tuple[WorkerInfo, ...] = (prefill, decode)
         self._slot: Slot | None = None
-        inflight.started(self, self._workers)
+        inflight.started(self, self._workers, keys)
 
     def hold(self, slot: Slot) -> None:
         slot.handed_off = True
@@ -62,12 +64,13 @@ class InFlight:
         self._calls: set[TrackedCall] = set()
 
     def start(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-              decode: WorkerInfo, request_id: str, identity: ResponseIdentity) -> TrackedCall:
-        return TrackedCall(client, req, prefill, decode, request_id, identity, self)
+              decode: WorkerInfo, request_id: str, identity: ResponseIdentity,
+              keys: PromptKeys | None = None) -> TrackedCall:
+        return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys)
 
-    def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...]) -> None:
+    def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], keys: PromptKeys | None) -> None:
         for worker in workers:
-            self._router.started(worker)
+            self._router.started(worker, keys)
         self._calls.add(call)
 
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:

@@ -24,7 +24,7 @@ from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.netaddr import host_port
 from xpyd.proxy.app import create_app
-from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
@@ -51,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", default=None, metavar="URL",
                         help="baseline mode: forward every request to this one colocated worker "
                              "(`xpyd colocated`), which does prefill and decode itself")
-    parser.add_argument("--policy", default=_DEFAULTS.policy.value,
-                        choices=[p.value for p in Policy],
-                        help="how a worker is chosen for each request (default: %(default)s)")
+    parser.add_argument("--policy", default=None, choices=[p.value for p in Policy],
+                        help="how a worker is chosen for each request: cache_aware (where the prompt's "
+                             "prefix is cached, unless that worker is a batch busier), least_loaded or "
+                             "round_robin (default: cache_aware; least_loaded with one --prefill and one "
+                             "--decode, where there is no choice to make)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
                         help="model name clients use and see in responses "
                              "(default: the model the workers report)")
@@ -101,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_urls=tuple(args.decode),
         etcd=args.etcd,
         colocated_url=args.colocated,
-        policy=Policy(args.policy),
+        policy=Policy(args.policy) if args.policy is not None else default_policy(
+            args.etcd, tuple(args.prefill), tuple(args.decode)),
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
         discovery_timeout=args.worker_wait,

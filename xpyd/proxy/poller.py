@@ -3,6 +3,7 @@
     UP worker   -> GET /xpyd/stats -> 200: its load is reported
                                    -> refused / 5xx: DOWN
                                    -> other status or a bad body: no stats (the proxy counts alone)
+                   then, with a CacheFeed (cache-aware routing), its KV events: ``CacheFeed.poll``
     DOWN worker -> GET /health     -> 200: UP again
 
 Each tick first syncs the table with the registry, so workers that left are
@@ -27,6 +28,7 @@ import aiohttp
 
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.cache_feed import CacheFeed
 from xpyd.proxy.workers import Health, Stats, WorkerTable
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class HealthPoller:
         interval: float,
         timeout: float,
         on_probe: Callable[[], None] | None = None,
+        feed: CacheFeed | None = None,
     ) -> None:
         self._registry = registry
         self._table = table
@@ -55,6 +58,7 @@ class HealthPoller:
         self._probes: dict[tuple[Role, str], asyncio.Task] = {}
         self._on_probe = on_probe  # after every probe: what the table says may have changed
         self._unanswered: dict[tuple[Role, str], int] = {}  # UP worker -> probes in a row that timed out
+        self._feed = feed  # told about every tick, and polls each UP worker's KV events after its stats
 
     def start(self) -> None:
         if self._task is None:
@@ -81,26 +85,34 @@ class HealthPoller:
     def tick(self) -> None:
         """Sync with the registry and start a probe for every worker that has none running."""
         live = set()
+        listed, up = [], []
         for role in Role:
             for state in self._table.sync(role, self._registry.workers(role)):
                 key = (role, state.info.http_url)
                 live.add(key)
+                listed.append(state.info)
+                if state.health is Health.UP:
+                    up.append(state.info)
                 probe = self._probes.get(key)
                 if probe is None or probe.done():
                     self._probes[key] = asyncio.create_task(self._probe(state.info))
         for key in [k for k in self._probes if k not in live]:
             self._probes.pop(key).cancel()
+        if self._feed is not None:
+            self._feed.tick(listed, up)
 
     async def _probe(self, worker: WorkerInfo) -> None:
         state = self._table.get(worker)
         if state is None:
             return
         key = (worker.role, worker.http_url)
+        stats_read = False
         try:
-            if state.health is Health.DOWN:
-                await self._check_health(worker)
-            else:
+            if state.health is Health.UP:
                 await self._read_stats(worker)
+                stats_read = True
+            else:
+                await self._check_health(worker)
             self._unanswered.pop(key, None)
         except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead, stalled is
             if state.health is not Health.DOWN:
@@ -114,6 +126,8 @@ class HealthPoller:
         finally:
             if self._on_probe is not None:
                 self._on_probe()
+        if stats_read and self._feed is not None and state.health is Health.UP:
+            await self._feed.poll(worker)  # after the stats (and on_probe): they come first
 
     async def _check_health(self, worker: WorkerInfo) -> None:
         async with self._session.get(worker.http_url + "/health", timeout=self._timeout) as resp:

@@ -4,12 +4,30 @@ A ``Router`` picks one worker of a role from the registry's current list (read
 on every request, so workers that joined are used at once and workers that
 left are never chosen) and hears when a request on a worker starts and ends::
 
-    pick(role, workers)  -> skips DOWN workers; NoWorkerError if none is UP
-    started(worker)      -> counts towards its load until the next stats report
+    pick(role, workers, keys)  -> skips DOWN workers; NoWorkerError if none is UP
+    started(worker, keys)      -> counts towards its load until the next stats report
     finished(worker)
 
+``keys`` (``PromptKeys``: the prompt's length and block hashes) is None when the
+proxy could not tokenize the request, or did not need to (other policies).
+
 Policies:
-- ``least_loaded`` (default): the lowest (waiting + running + transferring +
+- ``cache_aware`` (default): the worker where the request costs least, in KV blocks
+  (``block_size`` tokens)::
+
+      prefill: blocks to compute (the prompt's, less the prefix it caches)
+               + its queue (reported ``queued_tokens`` / block_size + blocks sent since)
+      decode:  blocks to receive (likewise) + what it holds (reported ``blocks_used`` + blocks sent since)
+
+  A request counts as cached on its workers at once (``PrefixIndex.expect``) and
+  the blocks it lacked as their backlog until the next report: a conversation's
+  next turn goes where its history is, while a burst sharing a prefix spreads (a
+  worker still computing the prefix for the first request is no cheaper than one
+  without it) and then every worker holds the prefix. Load wins over cache: a
+  worker whose load (requests, as least_loaded counts them) exceeds the least
+  loaded one's by more than its capacity (a batch) is not a candidate. Equal
+  costs, and requests without keys, go as least_loaded.
+- ``least_loaded``: the lowest (waiting + running + transferring +
   assigned-since-report) / capacity; the assigned count spreads a burst before
   the next stats poll. Ties go round-robin, in a freshly shuffled order each
   round: equal workers share evenly, and since each role shuffles on its own,
@@ -25,10 +43,12 @@ from enum import Enum
 from typing import Protocol
 
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
 from xpyd.proxy.workers import Health, WorkerState, WorkerTable
 
 
 class Policy(str, Enum):
+    CACHE_AWARE = "cache_aware"
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
 
@@ -45,10 +65,10 @@ class NoWorkerError(LookupError):
 class Router(Protocol):
     policy: Policy
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo]) -> WorkerInfo:
-        """One UP worker of ``workers`` (the registry's current list for ``role``)."""
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
+        """One UP worker of ``workers`` (the registry's current list for ``role``) for a request."""
 
-    def started(self, worker: WorkerInfo) -> None:
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
         """A request was sent to ``worker``."""
 
     def finished(self, worker: WorkerInfo) -> None:
@@ -70,32 +90,30 @@ class RoundRobinRouter:
         self._table = table
         self._next = {role: 0 for role in Role}
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo]) -> WorkerInfo:
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
         up = _up(self._table, role, workers)
         i = self._next[role] % len(up)
         self._next[role] = i + 1
         return up[i].info
 
-    def started(self, worker: WorkerInfo) -> None:
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
         self._table.started(worker)
 
     def finished(self, worker: WorkerInfo) -> None:
         self._table.finished(worker)
 
 
-class LeastLoadedRouter:
-    policy = Policy.LEAST_LOADED
+class _Turns:
+    """Ties between equally good workers, per role: in turn, in a freshly shuffled order each round."""
 
-    def __init__(self, table: WorkerTable, rng: random.Random | None = None) -> None:
-        self._table = table
+    def __init__(self, rng: random.Random | None) -> None:
         self._rng = rng or random.Random()
-        # Per role: the URLs yet to have their turn at a tie this round, in turn order.
-        self._turns: dict[Role, list[str]] = {role: [] for role in Role}
+        self._turns: dict[Role, list[str]] = {role: [] for role in Role}  # URLs yet to have their turn
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo]) -> WorkerInfo:
-        up = _up(self._table, role, workers)
-        low = min(s.score for s in up)
-        tied = {s.info.http_url: s for s in up if s.score == low}
+    def least_loaded(self, role: Role, up: Sequence[WorkerState], among: Sequence[WorkerState]) -> WorkerInfo:
+        """The lowest-scored of ``among`` (some of ``up``, the UP workers), ties in turn."""
+        low = min(s.score for s in among)
+        tied = {s.info.http_url: s for s in among if s.score == low}
         turns = self._turns[role]
         if not any(url in tied for url in turns):  # a new round
             turns[:] = [s.info.http_url for s in up]
@@ -104,14 +122,81 @@ class LeastLoadedRouter:
         turns.remove(url)
         return tied[url].info
 
-    def started(self, worker: WorkerInfo) -> None:
+
+class LeastLoadedRouter:
+    policy = Policy.LEAST_LOADED
+
+    def __init__(self, table: WorkerTable, rng: random.Random | None = None) -> None:
+        self._table = table
+        self._turns = _Turns(rng)
+
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
+        up = _up(self._table, role, workers)
+        return self._turns.least_loaded(role, up, up)
+
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
         self._table.started(worker)
 
     def finished(self, worker: WorkerInfo) -> None:
         self._table.finished(worker)
 
 
-def make_router(policy: Policy, table: WorkerTable) -> Router:
+class CacheAwareRouter:
+    policy = Policy.CACHE_AWARE
+
+    def __init__(self, table: WorkerTable, index: PrefixIndex, rng: random.Random | None = None) -> None:
+        self._table = table
+        self._index = index
+        self._turns = _Turns(rng)
+
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
+        up = _up(self._table, role, workers)
+        if keys is None:
+            return self._turns.least_loaded(role, up, up)
+        least = min(s.load for s in up)
+        candidates = [s for s in up if s.load - least <= max(s.info.capacity, 1)]  # never a hot spot
+        costs = [self.cost(s, keys) for s in candidates]
+        low = min(costs)
+        return self._turns.least_loaded(role, up, [s for s, c in zip(candidates, costs) if c == low])
+
+    def cost(self, state: WorkerState, keys: PromptKeys) -> float:
+        """The request's cost on ``state``'s worker, in blocks: the blocks it lacks + its backlog."""
+        return self._missing(state.info, keys) + self._backlog(state, keys.block_size)
+
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
+        if keys is None:
+            self._table.started(worker)
+            return
+        # Prefill's queue grows by the blocks it computes, decode's memory by the blocks it receives
+        # (cached ones it shares). Until the next report they count as its backlog.
+        self._table.started(worker, self._missing(worker, keys))
+        self._index.expect(worker, keys.hashes)
+
+    def finished(self, worker: WorkerInfo) -> None:
+        self._table.finished(worker)
+
+    def _missing(self, worker: WorkerInfo, keys: PromptKeys) -> int:
+        return keys.num_blocks - self._index.match(worker, keys.hashes)
+
+    @staticmethod
+    def _backlog(state: WorkerState, block_size: int) -> float:
+        """Prefill: blocks queued to compute; decode: blocks held. As reported (unknown: 0), + sent since."""
+        stats = state.stats
+        if stats is None:
+            reported = 0.0
+        elif state.info.role is Role.PREFILL:
+            reported = (stats.queued_tokens or 0) / block_size
+        else:
+            reported = float(stats.blocks_used or 0)
+        return reported + state.assigned_blocks
+
+
+def make_router(policy: Policy, table: WorkerTable, index: PrefixIndex | None = None) -> Router:
+    """``index`` (fed by the caller) is required for ``cache_aware``."""
     if policy is Policy.ROUND_ROBIN:
         return RoundRobinRouter(table)
+    if policy is Policy.CACHE_AWARE:
+        if index is None:
+            raise ValueError("the cache_aware policy needs a prefix index")
+        return CacheAwareRouter(table, index)
     return LeastLoadedRouter(table)

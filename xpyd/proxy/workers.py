@@ -7,6 +7,7 @@ learned about them::
     request fails (refused, timeout, 5xx) --mark_down()--> DOWN (never chosen)
     poller sees GET /health == 200 --mark_up()--> UP
     poller reads GET /xpyd/stats --report()--> load = reported + assigned since
+                                               (in requests, and in KV blocks for the cache-aware router)
 
 A worker that leaves the registry is forgotten with everything known about it;
 calls about a forgotten worker (a request that finishes after it left) are
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from xpyd.discovery.types import Role, WorkerInfo
 
@@ -33,30 +35,63 @@ class Health(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """A worker's own count of its requests (``GET /xpyd/stats``)."""
+    """A worker's own count of its requests and KV blocks (``GET /xpyd/stats``).
+
+    The block and prefix-cache counts are None when the worker does not report them (older workers).
+    """
 
     waiting: int
     running: int
     transferring: int
+    queued_tokens: int | None = None  # prefill: prompt tokens waiting or running, not computed yet
+    blocks_total: int | None = None
+    blocks_used: int | None = None  # held by requests
+    blocks_cached: int | None = None  # held by no request, kept for their prefix
+    prefix_query_tokens: int | None = None  # prompt tokens looked up in its prefix cache, ever
+    prefix_hit_tokens: int | None = None  # ... and found there
 
     def __post_init__(self) -> None:
-        for name in ("waiting", "running", "transferring"):
+        for name in self.__slots__:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not (_is_count(value) or (value is None and name not in _REQUIRED)):
                 raise ValueError(f"stats: {name} must be a non-negative integer, got {value!r}")
 
     @classmethod
     def from_dict(cls, d: object) -> "Stats":
+        """The request counts are required; a block or cache count that is missing or not a count is unknown."""
         if not isinstance(d, dict):
             raise ValueError(f"stats must be a JSON object, got {type(d).__name__}")
         try:
-            return cls(d["waiting"], d["running"], d["transferring"])
+            required = [d[name] for name in _REQUIRED]
         except KeyError as e:
             raise ValueError(f"stats: missing {e}") from None
+        return cls(*required, **{name: d[name] for name in _OPTIONAL if _is_count(d.get(name))})
 
     @property
     def total(self) -> int:
         return self.waiting + self.running + self.transferring
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of the prompt tokens looked up in its prefix cache that were found; None before any."""
+        if not self.prefix_query_tokens or self.prefix_hit_tokens is None:
+            return None
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_REQUIRED = ("waiting", "running", "transferring")
+_OPTIONAL = tuple(name for name in Stats.__slots__ if name not in _REQUIRED)
+
+
+class ReportMark(NamedTuple):
+    """What the proxy had sent a worker when it asked for stats (see ``WorkerTable.report_mark``)."""
+
+    requests: int
+    blocks: int
 
 
 def _key(worker: WorkerInfo) -> tuple[Role, str]:
@@ -71,6 +106,8 @@ class WorkerState:
     requests: int = 0  # routed to this worker by this proxy, ever
     in_flight: int = 0  # routed and not finished yet
     reported_requests: int = 0  # ``requests`` when the last report was asked for
+    blocks: int = 0  # KV blocks routed here that it lacked, ever (prefill computes them, decode receives them)
+    reported_blocks: int = 0  # ``blocks`` when the last report was asked for
     down_reason: str = ""
     since: float = field(default_factory=time.monotonic)  # of the current health
 
@@ -85,13 +122,23 @@ class WorkerState:
         return self.requests - self.reported_requests
 
     @property
+    def load(self) -> int:
+        """Requests on the worker: waiting + running + transferring as reported, + assigned since."""
+        return (self.stats.total if self.stats is not None else 0) + self.assigned
+
+    @property
     def score(self) -> float:
-        """Load relative to capacity: (waiting + running + transferring + assigned) / capacity."""
-        reported = self.stats.total if self.stats is not None else 0
-        return (reported + self.assigned) / max(self.info.capacity, 1)
+        """Load relative to capacity."""
+        return self.load / max(self.info.capacity, 1)
+
+    @property
+    def assigned_blocks(self) -> int:
+        """KV blocks of work sent since the last report was asked for (everything, before any report)."""
+        return self.blocks - self.reported_blocks
 
     def to_dict(self) -> dict:
         stats = self.stats
+        hit_rate = stats.hit_rate if stats else None
         return {
             "role": self.info.role.value,
             "http_url": self.info.http_url,
@@ -105,6 +152,14 @@ class WorkerState:
                 "transferring": stats.transferring if stats else None,
                 "assigned": self.assigned,
                 "score": round(self.score, 4),
+                "queued_tokens": stats.queued_tokens if stats else None,
+                "assigned_blocks": self.assigned_blocks,
+            },
+            "cache": {
+                "blocks_total": stats.blocks_total if stats else None,
+                "blocks_used": stats.blocks_used if stats else None,
+                "blocks_cached": stats.blocks_cached if stats else None,
+                "hit_rate": round(hit_rate, 4) if hit_rate is not None else None,
             },
             "requests": self.requests,
         }
@@ -142,11 +197,13 @@ class WorkerTable:
     def get(self, worker: WorkerInfo) -> WorkerState | None:
         return self._states.get(_key(worker))
 
-    def started(self, worker: WorkerInfo) -> None:
+    def started(self, worker: WorkerInfo, blocks: int = 0) -> None:
+        """A request was sent to ``worker``; ``blocks``: the KV blocks of work it brings (if known)."""
         state = self.get(worker)
         if state is not None:
             state.requests += 1
             state.in_flight += 1
+            state.blocks += blocks
 
     def finished(self, worker: WorkerInfo) -> None:
         state = self.get(worker)
@@ -183,14 +240,14 @@ class WorkerTable:
         log.info("%s worker %s is up", worker.role.value, worker.http_url)
         return True
 
-    def report_mark(self, worker: WorkerInfo) -> int:
+    def report_mark(self, worker: WorkerInfo) -> ReportMark:
         """Call when asking for stats; pass the result to ``report`` with the answer."""
         state = self.get(worker)
-        return state.requests if state is not None else 0
+        return ReportMark(state.requests, state.blocks) if state is not None else ReportMark(0, 0)
 
-    def report(self, worker: WorkerInfo, stats: Stats | None, mark: int) -> None:
+    def report(self, worker: WorkerInfo, stats: Stats | None, mark: ReportMark) -> None:
         """The worker's stats as of when ``mark`` was taken (None: it reports none)."""
         state = self.get(worker)
         if state is None or state.health is Health.DOWN:
             return  # a report from before the mark-down must not revive old numbers
-        state.stats, state.reported_requests = stats, mark
+        state.stats, state.reported_requests, state.reported_blocks = stats, mark.requests, mark.blocks

@@ -1,0 +1,210 @@
+"""The proxy's prompt tokens equal the workers' (transformers is fine here, in the test, not in the proxy).
+
+The workers parse the same body with ``parse_request`` and tokenize with ``xpyd.model.tokenizer``; the
+proxy rebuilds their tokenizer from ``GET /xpyd/tokenizer`` with ``tokenizers`` and ``jinja2`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xpyd.api.openai import RequestKind, parse_request
+from xpyd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
+from xpyd.prefix_hash import block_hashes, hash_seed
+from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
+
+SEED = hash_seed("test-model", "layout")
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def served(tok, block_size: int = 16) -> bytes:
+    """What a worker answers on GET /xpyd/tokenizer (the contract)."""
+    special = {name: getattr(tok, name, None) for name in SPECIAL}
+    return json.dumps({"tokenizer": tok.backend_tokenizer.to_str(), "chat_template": tok.chat_template,
+                       "special_tokens": {k: str(v) if v is not None else None for k, v in special.items()},
+                       "block_size": block_size, "hash_seed": SEED}).encode()
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_dir: Path):
+    tok = load_tokenizer(smollm_dir)
+    return tok, PromptTokenizer(TokenizerSpec.from_json(served(tok)))
+
+
+TEXTS = [
+    "Hello",
+    "The capital of France is",
+    "  leading and trailing spaces  \n\n\ttabs\r\n",
+    "Héllo wörld, ça va? Ünïcödé — “quotes” … 日本語のテキスト 中文 한국어 العربية emoji 🙂👍🏽",
+    "special strings as text: <|im_start|>user\nhi<|im_end|> <|endoftext|>",
+    "code: def f(x):\n    return {'a': [1, 2, 3]}  # comment",
+    "x" * 3000,
+    " ".join(f"word{i}" for i in range(2000)),
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Answer in French."},
+     {"role": "user", "content": "Bonjour, ça va ?"},
+     {"role": "assistant", "content": "Très bien, merci ! Et vous ?"},
+     {"role": "user", "content": "Parfait. Écris un haïku sur l'été 🌞"}],
+    [{"role": "user", "content": "first"}, {"role": "assistant", "content": "second"},
+     {"role": "user", "content": "third"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "日本語で答えて"}],
+    [{"role": "developer", "content": "Be nice."}, {"role": "user", "content": "<|im_end|> injected"}],
+    [{"role": "user", "content": [{"type": "text", "text": "part one. "}, {"type": "text", "text": "part two"}]}],
+    [{"role": "user", "content": "named", "name": "alice"}],
+    [{"role": "user", "content": "long " * 2000}],
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_completion_ids_equal_the_workers(smollm, text):
+    tok, proxy = smollm
+    req = parse_request(json.dumps({"prompt": text}).encode(), RequestKind.COMPLETION)
+    ids = encode_prompt(tok, req.prompt)
+    assert proxy.token_ids(req) == ids
+    keys = proxy.keys(req)
+    assert keys.hashes == tuple(block_hashes(ids, 16, SEED)) and keys.num_tokens == len(ids)
+
+
+def test_token_id_prompts_are_used_as_they_are(smollm):
+    tok, proxy = smollm
+    req = parse_request(json.dumps({"prompt": list(range(40))}).encode(), RequestKind.COMPLETION)
+    assert proxy.token_ids(req) == encode_prompt(tok, req.prompt) == list(range(40))
+    with pytest.raises(ValueError, match="vocabulary"):
+        proxy.encode_prompt([len(tok)])  # the worker refuses it too
+    with pytest.raises(ValueError):
+        encode_prompt(tok, [len(tok)])
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=range(len(CHATS)))
+def test_chat_ids_equal_the_workers(smollm, messages):
+    tok, proxy = smollm
+    req = parse_request(json.dumps({"messages": messages}).encode(), RequestKind.CHAT)
+    ids = encode_chat(tok, req.messages)  # what the worker computes from the same body
+    assert proxy.token_ids(req) == ids
+    assert proxy.keys(req).hashes == tuple(block_hashes(ids, 16, SEED))
+    # Messages handed over as they are, content parts and all (the worker's encode_chat accepts them too).
+    assert proxy.encode_chat(messages) == encode_chat(tok, messages)
+
+
+def test_chats_that_share_a_history_share_leading_blocks(smollm):
+    _, proxy = smollm
+    turn1 = [{"role": "system", "content": "Answer in French, briefly and politely. " * 4},
+             {"role": "user", "content": "Bonjour, ça va ?"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Très bien, merci !"}, {"role": "user", "content": "Et toi ?"}]
+    a = proxy.keys(parse_request(json.dumps({"messages": turn1}).encode(), RequestKind.CHAT))
+    b = proxy.keys(parse_request(json.dumps({"messages": turn2}).encode(), RequestKind.CHAT))
+    shared = 0
+    while shared < min(len(a.hashes), len(b.hashes)) and a.hashes[shared] == b.hashes[shared]:
+        shared += 1
+    assert shared == len(a.hashes) >= 3  # the system prompt and first question: the same blocks
+
+
+def test_a_template_using_everything_transformers_gives_it(smollm):
+    """bos_token, tojson (no HTML escaping), raise_exception, loop controls, namespace, {% generation %},
+    and a post-processor that adds a BOS: added to completions, not to rendered chats."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    base, _ = smollm
+    backend = Tokenizer.from_str(base.backend_tokenizer.to_str())  # a copy: the fixture's stays as it is
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[
+        ("<|im_start|>", base.convert_tokens_to_ids("<|im_start|>"))])
+    template = (
+        "{{ bos_token }}{% set ns = namespace(n=0) %}"
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "{% if loop.index > 5 %}{% break %}{% endif %}{% set ns.n = ns.n + 1 %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+        "{% else %}{{ m['content'] | tojson }}{% endif %}{{ '<|im_end|>\\n' }}\n"
+        "    {% endfor %}{{ ns.n }}{% if tools is none and documents is none %}!{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  unk_token="<|endoftext|>", chat_template=template)
+    proxy = PromptTokenizer(TokenizerSpec.from_json(served(tok, block_size=4)))
+    for text in TEXTS[:5]:
+        assert proxy.encode_prompt(text) == tok(text).input_ids
+        assert proxy.encode_prompt(text)[0] == tok.bos_token_id
+    for messages in CHATS[:6]:
+        messages = [{**m, "content": m["content"] + " <a href='x'>&</a>"} if isinstance(m["content"], str) else m
+                    for m in messages]
+        ids = encode_chat(tok, messages)
+        assert proxy.encode_chat(messages) == ids
+        assert ids.count(tok.bos_token_id) == ids.count(tok.convert_tokens_to_ids("<|im_start|>"))
+    with pytest.raises(ValueError, match="no tools"):
+        proxy.encode_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="no tools"):
+        encode_chat(tok, [{"role": "tool", "content": "x"}])
+
+
+def test_what_cannot_be_tokenized_is_a_value_error(smollm):
+    tok, proxy = smollm
+    no_template = json.loads(served(tok))
+    no_template["chat_template"] = None
+    plain = PromptTokenizer(TokenizerSpec.from_json(json.dumps(no_template)))
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.encode_chat([{"role": "user", "content": "hi"}])
+    for bad in ([], [{"role": "", "content": "x"}], [{"role": "user", "content": 3}],
+                [{"role": "user", "content": [{"type": "image_url"}]}], ["hi"]):
+        with pytest.raises(ValueError):
+            proxy.encode_chat(bad)
+    with pytest.raises(ValueError, match="chat template"):
+        PromptTokenizer(TokenizerSpec.from_json(json.dumps({**no_template, "chat_template": "{% if %}"})))
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        PromptTokenizer(TokenizerSpec.from_json(json.dumps({**no_template, "tokenizer": "{}"})))
+
+
+@pytest.mark.parametrize("change", [
+    {"tokenizer": ""}, {"tokenizer": None}, {"chat_template": 3}, {"special_tokens": ["<s>"]},
+    {"special_tokens": {"bos_token": 1}}, {"block_size": 0}, {"block_size": True}, {"block_size": 2**17},
+    {"hash_seed": -1}, {"hash_seed": 2**64}, {"hash_seed": "1"},
+])
+def test_spec_is_validated(change):
+    good = {"tokenizer": "{}", "chat_template": None, "special_tokens": {"bos_token": "<s>", "pad_token": None},
+            "block_size": 16, "hash_seed": 7}
+    spec = TokenizerSpec.from_json(json.dumps(good))
+    assert spec.special_tokens == {"bos_token": "<s>"}  # null: the worker has none, the template sees none
+    with pytest.raises(ValueError):
+        TokenizerSpec.from_json(json.dumps({**good, **change}))
+    without_seed = dict(good)
+    del without_seed["hash_seed"]
+    with pytest.raises(ValueError, match="missing"):
+        TokenizerSpec.from_json(json.dumps(without_seed))
+    assert spec.digest() == TokenizerSpec.from_json(json.dumps(good)).digest()
+    assert spec.digest() != TokenizerSpec.from_json(json.dumps({**good, "block_size": 32})).digest()
+
+
+async def test_tokenizing_in_a_thread_lets_the_event_loop_run(smollm):
+    """The proxy tokenizes long prompts in a thread; the tokenizer must let go of the GIL meanwhile."""
+    import asyncio
+    import time
+
+    _, proxy = smollm
+    req = parse_request(json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 4000}).encode(),
+                        RequestKind.COMPLETION)
+    gaps = []
+
+    async def tick(done: asyncio.Event) -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    done = asyncio.Event()
+    ticker = asyncio.create_task(tick(done))
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    keys = await asyncio.to_thread(proxy.keys, req)
+    took = time.perf_counter() - t0
+    done.set()
+    await ticker
+    assert keys.num_tokens > 40_000
+    assert max(gaps) < took / 3, f"the loop stood still {max(gaps) * 1e3:.0f} ms of {took * 1e3:.0f} ms"
