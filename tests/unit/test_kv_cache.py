@@ -114,3 +114,52 @@ def test_event_log_serves_events_after_a_cursor_or_a_snapshot():
     assert log.since(log.epoch, 99)["snapshot"] == [12, 13, 14, 15]  # a cursor from the future: resync
     assert log.since(log.epoch, 2)["events"] == [["removed", 11], ["stored", 13], ["stored", 14], ["stored", 15]]
     assert log.num_cached == 4
+
+
+def test_random_lifecycles_never_leak_overcommit_or_free_a_referenced_block():
+    """Requests arrive (sharing prefixes from a small set), grow token by token, finish (their blocks
+    cached) or abort, in random order, in a pool that must evict; at every step the reservations add
+    up, every held block is referenced at least by its holders, nothing promised is missing, and at the end
+    nothing is referenced or reserved."""
+    import random
+
+    for seed in range(5):
+        rng = random.Random(seed)
+        cache = kv_cache(40)
+        stems = [[rng.randrange(1000) for _ in range(rng.randint(4, 14))] for _ in range(4)]
+        live: list[tuple] = []  # (kv, tokens so far, final length)
+        admitted = refused = 0
+        for _ in range(600):
+            op = rng.random()
+            if op < 0.35:
+                prompt = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+                final = len(prompt) + rng.randint(1, 12)
+                kv = cache.admit(cache.hashes(prompt), len(prompt), final, len(prompt) - 1)
+                if kv is None:
+                    refused += 1
+                    continue
+                admitted += 1
+                cache.prompt_done(kv, len(prompt), prompt[len(kv.hashes) * BS:])
+                live.append((kv, list(prompt), final))
+            elif op < 0.8 and live:
+                kv, tokens, final = rng.choice(live)
+                if len(tokens) < final:
+                    cache.grow(kv, len(tokens) + 1)  # never beyond what admission promised
+                    tokens.append(rng.randrange(1000))
+                    cache.append_tokens(kv, tokens[-1:])
+            elif live:
+                entry = live.pop(rng.randrange(len(live)))
+                cache.free(entry[0])
+            cache.allocator.check()
+            held = [b for kv, _, _ in live for b in kv.blocks]
+            assert all(cache.allocator.ref(b) >= held.count(b) for b in set(held))
+            assert cache.reserved == sum(kv.reserved for kv, _, _ in live) >= 0
+            assert cache.allocator.num_free >= cache.reserved  # every promise can be kept
+            for kv, tokens, final in live:
+                assert len(kv.blocks) == cache.blocks_for(len(tokens))
+                assert kv.reserved == cache.blocks_for(final) - len(kv.blocks)
+        for kv, _, _ in live:
+            cache.free(kv)
+        assert cache.allocator.num_referenced == 0 and cache.reserved == 0
+        assert admitted > 50 and refused > 0 and cache.hit_tokens > 0, (admitted, refused, cache.hit_tokens)
+        cache.allocator.check()
