@@ -90,6 +90,7 @@ def test_decode_extends_the_chain_over_generated_tokens():
 def test_caching_off_reuses_nothing_and_records_nothing():
     cache = kv_cache(6, caching=False)
     prompt = list(range(12))
+    assert cache.hashes(prompt) == block_hashes(prompt, BS, cache.seed)  # still named: decode's cache may be on
     for _ in range(2):
         kv = cache.admit(cache.hashes(prompt), 12, 12, 11)
         assert kv.cached_tokens == 0

@@ -52,9 +52,8 @@ class KVCache:
         return -(-num_tokens // self.block_size)
 
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """The chain hashes of the full blocks of ``token_ids`` ([] when caching is off)."""
-        if not self.caching:
-            return []
+        """The chain hashes of the full blocks of ``token_ids`` (also with caching off here: prefill names
+        a prompt's blocks to its decode worker, whose cache may be on)."""
         return block_hashes(token_ids, self.block_size, self.seed)
 
     def can_admit(self, blocks: int) -> bool:
