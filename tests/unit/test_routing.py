@@ -414,3 +414,40 @@ def test_make_cache_aware_router():
     assert make_router(Policy.CACHE_AWARE, table, PrefixIndex()).policy is Policy.CACHE_AWARE
     with pytest.raises(ValueError, match="prefix index"):
         make_router(Policy.CACHE_AWARE, table)
+
+
+def test_a_finished_request_stops_counting_as_backlog_before_the_next_report():
+    """Work the proxy sent since the last stats report counts as backlog until the report covers it, or
+    until the request ended (done work): a client that sends its next request right after the previous
+    answer finds the worker that holds its prefix as cheap as it is."""
+    table = WorkerTable()
+    w = worker(1, Role.PREFILL)
+    table.sync(Role.PREFILL, [w])
+    table.report(w, Stats(0, 0, 0), table.report_mark(w))
+    a, b = table.started(w, blocks=11), table.started(w, blocks=3)
+    state = table.get(w)
+    assert a != b and state.assigned_blocks == 14
+    table.finished(w, a)
+    assert state.assigned_blocks == 3
+    mark = table.report_mark(w)  # a report asked for now covers b
+    c = table.started(w, blocks=5)
+    table.report(w, Stats(0, 1, 0), mark)
+    assert state.assigned_blocks == 5
+    table.finished(w, b)
+    table.finished(w, c)
+    assert state.assigned_blocks == 0 and state.in_flight == 0
+
+
+def test_a_request_the_report_saw_no_longer_weighs_once_it_ended():
+    table = WorkerTable()
+    w = worker(2, Role.DECODE)
+    table.sync(Role.DECODE, [w])
+    a = table.started(w, blocks=12)
+    mark = table.report_mark(w)
+    table.report(w, Stats(0, 1, 0), mark)  # the report sees a
+    state = table.get(w)
+    assert state.assigned_blocks == 0 and state.released_blocks == 0
+    table.finished(w, a)
+    assert state.released_blocks == 12  # until the next report, a's blocks are known to be free
+    table.report(w, Stats(0, 0, 0), table.report_mark(w))
+    assert state.released_blocks == 0 and not state.covered_blocks

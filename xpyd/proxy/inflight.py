@@ -42,7 +42,7 @@ class TrackedCall(PDCall):
         self._inflight = inflight
         self._workers: tuple[WorkerInfo, ...] = (prefill, decode)
         self._slot: Slot | None = None
-        inflight.started(self, self._workers, keys)
+        self.tickets: tuple[int, ...] = inflight.started(self, self._workers, keys)
 
     def hold(self, slot: Slot) -> None:
         slot.handed_off = True
@@ -68,14 +68,15 @@ class InFlight:
               keys: PromptKeys | None = None) -> TrackedCall:
         return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys)
 
-    def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], keys: PromptKeys | None) -> None:
-        for worker in workers:
-            self._router.started(worker, keys)
+    def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...],
+                keys: PromptKeys | None) -> tuple[int, ...]:
+        tickets = tuple(self._router.started(worker, keys) for worker in workers)
         self._calls.add(call)
+        return tickets
 
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:
-        for worker in workers:
-            self._router.finished(worker)
+        for worker, ticket in zip(workers, call.tickets):
+            self._router.finished(worker, ticket)
         self._calls.discard(call)
         if slot is not None:
             slot.release()

@@ -68,11 +68,11 @@ class Router(Protocol):
     def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
         """One UP worker of ``workers`` (the registry's current list for ``role``) for a request."""
 
-    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
-        """A request was sent to ``worker``."""
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
+        """A request was sent to ``worker``; returns its ticket for ``finished``."""
 
-    def finished(self, worker: WorkerInfo) -> None:
-        """A request on ``worker`` ended (in any way)."""
+    def finished(self, worker: WorkerInfo, ticket: int = 0) -> None:
+        """The request of ``ticket`` on ``worker`` ended (in any way)."""
 
 
 def _up(table: WorkerTable, role: Role, workers: Sequence[WorkerInfo]) -> list[WorkerState]:
@@ -96,11 +96,11 @@ class RoundRobinRouter:
         self._next[role] = i + 1
         return up[i].info
 
-    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
-        self._table.started(worker)
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
+        return self._table.started(worker)
 
-    def finished(self, worker: WorkerInfo) -> None:
-        self._table.finished(worker)
+    def finished(self, worker: WorkerInfo, ticket: int = 0) -> None:
+        self._table.finished(worker, ticket)
 
 
 class _Turns:
@@ -134,11 +134,11 @@ class LeastLoadedRouter:
         up = _up(self._table, role, workers)
         return self._turns.least_loaded(role, up, up)
 
-    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
-        self._table.started(worker)
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
+        return self._table.started(worker)
 
-    def finished(self, worker: WorkerInfo) -> None:
-        self._table.finished(worker)
+    def finished(self, worker: WorkerInfo, ticket: int = 0) -> None:
+        self._table.finished(worker, ticket)
 
 
 class CacheAwareRouter:
@@ -163,24 +163,25 @@ class CacheAwareRouter:
         """The request's cost on ``state``'s worker, in blocks: the blocks it lacks + its backlog."""
         return self._missing(state.info, keys) + self._backlog(state, keys.block_size)
 
-    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> None:
+    def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
         if keys is None:
-            self._table.started(worker)
-            return
+            return self._table.started(worker)
         # Prefill's queue grows by the blocks it computes, decode's memory by the blocks it receives
-        # (cached ones it shares). Until the next report they count as its backlog.
-        self._table.started(worker, self._missing(worker, keys))
+        # (cached ones it shares). Until the next report, or until the request ends, they count as its backlog.
+        ticket = self._table.started(worker, self._missing(worker, keys))
         self._index.expect(worker, keys.hashes)
+        return ticket
 
-    def finished(self, worker: WorkerInfo) -> None:
-        self._table.finished(worker)
+    def finished(self, worker: WorkerInfo, ticket: int = 0) -> None:
+        self._table.finished(worker, ticket)
 
     def _missing(self, worker: WorkerInfo, keys: PromptKeys) -> int:
         return keys.num_blocks - self._index.match(worker, keys.hashes)
 
     @staticmethod
     def _backlog(state: WorkerState, block_size: int) -> float:
-        """Prefill: blocks queued to compute; decode: blocks held. As reported (unknown: 0), + sent since."""
+        """Prefill: blocks queued to compute; decode: blocks held. As reported (unknown: 0), less what ended
+        since, + sent since."""
         stats = state.stats
         if stats is None:
             reported = 0.0
@@ -188,7 +189,8 @@ class CacheAwareRouter:
             reported = (stats.queued_tokens or 0) / block_size
         else:
             reported = float(stats.blocks_used or 0)
-        return reported + state.assigned_blocks
+        # (a request the report saw that has ended since no longer weighs on it)
+        return max(0.0, reported - state.released_blocks) + state.assigned_blocks
 
 
 def make_router(policy: Policy, table: WorkerTable, index: PrefixIndex | None = None) -> Router:

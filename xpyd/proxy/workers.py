@@ -107,7 +107,11 @@ class WorkerState:
     in_flight: int = 0  # routed and not finished yet
     reported_requests: int = 0  # ``requests`` when the last report was asked for
     blocks: int = 0  # KV blocks routed here that it lacked, ever (prefill computes them, decode receives them)
-    reported_blocks: int = 0  # ``blocks`` when the last report was asked for
+    # Requests routed since the last report was asked for and not finished: their number (``requests`` when
+    # sent) -> the blocks of work they bring. A finished request is done work, not backlog.
+    pending_blocks: dict[int, int] = field(default_factory=dict)
+    covered_blocks: dict[int, int] = field(default_factory=dict)  # the same for unfinished ones the report saw
+    released_blocks: int = 0  # blocks of requests the last report saw that have finished since
     down_reason: str = ""
     since: float = field(default_factory=time.monotonic)  # of the current health
 
@@ -133,8 +137,8 @@ class WorkerState:
 
     @property
     def assigned_blocks(self) -> int:
-        """KV blocks of work sent since the last report was asked for (everything, before any report)."""
-        return self.blocks - self.reported_blocks
+        """KV blocks of work sent since the last report was asked for and not finished yet."""
+        return sum(self.pending_blocks.values())
 
     def to_dict(self) -> dict:
         stats = self.stats
@@ -197,18 +201,25 @@ class WorkerTable:
     def get(self, worker: WorkerInfo) -> WorkerState | None:
         return self._states.get(_key(worker))
 
-    def started(self, worker: WorkerInfo, blocks: int = 0) -> None:
-        """A request was sent to ``worker``; ``blocks``: the KV blocks of work it brings (if known)."""
+    def started(self, worker: WorkerInfo, blocks: int = 0) -> int:
+        """A request was sent to ``worker``; ``blocks``: the KV blocks of work it brings (if known). Returns
+        its ticket for ``finished``."""
         state = self.get(worker)
-        if state is not None:
-            state.requests += 1
-            state.in_flight += 1
-            state.blocks += blocks
+        if state is None:
+            return 0
+        state.requests += 1
+        state.in_flight += 1
+        state.blocks += blocks
+        if blocks:
+            state.pending_blocks[state.requests] = blocks
+        return state.requests
 
-    def finished(self, worker: WorkerInfo) -> None:
+    def finished(self, worker: WorkerInfo, ticket: int = 0) -> None:
         state = self.get(worker)
         if state is not None and state.in_flight > 0:
             state.in_flight -= 1
+            if state.pending_blocks.pop(ticket, None) is None:
+                state.released_blocks += state.covered_blocks.pop(ticket, 0)  # the report's numbers include it
 
     def mark_down(self, worker: WorkerInfo, reason: str, unreachable: bool = False) -> bool:
         """Stop choosing ``worker`` until it is seen healthy; True if it was UP.
@@ -250,4 +261,7 @@ class WorkerTable:
         state = self.get(worker)
         if state is None or state.health is Health.DOWN:
             return  # a report from before the mark-down must not revive old numbers
-        state.stats, state.reported_requests, state.reported_blocks = stats, mark.requests, mark.blocks
+        state.stats, state.reported_requests = stats, mark.requests
+        state.covered_blocks.update((t, b) for t, b in state.pending_blocks.items() if t <= mark.requests)
+        state.pending_blocks = {t: b for t, b in state.pending_blocks.items() if t > mark.requests}
+        state.released_blocks = 0
