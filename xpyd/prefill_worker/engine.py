@@ -41,8 +41,8 @@ from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
-from xpyd.model.kv_pool import block_ranges
-from xpyd.transfer.base import BackendDescriptor, Region, TransferBackend
+from xpyd.prefill_worker.handover import pull_regions, ready_result
+from xpyd.transfer.base import BackendDescriptor, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -229,13 +229,7 @@ class PrefillEngine(WorkerEngine):
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
 
     def _ready_result(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
-        """What a decode worker learns of a prefilled request: first token, prompt length, the prompt's
-        block hashes and the tokens after them (for its own prefix cache), how much prefill reused."""
-        full = len(seq.hashes)
-        return m.LookupResult(seq.request_id, status, seq.first_token, seq.prompt_len,
-                              block_hashes=m.pack_hashes(seq.hashes),
-                              tail=tuple(seq.prompt_ids[full * self.kv_cache.block_size:]),
-                              cached_tokens=seq.kv.cached_tokens if seq.kv is not None else 0)
+        return ready_result(seq, status, self.kv_cache.block_size)
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         with self._lock:
@@ -374,20 +368,15 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
         if seq.send_token is not None:
             return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
-        blocks = seq.kv.blocks[e.first_block:]
-        if len(e.dest_blocks) != len(blocks):
-            return m.LookupResult(e.request_id, S.FAILED, error=f"the pull names {len(e.dest_blocks)} blocks; the "
-                                  f"request has {len(blocks)} from block {e.first_block} on")
-        try:
-            dst = [Region(*r) for r in block_ranges(e.dest_blocks, peer.block_bytes, peer.num_blocks)]
-        except ValueError:
-            return m.LookupResult(e.request_id, S.FAILED, error="destination outside the decode KV pool")
-        src = [Region(*r) for r in self.pool.byte_ranges(blocks)]
+        regions = pull_regions(self.pool, seq, e, peer)
+        if isinstance(regions, str):
+            return m.LookupResult(e.request_id, S.FAILED, error=regions)
+        src, dst = regions
         started = time.monotonic()
         token = self.transfer.send(rid.short, src, peer.transfer, dst)
         self.sched.start_send(e.request_id, token)
         token.on_finish(self._wake)
-        self._send_started[e.request_id] = (started, len(blocks) * self.pool.layout.block_bytes)
+        self._send_started[e.request_id] = (started, sum(r.length for r in src))
         self._sends[identity] += 1
         self.post(None)  # wake the engine to poll the send
         return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
