@@ -97,14 +97,16 @@ class Cluster:
 
 def start_1p1d(workdir: Path, model: str, dtype: str = "float32", batch_size: int = 8,
                max_model_len: int = 512, extra: list[str] | None = None,
-               host: str = "127.0.0.1") -> tuple[Cluster, dict[str, str]]:
-    """Prefill + decode workers and a proxy, all on ``host``; returns the cluster and its URLs."""
+               host: str = "127.0.0.1", prefill_extra: list[str] | None = None) -> tuple[Cluster, dict[str, str]]:
+    """Prefill + decode workers and a proxy, all on ``host``; returns the cluster and its URLs.
+    ``extra``: options of both workers; ``prefill_extra``: the prefill worker's own."""
     c = Cluster(workdir)
     pp, ps, dp, dk, xp = (free_port(host) for _ in range(5))
     common = ["--model", model, "--dtype", dtype, "--threads", "1", "--batch-size", str(batch_size),
               "--max-model-len", str(max_model_len), "--host", host, *(extra or [])]
     urls = {"prefill": http_url(host, pp), "decode": http_url(host, dp), "proxy": http_url(host, xp)}
-    c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
+    c.start("prefill", ["prefill", *common, *(prefill_extra or []), "--port", str(pp), "--signal-port", str(ps)],
+            urls["prefill"])
     c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     try:
         c.wait_healthy()

@@ -1,7 +1,9 @@
 """The whole 1P1D cluster as real processes with the real model (SmolLM2-135M, float32).
 
 Text through the proxy must be token-for-token what single-process
-transformers ``generate`` produces on the same converted model.
+transformers ``generate`` produces on the same converted model. The prefill worker runs with
+``--prefill-chunk 16``: every prompt here but the shortest is computed in chunks, and concurrent
+requests share forward passes, so these checks cover chunked and packed prefill end to end.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm_dir: Path):
     c, urls = start_1p1d(tmp_path_factory.mktemp("cluster"), str(smollm_dir), dtype="float32",
-                         batch_size=8, max_model_len=MAX_MODEL_LEN)
+                         batch_size=8, max_model_len=MAX_MODEL_LEN, prefill_extra=["--prefill-chunk", "16"])
     yield urls
     c.stop()
 
@@ -166,6 +168,15 @@ def test_matches_transformers_generate(cluster, reference, kind, body):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == want_n
     ids = {ch["id"] for ch in chunks}
     assert len(ids) == 1
+
+
+def test_prompts_were_computed_in_chunks(cluster):
+    """(Runs after the exactness tests above: the prefill worker chunked and packed their prompts.)"""
+    with urllib.request.urlopen(cluster["prefill"] + "/xpyd/stats", timeout=10) as r:
+        stats = json.load(r)
+    assert stats["prefill_chunk"] == 16
+    assert stats["prefill_partial_chunks"] > 0 and stats["prefill_steps"] > 0
+    assert stats["prefill_tokens"] >= stats["prefill_steps"]
 
 
 def test_capital_of_france(cluster):

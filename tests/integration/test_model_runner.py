@@ -205,6 +205,71 @@ def test_smollm_prompt_reusing_another_requests_cached_blocks_matches_generate(s
     alloc.clear_cache()
 
 
+def prefill_chunked(runner: ModelRunner, seq: Seq, chunk: int) -> None:
+    """``seq``'s prompt computed ``chunk`` tokens at a time, each chunk continuing from the KV of the ones
+    before it (what a prefill worker does with --prefill-chunk); the last chunk's logits pick the token."""
+    for start in range(seq.start, len(seq.prompt), chunk):
+        logits = runner.prefill(seq.table, seq.prompt[: start + chunk], start=start)
+    seq.logits.append(logits)
+    seq.out.append(int(logits.argmax()))
+
+
+@pytest.mark.parametrize("name", ["plain", "chat"])
+def test_smollm_chunked_prompts_match_generate(smol, name):
+    """A prompt shorter than the chunk, exactly one chunk, and many chunks (5 tokens: block boundaries
+    fall inside chunks and chunks inside blocks) all generate what transformers does for the whole prompt."""
+    runner, prompts, refs = smol
+    prompt = prompts[name]
+    for chunk in (len(prompt) + 3, len(prompt), 5):
+        seq = new_seq(runner.pool, prompt, seed=chunk)
+        try:
+            prefill_chunked(runner, seq, chunk)
+            while len(seq.out) < NEW_TOKENS:
+                decode(runner, [seq])
+        finally:
+            release(runner.pool, [seq])
+        assert seq.out == refs[name], f"chunk {chunk}"
+    assert_no_block_held(runner)
+
+
+def test_smollm_prompts_sharing_one_forward_match_generate(smol):
+    """Three requests in one packed forward pass (one a first chunk, one the rest of a prompt whose first
+    chunk ran alone before, one a whole prompt), then decoding together: each generates what transformers
+    does for it alone."""
+    runner, prompts, refs = smol
+    names = ["plain", "chat", "non_ascii"]
+    seqs = [new_seq(runner.pool, prompts[n], seed=20 + i) for i, n in enumerate(names)]
+    plain, chat, other = seqs
+    try:
+        runner.prefill(chat.table, chat.prompt[:7])  # chat's first chunk, alone
+        logits = runner.prefill_many([(plain.table, plain.prompt[:9], 0),
+                                      (chat.table, chat.prompt, 7),
+                                      (other.table, other.prompt, 0)])
+        assert logits.shape == (3, runner.vocab_size)
+        for seq, row in ((chat, logits[1]), (other, logits[2])):
+            seq.out.append(int(row.argmax()))
+        plain.out.append(int(runner.prefill(plain.table, plain.prompt, start=9).argmax()))  # plain's second chunk
+        while len(plain.out) < NEW_TOKENS:
+            decode(runner, seqs)
+    finally:
+        release(runner.pool, seqs)
+    assert [s.out for s in seqs] == [refs[n] for n in names]
+    assert_no_block_held(runner)
+
+
+def test_one_forward_refuses_two_parts_writing_one_block(smol):
+    runner, prompts, _ = smol
+    seq = new_seq(runner.pool, prompts["plain"], seed=3)
+    try:
+        with pytest.raises(ValueError, match="same KV block"):
+            runner.prefill_many([(seq.table, seq.prompt[:4], 0), (seq.table, seq.prompt, 4)])
+        with pytest.raises(ValueError, match="at least one part"):
+            runner.prefill_many([])
+    finally:
+        release(runner.pool, [seq])
+    assert_no_block_held(runner)
+
+
 def test_smollm_decode_batch_sharing_prefix_blocks_matches_generate(smol):
     """Requests holding the same physical prefix blocks decode in one batch with others: a chat and the
     same chat prefilled after the last full block of the first one's (start 32 of 42 tokens), the French

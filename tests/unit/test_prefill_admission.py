@@ -8,13 +8,13 @@ import random
 
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.worker.request import RequestState
-from tests.unit.kv_fixtures import kv_cache
+from tests.unit.kv_fixtures import kv_cache, next_prefill
 
 S = RequestState
 
 
 def _prefill(sched: PrefillScheduler, live_peers: int = 1, now: float = 0.0) -> PrefillSeq | None:
-    seq = sched.next_to_run(live_peers)
+    seq = next_prefill(sched, live_peers)
     if seq is not None:
         sched.prefilled(seq, 7, now)
     return seq

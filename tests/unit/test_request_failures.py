@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal, ready
+from tests.unit.kv_fixtures import next_prefill
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
 from xpyd.decode_worker.engine import DecodeEngine
@@ -84,7 +85,7 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     for rid in rids:  # prefilled, KV held, claimed by the decode worker
         payload = SimpleNamespace(sink=sinks[rid], output=SimpleNamespace(finished=None))
         engine.sched.add(PrefillSeq(rid, [1, 2, 3], payload=payload, peer=DECODE, claimed=True))
-        engine.sched.prefilled(engine.sched.next_to_run(), 42, time.monotonic())
+        engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())
     bad, good = rids
     transfer.refused.add(transfer_id_of(bad))
 

@@ -11,7 +11,7 @@ import pytest
 
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.worker.request import IllegalTransition, RequestState
-from tests.unit.kv_fixtures import kv_cache
+from tests.unit.kv_fixtures import kv_cache, next_prefill
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.transfer.base import Region
 from xpyd.transfer.fake import FakeTransferBackend
@@ -41,18 +41,19 @@ def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
         sched.add(s)
     sched.check_invariants()
 
-    a = sched.next_to_run()
+    a = next_prefill(sched)
     assert a is seqs[0] and a.state is S.RUNNING and a.kv is not None
-    assert sched.next_to_run() is None  # one prefill at a time
+    with pytest.raises(ValueError):
+        sched.plan()  # one prefill at a time: no new step before this one is reported back
     sched.prefilled(a, first_token=42)
     assert a.state is S.TRANSFERRING and a.first_token == 42
     sched.check_invariants()
 
-    b = sched.next_to_run(); sched.prefilled(b, 7)
-    c = sched.next_to_run(); sched.prefilled(c, 8)
+    b = next_prefill(sched); sched.prefilled(b, 7)
+    c = next_prefill(sched); sched.prefilled(c, 8)
     sched.check_invariants()
     # running + transferring <= batch: three KV held, the fourth must wait
-    assert sched.num_transferring == 3 and sched.next_to_run() is None
+    assert sched.num_transferring == 3 and next_prefill(sched) is None
     assert slots.allocator.num_referenced == 3
 
     tok = send(backend, "r0")
@@ -62,13 +63,13 @@ def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
     assert sched.poll() == [a] and a.state is S.FINISHED and a.kv is None
     sched.check_invariants()
 
-    d = sched.next_to_run()
+    d = next_prefill(sched)
     assert d is seqs[3]
     sched.prefilled(d, 9)
     # release (decode no longer needs it) frees a held KV at once
     sched.release("r1")
     assert b.state is S.ABORTED
-    e = sched.next_to_run(); sched.prefilled(e, 1)
+    e = next_prefill(sched); sched.prefilled(e, 1)
     for s in (c, d, e):
         sched.start_send(s.request_id, send(backend, s.request_id))
         backend.complete(s.request_id)
@@ -83,8 +84,8 @@ def test_prefill_failed_send_and_cancel_during_send(backend):
     sched = PrefillScheduler(batch_size=2, kv=slots)
     a, b = PrefillSeq("a", [1]), PrefillSeq("b", [1])
     sched.add(a); sched.add(b)
-    sched.prefilled(sched.next_to_run(), 1)
-    sched.prefilled(sched.next_to_run(), 2)
+    sched.prefilled(next_prefill(sched), 1)
+    sched.prefilled(next_prefill(sched), 2)
     sched.start_send("a", send(backend, "a"))
     sched.start_send("b", send(backend, "b"))
     with pytest.raises(ValueError):
@@ -111,7 +112,7 @@ def test_prefill_abort_while_waiting_and_while_running():
     sched.add(a); sched.add(b)
     sched.release("b")
     assert b.state is S.ABORTED
-    run = sched.next_to_run()
+    run = next_prefill(sched)
     sched.release("a")  # mid-forward: ends when the forward returns
     assert a.state is S.RUNNING
     sched.prefilled(run, 5)
@@ -127,7 +128,7 @@ def test_prefill_failed_forward_and_duplicates():
     sched.add(a)
     with pytest.raises(ValueError):
         sched.add(PrefillSeq("a", [2]))
-    sched.fail_running(sched.next_to_run(), "boom")
+    sched.fail_running(next_prefill(sched), "boom")
     assert a.state is S.FAILED and slots.allocator.num_referenced == 0
     with pytest.raises(IllegalTransition):
         a.set_state(S.RUNNING)
@@ -249,8 +250,8 @@ def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
     a, b, c = PrefillSeq("a", [1]), PrefillSeq("b", [1]), PrefillSeq("c", [1])
     for s in (a, b, c):
         sched.add(s)
-    sched.prefilled(sched.next_to_run(), 1, now=10.0)
-    sched.prefilled(sched.next_to_run(), 2, now=11.0)
+    sched.prefilled(next_prefill(sched), 1, now=10.0)
+    sched.prefilled(next_prefill(sched), 2, now=11.0)
     assert sched.expired(now=12.9, ttl=3.0) == []
     sched.start_send("a", send(backend, "a"))  # a pull started: its lease no longer applies
     assert sched.expired(now=14.0, ttl=3.0) == [b]
@@ -259,7 +260,7 @@ def test_prefill_kv_lease_expires_only_unpulled_kv(backend):
     assert c.state is S.WAITING and sched.expired(now=100.0, ttl=3.0) == []  # not prefilled: no lease
     backend.complete("a")
     sched.poll()
-    sched.prefilled(sched.next_to_run(), 3, now=50.0)
+    sched.prefilled(next_prefill(sched), 3, now=50.0)
     sched.release("c")
     sched.check_invariants()
     assert a.state is S.FINISHED and c.state is S.ABORTED

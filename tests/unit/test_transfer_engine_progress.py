@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal
+from tests.unit.kv_fixtures import next_prefill
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
 from xpyd.worker.config import WorkerConfig
@@ -57,7 +58,7 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
 
     rid = str(RequestId.new(PREFILL, DECODE))
     engine.sched.add(PrefillSeq(rid, [1, 2, 3]))
-    engine.sched.prefilled(engine.sched.next_to_run(), 42, time.monotonic())  # (its forward pass: not tested here)
+    engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())  # (its forward pass: not tested here)
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0  # KV held, nobody pulls yet
     # The decode worker pulls it, through the signal plane's handlers.
     assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok

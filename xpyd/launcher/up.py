@@ -92,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # workers' own). --batch-size, --max-model-len, --dtype, --device and --kv-backend are handled above.
 PASSED_ON = (
     ("--kv-ttl", ("prefill",)),
+    ("--prefill-chunk", ("prefill",)),
     ("--peer-timeout", ("prefill",)),
     ("--prefill-wait-timeout", ("decode",)),
     ("--drain-timeout", ("prefill", "decode", "colocated")),

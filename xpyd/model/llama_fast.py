@@ -256,31 +256,65 @@ class FastLlama:
         """ids [n]: the tokens at positions [start, start + n) of the request whose blocks are ``table``
         (K/V of [0, start) already there; [start, start + n) written in place). Returns float32 logits
         [vocab] of the last token."""
-        n, nh, nkv, hd = ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        end = start + n
-        x = F.embedding(ids, self.embed)  # [n, hidden]
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        where = paged.rows_of(table, torch.arange(start, end, device=self.device), pool.shape[4], self.device)
-        if start:  # a cached prefix: attend over it too, each new token up to its own position
-            prefix = paged.padded_tables([table], self.blocks_for(pool, start), self.device)
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
+        return self.prefill_many(pool, [(table, ids, start)])[0]
+
+    def prefill_many(self, pool: torch.Tensor, parts: list[tuple[list[int], torch.Tensor, int]]) -> torch.Tensor:
+        """Several requests' prompt pieces in one forward pass: each part (table, ids [n], start) as in
+        `prefill`. Their tokens are packed into one batch for every matmul (QKV, o, MLP); attention runs per
+        part over its own cached prefix and new tokens. Returns float32 logits [parts, vocab], one row per
+        part (of its last token)."""
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        block_size = pool.shape[4]
+        spans, positions, blocks, rows, prefixes = [], [], [], [], []
+        offset = 0
+        for table, ids, start in parts:
+            n = ids.shape[0]
+            pos = torch.arange(start, start + n, device=self.device)
+            where = paged.rows_of(table, pos, block_size, self.device)
+            positions.append(pos)
+            blocks.append(where.blocks)
+            rows.append(where.rows)
+            if start:  # a cached (or earlier-chunk) prefix: attend over it too, each new token up to its own position
+                prefix = (paged.padded_tables([table], self.blocks_for(pool, start), self.device),
+                          torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril_(start))
+            else:
+                prefix = None
+            spans.append((offset, n, start))
+            prefixes.append(prefix)
+            offset += n
+        total = offset
+        single = len(parts) == 1
+        ids = parts[0][1] if single else torch.cat([p[1] for p in parts])
+        pos = positions[0] if single else torch.cat(positions)
+        where = paged.RowIndex(blocks[0], rows[0]) if single else paged.RowIndex(torch.cat(blocks), torch.cat(rows))
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        if single:
+            start = parts[0][2]
+            cos, sin = self.cos[start : start + total], self.sin[start : start + total]
+        else:
+            cos, sin = self.cos[pos], self.sin[pos]
         for index, layer in enumerate(self.layers):
             self.on_layer()
-            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(n, nh + 2 * nkv, hd)
+            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(total, nh + 2 * nkv, hd)
             qk = self._rope(qkv, cos, sin)
-            k, v = qk[:, nh:], qkv[:, nh + nkv :]
-            paged.write(pool, index, where, k, v)
-            q = qk[:, :nh].transpose(0, 1).unsqueeze(0)
-            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
-            if start:
-                k_old, v_old = paged.gather(pool, index, prefix, start)
-                attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
-                                                      attn_mask=mask, scale=self.scale, enable_gqa=True)
-            else:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, nh * hd))  # (attn [1, heads, n, hd])
+            k_all, v_all = qk[:, nh:], qkv[:, nh + nkv :]
+            paged.write(pool, index, where, k_all, v_all)
+            outs = []
+            for (off, n, start), prefix in zip(spans, prefixes):
+                q = qk[off : off + n, :nh].transpose(0, 1).unsqueeze(0)
+                k = k_all[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
+                v = v_all[off : off + n].transpose(0, 1).unsqueeze(0)
+                if prefix is not None:
+                    k_old, v_old = paged.gather(pool, index, prefix[0], start)
+                    attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
+                                                          attn_mask=prefix[1], scale=self.scale, enable_gqa=True)
+                else:
+                    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+                outs.append(attn[0].transpose(0, 1).reshape(n, nh * hd))  # (attn [1, heads, n, hd])
+            x = x + layer.o(outs[0] if single else torch.cat(outs))
             x = self._mlp(layer, x)
-        return self.logits(x[-1:])[0]
+        last = torch.tensor([off + n - 1 for off, n, _ in spans], device=self.device)
+        return self.logits(x[last])
 
     @staticmethod
     def blocks_for(pool: torch.Tensor, num_tokens: int) -> int:

@@ -134,27 +134,49 @@ class ModelRunner:
             raise ValueError(f"the fast path does not cover this model: {self.fast_path_reason}")
         self._use_fast = enabled
 
-    @torch.inference_mode()
-    @_released
     def prefill(self, blocks: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
         """Run the prompt ``token_ids`` from position ``start`` on (the K/V of [0, start) are already in
         ``blocks``), writing the K/V of [start, n) into ``blocks``; float32 logits [vocab] of the last token.
 
         The blocks of [start, n) must be the request's own: held, and by no other request (a shared block
-        is another request's prefix too). ValueError, and nothing written, for a bad table or start."""
-        n = len(token_ids)
-        if not 1 <= n <= self.max_model_len:
-            raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
-        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n:
-            raise ValueError(f"prefill from position {start!r} of a {n}-token prompt: start is an int in [0, {n}) "
-                             "(at least one token is computed)")
-        blocks = self._table(blocks, n)
-        self._check_own(blocks[start // self.block_size :])
-        ids = self._ids(token_ids[start:])
+        is another request's prefix too). ValueError, and nothing written, for a bad table or start.
+        A chunk of a longer prompt is its tokens so far: ``token_ids`` up to the chunk's end, ``start`` at
+        the end of the chunks before it."""
+        return self.prefill_many([(blocks, token_ids, start)])[0]
+
+    @torch.inference_mode()
+    @_released
+    def prefill_many(self, parts: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+        """Several requests' prompts (or chunks of them) in one forward pass: each part is
+        (blocks, token_ids, start) as in `prefill`; float32 logits [parts, vocab] of each part's last token.
+        The fast path packs every part's tokens into one batch for the matmuls; the general path runs the
+        parts one after another. Every part is checked before anything is written."""
+        if not parts:
+            raise ValueError("prefill_many needs at least one part")
+        checked = []
+        own: set[int] = set()
+        for blocks, token_ids, start in parts:
+            n = len(token_ids)
+            if not 1 <= n <= self.max_model_len:
+                raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n:
+                raise ValueError(f"prefill from position {start!r} of a {n}-token prompt: start is an int in "
+                                 f"[0, {n}) (at least one token is computed)")
+            blocks = self._table(blocks, n)
+            written = blocks[start // self.block_size :]
+            self._check_own(written)
+            if own.intersection(written):
+                raise ValueError("two parts of one forward pass write the same KV block")
+            own.update(written)
+            checked.append((blocks, self._ids(token_ids[start:]), start))
         if self._use_fast:
-            logits = self._fast.prefill(self.pool.tensor, blocks, ids, start)
+            logits = self._fast.prefill_many(self.pool.tensor, checked)
             return logits if self._on_cpu else logits.cpu()
-        m = n - start
+        return torch.stack([self._prefill_general(*part) for part in checked])
+
+    def _prefill_general(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
+        m = ids.shape[0]
+        n = start + m
         hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
         cos, sin = self._rotary(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
         pool = self.pool.tensor

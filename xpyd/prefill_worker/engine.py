@@ -33,12 +33,12 @@ from xpyd.worker.kv_staging import pool_memory
 from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
-from xpyd.worker.stepping import prefill_and_sample
+from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
 from xpyd.prefill_worker.recent import RequestMemory
-from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
+from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
 from xpyd.prefill_worker.handover import pull_regions, ready_result
@@ -59,7 +59,7 @@ class PrefillEngine(WorkerEngine):
                  served_name: str) -> None:
         super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
-        self.sched = PrefillScheduler(config.batch_size, self.kv_cache)
+        self.sched = PrefillScheduler(config.batch_size, self.kv_cache, chunk=config.prefill_chunk)
         self._lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
         self._peers = DecodePeers()
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
@@ -69,6 +69,7 @@ class PrefillEngine(WorkerEngine):
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
         self._expired = 0
         self._released_on_arrival = 0
+        self._steps = Counter()  # forward passes, prompt chunks that did not end their prompt, tokens computed
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
@@ -92,7 +93,9 @@ class PrefillEngine(WorkerEngine):
                     "transfers_in_flight": len(self.transfer.outstanding()),
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self._sends),
-                    "expired": self._expired, "released_on_arrival": self._released_on_arrival}
+                    "expired": self._expired, "released_on_arrival": self._released_on_arrival,
+                    "prefill_chunk": self.sched.chunk, "prefill_steps": self._steps["steps"],
+                    "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"]}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
@@ -115,17 +118,16 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             self._sends_finished(self.sched.poll())
             self._expire(time.monotonic())
-            seq = self.sched.next_to_run(self._peers.live(time.monotonic(), self.config.peer_timeout))
+            chunks = self.sched.plan(self._peers.live(time.monotonic(), self.config.peer_timeout))
             sending = self.sched.sends_in_flight()
         if sending:
             self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
-        if seq is not None:
-            with self.isolate(seq.request_id, seq.payload):
-                self._run_prefill(seq)
+        if chunks:
+            self._run_step(chunks)
         with self._lock:
             self._update_metrics()
             sending = self.sched.sends_in_flight()
-        if seq is not None:
+        if chunks:
             return 0.0
         tick = self.transfer.progress_tick
         return tick if sending and tick is not None else IDLE_SLEEP  # (a finished send wakes us)
@@ -199,22 +201,47 @@ class PrefillEngine(WorkerEngine):
             self.metrics.transfer_done("send", nbytes, time.monotonic() - started, seq.send_token.done())
             self.metrics.request_done(_outcome(seq))
 
-    def _run_prefill(self, seq: PrefillSeq) -> None:
-        item: WorkItem = seq.payload
+    def _run_step(self, chunks: list[Chunk]) -> None:
+        """One forward pass over the step's chunks; requests whose prompt it ends get their first token.
+        If a forward over several requests raises, each is run alone so the failure stays with its own."""
         t0 = time.monotonic()
         try:
-            token = prefill_and_sample(self.runner, seq)
+            logits = prefill_chunks(self.runner, chunks)
         except Exception as e:
-            log.exception("prefill failed for %s", seq.request_id)
-            with self._lock:
-                self.sched.fail_running(seq, str(e))
-                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
-                                 seq.claimed)
-            self.metrics.request_done("failed")
-            item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
+            if len(chunks) > 1:
+                for chunk in chunks:
+                    self._run_step([chunk])
+                return
+            self._prefill_failed(chunks[0].seq, e)
             return
         now = time.monotonic()
-        self.metrics.observe_step("prefill", now - t0, 1)
+        self.metrics.observe_step("prefill", now - t0, len(chunks))
+        self._steps.update(steps=1, partial=sum(not c.last for c in chunks), tokens=sum(c.end - c.start for c in chunks))
+        last = [(c, row) for c, row in zip(chunks, logits) if c.last]
+        tokens = sample_first(last)
+        with self._lock:
+            for chunk in chunks:
+                if not chunk.last:
+                    with self.isolate(chunk.seq.request_id, chunk.seq.payload):
+                        self.kv_cache.cache_blocks(chunk.seq.kv, chunk.end)  # (a later prompt may share them)
+                        self.sched.chunk_done(chunk)
+                        if chunk.seq.state.is_final:  # released while its chunk ran
+                            self.metrics.request_done(_outcome(chunk.seq))
+        for (chunk, _), token in zip(last, tokens):
+            with self.isolate(chunk.seq.request_id, chunk.seq.payload):
+                self._prefilled(chunk.seq, token, now)
+
+    def _prefill_failed(self, seq: PrefillSeq, e: Exception) -> None:
+        log.error("prefill failed for %s", seq.request_id, exc_info=e)
+        with self._lock:
+            self.sched.fail_running(seq, str(e))
+            self._record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
+                             seq.claimed)
+        self.metrics.request_done("failed")
+        seq.payload.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
+
+    def _prefilled(self, seq: PrefillSeq, token: int, now: float) -> None:
+        item: WorkItem = seq.payload
         self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token)
         cached = seq.kv.cached_tokens

@@ -2,24 +2,32 @@
 
 Queues a request moves through::
 
-    waiting --(nothing running, room)--> running --(first token)--> transferring
+    waiting --(admitted: room, KV blocks)--> running --(its last prompt token computed)--> transferring
+    running: its prompt is computed one step at a time (the whole prompt, or chunks of it)
     transferring: KV held in the pool until a decode worker pulls it; then the
     send's completion token is polled each step --> finished (blocks released)
     KV held (no send started) and not claimed by its decode worker longer than the
     lease (kv_ttl) is ``expired``: the engine releases it. Claimed KV stays until it
     is pulled, released, or its decode worker is gone (the engine decides that).
 
-Invariants: at most one request RUNNING; RUNNING + TRANSFERRING <= batch_size;
-every RUNNING/TRANSFERRING request holds the KV blocks of its whole prompt (its cached prefix shared
-with other requests, the rest its own); a waiting request holds none. A request starts only when the
-pool has the blocks it still needs (`KVCache.admit`); the oldest eligible request waits for them
-rather than being overtaken.
+Steps (``plan``): unchunked (``chunk=0``), a step is one whole prompt, oldest eligible request first, and
+nothing else starts until it is done. Chunked (``chunk=N``), a step computes at most N prompt tokens,
+taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones,
+several short prompts share one forward pass, and a long prompt continues from its own KV with whatever
+the step has left. Aging: a request that could have run but got no token for ``age_steps`` steps in a
+row goes first (oldest first among those), so a long prompt is never starved by a stream of short ones.
+
+Invariants: RUNNING + TRANSFERRING <= batch_size; unchunked, at most one request RUNNING; every
+RUNNING/TRANSFERRING request holds the KV blocks of its whole prompt (its cached prefix shared with other
+requests, the rest its own); a waiting request holds none. A request starts only when the pool has the
+blocks it still needs (`KVCache.admit`); an aged request that cannot get them holds back every waiting
+request behind it rather than being overtaken.
 
 Admission per decode worker: KV waits here for the decode worker named in the request id,
 so one slow or full decode worker must not take every place from the others. A decode worker
 may hold at most ``batch_size`` minus one place for each other live decode worker, and while
 requests for other decode workers wait, at most its fair share (``batch_size`` over the decode
-workers that have work here). The oldest request whose decode worker is under its cap runs next.
+workers that have work here). Requests whose decode worker is at its cap wait.
 """
 
 from __future__ import annotations
@@ -50,28 +58,61 @@ class PrefillSeq:
     held_since: float = 0.0  # monotonic time the KV started waiting for a pull (set by prefilled)
     peer: str = ""  # the decode worker this request's KV waits for (its address in the request id)
     claimed: bool = False  # that decode worker claimed it: no kv_ttl; kept while the worker lives
+    computed: int = 0  # leading prompt tokens whose KV is in its blocks (cached or computed so far)
+    starved: int = 0  # steps in a row it could have run and got no token
+    in_step: bool = False  # part of the step being computed (planned, not yet reported back)
+    order: int = 0  # arrival order (set by the scheduler)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return self.prompt_len - self.computed
 
     def set_state(self, new: RequestState) -> None:
         check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
         self.state = new
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Prompt tokens [start, end) of ``seq`` to compute in this step."""
+
+    seq: PrefillSeq
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        """Does it end the prompt (its logits give the first token)?"""
+        return self.end == self.seq.prompt_len
+
+
+AGE_STEPS = 8  # steps a runnable request may go without a token before it goes first
+
+
 @dataclass(slots=True)
 class PrefillScheduler:
     batch_size: int
     kv: KVCache
+    chunk: int = 0  # prompt tokens per step (0: whole prompts, one at a time)
+    age_steps: int = AGE_STEPS
     _waiting: deque[PrefillSeq] = field(default_factory=deque)
     _live: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)  # not final
-    _running: PrefillSeq | None = None
+    _running: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)
     _transferring: dict[str, PrefillSeq] = field(default_factory=dict)
+    _arrivals: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if self.chunk < 0:
+            raise ValueError("chunk must be >= 0 (0: unchunked)")
+        if self.age_steps < 1:
+            raise ValueError("age_steps must be >= 1")
 
     # --- queries -----------------------------------------------------------
     def get(self, request_id: str) -> PrefillSeq | None:
@@ -83,11 +124,14 @@ class PrefillScheduler:
 
     @property
     def num_running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._running)
 
     @property
     def num_transferring(self) -> int:
         return len(self._transferring)
+
+    def running(self) -> list[PrefillSeq]:
+        return list(self._running.values())
 
     def transferring(self) -> list[PrefillSeq]:
         return list(self._transferring.values())
@@ -101,12 +145,9 @@ class PrefillScheduler:
         return [s for s in self._transferring.values() if s.send_token is None and not s.cancel_requested]
 
     def queued_tokens(self) -> int:
-        """Prompt tokens still to compute: the waiting requests' and the running one's (its cached prefix
-        excluded); what a router weighs as this worker's queue."""
-        queued = sum(s.prompt_len for s in self._waiting)
-        if self._running is not None and self._running.kv is not None:
-            queued += self._running.prompt_len - self._running.kv.cached_tokens
-        return queued
+        """Prompt tokens still to compute: the waiting requests' and the running ones' (cached prefixes
+        and chunks already computed excluded); what a router weighs as this worker's queue."""
+        return sum(s.prompt_len for s in self._waiting) + sum(s.remaining for s in self._running.values())
 
     def sends_in_flight(self) -> bool:
         return any(s.send_token is not None for s in self._transferring.values())
@@ -118,35 +159,54 @@ class PrefillScheduler:
     def add(self, seq: PrefillSeq) -> None:
         if seq.request_id in self._live:
             raise ValueError(f"duplicate request id {seq.request_id}")
+        seq.order = self._arrivals
+        self._arrivals += 1
         self._live[seq.request_id] = seq
         self._waiting.append(seq)
 
-    def next_to_run(self, live_peers: int = 1) -> PrefillSeq | None:
-        """Start the next prefill if nothing runs and there is room (``live_peers``: decode workers alive)."""
-        if self._running is not None or not self._waiting:
-            return None
-        if self.num_transferring + 1 > self.batch_size:
-            return None
-        held = Counter(s.peer for s in self._transferring.values())
-        demand = {s.peer for s in self._waiting}
-        peers = max(live_peers, len(demand | set(held)))
-        seq = next((s for s in self._waiting if held[s.peer] < self._cap(s.peer, peers, demand)), None)
-        if seq is None:
-            return None
-        n = seq.prompt_len
-        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1)  # (the last token is computed: its logits)
-        if kv is None:
-            return None  # not enough free KV blocks yet: it runs when requests release theirs
-        self._waiting.remove(seq)
-        seq.kv = kv
-        seq.set_state(S.RUNNING)
-        self._running = seq
-        return seq
+    def plan(self, live_peers: int = 1) -> list[Chunk]:
+        """The next step's work (empty: nothing can run now); ``live_peers``: decode workers alive.
+        Planned requests are ``in_step`` until ``chunk_done``/``prefilled``/``fail_running`` report them."""
+        if any(s.in_step for s in self._running.values()):
+            raise ValueError("the previous step has not been reported back")
+        if self.chunk == 0:
+            if self._running:
+                return []  # (cannot happen: an unchunked step computes a whole prompt)
+            seq = next(iter(self._admissible(live_peers)), None)
+            return [self._take(seq, seq.remaining)] if seq is not None and self._admit(seq) else []
+        budget, aged = self.chunk, self.age_steps
+        candidates = list(self._running.values()) + self._admissible(live_peers)
+        candidates.sort(key=lambda s: (s.starved < aged, s.remaining if s.kv else s.prompt_len, s.order))
+        steps: list[Chunk] = []
+        blocked = False  # an aged request waits for KV blocks: no waiting request overtakes it
+        for seq in candidates:
+            waiting = seq.state is S.WAITING
+            if budget == 0 or (waiting and (blocked or not self._admit(seq))):
+                blocked = blocked or (waiting and seq.starved >= aged)
+                seq.starved += 1
+                continue
+            steps.append(self._take(seq, min(budget, seq.remaining)))
+            budget -= steps[-1].end - steps[-1].start
+        return steps
+
+    def chunk_done(self, chunk: Chunk) -> None:
+        """A chunk that does not end its prompt is computed: its request waits for its next step (or ends
+        here if it was released meanwhile)."""
+        seq = chunk.seq
+        self._expect_in_step(seq)
+        if chunk.last:
+            raise ValueError(f"request {seq.request_id}: the last chunk is reported with prefilled()")
+        seq.in_step = False
+        seq.computed = chunk.end
+        if seq.cancel_requested:
+            self._end(seq, S.ABORTED)
 
     def prefilled(self, seq: PrefillSeq, first_token: int, now: float = 0.0) -> None:
-        """The forward pass is done: hold the KV (leased from ``now``) until a decode worker pulls it."""
-        self._expect_running(seq)
-        self._running = None
+        """The whole prompt is computed: hold the KV (leased from ``now``) until a decode worker pulls it."""
+        self._expect_in_step(seq)
+        seq.in_step = False
+        seq.computed = seq.prompt_len
+        del self._running[seq.request_id]
         seq.first_token = first_token
         seq.held_since = now
         if seq.cancel_requested:
@@ -156,8 +216,9 @@ class PrefillScheduler:
         self._transferring[seq.request_id] = seq
 
     def fail_running(self, seq: PrefillSeq, error: str) -> None:
-        self._expect_running(seq)
-        self._running = None
+        if seq.request_id not in self._running:
+            raise ValueError(f"request {seq.request_id} is not running")
+        seq.in_step = False
         seq.error = error
         self._end(seq, S.FAILED)
 
@@ -188,8 +249,9 @@ class PrefillScheduler:
     def release(self, request_id: str, state: RequestState = S.ABORTED) -> PrefillSeq | None:
         """Drop a request (decode does not need it, or the client went away).
 
-        A send in flight is left to finish or fail (the caller aborts it in the
-        backend); its blocks are released only when its token is finished.
+        A request in the step being computed, or with a send in flight, is only marked: it ends when its
+        step is reported back, or when its send token is finished (the caller aborts the send in the
+        backend). Any other ends now, its blocks released.
         """
         seq = self._live.get(request_id)
         if seq is None:
@@ -197,15 +259,50 @@ class PrefillScheduler:
         if seq.state is S.WAITING:
             self._waiting.remove(seq)
             self._end(seq, state)
-        elif seq.state is S.RUNNING:
-            seq.cancel_requested = True  # ended by prefilled()/fail_running()
-        elif seq.send_token is None:
-            self._end(seq, state)
-        else:
+        elif seq.in_step or seq.send_token is not None:
             seq.cancel_requested = True
+        else:
+            self._end(seq, state)
         return seq
 
     # --- internals ---------------------------------------------------------
+    def _admissible(self, live_peers: int) -> list[PrefillSeq]:
+        """Waiting requests that may start now as far as places go (oldest first): room in the batch for
+        each of them in turn, and their decode worker under its cap."""
+        room = self.batch_size - self.num_running - self.num_transferring
+        if room <= 0 or not self._waiting:
+            return []
+        held = Counter(s.peer for s in self._running.values())
+        held.update(s.peer for s in self._transferring.values())
+        demand = {s.peer for s in self._waiting}
+        peers = max(live_peers, len(demand | set(held)))
+        out = []
+        for seq in self._waiting:
+            if len(out) == room:
+                break
+            if held[seq.peer] < self._cap(seq.peer, peers, demand):
+                out.append(seq)
+                held[seq.peer] += 1
+        return out
+
+    def _admit(self, seq: PrefillSeq) -> bool:
+        """Give ``seq`` the KV blocks of its whole prompt (its cached prefix shared): True if it starts."""
+        n = seq.prompt_len
+        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1)  # (the last token is computed: its logits)
+        if kv is None:
+            return False  # not enough free KV blocks yet: it runs when requests release theirs
+        self._waiting.remove(seq)
+        seq.kv = kv
+        seq.computed = kv.cached_tokens
+        seq.set_state(S.RUNNING)
+        self._running[seq.request_id] = seq
+        return True
+
+    def _take(self, seq: PrefillSeq, n: int) -> Chunk:
+        seq.in_step = True
+        seq.starved = 0
+        return Chunk(seq, seq.computed, seq.computed + n)
+
     def _cap(self, peer: str, peers: int, demand: set[str]) -> int:
         """How many requests' KV for ``peer`` may be held (see the module docstring)."""
         cap = self.batch_size - min(self.batch_size - 1, peers - 1)
@@ -213,12 +310,13 @@ class PrefillScheduler:
             cap = min(cap, -(-self.batch_size // len(demand | {peer})))
         return max(1, cap)
 
-    def _expect_running(self, seq: PrefillSeq) -> None:
-        if self._running is not seq:
-            raise ValueError(f"request {seq.request_id} is not the running prefill")
+    def _expect_in_step(self, seq: PrefillSeq) -> None:
+        if not seq.in_step or self._running.get(seq.request_id) is not seq:
+            raise ValueError(f"request {seq.request_id} is not in the step being computed")
 
     def _end(self, seq: PrefillSeq, state: RequestState) -> None:
         seq.set_state(state)
+        self._running.pop(seq.request_id, None)
         self._transferring.pop(seq.request_id, None)
         self._live.pop(seq.request_id, None)
         if seq.kv is not None:
@@ -227,12 +325,13 @@ class PrefillScheduler:
 
     def check_invariants(self) -> None:
         """Raise InvariantError if the scheduling rules are broken (used by tests)."""
-        require(self.num_running <= 1, "more than one prefill running")
+        require(self.chunk > 0 or self.num_running <= 1, "more than one unchunked prefill running")
         require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
         for seq in self._transferring.values():
             require(seq.state is S.TRANSFERRING and _holds_prompt(seq, self.kv), "bad transferring seq")
-        if self._running is not None:
-            require(self._running.state is S.RUNNING and _holds_prompt(self._running, self.kv), "bad running seq")
+        for seq in self._running.values():
+            require(seq.state is S.RUNNING and _holds_prompt(seq, self.kv), "bad running seq")
+            require(seq.kv.cached_tokens <= seq.computed < seq.prompt_len, "bad running progress")
         for seq in self._waiting:
             require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")
         require(len(self._live) == len(self._waiting) + self.num_running + self.num_transferring,

@@ -47,6 +47,7 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV capacity in tokens (None: batch_size x max_model_len)
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
+    prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -97,6 +98,8 @@ class WorkerConfig:
                              f"--max-model-len {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be positive")
+        if not 0 <= self.prefill_chunk <= 1 << 20:
+            raise ValueError("--prefill-chunk must be in [0, 1048576] tokens (0 = whole prompts)")
         check_kv_backend(self.kv_backend)
         check_device(self.device)
 
@@ -172,6 +175,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
                             help="seconds a prefilled request's KV waits for a decode worker to claim or pull "
                                  "it before it is freed (a later pull is answered 'expired')")
+        parser.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
+                            help=f"prompt tokens per forward pass: a longer prompt is computed in chunks, and "
+                                 f"short prompts run between them (several in one pass); 0 = whole prompts, "
+                                 f"one at a time (default {d.prefill_chunk})")
         parser.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                             help="KV claimed by a decode worker is kept until it is pulled or released, or until "
                                  "that worker has sent nothing (it sends a heartbeat every second) for this many "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from xpyd.model.sampling import sample
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.work_item import WorkItem
@@ -19,6 +21,22 @@ def prefill_and_sample(runner: Any, seq: Any) -> int:
     item: WorkItem = seq.payload
     logits = runner.prefill(seq.kv.blocks, seq.prompt_ids, start=seq.kv.cached_tokens)
     return sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+
+
+def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
+    """One forward pass over prompt chunks (each has ``seq``, ``start``, ``end``: the tokens [start, end) of
+    ``seq``'s prompt, after the KV of [0, start) already in its blocks); float32 logits [chunks, vocab],
+    one row per chunk (of its last token)."""
+    return runner.prefill_many([(c.seq.kv.blocks, c.seq.prompt_ids[: c.end], c.start) for c in chunks])
+
+
+def sample_first(rows: Sequence[tuple[Any, Any]]) -> list[int]:
+    """The first token of each (chunk, logits row) whose chunk ended its prompt."""
+    if not rows:
+        return []
+    items = [chunk.seq.payload for chunk, _ in rows]
+    logits = torch.stack([row for _, row in rows])
+    return sample(logits, [i.sampling for i in items], [i.generator for i in items])
 
 
 def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
