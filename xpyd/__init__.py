@@ -13,7 +13,12 @@ __version__ = "0.1.0"
 
 # Version of the worker<->worker signal plane and transfer headers. Bump on any
 # incompatible change to a message schema; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 6  # 6: a paged KV cache: pulls name block lists, ready names the prompt's block hashes;
+PROTOCOL_VERSION = 7  # 7: a pull carries a per-transfer secret; transfer headers and offers carry its MAC;
+# 6: a paged KV cache: pulls name block lists, ready names the prompt's block hashes;
 # 5: claims, pushed notify and heartbeats on the signal plane;
 # 4: a signal frame is {version, seq, msg: {type, ...}} (msgspec tagged union);
 # 3: a nixl Hello names the pool's memory (DRAM or VRAM + device); 2: shm confirms by its abort board
+
+# Bytes of the random secret a decode worker makes for each KV transfer it expects and sends to the prefill
+# worker inside the pull (signal plane); the sender proves it knows it (xpyd.transfer.auth).
+TRANSFER_SECRET_BYTES = 32

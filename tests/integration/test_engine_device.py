@@ -29,6 +29,9 @@ from xpyd.transfer.base import Region
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig, add_worker_arguments, check_device, config_from_args
 from xpyd.worker.kv_staging import StagedTransfer, needs_staging, stage_transfer
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 torch.set_num_threads(1)
 
@@ -222,9 +225,9 @@ def test_staged_transfer_copies_a_device_pool_through_host_memory():
             (("src", src_pool), ("dst", dst_pool))}
 
     with DeviceLedger(fill=0xA5) as ledger:
-        token = receiver.expect("t1", [dst, dst2])
+        token = receiver.expect("t1", [dst, dst2], secret=SECRET)
         assert ledger.copies == []
-        assert sender.send("t1", [src], peer, [dst, dst2]).done()
+        assert sender.send("t1", [src], peer, [dst, dst2], secret=SECRET).done()
         assert ledger.copies == [Copy("meta", "cpu", src.length, torch.uint8, src.offset)]  # the request only
         # the pool's bytes (0xA5) went through the sender's host copy into the receiver's
         assert set(host["src"][src.offset : src.end].tolist()) == {0xA5}

@@ -15,6 +15,7 @@ from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import RequestId
 from xpyd.signal.server import SignalServer
+from xpyd.transfer.auth import new_secret
 
 COMPAT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "layout": "block-head-major/1", "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096}
@@ -28,6 +29,7 @@ class Handler:
         self.ready: dict[str, int] = {}
         self.released: list[str] = []
         self.pulls: list[tuple[str, int]] = []
+        self.secrets: list[bytes] = []  # of the pulls, as the prefill worker's handler got them
 
     def on_handshake(self, identity, msg):
         if msg.model_id != "m":
@@ -49,6 +51,7 @@ class Handler:
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.READY, self.ready[e.request_id], 3))
             else:
                 self.pulls.append((e.request_id, e.dest_blocks))
+                self.secrets.append(e.secret)
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.SENDING, self.ready[e.request_id], 3))
         return m.LookupReply(tuple(out))
 
@@ -95,12 +98,13 @@ def test_handshake_map_lookup_pull_release(server):
         replies, _ = _pump(c, lambda r, f: r)
         assert replies[0][1].results[0].status is m.LookupStatus.UNKNOWN
         h.ready[rid] = 42
-        c.send_lookup(addr, [m.LookupEntry(rid), m.LookupEntry(rid, (2, 3))])
+        secret = new_secret()  # the decode worker expects the transfer with it; only this session learns it
+        c.send_lookup(addr, [m.LookupEntry(rid), m.LookupEntry(rid, (2, 3), 0, secret)])
         replies, _ = _pump(c, lambda r, f: r)
         res = replies[0][1].results
         assert [x.status for x in res] == [m.LookupStatus.READY, m.LookupStatus.SENDING]
         assert res[0].first_token == 42 and res[0].num_tokens == 3
-        assert h.pulls == [(rid, (2, 3))]
+        assert h.pulls == [(rid, (2, 3))] and h.secrets == [secret]
         c.send_release(addr, [rid])
         _pump(c, lambda r, f: h.released)
         assert h.released == [rid]
@@ -182,6 +186,12 @@ def _frame(seq: int, msg: dict, version: int = PROTOCOL_VERSION) -> bytes:
     (_frame(6, {"type": "handshake", "sender": 3}), 6, "$.msg.sender"),
     (_frame(7, {"type": "lookup_all", "sender": "raw:1", "entries": [["x", -5]]}), 7, "$.msg.entries[0][1]"),
     (_frame(8, {"type": "release", "sender": "someone-else", "request_ids": []}), 8, "does not match"),
+    # A pull without its transfer secret (nobody could prove it to the decode worker's listener), or with
+    # one of the wrong size, is refused whole: no KV send starts.
+    (_frame(9, {"type": "lookup_all", "sender": "raw:1", "entries": [["x", [2, 3], 0]]}), 9,
+     "carries a transfer secret"),
+    (_frame(10, {"type": "lookup_all", "sender": "raw:1", "entries": [["x", [2, 3], 0, b"short"]]}), 10,
+     "$.msg.entries[0][3]"),
 ])
 def test_bad_frames_get_error_replies_and_change_nothing(server, frame, seq, needle):
     s, h = server

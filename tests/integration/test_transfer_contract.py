@@ -20,6 +20,9 @@ import pytest
 from tests.cluster import has_ipv6_loopback
 from xpyd.transfer import make_backend
 from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 SIZE = 6 << 20
 FILL = 0xAA
@@ -94,8 +97,8 @@ def _landed(src_buf: bytes, src, dst) -> bytes:
 
 
 def _transfer(a: Side, b: Side, tid: str, src, dst):
-    rtok = b.backend.expect(tid, dst)
-    stok = a.backend.send(tid, src, b.desc, dst)
+    rtok = b.backend.expect(tid, dst, secret=SECRET)
+    stok = a.backend.send(tid, src, b.desc, dst, secret=SECRET)
     return stok, rtok
 
 
@@ -186,11 +189,11 @@ def test_polling_never_blocks_and_states_only_move_forward(pair):
 
 def test_receiver_abort_refuses_the_bytes(pair):
     a, b = pair
-    rtok = b.backend.expect("ab", [Region(0, 4096)])
+    rtok = b.backend.expect("ab", [Region(0, 4096)], secret=SECRET)
     b.backend.abort("ab")
     assert rtok.state() is TransferState.FAILED and rtok.error == "aborted"
     assert b.backend.outstanding() == set()
-    stok = a.backend.send("ab", [Region(0, 4096)], b.desc, [Region(0, 4096)])
+    stok = a.backend.send("ab", [Region(0, 4096)], b.desc, [Region(0, 4096)], secret=SECRET)
     assert stok.wait(TIMEOUT) and stok.failed() and "unexpected transfer id" in stok.error
     assert b.bytes() == bytes([FILL]) * SIZE
     b.backend.abort("never-heard-of")  # unknown: a no-op
@@ -217,24 +220,24 @@ def test_bad_regions_and_ids_raise_at_the_call(pair):
     ]
     for src, dst in bad:
         with pytest.raises(ValueError):
-            a.backend.send("bad", src, b.desc, dst)
+            a.backend.send("bad", src, b.desc, dst, secret=SECRET)
     with pytest.raises(ValueError):
-        b.backend.expect("bad", [Region(SIZE - 1, 2)])
+        b.backend.expect("bad", [Region(SIZE - 1, 2)], secret=SECRET)
     with pytest.raises(ValueError):
-        b.backend.expect("", [Region(0, 2)])
+        b.backend.expect("", [Region(0, 2)], secret=SECRET)
     with pytest.raises(ValueError):
-        b.backend.expect("x" * 1000, [Region(0, 2)])
-    b.backend.expect("dup", [Region(0, 2)])
+        b.backend.expect("x" * 1000, [Region(0, 2)], secret=SECRET)
+    b.backend.expect("dup", [Region(0, 2)], secret=SECRET)
     with pytest.raises(TransferError):
-        b.backend.expect("dup", [Region(0, 2)])
+        b.backend.expect("dup", [Region(0, 2)], secret=SECRET)
     b.backend.abort("dup")
     assert a.backend.outstanding() == set() and b.backend.outstanding() == set()
 
 
 def test_region_mismatch_fails_both_sides(pair):
     a, b = pair
-    rtok = b.backend.expect("mm", [Region(0, 100)])
-    stok = a.backend.send("mm", [Region(0, 100)], b.desc, [Region(100, 100)])
+    rtok = b.backend.expect("mm", [Region(0, 100)], secret=SECRET)
+    stok = a.backend.send("mm", [Region(0, 100)], b.desc, [Region(100, 100)], secret=SECRET)
     assert stok.wait(TIMEOUT) and stok.failed() and rtok.wait(TIMEOUT) and rtok.failed()
     assert "differ" in rtok.error
     assert b.bytes() == bytes([FILL]) * SIZE
@@ -247,12 +250,12 @@ def test_unknown_peer_fails_fast(name):
         desc = dead.desc
         dead.backend.close()  # its listener is gone
         t0 = time.monotonic()
-        stok = a.backend.send("nobody", [Region(0, 100)], desc, [Region(0, 100)])
+        stok = a.backend.send("nobody", [Region(0, 100)], desc, [Region(0, 100)], secret=SECRET)
         assert stok.wait(TIMEOUT) and stok.failed() and stok.error
         assert time.monotonic() - t0 < TIMEOUT
         assert a.backend.outstanding() == set()
         with pytest.raises(ValueError):
-            a.backend.send("x", [Region(0, 1)], BackendDescriptor("other", "h:1", SIZE), [Region(0, 1)])
+            a.backend.send("x", [Region(0, 1)], BackendDescriptor("other", "h:1", SIZE), [Region(0, 1)], secret=SECRET)
     finally:
         a.backend.close()
 
@@ -261,16 +264,16 @@ def test_unregistered_and_closed_backends_refuse(name):
     fresh = make_backend(name)
     try:
         with pytest.raises(TransferError):
-            fresh.expect("x", [Region(0, 1)])
+            fresh.expect("x", [Region(0, 1)], secret=SECRET)
     finally:
         fresh.close()
     a = Side(name)
-    rtok = a.backend.expect("pending", [Region(0, 10)])
+    rtok = a.backend.expect("pending", [Region(0, 10)], secret=SECRET)
     a.backend.close()
     assert rtok.state() is TransferState.FAILED and rtok.error == "backend closed"
     assert a.backend.outstanding() == set()
     with pytest.raises(TransferError):
-        a.backend.expect("again", [Region(0, 10)])
+        a.backend.expect("again", [Region(0, 10)], secret=SECRET)
     a.backend.close()  # idempotent
 
 
@@ -280,15 +283,17 @@ def test_unregistered_and_closed_backends_refuse(name):
 def _child(name: str, role: str, conn) -> None:
     side = Side(name, bytes(range(256)) * (SIZE // 256))
     conn.send(side.desc.to_dict())
-    if role == "receiver":
+    if role == "receiver":  # the secret goes to the sender, as in a pull
+        secret = new_secret()
         for i in range(64):
-            side.backend.expect(f"k{i}", [Region(0, SIZE)])
-        conn.send("expecting")
+            side.backend.expect(f"k{i}", [Region(0, SIZE)], secret=secret)
+        conn.send(("expecting", secret))
     else:
-        peer = BackendDescriptor.from_dict(conn.recv())
+        desc, secret = conn.recv()
+        peer = BackendDescriptor.from_dict(desc)
         i = 0
         while True:  # keep the parent busy until we are killed
-            tok = side.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)])
+            tok = side.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret)
             tok.wait(TIMEOUT)
             conn.send(tok.state().name)
             i += 1
@@ -320,10 +325,12 @@ def test_receiver_killed_fails_the_sender(name):
     proc, conn, peer = _spawn(name, "receiver")
     a = Side(name, b"\x07" * SIZE)
     try:
-        assert conn.poll(TIMEOUT) and conn.recv() == "expecting"
-        first = a.backend.send("k0", [Region(0, SIZE)], peer, [Region(0, SIZE)])
+        assert conn.poll(TIMEOUT)
+        said, secret = conn.recv()
+        assert said == "expecting"
+        first = a.backend.send("k0", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret)
         assert first.wait(TIMEOUT) and first.done()
-        toks = [a.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)]) for i in range(1, 30)]
+        toks = [a.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret) for i in range(1, 30)]
         _kill(proc)  # mid-stream: some of these were moving
         for tok in toks:
             assert tok.wait(TIMEOUT), f"{tok!r} hangs after the peer died"
@@ -340,8 +347,8 @@ def test_sender_killed_never_leaves_a_transfer_hanging(name):
     proc, conn, peer = _spawn(name, "sender")
     b = Side(name)
     try:
-        toks = [b.backend.expect(f"k{i}", [Region(0, SIZE)]) for i in range(64)]
-        conn.send(b.desc.to_dict())
+        toks = [b.backend.expect(f"k{i}", [Region(0, SIZE)], secret=SECRET) for i in range(64)]
+        conn.send((b.desc.to_dict(), SECRET))
         assert conn.poll(TIMEOUT) and conn.recv() == "DONE"
         _kill(proc)
         deadline = time.monotonic() + TIMEOUT

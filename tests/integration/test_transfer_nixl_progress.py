@@ -20,6 +20,9 @@ import pytest
 
 from xpyd.transfer import make_backend
 from xpyd.transfer.base import Region, TransferState
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                 reason="NIXL is not installed (pip install --no-deps nixl nixl-cu13)")
@@ -66,8 +69,8 @@ def engine_loop(side: Side):
 
 
 def _start(a: Side, b: Side, tid: str, n: int = SIZE):
-    rtok = b.backend.expect(tid, [Region(0, n)])
-    stok = a.backend.send(tid, [Region(0, n)], b.desc, [Region(0, n)])
+    rtok = b.backend.expect(tid, [Region(0, n)], secret=SECRET)
+    stok = a.backend.send(tid, [Region(0, n)], b.desc, [Region(0, n)], secret=SECRET)
     return stok, rtok
 
 

@@ -19,6 +19,9 @@ from xpyd.transfer import Region, TransferError, TransferState, make_backend, sh
 from xpyd.transfer.shm_segment import SegmentError
 from xpyd.transfer.shm_wire import Hello, Offer
 from xpyd.transfer.tcp_wire import ProtocolError, parse_address
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 
 def _path(name: str) -> str:
@@ -118,11 +121,11 @@ def test_a_receive_only_backend_takes_ordinary_memory_and_refuses_to_send():
         dst = memoryview(bytearray(1 << 16))  # a decode worker's pool: no segment
         d_recv = receiver.register(dst)
         assert sender.reaches(d_recv) and not receiver.reaches(d_sender)
-        rtok = receiver.expect("in", [Region(100, 64)])
-        stok = sender.send("in", [Region(0, 64)], d_recv, [Region(100, 64)])
+        rtok = receiver.expect("in", [Region(100, 64)], secret=SECRET)
+        stok = sender.send("in", [Region(0, 64)], d_recv, [Region(100, 64)], secret=SECRET)
         assert stok.wait(10) and stok.done() and rtok.done() and bytes(dst[100:164]) == bytes(range(64))
         with pytest.raises(TransferError, match="receive-only"):
-            receiver.send("out", [Region(0, 64)], d_sender, [Region(0, 64)])
+            receiver.send("out", [Region(0, 64)], d_sender, [Region(0, 64)], secret=SECRET)
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{os.getpid()}-")] == [sender.segment_name]
     finally:
         sender.close()
@@ -140,10 +143,10 @@ def test_a_sender_abort_during_the_copy_voids_it():
         sender.register(src)
         dst = memoryview(bytearray(n))
         d_recv = receiver.register(dst)
-        rtok = receiver.expect("x", [Region(0, n)])
+        rtok = receiver.expect("x", [Region(0, n)], secret=SECRET)
         rec = receiver._endpoint.expected._recs["x"]  # (its lock: the reader copies each chunk under it)
         with rec.lock:  # hold the receiver's reader just before its first chunk
-            stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)])
+            stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)], secret=SECRET)
             deadline = time.monotonic() + 10
             while rtok.state() is not TransferState.TRANSFERRING and time.monotonic() < deadline:
                 time.sleep(0.001)
@@ -153,8 +156,8 @@ def test_a_sender_abort_during_the_copy_voids_it():
             src[:] = b"\x02" * n  # allowed now: the sender's engine reuses the memory
         assert rtok.wait(10) and rtok.failed() and "aborted by the sender" in rtok.error
         assert sender.outstanding() == set() and receiver.outstanding() == set()
-        rtok = receiver.expect("y", [Region(0, n)])  # the connection and the board entry are reusable
-        stok = sender.send("y", [Region(0, n)], d_recv, [Region(0, n)])
+        rtok = receiver.expect("y", [Region(0, n)], secret=SECRET)  # the connection and the board entry are reusable
+        stok = sender.send("y", [Region(0, n)], d_recv, [Region(0, n)], secret=SECRET)
         assert stok.wait(10) and stok.done() and rtok.done() and bytes(dst) == b"\x02" * n
         assert sender._board.in_use() == 0
     finally:
@@ -180,8 +183,8 @@ def test_large_chunks_are_copied_by_two_threads_and_land_exactly():
         d_recv = receiver.register(memoryview(dst))
         src_regions = [Region(0, 10 << 20), Region(10 << 20, 4 << 20), Region(14 << 20, 10 << 20)]
         dst_regions = [Region(4096, 20 << 20), Region((20 << 20) + 8192, 4 << 20)]
-        rtok = receiver.expect("big", dst_regions)
-        stok = sender.send("big", src_regions, d_recv, dst_regions)
+        rtok = receiver.expect("big", dst_regions, secret=SECRET)
+        stok = sender.send("big", src_regions, d_recv, dst_regions, secret=SECRET)
         assert stok.wait(30) and stok.done() and rtok.done()
         assert np.array_equal(dst[4096:4096 + (20 << 20)], pattern[:20 << 20])
         assert np.array_equal(dst[(20 << 20) + 8192:], pattern[20 << 20:])
@@ -220,8 +223,8 @@ def test_a_receiver_abort_during_a_split_copy_waits_for_every_part(monkeypatch):
         sender.register(src)
         dst = np.zeros(n, dtype=np.uint8)
         d_recv = receiver.register(memoryview(dst))
-        rtok = receiver.expect("x", [Region(0, n)])
-        stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)])
+        rtok = receiver.expect("x", [Region(0, n)], secret=SECRET)
+        stok = sender.send("x", [Region(0, n)], d_recv, [Region(0, n)], secret=SECRET)
         assert in_helper.wait(10)  # the first chunk is being copied, its second half slowly
         receiver.abort("x")
         landed = int(np.count_nonzero(dst))
@@ -276,8 +279,8 @@ def test_hostile_control_bytes_drop_the_connection_and_the_listener_keeps_servin
             except ConnectionResetError:
                 got = b""
             assert got == b""  # the receiver dropped the connection (a timeout here would fail the test)
-        rtok = b.expect("ok", [Region(0, 100)])
-        stok = a.send("ok", [Region(0, 100)], desc, [Region(0, 100)])
+        rtok = b.expect("ok", [Region(0, 100)], secret=SECRET)
+        stok = a.send("ok", [Region(0, 100)], desc, [Region(0, 100)], secret=SECRET)
         assert stok.wait(10) and stok.done() and rtok.done() and bytes(bb[:100]) == bytes(range(100))
     finally:
         a.close()
@@ -326,12 +329,12 @@ def test_auto_picks_shm_on_this_host_and_tcp_otherwise():
                                       offers=(("shm", d_auto2.offer("shm")), ("shm-host", "another-host")))
         assert auto.pick(elsewhere)[0].name == "tcp"  # same address, other host key: tcp
         for i, (dst_backend, desc, buf) in enumerate([(auto2, d_auto2, bufs[1]), (tcp, d_tcp, bufs[2])]):
-            rtok = dst_backend.expect(f"x{i}", [Region(1000, 100)])
-            stok = auto.send(f"x{i}", [Region(0, 100)], desc, [Region(1000, 100)])
+            rtok = dst_backend.expect(f"x{i}", [Region(1000, 100)], secret=SECRET)
+            stok = auto.send(f"x{i}", [Region(0, 100)], desc, [Region(1000, 100)], secret=SECRET)
             assert stok.wait(10) and stok.done() and rtok.wait(10) and rtok.done()
             assert bytes(buf[1000:1100]) == bytes(range(100))
-        rtok = auto2.expect("from-tcp", [Region(0, 100)])  # a tcp-only sender reaches an auto receiver
-        stok = tcp.send("from-tcp", [Region(1000, 100)], d_auto2, [Region(0, 100)])
+        rtok = auto2.expect("from-tcp", [Region(0, 100)], secret=SECRET)  # a tcp-only sender reaches an auto receiver
+        stok = tcp.send("from-tcp", [Region(1000, 100)], d_auto2, [Region(0, 100)], secret=SECRET)
         assert stok.wait(10) and stok.done() and rtok.wait(10) and rtok.done()
         assert auto2.outstanding() == set()  # the shm announcement was withdrawn
         auto.forget_peer(d_auto2.address)

@@ -6,6 +6,9 @@ import threading
 
 from xpyd.transfer.base import CompletionToken, Region, TransferState
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 
 def test_on_finish_runs_once_when_the_token_finishes_on_the_finishing_thread():
@@ -39,7 +42,7 @@ def test_a_receive_on_the_fake_backend_wakes_its_waiter():
     receiver = FakeTransferBackend(net)
     receiver.register(memoryview(bytearray(64)))
     woken = threading.Event()
-    token = receiver.expect("x", [Region(0, 8)])
+    token = receiver.expect("x", [Region(0, 8)], secret=SECRET)
     token.on_finish(woken.set)
     assert not woken.is_set()
     receiver.complete("x")

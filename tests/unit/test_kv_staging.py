@@ -21,6 +21,9 @@ from xpyd.worker.kv_staging import (
 )
 from xpyd.transfer.base import DeviceMemory, Region, TransferState
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", num_blocks=6, block_size=4)
 
@@ -53,8 +56,8 @@ def test_bytes_round_trip_through_both_staging_copies_into_the_right_blocks():
     assert src_pool.buffer().nbytes == LAYOUT.total_bytes
     assert not staging_bytes(src_pool).any()
 
-    recv = receiver.expect("t1", [dst])
-    sent = sender.send("t1", [src], peer, [dst])
+    recv = receiver.expect("t1", [dst], secret=SECRET)
+    sent = sender.send("t1", [src], peer, [dst], secret=SECRET)
     assert sent.done()
     assert torch.equal(staging_bytes(src_pool)[src.offset : src.end], pool_bytes(src_pool)[src.offset : src.end])
     # arrived in the receiver's host copy; its pool is untouched until the token is polled
@@ -74,7 +77,7 @@ def test_a_failed_transfer_fails_the_token_and_leaves_the_pool_alone():
     net = FakeNetwork()
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
-    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([3])])
+    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([3])], secret=SECRET)
     assert token.state() is TransferState.PENDING
     receiver.inner.fail("t1", "peer died")
     assert token.failed() and token.error == "peer died"
@@ -86,7 +89,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
     (dst_pool, receiver) = staged(net, auto_complete=False)
     receiver.register(dst_pool.buffer())
     (region,) = [Region(*r) for r in dst_pool.byte_ranges([3])]
-    token = receiver.expect("t1", [region])
+    token = receiver.expect("t1", [region], secret=SECRET)
     staging_bytes(dst_pool)[region.offset : region.end] = 7  # bytes arrived...
     receiver.inner.complete("t1")  # ...and the backend finished, but nobody polled yet
     receiver.abort("t1")
@@ -98,7 +101,7 @@ def test_abort_before_landing_means_no_copy_into_the_pool():
 def test_close_fails_unlanded_receives():
     (dst_pool, receiver) = staged(FakeNetwork(), auto_complete=False)
     receiver.register(dst_pool.buffer())
-    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([0])])
+    token = receiver.expect("t1", [Region(*r) for r in dst_pool.byte_ranges([0])], secret=SECRET)
     receiver.close()
     assert token.failed()
     assert receiver.inner.closed

@@ -20,6 +20,7 @@ from xpyd.prefill_worker.scheduler import PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId, transfer_id_of
 from xpyd.transfer.base import TransferError
+from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.work_item import ErrorEvent
@@ -49,15 +50,15 @@ class _Refusing(FakeTransferBackend):
         super().__init__(network)
         self.refused: set[str] = set()
 
-    def send(self, transfer_id, src, peer, dst):
+    def send(self, transfer_id, src, peer, dst, *, secret):
         if transfer_id in self.refused:
             raise TransferError(f"cannot send {transfer_id}")
-        return super().send(transfer_id, src, peer, dst)
+        return super().send(transfer_id, src, peer, dst, secret=secret)
 
-    def expect(self, transfer_id, dst):
+    def expect(self, transfer_id, dst, *, secret):
         if transfer_id in self.refused:
             raise TransferError(f"cannot expect {transfer_id}")
-        return super().expect(transfer_id, dst)
+        return super().expect(transfer_id, dst, secret=secret)
 
 
 def _failed_count(engine) -> float:
@@ -89,14 +90,14 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     bad, good = rids
     transfer.refused.add(transfer_id_of(bad))
 
-    entries = (m.LookupEntry(bad, (0,)), m.LookupEntry(good, (1,)))
+    entries = (m.LookupEntry(bad, (0,), 0, new_secret()), m.LookupEntry(good, (1,), 0, new_secret()))
     reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, entries))
     assert [r.status for r in reply.results] == [S.FAILED, S.SENDING]
     assert "TransferError: cannot send" in reply.results[0].error
     assert _internal_error(sinks[bad], "prefill", "TransferError") and sinks[good].events == []
     assert [(r.request_id, r.status) for n in pushed for r in n.results] == [(bad, S.FAILED)]  # its claimant told
     assert engine.sched.get(bad) is None and engine.pool.num_used == 1 and _failed_count(engine) == 1
-    again = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(bad, (0,)),))).results[0]
+    again = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(bad, (0,), 0, new_secret()),))).results[0]
     assert again.status is S.FAILED and "TransferError" in again.error  # remembered as failed here
 
     transfer.complete(transfer_id_of(good))

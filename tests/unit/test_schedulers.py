@@ -15,6 +15,9 @@ from tests.unit.kv_fixtures import kv_cache, next_prefill
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.transfer.base import Region
 from xpyd.transfer.fake import FakeTransferBackend
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 S = RequestState
 
@@ -28,7 +31,7 @@ def backend():
 
 
 def send(backend: FakeTransferBackend, rid: str):
-    return backend.send(rid, [Region(0, 8)], backend.descriptor, [Region(8, 8)])
+    return backend.send(rid, [Region(0, 8)], backend.descriptor, [Region(8, 8)], secret=SECRET)
 
 
 # --- prefill ----------------------------------------------------------------
@@ -148,7 +151,7 @@ def test_decode_runs_only_after_kv_arrived(backend):
     sched.mark_ready("r1", 11)
     started = sched.schedule_transfers()
     assert started == [seqs[1]] and seqs[1].state is S.TRANSFERRING
-    sched.set_recv_token(seqs[1], backend.expect("r1", [Region(0, 8)]))
+    sched.set_recv_token(seqs[1], backend.expect("r1", [Region(0, 8)], secret=SECRET))
     sched.check_invariants()
     assert sched.poll_transfers() == ([], [])
     assert sched.running() == []  # KV not here yet: does not run
@@ -157,7 +160,7 @@ def test_decode_runs_only_after_kv_arrived(backend):
     sched.mark_ready("r2", 12)
     started = sched.schedule_transfers()
     assert started == [seqs[0]]  # batch of 2 full (1 transferring + 1 new)
-    sched.set_recv_token(seqs[0], backend.expect("r0", [Region(8, 8)]))
+    sched.set_recv_token(seqs[0], backend.expect("r0", [Region(8, 8)], secret=SECRET))
     sched.check_invariants()
 
     backend.complete("r0")
@@ -171,7 +174,7 @@ def test_decode_runs_only_after_kv_arrived(backend):
 
     started = sched.schedule_transfers()  # room again
     assert started == [seqs[2]]
-    sched.set_recv_token(seqs[2], backend.expect("r2", [Region(16, 8)]))
+    sched.set_recv_token(seqs[2], backend.expect("r2", [Region(16, 8)], secret=SECRET))
     sched.finish(seqs[0])
     backend.complete("r2")
     sched.poll_transfers()
@@ -189,7 +192,7 @@ def test_decode_abort_in_every_state(backend):
         sched.add(s)
     sched.mark_ready("t", 1); sched.mark_ready("r", 1)
     for s in sched.schedule_transfers():
-        sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)]))
+        sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)], secret=SECRET))
     backend.complete("r")
     sched.poll_transfers()
     assert (w.state, t.state, r.state) == (S.WAITING, S.TRANSFERRING, S.RUNNING)
@@ -217,7 +220,7 @@ def test_decode_random_lifecycles_keep_invariants(backend):
             if not s.ready and rng.random() < 0.2:
                 sched.mark_ready(s.request_id, 5)
         for s in sched.schedule_transfers():
-            sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)]))
+            sched.set_recv_token(s, backend.expect(s.request_id, [Region(0, 4)], secret=SECRET))
         for s in sched.transferring():
             x = rng.random()
             if x < 0.3:
@@ -278,7 +281,7 @@ def test_decode_overdue_waiting_and_transferring_but_not_ready_waiting(backend):
     sched.mark_ready("t", 1)
     sched.mark_ready("r", 1)
     assert sched.schedule_transfers() == [t]
-    sched.set_recv_token(t, backend.expect("t", [Region(0, 4)]))
+    sched.set_recv_token(t, backend.expect("t", [Region(0, 4)], secret=SECRET))
     t.deadline = 8.0
     assert sched.overdue(4.9) == []
     assert sched.overdue(5.0) == [w]

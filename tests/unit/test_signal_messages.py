@@ -15,6 +15,7 @@ RID = "xpyd-0123456789abcdef0123456789abcdef~p~10.0.0.1:7100~d~10.0.0.2:7200"
 COMPAT = {"layout": "block-head-major/1", "num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32",
           "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096, "offers": [["tcp", "x"]]}
+SECRET = bytes(range(m.TRANSFER_SECRET_BYTES))
 
 EVERY_MESSAGE = [
     m.Handshake("10.0.0.2:7200", "m", COMPAT),
@@ -24,7 +25,8 @@ EVERY_MESSAGE = [
     m.KVMapInit("10.0.0.2:7200", TRANSFER, 1024, 4),
     m.KVMapReply(True),
     m.KVMapReply(False, "KV map does not fit the registered buffer"),
-    m.LookupAll("10.0.0.2:7200", (m.LookupEntry(RID), m.LookupEntry(RID, (0,)), m.LookupEntry(RID, (1 << 40, 3, 4), 2))),
+    m.LookupAll("10.0.0.2:7200", (m.LookupEntry(RID), m.LookupEntry(RID, (0,), 0, SECRET),
+                                  m.LookupEntry(RID, (1 << 40, 3, 4), 2, SECRET))),
     m.LookupAll("10.0.0.2:7200", ()),
     m.LookupReply(tuple(m.LookupResult(RID, s, 7 if s in (m.LookupStatus.READY, m.LookupStatus.SENDING) else None,
                                        3, "why" if s is m.LookupStatus.FAILED else None) for s in m.LookupStatus)),
@@ -55,18 +57,18 @@ def test_wire_shape_is_a_versioned_map_with_tagged_message_and_enum_values():
     frame = m.encode(5, m.LookupReply((result,)))
     assert msgpack.unpackb(frame) == {"version": PROTOCOL_VERSION, "seq": 5, "msg": {
         "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16]]}}
-    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1), m.LookupEntry(RID))))
+    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1, SECRET), m.LookupEntry(RID))))
     assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1",
-                                              "entries": [[RID, [64, 65], 1], [RID, None, 0]]}
+                                              "entries": [[RID, [64, 65], 1, SECRET], [RID, None, 0, None]]}
     assert m.unpack_hashes(m.pack_hashes([0, 7, 2**64 - 1])) == [0, 7, 2**64 - 1]
     with pytest.raises(m.MessageError, match="multiple of 8"):
         m.unpack_hashes(b"\0" * 9)
 
 
 def test_limits_are_inclusive():
-    full = m.LookupAll("a:1", (m.LookupEntry("x" * m.MAX_REQUEST_ID_LEN, (0,)),) * m.MAX_ENTRIES)
+    full = m.LookupAll("a:1", (m.LookupEntry("x" * m.MAX_REQUEST_ID_LEN, (0,), 0, SECRET),) * m.MAX_ENTRIES)
     assert m.decode(m.encode(1, full)).msg == full
-    blocks = m.LookupAll("a:1", (m.LookupEntry("r", tuple(range(m.MAX_BLOCKS))),))
+    blocks = m.LookupAll("a:1", (m.LookupEntry("r", tuple(range(m.MAX_BLOCKS)), 0, SECRET),))
     assert m.decode(m.encode(1, blocks)).msg == blocks
     assert m.decode(m.encode(2, m.Release("a:1", ("r",) * m.MAX_ENTRIES))).msg.request_ids == ("r",) * m.MAX_ENTRIES
 
@@ -115,7 +117,17 @@ RESULT = [RID, "ready", 9, 3, None]
     pytest.param(_frame({**LOOKUP, "entries": [["r", list(range(m.MAX_BLOCKS + 1))]]}), "$.msg.entries[0][1]",
                  id="too-many-blocks"),
     pytest.param(_frame({**LOOKUP, "entries": [["r", [0], -1]]}), "$.msg.entries[0][2]", id="negative-first-block"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, 2]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET, 2]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1]]}), "carries a transfer secret", id="pull-without-secret"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, None]]}), "carries a transfer secret",
+                 id="pull-with-null-secret"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", None, 0, SECRET]]}), "a claim none", id="claim-with-secret"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET[:-1]]]}), "$.msg.entries[0][3]",
+                 id="secret-too-short"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET + b"x"]]}), "$.msg.entries[0][3]",
+                 id="secret-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET.hex()[:32]]]}), "$.msg.entries[0][3]",
+                 id="secret-not-bytes"),
     pytest.param(_frame({**LOOKUP, "entries": [["r"]] * (m.MAX_ENTRIES + 1)}), "$.msg.entries", id="too-many-entries"),
     pytest.param(_frame({**LOOKUP, "entries": {"r": 0}}), "$.msg.entries", id="entries-not-a-list"),
     pytest.param(_frame({**RELEASE, "request_ids": ["x" * 601]}), "$.msg.request_ids[0]", id="release-id-too-long"),

@@ -25,6 +25,7 @@ from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId, transfer_id_of
+from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
@@ -64,7 +65,7 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
     init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
-    reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, (0,)),)))
+    reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, (0,), 0, new_secret()),)))
     assert reply.results[0].status is m.LookupStatus.SENDING
     for calls in (1, 2, 3):
         assert engine.step() == (IDLE_SLEEP if tick is None else tick) and transfer.progress_calls == calls

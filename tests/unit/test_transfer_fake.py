@@ -18,6 +18,9 @@ from xpyd.transfer.base import (
     TransferState,
 )
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 SIZE = 4096
 FILL = 0xAA
@@ -105,8 +108,8 @@ def fake(network=None, auto=False, fill=FILL):
 def test_manual_mode_tokens_wait_for_the_test():
     a, _, _ = fake()
     b, bbuf, bdesc = fake()
-    r = b.expect("t1", [Region(0, 10)])
-    s = a.send("t1", [Region(0, 10)], bdesc, [Region(0, 10)])
+    r = b.expect("t1", [Region(0, 10)], secret=SECRET)
+    s = a.send("t1", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET)
     assert s.state() is r.state() is TransferState.PENDING
     a.start("t1")
     assert s.state() is TransferState.TRANSFERRING
@@ -126,8 +129,8 @@ def test_auto_complete_copies_exact_bytes():
     b, bbuf, bdesc = fake(net, auto=True)
     src = [Region(0, 5), Region(100, 20), Region(4000, 15)]
     dst = [Region(3000, 30), Region(10, 10)]
-    r = b.expect("x", dst)
-    s = a.send("x", src, bdesc, dst)
+    r = b.expect("x", dst, secret=SECRET)
+    s = a.send("x", src, bdesc, dst, secret=SECRET)
     assert s.done() and r.done()
     payload = bytes(abuf[0:5] + abuf[100:120] + abuf[4000:4015])
     want = bytearray([FILL]) * SIZE
@@ -140,50 +143,59 @@ def test_auto_complete_refuses_like_tcp():
     net = FakeNetwork()
     a, _, _ = fake(net, auto=True, fill=1)
     b, bbuf, bdesc = fake(net, auto=True)
-    s = a.send("ghost", [Region(0, 10)], bdesc, [Region(0, 10)])
+    s = a.send("ghost", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET)
     assert s.failed() and "unexpected transfer id" in s.error
-    r = b.expect("m", [Region(0, 10)])
-    s = a.send("m", [Region(0, 10)], bdesc, [Region(10, 10)])
+    r = b.expect("k", [Region(0, 10)], secret=SECRET)
+    s = a.send("k", [Region(0, 10)], bdesc, [Region(0, 10)], secret=new_secret())  # not the sender it went to
+    assert s.failed() and "MAC does not match" in s.error and r.state() is TransferState.PENDING
+    assert a.send("k", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET).done() and r.done()
+    r = b.expect("m", [Region(0, 10)], secret=SECRET)
+    s = a.send("m", [Region(0, 10)], bdesc, [Region(10, 10)], secret=SECRET)
     assert s.failed() and r.failed() and "differ" in s.error
     b.close()
-    s = a.send("gone", [Region(0, 10)], bdesc, [Region(0, 10)])
+    s = a.send("gone", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET)
     assert s.failed() and "cannot reach" in s.error
-    assert bbuf == bytearray([FILL]) * SIZE
+    assert bbuf == bytearray([1]) * 10 + bytearray([FILL]) * (SIZE - 10)  # only what "k" moved
 
 
 def test_abort_and_close():
     a, _, _ = fake()
     b, _, bdesc = fake()
-    r = b.expect("e", [Region(0, 10)])
-    s = a.send("s", [Region(0, 10)], bdesc, [Region(0, 10)])
+    r = b.expect("e", [Region(0, 10)], secret=SECRET)
+    s = a.send("s", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET)
     b.abort("e")
     a.abort("unknown")
     assert r.failed() and r.error == "aborted" and b.aborted == ["e"] and a.aborted == []
-    r2 = b.expect("e2", [Region(0, 10)])
+    r2 = b.expect("e2", [Region(0, 10)], secret=SECRET)
     a.close()
     b.close()
     assert s.failed() and s.error == "backend closed" and r2.failed()
     with pytest.raises(TransferError, match="closed"):
-        a.send("late", [Region(0, 10)], bdesc, [Region(0, 10)])
+        a.send("late", [Region(0, 10)], bdesc, [Region(0, 10)], secret=SECRET)
 
 
 def test_fake_validates_like_the_real_backends():
     a, _, _ = fake()
     b, _, bdesc = fake()
     with pytest.raises(ValueError, match="outside"):
-        a.send("x", [Region(SIZE, 1)], bdesc, [Region(0, 1)])
+        a.send("x", [Region(SIZE, 1)], bdesc, [Region(0, 1)], secret=SECRET)
     with pytest.raises(ValueError, match="outside"):
-        b.expect("x", [Region(SIZE - 1, 2)])
+        b.expect("x", [Region(SIZE - 1, 2)], secret=SECRET)
     with pytest.raises(ValueError, match="bytes"):
-        a.send("x", [Region(0, 2)], bdesc, [Region(0, 1)])
+        a.send("x", [Region(0, 2)], bdesc, [Region(0, 1)], secret=SECRET)
     with pytest.raises(ValueError, match="transfer_id"):
-        b.expect("z" * 257, [Region(0, 1)])
+        b.expect("z" * 257, [Region(0, 1)], secret=SECRET)
     with pytest.raises(ValueError, match="fake"):
-        a.send("x", [Region(0, 1)], BackendDescriptor("tcp", "h:1", SIZE), [Region(0, 1)])
-    b.expect("dup", [Region(0, 1)])
+        a.send("x", [Region(0, 1)], BackendDescriptor("tcp", "h:1", SIZE), [Region(0, 1)], secret=SECRET)
+    b.expect("dup", [Region(0, 1)], secret=SECRET)
     with pytest.raises(TransferError, match="already expected"):
-        b.expect("dup", [Region(0, 1)])
+        b.expect("dup", [Region(0, 1)], secret=SECRET)
     with pytest.raises(TransferError, match="register"):
-        FakeTransferBackend().expect("x", [Region(0, 1)])
+        FakeTransferBackend().expect("x", [Region(0, 1)], secret=SECRET)
     with pytest.raises(ValueError, match="auto_complete"):
         FakeTransferBackend(auto_complete=True)
+    for secret in (b"", b"x" * 31, "s" * 32, None):  # a secret is 32 bytes, for sends and expects alike
+        with pytest.raises(ValueError, match="secret"):
+            b.expect("s", [Region(0, 1)], secret=secret)
+        with pytest.raises(ValueError, match="secret"):
+            a.send("s", [Region(0, 1)], bdesc, [Region(0, 1)], secret=secret)

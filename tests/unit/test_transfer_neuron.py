@@ -9,6 +9,9 @@ import pytest
 from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState
 from xpyd.transfer.neuron_backend import NeuronTransferBackend
 from xpyd.transfer.neuron_plan import CommState, CommTable, DeviceTensor, TensorMap, plan
+from xpyd.transfer.auth import new_secret
+
+SECRET = new_secret()  # the transfers here that are not about their secret share one
 
 KB = 1024
 
@@ -104,7 +107,7 @@ def test_send_waits_for_communicators_then_queues_and_completes_on_poll():
     rt = FakeRuntime()
     a, b = _backend(rt), _backend(FakeRuntime(), "10.0.0.2")
     assert rt.inited == [0, 1]
-    tok = a.send("r1", [Region(60 * KB, 8 * KB)], b.descriptor, [Region(60 * KB, 8 * KB)])
+    tok = a.send("r1", [Region(60 * KB, 8 * KB)], b.descriptor, [Region(60 * KB, 8 * KB)], secret=SECRET)
     assert rt.comms == [("send", "10.0.0.2", 0, 0), ("send", "10.0.0.2", 1, 1)]
     assert tok.state() is TransferState.PENDING and rt.queued == []  # communicators not ready yet
     rt.ready |= {101, 102}
@@ -121,29 +124,29 @@ def test_errors_abort_close_and_queue_failure():
     rt = FakeRuntime()
     a, peer = _backend(rt), _backend(FakeRuntime(), "10.0.0.2").descriptor
     with pytest.raises(TransferError, match="expect_from"):
-        a.expect("x", [Region(0, 10)])
+        a.expect("x", [Region(0, 10)], secret=SECRET)
     with pytest.raises(ValueError, match="neuron BackendDescriptor"):
-        a.send("x", [Region(0, 10)], BackendDescriptor("tcp", "h:1", 10), [Region(0, 10)])
+        a.send("x", [Region(0, 10)], BackendDescriptor("tcp", "h:1", 10), [Region(0, 10)], secret=SECRET)
     other = BackendDescriptor("neuron", "10.0.0.3:1", peer.buffer_size, offers=(("neuron-cores", "0,1"),
                                                                                ("neuron-layout", "beef")))
     with pytest.raises(ValueError, match="layout hash"):
-        a.send("x", [Region(0, 10)], other, [Region(0, 10)])
+        a.send("x", [Region(0, 10)], other, [Region(0, 10)], secret=SECRET)
     with pytest.raises(ValueError):
-        a.send("x", [Region(128 * KB, 1)], peer, [Region(0, 1)])
-    t1 = a.expect_from("r", [Region(0, 10)], peer, [Region(0, 10)])
+        a.send("x", [Region(128 * KB, 1)], peer, [Region(0, 1)], secret=SECRET)
+    t1 = a.expect_from("r", [Region(0, 10)], peer, [Region(0, 10)], secret=SECRET)
     assert rt.comms[-1][0] == "recv"
     a.abort("r")
     assert t1.state() is TransferState.FAILED and t1.error == "aborted"
     rt.ready |= set(range(100, 110))
     rt.fail_queue = "device busy"
-    t2 = a.send("q", [Region(0, 10)], peer, [Region(0, 10)])
+    t2 = a.send("q", [Region(0, 10)], peer, [Region(0, 10)], secret=SECRET)
     assert t2.failed() and "device busy" in t2.error
     rt.fail_queue = None
-    t3 = a.send("c", [Region(0, 10)], peer, [Region(0, 10)])
+    t3 = a.send("c", [Region(0, 10)], peer, [Region(0, 10)], secret=SECRET)
     a.close()
     assert t3.failed() and t3.error == "backend closed" and a.outstanding() == set()
     with pytest.raises(TransferError):
-        a.send("d", [Region(0, 10)], peer, [Region(0, 10)])
+        a.send("d", [Region(0, 10)], peer, [Region(0, 10)], secret=SECRET)
 
 
 def test_real_module_refuses_to_import_without_torch_neuronx():

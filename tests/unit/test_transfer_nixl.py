@@ -1,4 +1,6 @@
-"""The nixl backend's parts that need no NIXL: READ planning, the hello frame, the import guard.
+"""The nixl backend's parts that need no NIXL: READ planning, the hello frame, the import guard, and the
+receiver's door (with NIXL's agent faked out: a real listener refuses an offer without the transfer's MAC
+before it loads the sender's metadata or posts a READ).
 
 The backend itself runs the transfer contract suite (tests/integration/test_transfer_contract.py)
 when NIXL is installed.
@@ -12,8 +14,13 @@ import sys
 import msgpack
 import pytest
 
+from tests import door
+from xpyd import PROTOCOL_VERSION
 from xpyd.transfer import make_backend
 from xpyd.transfer import nixl_backend
+from xpyd.transfer.auth import new_secret
+from xpyd.transfer.base import TransferState
+from xpyd.transfer.shm_wire import Commit
 from xpyd.transfer.base import DeviceMemory, Region, TransferError
 from xpyd.transfer.nixl_agent import HOST, descs, memory_of, plan
 from xpyd.transfer.nixl_wire import MAX_METADATA, Hello
@@ -90,6 +97,15 @@ class _RecordingAgent:
 
     def __init__(self, name: str) -> None:
         self.name, self.registered, self.reads, self.closed = name, [], [], False
+        self.loaded: list[bytes] = []  # metadata handed to add_peer
+        self.dropped: list[str] = []
+
+    def add_peer(self, metadata: bytes) -> str:
+        self.loaded.append(metadata)
+        return "sender-agent"
+
+    def drop_peer(self, name: str) -> None:
+        self.dropped.append(name)
 
     def register(self, addr, size, memory):
         self.registered.append((addr, size, memory))
@@ -138,3 +154,42 @@ def test_a_gpu_pool_is_registered_as_vram_and_reads_name_both_sides_memory(monke
         assert host._agent.registered[0][1:] == (4096, ("DRAM", 0))
     finally:
         host.close()
+
+
+def test_a_strangers_offer_is_refused_before_its_metadata_is_loaded(monkeypatch):
+    """A nixl receiver's listener, NIXL faked out: a third party's Hello (its own agent metadata) and an offer
+    without the transfer's MAC, or with a wrong one, are refused and hung up on; its metadata never reaches
+    NIXL and no READ is posted. The sender holding the secret then opens the transfer (metadata loaded, READ
+    posted, committed, DONE)."""
+    monkeypatch.setattr(nixl_backend, "load", lambda: None)
+    monkeypatch.setattr(nixl_backend, "Agent", _RecordingAgent)
+    token = "the-cluster-token"
+    backend = nixl_backend.NixlTransferBackend(io_timeout=5.0, cluster_token=token)
+    try:
+        desc = backend.register(memoryview(bytearray(1 << 16)))
+        monkeypatch.setattr(backend._progress, "wait_read", lambda read, timeout, closed: None)
+        agent, secret = backend._agent, new_secret()
+        src, dst = door.regions([[0, 4096]]), door.regions([[8192, 4096]])
+        victim = backend.expect("victim", dst, secret=secret)
+        hello = Hello(PROTOCOL_VERSION, "stranger", b"stranger-md", 0x10000, 1 << 20).pack()
+        for mac, needle in [(door.NO_MAC, "no MAC"),
+                            (door.mac_for("nixl", "victim", dst, new_secret(), token, src), "does not match"),
+                            (door.mac_for("nixl", "victim", dst, secret, None, src), "does not match"),
+                            (door.mac_for("shm", "victim", dst, secret, token, src), "does not match")]:
+            answer = door.knock_pull(desc.address, hello, door.offer("victim", src, dst, mac, board=None))
+            assert answer.replies[0]["ok"] and answer.replies[1]["ok"] is False, answer
+            assert needle in answer.replies[1]["error"] and answer.replies[1]["bye"] and answer.hung_up
+            assert victim.state() is TransferState.PENDING
+        assert agent.loaded == [] and agent.reads == [] and backend.refused == 4
+        with door.connect(desc.address) as sock:  # the real sender
+            sock.sendall(Hello(PROTOCOL_VERSION, "sender", b"md", 0x10000, 1 << 20).pack())
+            assert door.read_frame(sock)["ok"]
+            mac = door.mac_for("nixl", "victim", dst, secret, token, src)
+            sock.sendall(door.offer("victim", src, dst, mac, board=None))
+            assert door.read_frame(sock)["ok"]  # READ done; now the sender commits
+            sock.sendall(Commit("victim", True).pack())
+            assert door.read_frame(sock)["ok"]
+        assert victim.wait(5) and victim.done()
+        assert agent.loaded == [b"md"] and agent.reads[0][:2] == ("sender-agent", [(0, 8192, 4096)])
+    finally:
+        backend.close()

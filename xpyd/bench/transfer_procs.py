@@ -108,16 +108,20 @@ def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes:
     import numpy as np
 
     from xpyd.transfer import Region, make_backend
+    from xpyd.transfer.auth import new_secret
 
     b = make_backend(backend, **kwargs)
     try:
         buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)  # receivers write into ordinary memory
         desc = b.register(memoryview(buf))
-        tokens = []
+        tokens, secrets = [], {}  # (a worker sends each transfer's secret in its pull, over the signal plane)
         for size in sizes:
             dst = [Region(o, n) for o, n in _split(size, regions)]
-            tokens += [b.expect(f"bench-{size}-{i}", dst) for i in range(reps)]
-        peer.send(("ready", desc.to_dict()))
+            for i in range(reps):
+                tid = f"bench-{size}-{i}"
+                secrets[tid] = new_secret()
+                tokens.append(b.expect(tid, dst, secret=secrets[tid]))
+        peer.send(("ready", desc.to_dict(), secrets))
         msg = _peer_recv(peer, "the sender's 'finished'", OP_TIMEOUT * len(tokens))
         if msg != "finished":
             raise RuntimeError(f"unexpected message from the sender: {msg!r:.100}")
@@ -141,14 +145,15 @@ def _backend_sender(peer, *, backend: str, kwargs: dict, max_size: int, sizes: l
         msg = _peer_recv(peer, "the receiver's descriptor")
         if not (isinstance(msg, tuple) and msg[0] == "ready"):
             raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
-        peer_desc = BackendDescriptor.from_dict(msg[1])
+        peer_desc, secrets = BackendDescriptor.from_dict(msg[1]), msg[2]
         times: dict[int, list[float]] = {}
         for size in sizes:
             rs = [Region(o, n) for o, n in _split(size, regions)]
             samples = []
             for i in range(reps):
                 t0 = time.perf_counter()
-                token = b.send(f"bench-{size}-{i}", rs, peer_desc, rs)
+                tid = f"bench-{size}-{i}"
+                token = b.send(tid, rs, peer_desc, rs, secret=secrets[tid])
                 finished = token.wait(OP_TIMEOUT)
                 dt = time.perf_counter() - t0
                 if not finished:

@@ -44,6 +44,7 @@ from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import transfer_id_of
+from xpyd.transfer.auth import new_secret
 from xpyd.transfer.base import Region, TransferBackend
 
 log = logging.getLogger(__name__)
@@ -306,14 +307,15 @@ class DecodeEngine(WorkerEngine):
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
             return
         dst = [Region(*r) for r in self.pool.byte_ranges(blocks)]
-        token = self.transfer.expect(transfer_id_of(seq.request_id), dst)
+        secret = new_secret()  # only the prefill worker we send it to (in the pull) may write these blocks
+        token = self.transfer.expect(transfer_id_of(seq.request_id), dst, secret=secret)
         token.on_finish(self._wake)  # the loop sleeps until the KV landed
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self._recv_started[seq.request_id] = (time.monotonic(), len(blocks) * self.pool.layout.block_bytes)
         self._pulls[seq.prefill_addr] += 1
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(
-            m.LookupEntry(seq.request_id, tuple(blocks), first))
+            m.LookupEntry(seq.request_id, tuple(blocks), first, secret))
 
     def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
         started = self._recv_started.pop(seq.request_id, None)

@@ -400,7 +400,7 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.FAILED, error=regions)
         src, dst = regions
         started = time.monotonic()
-        token = self.transfer.send(rid.short, src, peer.transfer, dst)
+        token = self.transfer.send(rid.short, src, peer.transfer, dst, secret=e.secret)
         self.sched.start_send(e.request_id, token)
         token.on_finish(self._wake)
         self._send_started[e.request_id] = (started, sum(r.length for r in src))

@@ -85,8 +85,14 @@ class DecodePeers:
 
 
 def token_refusal(expected: str | None, presented: str | None) -> str | None:
-    """Why a handshake is refused for its cluster token, or None if it may proceed (constant-time)."""
+    """Why a handshake is refused for its cluster token, or None if it may proceed (constant-time).
+
+    A token where this worker has none is refused too: both sides key every KV transfer's MAC with it,
+    so the pair could not move a byte."""
     if expected is None:
+        if presented is not None:
+            return ("the decode worker presents a cluster token and this prefill worker has none: set the "
+                    "same --cluster-token on both (KV transfers are keyed with it)")
         return None
     if presented is None:
         return "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"

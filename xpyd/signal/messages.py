@@ -7,7 +7,10 @@ with exactly one reply carrying the same ``seq``.
 - ``kv_map_init`` -> ``kv_map_reply``     (where the decode side's KV pool can be written)
 - ``lookup_all``  -> ``lookup_reply``     (status of many requests. An entry without a destination
   *claims* the request: prefill keeps its KV for this decode worker and pushes a ``notify`` the
-  moment the request is ready or ended. An entry with a destination starts the KV send.)
+  moment the request is ready or ended. An entry with a destination starts the KV send; it carries
+  the transfer's secret, which the decode worker made fresh when it expected the transfer and which
+  the prefill worker's transfer backend proves it holds, so only this session's peer may write
+  those blocks.)
 - ``release``     -> ``release_reply``    (decode no longer needs a request's KV)
 - ``heartbeat``   -> ``heartbeat_reply``  (both sides learn the other is alive; claimed KV of a decode
   worker that stops sending anything is freed)
@@ -17,7 +20,7 @@ ready, failed or expired).
 
 A frame is one msgpack map, ``{"version": PROTOCOL_VERSION, "seq": n, "msg": {"type": "lookup_all", ...}}``:
 the messages are a union tagged by ``type``. Lookup entries and results are arrays (``[request_id,
-dest_blocks, first_block]``), the rest maps keyed by field name. Decoding checks types, required fields
+dest_blocks, first_block, secret]``), the rest maps keyed by field name. Decoding checks types, required fields
 and bounds.
 
 KV moves in blocks (the paged pool): a pull names the decode worker's destination blocks for the
@@ -34,7 +37,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from xpyd import PROTOCOL_VERSION
+from xpyd import PROTOCOL_VERSION, TRANSFER_SECRET_BYTES
 from xpyd.signal.request_id import MAX_LEN as MAX_REQUEST_ID_LEN
 
 MAX_FRAME_BYTES = 4 << 20  # a signal-plane frame is small; anything bigger is refused
@@ -45,6 +48,7 @@ MAX_TAIL = 1024  # tokens after a prompt's last full block (< block_size)
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
+TransferSecret = Annotated[bytes, msgspec.Meta(min_length=TRANSFER_SECRET_BYTES, max_length=TRANSFER_SECRET_BYTES)]
 
 
 class MessageError(ValueError):
@@ -98,6 +102,12 @@ class LookupEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
     # blocks first_block, first_block + 1, ... (all the rest). None asks for the status only (a claim).
     dest_blocks: Annotated[tuple[NonNegative, ...], msgspec.Meta(min_length=1, max_length=MAX_BLOCKS)] | None = None
     first_block: NonNegative = 0
+    # A pull's transfer secret (the decode worker expects the transfer with it); a claim has none.
+    secret: TransferSecret | None = None
+
+    def __post_init__(self) -> None:
+        if (self.dest_blocks is None) != (self.secret is None):
+            raise ValueError("a pull (an entry with dest_blocks) carries a transfer secret, a claim none")
 
 
 class LookupAll(_Message, frozen=True, tag="lookup_all"):

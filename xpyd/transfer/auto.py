@@ -110,7 +110,7 @@ class AutoTransferBackend:
         return self.primary, BackendDescriptor(self.primary.name, address, peer.buffer_size)
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
-             dst: Sequence[Region]) -> CompletionToken:
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         if not isinstance(peer, BackendDescriptor):
             raise ValueError(f"peer must be a BackendDescriptor, got {peer!r:.80}")
         child, desc = self.pick(peer)
@@ -119,16 +119,16 @@ class AutoTransferBackend:
                 self._peer_extra.setdefault(peer.address, [])
                 if (child, child_addr := peer.offer(child.name)) not in self._peer_extra[peer.address]:
                     self._peer_extra[peer.address].append((child, child_addr))
-        return child.send(transfer_id, src, desc, dst)
+        return child.send(transfer_id, src, desc, dst, secret=secret)
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         with self._lock:
             if transfer_id in self._expected:
                 raise TransferError(f"transfer {transfer_id!r} is already expected")
-        children = []
+        children = []  # (one secret for all: each child's MACs name its backend, so a tcp header is no shm offer)
         try:
             for child in self.children:
-                children.append((child, child.expect(transfer_id, dst)))
+                children.append((child, child.expect(transfer_id, dst, secret=secret)))
         except BaseException:
             for child, _ in children:
                 child.abort(transfer_id)
@@ -164,6 +164,11 @@ class AutoTransferBackend:
             out |= child.outstanding()
         return out
 
+    @property
+    def refused(self) -> int:
+        """Transfers the children refused to open so far (no or a wrong MAC, an id not expected, ...)."""
+        return sum(child.refused for child in self.children)
+
     def progress(self) -> None:
         for child in self.children:
             child.progress()
@@ -193,7 +198,8 @@ class AutoTransferBackend:
 def make_auto_backend(host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                       tag: str | None = None, copy_threads: int | None = None, **kw) -> AutoTransferBackend:
     """tcp on ``port`` (what request ids and tcp-only peers use) plus shm for peers on this host
-    (``tag`` names its segment, default: the port when set; ``copy_threads``: shm's, see ``ShmTransferBackend``)."""
+    (``tag`` names its segment, default: the port when set; ``copy_threads``: shm's, see ``ShmTransferBackend``;
+    ``kw``, e.g. ``cluster_token``, go to both)."""
     from xpyd.transfer.shm import ShmTransferBackend
     from xpyd.transfer.tcp import TcpTransferBackend
 

@@ -2,8 +2,10 @@
 
 A backend owns one registered buffer (the whole KV pool). The sending side
 pushes local ``src`` regions into the peer's buffer at ``dst`` regions; the
-receiving side announces each incoming transfer with ``expect`` first. Both
-calls return a ``CompletionToken`` at once; the scheduler polls it every step
+receiving side announces each incoming transfer with ``expect`` first, with a
+fresh secret (``auth.new_secret``) that reaches the sender over the signal
+plane: only a sender that proves it holds it may write the transfer's bytes
+(``auth``). Both calls return a ``CompletionToken`` at once; the scheduler polls it every step
 and never blocks on it, and calls ``progress()`` every step while a transfer is
 in flight (backends that need the caller's thread to move bytes use it).
 
@@ -277,16 +279,20 @@ class TransferBackend(Protocol):
         ...
 
     def send(
-        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region]
+        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region], *,
+        secret: bytes,
     ) -> CompletionToken:
         """Push local ``src`` bytes into the peer's buffer at ``dst``; returns at once.
 
-        The token is DONE only after the receiver acknowledged that all bytes landed.
+        ``secret``: the one the receiver ``expect``ed the transfer with (it came in the pull); the sender
+        proves it holds it (``auth``). The token is DONE only after the receiver acknowledged that all
+        bytes landed.
         """
         ...
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
-        """Announce an incoming transfer into local ``dst``; anything else is refused."""
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
+        """Announce an incoming transfer into local ``dst``, which only a sender proving it holds ``secret``
+        (``auth.new_secret``, fresh per transfer) may open; anything else is refused and leaves it pending."""
         ...
 
     def abort(self, transfer_id: str) -> None:

@@ -3,7 +3,8 @@
 One ``Endpoint`` per backend: its lock and closed flag, the listener and the close pipe (written once
 by ``close()`` to wake every poll), its threads (``listener.Threads``), its per-peer sender queues
 (``sender.Senders``) and its two transfer tables (``table.TransferTable``): ``sending`` and
-``expected``. The backend keeps the pool and what it does with the bytes.
+``expected``, and a count of the transfers it refused to open (``refuse``: no or a wrong MAC, an id
+not expected, ...). The backend keeps the pool and what it does with the bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Endpoint:
         self.senders = Senders()
         self.sending = TransferTable("is already being sent")
         self.expected = TransferTable("is already expected")
+        self.refused = 0  # frames that opened a transfer and were refused (see ``refuse``)
 
     def check_open(self) -> None:
         """Raise if closed (caller holds ``lock``)."""
@@ -60,14 +62,21 @@ class Endpoint:
             self.sending.add(job)
             self.senders.submit(address, job, start_sender)
 
-    def expect(self, transfer_id: str, dst: Sequence[Region], buffer_size: int) -> CompletionToken:
-        """Track a transfer into ``dst`` (of a ``buffer_size``-byte pool) announced by ``expect()``."""
+    def expect(self, transfer_id: str, dst: Sequence[Region], buffer_size: int, key: bytes) -> CompletionToken:
+        """Track a transfer into ``dst`` (of a ``buffer_size``-byte pool) announced by ``expect()``; only a
+        sender that proves it holds ``key`` (``auth.transfer_key``) may open it."""
         dst, total = check_regions(dst, buffer_size, "dst")
-        rec = Transfer(CompletionToken(transfer_id), dst, total)
+        rec = Transfer(CompletionToken(transfer_id), dst, total, key=key)
         with self.lock:
             self.check_open()
             self.expected.add(rec)
         return rec.token
+
+    def refuse(self, log: logging.Logger, name: str, transfer_id: str, addr, error: str) -> None:
+        """Count and log a frame that tried to open a transfer and was refused (nothing of it reached the pool)."""
+        with self.lock:
+            self.refused += 1
+        log.warning("%s: refused transfer %r from %s: %s", name, transfer_id, addr, error)
 
     def abort(self, transfer_id: str) -> None:
         self.expected.abort(transfer_id)

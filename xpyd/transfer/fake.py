@@ -3,8 +3,9 @@
 Manual mode (default): tokens stay PENDING until the test calls ``complete(id)`` or
 ``fail(id, msg)``; no bytes move. With ``auto_complete=True``, fakes that share a
 ``FakeNetwork`` copy the bytes and finish both tokens inside ``send`` — with the tcp
-backend's rules: the receiver must have ``expect``-ed the id with the same regions,
-otherwise the sender's token FAILs and nothing is written.
+backend's rules: the receiver must have ``expect``-ed the id with the same secret (else the
+sender's token FAILs and the receiver's stays PENDING, for its real sender) and the same
+regions (else both FAIL), otherwise nothing is written.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from xpyd.transfer.auth import check_secret
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -61,6 +63,7 @@ class FakeTransferBackend:
         self.aborted: list[str] = []
         self.forgotten: list[str] = []
         self.progress_calls = 0
+        self.secrets: dict[str, bytes] = {}  # id -> the secret of its last send or expect
         # id -> (token, src, peer, dst) / (token, dst)
         self._sending: dict[str, tuple[CompletionToken, tuple[Region, ...], BackendDescriptor, tuple]] = {}
         self._expecting: dict[str, tuple[CompletionToken, tuple[Region, ...]]] = {}
@@ -76,9 +79,11 @@ class FakeTransferBackend:
         return self.descriptor
 
     def send(
-        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region]
+        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region], *,
+        secret: bytes,
     ) -> CompletionToken:
         check_transfer_id(transfer_id)
+        check_secret(secret)
         if not isinstance(peer, BackendDescriptor) or peer.backend != self.name:
             raise ValueError(f"peer must be a fake BackendDescriptor, got {peer!r}")
         src, dst, _ = check_send_regions(src, self._require_buffer().nbytes, dst, peer.buffer_size)
@@ -87,19 +92,22 @@ class FakeTransferBackend:
             raise TransferError(f"transfer {transfer_id!r} is already being sent")
         token = CompletionToken(transfer_id)
         self._sending[transfer_id] = (token, src, peer, dst)
+        self.secrets[transfer_id] = secret
         self.sent.append(transfer_id)
         if self.auto_complete:
             self._deliver(transfer_id)
         return token
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
+        check_secret(secret)
         dst, _ = check_regions(dst, self._require_buffer().nbytes, "dst")
         self._check_open()
         if transfer_id in self._expecting:
             raise TransferError(f"transfer {transfer_id!r} is already expected")
         token = CompletionToken(transfer_id)
         self._expecting[transfer_id] = (token, dst)
+        self.secrets[transfer_id] = secret
         self.expected.append(transfer_id)
         return token
 
@@ -172,6 +180,9 @@ class FakeTransferBackend:
             token._fail(f"refused by {peer.address}: unexpected transfer id {transfer_id!r}")
             return
         rtoken, rdst = expected
+        if receiver.secrets.get(transfer_id) != self.secrets.get(transfer_id):
+            token._fail(f"refused by {peer.address}: the MAC does not match")
+            return
         del receiver._expecting[transfer_id]
         if rdst != dst:
             error = f"dst regions differ from the ones expected for {transfer_id!r}"

@@ -20,6 +20,10 @@ Both sides queue: the sender with send communicators, the receiver with receive 
 the sender, so a receive needs the sender (``expect_from``). Nothing runs in a thread: transfers
 wait for their communicators and complete on ``poll()``, which every token poll and
 ``outstanding()`` call drives (the engine's loop).
+
+Transfer secrets (``auth``) are taken and checked for shape like every backend's, but not used: the
+runtime's communicators carry no proof of the sender we could add one to. A receive names its sender's
+IP and cores, which is all the runtime lets us bind; see docs/transfer.md, "Who may write into a pool".
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import threading
 from typing import Protocol, Sequence
 
+from xpyd.transfer.auth import check_secret
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -159,15 +164,17 @@ class NeuronTransferBackend:
         return token
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
-             dst: Sequence[Region]) -> CompletionToken:
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
+        check_secret(secret)  # (not used: see the module docstring)
         return self._start("send", transfer_id, src, peer, dst)
 
     def expect_from(self, transfer_id: str, dst: Sequence[Region], peer: BackendDescriptor,
-                    src: Sequence[Region]) -> CompletionToken:
+                    src: Sequence[Region], *, secret: bytes) -> CompletionToken:
         """Queue a receive of the peer's ``src`` into our ``dst`` (a Neuron receive names its sender)."""
+        check_secret(secret)
         return self._start("recv", transfer_id, dst, peer, src)
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         raise TransferError("a neuron receive must name its sender: use expect_from(id, dst, peer, src)")
 
     def poll(self) -> None:

@@ -3,8 +3,10 @@
 Both sides register their whole KV pool with a NIXL agent (UCX backend, see ``nixl_agent``). A
 transfer is pulled, with the same control channel as shm (``nixl_wire``, TCP, length-prefixed
 msgpack): the sender connects to the receiver's listener (the descriptor's address) and says Hello
-with its agent metadata and pool address; per transfer it offers its ``src`` regions, the *receiver*
-claims the transfer it ``expect``ed and posts NIXL READs from the sender's pool into its own ``dst``
+with its agent metadata and pool address; per transfer it offers its ``src`` regions with a MAC that
+proves it holds the transfer's secret (``auth``), the *receiver* checks it, claims the transfer it
+``expect``ed, loads the sender's agent metadata (at the connection's first offer that checks out: a
+stranger's is never loaded) and posts NIXL READs from the sender's pool into its own ``dst``
 regions (16 MiB per request, each under the transfer's lock, so once ``abort()`` returns no more bytes
 land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
 UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts. A pool on a GPU is
@@ -34,6 +36,7 @@ import numpy as np
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.netaddr import listen_tcp
+from xpyd.transfer import auth
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -70,9 +73,10 @@ class NixlTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None,
-                 fallback_progress: float | None = FALLBACK) -> None:
+                 fallback_progress: float | None = FALLBACK, cluster_token: str | None = None) -> None:
         """``fallback_progress``: seconds without a ``progress()`` call after which the backend's own
-        threads make UCX progress (None: never; then only ``progress()`` and aborts do)."""
+        threads make UCX progress (None: never; then only ``progress()`` and aborts do). ``cluster_token``:
+        the workers' shared token, or None; it keys every transfer's MAC with the transfer's secret."""
         load()  # a clear ImportError (how to install NIXL) before anything else
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
@@ -84,6 +88,7 @@ class NixlTransferBackend:
             raise ValueError(f"fallback_progress must be > 0 seconds or None, got {fallback_progress!r}")
         self.host, self.port = host, port
         self.fallback_progress = fallback_progress
+        self._cluster_token = auth.check_cluster_token(cluster_token)
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self._endpoint = Endpoint()
@@ -129,21 +134,28 @@ class NixlTransferBackend:
         return self._descriptor
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
-             dst: Sequence[Region]) -> CompletionToken:
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
+        key = auth.transfer_key(secret, self._cluster_token)
         if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
             raise ValueError(f"peer must offer nixl, got {peer!r:.200}")
         address = peer.offer(self.name)
         parse_address(address)
         buffer = self._require_buffer()
         src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
-        job = Transfer(CompletionToken(transfer_id), src, total, dst)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
         self._endpoint.send(job, address, self._start_sender)
         return job.token
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
+        key = auth.transfer_key(secret, self._cluster_token)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+
+    @property
+    def refused(self) -> int:
+        """Offers refused so far (no or a wrong MAC, an id not expected, ...)."""
+        return self._endpoint.refused
 
     def abort(self, transfer_id: str) -> None:
         if self._agent is not None:
@@ -178,23 +190,19 @@ class NixlTransferBackend:
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
-        peer: str | None = None
+        peer: _PeerAgent | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
             error = None
             if hello.version != PROTOCOL_VERSION:
                 error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
-            else:
-                try:
-                    peer = self._agent.add_peer(hello.metadata)
-                except Exception as e:  # NIXL rejects the metadata
-                    error = f"cannot load the sender's NIXL metadata: {e or type(e).__name__}"
             conn.send_all([memoryview(Reply(error is None, error).pack())])
             if error is not None:
                 log.warning("refused nixl peer %s: %s", addr, error)
                 return
-            serve_offers(conn, self._endpoint, hello.size, self._buffer.nbytes,
-                         lambda rec, offer: self._read(rec, peer, hello, offer), commit_round_trip, log, addr)
+            peer = _PeerAgent(hello)  # loaded at the first offer whose MAC checks out
+            serve_offers(conn, self._endpoint, self.name, hello.size, self._buffer.nbytes,
+                         lambda rec, offer: self._read(rec, peer, offer), commit_round_trip, log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -202,18 +210,26 @@ class NixlTransferBackend:
         except Exception:
             log.exception("dropping nixl connection from %s", addr)
         finally:
-            if peer is not None:
-                self._agent.drop_peer(peer)
+            if peer is not None and peer.name is not None:
+                self._agent.drop_peer(peer.name)
             sock.close()
 
-    def _read(self, rec: Transfer, peer: str, src: Hello, offer: Offer) -> str | None:
-        """READ the offer's src into the claimed transfer's dst, request by request; None or why it failed."""
+    def _read(self, rec: Transfer, peer: "_PeerAgent", offer: Offer) -> str | None:
+        """READ the offer's src into the claimed transfer's dst, request by request; None or why it failed.
+        The first call on a connection loads the sender's agent metadata."""
+        if peer.name is None:
+            try:
+                peer.name = self._agent.add_peer(peer.hello.metadata)
+            except Exception as e:  # NIXL rejects the metadata
+                error = f"cannot load the sender's NIXL metadata: {e or type(e).__name__}"
+                rec.token._fail(error)
+                return error
         rec.token._advance(TransferState.TRANSFERRING)
         for pieces in plan(offer.src, rec.regions, READ_CHUNK):
             with rec.lock:
                 if rec.token.finished():
                     return f"transfer {offer.transfer_id!r} aborted by the receiver"
-                error = self._read_one(peer, pieces, src)
+                error = self._read_one(peer.name, pieces, peer.hello)
                 if error is not None:
                     rec.token._fail(error)
                     return error
@@ -255,10 +271,13 @@ class NixlTransferBackend:
         tid = job.token.transfer_id
         if not job.token._advance(TransferState.TRANSFERRING):
             return
-        conn.send_all([memoryview(Offer(tid, job.regions, job.dst).pack())])
+        mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
+        conn.send_all([memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack())])
         reply = self._reply(conn)
         if not reply.ok:
             job.token._fail(f"refused by {address}: {reply.error}")
+            if reply.bye:
+                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
             return
         with job.lock:
             ok = not job.token.finished()  # aborted while the peer read: its copy is void
@@ -268,3 +287,14 @@ class NixlTransferBackend:
             job.token._advance(TransferState.DONE)
         elif ok:
             job.token._fail(f"refused by {address}: {reply.error}")
+
+
+class _PeerAgent:
+    """The sender's NIXL agent as its Hello describes it; ``name`` once loaded (``add_peer``), which the
+    first offer that checks out does: a stranger's metadata is never handed to NIXL."""
+
+    __slots__ = ("hello", "name")
+
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.name: str | None = None

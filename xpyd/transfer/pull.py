@@ -4,12 +4,14 @@ After the backend's own hello, each transfer on a connection is::
 
     Offer {id, src, dst, ...}  ->  claim, pull, confirm  ->  Reply {ok, error}
 
-The receiver claims what it ``expect()``ed, pulls ``src`` -> ``dst`` with the backend's ``pull`` (a
-memcpy out of a shared-memory segment, NIXL READs; it runs under the transfer's lock piece by piece,
-so a receiver ``abort()`` stops it, and returns None or why it failed), then *confirms* with the
-backend's ``confirm`` that the sender did not abort meanwhile (so its source stayed valid for the
-whole pull), marks its token DONE or FAILED, and only then replies: a sender's DONE implies the
-receiver's. Confirming:
+The receiver claims what it ``expect()``ed, if the offer's MAC proves that its sender holds the
+transfer's secret (``auth``; else the offer is refused, the expected transfer stays as it was, and a
+connection that has not opened a transfer before is hung up on), pulls ``src`` -> ``dst`` with the
+backend's ``pull`` (a memcpy out of a shared-memory segment, NIXL READs; it runs under the transfer's
+lock piece by piece, so a receiver ``abort()`` stops it, and returns None or why it failed), then
+*confirms* with the backend's ``confirm`` that the sender did not abort meanwhile (so its source
+stayed valid for the whole pull), marks its token DONE or FAILED, and only then replies: a sender's
+DONE implies the receiver's. Confirming:
 
 - shm reads the sender's abort board in the sender's segment (``shm_board``): no message at all;
 - nixl asks the sender (``commit_round_trip``): Reply {ok} to the offer, then the sender's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from xpyd.transfer import auth
 from xpyd.transfer.base import TransferState
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Offer, Reply
@@ -41,11 +44,14 @@ def commit_round_trip(conn: Conn, rec: Transfer, offer: Offer) -> bool:
     return Commit.parse(conn.read_frame(MAX_FRAME) or {}, offer.transfer_id).ok
 
 
-def serve_offers(conn: Conn, endpoint: Endpoint, src_size: int, dst_size: int, pull: Pull, confirm: Confirm,
-                 log: logging.Logger, addr) -> None:
-    """Answer a sender's offers until it hangs up. Malformed frames raise ``ProtocolError`` (the caller
-    drops the connection); a transfer in progress when anything goes wrong fails, never hangs."""
+def serve_offers(conn: Conn, endpoint: Endpoint, name: str, src_size: int, dst_size: int, pull: Pull,
+                 confirm: Confirm, log: logging.Logger, addr) -> None:
+    """Answer a sender's offers until it hangs up (``name``: the backend's, in the offers' MACs). Malformed
+    frames raise ``ProtocolError`` (the caller drops the connection); a transfer in progress when anything
+    goes wrong fails, never hangs. The backend's ``pull`` is the first thing that touches the sender's
+    memory (map it, load its agent), so a connection that never opened a transfer gets nothing of that."""
     rec: Transfer | None = None
+    proven = False  # has an offer on this connection opened a transfer (its sender holds our secrets)?
     try:
         while True:
             frame = conn.read_frame(MAX_FRAME, first_byte_timeout=IDLE_TIMEOUT)
@@ -53,23 +59,35 @@ def serve_offers(conn: Conn, endpoint: Endpoint, src_size: int, dst_size: int, p
                 return
             offer = Offer.parse(frame, src_size, dst_size)
             tid = offer.transfer_id
-            rec, error = endpoint.expected.claim(tid, offer.dst)
-            refused = rec is None
-            if rec is not None:
-                error = pull(rec, offer)  # (a failed or aborted pull has failed the token)
-                refused = error is not None
-                if error is None:
-                    if not confirm(conn, rec, offer):
-                        error = f"transfer {tid!r} aborted by the sender"
-                        rec.token._fail(error)
-                    elif not rec.token._advance(TransferState.DONE):
-                        error = f"transfer {tid!r} aborted by the receiver"
-                endpoint.expected.finish(rec)
-                rec = None
+            rec, error = _claim(endpoint, name, offer)
+            if rec is None:
+                endpoint.refuse(log, name, tid, addr, error)
+                conn.send_all([memoryview(Reply(False, error, bye=not proven).pack())])
+                if not proven:
+                    return
+                continue
+            proven = True
+            error = pull(rec, offer)  # (a failed or aborted pull has failed the token)
+            if error is None:
+                if not confirm(conn, rec, offer):
+                    error = f"transfer {tid!r} aborted by the sender"
+                    rec.token._fail(error)
+                elif not rec.token._advance(TransferState.DONE):
+                    error = f"transfer {tid!r} aborted by the receiver"
+            endpoint.expected.finish(rec)
+            rec = None
+            if error is not None:
+                log.warning("transfer %r from %s: %s", tid, addr, error)
             conn.send_all([memoryview(Reply(error is None, error).pack())])
-            if refused:
-                log.warning("refused transfer %r from %s: %s", tid, addr, error)
     finally:
         if rec is not None:  # the sender vanished (or the frame was bad) mid-transfer
             rec.token._fail("sender connection lost mid-transfer")
             endpoint.expected.finish(rec)
+
+
+def _claim(endpoint: Endpoint, name: str, offer: Offer) -> tuple[Transfer | None, str | None]:
+    if offer.mac is None:
+        return None, "the offer carries no MAC (a sender without the transfer's secret)"
+    return endpoint.expected.claim(
+        offer.transfer_id, offer.dst,
+        lambda key: auth.mac_matches(key, offer.mac, name, offer.transfer_id, offer.dst, offer.src))

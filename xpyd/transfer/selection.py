@@ -41,16 +41,18 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
     return 2 if device != "cpu" or cpus > engine_threads else 1
 
 
-def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1):
+def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1,
+                        cluster_token: str | None = None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
-    shm's receiving copy, see ``kv_copy_threads``)."""
+    shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
+    ``auth``)."""
     check_kv_backend(name)
     if name in ("tcp", "nixl"):  # (nixl: an ImportError naming the pip command when NIXL is missing)
-        return make_backend(name, host=host, port=port, advertise_host=advertise_host)
+        return make_backend(name, host=host, port=port, advertise_host=advertise_host, cluster_token=cluster_token)
     if name in ("shm", "auto"):  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
         tag = str(port) if port else None
         return make_backend(name, host=host, port=port, advertise_host=advertise_host, tag=tag,
-                            copy_threads=copy_threads)
+                            copy_threads=copy_threads, cluster_token=cluster_token)
     if name == "neuron":
         import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
 

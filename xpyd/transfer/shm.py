@@ -5,14 +5,19 @@ lives in it; a backend that only receives may register ordinary memory (it is wr
 reader threads; anonymous memory keeps transparent huge pages, which tmpfs here does not).
 
 A transfer is pulled, in one round trip: the sender publishes a ticket on its abort board (``shm_board``,
-at the end of its segment) and offers its ``src`` regions over a small control connection; the
-*receiver* maps the sender's segment read-only (once per connection), copies straight from it into
+at the end of its segment) and offers its ``src`` regions over a small control connection, with a MAC
+that proves it holds the transfer's secret (``auth``); the *receiver* checks it, maps the sender's
+segment read-only (once per connection, at its first offer that checks out), copies straight from it into
 its own ``dst`` regions, checks that the ticket is still on the board (the sender did not abort, so
 its source stayed valid), marks DONE and replies (so a sender's DONE implies the receiver's). A sender
 ``abort()`` takes the ticket off the board before it returns. Messages are in ``shm_wire``; the
 receiver's loop in ``pull``; framing, timeouts and the close pipe come from ``tcp_wire``; threads,
 sender queues and transfer tables, shared with ``tcp``, from ``endpoint``. The payload never crosses
 a socket.
+
+Same host only, and the segment's file mode is the boundary of the pool's bytes: it is created 0600
+(owner only), and a receiver maps only a peer segment with no group or other permissions owned by its
+own user (``shm_segment``). Who may *write* into the receiver's pool is the MAC's business, as with tcp.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
@@ -31,7 +36,7 @@ import numpy as np
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.netaddr import listen_tcp
-from xpyd.transfer import shm_board, shm_segment
+from xpyd.transfer import auth, shm_board, shm_segment
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -92,9 +97,10 @@ class ShmTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
-                 copy_threads: int | None = None) -> None:
+                 copy_threads: int | None = None, cluster_token: str | None = None) -> None:
         """``copy_threads``: threads that copy one large piece of a transfer into this (receiving) backend's
-        pool (``parallel_copy``; default 2, or 1 on a single CPU)."""
+        pool (``parallel_copy``; default 2, or 1 on a single CPU). ``cluster_token``: the workers' shared
+        token, or None; it keys every transfer's MAC together with the transfer's secret (``auth``)."""
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         if not connect_timeout > 0 or not io_timeout > 0:
@@ -105,6 +111,7 @@ class ShmTransferBackend:
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
+        self._cluster_token = auth.check_cluster_token(cluster_token)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
         self._endpoint = Endpoint()
         self._segment: shm_segment.Segment | None = None
@@ -177,8 +184,9 @@ class ShmTransferBackend:
         return self.can_send() and peer.offer(self.name) is not None and peer.offer(HOST_OFFER) == self.host_key
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
-             dst: Sequence[Region]) -> CompletionToken:
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
+        key = auth.transfer_key(secret, self._cluster_token)
         if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
             raise ValueError(f"peer must offer shm, got {peer!r:.200}")
         if peer.offer(HOST_OFFER) != self.host_key:
@@ -190,13 +198,19 @@ class ShmTransferBackend:
             raise TransferError("this shm backend is receive-only: a sender's buffer must be allocate()d "
                                 "in its shared-memory segment")
         src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
-        job = Transfer(CompletionToken(transfer_id), src, total, dst)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
         self._endpoint.send(job, address, self._start_sender)
         return job.token
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
+        key = auth.transfer_key(secret, self._cluster_token)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+
+    @property
+    def refused(self) -> int:
+        """Offers refused so far (no or a wrong MAC, an id not expected, ...)."""
+        return self._endpoint.refused
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
@@ -231,25 +245,19 @@ class ShmTransferBackend:
         conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
-            src, board, error = None, None, None
+            error = None
             if hello.version != PROTOCOL_VERSION:
                 error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
             elif hello.host != self.host_key:
                 error = "sender is not on this host (different /dev/shm or network namespace)"
-            else:
-                try:
-                    mapping = shm_segment.map_peer(hello.segment, hello.size)
-                except shm_segment.SegmentError as e:
-                    error = str(e)
-                else:
-                    src, board = np.frombuffer(mapping, dtype=np.uint8), BoardView(mapping, hello.board)
             conn.send_all([memoryview(Reply(error is None, error).pack())])
             if error is not None:
                 log.warning("refused shm peer %s: %s", addr, error)
                 return
-            serve_offers(conn, self._endpoint, hello.board, self._buffer.nbytes,
-                         lambda rec, offer: self._copy(rec, src, offer),
-                         lambda conn, rec, offer: _confirm(board, rec, offer), log, addr)
+            peer = _PeerSegment(hello)  # mapped at the first offer whose MAC checks out
+            serve_offers(conn, self._endpoint, self.name, hello.board, self._buffer.nbytes,
+                         lambda rec, offer: self._copy(rec, peer, offer),
+                         lambda conn, rec, offer: _confirm(peer, rec, offer), log, addr)
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -259,11 +267,16 @@ class ShmTransferBackend:
         finally:
             sock.close()
 
-    def _copy(self, rec: Transfer, src: np.ndarray, offer: Offer) -> str | None:
+    def _copy(self, rec: Transfer, peer: "_PeerSegment", offer: Offer) -> str | None:
         if offer.board is None:  # (confirming needs it)
             error = f"offer of {offer.transfer_id!r} has no abort board entry (an older shm sender?)"
             rec.token._fail(error)
             return error
+        try:
+            src = peer.source()
+        except shm_segment.SegmentError as e:
+            rec.token._fail(str(e))
+            return str(e)
         rec.token._advance(TransferState.TRANSFERRING)
         pieces = copy_regions(self._array, rec.regions, src, offer.src, copy=self._copier.copy)
         while True:
@@ -303,8 +316,9 @@ class ShmTransferBackend:
         if entry is None:
             job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
             return
+        mac = auth.transfer_mac(job.key, self.name, tid, job.dst, src)
         try:
-            conn.send_all([memoryview(Offer(tid, src, job.dst, entry).pack())])
+            conn.send_all([memoryview(Offer(tid, src, job.dst, entry, mac).pack())])
             reply = Reply.parse(conn.read_frame(MAX_FRAME))
         finally:
             self._board.retire(tid)  # (a receiver still copying after a failure here sees it revoked)
@@ -312,10 +326,29 @@ class ShmTransferBackend:
             job.token._advance(TransferState.DONE)
         else:
             job.token._fail(f"refused by {address}: {reply.error}")
+            if reply.bye:
+                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
 
 
-def _confirm(board: BoardView, rec: Transfer, offer: Offer) -> bool:
+class _PeerSegment:
+    """The segment a sender's Hello names; mapped (read-only) when the first offer that checks out needs it."""
+
+    __slots__ = ("hello", "src", "board")
+
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.src: np.ndarray | None = None
+        self.board: BoardView | None = None
+
+    def source(self) -> np.ndarray:
+        if self.src is None:
+            mapping = shm_segment.map_peer(self.hello.segment, self.hello.size)
+            self.src, self.board = np.frombuffer(mapping, dtype=np.uint8), BoardView(mapping, self.hello.board)
+        return self.src
+
+
+def _confirm(peer: _PeerSegment, rec: Transfer, offer: Offer) -> bool:
     """After the copy: is the sender's ticket still on its board? (Read under the transfer's lock, after
     the last chunk released it, so the read follows the copy; see ``shm_board``.)"""
     with rec.lock:
-        return board.valid(*offer.board)
+        return peer.board.valid(*offer.board)

@@ -8,6 +8,10 @@ included), so a later start can tell a leftover segment from a live one without 
 
 Peers on the same host map a segment read-only by name (``map_peer``). "Same host" means the same
 /dev/shm and network namespace: ``host_key()`` is what both sides compare.
+
+The file mode is what keeps other users out of a pool: a segment is created 0600 (owner only: the
+``O_EXCL`` open names the mode, and a umask only removes bits), and ``map_peer`` maps only a segment
+owned by its own user with no group or other permissions, so no other user can have written it.
 """
 
 from __future__ import annotations
@@ -136,7 +140,11 @@ def map_peer(name: str, size: int) -> mmap.mmap:
     except OSError as e:
         raise SegmentError(f"cannot open peer segment {name}: {e}") from None
     try:
-        actual = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise SegmentError(f"peer segment {name} is not private to this user (owner uid {st.st_uid}, "
+                               f"mode {st.st_mode & 0o777:o}; expected uid {os.geteuid()}, mode 600)")
+        actual = st.st_size
         if actual < size or size <= 0:
             raise SegmentError(f"peer segment {name} holds {actual} bytes, expected {size}")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

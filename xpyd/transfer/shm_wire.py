@@ -6,15 +6,21 @@ Per connection (sender -> receiver, over TCP loopback, framed as in ``tcp_wire``
                                                                 (``size`` bytes; its abort board at
                                                                 offset ``board``, the pool before it)
     per transfer:
-    Offer  {id, src, dst, board}         -> Reply {ok, error}   the receiver copied src -> dst, checked the
-                                                                board entry ``board`` = [slot, ticket] and
-                                                                marked its token DONE (or why not)
+    Offer  {id, src, dst, board, mac}    -> Reply {ok, error,   the receiver checked ``mac`` (``auth``: the
+                                                   bye}         sender holds the transfer's secret), copied
+                                                                src -> dst, checked the board entry
+                                                                ``board`` = [slot, ticket] and marked its
+                                                                token DONE (or why not; ``bye``: it hangs up
+                                                                after this reply)
 
+The receiver maps the sender's segment at the first offer whose MAC checks out, not at the Hello: a
+connection that never proved it holds a transfer's secret gets nothing mapped, and is hung up on at its
+first refused offer (one that did keeps serving: a refusal there is a transfer the receiver aborted).
 The receiver copies (it owns the destination memory, so its ``abort`` stops the copy, as with tcp); the
 sender's abort board (``shm_board``) tells it whether the source was still valid for the whole copy.
 Every frame is bounded (``MAX_FRAME``) and validated; anything malformed raises ``ProtocolError``.
 
-The nixl backend uses Offer (without ``board``), Reply and ``Commit {id, ok}``: it confirms by a
+The nixl backend uses Offer (without ``board``; with ``mac``), Reply and ``Commit {id, ok}``: it confirms by a
 second round trip instead (``pull.commit_round_trip``).
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xpyd.transfer import shm_board
+from xpyd.transfer.auth import MAC_BYTES
 from xpyd.transfer.base import Region, check_transfer_id
 from xpyd.transfer.shm_segment import SegmentError, check_name
 from xpyd.transfer.tcp_wire import ProtocolError, pack_frame
@@ -78,12 +85,15 @@ class Offer:
     src: tuple[Region, ...]
     dst: tuple[Region, ...]
     board: tuple[int, int] | None = None  # shm: (slot, ticket) of the sender's abort board entry
+    mac: bytes | None = None  # auth.transfer_mac over the id, dst and src: None only from a stranger
 
     def pack(self) -> bytes:
         d = {"t": "offer", "id": self.transfer_id, "src": [[r.offset, r.length] for r in self.src],
              "dst": [[r.offset, r.length] for r in self.dst]}
         if self.board is not None:
             d["board"] = list(self.board)
+        if self.mac is not None:
+            d["mac"] = self.mac
         return pack_frame(d)
 
     @classmethod
@@ -103,7 +113,10 @@ class Offer:
                     and 0 <= board[0] < shm_board.SLOTS and 0 < board[1] <= shm_board.MAX_TICKET):
                 raise ProtocolError(f"offer board entry must be [slot, ticket], got {board!r:.80}")
             board = (board[0], board[1])
-        return cls(tid, src, dst, board)
+        mac = d.get("mac")
+        if mac is not None and (type(mac) is not bytes or len(mac) != MAC_BYTES):
+            raise ProtocolError(f"offer mac must be {MAC_BYTES} bytes")
+        return cls(tid, src, dst, board, mac)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,20 +136,21 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """Answer to hello / offer / commit: ok, or the error (capped)."""
+    """Answer to hello / offer / commit: ok, or the error (capped); ``bye``: the receiver hangs up after it."""
 
     ok: bool
     error: str | None = None
+    bye: bool = False
 
     def pack(self) -> bytes:
         return pack_frame({"t": "reply", "ok": self.ok, "error": None if self.error is None
-                           else self.error[:MAX_ERROR_LEN]})
+                           else self.error[:MAX_ERROR_LEN], "bye": self.bye})
 
     @classmethod
     def parse(cls, d: dict | None) -> "Reply":
         if d is None:
             raise ConnectionError("peer closed the connection before replying")
-        if d.get("t") != "reply" or type(d.get("ok")) is not bool:
+        if d.get("t") != "reply" or type(d.get("ok")) is not bool or type(d.get("bye", False)) is not bool:
             raise ProtocolError(f"bad reply {d!r:.200}")
         err = d.get("error")
-        return cls(d["ok"], None if d["ok"] else str(err)[:MAX_ERROR_LEN])
+        return cls(d["ok"], None if d["ok"] else str(err)[:MAX_ERROR_LEN], d.get("bye", False))

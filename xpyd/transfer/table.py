@@ -3,7 +3,9 @@
 A backend keeps two ``TransferTable``s: ``sending`` (``send`` until the peer acks) and ``expected``
 (``expect`` until the bytes landed). An entry leaves its table when it finishes (``finish``), is
 aborted (``abort``) or the backend closes (``take``); a reader thread ``claim``s an expected entry
-before writing its regions, so no two connections write the same transfer.
+before writing its regions, so no two connections write the same transfer, and only with a frame that
+proves its sender holds the entry's key (``auth``): anything else is refused and leaves the entry as it
+was, for its real sender.
 
 Lock order: a backend may call ``add``/``take`` while holding its own lock (so its closed check and
 the insert are one step); the table never takes the backend's lock.
@@ -12,6 +14,7 @@ the insert are one step); the table never takes the backend's lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xpyd.transfer.base import CompletionToken, Region, TransferError
@@ -19,12 +22,13 @@ from xpyd.transfer.base import CompletionToken, Region, TransferError
 
 @dataclass(eq=False, slots=True)
 class Transfer:
-    """One side of a transfer: its token plus the lock that guards its pool I/O."""
+    """One side of a transfer: its token, its key (``auth.transfer_key``) and the lock that guards its pool I/O."""
 
     token: CompletionToken
     regions: tuple[Region, ...]  # src (sender) or dst (receiver)
     total: int = 0  # bytes in ``regions``
     dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
+    key: bytes = b""  # sender: signs the frame that opens the transfer; receiver: checks it
     lock: threading.Lock = field(default_factory=threading.Lock)
     claimed: bool = False  # receiver: a connection is writing it
 
@@ -46,15 +50,20 @@ class TransferTable:
                 raise TransferError(f"transfer {tid!r} {self._duplicate}")
             self._recs[tid] = rec
 
-    def claim(self, tid: str, dst: tuple[Region, ...]) -> tuple[Transfer | None, str | None]:
+    def claim(self, tid: str, dst: tuple[Region, ...],
+              authentic: Callable[[bytes], bool]) -> tuple[Transfer | None, str | None]:
         """The entry whose regions these bytes may be written to, else why they are refused.
 
-        An entry expected with other regions than ``dst`` is dropped and its token FAILs.
+        ``authentic(key)``: does the frame that opens the transfer carry a MAC made with the entry's key?
+        If not (a sender without the transfer's secret), it is refused and the entry stays as it was. An
+        entry its real sender names other regions for than ``dst`` is dropped and its token FAILs.
         """
         with self._lock:
             rec = self._recs.get(tid)
             if rec is None:
-                return None, f"unexpected transfer id {tid!r}"
+                return None, f"unexpected transfer id {tid!r} (not expected here, or already finished)"
+            if not authentic(rec.key):
+                return None, f"transfer {tid!r}: the MAC does not match (not the sender the transfer's secret went to)"
             if rec.claimed:
                 return None, f"transfer {tid!r} is already being received"
             if rec.regions != dst:

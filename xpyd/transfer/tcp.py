@@ -7,10 +7,12 @@ sender queues and the transfer tables, shared with ``shm``, in ``endpoint`` (bui
 Threads (all daemon, started by ``register``/first ``send``, joined by ``close``):
 
 - acceptor: accepts inbound connections, one reader thread each;
-- reader: header -> look up the expected transfer -> ``recv_into`` the pool -> DONE -> ack
-  (so a sender's DONE implies the receiver's token is already DONE).
-  A transfer that was not expected, or whose regions differ, is drained into a
-  scratch buffer (never the pool) and refused; a malformed header closes the connection;
+- reader: header -> look up the expected transfer, check the header's MAC (``auth``) -> ``recv_into``
+  the pool -> DONE -> ack (so a sender's DONE implies the receiver's token is already DONE).
+  A header without a valid MAC, for a transfer not (or no longer) expected, or whose regions differ,
+  is refused before a byte behind it is read: error ack, connection closed, the expected transfer
+  left to its real sender (regions that differ under a valid MAC fail it: its real sender erred);
+  a malformed header closes the connection;
 - sender, one per peer address: takes jobs from its queue, ``sendmsg`` straight from
   pool slices, waits for the ack; reconnects after a failure.
 
@@ -22,11 +24,13 @@ once ``abort()`` returns no more bytes of that transfer touch the pool.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 from queue import SimpleQueue
 from typing import Sequence
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.transfer import auth
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -46,6 +50,7 @@ from xpyd.transfer.tcp_wire import (
     Aborted,
     Closing,
     Conn,
+    Header,
     ProtocolError,
     drain,
     format_address,
@@ -83,7 +88,10 @@ class TcpTransferBackend:
         connect_timeout: float = 5.0,
         io_timeout: float = 30.0,
         advertise_host: str | None = None,
+        cluster_token: str | None = None,
     ) -> None:
+        """``cluster_token``: the workers' shared token (``--cluster-token``), or None; it keys every
+        transfer's MAC together with the transfer's secret (``auth``)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {host!r}")
         if type(port) is not int or not 0 <= port < 65536:
@@ -95,6 +103,7 @@ class TcpTransferBackend:
         self.host, self.port = host, port
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.advertise_host = advertise_host or host
+        self._cluster_token = auth.check_cluster_token(cluster_token)
         self._endpoint = Endpoint()
         self._buffer: memoryview | None = None
         self._descriptor: BackendDescriptor | None = None
@@ -122,21 +131,29 @@ class TcpTransferBackend:
         return self._descriptor
 
     def send(
-        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region]
+        self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor, dst: Sequence[Region], *,
+        secret: bytes,
     ) -> CompletionToken:
         check_transfer_id(transfer_id)
+        key = auth.transfer_key(secret, self._cluster_token)
         if not isinstance(peer, BackendDescriptor) or peer.backend != self.name:
             raise ValueError(f"peer must be a tcp BackendDescriptor, got {peer!r}")
         parse_address(peer.address)
         buffer = self._require_buffer()
         src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
-        job = Transfer(CompletionToken(transfer_id), src, total, dst)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
         self._endpoint.send(job, peer.address, self._start_sender)
         return job.token
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes)
+        key = auth.transfer_key(secret, self._cluster_token)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+
+    @property
+    def refused(self) -> int:
+        """Transfer headers refused so far (no or a wrong MAC, an id not expected, ...)."""
+        return self._endpoint.refused
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)
@@ -172,25 +189,24 @@ class TcpTransferBackend:
         idle = self.io_timeout  # a sender connects right before its first transfer: a silent one is dropped
         try:
             while True:
-                header = conn.read_frame(MAX_HEADER, first_byte_timeout=idle)
+                frame = conn.read_frame(MAX_HEADER, first_byte_timeout=idle)
                 idle = IDLE_TIMEOUT  # a known peer's connection may then wait for the next transfer
-                if header is None:
+                if frame is None:
                     return
-                tid, dst, total, ver = parse_header(header, self._buffer.nbytes)
-                rec, error = self._claim(tid, dst, ver)
-                if rec is None:
-                    drain(conn, total)  # take what the sender pushes, but never into the pool
-                else:
-                    error = self._receive(conn, rec)
+                header = parse_header(frame, self._buffer.nbytes)
+                tid = header.transfer_id
+                rec, error = self._claim(header)
+                if rec is None:  # not a byte behind the header is read: say why, and hang up
+                    self._endpoint.refuse(log, self.name, tid, addr, error)
+                    conn.send_all([memoryview(pack_ack(tid, error))])
+                    return
+                error = self._receive(conn, rec)
                 if error is not None:
-                    log.warning("refused transfer %r from %s: %s", tid, addr, error)
-                if rec is not None and error is None:  # DONE before the ack, so sender DONE => receiver DONE
-                    if not rec.token._advance(TransferState.DONE):
-                        error = f"transfer {tid!r} aborted by the receiver"
-                    self._endpoint.expected.finish(rec)
+                    log.warning("transfer %r from %s: %s", tid, addr, error)
+                elif not rec.token._advance(TransferState.DONE):  # DONE before the ack: sender DONE => ours
+                    error = f"transfer {tid!r} aborted by the receiver"
+                self._endpoint.expected.finish(rec)
                 conn.send_all([memoryview(pack_ack(tid, error))])
-                if ver != PROTOCOL_VERSION:
-                    return
         except Closing:
             return
         except (ProtocolError, OSError) as e:
@@ -200,11 +216,15 @@ class TcpTransferBackend:
         finally:
             sock.close()
 
-    def _claim(self, tid: str, dst: tuple[Region, ...], ver: int) -> tuple[Transfer | None, str | None]:
+    def _claim(self, header: Header) -> tuple[Transfer | None, str | None]:
         """The expected transfer these bytes may be written to, else why they are refused."""
-        if ver != PROTOCOL_VERSION:
-            return None, f"protocol version {ver} != {PROTOCOL_VERSION}"
-        return self._endpoint.expected.claim(tid, dst)
+        if header.version != PROTOCOL_VERSION:
+            return None, f"protocol version {header.version} != {PROTOCOL_VERSION}"
+        if header.mac is None:
+            return None, "the header carries no MAC (a sender without the transfer's secret)"
+        return self._endpoint.expected.claim(
+            header.transfer_id, header.dst,
+            lambda key: auth.mac_matches(key, header.mac, self.name, header.transfer_id, header.dst))
 
     def _receive(self, conn: Conn, rec: Transfer) -> str | None:
         """recv_into the claimed regions; the error to refuse with, or None when all bytes landed."""
@@ -232,12 +252,28 @@ class TcpTransferBackend:
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
-        header = pack_header(tid, job.dst, job.total)
+        header = pack_header(tid, job.dst, job.total, auth.transfer_mac(job.key, self.name, tid, job.dst))
         if not job.token._advance(TransferState.TRANSFERRING):
             return  # aborted just now; nothing was sent
-        conn.send_all([memoryview(header), *slices(self._buffer, job.regions)], job.lock, job.token)
+        try:
+            conn.send_all([memoryview(header), *slices(self._buffer, job.regions)], job.lock, job.token)
+        except OSError:  # a receiver that refuses the header hangs up without reading on: its ack says why
+            error = _ack_if_any(conn, tid)
+            if error is not None:
+                job.token._fail(f"refused by {address}: {error}")
+            raise
         error = parse_ack(conn.read_frame(MAX_ACK), tid)
         if error is None:
             job.token._advance(TransferState.DONE)
         else:
             job.token._fail(f"refused by {address}: {error}")
+            raise ConnectionError("refused")  # (a refused header is hung up on): reconnect for the next
+
+
+def _ack_if_any(conn: Conn, tid: str) -> str | None:
+    """The refusal the receiver acked before it hung up, if it reached us (None: no ack, or not a refusal)."""
+    try:
+        conn.wait(select.POLLIN, 0)
+        return parse_ack(conn.read_frame(MAX_ACK), tid)
+    except (OSError, ProtocolError):
+        return None

@@ -2,8 +2,11 @@
 
 Wire format, per transfer on a reused connection (sender -> receiver)::
 
-    u32 big-endian length | msgpack {"v", "id", "dst": [[off, len], ...], "total"} | raw bytes
+    u32 big-endian length | msgpack {"v", "id", "dst": [[off, len], ...], "total", "mac"} | raw bytes
     <- u32 length | msgpack {"id", "ok", "error"}
+
+``mac`` (32 bytes) proves the sender holds the transfer's secret (``auth``); the receiver reads no byte
+after a header it refuses: it acks the refusal and hangs up.
 
 Frames are bounded (``MAX_HEADER``, ``MAX_ACK``); anything malformed raises
 ``ProtocolError``. ``Conn`` wraps a non-blocking socket: every wait is a ``poll``
@@ -20,12 +23,14 @@ import socket
 import struct
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
 import msgpack
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.netaddr import host_port
+from xpyd.transfer.auth import MAC_BYTES
 from xpyd.transfer.base import Region, check_transfer_id
 
 CHUNK = 4 << 20  # largest single iovec / recv_into slice
@@ -80,21 +85,34 @@ def pack_frame(obj: dict) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def pack_header(tid: str, dst: Sequence[Region], total: int) -> bytes:
-    """The frame that opens a transfer: where its ``total`` bytes land at the peer."""
+def pack_header(tid: str, dst: Sequence[Region], total: int, mac: bytes) -> bytes:
+    """The frame that opens a transfer: where its ``total`` bytes land at the peer, and the sender's MAC."""
     pairs = [[r.offset, r.length] for r in dst]
-    return pack_frame({"v": PROTOCOL_VERSION, "id": tid, "dst": pairs, "total": total})
+    return pack_frame({"v": PROTOCOL_VERSION, "id": tid, "dst": pairs, "total": total, "mac": mac})
 
 
 def pack_ack(tid: str, error: str | None) -> bytes:
     return pack_frame({"id": tid, "ok": error is None, "error": error})
 
 
-def parse_header(h: dict, buffer_size: int) -> tuple[str, tuple[Region, ...], int, int]:
-    """Validate a transfer header -> (id, dst, total, version). Raises ProtocolError."""
-    tid, dst, total, ver = h.get("id"), h.get("dst"), h.get("total"), h.get("v")
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A parsed transfer header; ``mac`` is None when the sender sent none."""
+
+    transfer_id: str
+    dst: tuple[Region, ...]
+    total: int
+    version: int
+    mac: bytes | None
+
+
+def parse_header(h: dict, buffer_size: int) -> Header:
+    """Validate a transfer header. Raises ProtocolError."""
+    tid, dst, total, ver, mac = h.get("id"), h.get("dst"), h.get("total"), h.get("v"), h.get("mac")
     if type(ver) is not int:
         raise ProtocolError("header without an int version")
+    if mac is not None and (type(mac) is not bytes or len(mac) != MAC_BYTES):
+        raise ProtocolError(f"header mac must be {MAC_BYTES} bytes")
     try:
         check_transfer_id(tid)
     except ValueError as e:
@@ -112,7 +130,7 @@ def parse_header(h: dict, buffer_size: int) -> tuple[str, tuple[Region, ...], in
         regions.append(Region(pair[0], pair[1]))
     if sum(r.length for r in regions) != total:
         raise ProtocolError("header dst lengths do not add up to total")
-    return tid, tuple(regions), total, ver
+    return Header(tid, tuple(regions), total, ver, mac)
 
 
 def parse_ack(ack: dict | None, tid: str) -> str | None:

@@ -37,7 +37,8 @@ class WorkerConfig:
     kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
     prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
     peer_timeout: float = 10.0  # prefill: free the claimed KV of a decode worker silent this long
-    cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake
+    cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake;
+    # it also keys every KV transfer's MAC (xpyd.transfer.auth)
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
@@ -188,7 +189,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                             help="seconds a request waits for its prefill to be ready before it fails")
     if role != "colocated":
         parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
-                            help="shared secret checked at the signal-plane handshake "
+                            help="shared secret checked at the signal-plane handshake and keying every KV "
+                                 "transfer's proof; set the same one on every worker "
                                  "(default: $XPYD_CLUSTER_TOKEN; unset = no check)")
     parser.add_argument("--cpu-share", default=None, metavar="NAME",
                         help="share this host's cores with the other workers started with the same NAME: "

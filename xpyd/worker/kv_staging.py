@@ -221,13 +221,13 @@ class StagedTransfer:
         return self.inner.register(buffer)
 
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
-             dst: Sequence[Region]) -> CompletionToken:
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         self.staging.to_host(src)  # the pool's bytes are final: the forward that wrote them has run
-        return self.inner.send(transfer_id, src, peer, dst)
+        return self.inner.send(transfer_id, src, peer, dst, secret=secret)
 
-    def expect(self, transfer_id: str, dst: Sequence[Region]) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         regions, _ = check_regions(dst, self.staging.nbytes, "dst")
-        token = _LandingToken(self.inner.expect(transfer_id, regions), regions, self)
+        token = _LandingToken(self.inner.expect(transfer_id, regions, secret=secret), regions, self)
         with self._lock:
             self._receiving[transfer_id] = token
         return token

@@ -5,7 +5,8 @@ One set for this directory (test_worker_faults.py and test_signal_fuzz.py):
 - ``prefill``: requires the cluster token, kv_ttl 2 s;
 - ``decode``: presents the token, prefill-wait timeout 3 s;
 - ``decode_wrong`` / ``decode_none``: a wrong token / none;
-- ``prefill_victim``: no token required; the SIGKILL test kills it.
+- ``prefill_victim``: requires the token too (a decode worker's token keys its transfers, so a prefill
+  worker without it refuses it); the SIGKILL test kills it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def fault_workers(tmp_path_factory, tiny_model_dir: Path):
               "--batch-size", "4"]
     urls: dict[str, str] = {}
     for name, extra in (("prefill", ["--cluster-token", TOKEN, "--kv-ttl", str(KV_TTL)]),
-                        ("prefill_victim", [])):
+                        ("prefill_victim", ["--cluster-token", TOKEN])):
         port, sig = free_port(), free_port()
         urls[name] = f"http://127.0.0.1:{port}"
         urls[name + "_signal"] = f"127.0.0.1:{sig}"
