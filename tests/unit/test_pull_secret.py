@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal
+from tests.unit.kv_fixtures import next_prefill
 from xpyd import TRANSFER_SECRET_BYTES
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
@@ -74,7 +75,7 @@ def test_prefill_sends_with_the_secret_the_pull_carried():
     decode_desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
     rid = str(RequestId.new(PREFILL, DECODE))
     engine.sched.add(PrefillSeq(rid, [1, 2, 3]))
-    engine.sched.prefilled(engine.sched.next_to_run(), 42, time.monotonic())
+    engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())
     assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
     init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
