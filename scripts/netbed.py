@@ -374,8 +374,8 @@ class NetBed:
         percent = int(percent)
         commands = [f"flush chain inet {NFT_TABLE} loss_in", f"flush chain inet {NFT_TABLE} loss_out"]
         if percent:
-            commands += [f"add rule inet {NFT_TABLE} loss_{d} numgen random mod 100 < {percent} drop"
-                         for d in ("in", "out")]
+            match = "" if percent == 100 else f"numgen random mod 100 < {percent} "
+            commands += [f"add rule inet {NFT_TABLE} loss_{d} {match}drop" for d in ("in", "out")]
         self._nft(h, "\n".join(commands))
         if percent:
             self._state["loss"][h.name] = percent
@@ -476,13 +476,18 @@ def _stop_processes(namespaces: list[str], grace: float = 3.0) -> None:
         deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
             time.sleep(0.05)
-            for pid in list(pids):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    pids.discard(pid)
+            pids = {pid for pid in pids if _running(pid)}
         if not pids:
             return
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (ended, waiting for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def down(name: str | None = None) -> list[str]:
