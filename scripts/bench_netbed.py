@@ -2,7 +2,7 @@
 """`xpyd bench transfer` between two namespace hosts over a shaped link, next to raw TCP on the same link.
 
 Builds a bed of two hosts (scripts/netbed.py), ``tx`` and ``rx``, shapes both links with tc tbf
-(default 1gbit), and runs, one after the other on that link:
+(default 1gbit; ``--rate none``: unshaped), and runs, one after the other on that link:
 
 1. ``xpyd bench transfer --backend BACKEND --sender <tx> --receiver <rx>``: its socket baseline (plain
    sendmsg/recv_into between two processes, a 1-byte ack per transfer) and then the backend, the same
@@ -71,7 +71,8 @@ def iperf3(bed: netbed.NetBed) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", default="1gbit", help="tc tbf rate of both links (default: %(default)s)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="tc tbf rate of both links, none: unshaped veth (default: %(default)s)")
     parser.add_argument("--backend", default="tcp", help="transfer backend (default: %(default)s)")
     parser.add_argument("--sizes", default="1M,16M,64M", help="bytes per transfer (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers per size (default: %(default)s)")
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in ("tx", "rx"):
             bed.add_host(name)
-            bed.shape(name, args.rate)
+            if args.rate != "none":
+                bed.shape(name, args.rate)
         with tempfile.TemporaryDirectory() as tmp:
             report = bench_transfer(bed, args, Path(tmp) / "transfer.json")
         cross = iperf3(bed)
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         bed.close()
 
     rows, ok = [], True
-    print(f"{args.backend} backend vs raw TCP over one {args.rate} tbf link between two namespace hosts "
+    link = "an unshaped veth link" if args.rate == "none" else f"one {args.rate} tbf link"
+    print(f"{args.backend} backend vs raw TCP over {link} between two namespace hosts "
           f"(median of {args.repeats}; GB/s = 1e9 bytes/s)")
     print(f"{'size':>7} | {args.backend + ' GB/s':>9} | {'raw TCP GB/s':>12} | {'ratio':>5}")
     for r in report["results"]:
