@@ -129,9 +129,14 @@ def available() -> str | None:
     except NetBedError as e:
         return f"cannot create a network namespace: {e}"
     try:
-        _ip("link", "add", "probe0", "type", "veth", "peer", "name", "probe1", ns=probe)
-    except NetBedError as e:
-        return f"cannot create a veth pair: {e}"
+        for what, step in (("a veth pair", ["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer",
+                                            "name", "probe1"]),
+                           ("a bridge", ["ip", "-n", probe, "link", "add", "probe2", "type", "bridge"]),
+                           ("a process in a namespace", ["ip", "netns", "exec", probe, "true"])):
+            try:
+                _run(step)
+            except NetBedError as e:
+                return f"cannot create {what}: {e}"
     finally:
         _ip("netns", "delete", probe, check=False)
     return None
