@@ -12,6 +12,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from xpyd.child import die_with_parent
 from xpyd.netaddr import http_url, is_ipv6
@@ -59,11 +60,13 @@ class Cluster:
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None) -> Proc:
-        """Start ``python -m xpyd *argv`` (``env``: variables added to this process's environment)."""
+    def start(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None,
+              wrap: Sequence[str] = ()) -> Proc:
+        """Start ``python -m xpyd *argv`` (``env``: variables added to this process's environment; ``wrap``:
+        a command that runs it, e.g. ``ip netns exec NS``)."""
         log = self.workdir / f"{name}.log"
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **(env or {}))
-        popen = subprocess.Popen([sys.executable, "-m", "xpyd", *argv], stdout=log.open("wb"),
+        popen = subprocess.Popen([*wrap, sys.executable, "-m", "xpyd", *argv], stdout=log.open("wb"),
                                  stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                  preexec_fn=die_with_parent)  # (no orphans if pytest is killed)
         p = Proc(name, popen, log, url)

@@ -32,6 +32,10 @@ def _info(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url + "/xpyd/info", timeout=5).read())
 
 
+def _stats(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/xpyd/stats", timeout=5).read())
+
+
 def _segments(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{pid}-")]
 
@@ -77,6 +81,10 @@ def test_shm_and_tcp_decode_give_the_same_tokens(tmp_path: Path, tiny_model_dir:
         assert via_shm == via_tcp and via_tcp[1]
         log = pproc.log.read_text(errors="replace")
         assert log.count("shm transfer: connected to") == 1  # the auto decode worker, and only it
+        # /xpyd/stats says which part of auto carried each transfer
+        assert _stats(prefill)["kv_backend"] == {"name": "auto", "sent": {"tcp": 1, "shm": 1}, "received": {}}
+        assert _stats(decodes["auto"][0])["kv_backend"] == {"name": "auto", "sent": {}, "received": {"shm": 1}}
+        assert _stats(decodes["tcp"][0])["kv_backend"] == {"name": "tcp"}
     finally:
         c.stop()
     pids = [pproc.popen.pid] + [p.popen.pid for _, p in decodes.values()]

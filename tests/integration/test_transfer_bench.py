@@ -148,6 +148,25 @@ def test_sizes_parsing():
     assert tp._split(10, 3) == [(0, 4), (4, 3), (7, 3)]
 
 
+def test_sides_parsing_and_an_explicit_loopback_side():
+    assert tb.parse_place("10.77.1.2@xnb-bed-rx") == tp.Place("10.77.1.2", "xnb-bed-rx")
+    assert tb.parse_place("[::1]") == tp.Place("::1", None)
+    for bad in ("", "@ns", "10.0.0.1@", "10.0.0.1@a/b"):
+        with pytest.raises(ValueError, match="ADDR@NETNS"):
+            tb.parse_place(bad)
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    args = parser.parse_args(["--receiver", "127.0.0.1"])
+    assert (args.sender, args.receiver) == (None, tp.Place("127.0.0.1", None))
+    with pytest.raises(ValueError, match="invalid network namespace"):
+        tp.enter_netns("../x")
+    # (namespaces need root: tests/multihost runs the two sides on two hosts)
+    report = tb.measure("tcp", [64 * KiB], repeats=1, receiver=tp.Place("127.0.0.1"))
+    assert report["sides"] == {"sender": {"host": "127.0.0.1", "netns": None},
+                               "receiver": {"host": "127.0.0.1", "netns": None}}
+    assert report["socket_path"] == "TCP 127.0.0.1 -> 127.0.0.1"
+
+
 # -- a failing or stuck child stops both processes -----------------------------------
 
 

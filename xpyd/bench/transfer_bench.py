@@ -24,6 +24,11 @@ backend/memcpy well below 1 there is the round trip, not the copy; at large size
 Every size gets one untimed warm-up transfer (connection setup, first-touch page faults), then
 ``repeats`` timed ones. GB/s is decimal: 1e9 bytes / the median seconds. The receivers check the bytes
 that landed against the sender's pattern at the end.
+
+``--sender ADDR[@NETNS]`` / ``--receiver ADDR[@NETNS]`` run a side elsewhere than 127.0.0.1: it binds and
+advertises ADDR, inside network namespace NETNS if given (root; e.g. two hosts of scripts/netbed.py), so
+the backend and the socket baseline cross the same real link (scripts/bench_netbed.py does this over a
+shaped one).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from xpyd.bench.transfer_procs import (
     _RECV_FILL,
     RTT_SAMPLES,
     WARMUP,
+    Place,
     _backend_receiver,
     _backend_sender,
     _pattern,
@@ -96,6 +102,22 @@ def parse_sizes(text: str) -> list[int]:
 def _sizes_arg(text: str) -> list[int]:
     try:
         return parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_place(text: str) -> Place:
+    """'10.77.1.2' / '10.77.1.2@xnb-bed-b' / '::1' -> Place(address, network namespace or None)."""
+    host, sep, netns = str(text).partition("@")
+    host = host.strip().strip("[]")
+    if not host or (sep and not netns.strip()) or "/" in netns:
+        raise ValueError(f"invalid side {text!r}; use ADDR or ADDR@NETNS, e.g. 10.77.1.2@xnb-bed-b")
+    return Place(host, netns.strip() or None)
+
+
+def _place_arg(text: str) -> Place:
+    try:
+        return parse_place(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -160,6 +182,10 @@ def _host_info() -> dict:
     return info
 
 
+def _describe(place: Place) -> str:
+    return place.host + (f"@{place.netns}" if place.netns else "")
+
+
 def _gbps(size: int, seconds: float) -> float:
     return size / seconds / 1e9
 
@@ -184,12 +210,15 @@ def measure(
     copy_threads: int | None = None,
     timeout: float | None = None,
     progress: Callable[[str], None] | None = None,
+    sender: Place | None = None,
+    receiver: Place | None = None,
 ) -> dict:
     """Measure ``backend`` between two processes plus memcpy and raw-socket baselines; a JSON-able dict.
 
     ``sizes`` are bytes per transfer, ``repeats`` timed transfers per size (after one warm-up),
     ``regions`` regions per transfer, ``timeout`` seconds for each two-process phase (default: from
-    the sizes). Raises ValueError for bad arguments or an unknown backend, RuntimeError/TimeoutError
+    the sizes), ``sender`` / ``receiver`` where each side runs (default: 127.0.0.1 in this namespace; the
+    socket baseline runs there too). Raises ValueError for bad arguments or an unknown backend, RuntimeError/TimeoutError
     if a phase fails (its processes are stopped first).
     """
     if not isinstance(backend, str) or not backend:
@@ -208,18 +237,23 @@ def measure(
         raise ValueError(f"timeout must be > 0, got {timeout!r}")
     say = progress or (lambda _msg: None)
     kwargs = _check_backend(backend, copy_threads)
+    places = None if sender is None and receiver is None else {"sender": sender or Place(),
+                                                                "receiver": receiver or Place()}
+    sides = {role: (places or {}).get(role, Place())._asdict() for role in ("sender", "receiver")}
+    where = ("TCP loopback" if places is None else
+             f"TCP {_describe(places['sender'])} -> {_describe(places['receiver'])}")
     max_size = max(sizes)
     host = _host_info()
 
     say(f"memcpy: {len(sizes)} sizes x {repeats} repeats")
     memcpy = _memcpy_times(sizes, reps)
-    say("socket: TCP loopback between two processes")
+    say(f"socket: {where} between two processes")
     sock = _run_pair("socket baseline", _socket_receiver, _socket_sender,
-                     {"max_size": max_size, "sizes": sizes, "reps": reps}, timeout)
+                     {"max_size": max_size, "sizes": sizes, "reps": reps}, timeout, places)
     say(f"{backend}: backend between two processes, {regions} region(s) per transfer")
     back = _run_pair(f"{backend} backend", _backend_receiver, _backend_sender,
                      {"backend": backend, "kwargs": kwargs, "max_size": max_size, "sizes": sizes, "reps": reps,
-                      "regions": regions}, timeout)
+                      "regions": regions}, timeout, places)
 
     rtt_s = sock["sender"]["rtt_samples_s"]
     rtt_med = statistics.median(rtt_s)
@@ -261,6 +295,8 @@ def measure(
         "backend_kwargs": kwargs,
         "receiver_copy_threads": back["receiver"].get("copy_threads"),
         "host": host,
+        "sides": sides,
+        "socket_path": where,
         "socket_rtt_s": rtt_med,
         "socket_rtt_p10_s": _p10(rtt_s),
         "method": {
@@ -268,7 +304,7 @@ def measure(
                        f"{max_size} B each; receiver expect()s, sender times send() -> token DONE (receiver "
                        f"acked all bytes); {regions} contiguous region(s) per transfer; control over a Pipe",
             "memcpy": "numpy.copyto between two preallocated buffers in one process (cache-hot)",
-            "socket": "two spawned processes, TCP loopback, TCP_NODELAY, kernel-default buffers; sendmsg of a "
+            "socket": f"two spawned processes, {where}, TCP_NODELAY, kernel-default buffers; sendmsg of a "
                       "memoryview, recv_into a preallocated buffer, timed until a 1-byte ack",
             "verified": "the receivers compare the bytes that landed with the sender's pattern",
             "round_trip_bound": f"memcpy_median_s / (memcpy_median_s + socket_rtt_s), socket_rtt_s the median of "
@@ -299,7 +335,8 @@ def format_table(report: dict) -> str:
         "-+-".join("-" * w for w in widths),
     ]
     lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append(f"round trip (1-byte ping-pong, two Python processes, TCP loopback): "
+    path = report.get("socket_path", "TCP loopback")
+    lines.append(f"round trip (1-byte ping-pong, two Python processes, {path}): "
                  f"median {report['socket_rtt_s'] * 1e6:.1f} us, p10 {report['socket_rtt_p10_s'] * 1e6:.1f} us")
     return "\n".join(lines)
 
@@ -317,6 +354,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="contiguous regions per transfer; 1 is the KV-pool case (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds allowed for each two-process phase (default: from the sizes)")
+    parser.add_argument("--sender", type=_place_arg, default=None, metavar="ADDR[@NETNS]",
+                        help="where the sending side runs: the address it binds, in network namespace NETNS "
+                             "if given (root; default: 127.0.0.1 here)")
+    parser.add_argument("--receiver", type=_place_arg, default=None, metavar="ADDR[@NETNS]",
+                        help="where the receiving side runs, likewise (the socket baseline uses the same two)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
 
 
@@ -332,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
             regions=getattr(args, "regions", 1),
             copy_threads=getattr(args, "copy_threads", None),
             timeout=getattr(args, "timeout", None),
+            sender=getattr(args, "sender", None),
+            receiver=getattr(args, "receiver", None),
             progress=lambda msg: print(f"bench transfer: {msg}", file=sys.stderr, flush=True),
         )
     except ValueError as e:

@@ -6,17 +6,24 @@ through the backend under test or a TCP loopback socket. Every child reports ("o
 ("error", message) to the parent on its own pipe; ``_run_pair`` stops both processes when either fails or
 the phase times out. The sender fills its buffer with ``_pattern``; the receiver checks what landed with
 ``_check_landed``. Orchestration, the memcpy baseline and the report live in ``transfer_bench``.
+
+By default both sides run on 127.0.0.1. A ``Place`` puts a side elsewhere: its address (what it binds and
+advertises) and, optionally, a network namespace (``/run/netns/NAME``, e.g. a host of scripts/netbed.py)
+the child enters before anything else, so the payload crosses a real link between two "hosts" while
+the control pipe still joins the processes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 MiB = 1 << 20
 WARMUP = 1
@@ -26,6 +33,34 @@ _PATTERN_BLOCK = 4099  # a prime, so the pattern never lines up with chunk or pa
 _RECV_FILL = 0x55
 RTT_WARMUP = 20  # untimed ping-pongs first (the first also waits out the receiver's byte check)
 RTT_SAMPLES = 300  # timed 1-byte round trips: ~30 ms at ~100 us each, plenty for a median and a p10
+LOOPBACK = "127.0.0.1"
+_CLONE_NEWNET = 0x40000000
+
+
+class Place(NamedTuple):
+    """Where one side of a measurement runs: the address it binds (and advertises), and the network
+    namespace it enters first (None: the parent's)."""
+
+    host: str = LOOPBACK
+    netns: str | None = None
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread (a child's only one, just spawned) into network namespace ``name``
+    (``ip netns`` names it under /run/netns; needs root). Threads it starts later inherit it."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"invalid network namespace name {name!r}")
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, _CLONE_NEWNET)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def format_size(n: int) -> str:
@@ -73,9 +108,12 @@ def _peer_recv(conn, what: str, timeout: float = OP_TIMEOUT):
         raise RuntimeError(f"the peer process exited before sending {what}") from None
 
 
-def _child(fn: Callable, role: str, result_conn, peer_conn, kwargs: dict) -> None:
-    """Run ``fn(peer_conn, **kwargs)``; report ("ok", result) or ("error", message) to the parent."""
+def _child(fn: Callable, role: str, result_conn, peer_conn, kwargs: dict, netns: str | None = None) -> None:
+    """Run ``fn(peer_conn, **kwargs)`` (in network namespace ``netns`` if given); report ("ok", result)
+    or ("error", message) to the parent."""
     try:
+        if netns is not None:
+            enter_netns(netns)
         out = fn(peer_conn, **kwargs)
         result_conn.send(("ok", out))
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit
@@ -104,13 +142,13 @@ def _backend_buffer(b, size: int, fill):
 
 
 def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
-                      regions: int) -> dict:
+                      regions: int, host: str | None = None) -> dict:
     import numpy as np
 
     from xpyd.transfer import Region, make_backend
     from xpyd.transfer.auth import new_secret
 
-    b = make_backend(backend, **kwargs)
+    b = make_backend(backend, **(kwargs if host is None else {**kwargs, "host": host}))
     try:
         buf = np.full(max_size, _RECV_FILL, dtype=np.uint8)  # receivers write into ordinary memory
         desc = b.register(memoryview(buf))
@@ -135,10 +173,10 @@ def _backend_receiver(peer, *, backend: str, kwargs: dict, max_size: int, sizes:
 
 
 def _backend_sender(peer, *, backend: str, kwargs: dict, max_size: int, sizes: list[int], reps: int,
-                    regions: int) -> dict:
+                    regions: int, host: str | None = None) -> dict:
     from xpyd.transfer import BackendDescriptor, Region, make_backend
 
-    b = make_backend(backend, **kwargs)
+    b = make_backend(backend, **(kwargs if host is None else {**kwargs, "host": host}))
     try:
         buf = _backend_buffer(b, max_size, _pattern)
         b.register(memoryview(buf))
@@ -210,12 +248,13 @@ def _ping_pong(sock: socket.socket, count: int) -> list[float]:
     return samples
 
 
-def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
+def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int, host: str | None = None) -> dict:
     import numpy as np
 
-    with socket.create_server(("127.0.0.1", 0)) as srv:
+    family = socket.AF_INET6 if ":" in (host or LOOPBACK) else socket.AF_INET
+    with socket.create_server((host or LOOPBACK, 0), family=family) as srv:
         srv.settimeout(OP_TIMEOUT)
-        peer.send(("ready", srv.getsockname()[1]))
+        peer.send(("ready", srv.getsockname()[:2]))
         sock, _ = srv.accept()
     with sock:
         sock.settimeout(OP_TIMEOUT)
@@ -231,15 +270,16 @@ def _socket_receiver(peer, *, max_size: int, sizes: list[int], reps: int) -> dic
     return {}
 
 
-def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
-    msg = _peer_recv(peer, "the receiver's port")
+def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int, host: str | None = None) -> dict:
+    msg = _peer_recv(peer, "the receiver's address")
     if not (isinstance(msg, tuple) and msg[0] == "ready"):
         raise RuntimeError(f"unexpected message from the receiver: {msg!r:.100}")
     buf = _pattern(max_size)
     view = memoryview(buf)
     ack = bytearray(1)
     times: dict[int, list[float]] = {}
-    with socket.create_connection(("127.0.0.1", msg[1]), timeout=OP_TIMEOUT) as sock:
+    with socket.create_connection(tuple(msg[1]), timeout=OP_TIMEOUT,
+                                  source_address=(host, 0) if host else None) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for size in sizes:
             samples = []
@@ -254,8 +294,11 @@ def _socket_sender(peer, *, max_size: int, sizes: list[int], reps: int) -> dict:
     return {"times": times, "rtt_samples_s": rtt}
 
 
-def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, timeout: float) -> dict:
+def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, timeout: float,
+              places: dict[str, Place] | None = None) -> dict:
     """Run ``receiver`` and ``sender`` in two spawned processes joined by a Pipe; their results by role.
+
+    ``places`` (by role) puts a side in a network namespace and passes it ``host=`` its address.
 
     Raises RuntimeError if either fails or exits without a result, TimeoutError after ``timeout``
     seconds; both processes are gone when this returns or raises.
@@ -267,7 +310,10 @@ def _run_pair(what: str, receiver: Callable, sender: Callable, kwargs: dict, tim
         for role, fn, peer in (("receiver", receiver, peer_r), ("sender", sender, peer_s)):
             res_parent, res_child = ctx.Pipe(duplex=False)
             own += [res_parent, res_child]
-            p = ctx.Process(target=_child, args=(fn, role, res_child, peer, kwargs),
+            place = (places or {}).get(role)
+            args = (fn, role, res_child, peer, kwargs if place is None else {**kwargs, "host": place.host},
+                    None if place is None else place.netns)
+            p = ctx.Process(target=_child, args=args,
                             name=f"xpyd-bench-{what}-{role}", daemon=True)
             p.start()
             procs.append(p)

@@ -8,12 +8,14 @@ primary's, plus ``offers`` naming the extras' addresses, so an old or tcp-only p
 - ``expect``: announced to every child (the receiver does not know which one the sender will pick);
   the returned token follows whichever child the bytes arrive on, and the others' announcements
   are withdrawn as soon as it finishes (on the next poll of the token or of ``outstanding()``).
+- ``used()``: how many transfers each child sent and received so far (which one ``auto`` chose).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Sequence
 
 from xpyd.transfer.base import BackendDescriptor, CompletionToken, DerivedToken, Region, TransferError, TransferState
@@ -39,7 +41,8 @@ class _EitherToken(DerivedToken):
         for backend, tok in self._children:
             state = tok.state()
             if state is TransferState.DONE:
-                self._set(TransferState.DONE, None)
+                if self._set(TransferState.DONE, None):
+                    self._owner._count("received", backend)
                 winner = backend
                 break
             if state is TransferState.FAILED:
@@ -73,6 +76,7 @@ class AutoTransferBackend:
         self._lock = threading.Lock()
         self._expected: dict[str, _EitherToken] = {}
         self._peer_extra: dict[str, list[tuple[object, str]]] = {}  # primary address -> (extra, its address)
+        self._used: dict[str, Counter[str]] = {"sent": Counter(), "received": Counter()}  # by child name
 
     @property
     def children(self) -> list:
@@ -114,6 +118,7 @@ class AutoTransferBackend:
         if not isinstance(peer, BackendDescriptor):
             raise ValueError(f"peer must be a BackendDescriptor, got {peer!r:.80}")
         child, desc = self.pick(peer)
+        self._count("sent", child)
         if child is not self.primary:
             with self._lock:
                 self._peer_extra.setdefault(peer.address, [])
@@ -137,6 +142,16 @@ class AutoTransferBackend:
         with self._lock:
             self._expected[transfer_id] = token
         return token
+
+    def _count(self, what: str, child) -> None:
+        with self._lock:
+            self._used[what][child.name] += 1
+
+    def used(self) -> dict[str, dict[str, int]]:
+        """Transfers started by ``send`` ("sent") and landed ("received") so far, by the child that
+        carried them, e.g. ``{"sent": {"tcp": 3}, "received": {}}``."""
+        with self._lock:
+            return {what: dict(counts) for what, counts in self._used.items()}
 
     def _settle(self, transfer_id: str, winner) -> None:
         with self._lock:

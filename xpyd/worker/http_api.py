@@ -22,7 +22,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
@@ -140,7 +140,9 @@ def _tokenize(tokenizer, req: CompletionRequest) -> list[int]:
     return ids
 
 
-def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
+def create_worker_app(engine: Engine, config: WorkerConfig,
+                      kv_backend: Callable[[], dict] | None = None) -> Quart:
+    """The worker's HTTP API; ``kv_backend()`` describes its transfer backend in ``/xpyd/stats``."""
     app = Quart(f"xpyd-{config.role}")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
@@ -174,7 +176,10 @@ def create_worker_app(engine: Engine, config: WorkerConfig) -> Quart:
 
     @app.get("/xpyd/stats")
     async def stats() -> Response:
-        return _json(engine.stats())
+        out = engine.stats()
+        if kv_backend is not None:
+            out["kv_backend"] = kv_backend()
+        return _json(out)
 
     described: list[bytes] = []  # the tokenizer's description, made on first request
 

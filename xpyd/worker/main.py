@@ -32,6 +32,7 @@ from xpyd.model.loader import ensure_converted
 from xpyd.model.runner import ModelRunner, kv_token_bytes
 from xpyd.model.tokenizer import load_tokenizer
 from xpyd.netaddr import host_port
+from xpyd.transfer.auto import AutoTransferBackend
 from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.cpu_share import CpuShare
@@ -109,7 +110,8 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
     served = config.served_model_name or resolved.served_name
     engine, on_stop = start_engine(EngineParts(runner, tokenizer, config, transfer, served))
 
-    app = create_worker_app(engine, config)
+    app = create_worker_app(engine, config,
+                            None if transfer is None else lambda: kv_backend_stats(config, transfer))
     hc = HyperConfig()
     hc.bind = [host_port(config.host, config.port)]
     hc.accesslog = None
@@ -127,6 +129,15 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
         log.error("%s worker: exiting with code %d (its engine failed: %s)", config.role, ENGINE_FAILED_EXIT,
                   engine.failure())
         raise SystemExit(ENGINE_FAILED_EXIT)
+
+
+def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
+    """``kv_backend`` in ``/xpyd/stats``: the configured backend and, for ``auto``, which of its parts
+    carried the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``)."""
+    out: dict = {"name": config.kv_backend}
+    if isinstance(transfer, AutoTransferBackend):
+        out.update(transfer.used())
+    return out
 
 
 def describe_forward(runner: ModelRunner) -> str:
