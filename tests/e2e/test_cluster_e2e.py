@@ -3,7 +3,8 @@
 Text through the proxy must be token-for-token what single-process
 transformers ``generate`` produces on the same converted model. The prefill worker runs with
 ``--prefill-chunk 16``: every prompt here but the shortest is computed in chunks, and concurrent
-requests share forward passes, so these checks cover chunked and packed prefill end to end.
+requests share forward passes, and each prompt's KV streams to decode in parts while its later chunks
+compute, so these checks cover chunked and packed prefill and streamed KV end to end.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def test_prompts_were_computed_in_chunks(cluster):
     assert stats["prefill_chunk"] == 16
     assert stats["prefill_partial_chunks"] > 0 and stats["prefill_steps"] > 0
     assert stats["prefill_tokens"] >= stats["prefill_steps"]
+    assert stats["kv_stream"] and stats["kv_parts_streamed"] > 0  # KV sent while later chunks computed
 
 
 def test_capital_of_france(cluster):

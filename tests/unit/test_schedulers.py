@@ -61,9 +61,9 @@ def test_prefill_runs_one_at_a_time_and_holds_kv_until_sent(backend):
 
     tok = send(backend, "r0")
     sched.start_send("r0", tok)
-    assert sched.poll() == []  # not finished: slot still held
+    assert sched.poll() == ([], [])  # not finished: slot still held
     backend.complete("r0")
-    assert sched.poll() == [a] and a.state is S.FINISHED and a.kv is None
+    assert sched.poll() == ([a], []) and a.state is S.FINISHED and a.kv is None
     sched.check_invariants()
 
     d = next_prefill(sched)

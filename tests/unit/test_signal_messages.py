@@ -56,10 +56,10 @@ def test_wire_shape_is_a_versioned_map_with_tagged_message_and_enum_values():
                             cached_tokens=16)
     frame = m.encode(5, m.LookupReply((result,)))
     assert msgpack.unpackb(frame) == {"version": PROTOCOL_VERSION, "seq": 5, "msg": {
-        "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16]]}}
-    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1, SECRET), m.LookupEntry(RID))))
+        "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16, 0]]}}
+    frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1, SECRET, 32), m.LookupEntry(RID))))
     assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1",
-                                              "entries": [[RID, [64, 65], 1, SECRET], [RID, None, 0, None]]}
+                                              "entries": [[RID, [64, 65], 1, SECRET, 32], [RID, None, 0, None, 0]]}
     assert m.unpack_hashes(m.pack_hashes([0, 7, 2**64 - 1])) == [0, 7, 2**64 - 1]
     with pytest.raises(m.MessageError, match="multiple of 8"):
         m.unpack_hashes(b"\0" * 9)
@@ -117,7 +117,9 @@ RESULT = [RID, "ready", 9, 3, None]
     pytest.param(_frame({**LOOKUP, "entries": [["r", list(range(m.MAX_BLOCKS + 1))]]}), "$.msg.entries[0][1]",
                  id="too-many-blocks"),
     pytest.param(_frame({**LOOKUP, "entries": [["r", [0], -1]]}), "$.msg.entries[0][2]", id="negative-first-block"),
-    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET, 2]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET, 2, 9]]}), "$.msg.entries[0]", id="entry-too-long"),
+    pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, SECRET, m.MAX_BLOCKS + 1]]}), "$.msg.entries[0][4]",
+                 id="part-too-large"),
     pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1]]}), "carries a transfer secret", id="pull-without-secret"),
     pytest.param(_frame({**LOOKUP, "entries": [["r", [0], 1, None]]}), "carries a transfer secret",
                  id="pull-with-null-secret"),

@@ -43,9 +43,9 @@ from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
-from xpyd.signal.request_id import transfer_id_of
+from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
-from xpyd.transfer.base import Region, TransferBackend
+from xpyd.transfer.base import AllOf, Region, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class DecodeEngine(WorkerEngine):
         if state is RequestState.TRANSFERRING:
             # Cancel the receive before the slot is freed: once abort() returns, no byte lands in it.
             self._recv_started.pop(request_id, None)  # cancelled: neither completed nor failed
-            self.transfer.abort(transfer_id_of(request_id))
+            self._abort_receives(seq)
         self.sched.abort(request_id)
         self.metrics.request_done("aborted")
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
@@ -200,7 +200,7 @@ class DecodeEngine(WorkerEngine):
         state = seq.state
         if state is RequestState.TRANSFERRING:
             self._recv_ended(seq, ok=False)
-            self.transfer.abort(transfer_id_of(seq.request_id))
+            self._abort_receives(seq)
         self.sched.fail(seq, error)
         self.metrics.request_done("failed")
         self._failures[cause] += 1
@@ -251,71 +251,103 @@ class DecodeEngine(WorkerEngine):
         elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
             # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
             self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request", "prefill")
+        elif r.status is S.PREFILLING:
+            if not seq.known and self._prompt_facts(seq, addr, r):
+                seq.part_blocks = r.part_blocks  # pulled now, the KV comes in parts as it is computed
         elif r.status in (S.READY, S.SENDING) and not seq.ready:
-            if r.first_token is None or r.num_tokens < 1:
-                self._fail_seq(seq, 502, f"prefill worker {addr} said ready without a first token and prompt "
-                               "length", "prefill", release=True)
+            if r.first_token is None:
+                self._fail_seq(seq, 502, f"prefill worker {addr} said ready without a first token", "prefill",
+                               release=True)
                 return
-            try:
-                hashes = m.unpack_hashes(r.block_hashes)
-            except m.MessageError as e:
-                self._fail_seq(seq, 502, f"prefill worker {addr}: {e}", "prefill", release=True)
-                return
-            bs = self.kv_cache.block_size
-            if len(hashes) != r.num_tokens // bs or len(r.tail) != r.num_tokens % bs:
-                self._fail_seq(seq, 502, f"prefill worker {addr} named {len(hashes)} block hashes and {len(r.tail)} "
-                               f"more tokens for a {r.num_tokens}-token prompt", "prefill", release=True)
-                return
-            seq.hashes, seq.tail, seq.cached_tokens = hashes, r.tail, r.cached_tokens
-            self._first_token(seq, r.first_token, r.num_tokens)
+            if seq.known or self._prompt_facts(seq, addr, r):
+                self._first_token(seq, r.first_token)
 
-    def _first_token(self, seq: DecodeSeq, token: int, prompt_len: int) -> None:
-        """Prefill's first token and the prompt's length: the client already has the token's text; we
-        continue after it (the prompt was tokenized and checked once, by prefill)."""
+    def _prompt_facts(self, seq: DecodeSeq, addr: str, r: m.LookupResult) -> bool:
+        """The prompt's length, block hashes and tail from prefill (checked), and what follows from them:
+        the request's KV reservation, its output. False (and the request failed) when they do not add up."""
+        try:
+            hashes = m.unpack_hashes(r.block_hashes)
+        except m.MessageError as e:
+            self._fail_seq(seq, 502, f"prefill worker {addr}: {e}", "prefill", release=True)
+            return False
+        bs = self.kv_cache.block_size
+        if r.num_tokens < 1 or len(hashes) != r.num_tokens // bs or len(r.tail) != r.num_tokens % bs:
+            self._fail_seq(seq, 502, f"prefill worker {addr} named {len(hashes)} block hashes and {len(r.tail)} "
+                           f"more tokens for a {r.num_tokens}-token prompt", "prefill", release=True)
+            return False
         item: WorkItem = seq.payload
-        limit = self.max_model_len
+        limit, prompt_len = self.max_model_len, r.num_tokens
         if item.open_ended:
             item.stop = replace(item.stop, max_tokens=max(1, limit - prompt_len))
         if prompt_len + item.stop.max_tokens > limit:  # (prefill refuses these first: a safety net)
             self._fail_seq(seq, 400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
                            f"{item.stop.max_tokens} in the completion).", "length", release=True)
-            return
+            return False
+        seq.hashes, seq.tail, seq.cached_tokens = hashes, r.tail, r.cached_tokens
         seq.prompt_len = prompt_len
         seq.final_len = prompt_len + item.stop.max_tokens
+        seq.known = True
         item.start_output(self.tokenizer)
+        return True
+
+    def _first_token(self, seq: DecodeSeq, token: int) -> None:
+        """Prefill's first token: the client already has its text; we continue after it (the prompt was
+        tokenized and checked once, by prefill)."""
+        item: WorkItem = seq.payload
         if item.sampling.temperature > 0:
             skip_draw(item.generator)  # prefill used this draw for the first token
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
+            if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)
+                self._recv_started.pop(seq.request_id, None)
+                self._abort_receives(seq)
             self.sched.finish(seq)
             self._finished(item)
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
             item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1, seq.cached_tokens))
             return
         self.sched.mark_ready(seq.request_id, token)
+        if seq.state is RequestState.TRANSFERRING and not seq.transfer_ids:
+            # its whole prompt was cached here (pulled nothing): prefill's copy can go now
+            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+
+    def _abort_receives(self, seq: DecodeSeq) -> None:
+        """Cancel the receives of ``seq``'s KV: once this returns, no byte of them lands in its blocks."""
+        for tid in seq.transfer_ids:
+            self.transfer.abort(tid)
 
     def _start_pull(self, seq: DecodeSeq) -> None:
-        """Receive the prompt's blocks after the ones this worker's cache already holds (none: join now)."""
-        first = seq.kv.cached_tokens // self.kv_cache.block_size
+        """Receive the prompt's blocks after the ones this worker's cache already holds (none: join now, or
+        once the first token is here). Pulled while prefill still computes the prompt, the blocks come in
+        parts of the size prefill suggested, each as soon as it is computed."""
+        bs = self.kv_cache.block_size
+        first = seq.kv.cached_tokens // bs
         blocks = seq.kv.blocks[first:]
         self._reused_blocks += first
         self.metrics.kv_reused(first * self.pool.layout.block_bytes)
         if not blocks:  # the whole prompt is cached here: nothing to move; prefill can drop its copy
             self.sched.skip_transfer(seq)
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
-            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            if seq.ready:
+                self.signal.send_release(seq.prefill_addr, [seq.request_id])
             return
-        dst = [Region(*r) for r in self.pool.byte_ranges(blocks)]
+        size = seq.part_blocks if not seq.ready and seq.part_blocks else len(blocks)
+        count = -(-len(blocks) // size)
+        seq.transfer_ids = part_transfer_ids(seq.request_id, count)
         secret = new_secret()  # only the prefill worker we send it to (in the pull) may write these blocks
-        token = self.transfer.expect(transfer_id_of(seq.request_id), dst, secret=secret)
+        tokens = []
+        for i, tid in enumerate(seq.transfer_ids):
+            dst = [Region(*r) for r in self.pool.byte_ranges(blocks[i * size : (i + 1) * size])]
+            tokens.append(self.transfer.expect(tid, dst, secret=secret))
+        token = tokens[0] if count == 1 else AllOf(transfer_id_of(seq.request_id), tokens)
         token.on_finish(self._wake)  # the loop sleeps until the KV landed
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self._recv_started[seq.request_id] = (time.monotonic(), len(blocks) * self.pool.layout.block_bytes)
         self._pulls[seq.prefill_addr] += 1
         self._pending_pulls.setdefault(seq.prefill_addr, []).append(
-            m.LookupEntry(seq.request_id, tuple(blocks), first, secret))
+            m.LookupEntry(seq.request_id, tuple(blocks), first, secret, part_blocks=size if count > 1 else 0))
 
     def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
         started = self._recv_started.pop(seq.request_id, None)

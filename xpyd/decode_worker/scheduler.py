@@ -2,9 +2,13 @@
 
 Queues a request moves through::
 
-    waiting (until prefill reports ready) --(room in the batch and the pool)--> transferring
-    (blocks allocated, KV being received; token polled each step) --> running
-    (in the continuous batch; joins and leaves at any step) --> finished
+    waiting (until prefill reports the prompt: prefilling, or ready) --(room in the batch and the pool)-->
+    transferring (blocks allocated, KV being received; token polled each step) --(KV landed and the first
+    token known)--> running (in the continuous batch; joins and leaves at any step) --> finished
+
+A request whose prompt is still computing on a prefill worker that streams (``prefilling``) is admitted
+as soon as there is room: its KV arrives in parts while prefill computes the rest, and it joins the
+batch once the last part landed and prefill's first token arrived (``ready``), whichever is later.
 
 A ready request's leading prompt blocks that this worker's prefix cache already holds are reused: only
 the blocks after them are pulled (``kv.cached_tokens``), none at all when the cache holds the whole
@@ -28,7 +32,7 @@ from typing import Any
 
 from xpyd.worker.request import DECODE_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
-from xpyd.transfer.base import CompletionToken
+from xpyd.transfer.base import CompletionToken, TransferState
 
 S = RequestState
 
@@ -40,6 +44,9 @@ class DecodeSeq:
     payload: Any = None  # the worker's per-request extras (sampling, output sink)
     state: RequestState = S.WAITING
     ready: bool = False  # prefill has the KV and the first token
+    known: bool = False  # the prompt's length and block hashes are known (prefilling or ready)
+    part_blocks: int = 0  # prefilling: pull in parts of this many blocks, each sent as soon as it is computed
+    transfer_ids: list[str] = field(default_factory=list)  # the receives expected for it (abort them all)
     first_token: int | None = None
     kv: RequestKV | None = None
     recv_token: CompletionToken | None = None
@@ -111,9 +118,9 @@ class DecodeScheduler:
         self._waiting[seq.request_id] = seq
 
     def mark_ready(self, request_id: str, first_token: int) -> DecodeSeq | None:
-        seq = self._waiting.get(request_id)
+        seq = self._waiting.get(request_id) or self._transferring.get(request_id)
         if seq is not None:
-            seq.ready = True
+            seq.ready = seq.known = True
             seq.first_token = first_token
         return seq
 
@@ -127,7 +134,7 @@ class DecodeScheduler:
         for seq in list(self._waiting.values()):
             if self.num_running + self.num_transferring >= self.batch_size:
                 break
-            if not seq.ready:
+            if not seq.known:
                 continue
             kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
                                reuse_tokens=seq.prompt_len)
@@ -145,11 +152,14 @@ class DecodeScheduler:
         seq.recv_token = token
 
     def skip_transfer(self, seq: DecodeSeq) -> None:
-        """Nothing to pull (the prefix cache holds the whole prompt): the request joins the batch now."""
+        """Nothing to pull (the prefix cache holds the whole prompt): the request joins the batch now, or
+        when its first token arrives."""
         require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
-        seq.set_state(S.RUNNING)
-        del self._transferring[seq.request_id]
-        self._running[seq.request_id] = seq
+        seq.recv_token = _landed()
+        if seq.ready:
+            seq.set_state(S.RUNNING)
+            del self._transferring[seq.request_id]
+            self._running[seq.request_id] = seq
 
     def poll_transfers(self) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
         """Without blocking: move arrived requests to RUNNING; return (joined, failed)."""
@@ -159,6 +169,8 @@ class DecodeScheduler:
             if tok is None or not tok.finished():
                 continue
             if tok.done():
+                if not seq.ready:
+                    continue  # the KV is here before prefill's first token
                 seq.set_state(S.RUNNING)
                 del self._transferring[seq.request_id]
                 self._running[seq.request_id] = seq
@@ -198,6 +210,7 @@ class DecodeScheduler:
         for seq in self._running.values():
             require(seq.state is S.RUNNING and self._holds_prompt(seq), "bad running seq")
             require(seq.recv_token is None or seq.recv_token.done(), "running before KV arrived")
+            require(seq.ready and seq.first_token is not None, "running before its first token")
         for seq in self._transferring.values():
             require(seq.state is S.TRANSFERRING and self._holds_prompt(seq), "bad transferring seq")
         for seq in self._waiting.values():
@@ -205,3 +218,10 @@ class DecodeScheduler:
 
     def _holds_prompt(self, seq: DecodeSeq) -> bool:
         return seq.kv is not None and len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len)
+
+
+def _landed() -> CompletionToken:
+    """A receive with nothing to receive: already done."""
+    token = CompletionToken("(cached)")
+    token._advance(TransferState.DONE)
+    return token

@@ -93,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 PASSED_ON = (
     ("--kv-ttl", ("prefill",)),
     ("--prefill-chunk", ("prefill",)),
+    ("--no-kv-stream", ("prefill",)),
     ("--peer-timeout", ("prefill",)),
     ("--prefill-wait-timeout", ("decode",)),
     ("--drain-timeout", ("prefill", "decode", "colocated")),

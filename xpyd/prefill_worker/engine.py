@@ -40,8 +40,8 @@ from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
 from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
-from xpyd.signal.request_id import RequestIdError, parse_request_id, transfer_id_of
-from xpyd.prefill_worker.handover import pull_regions, ready_result
+from xpyd.signal.request_id import RequestIdError, parse_request_id
+from xpyd.prefill_worker.handover import abort_sends, plan_pull, ready_result, send_due
 from xpyd.transfer.base import BackendDescriptor, TransferBackend
 
 log = logging.getLogger(__name__)
@@ -64,12 +64,13 @@ class PrefillEngine(WorkerEngine):
         self._peers = DecodePeers()
         self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
         self._kv_compat = self.pool.layout.compat()
-        self._send_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._memory = RequestMemory(max(MIN_RETENTION, config.kv_ttl), MAX_REMEMBERED)
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
         self._expired = 0
         self._released_on_arrival = 0
-        self._steps = Counter()  # forward passes, prompt chunks that did not end their prompt, tokens computed
+        # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
+        # their prompt was still computing
+        self._steps = Counter()
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
@@ -95,7 +96,8 @@ class PrefillEngine(WorkerEngine):
                     "sends": dict(self._sends),
                     "expired": self._expired, "released_on_arrival": self._released_on_arrival,
                     "prefill_chunk": self.sched.chunk, "prefill_steps": self._steps["steps"],
-                    "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"]}
+                    "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"],
+                    "kv_stream": self._streams, "kv_parts_streamed": self._steps["streamed_parts"]}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
@@ -116,9 +118,17 @@ class PrefillEngine(WorkerEngine):
                 else:
                     self.admit(item, self._add)
         with self._lock:
-            self._sends_finished(self.sched.poll())
+            ended, broken = self.sched.poll()
+            for seq in broken:  # a part's send failed: the others stop; the request ends when they did
+                abort_sends(self.transfer, seq)
+                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send failed: {seq.error}", seq.claimed)
+            for seq in ended:
+                self._ended(seq)
             self._expire(time.monotonic())
             chunks = self.sched.plan(self._peers.live(time.monotonic(), self.config.peer_timeout))
+            for chunk in chunks:
+                if chunk.start == chunk.seq.kv.cached_tokens and chunk.seq.claimed:  # it just started
+                    self._announce(chunk.seq)
             sending = self.sched.sends_in_flight()
         if sending:
             self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
@@ -172,7 +182,7 @@ class PrefillEngine(WorkerEngine):
                 late[seq] = f"not pulled within kv_ttl={ttl:g}s"
         for seq, why in late.items():
             self.sched.release(seq.request_id, RequestState.FAILED)
-            self.metrics.request_done("failed")
+            self._ended(seq)
             self._expired += 1
             self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
@@ -195,11 +205,26 @@ class PrefillEngine(WorkerEngine):
         self.metrics.set_kv_cache(self.kv_cache.stats())
         self.publish_kv_events()
 
-    def _sends_finished(self, seqs: list[PrefillSeq]) -> None:
-        for seq in seqs:
-            started, nbytes = self._send_started.pop(seq.request_id)
-            self.metrics.transfer_done("send", nbytes, time.monotonic() - started, seq.send_token.done())
-            self.metrics.request_done(_outcome(seq))
+    def _ended(self, seq: PrefillSeq) -> None:
+        """``seq`` reached a final state: count it (and its pull's bytes); if its prompt never finished, its
+        HTTP call still waits: answer it."""
+        plan = seq.pull.plan if seq.pull is not None else None
+        if plan is not None:
+            ok = seq.state is RequestState.FINISHED
+            self.metrics.transfer_done("send", plan.nbytes, time.monotonic() - plan.started, ok)
+        self.metrics.request_done(_outcome(seq))
+        if seq.first_token is None and seq.payload is not None and not seq.payload.sink.ended:
+            sink = seq.payload.sink
+            if seq.state is RequestState.FAILED:
+                sink.put(ErrorEvent(500, seq.error or "prefill failed"))
+            else:
+                sink.put(ErrorEvent(409, f"request {seq.request_id} was released before its prefill ran to completion"))
+
+    def _announce(self, seq: PrefillSeq) -> None:
+        """A claimed request started: tell its decode worker the prompt's facts, so it can pull the KV as it
+        is computed (when this worker streams)."""
+        if self._streams:
+            self._push(seq.request_id, self._ready_result(seq, m.LookupStatus.PREFILLING))
 
     def _run_step(self, chunks: list[Chunk]) -> None:
         """One forward pass over the step's chunks; requests whose prompt it ends get their first token.
@@ -226,19 +251,24 @@ class PrefillEngine(WorkerEngine):
                         self.kv_cache.cache_blocks(chunk.seq.kv, chunk.end)  # (a later prompt may share them)
                         self.sched.chunk_done(chunk)
                         if chunk.seq.state.is_final:  # released while its chunk ran
-                            self.metrics.request_done(_outcome(chunk.seq))
+                            self._ended(chunk.seq)
+                        elif chunk.seq.pull is not None:  # the KV of this chunk's full blocks goes now
+                            self._steps["streamed_parts"] += send_due(self.transfer, self.sched, chunk.seq,
+                                                                      self._wake)
         for (chunk, _), token in zip(last, tokens):
             with self.isolate(chunk.seq.request_id, chunk.seq.payload):
                 self._prefilled(chunk.seq, token, now)
 
     def _prefill_failed(self, seq: PrefillSeq, e: Exception) -> None:
         log.error("prefill failed for %s", seq.request_id, exc_info=e)
+        seq.payload.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
         with self._lock:
             self.sched.fail_running(seq, str(e))
+            abort_sends(self.transfer, seq)  # (parts of its first chunks may be on their way)
             self._record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
                              seq.claimed)
-        self.metrics.request_done("failed")
-        seq.payload.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
+            if seq.state.is_final:
+                self._ended(seq)
 
     def _prefilled(self, seq: PrefillSeq, token: int, now: float) -> None:
         item: WorkItem = seq.payload
@@ -249,42 +279,45 @@ class PrefillEngine(WorkerEngine):
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, ())
             self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
-                self.metrics.request_done(_outcome(seq))
-            elif seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
+                self._ended(seq)
+            elif seq.pull is not None:  # streamed: the parts still due go now (the last one at least)
+                send_due(self.transfer, self.sched, seq, self._wake)
+            if not seq.state.is_final and seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
                 self._push(seq.request_id, self._ready_result(seq, m.LookupStatus.READY))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
 
     def _ready_result(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
-        return ready_result(seq, status, self.kv_cache.block_size)
+        part_blocks = max(1, self.sched.chunk // self.kv_cache.block_size) if status is m.LookupStatus.PREFILLING else 0
+        return ready_result(seq, status, self.kv_cache.block_size, part_blocks)
+
+    @property
+    def _streams(self) -> bool:
+        """Does this worker send a request's KV while its prompt computes (chunked, streaming on)?"""
+        return self.sched.chunk > 0 and self.config.kv_stream
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         with self._lock:
             seq = self.sched.get(request_id)
             if seq is None or (item is not None and seq.payload is not item):
                 return False
-            if seq.state is RequestState.RUNNING:
-                self.sched.fail_running(seq, error)
-            else:  # (a send in flight is aborted; its blocks are released, and the request counted, when it ends)
-                self.sched.release(request_id, RequestState.FAILED)
-                if seq.send_token is not None and not seq.send_token.finished():
-                    self.transfer.abort(transfer_id_of(request_id))
+            seq.payload.sink.put(ErrorEvent(500, error))
+            seq.error = seq.error or error
+            # (in a step, or with sends in flight, which are aborted: it ends, and is counted, when they end)
+            self.sched.release(request_id, RequestState.FAILED)
+            abort_sends(self.transfer, seq)
             self._record_end(request_id, m.LookupStatus.FAILED, error, seq.claimed)
-        if seq.state.is_final:
-            self.metrics.request_done("failed")
-        seq.payload.sink.put(ErrorEvent(500, error))
+            if seq.state.is_final:
+                self._ended(seq)
         return True
 
     def _release(self, request_id: str) -> int:
         seq = self.sched.release(request_id)
         if seq is None:
             return 0
+        abort_sends(self.transfer, seq)
         if seq.state.is_final:
-            self.metrics.request_done(_outcome(seq))
-            if seq.first_token is None:  # dropped from the queue: its HTTP call is still waiting for an answer
-                seq.payload.sink.put(ErrorEvent(409, f"request {request_id} was released before its prefill ran"))
-        if seq.send_token is not None and not seq.send_token.finished():
-            self.transfer.abort(transfer_id_of(request_id))
+            self._ended(seq)
         return 1
 
     def _drop_peers(self, addrs: frozenset[str]) -> None:
@@ -385,28 +418,27 @@ class PrefillEngine(WorkerEngine):
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if e.dest_blocks is None:
             seq.claimed = True  # notified when ready (or ended); its KV waits for this decode worker
-        if seq.state in (RequestState.WAITING, RequestState.RUNNING):
+        streaming = seq.state is RequestState.RUNNING and self._streams
+        if seq.state is RequestState.WAITING or (seq.state is RequestState.RUNNING and not streaming):
             return m.LookupResult(e.request_id, S.NOT_READY)
-        n = len(seq.prompt_ids)
         if e.dest_blocks is None:
-            return self._ready_result(seq, S.READY if seq.send_token is None else S.SENDING)
+            if streaming:
+                return self._ready_result(seq, S.PREFILLING)
+            return self._ready_result(seq, S.READY if seq.pull is None else S.SENDING)
         # A pull (only the decode worker named in the request id gets here).
         if peer is None:
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
-        if seq.send_token is not None:
-            return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
-        regions = pull_regions(self.pool, seq, e, peer)
-        if isinstance(regions, str):
-            return m.LookupResult(e.request_id, S.FAILED, error=regions)
-        src, dst = regions
-        started = time.monotonic()
-        token = self.transfer.send(rid.short, src, peer.transfer, dst, secret=e.secret)
-        self.sched.start_send(e.request_id, token)
-        token.on_finish(self._wake)
-        self._send_started[e.request_id] = (started, sum(r.length for r in src))
-        self._sends[identity] += 1
-        self.post(None)  # wake the engine to poll the send
-        return m.LookupResult(e.request_id, S.SENDING, seq.first_token, n)
+        if seq.pull is None:
+            plan = plan_pull(self.pool, seq, e, peer, time.monotonic())
+            if isinstance(plan, str):
+                return m.LookupResult(e.request_id, S.FAILED, error=plan)
+            self.sched.start_pull(e.request_id, len(plan.parts), plan)
+            self._sends[identity] += 1
+            if send_due(self.transfer, self.sched, seq, self._wake):
+                self.post(None)  # wake the engine to poll the sends
+        if streaming:
+            return self._ready_result(seq, S.PREFILLING)
+        return m.LookupResult(e.request_id, S.SENDING, seq.first_token, seq.prompt_len)
 
     def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply | m.ErrorReply:
         if not self._known(identity):

@@ -52,9 +52,10 @@ class PrefillSeq:
     hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks
     kv: RequestKV | None = None  # its KV blocks while running / transferring
     first_token: int | None = None
-    send_token: CompletionToken | None = None
+    pull: "Pull | None" = None  # its decode worker's pull: where the KV goes, the sends started so far
     error: str | None = None
-    cancel_requested: bool = False  # abort/release while a send is in flight
+    cancel_requested: bool = False  # dropped while in a step or with a send in flight: ends when those end
+    end_state: RequestState = S.ABORTED  # ... in this state
     held_since: float = 0.0  # monotonic time the KV started waiting for a pull (set by prefilled)
     peer: str = ""  # the decode worker this request's KV waits for (its address in the request id)
     claimed: bool = False  # that decode worker claimed it: no kv_ttl; kept while the worker lives
@@ -75,6 +76,27 @@ class PrefillSeq:
     def set_state(self, new: RequestState) -> None:
         check_transition(PREFILL_TRANSITIONS, self.request_id, self.state, new)
         self.state = new
+
+
+@dataclass(eq=False, slots=True)
+class Pull:
+    """A decode worker's pull of one request's KV, sent in ``parts`` parts (each as soon as its blocks are
+    computed: the KV streams while the prompt's later chunks compute); ``plan`` is the engine's (where
+    each part goes)."""
+
+    parts: int
+    plan: Any = None
+    tokens: list[CompletionToken] = field(default_factory=list)  # the sends started, in part order
+
+    @property
+    def all_sent(self) -> bool:
+        return len(self.tokens) == self.parts
+
+    def in_flight(self) -> bool:
+        return any(not t.finished() for t in self.tokens)
+
+    def failure(self) -> str | None:
+        return next((t.error or "transfer failed" for t in self.tokens if t.failed()), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +164,7 @@ class PrefillScheduler:
 
     def held(self) -> list[PrefillSeq]:
         """Requests whose KV waits for a pull (no send started, not being dropped)."""
-        return [s for s in self._transferring.values() if s.send_token is None and not s.cancel_requested]
+        return [s for s in self._transferring.values() if s.pull is None and not s.cancel_requested]
 
     def queued_tokens(self) -> int:
         """Prompt tokens still to compute: the waiting requests' and the running ones' (cached prefixes
@@ -150,7 +172,11 @@ class PrefillScheduler:
         return sum(s.prompt_len for s in self._waiting) + sum(s.remaining for s in self._running.values())
 
     def sends_in_flight(self) -> bool:
-        return any(s.send_token is not None for s in self._transferring.values())
+        return any(s.pull is not None and s.pull.in_flight() for s in self._sending())
+
+    def pulled(self) -> list[PrefillSeq]:
+        """Requests with a pull whose parts are not all sent yet (not being dropped)."""
+        return [s for s in self._sending() if not s.pull.all_sent and not s.cancel_requested]
 
     def has_work(self) -> bool:
         return bool(self._live)
@@ -175,7 +201,7 @@ class PrefillScheduler:
             seq = next(iter(self._admissible(live_peers)), None)
             return [self._take(seq, seq.remaining)] if seq is not None and self._admit(seq) else []
         budget, aged = self.chunk, self.age_steps
-        candidates = list(self._running.values()) + self._admissible(live_peers)
+        candidates = [s for s in self._running.values() if not s.cancel_requested] + self._admissible(live_peers)
         candidates.sort(key=lambda s: (s.starved < aged, s.remaining if s.kv else s.prompt_len, s.order))
         steps: list[Chunk] = []
         blocked = False  # an aged request waits for KV blocks: no waiting request overtakes it
@@ -198,8 +224,7 @@ class PrefillScheduler:
             raise ValueError(f"request {seq.request_id}: the last chunk is reported with prefilled()")
         seq.in_step = False
         seq.computed = chunk.end
-        if seq.cancel_requested:
-            self._end(seq, S.ABORTED)
+        self._end_if_dropped(seq)
 
     def prefilled(self, seq: PrefillSeq, first_token: int, now: float = 0.0) -> None:
         """The whole prompt is computed: hold the KV (leased from ``now``) until a decode worker pulls it."""
@@ -209,42 +234,59 @@ class PrefillScheduler:
         del self._running[seq.request_id]
         seq.first_token = first_token
         seq.held_since = now
-        if seq.cancel_requested:
-            self._end(seq, S.ABORTED)
-            return
         seq.set_state(S.TRANSFERRING)
         self._transferring[seq.request_id] = seq
+        self._end_if_dropped(seq)
 
     def fail_running(self, seq: PrefillSeq, error: str) -> None:
         if seq.request_id not in self._running:
             raise ValueError(f"request {seq.request_id} is not running")
         seq.in_step = False
         seq.error = error
-        self._end(seq, S.FAILED)
+        seq.cancel_requested, seq.end_state = True, S.FAILED
+        self._end_if_dropped(seq)  # (now, unless sends of its first parts are in flight)
 
-    def start_send(self, request_id: str, token: CompletionToken) -> PrefillSeq:
-        seq = self._transferring.get(request_id)
-        if seq is None or seq.send_token is not None or seq.cancel_requested:
-            raise ValueError(f"request {request_id} has no KV waiting to be sent")
-        seq.send_token = token
+    def start_pull(self, request_id: str, parts: int, plan: Any = None) -> PrefillSeq:
+        """Its decode worker pulls the KV of ``request_id`` (running or prefilled), in ``parts`` parts."""
+        seq = self._live.get(request_id)
+        if seq is None or seq.state not in (S.RUNNING, S.TRANSFERRING) or seq.pull is not None or seq.cancel_requested:
+            raise ValueError(f"request {request_id} has no KV waiting to be pulled")
+        if parts < 1:
+            raise ValueError("a pull has at least one part")
+        seq.pull = Pull(parts, plan)
         return seq
 
-    def poll(self) -> list[PrefillSeq]:
-        """Check send tokens without blocking; release the blocks of finished sends."""
-        ended = []
-        for seq in list(self._transferring.values()):
-            tok = seq.send_token
-            if tok is None or not tok.finished():
+    def part_sent(self, seq: PrefillSeq, token: CompletionToken) -> None:
+        """The send of the pull's next part started."""
+        if seq.pull is None or seq.pull.all_sent or seq.state.is_final:
+            raise ValueError(f"request {seq.request_id} has no part left to send")
+        seq.pull.tokens.append(token)
+
+    def start_send(self, request_id: str, token: CompletionToken) -> PrefillSeq:
+        """A pull in one part, started at once."""
+        seq = self.start_pull(request_id, 1)
+        self.part_sent(seq, token)
+        return seq
+
+    def poll(self) -> tuple[list[PrefillSeq], list[PrefillSeq]]:
+        """Check send tokens without blocking: (requests that ended, releasing their blocks; requests one
+        of whose parts failed, now being dropped: the caller aborts their other sends)."""
+        ended, broken = [], []
+        for seq in self._sending():
+            pull = seq.pull
+            error = pull.failure()
+            if error is not None and not seq.cancel_requested:
+                seq.error, seq.cancel_requested, seq.end_state = error, True, S.FAILED
+                broken.append(seq)
+            if pull.in_flight():
                 continue
-            if tok.done() and not seq.cancel_requested:
+            if seq.cancel_requested:
+                if self._end_if_dropped(seq):
+                    ended.append(seq)
+            elif seq.state is S.TRANSFERRING and pull.all_sent:
                 self._end(seq, S.FINISHED)
-            elif tok.done() or seq.cancel_requested:
-                self._end(seq, S.ABORTED)
-            else:
-                seq.error = tok.error or "transfer failed"
-                self._end(seq, S.FAILED)
-            ended.append(seq)
-        return ended
+                ended.append(seq)
+        return ended, broken
 
     def release(self, request_id: str, state: RequestState = S.ABORTED) -> PrefillSeq | None:
         """Drop a request (decode does not need it, or the client went away).
@@ -259,10 +301,9 @@ class PrefillScheduler:
         if seq.state is S.WAITING:
             self._waiting.remove(seq)
             self._end(seq, state)
-        elif seq.in_step or seq.send_token is not None:
-            seq.cancel_requested = True
         else:
-            self._end(seq, state)
+            seq.cancel_requested, seq.end_state = True, state
+            self._end_if_dropped(seq)
         return seq
 
     # --- internals ---------------------------------------------------------
@@ -302,6 +343,16 @@ class PrefillScheduler:
         seq.in_step = True
         seq.starved = 0
         return Chunk(seq, seq.computed, seq.computed + n)
+
+    def _sending(self) -> list[PrefillSeq]:
+        return [s for q in (self._running, self._transferring) for s in q.values() if s.pull is not None]
+
+    def _end_if_dropped(self, seq: PrefillSeq) -> bool:
+        """End a dropped request once it is in no step and none of its sends is in flight."""
+        if not seq.cancel_requested or seq.in_step or (seq.pull is not None and seq.pull.in_flight()):
+            return False
+        self._end(seq, seq.end_state)
+        return True
 
     def _cap(self, peer: str, peers: int, demand: set[str]) -> int:
         """How many requests' KV for ``peer`` may be held (see the module docstring)."""

@@ -57,7 +57,9 @@ class MessageError(ValueError):
 
 class LookupStatus(str, Enum):  # sent as its value
     UNKNOWN = "unknown"  # the prefill worker has not seen this request (yet)
-    NOT_READY = "not_ready"  # queued or prefilling
+    NOT_READY = "not_ready"  # queued (or prefilling, on a prefill worker that does not stream)
+    PREFILLING = "prefilling"  # its prompt is being computed: prompt facts attached; a pull now gets each part
+    # of the KV as soon as it is computed (the KV streams while the rest of the prompt computes)
     READY = "ready"  # prefilled; KV held; first token known
     SENDING = "sending"  # KV send started (answer to a lookup with destination)
     FAILED = "failed"  # prefill failed, aborted there, or the pull was refused; `error` says why
@@ -104,6 +106,9 @@ class LookupEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
     first_block: NonNegative = 0
     # A pull's transfer secret (the decode worker expects the transfer with it); a claim has none.
     secret: TransferSecret | None = None
+    # A pull's blocks go in parts of this many blocks (transfer ids "<id>.<i>"), each sent once computed;
+    # 0: one transfer (id "<id>").
+    part_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
 
     def __post_init__(self) -> None:
         if (self.dest_blocks is None) != (self.secret is None):
@@ -124,6 +129,7 @@ class LookupResult(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     block_hashes: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCKS)] = b""  # the prompt's full blocks
     tail: Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=MAX_TAIL)] = ()  # prompt tokens after them
     cached_tokens: NonNegative = 0  # prompt tokens prefill found in its prefix cache (not computed)
+    part_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0  # prefilling: blocks a step computes
 
 
 class LookupReply(_Message, frozen=True, tag="lookup_reply"):

@@ -71,3 +71,9 @@ def parse_request_id(text: str) -> RequestId:
 def transfer_id_of(request_id: str) -> str:
     """The short id a KV transfer is known by (``xpyd-<hex>``; fits the transfer header limit)."""
     return request_id.split("~", 1)[0]
+
+
+def part_transfer_ids(request_id: str, parts: int) -> list[str]:
+    """The transfer ids of a pull in ``parts`` parts: the short id itself for one part, else ``<id>.<i>``."""
+    short = transfer_id_of(request_id)
+    return [short] if parts == 1 else [f"{short}.{i}" for i in range(parts)]

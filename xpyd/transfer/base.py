@@ -193,6 +193,31 @@ class DerivedToken(CompletionToken):
         return self._error
 
 
+class AllOf(DerivedToken):
+    """The parts of one transfer (a pull streamed in parts): DONE when every part is, FAILED as soon as one
+    part failed (with its error)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, transfer_id: str, parts: Sequence[CompletionToken]) -> None:
+        super().__init__(transfer_id)
+        if not parts:
+            raise ValueError("AllOf needs at least one part")
+        self._parts = tuple(parts)
+
+    def _followed(self) -> Sequence[CompletionToken]:
+        return self._parts
+
+    def _sync(self) -> None:
+        if CompletionToken.finished(self):
+            return
+        failed = next((p for p in self._parts if p.failed()), None)
+        if failed is not None:
+            self._set(TransferState.FAILED, failed.error or "failed")
+        elif all(p.done() for p in self._parts):
+            self._set(TransferState.DONE, None)
+
+
 DEVICE_KINDS = ("cuda",)
 
 

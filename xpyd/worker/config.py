@@ -49,6 +49,7 @@ class WorkerConfig:
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
+    kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -180,6 +181,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                             help=f"prompt tokens per forward pass: a longer prompt is computed in chunks, and "
                                  f"short prompts run between them (several in one pass); 0 = whole prompts, "
                                  f"one at a time (default {d.prefill_chunk})")
+        parser.add_argument("--no-kv-stream", dest="kv_stream", action="store_false",
+                            help="send a request's KV only once its whole prompt is computed (default: a "
+                                 "chunked prompt's KV streams to its decode worker while later chunks compute)")
         parser.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                             help="KV claimed by a decode worker is kept until it is pulled or released, or until "
                                  "that worker has sent nothing (it sends a heartbeat every second) for this many "

@@ -28,7 +28,7 @@ PREFILL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 }
 DECODE_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.WAITING: frozenset({S.TRANSFERRING, S.FINISHED, S.FAILED, S.ABORTED}),
-    S.TRANSFERRING: frozenset({S.RUNNING, S.FAILED, S.ABORTED}),
+    S.TRANSFERRING: frozenset({S.RUNNING, S.FINISHED, S.FAILED, S.ABORTED}),  # (finished: by its first token)
     S.RUNNING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
 }
 

@@ -1,0 +1,123 @@
+"""Chunked prefill on the long-prompt scenario: short prompts arriving while long prompts keep the prefill
+worker busy, the same load against `xpyd up` once per --prefill-chunk value (0 = unchunked).
+
+Per value: a fresh `xpyd up` (1P1D, bfloat16), then two `xpyd bench` runs at the same time through its proxy:
+  long:  --input-len LONG  --output-len 4, closed loop at --long-concurrency (the prefill worker never idles)
+  short: --input-len SHORT --output-len 4, Poisson at --short-rate
+and the prefill worker's /xpyd/stats before and after (prompt tokens it computed over the run: tokens/s).
+
+    .venv/bin/python scripts/bench_chunked.py --chunks 0,256,512 --out docs/bench/DIR
+writes DIR/chunk{N}_{long,short}.json and DIR/chunked_summary.json, and prints a table with each value's
+ratio to the first (short TTFT p99, prefill tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"xpyd up exited:\n{log.read_text()[-3000:]}")
+        if "Press Ctrl-C to stop" in log.read_text(errors="replace"):
+            return
+        time.sleep(1.0)
+    raise TimeoutError("xpyd up did not become ready")
+
+
+def run_one(chunk: int, args: argparse.Namespace, tokenizer: str) -> dict:
+    out = Path(args.out)
+    log = out / f"chunk{chunk}_up.log"
+    up = subprocess.Popen([PY, "-m", "xpyd", "up", "--max-model-len", str(args.long + 256), "--port", str(args.port),
+                           "--prefill-chunk", str(chunk), *args.up_args.split()],
+                          stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                          env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    try:
+        wait_ready(up, log)
+        url = f"http://127.0.0.1:{args.port}"
+        prefill = next(w["http_url"] for w in get_json(f"{url}/cluster")["workers"] if w["role"] == "prefill")
+        bench = [PY, "-m", "xpyd", "bench", "--url", url, "--tokenizer", tokenizer, "--no-progress",
+                 "--output-len", "4", "--duration", str(args.duration)]
+        warm = subprocess.run([*bench, "--input-len", str(args.long), "--num-requests", "2", "--seed", "99"],
+                              capture_output=True, cwd=ROOT)
+        if warm.returncode:
+            raise RuntimeError(warm.stderr.decode()[-2000:])
+        before, t0 = get_json(f"{prefill}/xpyd/stats"), time.monotonic()
+        long = subprocess.Popen([*bench, "--input-len", str(args.long), "--concurrency", str(args.long_concurrency),
+                                 "--num-requests", "1000", "--seed", "1", "--json", str(out / f"chunk{chunk}_long.json")],
+                                stdout=subprocess.DEVNULL, cwd=ROOT)
+        time.sleep(2.0)  # the long prompts occupy the worker first
+        short = subprocess.run([*bench, "--input-len", str(args.short), "--rate", str(args.short_rate),
+                                "--num-requests", "1000", "--seed", "2", "--json", str(out / f"chunk{chunk}_short.json")],
+                               stdout=subprocess.DEVNULL, cwd=ROOT)
+        long.wait()
+        after, elapsed = get_json(f"{prefill}/xpyd/stats"), time.monotonic() - t0
+        if short.returncode or long.returncode:
+            raise RuntimeError("a bench run failed")
+        s = json.loads((out / f"chunk{chunk}_short.json").read_text())
+        l = json.loads((out / f"chunk{chunk}_long.json").read_text())
+        tokens = after["prefill_tokens"] - before["prefill_tokens"]
+        return {"chunk": chunk, "short_ttft_p50_ms": s["ttft_ms"]["p50"], "short_ttft_p99_ms": s["ttft_ms"]["p99"],
+                "short_completed": s["completed"], "long_ttft_p50_ms": l["ttft_ms"]["p50"],
+                "long_completed": l["completed"], "prefill_tokens": tokens, "seconds": round(elapsed, 1),
+                "prefill_tokens_per_s": round(tokens / elapsed, 1),
+                "steps": after["prefill_steps"] - before["prefill_steps"]}
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", default="0,512", help="--prefill-chunk values, comma-separated (first = baseline)")
+    p.add_argument("--long", type=int, default=2048, help="long prompt tokens")
+    p.add_argument("--short", type=int, default=128, help="short prompt tokens")
+    p.add_argument("--long-concurrency", type=int, default=1)
+    p.add_argument("--short-rate", type=float, default=1.0, help="short prompts per second (Poisson)")
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    from xpyd.model.loader import ensure_converted
+
+    tokenizer = str(ensure_converted(None).path)
+    rows = [run_one(int(c), args, tokenizer) for c in args.chunks.split(",")]
+    base = rows[0]
+    for r in rows:
+        r["short_ttft_p99_ratio"] = round(r["short_ttft_p99_ms"] / base["short_ttft_p99_ms"], 3)
+        r["prefill_tokens_per_s_ratio"] = round(r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"], 3)
+    (Path(args.out) / "chunked_summary.json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2) + "\n")
+    print(f"{'chunk':>6} {'short TTFT p50':>15} {'p99':>9} {'ratio':>6} {'long TTFT p50':>14} {'prefill tok/s':>14} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['chunk']:>6} {r['short_ttft_p50_ms']:>13.0f}ms {r['short_ttft_p99_ms']:>7.0f}ms "
+              f"{r['short_ttft_p99_ratio']:>6.2f} {r['long_ttft_p50_ms']:>12.0f}ms {r['prefill_tokens_per_s']:>14.0f} "
+              f"{r['prefill_tokens_per_s_ratio']:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
