@@ -194,3 +194,14 @@ def test_random_lifecycles_keep_invariants_finish_everything_and_starve_nobody(s
 def test_chunk_of_a_plan_names_its_tokens():
     s = seq("a", 10)
     assert Chunk(s, 4, 10).last and not Chunk(s, 0, 4).last
+
+
+def test_a_streamed_prompt_ends_with_a_chunk_of_its_last_kv_part_alone():
+    sched = PrefillScheduler(batch_size=2, kv=kv_cache(64, block_size=4), chunk=16)
+    long = seq("long", 40)
+    sched.add(long)
+    assert step(sched) == [("long", 0, 16)]
+    long.split_at = 36  # (the engine sets it from the pull: where the last part of the KV starts)
+    assert step(sched) == [("long", 16, 32)]
+    assert step(sched) == [("long", 32, 36)]  # would cross 36: stops there
+    assert step(sched) == [("long", 36, 40)]  # the last chunk: the last part's tokens only

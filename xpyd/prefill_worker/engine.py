@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 RELEASED_EARLY = "released before it reached the prefill worker (its client went away)"
 MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
 MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
+STREAM_PARTS = 4  # a streamed prompt's KV moves in parts of a quarter chunk (the last one after the prompt)
 LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
 
 
@@ -288,7 +289,9 @@ class PrefillEngine(WorkerEngine):
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
 
     def _ready_result(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
-        part_blocks = max(1, self.sched.chunk // self.kv_cache.block_size) if status is m.LookupStatus.PREFILLING else 0
+        part_blocks = 0  # one part (a prompt one step computes has nothing to overlap its KV with)
+        if status is m.LookupStatus.PREFILLING and seq.prompt_len - seq.kv.cached_tokens > self.sched.chunk:
+            part_blocks = max(1, self.sched.chunk // STREAM_PARTS // self.kv_cache.block_size)
         return ready_result(seq, status, self.kv_cache.block_size, part_blocks)
 
     @property
@@ -433,6 +436,8 @@ class PrefillEngine(WorkerEngine):
             if isinstance(plan, str):
                 return m.LookupResult(e.request_id, S.FAILED, error=plan)
             self.sched.start_pull(e.request_id, len(plan.parts), plan)
+            if len(plan.parts) > 1:  # the last chunk computes the last part alone: only it is left to move
+                seq.split_at = plan.parts[-2].ready_at
             self._sends[identity] += 1
             if send_due(self.transfer, self.sched, seq, self._wake):
                 self.post(None)  # wake the engine to poll the sends

@@ -14,7 +14,9 @@ Steps (``plan``): unchunked (``chunk=0``), a step is one whole prompt, oldest el
 nothing else starts until it is done. Chunked (``chunk=N``), a step computes at most N prompt tokens,
 taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones,
 several short prompts share one forward pass, and a long prompt continues from its own KV with whatever
-the step has left. Aging: a request that could have run but got no token for ``age_steps`` steps in a
+the step has left. A prompt whose KV streams to its decode worker ends with a chunk of just its last KV
+part (``split_at``): what is left to move once the prompt is computed is that part alone.
+Aging: a request that could have run but got no token for ``age_steps`` steps in a
 row goes first (oldest first among those), so a long prompt is never starved by a stream of short ones.
 
 Invariants: RUNNING + TRANSFERRING <= batch_size; unchunked, at most one request RUNNING; every
@@ -63,6 +65,7 @@ class PrefillSeq:
     starved: int = 0  # steps in a row it could have run and got no token
     in_step: bool = False  # part of the step being computed (planned, not yet reported back)
     order: int = 0  # arrival order (set by the scheduler)
+    split_at: int = 0  # a chunk ends here if it would cross it (where a streamed prompt's last KV part starts)
 
     @property
     def prompt_len(self) -> int:
@@ -340,6 +343,8 @@ class PrefillScheduler:
         return True
 
     def _take(self, seq: PrefillSeq, n: int) -> Chunk:
+        if seq.computed < seq.split_at < seq.computed + n:
+            n = seq.split_at - seq.computed  # (its last chunk computes only what its last KV part holds)
         seq.in_step = True
         seq.starved = 0
         return Chunk(seq, seq.computed, seq.computed + n)
