@@ -92,14 +92,16 @@ def test_shm_and_tcp_decode_give_the_same_tokens(tmp_path: Path, tiny_model_dir:
 
 
 def _pair_tokens(tmp_path: Path, model: Path, kind: str, prompt: str, n: int) -> tuple[list[str], str]:
-    """Start a prefill and a decode worker with ``--kv-backend kind``, generate once, stop; (tokens, prefill log)."""
+    """Start a prefill and a decode worker with ``--kv-backend kind``, generate once, stop; (tokens, prefill log).
+    The prefill worker computes 8 tokens a chunk: a longer prompt's KV streams in parts over ``kind``."""
     (tmp_path / kind).mkdir()
     c = Cluster(tmp_path / kind)
     common = ["--model", str(model), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
               "--batch-size", "2", "--kv-backend", kind]
     pp, ps, dp = free_port(), free_port(), free_port()
     prefill, signal, decode = f"http://127.0.0.1:{pp}", f"127.0.0.1:{ps}", f"http://127.0.0.1:{dp}"
-    pproc = c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], prefill)
+    pproc = c.start("prefill", ["prefill", *common, "--prefill-chunk", "8", "--port", str(pp), "--signal-port", str(ps)],
+                    prefill)
     c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(free_port())], decode)
     try:
         c.wait_healthy()

@@ -1,4 +1,4 @@
-"""KV streamed while prefill runs, over real transfer backends (tcp and shm, real sockets and segments).
+"""KV streamed while prefill runs, over real transfer backends (tcp, shm and, where installed, nixl).
 
 A prefill side (its scheduler, chunked, over a real KV pool registered with the sending backend) and a
 decode side (a real pool registered with the receiving backend): decode expects the request's blocks in
@@ -17,6 +17,7 @@ tested here: which bytes move when, and what is left after an abort.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -51,10 +52,17 @@ class Side:
         return b"".join(bytes(self.pool.buffer()[r[0]:r[0] + r[1]]) for r in self.pool.byte_ranges(blocks))
 
 
-@pytest.fixture(params=["tcp", "shm"])
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                                                     reason="NIXL is not installed (pip install --no-deps nixl nixl-cu13)"))
+_LIVE: list[Side] = []  # the sides of the running test: waits call their progress() as the engines do
+
+
+@pytest.fixture(params=["tcp", "shm", NIXL])
 def sides(request):
     prefill, decode = Side(request.param, sender=True), Side(request.param, sender=False)
+    _LIVE[:] = [prefill, decode]
     yield prefill, decode
+    _LIVE.clear()
     prefill.transfer.close()
     decode.transfer.close()
 
@@ -63,7 +71,9 @@ def until(predicate, what: str) -> None:
     deadline = time.monotonic() + WAIT
     while not predicate():
         assert time.monotonic() < deadline, what
-        time.sleep(0.005)
+        for side in _LIVE:
+            side.transfer.progress()  # (nixl moves bytes in these calls; tcp and shm in their own threads)
+        time.sleep(0.002)
 
 
 def compute(prefill: Side, seq: PrefillSeq, start: int, end: int) -> None:
