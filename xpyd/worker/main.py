@@ -132,11 +132,16 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
 
 
 def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
-    """``kv_backend`` in ``/xpyd/stats``: the configured backend and, for ``auto``, which of its parts
-    carried the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``)."""
+    """``kv_backend`` in ``/xpyd/stats``: the configured backend, for ``auto`` which of its parts carried
+    the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``), and how many frames
+    that tried to open a transfer its listeners refused (``refused``: no or a wrong MAC, an id not
+    expected; backends that count them)."""
     out: dict = {"name": config.kv_backend}
     if isinstance(transfer, AutoTransferBackend):
         out.update(transfer.used())
+    refused = getattr(transfer, "refused", None)
+    if isinstance(refused, int):
+        out["refused"] = refused
     return out
 
 
