@@ -1,6 +1,7 @@
 """A KV send to a decode worker that went silent is aborted after ``peer_timeout``, and its blocks freed,
 whatever the transfer backend's connection does meanwhile (a cut link leaves a tcp send waiting for
-acknowledgements that never come). The prefill engine is stepped by hand with fake backends; its clock
+acknowledgements that never come); a decode worker that left the cluster and is listed again is a peer
+like any other. The prefill engine is stepped by hand with fake backends; its clock
 is the argument of ``_expire``. Across real hosts with a real cut: tests/multihost/test_network_faults.py."""
 
 from __future__ import annotations
@@ -79,4 +80,20 @@ def test_a_send_to_a_decode_worker_that_keeps_talking_is_left_alone():
             engine._peers.heard_from(DECODE, t0 + dt)
             engine._expire(t0 + dt + 2.5)
     assert transfer.outstanding() == {transfer_id_of(rid)} and engine.sched.num_transferring == 1
+    transfer.close()
+
+
+def test_a_decode_worker_listed_again_after_it_left_is_a_peer_like_any_other():
+    """Cut off from etcd, a decode worker's lease expires and discovery says it left: the KV it has not
+    pulled then expires after a short grace. Registered again (same address, no new handshake: its
+    signal-plane connection never broke), it is back for good, not for the rest of kv_ttl."""
+    engine, transfer, _, _ = _sending_engine()
+    engine.peers_left({DECODE})
+    engine.step()
+    assert engine._peers.left_at(DECODE) is not None
+    assert engine._peers.live(engine._peers.last_heard(DECODE), PEER_TIMEOUT) == 0
+    engine.peers_left(set(), {DECODE})  # listed again
+    engine.step()
+    assert engine._peers.left_at(DECODE) is None
+    assert engine._peers.live(engine._peers.last_heard(DECODE), PEER_TIMEOUT) == 1
     transfer.close()

@@ -114,6 +114,8 @@ class PrefillEngine(WorkerEngine):
                             self._memory.released_early[item.request_id] = True
                 elif isinstance(item, PeersLeft):
                     self._drop_peers(item.addrs)
+                    for addr in item.joined:  # (one that had left and is back: its KV is kept as any other's)
+                        self._peers.joined(addr)
                 else:
                     self.admit(item, self._add)
         with self._lock:

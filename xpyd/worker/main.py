@@ -250,11 +250,12 @@ async def _join(config: WorkerConfig, engine):
     def on_change() -> None:
         nonlocal seen
         now = {w.signal_addr for w in watcher.workers(peer_role)}
-        left = seen - now
+        left, joined = seen - now, now - seen  # (joined: new, or back, e.g. after an etcd outage of its own)
         seen = now
         if left:
             log.info("%s workers left the cluster: %s", peer_role.value, ", ".join(sorted(left)))
-            engine.peers_left(left)
+        if left or joined:
+            engine.peers_left(left, joined)
 
     watcher.on_change(on_change)
     log.info("%s worker registered in etcd %s", config.role, config.etcd)
