@@ -296,3 +296,59 @@ def test_multipart_and_unknown_requests_get_error_replies(server):
         sock.close(0)
         ctx.term()
     assert h.maps == {} and h.released == []
+
+
+def _zmtp_dealer(port: int, identity: str) -> socket.socket:
+    """A TCP connection that speaks ZMTP 3.1 as a DEALER with ``identity``, has the server answer one
+    handshake on it, and then says nothing more: a decode worker whose link went silent (a cut cable
+    drops packets; no FIN, no RST ever arrives)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    got = bytearray()  # everything the server sent so far
+
+    def read_until(needle: bytes) -> None:
+        while needle not in got:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server hung up before {needle!r}"
+            got.extend(chunk)
+
+    props = b"".join(bytes([len(k)]) + k + len(v).to_bytes(4, "big") + v
+                     for k, v in ((b"Socket-Type", b"DEALER"), (b"Identity", identity.encode())))
+    ready = b"\x05READY" + props
+    hello = m.encode(1, m.Handshake(identity, "m", COMPAT))
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32))  # greeting
+    read_until(b"NULL")
+    sock.sendall(bytes([0x04, len(ready)]) + ready)
+    read_until(b"ROUTER")  # (its READY)
+    sock.sendall(bytes([0x00, len(hello)]) + hello)
+    read_until(b"handshake_reply")  # the identity is this connection's now
+    return sock
+
+
+def test_a_silent_connection_is_dropped_so_its_worker_can_connect_again():
+    """A ROUTER keeps a connection's identity until that connection closes, and ignores a new connection
+    with the same identity meanwhile. After a silent cut, the decode worker's old connection never
+    closes by itself: the server's heartbeats (ZMTP PING, ``peer_timeout``) close it, so the worker's
+    new connection is served."""
+    h = Handler()
+    s = SignalServer("127.0.0.1", 0, h, peer_timeout=1.0)
+    s.start()
+    identity = "127.0.0.1:7009"
+    stale = _zmtp_dealer(s.port, identity)
+    c = _client(identity, timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        p = c.peer(f"127.0.0.1:{s.port}")
+        _, failed = _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
+        while failed:  # (a handshake sent while the stale connection held the identity: tried again)
+            p = c.peer(f"127.0.0.1:{s.port}")
+            _, failed = _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
+            assert time.monotonic() - t0 < 8, "the new connection was not served"
+        assert p.state is PeerState.READY
+        assert stale.recv(1 << 16, socket.MSG_DONTWAIT) is not None  # (PINGs came; then it was closed)
+        stale.settimeout(5)
+        while stale.recv(1 << 16):  # the server closed the stale connection
+            pass
+    finally:
+        stale.close()
+        c.close()
+        s.close()

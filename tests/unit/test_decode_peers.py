@@ -22,6 +22,9 @@ def test_only_handshaken_peers_are_heard_from_and_live_counts_recent_ones_still_
     peers.leave("b", 14.0)
     peers.accept("b", 15.0)  # restarted on the same address: back
     assert peers.left_at("b") is None and peers.live(19.0, 10.0) == 1  # (a: silent for 11 s)
+    peers.leave("b", 20.0)
+    peers.joined("b")  # listed again without a new handshake (its etcd lease was lost, then it registered again)
+    assert peers.left_at("b") is None and peers.live(21.0, 10.0) == 1
 
 
 def test_the_least_recently_heard_from_is_forgotten_beyond_the_limit_with_its_pool():

@@ -83,3 +83,31 @@ def test_the_worker_backend_copies_with_the_threads_it_was_given(name, threads):
         assert t.copy_threads == threads
     finally:
         t.close()
+
+
+def test_transfer_connections_fail_after_the_configured_stall():
+    """A cut link drops packets without a word: the tcp backend's sockets let the kernel fail a connection
+    whose peer acknowledges nothing for the worker's stall bound (on a real cut across hosts:
+    tests/multihost/test_network_faults.py)."""
+    import socket
+
+    from xpyd.transfer.tcp import fail_when_stalled
+
+    assert WorkerConfig("prefill", peer_timeout=3.0).transfer_stall_timeout == 3.0  # --peer-timeout
+    assert WorkerConfig("prefill", peer_timeout=60.0).transfer_stall_timeout == 60.0
+    assert WorkerConfig("decode").transfer_stall_timeout == 10.0  # (decode has no --peer-timeout: its default)
+    assert WorkerConfig("decode", prefill_wait_timeout=4.0).transfer_stall_timeout == 4.0
+    assert WorkerConfig("decode", prefill_wait_timeout=0.2).transfer_stall_timeout == 1.0
+    for name in ("tcp", "auto"):
+        t = make_worker_backend(name, "127.0.0.1", 0, None, stall_timeout=4.5)
+        try:
+            assert (t.primary if name == "auto" else t).stall_timeout == 4.5
+        finally:
+            t.close()
+    with socket.socket() as sock:
+        fail_when_stalled(sock, 4.5)
+        opt = lambda level, name: sock.getsockopt(level, name)  # noqa: E731
+        assert opt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4500
+        assert (opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE), opt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                opt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (1, 1, 3)

@@ -48,7 +48,7 @@ class ColocatedEngine(WorkerEngine):
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def peers_left(self, addrs: set[str]) -> None:  # no peers
+    def peers_left(self, addrs: set[str], joined: set[str] = frozenset()) -> None:  # no peers
         pass
 
     def _update_stats(self) -> None:

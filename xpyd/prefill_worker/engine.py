@@ -11,7 +11,8 @@ it; the moment the prefill ends (or the request fails or expires here), the serv
 
 Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a later
 lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or until its
-decode worker has sent nothing (heartbeats included) for ``peer_timeout``. Requests that ended here
+decode worker has sent nothing (heartbeats included) for ``peer_timeout``; a send to a decode worker
+silent that long is aborted. Requests that ended here
 unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
 (``recent.RequestMemory``); a release that arrives before its request drops the request on arrival. With
 a cluster token configured, a decode worker must present it at the handshake (constant-time compare),
@@ -116,6 +117,8 @@ class PrefillEngine(WorkerEngine):
                             self._memory.released_early[item.request_id] = True
                 elif isinstance(item, PeersLeft):
                     self._drop_peers(item.addrs)
+                    for addr in item.joined:  # (one that had left and is back: its KV is kept as any other's)
+                        self._peers.joined(addr)
                 else:
                     self.admit(item, self._add)
         with self._lock:
@@ -187,7 +190,25 @@ class PrefillEngine(WorkerEngine):
             self._expired += 1
             self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
+        self._abort_stalled_sends(now)
         self._memory.expire()
+
+    def _abort_stalled_sends(self, now: float) -> None:
+        """Abort the sends to a decode worker that has sent nothing for ``peer_timeout`` (its link was cut, or
+        it died without a word): their blocks are freed once their tokens fail (next ``sched.poll``), not
+        when the backend gives up on a connection that no longer answers."""
+        silent = self.config.peer_timeout
+        for seq in self.sched.transferring():
+            tok = seq.send_token
+            if tok is None or tok.finished() or seq.cancel_requested:
+                continue
+            if now - (self._peers.last_heard(seq.peer) or 0.0) < silent:
+                continue
+            why = f"its decode worker {seq.peer} sent nothing for {silent:g}s during the KV send"
+            self.sched.release(seq.request_id, RequestState.FAILED)  # (ends when the aborted token is polled)
+            self.transfer.abort(transfer_id_of(seq.request_id))
+            self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
+            log.warning("request %s: KV send aborted: %s", seq.request_id, why)
 
     def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
         """Remember how a request ended here unpulled; tell the decode worker that claimed it."""

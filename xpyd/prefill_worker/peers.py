@@ -64,6 +64,10 @@ class DecodePeers:
         self._left[identity] = now
         return self._maps.get(identity)
 
+    def joined(self, identity: str) -> None:
+        """Discovery lists it (again: its registration came back, e.g. after an etcd outage of its own)."""
+        self._left.pop(identity, None)
+
     def left_at(self, identity: str) -> float | None:
         return self._left.get(identity)
 

@@ -38,10 +38,17 @@ class SignalHandler(Protocol):
     # Any of them may answer ``m.ErrorReply`` instead (e.g. a peer that has not shaken hands).
 
 
+HEARTBEAT_IVL = 1.0  # seconds between ZMTP PINGs on each decode worker's connection
+
+
 class SignalServer:
-    def __init__(self, bind_host: str, port: int, handler: SignalHandler) -> None:
+    def __init__(self, bind_host: str, port: int, handler: SignalHandler, peer_timeout: float = 10.0) -> None:
+        """``peer_timeout``: a decode worker's connection that answers no ZMTP PING for this long is closed
+        (a cut link leaves it open otherwise, and the ROUTER would refuse that worker's reconnection: it
+        keeps the old one under the same identity)."""
         self._host = bind_host
         self._handler = handler
+        self._peer_timeout = peer_timeout
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -67,6 +74,8 @@ class SignalServer:
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.IPV6, int(is_ipv6(self._host)))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._peer_timeout * 1000))
         if self.port == 0:
             self.port = int(sock.bind_to_random_port(f"tcp://{bracketed(self._host)}"))
         else:

@@ -211,14 +211,16 @@ class AutoTransferBackend:
 
 
 def make_auto_backend(host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                      tag: str | None = None, copy_threads: int | None = None, **kw) -> AutoTransferBackend:
+                      tag: str | None = None, copy_threads: int | None = None, stall_timeout: float | None = None,
+                      **kw) -> AutoTransferBackend:
     """tcp on ``port`` (what request ids and tcp-only peers use) plus shm for peers on this host
     (``tag`` names its segment, default: the port when set; ``copy_threads``: shm's, see ``ShmTransferBackend``;
-    ``kw``, e.g. ``cluster_token``, go to both)."""
+    ``stall_timeout``: tcp's, see ``TcpTransferBackend``; ``kw``, e.g. ``cluster_token``, go to both)."""
     from xpyd.transfer.shm import ShmTransferBackend
     from xpyd.transfer.tcp import TcpTransferBackend
 
-    return AutoTransferBackend(TcpTransferBackend(host=host, port=port, advertise_host=advertise_host, **kw),
+    tcp_kw = {} if stall_timeout is None else {"stall_timeout": stall_timeout}
+    return AutoTransferBackend(TcpTransferBackend(host=host, port=port, advertise_host=advertise_host, **kw, **tcp_kw),
                                [ShmTransferBackend(host=host, port=0, advertise_host=advertise_host,
                                                    tag=tag or (str(port) if port else None),
                                                    copy_threads=copy_threads, **kw)])

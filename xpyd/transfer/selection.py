@@ -42,17 +42,23 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
 
 
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1,
-                        cluster_token: str | None = None):
+                        cluster_token: str | None = None, stall_timeout: float | None = None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
     shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
-    ``auth``)."""
+    ``auth``; ``stall_timeout``: tcp connections whose peer acknowledges nothing for this long fail, see
+    ``tcp.fail_when_stalled``; None: tcp's default)."""
     check_kv_backend(name)
-    if name in ("tcp", "nixl"):  # (nixl: an ImportError naming the pip command when NIXL is missing)
-        return make_backend(name, host=host, port=port, advertise_host=advertise_host, cluster_token=cluster_token)
-    if name in ("shm", "auto"):  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
-        tag = str(port) if port else None
-        return make_backend(name, host=host, port=port, advertise_host=advertise_host, tag=tag,
-                            copy_threads=copy_threads, cluster_token=cluster_token)
+    common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token}
+    stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp's: shm is one host)
+    tag = str(port) if port else None  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
+    if name == "tcp":
+        return make_backend(name, **common, **stall)
+    if name == "nixl":  # (an ImportError naming the pip command when NIXL is missing)
+        return make_backend(name, **common)
+    if name == "shm":
+        return make_backend(name, **common, tag=tag, copy_threads=copy_threads)
+    if name == "auto":
+        return make_backend(name, **common, tag=tag, copy_threads=copy_threads, **stall)
     if name == "neuron":
         import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
 

@@ -17,8 +17,10 @@ Threads (all daemon, started by ``register``/first ``send``, joined by ``close``
   pool slices, waits for the ack; reconnects after a failure.
 
 Sockets are non-blocking; every wait is a ``poll`` bounded by a timeout that also
-wakes on ``close()``. Each pool read/write happens under the transfer's lock, so
-once ``abort()`` returns no more bytes of that transfer touch the pool.
+wakes on ``close()``, and a connection whose peer acknowledges nothing for
+``stall_timeout`` (a cut link) fails in the kernel (``fail_when_stalled``). Each pool
+read/write happens under the transfer's lock, so once ``abort()`` returns no more
+bytes of that transfer touch the pool.
 """
 
 from __future__ import annotations
@@ -67,15 +69,37 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = 600.0  # an established inbound connection with no frame for this long is closed
 SOCK_BUF = 4 << 20
 MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
+STALL_TIMEOUT = 10.0  # default: a peer that acknowledges nothing for this long fails the connection
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
 
-def _setup(sock: socket.socket) -> None:
+def _setup(sock: socket.socket, stall_timeout: float = STALL_TIMEOUT) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+    fail_when_stalled(sock, stall_timeout)
+
+
+def fail_when_stalled(sock: socket.socket, stall_timeout: float) -> None:
+    """Let the kernel fail the connection once its peer has acknowledged nothing for ``stall_timeout``.
+
+    A cut link drops packets without a reset: a sender's data then stays unacknowledged, and a side that
+    waits (the receiver for bytes, the sender for the ack) sees an idle connection. Linux retransmits for
+    15 minutes and keepalive starts after 2 hours by default, and our own waits are bounded only by
+    ``io_timeout`` each, which must also cover a healthy slow link draining 8 MiB of socket buffer.
+    ``TCP_USER_TIMEOUT`` bounds how long sent data may stay unacknowledged, and keepalive probes (every
+    third of the bound once idle) put data in flight on an idle connection, so either way the socket
+    errors (ETIMEDOUT) about ``stall_timeout`` after the peer went silent, and the poll waiting on it wakes.
+    On a live link, even a slow or lossy one, acknowledgements keep coming and nothing fires."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):  # (not Linux: the io_timeout waits still bound it)
+        return
+    probe = max(1, int(stall_timeout / 3))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(stall_timeout * 1000)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 class TcpTransferBackend:
@@ -89,19 +113,22 @@ class TcpTransferBackend:
         io_timeout: float = 30.0,
         advertise_host: str | None = None,
         cluster_token: str | None = None,
+        stall_timeout: float = STALL_TIMEOUT,
     ) -> None:
         """``cluster_token``: the workers' shared token (``--cluster-token``), or None; it keys every
-        transfer's MAC together with the transfer's secret (``auth``)."""
+        transfer's MAC together with the transfer's secret (``auth``). ``stall_timeout``: a connection
+        whose peer acknowledges nothing for this long fails (``fail_when_stalled``), and with it the
+        transfer on it; ``io_timeout`` bounds each wait for the peer's next frame or bytes."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {host!r}")
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-        if not connect_timeout > 0 or not io_timeout > 0:
-            raise ValueError("connect_timeout and io_timeout must be > 0")
+        if not connect_timeout > 0 or not io_timeout > 0 or not stall_timeout > 0:
+            raise ValueError("connect_timeout, io_timeout and stall_timeout must be > 0")
         if advertise_host is None and host in _WILDCARD_HOSTS:
             raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
         self.host, self.port = host, port
-        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.connect_timeout, self.io_timeout, self.stall_timeout = connect_timeout, io_timeout, stall_timeout
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self._endpoint = Endpoint()
@@ -123,7 +150,7 @@ class TcpTransferBackend:
             port = listener.getsockname()[1]
             address = format_address(self.advertise_host, port)
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
-            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
+            self._endpoint.start_acceptor(self.name, self._serve, self._setup_socket, MAX_INBOUND, log)
         return self._descriptor
 
     @property
@@ -178,6 +205,9 @@ class TcpTransferBackend:
         self._endpoint.close(join_timeout=self.connect_timeout + 5)
 
     # -- internals --------------------------------------------------------
+    def _setup_socket(self, sock: socket.socket) -> None:
+        _setup(sock, self.stall_timeout)
+
     def _require_buffer(self) -> memoryview:
         if self._buffer is None:
             raise TransferError("register() a buffer first")
@@ -248,7 +278,7 @@ class TcpTransferBackend:
                                      self._push, self._endpoint.sending, log)
 
     def _connect(self, address: str) -> Conn:
-        return connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
+        return connect(address, self._endpoint.wake[0], self._setup_socket, self.connect_timeout, self.io_timeout)
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id

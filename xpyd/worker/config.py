@@ -124,6 +124,16 @@ class WorkerConfig:
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
+    @property
+    def transfer_stall_timeout(self) -> float:
+        """Seconds a KV transfer connection may go without its peer acknowledging anything before it fails
+        (a cut link drops packets without a word). Prefill: its ``peer_timeout``, since a decode worker
+        silent that long is taken for gone. Decode (which has no ``--peer-timeout``: its default): at most
+        its ``prefill_wait_timeout``, by when the request has failed anyway. At least 1 s."""
+        if self.role == "decode":
+            return max(1.0, min(self.peer_timeout, self.prefill_wait_timeout))
+        return self.peer_timeout  # (>= 3 s)
+
 
 def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     d = WorkerConfig(role=role)  # every default below comes from the dataclass (one place)

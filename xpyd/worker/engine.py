@@ -31,9 +31,11 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class PeersLeft:
-    """Posted to the engine thread: these workers of the other role left the cluster (discovery)."""
+    """Posted to the engine thread: these workers of the other role left the cluster (discovery), and those
+    in ``joined`` are listed since the last change (new ones, or ones back after they had left)."""
 
     addrs: frozenset[str]
+    joined: frozenset[str] = frozenset()
 
 
 def _kv_cache(pool, served_name: str) -> KVCache:
@@ -80,9 +82,10 @@ class WorkerEngine(EngineThread):
     def abort(self, request_id: str) -> None:
         self.post(Abort(request_id))
 
-    def peers_left(self, addrs: set[str]) -> None:
-        """Workers of the other role left the cluster (signal addresses): the role's step handles it."""
-        self.post(PeersLeft(frozenset(addrs)))
+    def peers_left(self, addrs: set[str], joined: set[str] = frozenset()) -> None:
+        """Workers of the other role left the cluster, or joined it (signal addresses): the role's step
+        handles it."""
+        self.post(PeersLeft(frozenset(addrs), frozenset(joined)))
 
     # --- engine thread -----------------------------------------------------
     def publish_kv_events(self) -> None:

@@ -79,7 +79,7 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
     if config.role in ("prefill", "decode"):
         copy_threads = kv_copy_threads(config.kv_copy_threads, config.threads, config.device)
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host,
-                                       copy_threads, config.cluster_token)
+                                       copy_threads, config.cluster_token, config.transfer_stall_timeout)
         if config.role == "decode" and config.kv_backend in ("shm", "auto"):
             log.info("decode: shm transfers of 8 MiB or more are copied with %d thread(s)%s", copy_threads,
                      "" if config.kv_copy_threads else " (auto: --kv-copy-threads)")
@@ -132,11 +132,16 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
 
 
 def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
-    """``kv_backend`` in ``/xpyd/stats``: the configured backend and, for ``auto``, which of its parts
-    carried the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``)."""
+    """``kv_backend`` in ``/xpyd/stats``: the configured backend, for ``auto`` which of its parts carried
+    the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``), and how many frames
+    that tried to open a transfer its listeners refused (``refused``: no or a wrong MAC, an id not
+    expected; backends that count them)."""
     out: dict = {"name": config.kv_backend}
     if isinstance(transfer, AutoTransferBackend):
         out.update(transfer.used())
+    refused = getattr(transfer, "refused", None)
+    if isinstance(refused, int):
+        out["refused"] = refused
     return out
 
 
@@ -245,11 +250,12 @@ async def _join(config: WorkerConfig, engine):
     def on_change() -> None:
         nonlocal seen
         now = {w.signal_addr for w in watcher.workers(peer_role)}
-        left = seen - now
+        left, joined = seen - now, now - seen  # (joined: new, or back, e.g. after an etcd outage of its own)
         seen = now
         if left:
             log.info("%s workers left the cluster: %s", peer_role.value, ", ".join(sorted(left)))
-            engine.peers_left(left)
+        if left or joined:
+            engine.peers_left(left, joined)
 
     watcher.on_change(on_change)
     log.info("%s worker registered in etcd %s", config.role, config.etcd)
