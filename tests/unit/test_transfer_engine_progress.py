@@ -58,7 +58,7 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0
 
     rid = str(RequestId.new(PREFILL, DECODE))
-    engine.sched.add(PrefillSeq(rid, [1, 2, 3]))
+    engine.sched.add(PrefillSeq(rid, [1, 2, 3], peer=DECODE))
     engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())  # (its forward pass: not tested here)
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0  # KV held, nobody pulls yet
     # The decode worker pulls it, through the signal plane's handlers.

@@ -198,15 +198,12 @@ class PrefillEngine(WorkerEngine):
         it died without a word): their blocks are freed once their tokens fail (next ``sched.poll``), not
         when the backend gives up on a connection that no longer answers."""
         silent = self.config.peer_timeout
-        for seq in self.sched.transferring():
-            tok = seq.send_token
-            if tok is None or tok.finished() or seq.cancel_requested:
-                continue
-            if now - (self._peers.last_heard(seq.peer) or 0.0) < silent:
+        for seq in self.sched.sending():
+            if seq.cancel_requested or now - (self._peers.last_heard(seq.peer) or 0.0) < silent:
                 continue
             why = f"its decode worker {seq.peer} sent nothing for {silent:g}s during the KV send"
-            self.sched.release(seq.request_id, RequestState.FAILED)  # (ends when the aborted token is polled)
-            self.transfer.abort(transfer_id_of(seq.request_id))
+            self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
+            abort_sends(self.transfer, seq)
             self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
             log.warning("request %s: KV send aborted: %s", seq.request_id, why)
 

@@ -177,9 +177,9 @@ class PrefillScheduler:
     def sends_in_flight(self) -> bool:
         return any(s.pull is not None and s.pull.in_flight() for s in self._sending())
 
-    def pulled(self) -> list[PrefillSeq]:
-        """Requests with a pull whose parts are not all sent yet (not being dropped)."""
-        return [s for s in self._sending() if not s.pull.all_sent and not s.cancel_requested]
+    def sending(self) -> list[PrefillSeq]:
+        """Requests with a send in flight (running, streamed, or prefilled)."""
+        return [s for s in self._sending() if s.pull.in_flight()]
 
     def has_work(self) -> bool:
         return bool(self._live)
