@@ -329,6 +329,9 @@ def segment_digest(pid: int) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+VICTIM_WORDS = 400
+
+
 def test_a_third_host_cannot_write_into_a_pool(cluster, bed, reference):
     """x knocks at the decode worker a real transfer goes to, with that transfer's own header (sniffed
     on p0's link): no MAC and a wrong MAC while the transfer is in flight, the header verbatim once it
@@ -336,10 +339,11 @@ def test_a_third_host_cannot_write_into_a_pool(cluster, bed, reference):
     p0 = cluster.hosts["p0"]
     sniffer = Helper(bed, p0, "sniff", "eth0", str(KV_PORT))
     intruder = Helper(bed, cluster.hosts["x"], "knock")
-    victim_prompt = prompt("victim", 1500)  # ~750 KB of KV: ~3 s over 2 Mbit/s
+    # ~200 KB of KV: ~3 s over 600 kbit/s; within one prefill chunk, so its KV moves as one transfer
+    victim_prompt = prompt("victim", VICTIM_WORDS)
     try:
         assert sniffer.line(10) == {"listening": "eth0"}
-        bed.shape(p0, "2mbit")
+        bed.shape(p0, "600kbit", burst="16kb")  # (a burst smaller than the victim's KV)
         box: list[Result] = []
         victim = threading.Thread(target=lambda: box.append(complete(cluster.proxy, victim_prompt)))
         victim.start()
@@ -378,7 +382,7 @@ def test_a_third_host_cannot_write_into_a_pool(cluster, bed, reference):
     # The decode pool: the victim's blocks stayed cached there; a follow-up reuses them instead of pulling.
     follow_up = victim_prompt + " and then"
     reused = cluster.stats(target)["kv_reused_blocks"]
-    wait_until(lambda: cluster.listed()[cluster.urls[target]]["cache"]["indexed_blocks"] >= 1500 // 16, 10,
+    wait_until(lambda: cluster.listed()[cluster.urls[target]]["cache"]["indexed_blocks"] >= VICTIM_WORDS // 16, 10,
                "the proxy to learn which blocks the victim left cached on its decode worker")
     r = complete(cluster.proxy, follow_up)
     assert r.ok and (r.text, r.finish) == reference(follow_up), r
