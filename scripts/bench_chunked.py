@@ -60,14 +60,19 @@ def run_one(chunk: int, args: argparse.Namespace, tokenizer: str) -> dict:
                               capture_output=True, cwd=ROOT)
         if warm.returncode:
             raise RuntimeError(warm.stderr.decode()[-2000:])
-        before, t0 = get_json(f"{prefill}/xpyd/stats"), time.monotonic()
+        before, t0 = get_json(f"{prefill}/xpyd/stats"), time.monotonic()  # (from here: tokens/s of the run)
+        # (as many prompts as the run can use: the bench makes them all before it sends the first one, and
+        # making thousands of exact-length prompts would take the CPU from the workers)
+        n_long = int(args.duration * args.long_concurrency / 2) + 8
+        n_short = int(args.duration * args.short_rate * 1.5) + 8
         long = subprocess.Popen([*bench, "--input-len", str(args.long), "--concurrency", str(args.long_concurrency),
-                                 "--num-requests", "1000", "--seed", "1", "--json", str(out / f"chunk{chunk}_long.json")],
-                                stdout=subprocess.DEVNULL, cwd=ROOT)
-        time.sleep(2.0)  # the long prompts occupy the worker first
+                                 "--num-requests", str(n_long), "--seed", "1",
+                                 "--json", str(out / f"chunk{chunk}_long.json")], stdout=subprocess.DEVNULL, cwd=ROOT)
+        while get_json(f"{prefill}/xpyd/stats")["running"] == 0:  # the long prompts occupy the worker first
+            time.sleep(0.1)
         short = subprocess.run([*bench, "--input-len", str(args.short), "--rate", str(args.short_rate),
-                                "--num-requests", "1000", "--seed", "2", "--json", str(out / f"chunk{chunk}_short.json")],
-                               stdout=subprocess.DEVNULL, cwd=ROOT)
+                                "--num-requests", str(n_short), "--seed", "2",
+                                "--json", str(out / f"chunk{chunk}_short.json")], stdout=subprocess.DEVNULL, cwd=ROOT)
         long.wait()
         after, elapsed = get_json(f"{prefill}/xpyd/stats"), time.monotonic() - t0
         if short.returncode or long.returncode:
