@@ -123,7 +123,9 @@ def test_metrics_count_the_requests_served(cluster, layout):
     # Latencies: one TTFT per request (prefill, proxy), one ITL per later token, E2E per request.
     assert value(p, "xpyd_time_to_first_token_seconds_count", **P) == n
     assert value(x, "xpyd_proxy_time_to_first_token_seconds_count") == n
-    assert value(p, "xpyd_engine_step_seconds_count", **P, kind="prefill") == n
+    # (short prompts that arrive together share a prefill forward pass: n prompts, 1..n steps)
+    assert 1 <= value(p, "xpyd_engine_step_seconds_count", **P, kind="prefill") <= n
+    assert value(p, "xpyd_engine_batch_size_sum", **P, kind="prefill") == n
     assert value(d, "xpyd_engine_batch_size_sum", **D, kind="decode") == n * (MAX_TOKENS - 1)
     assert value(d, "xpyd_inter_token_latency_seconds_count", **D) == n * (MAX_TOKENS - 2)
     assert value(x, "xpyd_proxy_inter_token_latency_seconds_count") == n * (MAX_TOKENS - 1)
