@@ -52,16 +52,11 @@ def test_short_prompts_overtake_a_long_one_and_share_a_step():
     assert step(sched) == [("long", 0, 16)]
     sched.add(seq("s1", 5))
     sched.add(seq("s2", 6))
-    # the short prompts first (shortest first), whole, in one forward of their own (the step that starts them
-    # is not topped up with a piece of the long one: their first tokens come after just their tokens)
-    assert step(sched) == [("s1", 0, 5), ("s2", 0, 6)]
+    # the short prompts first (shortest first), whole, in one forward; the long one gets what is left
+    assert step(sched) == [("s1", 0, 5), ("s2", 0, 6), ("long", 16, 21)]
     assert [sched.get(r).state for r in ("s1", "s2")] == [S.TRANSFERRING, S.TRANSFERRING]
-    assert step(sched) == [("long", 16, 32)]
-    sched.add(seq("s3", 20))  # longer than what the long one has left: it waits its turn
-    assert step(sched) == [("long", 32, 48)]
-    assert step(sched) == [("s3", 0, 16)]
-    sched.add(seq("s4", 2))  # a running prompt that ends within the step's budget still shares it
-    assert step(sched) == [("s4", 0, 2), ("s3", 16, 20)]
+    assert step(sched) == [("long", 21, 37)]
+    assert step(sched) == [("long", 37, 48)]
 
 
 def test_a_short_prompt_waiting_behind_a_running_long_one_runs_next_step():
