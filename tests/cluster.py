@@ -135,22 +135,23 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free on 127.0.0.1, below the ephemeral range (32768-60999 on Linux),
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p+n-1 all free on ``host``, below the ephemeral range (32768-60999 on Linux),
     so that no outgoing connection of another process takes one of them before the server binds it."""
     rng = random.Random()
     for _ in range(500):
         p = rng.randrange(20000, 32000 - n)
-        if all(_bindable(p + i) for i in range(n)):
+        if all(bindable(p + i, host) for i in range(n)):
             return p
     raise RuntimeError("no free port range")
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """Can a new server listen on ``host:port`` (as a restarted xpyd would, with SO_REUSEADDR)?"""
+    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True

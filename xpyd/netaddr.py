@@ -32,3 +32,29 @@ def listen_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A listening TCP socket: IPv6 for an IPv6 literal, IPv4 otherwise (names resolve to IPv4, as before)."""
     family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=backlog)
+
+
+def reserve_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` but not yet listening, for a server that starts later
+    (hypercorn takes it as ``fd://N`` and listens on it).
+
+    Binding first, before a worker spends seconds loading its model, makes a taken port an error at once
+    and keeps the port ours meanwhile: a port that is only chosen (a number in a flag) can be taken as the
+    local end of any outgoing connection, or of a readiness probe connecting to itself (a TCP
+    self-connect, possible for ports in the ephemeral range), and the server's own bind then fails. Until
+    the server listens, connections are refused as before. Raises ``OSError`` (``EADDRINUSE``).
+    """
+    sock = socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def fd_bind(sock: socket.socket) -> str:
+    """The hypercorn ``bind`` entry that hands it ``sock`` (hypercorn owns and closes the descriptor)."""
+    return f"fd://{sock.detach()}"

@@ -14,30 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import free_port, has_ipv6_loopback
+from tests.cluster import bindable, free_port_run, has_ipv6_loopback
 from xpyd.child import die_with_parent
-from xpyd.netaddr import is_ipv6
-
-
-def _free_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p+1 both free (the launcher uses p+1 for signal / KV)."""
-    for _ in range(100):
-        p = free_port(host)
-        if p < 65535 and _bindable(p + 1, host):
-            return p
-    raise RuntimeError("no free port pair")
-
-
-def _bindable(port: int, host: str = "127.0.0.1") -> bool:
-    """Can a new server listen here (as a restarted xpyd would, with SO_REUSEADDR)?"""
-    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            s.listen()
-        except OSError:
-            return False
-    return True
 
 
 def _children(pid: int) -> list[int]:
@@ -82,7 +60,7 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, stop_signal):
-    port, pp, dp = free_port(), _free_pair(), _free_pair()
+    port, pp, dp = free_port_run(1), free_port_run(2), free_port_run(2)
     log = tmp_path / "up.log"
     proc = _start_up(tiny_model_dir, log, port, pp, dp)
     try:
@@ -107,7 +85,7 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
             time.sleep(0.1)
         assert not any(_alive(c) for c in children), "orphaned child processes"
         for p in (port, pp, pp + 1, dp, dp + 1):
-            assert _bindable(p), f"port {p} still in use"
+            assert bindable(p), f"port {p} still in use"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -120,8 +98,8 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
 def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path, mode: str):
     """Static 1P1D, and dynamic 1P1D through etcd: the workers register their IPv6 addresses
     (``/workers/{role}/::1/{port}``) and the proxy routes to what it watches."""
-    port, pp, dp = free_port("::1"), _free_pair("::1"), _free_pair("::1")
-    extra = ["--prefill", "1", "--decode", "1", "--etcd-port", str(_free_pair())] if mode == "etcd" else []
+    port, pp, dp = free_port_run(1, "::1"), free_port_run(2, "::1"), free_port_run(2, "::1")
+    extra = ["--prefill", "1", "--decode", "1", "--etcd-port", str(free_port_run(2))] if mode == "etcd" else []
     log = tmp_path / "up.log"
     proc = _start_up(tiny_model_dir, log, port, pp, dp, "--host", "::1", *extra)
     try:
@@ -156,6 +134,20 @@ def test_up_refuses_busy_port(tiny_model_dir: Path):
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"proxy port {busy}" in r.stderr
+
+
+def test_worker_on_a_taken_port_says_so_before_loading_the_model(tiny_model_dir: Path):
+    """The HTTP port is bound first: a taken one is a one-line error, not a traceback after the model load
+    (and while the model loads, no other socket can take the port from under the worker)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "xpyd", "decode", "--model", str(tiny_model_dir), "--port", str(busy)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{busy}: Address already in use" in r.stderr
+    assert "loading" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_up_refuses_a_device_this_machine_lacks_before_starting_anything(tiny_model_dir: Path):

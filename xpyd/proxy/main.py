@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
 from hypercorn.asyncio import serve
@@ -22,7 +23,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
-from xpyd.netaddr import host_port
+from xpyd.netaddr import fd_bind, host_port, reserve_tcp
 from xpyd.proxy.app import create_app
 from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.routing import Policy
@@ -137,9 +138,17 @@ async def _start_registry(registry: Registry, config: ProxyConfig) -> None:
                             f"(etcd {config.etcd})") from None
 
 
-def _hypercorn_config(config: ProxyConfig) -> HypercornConfig:
+def _reserve_port(config: ProxyConfig) -> socket.socket:
+    """The proxy's port, bound before discovery starts (``netaddr.reserve_tcp``); RegistryError if taken."""
+    try:
+        return reserve_tcp(config.host, config.port)
+    except OSError as e:
+        raise RegistryError(f"cannot listen on {host_port(config.host, config.port)}: {e.strerror or e}") from None
+
+
+def _hypercorn_config(sock: socket.socket) -> HypercornConfig:
     hc = HypercornConfig()
-    hc.bind = [host_port(config.host, config.port)]
+    hc.bind = [fd_bind(sock)]
     hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
     hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
     return hc
@@ -147,14 +156,20 @@ def _hypercorn_config(config: ProxyConfig) -> HypercornConfig:
 
 async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
     """Discover the workers, then serve until ``stop`` is set."""
+    address = host_port(config.host, config.port)
+    sock = _reserve_port(config)
     if config.colocated_url is not None:
         from xpyd.proxy.colocated import create_colocated_app
 
-        hc = _hypercorn_config(config)
-        log.info("proxy on http://%s in front of the colocated worker %s", hc.bind[0], config.colocated_url)
-        await serve(create_colocated_app(config, config.colocated_url), hc, shutdown_trigger=stop.wait)
+        log.info("proxy on http://%s in front of the colocated worker %s", address, config.colocated_url)
+        await serve(create_colocated_app(config, config.colocated_url), _hypercorn_config(sock),
+                    shutdown_trigger=stop.wait)
         return
-    registry = make_registry(config)
+    try:
+        registry = make_registry(config)
+    except BaseException:
+        sock.close()
+        raise
     try:
         starting = asyncio.create_task(_start_registry(registry, config))
         stopping = asyncio.create_task(stop.wait())
@@ -164,14 +179,15 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
             starting.cancel()
             return
         starting.result()  # raises RegistryError
-        hc = _hypercorn_config(config)
         app = create_app(config, registry)
         source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
-        log.info("proxy on http://%s serving %s (%s, policy %s, API key %s)", hc.bind[0],
+        log.info("proxy on http://%s serving %s (%s, policy %s, API key %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
                  "required" if config.api_key else "not required")
-        await serve(app, hc, shutdown_trigger=stop.wait)
+        await serve(app, _hypercorn_config(sock), shutdown_trigger=stop.wait)
     finally:
+        if sock.fileno() != -1:  # not handed to hypercorn (stopped or failed before serving)
+            sock.close()
         try:
             async with asyncio.timeout(REGISTRY_CLOSE_SECONDS):
                 await registry.close()
