@@ -19,9 +19,8 @@ from xpyd.netaddr import http_url, is_ipv6
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port on ``host`` for a server a test starts (below the ephemeral range: `free_port_run`)."""
+    return free_port_run(1, host)
 
 
 def has_ipv6_loopback() -> bool:

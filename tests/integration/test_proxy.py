@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from aiohttp import web
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from tests.cluster import free_port
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
@@ -191,12 +191,6 @@ class FakeWorker:
 
 
 # ------------------------------------------------------------------ proxy harness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

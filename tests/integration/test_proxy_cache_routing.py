@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.prefix_hash import block_hashes
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
+from tests.cluster import free_port
 from tests.waiting import until
 
 MODEL = "fake-model"
@@ -201,12 +201,6 @@ class FakeRegistry:
         return [w.info for w in self.listed if w.role is role]
 
     async def close(self) -> None: ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

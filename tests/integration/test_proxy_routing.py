@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id
+from tests.cluster import free_port
 from tests.waiting import until
 
 MODEL = "fake-model"
@@ -137,12 +137,6 @@ class FakeRegistry:
         return [w.info for w in self.listed if w.role is role]
 
     async def close(self) -> None: ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
