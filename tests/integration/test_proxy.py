@@ -922,8 +922,10 @@ def test_cli_builds_a_valid_config():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--port", "9000", "--prefill", "http://a:1", "--prefill", "http://b:2",
-                              "--decode", "http://c:3", "--model-name", "m", "--read-timeout", "30"])
+                              "--decode", "http://c:3", "--model-name", "m", "--read-timeout", "30",
+                              "--pair-cooldown", "2.5"])
     config = config_from_args(args)
+    assert config.pair_cooldown == 2.5
     assert config.prefill_urls == ("http://a:1", "http://b:2") and config.decode_urls == ("http://c:3",)
     assert (config.port, config.model_name, config.read_timeout, config.host) == (9000, "m", 30.0, "127.0.0.1")
     assert config.etcd is None and config.policy is Policy.CACHE_AWARE  # two prefill workers: a choice
@@ -960,6 +962,8 @@ def test_cli_builds_a_valid_config():
         {"policy": "least_loaded"},
         {"poll_interval": 0},
         {"retries": -1},
+        {"pair_cooldown": 0},
+        {"pair_cooldown": 61},
     ],
 )
 def test_config_rejects_bad_values(kw):

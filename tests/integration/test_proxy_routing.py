@@ -47,6 +47,8 @@ class Worker:
     health_status: int = 200
     fail_status: int | None = None  # answer generation requests with this status
     drop_mid_stream: bool = False  # decode: close the connection after the first chunk
+    cut_from: set[str] = field(default_factory=set)  # decode: prefill signal addresses it "cannot reach"
+    path_failures: int = 0  # decode: requests it failed with a kv_path error (a prefill in cut_from)
     received: list[str] = field(default_factory=list)  # request ids
     answered: list[str] = field(default_factory=list)  # prefill: request ids whose whole answer was written
     health_answers: list[int] = field(default_factory=list)  # the status of each GET /health answered
@@ -112,6 +114,13 @@ class Worker:
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if parse_request_id(request.headers["X-Request-Id"]).prefill_addr in self.cut_from:
+            self.path_failures += 1  # as a real decode worker says it: an in-stream error, kv_path set
+            error = {"message": "prefill worker unreachable", "type": "server_error", "param": None,
+                     "code": 502, "kv_path": True}
+            await resp.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
         name = {**body["kv_transfer_params"]["response"], "object": "text_completion"}  # as the proxy said
         for i, text in enumerate([" there", "!"]):
             chunk = {**name, "choices": [{"index": 0, "text": text, "finish_reason": "length" if i else None}]}
@@ -378,6 +387,86 @@ async def test_connection_lost_mid_stream(make_env):
     assert await env.complete() == 200
     assert len(flaky.received) == 2 and len(good.received) == 2  # retried, then avoided
     assert (await env.worker_view(flaky))["health"] == "down"
+
+
+# ------------------------------------------------------------------ a broken path between two workers
+
+
+async def _request(env: Env, stream: bool) -> str | None:
+    """One request; None if it completed with the whole text, else its error message."""
+    async with env.post({"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}) as r:
+        body = await r.text()
+    if r.status != 200:
+        return json.loads(body)["error"]["message"]
+    if not stream:
+        assert json.loads(body)["choices"][0]["text"] == TEXT
+        return None
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    if errors:
+        return errors[0]
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == TEXT
+    return None
+
+
+def _pairs_of(decode: Worker, since: int = 0) -> set[str]:
+    """The prefill signal addresses of the requests ``decode`` received (from the ``since``-th on)."""
+    return {parse_request_id(rid).prefill_addr for rid in decode.received[since:]}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_broken_path_between_two_workers_is_routed_around(make_env, caplog, stream):
+    """d0 cannot reach p0 (both healthy, each serving others): after the first request that fails between
+    them, the pair is avoided and every request completes on the other pairs; neither worker is marked
+    down. A request the client saw nothing of (not streaming) is retried on another pair at once."""
+    env = await make_env(pair_cooldown=30.0)
+    (p0, p1), (d0, d1) = env.prefill, env.decode
+    d0.cut_from = {p0.info.signal_addr}
+    errors = []
+    for _ in range(40):  # until the proxy routes a request to the pair (load ties are broken at random)
+        errors.append(await _request(env, stream))
+        if d0.path_failures:
+            break
+    assert d0.path_failures == 1
+    assert errors[:-1] == [None] * (len(errors) - 1)
+    if stream:  # the first token was sent: the stream ends with the decode worker's error
+        assert "prefill worker unreachable" in errors[-1]
+    else:
+        assert errors[-1] is None
+        assert sum("retrying on another pair" in r.getMessage() for r in caplog.records) == 1
+    n0 = len(d0.received)
+    for _ in range(16):
+        assert await _request(env, stream) is None
+    assert d0.path_failures == 1
+    assert _pairs_of(d0, n0) == {p1.info.signal_addr}  # d0 still serves, with p1 only
+    assert p0.info.signal_addr in _pairs_of(d1)  # p0 still serves, with d1
+    views = {v["http_url"]: v for v in (await env.cluster())["workers"]}
+    assert all(views[w.url]["health"] == "up" for w in (p0, p1, d0, d1))
+    (avoided,) = (await env.cluster())["avoided_pairs"]
+    assert (avoided["prefill"], avoided["decode"], avoided["failures"]) == (p0.url, d0.url, 1)
+    assert 0 < avoided["cooling_for"] <= 30 and "prefill worker unreachable" in avoided["reason"]
+    async with env.http.get(env.url + "/metrics") as r:
+        assert "xpyd_proxy_pair_failures_total 1.0" in await r.text()
+
+
+async def test_an_avoided_pair_is_tried_again_after_its_cooldown_and_healthy_once_it_serves(make_env):
+    env = await make_env(n_decode=1, pair_cooldown=0.5)
+    (p0, p1), (d0,) = env.prefill, env.decode
+    d0.cut_from = {p0.info.signal_addr}
+    while not d0.path_failures:
+        await _request(env, stream=True)
+    t_failed = time.monotonic()
+    n0 = len(d0.received)
+    while time.monotonic() - t_failed < 0.3:  # cooling: only p1 is chosen
+        assert await _request(env, stream=True) is None
+    assert _pairs_of(d0, n0) == {p1.info.signal_addr}
+    d0.cut_from.clear()  # the path is back
+    await asyncio.sleep(0.5)  # (the cool-down is the time under test)
+    n1 = len(d0.received)
+    for _ in range(8):
+        assert await _request(env, stream=True) is None
+    assert p0.info.signal_addr in _pairs_of(d0, n1)  # tried again, and it served
+    assert (await env.cluster())["avoided_pairs"] == []  # healthy again: a later failure starts at 0.5 s
 
 
 # ------------------------------------------------------------------ membership changes

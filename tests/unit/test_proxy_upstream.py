@@ -35,3 +35,21 @@ def test_in_stream_error(error: object, status: int, message: str):
     assert e.message == f"decode worker {DECODE.http_url} failed: {message}"
     assert e.to_dict()["error"]["type"] == "server_error"
     assert e.worker is DECODE and e.fault is Fault.NONE  # it answered: not marked down
+
+
+@pytest.mark.parametrize("flag, fault", [(True, Fault.PATH), (False, Fault.NONE), ("true", Fault.NONE),
+                                         (1, Fault.NONE)])
+def test_an_in_stream_error_on_the_kv_path_blames_the_pair_not_the_worker(flag: object, fault: Fault):
+    e = in_stream_error({"message": "prefill worker unreachable", "code": 502, "kv_path": flag}, DECODE)
+    assert (e.status, e.fault, e.worker) == (502, fault, DECODE)
+    assert e.pair is None  # (the call names the pair: only it knows the prefill worker)
+
+
+def test_a_decode_worker_marks_its_path_failures_in_the_error_event():
+    from xpyd.worker.http_api import error_body
+    from xpyd.worker.work_item import ErrorEvent
+
+    body = error_body(ErrorEvent(504, "KV from prefill worker p did not arrive within 30s", kv_path=True))
+    assert body["error"]["kv_path"] is True and body["error"]["code"] == 504
+    assert in_stream_error(body["error"], DECODE).fault is Fault.PATH
+    assert "kv_path" not in error_body(ErrorEvent(500, "decode failed"))["error"]

@@ -178,6 +178,22 @@ def test_down_workers_are_skipped_until_marked_up(router_cls):
         router.pick(Role.PREFILL, [])
 
 
+@pytest.mark.parametrize("router_cls", [LeastLoadedRouter, RoundRobinRouter,
+                                        lambda table: CacheAwareRouter(table, PrefixIndex())])
+def test_avoided_workers_are_chosen_only_when_no_other_is_up(router_cls):
+    table = WorkerTable()
+    router = router_cls(table)
+    a, b, c = worker(1), worker(2), worker(3)
+    table.sync(Role.DECODE, [a, b, c])
+    report(table, a)
+    report(table, b, running=6)
+    assert {router.pick(Role.DECODE, [a, b, c], avoid=lambda w: w == a) for _ in range(6)} <= {b, c}  # a idle
+    assert {router.pick(Role.DECODE, [a, b, c], avoid=lambda w: w != b) for _ in range(4)} == {b}
+    table.mark_down(b, "refused")
+    assert router.pick(Role.DECODE, [a, b, c], avoid=lambda w: w != b) in (a, c)  # avoided beats none
+    assert [s.health for s in table.sync(Role.DECODE, [a, b, c])] == [Health.UP, Health.DOWN, Health.UP]
+
+
 def test_mark_down_drops_stats_and_ignores_late_reports():
     table = WorkerTable()
     w = worker(1)

@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 SAFETY_REASK = 5.0  # seconds a claimed request waits without news before it is asked about again
 HEARTBEAT_INTERVAL = 1.0  # a prefill peer sent nothing for this long gets a heartbeat
+# Failures that say the path to the request's prefill worker is broken, not either worker: the signal plane
+# to it (unreachable, silent), its KV not arriving (a transfer failed or stalled), the request not reported
+# ready in time (its lookups or notifies lost on the way as well as a long queue there).
+KV_PATH_CAUSES = frozenset({"peer", "transfer", "timeout"})
 
 
 class DecodeEngine(WorkerEngine):
@@ -156,7 +160,7 @@ class DecodeEngine(WorkerEngine):
                 self._recv_ended(seq, ok=False)
                 self.metrics.request_done("failed")
                 self._failures["transfer"] += 1
-                seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}"))
+                seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}", kv_path=True))
                 self.signal.send_release(seq.prefill_addr, [seq.request_id])
         for seq in self.sched.schedule_transfers():
             with self.isolate(seq.request_id, seq.payload):
@@ -196,7 +200,8 @@ class DecodeEngine(WorkerEngine):
             self.signal.send_release(seq.prefill_addr, [request_id])
 
     def _fail_seq(self, seq: DecodeSeq, status: int, error: str, cause: str, release: bool = False) -> None:
-        """Fail a request; with ``release``, also tell its prefill worker to drop the KV."""
+        """Fail a request; with ``release``, also tell its prefill worker to drop the KV. ``cause`` is counted
+        (``failures`` in stats); one of KV_PATH_CAUSES marks the error as the pair's (``ErrorEvent.kv_path``)."""
         state = seq.state
         if state is RequestState.TRANSFERRING:
             self._recv_ended(seq, ok=False)
@@ -204,7 +209,7 @@ class DecodeEngine(WorkerEngine):
         self.sched.fail(seq, error)
         self.metrics.request_done("failed")
         self._failures[cause] += 1
-        seq.payload.sink.put(ErrorEvent(status, error))
+        seq.payload.sink.put(ErrorEvent(status, error, kv_path=cause in KV_PATH_CAUSES))
         if release and state in (RequestState.WAITING, RequestState.TRANSFERRING):
             self.signal.send_release(seq.prefill_addr, [seq.request_id])
 

@@ -6,10 +6,11 @@ A request moves through::
     -> read body (size limit, 413) -> parse_request (400s stop here) -> model check (404)
     -> cache_aware: the prompt's token ids and block hashes (in a thread; none if it cannot be tokenized)
     -> every decode worker full: wait in the bounded queue (503 when full or timed out)
-    -> Router picks prefill + decode among the UP workers (503 if a role has none)
+    -> Router picks prefill + decode among the UP workers (503 if a role has none), avoiding pairs
+       whose path failed lately while there are others (``pairs.PairHealth``)
     -> RequestId.new(p, d) -> PDCall: prefill and decode called at once
-    -> a worker unreachable before the client got anything: it is marked down and
-       the request starts over once on a fresh pair (new id)
+    -> a worker unreachable (or the path between the two failed) before the client got anything: it
+       is marked down (the pair avoided) and the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
     -> decode's chunks follow as decode wrote them (it was told the response's id,
        created and model); its usage chunk if asked; [DONE]
@@ -17,7 +18,7 @@ A request moves through::
        prefill worker going down before decode has the KV: see ``InFlight.worker_down``)
 
 Where each step lives: admission (401, 429, the queue), routing (the pick; for
-cache_aware also prompt_tokens, prefix_index and cache_feed, which the poller drives),
+cache_aware also prompt_tokens, prefix_index and cache_feed, which the poller drives; pairs),
 pd_call (the two worker calls; their HTTP in client, worker_api, decode_stream,
 upstream), inflight (calls in flight), relay (the JSON body or SSE stream),
 http_errors (errors in OpenAI's shape).
@@ -53,6 +54,7 @@ from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.http_errors import json_response, register_error_handlers
 from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
+from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.poller import HealthPoller
 from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
 from xpyd.proxy.relay import complete_body, stream_response
@@ -81,7 +83,8 @@ class Proxy:
         self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
         self.limit = ConcurrencyLimit(config.max_concurrent_requests)
         self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
-        self.inflight = InFlight(self.router, on_end=self.queue.wake)
+        self.pairs = PairHealth(base=config.pair_cooldown)
+        self.inflight = InFlight(self.router, self.pairs, on_end=self.queue.wake)
         self.table.on_down(self.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
             self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))
@@ -142,7 +145,7 @@ class Proxy:
                  "active_requests": self.limit.active}
         return json_response({"workers": workers, "policy": self.router.policy.value,
                               "tokenizer": self._feed.describe() if self._feed is not None else None,
-                              "queue": queue})
+                              "queue": queue, "avoided_pairs": self.pairs.to_dict()})
 
     def metrics_response(self) -> Response:
         for role in Role:
@@ -210,7 +213,7 @@ class Proxy:
                 return json_response(body, headers=headers)
             except UpstreamError as e:
                 self.worker_failed(e)
-                if e.fault is Fault.UNREACHABLE and retries > 0:
+                if e.fault in (Fault.UNREACHABLE, Fault.PATH) and retries > 0:
                     log.warning("%s: %s; retrying on another pair", call.request_id, e.message)
                     failed, retries = e, retries - 1
                     continue
@@ -243,8 +246,12 @@ class Proxy:
     def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
                failed: UpstreamError | None, keys: PromptKeys | None) -> TrackedCall:
         try:
-            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys)
-            decode = self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE), keys)
+            # (pairs whose path failed lately are avoided while the workers have others)
+            decodes = self.registry.workers(Role.DECODE)
+            up = [s.info for s in self.table.sync(Role.DECODE, decodes) if s.health is Health.UP]
+            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys,
+                                       avoid=lambda p: self.pairs.stranded(p, up))
+            decode = self.router.pick(Role.DECODE, decodes, keys, avoid=lambda d: not self.pairs.usable(prefill, d))
         except NoWorkerError as e:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
@@ -256,7 +263,16 @@ class Proxy:
 
     def worker_failed(self, e: APIError) -> None:
         """Mark the worker behind ``e`` down if the failure says it is unhealthy."""
-        if isinstance(e, UpstreamError) and e.worker is not None and e.fault is not Fault.NONE:
+        if not isinstance(e, UpstreamError) or e.fault is Fault.NONE:
+            return
+        if e.fault is Fault.PATH:
+            if e.pair is not None:
+                prefill, decode = e.pair
+                cooldown = self.pairs.failed(prefill, decode, e.message)
+                self.metrics.pair_failed()
+                log.warning("avoiding the pair of prefill worker %s and decode worker %s for %gs: %s",
+                            prefill.http_url, decode.http_url, cooldown, e.message)
+        elif e.worker is not None:
             self.table.mark_down(e.worker, e.message, unreachable=e.fault is Fault.UNREACHABLE)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from xpyd.api.identity import MAX_MODEL_CHARS
+from xpyd.proxy.pairs import MAX_COOLDOWN as MAX_PAIR_COOLDOWN
 from xpyd.proxy.routing import Policy
 
 
@@ -32,6 +33,7 @@ class ProxyConfig:
     max_concurrent_requests: int = 1024  # generation requests in the proxy at once (queued included); 429 beyond
     max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
     queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
+    pair_cooldown: float = 5.0  # a prefill/decode pair whose path failed is avoided this long (doubling, max 60 s)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -45,7 +47,7 @@ class ProxyConfig:
             raise ValueError(f"model_name must be at most {MAX_MODEL_CHARS} printable characters (workers are "
                              "told to write it into every chunk)")
         for name in ("connect_timeout", "read_timeout", "discovery_timeout", "poll_interval",
-                     "poll_timeout", "queue_timeout"):
+                     "poll_timeout", "queue_timeout", "pair_cooldown"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -76,6 +78,8 @@ class ProxyConfig:
             raise ValueError("colocated mode takes one worker URL and no other discovery")
         if not isinstance(self.policy, Policy):
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")
+        if self.pair_cooldown > MAX_PAIR_COOLDOWN:
+            raise ValueError(f"pair_cooldown must be at most {MAX_PAIR_COOLDOWN:g} seconds, got {self.pair_cooldown}")
         if not 0 <= self.retries <= 3:
             raise ValueError(f"retries must be in 0..3, got {self.retries}")
 

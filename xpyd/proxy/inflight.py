@@ -5,6 +5,7 @@ A call moves through::
     InFlight.start -> router.started(prefill, decode; with the prompt's keys), tracked
     (streaming: hold(slot) -- the response body now owns the concurrency slot)
     abort/aclose, exactly once -> router.finished(both), untracked, slot released, on_end()
+                                  (completed on decode: the pair is healthy, ``PairHealth.succeeded``)
 
 When the table marks a prefill worker unreachable (``worker_down``), its calls
 whose decode worker has not pulled the KV yet are ended at once with a 502:
@@ -21,6 +22,7 @@ from xpyd.api.openai import CompletionRequest
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.admission import Slot
 from xpyd.proxy.client import WorkerClient
+from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.prefix_index import PromptKeys
 from xpyd.proxy.routing import Router
@@ -58,8 +60,9 @@ class TrackedCall(PDCall):
 class InFlight:
     """Every TrackedCall between its start and its end; ``on_end`` runs after each end."""
 
-    def __init__(self, router: Router, on_end: Callable[[], None]) -> None:
+    def __init__(self, router: Router, pairs: PairHealth, on_end: Callable[[], None]) -> None:
         self._router = router
+        self._pairs = pairs
         self._on_end = on_end
         self._calls: set[TrackedCall] = set()
 
@@ -77,6 +80,8 @@ class InFlight:
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:
         for worker, ticket in zip(workers, call.tickets):
             self._router.finished(worker, ticket)
+        if call.completed:
+            self._pairs.succeeded(*workers)
         self._calls.discard(call)
         if slot is not None:
             slot.release()

@@ -86,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-timeout", type=float, default=_DEFAULTS.queue_timeout,
                         metavar="SECONDS",
                         help="longest wait in that queue before a 503 (default: %(default)s)")
+    parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
+                        help="when a request fails between its prefill and decode worker (decode cannot "
+                             "reach prefill, the KV does not arrive), route around that pair this long "
+                             "while other pairs exist; doubled if it fails again, up to 60 s "
+                             "(default: %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -114,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
+        pair_cooldown=args.pair_cooldown,
     )
 
 

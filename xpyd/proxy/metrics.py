@@ -10,6 +10,8 @@ xpyd_proxy_e2e_request_latency_seconds     histogram  request received -> last t
 xpyd_requests_in_flight                    gauge      role="proxy": requests being served
 xpyd_proxy_workers                         gauge      role, health=up|down: workers the proxy knows
 xpyd_proxy_queue_waiting                   gauge      requests waiting for room on a decode worker
+xpyd_proxy_pair_failures_total             counter    requests that failed between their two workers
+                                                      (the pair is then avoided: ``pairs.PairHealth``)
 =========================================  =========  ================================================
 
 One ``ProxyMetrics`` per app, with its own registry. Everything runs on the
@@ -112,6 +114,9 @@ class ProxyMetrics:
                               ("role", "health"), registry=r)
         self._queue = Gauge("xpyd_proxy_queue_waiting", "Requests waiting for room on a decode worker",
                             registry=r)
+        self._pair_failures = Counter("xpyd_proxy_pair_failures", "Requests that failed on the path between "
+                                      "their prefill and decode worker (the pair is avoided for a while)",
+                                      registry=r)
 
     def request(self, endpoint: str) -> RequestTimer:
         if endpoint not in ENDPOINTS:
@@ -124,6 +129,9 @@ class ProxyMetrics:
 
     def set_queue(self, waiting: int) -> None:
         self._queue.set(waiting)
+
+    def pair_failed(self) -> None:
+        self._pair_failures.inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

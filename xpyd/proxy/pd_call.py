@@ -16,14 +16,15 @@ The first error from either side is the call's error (an ``UpstreamError``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient
 from xpyd.proxy.decode_stream import DecodeStream
-from xpyd.proxy.upstream import UpstreamError
+from xpyd.proxy.upstream import Fault, UpstreamError
 from xpyd.proxy.worker_api import Delta, FirstToken, Usage, decode_body, prefill_body
 
 
@@ -141,19 +142,36 @@ class PDCall:
         stream = await self._open_stream()
         if stream is None:
             return
-        async for block in stream.relay(self.identity):
-            self._decoded += 1
-            yield block
+        with self._path_faults():
+            async for block in stream.relay(self.identity):
+                self._decoded += 1
+                yield block
         self._completed = True
 
     async def rest(self) -> AsyncIterator[Delta]:
         stream = await self._open_stream()
         if stream is None:
             return
-        async for delta in stream.deltas():
-            self._decoded += 1
-            yield delta  # the stream goes on to its usage chunk and [DONE]
+        with self._path_faults():
+            async for delta in stream.deltas():
+                self._decoded += 1
+                yield delta  # the stream goes on to its usage chunk and [DONE]
         self._completed = True
+
+    @property
+    def completed(self) -> bool:
+        """Decode's part ended normally (the KV crossed from prefill to decode)."""
+        return self._completed
+
+    @contextlib.contextmanager
+    def _path_faults(self) -> Iterator[None]:
+        """A failure between the two workers names them both (the proxy avoids the pair)."""
+        try:
+            yield
+        except UpstreamError as e:
+            if e.fault is Fault.PATH and e.pair is None:
+                e.pair = (self._prefill, self._decode)
+            raise
 
     @property
     def usage(self) -> Usage:

@@ -4,7 +4,8 @@ A ``Router`` picks one worker of a role from the registry's current list (read
 on every request, so workers that joined are used at once and workers that
 left are never chosen) and hears when a request on a worker starts and ends::
 
-    pick(role, workers, keys)  -> skips DOWN workers; NoWorkerError if none is UP
+    pick(role, workers, keys, avoid)  -> skips DOWN workers (and those ``avoid`` names while others are
+                                         UP); NoWorkerError if none is UP
     started(worker, keys)      -> counts towards its load until the next stats report
     finished(worker)
 
@@ -38,7 +39,7 @@ Policies:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
@@ -65,8 +66,10 @@ class NoWorkerError(LookupError):
 class Router(Protocol):
     policy: Policy
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
-        """One UP worker of ``workers`` (the registry's current list for ``role``) for a request."""
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None,
+             avoid: Avoid | None = None) -> WorkerInfo:
+        """One UP worker of ``workers`` (the registry's current list for ``role``) for a request; not one that
+        ``avoid`` is true of unless every UP one is."""
 
     def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
         """A request was sent to ``worker``; returns its ticket for ``finished``."""
@@ -75,11 +78,16 @@ class Router(Protocol):
         """The request of ``ticket`` on ``worker`` ended (in any way)."""
 
 
-def _up(table: WorkerTable, role: Role, workers: Sequence[WorkerInfo]) -> list[WorkerState]:
+Avoid = Callable[[WorkerInfo], bool]  # true of a worker to choose only when no other is UP
+
+
+def _up(table: WorkerTable, role: Role, workers: Sequence[WorkerInfo], avoid: Avoid | None) -> list[WorkerState]:
     states = table.sync(role, workers)
     up = [s for s in states if s.health is Health.UP]
     if not up:
         raise NoWorkerError(role, down=len(states))
+    if avoid is not None:
+        return [s for s in up if not avoid(s.info)] or up
     return up
 
 
@@ -90,8 +98,9 @@ class RoundRobinRouter:
         self._table = table
         self._next = {role: 0 for role in Role}
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
-        up = _up(self._table, role, workers)
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None,
+             avoid: Avoid | None = None) -> WorkerInfo:
+        up = _up(self._table, role, workers, avoid)
         i = self._next[role] % len(up)
         self._next[role] = i + 1
         return up[i].info
@@ -130,8 +139,9 @@ class LeastLoadedRouter:
         self._table = table
         self._turns = _Turns(rng)
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
-        up = _up(self._table, role, workers)
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None,
+             avoid: Avoid | None = None) -> WorkerInfo:
+        up = _up(self._table, role, workers, avoid)
         return self._turns.least_loaded(role, up, up)
 
     def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
@@ -149,8 +159,9 @@ class CacheAwareRouter:
         self._index = index
         self._turns = _Turns(rng)
 
-    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None) -> WorkerInfo:
-        up = _up(self._table, role, workers)
+    def pick(self, role: Role, workers: Sequence[WorkerInfo], keys: PromptKeys | None = None,
+             avoid: Avoid | None = None) -> WorkerInfo:
+        up = _up(self._table, role, workers, avoid)
         if keys is None:
             return self._turns.least_loaded(role, up, up)
         least = min(s.load for s in up)

@@ -29,6 +29,8 @@ class Fault(Enum):
     UNHEALTHY = "unhealthy"  # 5xx or a timeout: stop choosing it until it is healthy
     UNREACHABLE = "unreachable"  # the connection failed or broke: as UNHEALTHY, and the
     #                              request may be retried elsewhere if the client saw nothing
+    PATH = "path"  # both workers answer, the path between them failed (decode could not reach prefill, the KV
+    #                did not arrive): avoid the pair (``pairs.PairHealth``); retried as UNREACHABLE is
 
 
 class UpstreamError(APIError):
@@ -47,6 +49,7 @@ class UpstreamError(APIError):
         self.body = body
         self.worker = worker
         self.fault = fault
+        self.pair: tuple[WorkerInfo, WorkerInfo] | None = None  # PATH: (prefill, decode), set by the call
 
     def to_dict(self) -> dict:
         return self.body if self.body is not None else super().to_dict()
@@ -99,10 +102,14 @@ def in_stream_error(error: object, worker: WorkerInfo) -> UpstreamError:
     """A worker's SSE error event (``{"error": {...}}``) as an UpstreamError.
 
     The status is the event's integer ``code`` when that is a 5xx (vLLM's convention;
-    503 and 504 are kept), else 502. The worker stays healthy: it answered.
+    503 and 504 are kept), else 502. The worker stays healthy: it answered. An event with
+    ``"kv_path": true`` (a decode worker that could not reach the request's prefill worker, or whose KV
+    did not arrive) is a ``Fault.PATH``.
     """
     message, code = (error.get("message"), error.get("code")) if isinstance(error, dict) else (error, None)
     status = 502
     if isinstance(code, int) and not isinstance(code, bool) and 500 <= code < 600:
         status = server_error_status(code)
-    return UpstreamError(status, f"{who(worker)} failed: {message}", worker=worker)
+    path = isinstance(error, dict) and error.get("kv_path") is True
+    return UpstreamError(status, f"{who(worker)} failed: {message}", worker=worker,
+                         fault=Fault.PATH if path else Fault.NONE)

@@ -69,6 +69,16 @@ class Engine(Protocol):
     kv_events: KVEventLog
 
 
+def error_body(ev: ErrorEvent) -> dict:
+    """An in-stream error event's body: the status as an integer ``code`` (as vLLM does: the proxy answers with
+    it, a 504 stays 504), and ``"kv_path": true`` when the failure lies between the two workers of the request
+    (the proxy then avoids that pair for a while)."""
+    body = APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict()
+    if ev.kv_path:
+        body["error"]["kv_path"] = True
+    return body
+
+
 def _error(e: APIError) -> Response:
     return Response(json.dumps(e.to_dict()), status=e.status, mimetype="application/json")
 
@@ -364,7 +374,7 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
             if isinstance(ev, ErrorEvent):
                 ended.value = True
                 # the status as an integer `code`, as vLLM does: the proxy answers with it (a 504 stays 504)
-                yield sse(APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict())
+                yield sse(error_body(ev))
                 yield SSE_DONE
                 return
             prompt_tokens, completion_tokens, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens

@@ -27,6 +27,9 @@ class TokenEvent:
 class ErrorEvent:
     status: int
     message: str
+    # The failure lies on the path between this worker and its peer worker for the request (the signal
+    # plane, or the KV transfer), not in either worker: the proxy then avoids that prefill/decode pair.
+    kv_path: bool = False
 
 
 Event = TokenEvent | ErrorEvent

@@ -1,0 +1,76 @@
+"""Which prefill/decode pairs the proxy avoids (xpyd.proxy.pairs), on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.pairs import PairHealth
+
+
+def worker(role: Role, i: int) -> WorkerInfo:
+    return WorkerInfo(role, f"http://10.0.{int(role is Role.DECODE)}.{i}:8100", f"10.0.0.{i}:9100", "m", 1, 8)
+
+
+P0, P1 = worker(Role.PREFILL, 0), worker(Role.PREFILL, 1)
+D0, D1 = worker(Role.DECODE, 0), worker(Role.DECODE, 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def test_a_failed_pair_cools_down_then_is_usable_again(clock):
+    pairs = PairHealth(base=5.0, cap=60.0, clock=clock)
+    assert pairs.failed(P0, D0, "cut") == 5.0
+    assert not pairs.usable(P0, D0)
+    assert pairs.usable(P0, D1) and pairs.usable(P1, D0)  # the workers themselves are fine
+    clock.now += 4.9
+    assert not pairs.usable(P0, D0)
+    clock.now += 0.1
+    assert pairs.usable(P0, D0)
+    assert pairs.to_dict() == [{"prefill": P0.http_url, "decode": D0.http_url, "cooling_for": 0.0,
+                                "failures": 1, "reason": "cut"}]
+
+
+def test_failing_again_after_the_cooldown_doubles_it_up_to_the_cap_and_success_resets_it(clock):
+    pairs = PairHealth(base=5.0, cap=12.0, clock=clock)
+    assert pairs.failed(P0, D0, "a") == 5.0
+    clock.now += 1
+    assert pairs.failed(P0, D0, "b") == 5.0  # in flight when it broke: the same failure, not a longer one
+    assert pairs.to_dict()[0]["cooling_for"] == 4.0 and pairs.to_dict()[0]["reason"] == "b"
+    clock.now += 4
+    assert pairs.failed(P0, D0, "c") == 10.0  # tried again and failed again
+    clock.now += 10
+    assert pairs.failed(P0, D0, "d") == 12.0  # capped
+    assert pairs.to_dict()[0]["failures"] == 3
+    clock.now += 12
+    pairs.succeeded(P0, D0)
+    assert pairs.to_dict() == []
+    assert pairs.failed(P0, D0, "e") == 5.0  # starts over
+
+
+def test_a_prefill_worker_is_stranded_when_each_of_its_pairs_is_avoided(clock):
+    pairs = PairHealth(base=5.0, clock=clock)
+    assert not pairs.stranded(P0, [D0, D1])
+    pairs.failed(P0, D0, "cut")
+    assert not pairs.stranded(P0, [D0, D1])  # p0 still has d1
+    assert pairs.stranded(P0, [D0]) and not pairs.stranded(P1, [D0])
+    assert not pairs.stranded(P0, [])  # no decode worker up: nothing to say about its pairs
+    clock.now += 5
+    assert not pairs.stranded(P0, [D0])
+
+
+@pytest.mark.parametrize("base, cap", [(0.0, 60.0), (-1.0, 60.0), (10.0, 5.0)])
+def test_a_cooldown_that_makes_no_sense_is_refused(base, cap):
+    with pytest.raises(ValueError, match="cool-down"):
+        PairHealth(base=base, cap=cap)

@@ -1,0 +1,74 @@
+"""Which prefill/decode pairs to avoid: ``PairHealth``.
+
+Both workers of a pair can be healthy while the path between them is not (a cut or lossy link between
+two hosts, a firewall, a KV transfer that stalls): each answers the proxy, yet every request routed to
+the two of them fails once decode tries to reach prefill. A decode worker says so in the error it sends
+(``kv_path`` in its in-stream error event); the pair then cools down: the router chooses other pairs while
+there are any (``Router.pick``'s ``avoid``). The cool-down starts at ``base`` seconds and doubles with each failure that follows one
+(up to ``cap``); when it has passed, the pair is tried again, and a request that completes on it makes it
+healthy (``succeeded``). With no other pair left, the router uses a cooling one anyway: a request that
+may fail beats a 503 that surely does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from xpyd.discovery.types import WorkerInfo
+
+BASE_COOLDOWN = 5.0  # seconds a pair is avoided after its first failure
+MAX_COOLDOWN = 60.0  # at most this long, however often it failed
+
+
+@dataclass(slots=True)
+class _Cooling:
+    until: float
+    cooldown: float
+    reason: str
+    failures: int
+
+
+def _key(prefill: WorkerInfo, decode: WorkerInfo) -> tuple[str, str]:
+    return prefill.http_url, decode.http_url
+
+
+class PairHealth:
+    def __init__(self, base: float = BASE_COOLDOWN, cap: float = MAX_COOLDOWN,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < base <= cap:
+            raise ValueError(f"pair cool-down must satisfy 0 < base ({base}) <= cap ({cap})")
+        self._base, self._cap, self._clock = base, cap, clock
+        self._pairs: dict[tuple[str, str], _Cooling] = {}
+
+    def failed(self, prefill: WorkerInfo, decode: WorkerInfo, reason: str) -> float:
+        """The path between the two failed a request: avoid the pair; returns the cool-down in seconds."""
+        key, now = _key(prefill, decode), self._clock()
+        old = self._pairs.get(key)
+        if old is not None and now < old.until:
+            old.reason = reason  # (requests that were in flight when it broke: the same failure)
+            return old.cooldown
+        cooldown = self._base if old is None else min(self._cap, old.cooldown * 2)
+        self._pairs[key] = _Cooling(now + cooldown, cooldown, reason, 1 if old is None else old.failures + 1)
+        return cooldown
+
+    def succeeded(self, prefill: WorkerInfo, decode: WorkerInfo) -> None:
+        """A request completed on the pair: it is healthy again."""
+        self._pairs.pop(_key(prefill, decode), None)
+
+    def usable(self, prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+        cooling = self._pairs.get(_key(prefill, decode))
+        return cooling is None or self._clock() >= cooling.until
+
+    def stranded(self, prefill: WorkerInfo, decodes: Iterable[WorkerInfo]) -> bool:
+        """Is every pair of ``prefill`` with ``decodes`` being avoided (and there are some)?"""
+        decodes = list(decodes)
+        return bool(self._pairs) and bool(decodes) and not any(self.usable(prefill, d) for d in decodes)
+
+    def to_dict(self) -> list[dict]:
+        """The pairs avoided now or tried again after a failure (``/cluster``)."""
+        now = self._clock()
+        return [{"prefill": p, "decode": d, "cooling_for": round(max(0.0, c.until - now), 3),
+                 "failures": c.failures, "reason": c.reason}
+                for (p, d), c in sorted(self._pairs.items())]
