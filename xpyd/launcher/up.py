@@ -96,6 +96,7 @@ PASSED_ON = (
     ("--no-kv-stream", ("prefill",)),
     ("--peer-timeout", ("prefill",)),
     ("--prefill-wait-timeout", ("decode",)),
+    ("--signal-timeout", ("decode",)),
     ("--drain-timeout", ("prefill", "decode", "colocated")),
     ("--lease-ttl", ("prefill", "decode")),
     ("--kv-copy-threads", ("prefill", "decode")),

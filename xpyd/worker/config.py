@@ -30,7 +30,7 @@ class WorkerConfig:
     max_model_len: int = 2048
     threads: int = 1
     max_body_bytes: int = 4 << 20
-    signal_timeout: float = 5.0
+    signal_timeout: float = 5.0  # decode: a prefill worker's signal plane silent this long is unreachable
     etcd: str | None = None  # HOST:PORT: register there and watch peers (dynamic xPyD)
     lease_ttl: int = 5  # seconds; a SIGKILLed worker disappears from etcd after this
     drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
@@ -80,6 +80,8 @@ class WorkerConfig:
             raise ValueError("--kv-ttl must be in [0.1, 86400] seconds")
         if not 0.1 <= self.prefill_wait_timeout <= 86400:
             raise ValueError("--prefill-wait-timeout must be in [0.1, 86400] seconds")
+        if not 1.0 <= self.signal_timeout <= 3600:
+            raise ValueError("--signal-timeout must be in [1, 3600] seconds (heartbeats go every second)")
         if not 3.0 <= self.peer_timeout <= 3600:
             raise ValueError("--peer-timeout must be in [3, 3600] seconds (decode workers send a heartbeat "
                              "every second)")
@@ -201,6 +203,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "decode":
         parser.add_argument("--prefill-wait-timeout", type=float, default=d.prefill_wait_timeout,
                             help="seconds a request waits for its prefill to be ready before it fails")
+        parser.add_argument("--signal-timeout", type=float, default=d.signal_timeout,
+                            help="a prefill worker that leaves a signal-plane request (claim, pull, heartbeat) "
+                                 "unanswered this many seconds is taken for unreachable: its requests here "
+                                 "fail, and the proxy routes around the pair (default: %(default)s)")
     if role != "colocated":
         parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
                             help="shared secret checked at the signal-plane handshake and keying every KV "
