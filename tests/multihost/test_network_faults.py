@@ -14,7 +14,8 @@ transformers ``generate``. Each test restores the bed (heal, no loss, no shaping
   token-exact; how much slower is printed (no timed assertion);
 - the P-D link cut (p0-d0) while KV moves over a tbf-shaped link: the requests it hits end with an
   error within the timeouts, the others complete, every pool returns to zero while the link is still
-  cut, and after ``heal`` d0 serves again;
+  cut, the proxy then routes around the pair (everything completes on d1, both workers still up), and
+  after ``heal`` (and the pair's cool-down) d0 serves again;
 - d0 cut off from etcd (not from the proxy or p0): its lease expires, the proxy stops routing to it, it
   drains, the other decode worker serves everything; after ``heal`` it registers again and serves.
 """
@@ -47,7 +48,8 @@ MAX_TOKENS = 4
 PREFILL_PORT, SIGNAL_PORT, DECODE_PORT, KV_PORT, PROXY_PORT = 8100, 8101, 8200, 8201, 8000
 TOKEN = "bed-cluster-token"
 KV_TTL, PEER_TIMEOUT, PREFILL_WAIT, LEASE_TTL = 5.0, 3.0, 8.0, 2
-SIGNAL_TIMEOUT = 5.0  # the decode worker's signal-plane deadline (WorkerConfig.signal_timeout, fixed)
+SIGNAL_TIMEOUT = 5.0  # the decode workers' signal-plane deadline (--signal-timeout)
+PAIR_COOLDOWN = 20.0  # the proxy avoids a pair whose path failed this long (--pair-cooldown)
 CLIENT_TIMEOUT = 40.0  # a request with no byte for this long counts as hung
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing in green trees near "
          "old stone walls and bright yellow flowers open to warm morning light").split()
@@ -83,14 +85,16 @@ class OneByTwo:
                          "--peer-timeout", str(PEER_TIMEOUT)]
             else:
                 role, port = "decode", DECODE_PORT
-                extra = ["--kv-port", str(KV_PORT), "--prefill-wait-timeout", str(PREFILL_WAIT)]
+                extra = ["--kv-port", str(KV_PORT), "--prefill-wait-timeout", str(PREFILL_WAIT),
+                         "--signal-timeout", str(SIGNAL_TIMEOUT)]
             args = [role, "--model", str(model), "--dtype", "float32", "--threads", "1", "--max-model-len", "2048",
                     "--batch-size", "8", "--host", h.ip, "--port", str(port), "--etcd", self.etcd.endpoint,
                     "--lease-ttl", str(LEASE_TTL), *extra]
             self.urls[name] = self.c.start(name, args, f"http://{h.ip}:{port}", env={"XPYD_CLUSTER_TOKEN": TOKEN},
                                            wrap=self.wrap(name)).url
         self.c.start("proxy", ["proxy", "--host", self.hosts["proxy"].ip, "--port", str(PROXY_PORT),
-                               "--etcd", self.etcd.endpoint], self.proxy, wrap=self.wrap("proxy"))
+                               "--etcd", self.etcd.endpoint, "--pair-cooldown", str(PAIR_COOLDOWN)], self.proxy,
+                     wrap=self.wrap("proxy"))
         self.c.wait_healthy()
         wait_until(lambda: len(self.listed()) == 3, 20, "the proxy to discover 3 workers in etcd")
 
@@ -434,6 +438,15 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
         t_end = time.monotonic()
         wait_until(lambda: idle(cluster), POOL_BOUND, "every pool empty while p0-d0 is still cut")
         emptied = time.monotonic() - t_cut
+        # The proxy heard from d0 that it cannot reach p0 (kv_path): while the link is cut, it routes
+        # around the pair, to d1; nothing fails, though p0 and d0 are both healthy in its view.
+        before = cluster.received("d0"), cluster.received("d1")
+        run_round(cluster, reference, "around.", 100)
+        assert cluster.received("d0") == before[0] and cluster.received("d1") > before[1]
+        view = get(cluster.proxy + "/cluster")
+        (avoided,) = view["avoided_pairs"]
+        assert (avoided["prefill"], avoided["decode"]) == (cluster.urls["p0"], cluster.urls["d0"]), avoided
+        assert all(w["health"] == "up" for w in view["workers"]), view["workers"]
     finally:
         load.stop()
         bed.heal(p0, d0)
@@ -450,11 +463,12 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
     assert metric(cluster.urls["d0"], "xpyd_kv_transfers_total", direction="recv", outcome="failed") > failed_recv
     assert metric(cluster.urls["p0"], "xpyd_kv_transfers_total", direction="send", outcome="failed") > failed_send
 
-    # Healed: requests succeed again, d0 among the decode workers that serve them.
+    # Healed: requests succeed again, d0 among the decode workers that serve them (once the pair's
+    # cool-down has passed).
     served = cluster.received("d0")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PAIR_COOLDOWN + 15
     while cluster.received("d0") == served:
-        assert time.monotonic() < deadline, "d0 served nothing within 30s of the heal"
+        assert time.monotonic() < deadline, "d0 served nothing within the cool-down + 15s of the heal"
         run_round(cluster, reference, f"healed{int(time.monotonic() * 1000)}.", 100)
 
 

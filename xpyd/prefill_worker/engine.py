@@ -37,6 +37,7 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
+from xpyd.prefill_worker.expiry import late_kv, stalled_sends
 from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
 from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
@@ -167,45 +168,22 @@ class PrefillEngine(WorkerEngine):
                                       claimed=self._memory.claimed_early.pop(rid, False)))
 
     def _expire(self, now: float) -> None:
-        """Free KV that waits for a pull in vain; later lookups are answered 'expired'.
-
-        Unclaimed KV is kept for kv_ttl; claimed KV while its decode worker lives (it sent anything within
-        peer_timeout); either for LEFT_PEER_GRACE once the decode worker left the cluster (discovery).
-        """
+        """Free KV that waits for a pull in vain, abort sends to silent decode workers (``expiry``); later
+        lookups are answered 'expired' / 'failed'."""
         ttl, silent = self.config.kv_ttl, self.config.peer_timeout
         self._peers.forget_left(before=now - ttl)  # whatever they held has expired by now
-        grace = min(ttl, LEFT_PEER_GRACE)
-        late = {}
-        for seq in self.sched.held():
-            left_at = self._peers.left_at(seq.peer)
-            if left_at is not None and now - max(left_at, seq.held_since) >= grace:
-                late[seq] = f"its decode worker left the cluster and did not pull it within {grace:g}s"
-            elif seq.claimed and now - (self._peers.last_heard(seq.peer) or 0.0) >= silent:
-                late[seq] = f"its decode worker {seq.peer} claimed it but sent nothing for {silent:g}s"
-            elif not seq.claimed and now - seq.held_since >= ttl:
-                late[seq] = f"not pulled within kv_ttl={ttl:g}s"
-        for seq, why in late.items():
+        for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE)):
             self.sched.release(seq.request_id, RequestState.FAILED)
             self._ended(seq)
             self._expired += 1
             self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
-        self._abort_stalled_sends(now)
-        self._memory.expire()
-
-    def _abort_stalled_sends(self, now: float) -> None:
-        """Abort the sends to a decode worker that has sent nothing for ``peer_timeout`` (its link was cut, or
-        it died without a word): their blocks are freed once their tokens fail (next ``sched.poll``), not
-        when the backend gives up on a connection that no longer answers."""
-        silent = self.config.peer_timeout
-        for seq in self.sched.sending():
-            if seq.cancel_requested or now - (self._peers.last_heard(seq.peer) or 0.0) < silent:
-                continue
-            why = f"its decode worker {seq.peer} sent nothing for {silent:g}s during the KV send"
+        for seq, why in stalled_sends(self.sched.sending(), self._peers, now, silent):
             self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
             abort_sends(self.transfer, seq)
             self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
             log.warning("request %s: KV send aborted: %s", seq.request_id, why)
+        self._memory.expire()
 
     def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
         """Remember how a request ended here unpulled; tell the decode worker that claimed it."""
