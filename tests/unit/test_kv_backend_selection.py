@@ -98,7 +98,8 @@ def test_transfer_connections_fail_after_the_configured_stall():
     assert WorkerConfig("decode").transfer_stall_timeout == 10.0  # (decode has no --peer-timeout: its default)
     assert WorkerConfig("decode", prefill_wait_timeout=4.0).transfer_stall_timeout == 4.0
     assert WorkerConfig("decode", prefill_wait_timeout=0.2).transfer_stall_timeout == 1.0
-    for name in ("tcp", "auto"):
+    names = ["tcp", "auto"] + (["nixl"] if importlib.util.find_spec("nixl") else [])
+    for name in names:
         t = make_worker_backend(name, "127.0.0.1", 0, None, stall_timeout=4.5)
         try:
             assert (t.primary if name == "auto" else t).stall_timeout == 4.5
@@ -111,3 +112,16 @@ def test_transfer_connections_fail_after_the_configured_stall():
         assert opt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4500
         assert (opt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE), opt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
                 opt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (1, 1, 3)
+
+
+def test_nixl_control_connections_fail_after_the_stall_as_tcp_ones_do():
+    """(Importable without NIXL: the library loads when a backend is made.)"""
+    import socket
+
+    from xpyd.transfer import nixl_backend
+
+    with socket.socket() as sock:
+        nixl_backend._setup(sock, 4.5)  # what its acceptor and its connects run on each control socket
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 4500
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1

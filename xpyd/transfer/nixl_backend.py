@@ -20,7 +20,8 @@ in only when no ``progress()`` came for ``fallback_progress`` seconds, or when a
 waits for a READ (policy: ``nixl_progress``). Idle, nothing runs.
 
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with tcp and shm
-through ``endpoint``): an acceptor, one reader per inbound connection, one sender per peer.
+through ``endpoint``): an acceptor, one reader per inbound connection, one sender per peer. A control
+connection whose peer acknowledges nothing for ``stall_timeout`` (a cut link) fails in the kernel, as tcp's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 import secrets
 import socket
+from functools import partial
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -55,6 +57,7 @@ from xpyd.transfer.nixl_progress import FALLBACK, Progress
 from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
+from xpyd.transfer.tcp import STALL_TIMEOUT, fail_when_stalled
 from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
 
 log = logging.getLogger(__name__)
@@ -63,9 +66,12 @@ READ_CHUNK = 16 << 20  # bytes per NIXL READ request, i.e. per lock hold (abort 
 MAX_INBOUND = 256
 
 
-def _setup(sock: socket.socket) -> None:
+def _setup(sock: socket.socket, stall_timeout: float = STALL_TIMEOUT) -> None:
+    """A control connection: offers and replies (the bytes move by NIXL READs). One whose peer went silent (a
+    cut link) fails after ``stall_timeout``, as tcp's do (``tcp.fail_when_stalled``)."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    fail_when_stalled(sock, stall_timeout)
 
 
 class NixlTransferBackend:
@@ -73,15 +79,17 @@ class NixlTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None,
-                 fallback_progress: float | None = FALLBACK, cluster_token: str | None = None) -> None:
+                 fallback_progress: float | None = FALLBACK, cluster_token: str | None = None,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         """``fallback_progress``: seconds without a ``progress()`` call after which the backend's own
         threads make UCX progress (None: never; then only ``progress()`` and aborts do). ``cluster_token``:
-        the workers' shared token, or None; it keys every transfer's MAC with the transfer's secret."""
+        the workers' shared token, or None; it keys every transfer's MAC with the transfer's secret.
+        ``stall_timeout``: a control connection whose peer acknowledges nothing this long fails."""
         load()  # a clear ImportError (how to install NIXL) before anything else
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
-        if not connect_timeout > 0 or not io_timeout > 0:
-            raise ValueError("connect_timeout and io_timeout must be > 0")
+        if not connect_timeout > 0 or not io_timeout > 0 or not stall_timeout > 0:
+            raise ValueError("connect_timeout, io_timeout and stall_timeout must be > 0")
         if advertise_host is None and host in ("", "0.0.0.0", "::"):
             raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
         if fallback_progress is not None and not fallback_progress > 0:
@@ -91,6 +99,8 @@ class NixlTransferBackend:
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.stall_timeout = stall_timeout
+        self._setup = partial(_setup, stall_timeout=stall_timeout)
         self._endpoint = Endpoint()
         self._agent: Agent | None = None
         self._progress: Progress | None = None
@@ -126,7 +136,7 @@ class NixlTransferBackend:
             self._progress = Progress(agent, self.fallback_progress)
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
-            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
+            self._endpoint.start_acceptor(self.name, self._serve, self._setup, MAX_INBOUND, log)
         return self._descriptor
 
     @property
@@ -253,7 +263,7 @@ class NixlTransferBackend:
         return Reply.parse(conn.read_frame(MAX_FRAME))
 
     def _connect(self, address: str) -> Conn:
-        conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
+        conn = connect(address, self._endpoint.wake[0], self._setup, self.connect_timeout, self.io_timeout)
         try:
             hello = Hello(PROTOCOL_VERSION, self._agent.name, self._agent.metadata(), self._addr,
                           self._buffer.nbytes, self._memory)

@@ -45,16 +45,16 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
                         cluster_token: str | None = None, stall_timeout: float | None = None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
     shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
-    ``auth``; ``stall_timeout``: tcp connections whose peer acknowledges nothing for this long fail, see
-    ``tcp.fail_when_stalled``; None: tcp's default)."""
+    ``auth``; ``stall_timeout``: tcp (and nixl control) connections whose peer acknowledges nothing for this
+    long fail, see ``tcp.fail_when_stalled``; None: the backend's default)."""
     check_kv_backend(name)
     common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token}
-    stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp's: shm is one host)
+    stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp/nixl: shm is one host)
     tag = str(port) if port else None  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
     if name == "tcp":
         return make_backend(name, **common, **stall)
     if name == "nixl":  # (an ImportError naming the pip command when NIXL is missing)
-        return make_backend(name, **common)
+        return make_backend(name, **common, **stall)
     if name == "shm":
         return make_backend(name, **common, tag=tag, copy_threads=copy_threads)
     if name == "auto":
