@@ -59,22 +59,23 @@ def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: s
 def test_proxy_args_make_a_valid_proxy_config(helm: Helm, parser, value_set: str) -> None:
     from xpyd.proxy.main import config_from_args
 
-    docs = helm.template(VALUE_SETS[value_set], sets=("model.servedModelName=smol",))
+    docs = helm.template(VALUE_SETS[value_set], sets=("model.servedModelName=smol", "proxy.pairCooldown=12"))
     args = parser.parse_args(_pod_argv(docs, f"{FULLNAME}-proxy"))
     config = config_from_args(args)
     endpoint = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["XPYD_ETCD"]
-    assert (config.etcd, config.host, config.model_name) == (endpoint, "0.0.0.0", "smol")
+    assert (config.etcd, config.host, config.model_name, config.pair_cooldown) == (endpoint, "0.0.0.0", "smol", 12)
 
 
 def test_worker_flag_values_follow_values(helm: Helm, parser) -> None:
     from xpyd.worker.config import config_from_args
 
     docs = helm.template(sets=("prefill.batchSize=4", "prefill.threads=3", "prefill.kvTTL=12",
-                               "decode.prefillWaitTimeout=9", "decode.leaseTTL=7", "model.dtype=float32",
+                               "decode.prefillWaitTimeout=9", "decode.leaseTTL=7", "decode.signalTimeout=3",
+                               "model.dtype=float32",
                                "model.maxModelLen=4096", "decode.extraArgs={--nice=5}"))
     prefill = config_from_args(parser.parse_args(_pod_argv(docs, f"{FULLNAME}-prefill")), "prefill")
     decode = config_from_args(parser.parse_args(_pod_argv(docs, f"{FULLNAME}-decode")), "decode")
     assert (prefill.batch_size, prefill.threads, prefill.kv_ttl) == (4, 3, 12)
-    assert (decode.prefill_wait_timeout, decode.lease_ttl, decode.nice) == (9, 7, 5)
+    assert (decode.prefill_wait_timeout, decode.lease_ttl, decode.nice, decode.signal_timeout) == (9, 7, 5, 3)
     assert prefill.dtype == decode.dtype == "float32"
     assert prefill.max_model_len == decode.max_model_len == 4096

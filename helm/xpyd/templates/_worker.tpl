@@ -84,6 +84,7 @@ spec:
             - --kv-ttl={{ $w.kvTTL }}
             {{- else }}
             - --prefill-wait-timeout={{ $w.prefillWaitTimeout }}
+            - --signal-timeout={{ $w.signalTimeout }}
             {{- end }}
             {{- range $w.extraArgs }}
             - {{ . | quote }}
