@@ -58,7 +58,24 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def _stop_and_check(proc: subprocess.Popen, stop_signal: int, children: list[int], ports: list[int],
+                    host: str = "127.0.0.1") -> None:
+    """Send ``stop_signal`` to `xpyd up`: it exits (0, or killed by SIGKILL), no child outlives it and every
+    port is free again."""
+    proc.send_signal(stop_signal)
+    # SIGKILL cannot be handled: the children still go (parent-death signal)
+    assert proc.wait(30) == (-signal.SIGKILL if stop_signal == signal.SIGKILL else 0)
+    deadline = time.monotonic() + 10
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "orphaned child processes"
+    for p in ports:
+        assert bindable(p, host), f"port {p} still in use"
+
+
+# Ctrl-C and a handled stop signal: SIGINT here; SIGTERM takes the same path in `xpyd up` (one handler for
+# both, xpyd/launcher/up.py) and is sent, with the same checks, by the IPv6 tests below.
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL])
 def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, stop_signal):
     port, pp, dp = free_port_run(1), free_port_run(2), free_port_run(2)
     log = tmp_path / "up.log"
@@ -76,16 +93,7 @@ def test_up_serves_then_stops_every_child(tiny_model_dir: Path, tmp_path: Path, 
         with urllib.request.urlopen(req, timeout=60) as r:
             body = json.loads(r.read())
         assert body["usage"]["completion_tokens"] == 5
-
-        proc.send_signal(stop_signal)
-        # SIGKILL cannot be handled: the children still go (parent-death signal)
-        assert proc.wait(30) == (-signal.SIGKILL if stop_signal == signal.SIGKILL else 0)
-        deadline = time.monotonic() + 10
-        while any(_alive(c) for c in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(c) for c in children), "orphaned child processes"
-        for p in (port, pp, pp + 1, dp, dp + 1):
-            assert bindable(p), f"port {p} still in use"
+        _stop_and_check(proc, stop_signal, children, [port, pp, pp + 1, dp, dp + 1])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -99,7 +107,8 @@ def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path, mo
     """Static 1P1D, and dynamic 1P1D through etcd: the workers register their IPv6 addresses
     (``/workers/{role}/::1/{port}``) and the proxy routes to what it watches."""
     port, pp, dp = free_port_run(1, "::1"), free_port_run(2, "::1"), free_port_run(2, "::1")
-    extra = ["--prefill", "1", "--decode", "1", "--etcd-port", str(free_port_run(2))] if mode == "etcd" else []
+    etcd_port = free_port_run(2)
+    extra = ["--prefill", "1", "--decode", "1", "--etcd-port", str(etcd_port)] if mode == "etcd" else []
     log = tmp_path / "up.log"
     proc = _start_up(tiny_model_dir, log, port, pp, dp, "--host", "::1", *extra)
     try:
@@ -116,8 +125,11 @@ def test_up_serves_on_the_ipv6_loopback(tiny_model_dir: Path, tmp_path: Path, mo
             headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        children = _children(proc.pid)
+        assert len(children) == (4 if mode == "etcd" else 3)  # (etcd,) proxy, prefill, decode
+        _stop_and_check(proc, signal.SIGTERM, children, [port, pp, pp + 1, dp, dp + 1], "::1")
+        if mode == "etcd":
+            assert all(bindable(p) for p in (etcd_port, etcd_port + 1)), "etcd's ports still in use"
     finally:
         if proc.poll() is None:
             proc.kill()
