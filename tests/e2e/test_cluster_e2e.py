@@ -98,6 +98,15 @@ def sampled_reference(smollm_dir: Path):
     return generate
 
 
+@pytest.fixture(scope="module")
+def background():
+    """One thread of this process for the references: a test starts computing what it expects, then sends
+    the same request through the cluster while it runs (the workers run one thread each, and while decode
+    steps run, the other core is free). Tests wait for the result before comparing."""
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="reference") as ex:
+        yield ex
+
+
 def post(url: str, body: dict | bytes, timeout: float = 120) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -149,12 +158,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,body", CASES, ids=["completion", "chat", "chat-non-ascii", "completion-non-ascii"])
-def test_matches_transformers_generate(cluster, reference, kind, body):
+def test_matches_transformers_generate(cluster, reference, background, kind, body):
     path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
-    want_text, want_n, want_finish = reference(**body)
-    assert want_n >= 32 or want_finish == "stop"
+    expected = background.submit(reference, **body)
     req = {**body, "max_tokens": NEW_TOKENS, "temperature": 0}
     status, resp = post(cluster["proxy"] + path, req)
+    want_text, want_n, want_finish = expected.result()
+    assert want_n >= 32 or want_finish == "stop"
     assert status == 200, resp
     assert _text(kind, resp) == want_text
     assert resp["usage"]["completion_tokens"] == want_n
@@ -212,7 +222,7 @@ def test_openai_client(cluster):
     assert "".join(parts) == "The capital of France is Paris."
 
 
-def test_eight_concurrent_requests_continuous_batching(cluster, reference):
+def test_eight_concurrent_requests_continuous_batching(cluster, reference, background):
     prompts = [
         "The history of Rome",
         "In computer science, a hash table is",
@@ -225,11 +235,12 @@ def test_eight_concurrent_requests_continuous_batching(cluster, reference):
     ]
     max_tokens = [5, 33, 12, 40, 20, 8, 27, 16]
     jobs = [({"prompt": p, "max_tokens": m, "temperature": 0}, m) for p, m in zip(prompts, max_tokens)]
+    expected = [background.submit(reference, prompt=body["prompt"], max_tokens=m) for body, m in jobs]
     with cf.ThreadPoolExecutor(8) as ex:
         results = list(ex.map(lambda j: post(cluster["proxy"] + "/v1/completions", j[0]), jobs))
-    for (body, m), (status, resp) in zip(jobs, results):
+    for (body, m), (status, resp), want in zip(jobs, results, expected):
         assert status == 200, resp
-        want_text, want_n, want_finish = reference(prompt=body["prompt"], max_tokens=m)
+        want_text, want_n, want_finish = want.result()
         assert resp["choices"][0]["text"] == want_text, body["prompt"]
         assert resp["usage"]["completion_tokens"] == want_n
         assert resp["choices"][0]["finish_reason"] == want_finish
@@ -284,14 +295,16 @@ SEEDED = {"prompt": "Here is a list of fruits:", "max_tokens": 24, "temperature"
 
 
 @pytest.mark.parametrize("seed", [1234, 7])
-def test_seeded_sampling_matches_a_single_process_run(cluster, sampled_reference, seed):
+def test_seeded_sampling_matches_a_single_process_run(cluster, sampled_reference, background, seed):
     """Prefill samples token 1, decode tokens 2..n from the same seeded stream: together they must give
     exactly the text one process sampling the whole request gives (not only the same text twice)."""
     url = cluster["proxy"] + "/v1/completions"
     body = {**SEEDED, "seed": seed}
-    want_text, want_n, want_finish = sampled_reference(body)
-    assert want_text != sampled_reference({**body, "seed": seed + 1})[0]  # the seed matters for this prompt
+    expected = background.submit(sampled_reference, body)
+    other_seed = background.submit(sampled_reference, {**body, "seed": seed + 1})
     status, resp = post(url, body)
+    want_text, want_n, want_finish = expected.result()
+    assert want_text != other_seed.result()[0]  # the seed matters for this prompt
     assert status == 200, resp
     assert resp["choices"][0]["text"] == want_text
     assert resp["usage"]["completion_tokens"] == want_n

@@ -2,6 +2,11 @@
 
 Covers joining, leaving (SIGTERM and SIGKILL), 2P2D with on-demand peer
 connections, and an etcd outage while requests flow.
+
+The tests share one cluster: etcd, a prefill worker p0, a decode worker d0 and the proxy. Each test adds
+the workers it needs (and kills or stops them); after each, the workers it added are stopped and the
+cluster is back where the next test expects it: etcd up, the proxy routing to p0 and d0 alone, both up
+and holding no request, KV or transfer.
 """
 
 from __future__ import annotations
@@ -84,24 +89,58 @@ class Watcher:
 
 
 class Dyn:
+    """The shared cluster (``base``: p0, d0, the proxy) and the workers the current test added (``added``)."""
+
     def __init__(self, workdir: Path, model: Path, etcd: LocalEtcd) -> None:
-        self.c = Cluster(workdir)
+        self.base = Cluster(workdir)
+        self.added = Cluster(workdir)
         self.model = model
         self.etcd = etcd
         self.proxy_url = ""
+        self.p0 = self.d0 = None
 
-    def worker(self, role: str, name: str):
+    def worker(self, role: str, name: str, cluster: Cluster | None = None):
         port = free_port()
         args = [role, "--model", str(self.model), "--dtype", "float32", "--threads", "1", "--max-model-len",
                 "256", "--batch-size", "4", "--etcd", self.etcd.endpoint, "--lease-ttl", str(LEASE_TTL),
                 "--port", str(port)]
         args += ["--signal-port", str(free_port())] if role == "prefill" else ["--kv-port", str(free_port())]
-        return self.c.start(name, args, f"http://127.0.0.1:{port}")
+        return (cluster or self.added).start(name, args, f"http://127.0.0.1:{port}")
 
-    def proxy(self):
+    def start_base(self) -> None:
+        self.p0 = self.worker("prefill", "p0", self.base)
+        self.d0 = self.worker("decode", "d0", self.base)
+        self.base.wait_healthy()
         port = free_port()
         self.proxy_url = f"http://127.0.0.1:{port}"
-        return self.c.start("proxy", ["proxy", "--port", str(port), "--etcd", self.etcd.endpoint], self.proxy_url)
+        self.base.start("proxy", ["proxy", "--port", str(port), "--etcd", self.etcd.endpoint], self.proxy_url)
+        self.base.wait_healthy()
+        self.wait_base_only()
+
+    def wait_healthy(self) -> None:
+        self.base.wait_healthy()
+        self.added.wait_healthy()
+
+    def wait_base_only(self) -> None:
+        """Until the proxy routes to p0 and d0 alone, both up, and both hold nothing."""
+        want = {self.p0.url, self.d0.url}
+        _wait(lambda: set(self.by_url()) == want and all(w["health"] == "up" for w in self.by_url().values()),
+              30, "the proxy to route to p0 and d0 alone, both up")
+        idle = ("waiting", "running", "transferring", "blocks_used", "blocks_reserved", "kv_used_bytes")
+        _wait(lambda: all(_stats(u)[k] == 0 for u in want for k in idle), 30, "p0 and d0 idle")
+
+    def end_test(self) -> None:
+        """Stop the workers the test added (SIGTERM; those it killed are gone), bring etcd back if the test
+        stopped it, and wait for the cluster to be back to p0 + d0, idle."""
+        try:
+            self.added.stop()
+        finally:
+            self.added = Cluster(self.base.workdir)
+        if not self.etcd.running:
+            self.etcd.start()
+        for p in self.base.procs:
+            assert p.popen.poll() is None, f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}"
+        self.wait_base_only()
 
     def cluster(self) -> dict:
         return json.loads(urllib.request.urlopen(self.proxy_url + "/cluster", timeout=5).read())
@@ -162,16 +201,26 @@ class Load:
         return self.results
 
 
-@pytest.fixture
-def dyn(tmp_path: Path, tiny_model_dir: Path):
-    etcd = LocalEtcd(data_dir=tmp_path / "etcd")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, tiny_model_dir: Path):
+    workdir = tmp_path_factory.mktemp("dynamic")
+    etcd = LocalEtcd(data_dir=workdir / "etcd")
     etcd.start()
-    d = Dyn(tmp_path, tiny_model_dir, etcd)
+    d = Dyn(workdir, tiny_model_dir, etcd)
     try:
+        d.start_base()
         yield d
     finally:
-        d.c.stop()
+        d.added.stop()
+        d.base.stop()
         etcd.stop()
+
+
+@pytest.fixture
+def dyn(shared: Dyn):
+    """The shared cluster, p0 + d0 behind the proxy; put back so after the test (see the module docstring)."""
+    yield shared
+    shared.end_test()
 
 
 def _wait(cond, timeout: float, what: str, interval: float = 0.05):
@@ -190,12 +239,11 @@ def _stats(url: str) -> dict:
 
 
 def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
-    workers = [dyn.worker("prefill", "p0"), dyn.worker("prefill", "p1"), dyn.worker("decode", "d0"),
-               dyn.worker("decode", "d1")]
-    dyn.c.wait_healthy()
-    dyn.proxy()
-    dyn.c.wait_healthy()
+    workers = [dyn.p0, dyn.worker("prefill", "p1"), dyn.d0, dyn.worker("decode", "d1")]
+    dyn.wait_healthy()
     _wait(lambda: len(dyn.cluster()["workers"]) == 4, 10, "the proxy to see 4 workers")
+    requests_before = {u: w["requests"] for u, w in dyn.by_url().items()}
+    sends_before = {p.url: _stats(p.url)["sends"] for p in workers[:2]}
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
     with ThreadPoolExecutor(3) as ex:
         results = list(ex.map(lambda p: complete(dyn.proxy_url, p), prompts))
@@ -203,11 +251,11 @@ def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
         assert status == 200, text
         assert text == reference[p]
     by_url = dyn.by_url()
-    for w in workers:
-        assert by_url[w.url]["requests"] > 0, by_url  # every worker was used
+    for w in workers:  # every worker was used (p0 and d0 may have served earlier tests: count from now)
+        assert by_url[w.url]["requests"] > requests_before[w.url], (by_url, requests_before)
     prefill_addrs = {by_url[w.url]["signal_addr"] for w in workers[:2]}
 
-    def cross_pulls_seen() -> bool:
+    def cross_pulls_seen() -> bool:  # (p0 and p1 are the only prefill workers this module ever runs)
         return all(set(_stats(d.url)["pulls"]) == prefill_addrs for d in workers[2:])
 
     # Routing picks each side independently, but under load the pairings can repeat for a while: send
@@ -221,15 +269,11 @@ def test_2p2d_spreads_requests_and_connects_on_demand(dyn, reference):
     assert cross_pulls_seen(), [_stats(d.url)["pulls"] for d in workers[2:]]
     for p in workers[:2]:
         s = _stats(p.url)
-        assert s["blocks_used"] == s["blocks_reserved"] == 0 and len(s["sends"]) == 2
+        sent_to = {d for d, n in s["sends"].items() if n > sends_before[p.url].get(d, 0)}
+        assert s["blocks_used"] == s["blocks_reserved"] == 0 and len(sent_to) == 2, (s, sends_before[p.url])
 
 
 def test_join_receives_requests_soon_after_registering(dyn, reference):
-    dyn.worker("prefill", "p0")
-    dyn.worker("decode", "d0")
-    dyn.c.wait_healthy()
-    dyn.proxy()
-    dyn.c.wait_healthy()
     watcher = Watcher(dyn.etcd.endpoint)
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
@@ -247,23 +291,20 @@ def test_join_receives_requests_soon_after_registering(dyn, reference):
 
 
 def test_sigterm_deregisters_at_once_and_no_request_fails(dyn, reference):
-    dyn.worker("prefill", "p0")
-    d0 = dyn.worker("decode", "d0")
-    dyn.worker("decode", "d1")
-    dyn.c.wait_healthy()
-    dyn.proxy()
-    dyn.c.wait_healthy()
+    victim = dyn.worker("decode", "d-term")  # (d0 is the decode worker that stays)
+    dyn.wait_healthy()
     watcher = Watcher(dyn.etcd.endpoint)
-    _wait(lambda: d0.url in watcher.appeared, 10, "d0 registered")
+    _wait(lambda: victim.url in watcher.appeared, 10, "the victim registered")
+    _wait(lambda: len(dyn.cluster()["workers"]) == 3, 10, "the proxy to see 3 workers")
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
         load.wait_done(6)
         t0 = time.monotonic()
-        d0.popen.send_signal(signal.SIGTERM)
-        _wait(lambda: d0.url in watcher.gone, 10, "d0's key to disappear", 0.005)
-        assert watcher.gone[d0.url] - t0 < LEASE_TTL / 2  # deregistered, not left to its lease expiring
-        assert d0.popen.wait(40) == 0
-        load.wait_done(6, started_after=time.monotonic(), what="requests after d0 exited")
+        victim.popen.send_signal(signal.SIGTERM)
+        _wait(lambda: victim.url in watcher.gone, 10, "the victim's key to disappear", 0.005)
+        assert watcher.gone[victim.url] - t0 < LEASE_TTL / 2  # deregistered, not left to its lease expiring
+        assert victim.popen.wait(40) == 0
+        load.wait_done(6, started_after=time.monotonic(), what="requests after the victim exited")
     finally:
         results = load.stop()
         watcher.close()
@@ -272,23 +313,20 @@ def test_sigterm_deregisters_at_once_and_no_request_fails(dyn, reference):
 
 
 def test_sigkill_stops_routing_after_first_failure(dyn, reference):
-    dyn.worker("prefill", "p0")
-    d0 = dyn.worker("decode", "d0")
-    dyn.worker("decode", "d1")
-    dyn.c.wait_healthy()
-    dyn.proxy()
-    dyn.c.wait_healthy()
+    victim = dyn.worker("decode", "d-kill")  # (d0 is the decode worker that stays)
+    dyn.wait_healthy()
+    _wait(lambda: len(dyn.cluster()["workers"]) == 3, 10, "the proxy to see 3 workers")
     load = Load(dyn.proxy_url, reference, threads=3)
     try:
         load.wait_done(6)
-        d0.popen.send_signal(signal.SIGKILL)
+        victim.popen.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
-        _wait(lambda: dyn.by_url().get(d0.url, {"health": "down"})["health"] == "down",
-              LEASE_TTL + 10, "d0 marked down or gone")
+        _wait(lambda: dyn.by_url().get(victim.url, {"health": "down"})["health"] == "down",
+              LEASE_TTL + 10, "the victim marked down or gone")
         t_down = time.monotonic()
-        before = dyn.by_url().get(d0.url, {}).get("requests")
-        load.wait_done(9, started_after=t_down, what="requests after d0 was marked down")
-        after = dyn.by_url().get(d0.url, {}).get("requests")
+        before = dyn.by_url().get(victim.url, {}).get("requests")
+        load.wait_done(9, started_after=t_down, what="requests after the victim was marked down")
+        after = dyn.by_url().get(victim.url, {}).get("requests")
         assert after in (None, before)  # nothing more routed to the dead worker (None: lease expired)
         # ...and it was noticed by the lease TTL at the latest (plus room for a busy machine)
         assert t_down - t_kill <= LEASE_TTL + 3.0
@@ -296,16 +334,11 @@ def test_sigkill_stops_routing_after_first_failure(dyn, reference):
         results = load.stop()
     late = [r for r in results if r.start > t_down]
     assert late and all(r.ok for r in late), [r for r in late if not r.ok][:3]
-    failed = [r for r in results if not r.ok]  # (those d0 had): over by the time it was found dead
+    failed = [r for r in results if not r.ok]  # (those the victim had): over by the time it was found dead
     assert all(r.t < t_down + 2.0 for r in failed), [(r.t - t_down, r.status) for r in failed]
 
 
 def test_etcd_outage_keeps_serving_and_recovers(dyn, reference):
-    dyn.worker("prefill", "p0")
-    dyn.worker("decode", "d0")
-    dyn.c.wait_healthy()
-    dyn.proxy()
-    dyn.c.wait_healthy()
     _wait(lambda: len(dyn.cluster()["workers"]) == 2, 10, "the proxy to see both workers")
     load = Load(dyn.proxy_url, reference, threads=2)
     try:

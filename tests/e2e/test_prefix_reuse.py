@@ -5,6 +5,7 @@ follow-up chat turn moves only the KV decode does not hold yet."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import urllib.request
 from pathlib import Path
@@ -54,6 +55,15 @@ def reference(smollm_dir: Path):
     return generate
 
 
+@pytest.fixture(scope="module")
+def background():
+    """One thread of this process for the references: a test starts computing what it expects, then sends
+    the same requests through the cluster while it runs (the workers run one thread each, and while decode
+    steps run, the other core is free). Tests wait for a result before comparing with it."""
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="reference") as ex:
+        yield ex
+
+
 def post(url: str, path: str, body: dict) -> dict:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -78,15 +88,15 @@ def complete(urls, prompt: str) -> dict:
     return post(urls["proxy"], "/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
 
 
-def test_shared_prefixes_are_reused_on_both_roles_with_the_same_tokens(cluster, reference):
+def test_shared_prefixes_are_reused_on_both_roles_with_the_same_tokens(cluster, reference, background):
     a, b = DOC + "Question: who kept the records?", DOC + "Question: what happened every spring?"
-    ids_a, want_a = reference(prompt=a)
-    ids_b, want_b = reference(prompt=b)
-    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)  # tokens the two prompts share
-    assert shared >= 4 * BLOCK
+    expected_a, expected_b = background.submit(reference, prompt=a), background.submit(reference, prompt=b)
     before = stats(cluster["decode"])
 
     first = complete(cluster, a)
+    (ids_a, want_a), (ids_b, want_b) = expected_a.result(), expected_b.result()
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)  # tokens the two prompts share
+    assert shared >= 4 * BLOCK
     assert first["choices"][0]["text"] == want_a
     assert first["usage"]["prompt_tokens"] == len(ids_a)
     second = complete(cluster, b)  # its shared full blocks come from both caches
@@ -104,12 +114,12 @@ def test_shared_prefixes_are_reused_on_both_roles_with_the_same_tokens(cluster, 
         assert s["blocks_used"] == s["blocks_reserved"] == 0 and s["blocks_cached"] > 0
 
 
-def test_a_cache_over_capacity_evicts_and_answers_stay_exact(cluster, reference):
+def test_a_cache_over_capacity_evicts_and_answers_stay_exact(cluster, reference, background):
     prompts = [f"Story {i}: " + DOC[i * 7:] + f" Chapter {i} begins" for i in range(6)]  # ~6 x 180 tokens
-    wants = [reference(prompt=p)[1] for p in prompts]
+    wants = [background.submit(reference, prompt=p) for p in prompts]
     for _ in range(2):  # the second round finds some of the first's blocks and recomputes the evicted ones
         for prompt, want in zip(prompts, wants):
-            assert complete(cluster, prompt)["choices"][0]["text"] == want
+            assert complete(cluster, prompt)["choices"][0]["text"] == want.result()[1]
     for url in (cluster["prefill"], cluster["decode"]):
         s = stats(url)
         assert s["blocks_cached"] <= s["blocks_total"] == CACHE_TOKENS // BLOCK
@@ -118,24 +128,26 @@ def test_a_cache_over_capacity_evicts_and_answers_stay_exact(cluster, reference)
     assert 0 < p["prefix_hit_tokens"] < p["prefix_query_tokens"]
 
 
-def test_a_follow_up_turn_moves_only_the_kv_decode_does_not_hold(cluster, reference, smollm_dir):
+def test_a_follow_up_turn_moves_only_the_kv_decode_does_not_hold(cluster, reference, background, smollm_dir):
     from xpyd.model.runner import kv_token_bytes
 
     import torch
 
     token_bytes = kv_token_bytes(smollm_dir, torch.float32)
     turn1 = [{"role": "user", "content": DOC + "Summarise this in one sentence."}]
-    ids1, want1 = reference(messages=turn1, max_tokens=24)
+    expected1 = background.submit(reference, messages=turn1, max_tokens=24)
     body = {"messages": turn1, "max_tokens": 24, "temperature": 0}
     r1 = post(cluster["proxy"], "/v1/chat/completions", body)
     answer = r1["choices"][0]["message"]["content"]
+    ids1, want1 = expected1.result()
     assert answer == want1
     turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why the tower?"}]
-    ids2, want2 = reference(messages=turn2)
+    expected2 = background.submit(reference, messages=turn2)
     held = len(ids1) + r1["usage"]["completion_tokens"] - 1  # decode wrote the KV of all but its last token
-    assert ids2[: len(ids1)] == ids1
     before = recv_bytes(cluster["decode"])
     r2 = post(cluster["proxy"], "/v1/chat/completions", {"messages": turn2, "max_tokens": NEW_TOKENS, "temperature": 0})
+    ids2, want2 = expected2.result()
+    assert ids2[: len(ids1)] == ids1
     assert r2["choices"][0]["message"]["content"] == want2
     moved = recv_bytes(cluster["decode"]) - before
     new_tokens = len(ids2) - held

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -140,21 +141,39 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 # --- SmolLM2 (the default model), float32: token-for-token against transformers' generate -----------------
 
+class References(Mapping):
+    """transformers' greedy tokens by prompt name, computed in a thread of this process while the tests run
+    the runner (each computes on one thread: the machine has two cores); reading one waits for it."""
+
+    def __init__(self, futures: dict[str, Future]) -> None:
+        self._futures = futures
+
+    def __getitem__(self, name: str) -> list[int]:
+        ref = self._futures[name].result()
+        assert len(ref) == NEW_TOKENS and 2 not in ref, f"{name}: pick a prompt that does not hit eos early"
+        return ref
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._futures)
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+
 @pytest.fixture(scope="module")
 def smol(smollm_dir):
     tok = load_tokenizer(smollm_dir)
-    runner = ModelRunner(smollm_dir, torch.float32, num_blocks=64, max_seq_len=256)
-    assert runner.block_size == 16
     hf = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
     prompts = {
         "plain": encode_prompt(tok, "The three most important inventions of the twentieth century were"),
         "chat": encode_chat(tok, [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]),
         "non_ascii": encode_prompt(tok, "Voici une recette de crème brûlée (クレームブリュレ) 🍮 :"),
     }
-    refs = {name: hf_generate(hf, p, NEW_TOKENS) for name, p in prompts.items()}
-    for name, ref in refs.items():
-        assert len(ref) == NEW_TOKENS and 2 not in ref, f"{name}: pick a prompt that does not hit eos early"
-    return runner, prompts, refs
+    with ThreadPoolExecutor(1, thread_name_prefix="reference") as ex:
+        refs = References({name: ex.submit(hf_generate, hf, p, NEW_TOKENS) for name, p in prompts.items()})
+        runner = ModelRunner(smollm_dir, torch.float32, num_blocks=64, max_seq_len=256)
+        assert runner.block_size == 16
+        yield runner, prompts, refs
 
 
 @pytest.mark.parametrize("name", ["plain", "chat", "non_ascii"])

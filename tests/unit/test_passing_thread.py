@@ -34,8 +34,10 @@ def test_result_and_exception_come_back_from_a_thread_that_has_ended():
         in_passing_thread(fail)
 
 
+# One process, two phases: the work in a passing thread first (its OpenMP team must be gone afterwards),
+# then the same work on the main thread (the contrast: its team stays). Each phase prints its thread counts.
 _PROBE = textwrap.dedent("""
-    import os, sys, time, torch
+    import os, time, torch
     from xpyd.worker.main import in_passing_thread
     torch.set_num_threads(2)
     tasks = lambda: len(os.listdir("/proc/self/task"))
@@ -43,22 +45,28 @@ _PROBE = textwrap.dedent("""
         a = torch.randn(1500, 1500)
         return float((a @ a).sum())
     before = tasks()
-    if sys.argv[1] == "passing":
-        in_passing_thread(parallel_work)
-    else:
-        parallel_work()
+    in_passing_thread(parallel_work)
     deadline = time.monotonic() + 10  # the ended thread's OpenMP threads exit on their own, soon after
-    while sys.argv[1] == "passing" and tasks() > before and time.monotonic() < deadline:
+    while tasks() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    print(before, tasks())
+    print("passing", before, tasks())
+    before = tasks()
+    parallel_work()
+    print("main", before, tasks())
 """)
 
 
-@pytest.mark.parametrize("where", ["passing", "main"])
-def test_openmp_threads_of_start_up_work_are_gone_afterwards(where):
-    out = subprocess.run([sys.executable, "-c", _PROBE, where], capture_output=True, text=True, timeout=120,
+@pytest.fixture(scope="module")
+def thread_counts() -> dict[str, tuple[int, int]]:
+    """Threads of the probe process before and after each phase."""
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
                          env={"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"}, check=True).stdout
-    before, after = map(int, out.split())
+    return {where: (int(before), int(after)) for where, before, after in map(str.split, out.splitlines())}
+
+
+@pytest.mark.parametrize("where", ["passing", "main"])
+def test_openmp_threads_of_start_up_work_are_gone_afterwards(thread_counts, where):
+    before, after = thread_counts[where]
     if where == "passing":
         assert after == before  # the loader thread and its OpenMP team are gone
     else:
