@@ -39,7 +39,7 @@ def test_a_failed_pair_cools_down_then_is_usable_again(clock):
     clock.now += 0.1
     assert pairs.usable(P0, D0)
     assert pairs.to_dict() == [{"prefill": P0.http_url, "decode": D0.http_url, "cooling_for": 0.0,
-                                "failures": 1, "reason": "cut"}]
+                                "failures": 1, "trying": False, "reason": "cut"}]
 
 
 def test_failing_again_after_the_cooldown_doubles_it_up_to_the_cap_and_success_resets_it(clock):
@@ -54,9 +54,32 @@ def test_failing_again_after_the_cooldown_doubles_it_up_to_the_cap_and_success_r
     assert pairs.failed(P0, D0, "d") == 12.0  # capped
     assert pairs.to_dict()[0]["failures"] == 3
     clock.now += 12
-    pairs.succeeded(P0, D0)
+    pairs.ended(P0, D0, completed=True)
     assert pairs.to_dict() == []
     assert pairs.failed(P0, D0, "e") == 5.0  # starts over
+
+
+def test_after_the_cooldown_one_request_tries_the_pair_while_the_others_still_avoid_it(clock):
+    pairs = PairHealth(base=5.0, clock=clock)
+    pairs.failed(P0, D0, "cut")
+    pairs.started(P0, D0)  # (a request while it cools: no pair but this one was left)
+    pairs.ended(P0, D0, completed=False)
+    clock.now += 5
+    assert pairs.usable(P0, D0)
+    pairs.started(P0, D0)  # the trial
+    assert not pairs.usable(P0, D0) and pairs.to_dict()[0]["trying"]
+    pairs.ended(P0, D0, completed=False)  # the client left before it showed anything
+    assert pairs.usable(P0, D0)
+    pairs.started(P0, D0)
+    assert pairs.failed(P0, D0, "still cut") == 10.0  # the trial failed: twice as long
+    pairs.ended(P0, D0, completed=False)
+    assert not pairs.usable(P0, D0)
+    clock.now += 10
+    pairs.started(P0, D0)
+    pairs.ended(P0, D0, completed=True)  # it went through: healthy
+    assert pairs.usable(P0, D0) and pairs.to_dict() == []
+    pairs.started(P0, D0)  # (a healthy pair is not tried: it is used)
+    assert pairs.usable(P0, D0)
 
 
 def test_a_prefill_worker_is_stranded_when_each_of_its_pairs_is_avoided(clock):

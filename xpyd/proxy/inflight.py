@@ -5,7 +5,7 @@ A call moves through::
     InFlight.start -> router.started(prefill, decode; with the prompt's keys), tracked
     (streaming: hold(slot) -- the response body now owns the concurrency slot)
     abort/aclose, exactly once -> router.finished(both), untracked, slot released, on_end()
-                                  (completed on decode: the pair is healthy, ``PairHealth.succeeded``)
+                                  (``PairHealth.ended``: completed on decode, the pair is healthy)
 
 When the table marks a prefill worker unreachable (``worker_down``), its calls
 whose decode worker has not pulled the KV yet are ended at once with a 502:
@@ -74,14 +74,14 @@ class InFlight:
     def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...],
                 keys: PromptKeys | None) -> tuple[int, ...]:
         tickets = tuple(self._router.started(worker, keys) for worker in workers)
+        self._pairs.started(*workers)
         self._calls.add(call)
         return tickets
 
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:
         for worker, ticket in zip(workers, call.tickets):
             self._router.finished(worker, ticket)
-        if call.completed:
-            self._pairs.succeeded(*workers)
+        self._pairs.ended(*workers, completed=call.completed)
         self._calls.discard(call)
         if slot is not None:
             slot.release()

@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
-                             "while other pairs exist; doubled if it fails again, up to 60 s "
+                             "while other pairs exist, then try it with one request; doubled if that "
+                             "fails, up to 60 s "
                              "(default: %(default)s)")
 
 

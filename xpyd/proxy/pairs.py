@@ -5,8 +5,10 @@ two hosts, a firewall, a KV transfer that stalls): each answers the proxy, yet e
 the two of them fails once decode tries to reach prefill. A decode worker says so in the error it sends
 (``kv_path`` in its in-stream error event); the pair then cools down: the router chooses other pairs while
 there are any (``Router.pick``'s ``avoid``). The cool-down starts at ``base`` seconds and doubles with each failure that follows one
-(up to ``cap``); when it has passed, the pair is tried again, and a request that completes on it makes it
-healthy (``succeeded``). With no other pair left, the router uses a cooling one anyway: a request that
+(up to ``cap``); when it has passed, one request tries the pair again (``started``; others still avoid it
+while that one runs, since a broken path takes seconds to show): if it completes the pair is healthy
+(``ended``), if it fails the next cool-down is twice as long, if it ends otherwise (the client left,
+the answer ended on prefill) the next request tries (``ended``). With no other pair left, the router uses a cooling one anyway: a request that
 may fail beats a 503 that surely does.
 """
 
@@ -28,6 +30,7 @@ class _Cooling:
     cooldown: float
     reason: str
     failures: int
+    trying: bool = False  # the cool-down passed and one request is trying the pair
 
 
 def _key(prefill: WorkerInfo, decode: WorkerInfo) -> tuple[str, str]:
@@ -53,13 +56,24 @@ class PairHealth:
         self._pairs[key] = _Cooling(now + cooldown, cooldown, reason, 1 if old is None else old.failures + 1)
         return cooldown
 
-    def succeeded(self, prefill: WorkerInfo, decode: WorkerInfo) -> None:
-        """A request completed on the pair: it is healthy again."""
-        self._pairs.pop(_key(prefill, decode), None)
+    def started(self, prefill: WorkerInfo, decode: WorkerInfo) -> None:
+        """A request was routed to the pair: if its cool-down has passed, it is the one trying it."""
+        cooling = self._pairs.get(_key(prefill, decode))
+        if cooling is not None and self._clock() >= cooling.until:
+            cooling.trying = True
+
+    def ended(self, prefill: WorkerInfo, decode: WorkerInfo, completed: bool) -> None:
+        """A request on the pair ended: ``completed`` (decode's part ended normally) makes the pair healthy;
+        otherwise, unless it failed on the path (``failed`` said so first), the next request may try."""
+        key = _key(prefill, decode)
+        if completed:
+            self._pairs.pop(key, None)
+        elif (cooling := self._pairs.get(key)) is not None:
+            cooling.trying = False
 
     def usable(self, prefill: WorkerInfo, decode: WorkerInfo) -> bool:
         cooling = self._pairs.get(_key(prefill, decode))
-        return cooling is None or self._clock() >= cooling.until
+        return cooling is None or (self._clock() >= cooling.until and not cooling.trying)
 
     def stranded(self, prefill: WorkerInfo, decodes: Iterable[WorkerInfo]) -> bool:
         """Is every pair of ``prefill`` with ``decodes`` being avoided (and there are some)?"""
@@ -70,5 +84,5 @@ class PairHealth:
         """The pairs avoided now or tried again after a failure (``/cluster``)."""
         now = self._clock()
         return [{"prefill": p, "decode": d, "cooling_for": round(max(0.0, c.until - now), 3),
-                 "failures": c.failures, "reason": c.reason}
+                 "failures": c.failures, "trying": c.trying, "reason": c.reason}
                 for (p, d), c in sorted(self._pairs.items())]
