@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import netbed  # noqa: E402
-from bench_stream import get_json, wait_http  # noqa: E402
+from bench_stream import get_json, stop_all, wait_http  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 WORDS = "the quick brown fox jumps over a lazy dog while small birds sing in green trees".split()
@@ -127,13 +127,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
         cluster = get_json(f"http://{proxy}:8000/cluster")
         received = {n: get_json(urls[n] + "/xpyd/stats").get("kv_backend", {}).get("received", {}) for n in ("d0", "d1")}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
         bed.close()
 
     def phase(lo: float, hi: float) -> dict:

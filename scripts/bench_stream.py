@@ -57,6 +57,17 @@ def wait_http(url: str, procs: list[subprocess.Popen], timeout: float = 300.0) -
     raise TimeoutError(f"{url} not up")
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process (each drains), then SIGKILL what has not exited 30 s later."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def run_config(name: str, extra: list[str], args: argparse.Namespace, model: str) -> dict:
     out = Path(args.out)
     bed = netbed.NetBed("bs" + os.urandom(2).hex(), access=True)
@@ -101,13 +112,7 @@ def run_config(name: str, extra: list[str], args: argparse.Namespace, model: str
                 "ttft_ms_p50": round(data["ttft_ms"]["p50"], 1), "itl_ms_p50": round(data["itl_ms"]["p50"], 1),
                 "kv_parts_streamed": pstats.get("kv_parts_streamed"), "kv_backend": dstats.get("kv_backend")}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
         bed.close()
 
 
