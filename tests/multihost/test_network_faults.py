@@ -484,8 +484,13 @@ def test_a_decode_host_cut_off_from_etcd_drains_and_comes_back(cluster, bed, ref
         bed.cut(d0, etcd)
         t_cut, at_cut = time.monotonic(), cluster.received("d0")
         wait_until(lambda: d0_url not in cluster.listed(), LEASE_TTL + 5, "the proxy to drop d0 (lease expired)")
-        gone = time.monotonic() - t_cut
+        t_gone = time.monotonic()
+        gone = t_gone - t_cut
         assert cluster.received("d0") > at_cut  # it served on until its lease expired
+        # Drained: every request started before the proxy dropped d0 has ended (one routed to d0 just before
+        # may still be on its way there when d0 first reports nothing held), and d0 holds nothing.
+        wait_until(lambda: load.ended_all_started_before(t_gone), CLIENT_TIMEOUT,
+                   "the requests started before d0 was dropped")
         wait_until(lambda: cluster.stats("d0")["requests_held"] == 0, CLIENT_TIMEOUT, "d0 drained")
         drained = time.monotonic() - t_cut
         before = cluster.received("d0"), cluster.received("d1")
