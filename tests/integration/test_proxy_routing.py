@@ -47,6 +47,7 @@ class Worker:
     health_status: int = 200
     fail_status: int | None = None  # answer generation requests with this status
     drop_mid_stream: bool = False  # decode: close the connection after the first chunk
+    hold: asyncio.Event | None = None  # decode: after the first chunk, wait for this before the rest
     cut_from: set[str] = field(default_factory=set)  # decode: prefill signal addresses it "cannot reach"
     path_failures: int = 0  # decode: requests it failed with a kv_path error (a prefill in cut_from)
     received: list[str] = field(default_factory=list)  # request ids
@@ -128,6 +129,8 @@ class Worker:
             if self.drop_mid_stream:
                 request.transport.close()
                 return resp
+            if self.hold is not None and i == 0:
+                await self.hold.wait()
         usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
         await resp.write(f"data: {json.dumps({**name, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
@@ -467,6 +470,34 @@ async def test_an_avoided_pair_is_tried_again_after_its_cooldown_and_healthy_onc
         assert await _request(env, stream=True) is None
     assert p0.info.signal_addr in _pairs_of(d0, n1)  # tried again, and it served
     assert (await env.cluster())["avoided_pairs"] == []  # healthy again: a later failure starts at 0.5 s
+
+
+async def test_a_stream_that_started_before_the_path_broke_does_not_clear_the_pair(make_env):
+    """A stream whose KV crossed before the path broke completes after it broke: the pair stays avoided.
+    A request that started after the failure and completes clears it."""
+    env = await make_env(n_prefill=1, n_decode=1, pair_cooldown=30.0)
+    (p0,), (d0,) = env.prefill, env.decode
+    d0.hold = asyncio.Event()
+
+    async def idle() -> bool:
+        return (await env.cluster())["queue"]["active_requests"] == 0
+
+    async with env.post({"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}) as old:
+        assert old.status == 200
+        while b" there" not in await old.content.readline():  # decode's first chunk: its KV crossed
+            pass
+        d0.cut_from = {p0.info.signal_addr}  # the path breaks
+        assert "prefill worker unreachable" in await _request(env, stream=True)
+        assert d0.path_failures == 1
+        d0.cut_from.clear()
+        d0.hold.set()
+        assert b'"finish_reason": "length"' in await old.read()  # the old stream completes
+    await until(idle, "the old stream to end in the proxy")
+    (avoided,) = (await env.cluster())["avoided_pairs"]
+    assert (avoided["prefill"], avoided["decode"], avoided["failures"]) == (p0.url, d0.url, 1)
+    assert await _request(env, stream=True) is None  # (routed there anyway: no other pair), started after it
+    await until(idle, "the new stream to end in the proxy")
+    assert (await env.cluster())["avoided_pairs"] == []
 
 
 # ------------------------------------------------------------------ membership changes

@@ -54,7 +54,7 @@ def test_failing_again_after_the_cooldown_doubles_it_up_to_the_cap_and_success_r
     assert pairs.failed(P0, D0, "d") == 12.0  # capped
     assert pairs.to_dict()[0]["failures"] == 3
     clock.now += 12
-    pairs.ended(P0, D0, completed=True)
+    pairs.ended(P0, D0, pairs.started(P0, D0), completed=True)
     assert pairs.to_dict() == []
     assert pairs.failed(P0, D0, "e") == 5.0  # starts over
 
@@ -62,24 +62,58 @@ def test_failing_again_after_the_cooldown_doubles_it_up_to_the_cap_and_success_r
 def test_after_the_cooldown_one_request_tries_the_pair_while_the_others_still_avoid_it(clock):
     pairs = PairHealth(base=5.0, clock=clock)
     pairs.failed(P0, D0, "cut")
-    pairs.started(P0, D0)  # (a request while it cools: no pair but this one was left)
-    pairs.ended(P0, D0, completed=False)
+    forced = pairs.started(P0, D0)  # (a request while it cools: no pair but this one was left)
+    pairs.ended(P0, D0, forced, completed=False)
     clock.now += 5
     assert pairs.usable(P0, D0)
-    pairs.started(P0, D0)  # the trial
+    trial = pairs.started(P0, D0)  # the trial
     assert not pairs.usable(P0, D0) and pairs.to_dict()[0]["trying"]
-    pairs.ended(P0, D0, completed=False)  # the client left before it showed anything
+    pairs.ended(P0, D0, trial, completed=False)  # the client left before it showed anything
     assert pairs.usable(P0, D0)
-    pairs.started(P0, D0)
+    trial = pairs.started(P0, D0)
     assert pairs.failed(P0, D0, "still cut") == 10.0  # the trial failed: twice as long
-    pairs.ended(P0, D0, completed=False)
+    pairs.ended(P0, D0, trial, completed=False)
     assert not pairs.usable(P0, D0)
     clock.now += 10
-    pairs.started(P0, D0)
-    pairs.ended(P0, D0, completed=True)  # it went through: healthy
+    pairs.ended(P0, D0, pairs.started(P0, D0), completed=True)  # it went through: healthy
     assert pairs.usable(P0, D0) and pairs.to_dict() == []
     pairs.started(P0, D0)  # (a healthy pair is not tried: it is used)
     assert pairs.usable(P0, D0)
+
+
+def test_a_request_that_started_before_the_failure_does_not_clear_the_pair(clock):
+    """A stream whose KV crossed before the path broke completes after it broke: that says nothing about the
+    path now. Only a request started after the failure (forced there, or the trial) may clear it."""
+    pairs = PairHealth(base=5.0, clock=clock)
+    old, older = pairs.started(P0, D0), pairs.started(P0, D0)
+    pairs.failed(P0, D0, "cut")
+    pairs.ended(P0, D0, old, completed=True)
+    assert not pairs.usable(P0, D0) and pairs.to_dict()[0]["failures"] == 1
+    clock.now += 5
+    trial = pairs.started(P0, D0)
+    pairs.ended(P0, D0, older, completed=True)  # after the cool-down, still older than the failure
+    assert pairs.to_dict()[0]["trying"] and not pairs.usable(P0, D0)
+    pairs.ended(P0, D0, older, completed=False)  # nor does its end free the trial's place
+    assert not pairs.usable(P0, D0)
+    pairs.ended(P0, D0, trial, completed=True)
+    assert pairs.usable(P0, D0) and pairs.to_dict() == []
+
+
+def test_a_later_failure_of_an_older_request_keeps_newer_ones_from_clearing_the_pair(clock):
+    """While it cools, a request routed there anyway (no other pair) started after the first failure; an
+    older request failing after that starts the count again: requests started before it clear nothing."""
+    pairs = PairHealth(base=5.0, clock=clock)
+    old = pairs.started(P0, D0)
+    pairs.failed(P0, D0, "cut")
+    forced = pairs.started(P0, D0)
+    clock.now += 1
+    assert pairs.failed(P0, D0, "cut, seen by an older request") == 5.0
+    pairs.ended(P0, D0, old, completed=False)
+    pairs.ended(P0, D0, forced, completed=True)
+    assert not pairs.usable(P0, D0)
+    later = pairs.started(P0, D0)
+    pairs.ended(P0, D0, later, completed=True)
+    assert pairs.usable(P0, D0) and pairs.to_dict() == []
 
 
 def test_a_prefill_worker_is_stranded_when_each_of_its_pairs_is_avoided(clock):

@@ -5,7 +5,8 @@ A call moves through::
     InFlight.start -> router.started(prefill, decode; with the prompt's keys), tracked
     (streaming: hold(slot) -- the response body now owns the concurrency slot)
     abort/aclose, exactly once -> router.finished(both), untracked, slot released, on_end()
-                                  (``PairHealth.ended``: completed on decode, the pair is healthy)
+                                  (``PairHealth.ended`` with the call's pair ticket: completed on
+                                  decode, the pair is healthy if the call started after its last failure)
 
 When the table marks a prefill worker unreachable (``worker_down``), its calls
 whose decode worker has not pulled the KV yet are ended at once with a 502:
@@ -44,7 +45,7 @@ class TrackedCall(PDCall):
         self._inflight = inflight
         self._workers: tuple[WorkerInfo, ...] = (prefill, decode)
         self._slot: Slot | None = None
-        self.tickets: tuple[int, ...] = inflight.started(self, self._workers, keys)
+        self.tickets, self.pair_ticket = inflight.started(self, self._workers, keys)
 
     def hold(self, slot: Slot) -> None:
         slot.handed_off = True
@@ -72,16 +73,17 @@ class InFlight:
         return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys)
 
     def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...],
-                keys: PromptKeys | None) -> tuple[int, ...]:
+                keys: PromptKeys | None) -> tuple[tuple[int, ...], int]:
+        """The router's ticket for each worker, and the pair's (``PairHealth.started``)."""
         tickets = tuple(self._router.started(worker, keys) for worker in workers)
-        self._pairs.started(*workers)
+        pair_ticket = self._pairs.started(*workers)
         self._calls.add(call)
-        return tickets
+        return tickets, pair_ticket
 
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:
         for worker, ticket in zip(workers, call.tickets):
             self._router.finished(worker, ticket)
-        self._pairs.ended(*workers, completed=call.completed)
+        self._pairs.ended(*workers, call.pair_ticket, completed=call.completed)
         self._calls.discard(call)
         if slot is not None:
             slot.release()

@@ -10,6 +10,12 @@ while that one runs, since a broken path takes seconds to show): if it completes
 (``ended``), if it fails the next cool-down is twice as long, if it ends otherwise (the client left,
 the answer ended on prefill) the next request tries (``ended``). With no other pair left, the router uses a cooling one anyway: a request that
 may fail beats a 503 that surely does.
+
+Only a request that started after the pair's last failure says anything about the path now: ``started``
+hands each request a ticket (a count of the requests started), and a completed request whose ticket is not
+newer than the failure clears nothing. A stream whose KV crossed before the path broke completes normally
+after it broke; before tickets, that completion ended the cool-down and routed new requests onto the broken
+path again.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class _Cooling:
     cooldown: float
     reason: str
     failures: int
-    trying: bool = False  # the cool-down passed and one request is trying the pair
+    since: int  # the last ticket handed out when it failed: only a later one may clear the pair
+    trial: int | None = None  # the ticket of the request trying the pair once the cool-down passed
 
 
 def _key(prefill: WorkerInfo, decode: WorkerInfo) -> tuple[str, str]:
@@ -44,36 +51,48 @@ class PairHealth:
             raise ValueError(f"pair cool-down must satisfy 0 < base ({base}) <= cap ({cap})")
         self._base, self._cap, self._clock = base, cap, clock
         self._pairs: dict[tuple[str, str], _Cooling] = {}
+        self._tickets = 0  # requests started on any pair so far (the last ticket handed out)
 
     def failed(self, prefill: WorkerInfo, decode: WorkerInfo, reason: str) -> float:
-        """The path between the two failed a request: avoid the pair; returns the cool-down in seconds."""
+        """The path between the two failed a request: avoid the pair; returns the cool-down in seconds.
+
+        Requests started before now (their tickets) can no longer clear the pair by completing."""
         key, now = _key(prefill, decode), self._clock()
         old = self._pairs.get(key)
         if old is not None and now < old.until:
             old.reason = reason  # (requests that were in flight when it broke: the same failure)
+            old.since = self._tickets
             return old.cooldown
         cooldown = self._base if old is None else min(self._cap, old.cooldown * 2)
-        self._pairs[key] = _Cooling(now + cooldown, cooldown, reason, 1 if old is None else old.failures + 1)
+        self._pairs[key] = _Cooling(now + cooldown, cooldown, reason, 1 if old is None else old.failures + 1,
+                                    since=self._tickets)
         return cooldown
 
-    def started(self, prefill: WorkerInfo, decode: WorkerInfo) -> None:
-        """A request was routed to the pair: if its cool-down has passed, it is the one trying it."""
+    def started(self, prefill: WorkerInfo, decode: WorkerInfo) -> int:
+        """A request was routed to the pair: its ticket (for ``ended``); if the pair's cool-down has passed and
+        no request is trying it, this one is the trial."""
+        self._tickets += 1
         cooling = self._pairs.get(_key(prefill, decode))
-        if cooling is not None and self._clock() >= cooling.until:
-            cooling.trying = True
+        if cooling is not None and cooling.trial is None and self._clock() >= cooling.until:
+            cooling.trial = self._tickets
+        return self._tickets
 
-    def ended(self, prefill: WorkerInfo, decode: WorkerInfo, completed: bool) -> None:
-        """A request on the pair ended: ``completed`` (decode's part ended normally) makes the pair healthy;
-        otherwise, unless it failed on the path (``failed`` said so first), the next request may try."""
+    def ended(self, prefill: WorkerInfo, decode: WorkerInfo, ticket: int, completed: bool) -> None:
+        """The request with ``ticket`` on the pair ended. ``completed`` (decode's part ended normally) makes
+        the pair healthy if the request started after the pair's last failure; a trial that ended otherwise
+        (unless it failed on the path: ``failed`` said so first) lets the next request try."""
         key = _key(prefill, decode)
-        if completed:
-            self._pairs.pop(key, None)
-        elif (cooling := self._pairs.get(key)) is not None:
-            cooling.trying = False
+        cooling = self._pairs.get(key)
+        if cooling is None:
+            return
+        if completed and ticket > cooling.since:
+            del self._pairs[key]
+        elif cooling.trial == ticket:
+            cooling.trial = None
 
     def usable(self, prefill: WorkerInfo, decode: WorkerInfo) -> bool:
         cooling = self._pairs.get(_key(prefill, decode))
-        return cooling is None or (self._clock() >= cooling.until and not cooling.trying)
+        return cooling is None or (self._clock() >= cooling.until and cooling.trial is None)
 
     def stranded(self, prefill: WorkerInfo, decodes: Iterable[WorkerInfo]) -> bool:
         """Is every pair of ``prefill`` with ``decodes`` being avoided (and there are some)?"""
@@ -84,5 +103,5 @@ class PairHealth:
         """The pairs avoided now or tried again after a failure (``/cluster``)."""
         now = self._clock()
         return [{"prefill": p, "decode": d, "cooling_for": round(max(0.0, c.until - now), 3),
-                 "failures": c.failures, "trying": c.trying, "reason": c.reason}
+                 "failures": c.failures, "trying": c.trial is not None, "reason": c.reason}
                 for (p, d), c in sorted(self._pairs.items())]
