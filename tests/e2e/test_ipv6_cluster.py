@@ -3,7 +3,8 @@
 Every address a worker advertises (HTTP URL, signal plane, KV transfer) must be bracketed so it
 fits request ids and URLs, and every socket (hypercorn, ZMQ ROUTER/DEALER, KV listener) must
 bind or connect in the IPv6 family. A completion through the proxy, plain and streaming, moves
-the KV from prefill to decode over ``[::1]``.
+the KV from prefill to decode over ``[::1]`` (the tcp backend: on one host ``auto`` would pick shared
+memory and no KV byte would cross the IPv6 socket).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopbac
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir: Path):
     c, urls = start_1p1d(tmp_path_factory.mktemp("ipv6"), str(tiny_model_dir), dtype="float32",
-                         batch_size=4, max_model_len=256, host="::1")
+                         batch_size=4, max_model_len=256, host="::1", extra=["--kv-backend", "tcp"])
     yield urls
     c.stop()
 
@@ -57,6 +58,9 @@ def test_workers_advertise_bracketed_ipv6_addresses(cluster):
     prefill, decode = _get(cluster["prefill"] + "/xpyd/info"), _get(cluster["decode"] + "/xpyd/info")
     assert prefill["http_url"] == cluster["prefill"] and decode["http_url"] == cluster["decode"]
     assert prefill["signal_addr"].startswith("[::1]:") and decode["signal_addr"].startswith("[::1]:")
+    # KV can only move over TCP here (no shared-memory path), and decode's listener is on [::1].
+    assert _get(cluster["prefill"] + "/xpyd/stats")["kv_backend"]["name"] == "tcp"
+    assert _get(cluster["decode"] + "/xpyd/stats")["kv_backend"]["name"] == "tcp"
 
 
 def test_completion_through_the_proxy(cluster):

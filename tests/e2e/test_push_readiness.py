@@ -26,6 +26,8 @@ from xpyd.signal.request_id import RequestId
 
 LONG = 2000  # prompt tokens of a long request
 GAP_BOUND = 1.0  # seconds from the first token to the second, at most
+PEER_TIMEOUT = 5.0  # prefill's --peer-timeout in the stopped-worker test
+HEARTBEAT = 1.0  # a decode worker sends prefill something at least this often
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[list[float], str | None, int]:
@@ -131,7 +133,7 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
                                                                                      tmp_path: Path):
     c = Cluster(tmp_path)
     try:
-        p = _start(c, "prefill", ["prefill", *_common(tiny_model_dir), "--batch-size", "4", "--peer-timeout", "3"])
+        p = _start(c, "prefill", ["prefill", *_common(tiny_model_dir), "--batch-size", "4", "--peer-timeout", str(PEER_TIMEOUT)])
         d0 = _start(c, "d0", ["decode", *_common(tiny_model_dir), "--batch-size", "4"])
         d1 = _start(c, "d1", ["decode", *_common(tiny_model_dir), "--batch-size", "1"])
         c.wait_healthy()
@@ -150,8 +152,19 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
             assert post(p, prefill_body(480), rid)[0] == 200
         wait_until(lambda: stats(d1)["running"] == 1 and stats(d1)["waiting"] == 2, 30, "d1 busy with a queue")
         assert stats(p)["transferring"] == 2  # the two queued ones' KV waits on prefill for d1
+        # Watch prefill from the moment d1 stops: when its two claimed requests expire.
+        samples: list[tuple[float, int]] = []  # (seconds since the stop, prefill's expired count)
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.is_set():
+                samples.append((time.monotonic() - stopped, stats(p)["expired"]))
+                time.sleep(0.05)
+
         os.kill(victim.popen.pid, signal.SIGSTOP)
         stopped = time.monotonic()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         try:
             def d1_down() -> bool:
                 with urllib.request.urlopen(proxy + "/cluster", timeout=5) as r:
@@ -164,11 +177,19 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=30) as r:
                     assert json.loads(r.read())["usage"]["completion_tokens"] == 8
-            # d1's claimed KV is freed once it has been silent for --peer-timeout (3 s).
-            wait_until(lambda: stats(p)["blocks_used"] == 0, 15, "the stopped worker's KV freed")
-            assert time.monotonic() - stopped >= 3.0 - 0.5
-            assert stats(p)["expired"] == 2
+            # d1's claimed KV is freed once it has been silent for --peer-timeout...
+            wait_until(lambda: samples and samples[-1][1] == 2, 15, "the stopped worker's claimed KV freed")
+            sampling.set()
+            sampler.join(5)
+            # ...and not before: d1 last spoke at most one heartbeat (1 s) before it was stopped, so its
+            # claims live at least peer_timeout - 1 s after the stop (a prefill worker that freed them at
+            # once, or on the proxy's mark-down, fails here).
+            freed_at = next(t for t, expired in samples if expired > 0)
+            assert freed_at >= PEER_TIMEOUT - HEARTBEAT - 0.1, samples[:5]
+            assert all(expired == 0 for t, expired in samples if t < PEER_TIMEOUT - HEARTBEAT - 0.1)
+            wait_until(lambda: stats(p)["blocks_used"] == 0, 15, "prefill holds no KV")
         finally:
+            sampling.set()
             os.kill(victim.popen.pid, signal.SIGCONT)
         wait_idle(p)
         wait_idle(d0)
