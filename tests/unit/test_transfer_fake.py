@@ -10,12 +10,14 @@ import pytest
 
 from xpyd.transfer import make_backend
 from xpyd.transfer.base import (
+    AllOf,
     BackendDescriptor,
     CompletionToken,
     Region,
     TransferBackend,
     TransferError,
     TransferState,
+    expect_parts,
 )
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.transfer.auth import new_secret
@@ -199,3 +201,55 @@ def test_fake_validates_like_the_real_backends():
             b.expect("s", [Region(0, 1)], secret=secret)
         with pytest.raises(ValueError, match="secret"):
             a.send("s", [Region(0, 1)], bdesc, [Region(0, 1)], secret=secret)
+
+
+# -- a receive in parts (expect_parts / AllOf) -------------------------------
+
+
+PARTS = [(f"r.{i}", [Region(100 * i, 100)]) for i in range(3)]
+
+
+def test_a_failed_part_aborts_the_others_before_the_receive_reads_failed():
+    """A part fails (its sender's connection broke); the sender reconnects and sends the next part: by the
+    time the receive reads FAILED (and its blocks are freed) that part is no longer expected, so it is
+    refused and nothing of it lands."""
+    net = FakeNetwork()
+    a, _, _ = fake(net, auto=True, fill=7)
+    b, bbuf, bdesc = fake(net)
+    recv = expect_parts(b, "r", PARTS, secret=SECRET)
+    assert a.send("r.0", [Region(0, 100)], bdesc, [Region(0, 100)], secret=SECRET).done()
+    b.fail("r.1", "sender connection lost mid-transfer")
+    assert recv.failed() and recv.error == "sender connection lost mid-transfer"
+    assert b.outstanding() == set() and b.aborted == ["r.2"]
+    before = bytes(bbuf)
+    late = a.send("r.2", [Region(0, 100)], bdesc, [Region(200, 100)], secret=SECRET)
+    assert late.failed() and "unexpected transfer id" in late.error
+    assert bytes(bbuf) == before and bbuf[200:300] == bytearray([FILL]) * 100
+
+
+def test_aborting_a_receive_in_parts_aborts_every_part():
+    b, _, _ = fake()
+    recv = expect_parts(b, "r", PARTS, secret=SECRET)
+    b.complete("r.0")
+    recv.abort("client gone")
+    assert recv.failed() and recv.error == "client gone"
+    assert sorted(b.aborted) == ["r.1", "r.2"] and b.outstanding() == set()
+    with pytest.raises(TypeError, match="cannot abort"):
+        AllOf("x", [CompletionToken("x.0")]).abort()
+
+
+def test_a_part_that_cannot_be_announced_withdraws_the_ones_before_it():
+    b, _, _ = fake()
+    b.expect("r.2", [Region(900, 10)], secret=SECRET)  # (its id is taken)
+    with pytest.raises(TransferError, match="already expected"):
+        expect_parts(b, "r", PARTS, secret=SECRET)
+    assert b.aborted == ["r.0", "r.1"] and b.outstanding() == {"r.2"}
+
+
+def test_a_receive_in_parts_is_done_when_every_part_is():
+    b, _, _ = fake()
+    recv = expect_parts(b, "r", PARTS, secret=SECRET)
+    for tid, _ in PARTS:
+        assert not recv.finished()
+        b.complete(tid)
+    assert recv.done() and b.aborted == [] and b.outstanding() == set()

@@ -3,7 +3,8 @@
 One engine thread owns the scheduler, the signal-plane DEALERs and the model.
 A new request is *claimed* at its prefill worker at once (a lookup without a destination); the
 prefill worker pushes ``notify`` when the request is ready (first token) or ended there, so no
-request is polled for (a safety re-ask goes out only after ``SAFETY_REASK`` seconds without news).
+request is polled for (a safety re-ask goes out only after ``SAFETY_REASK`` seconds without news, for any
+request prefill has not given its last word on: a notify lost on the way costs that long, not a timeout).
 Heartbeats keep every connected prefill worker told that this worker is alive.
 Each step: take new requests/aborts, read signal replies and notifies, call the transfer
 backend's ``progress()`` while a pull is in flight, poll transfer tokens
@@ -45,7 +46,7 @@ from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
-from xpyd.transfer.base import AllOf, Region, TransferBackend
+from xpyd.transfer.base import Region, TransferBackend, expect_parts
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class DecodeEngine(WorkerEngine):
         self.sched = DecodeScheduler(config.batch_size, self.kv_cache)
         self.signal: SignalClient | None = None
         self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
-        self._asked: dict[str, float] = {}  # waiting request id -> when it was last claimed / asked about
+        self._asked: dict[str, float] = {}  # claimed request id -> when it was last asked about or heard of
         self._claims = 0  # requests claimed at their prefill worker
         self._status_polls = 0  # safety re-asks about claimed requests (no news for SAFETY_REASK)
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
@@ -83,9 +84,10 @@ class DecodeEngine(WorkerEngine):
         layout = self.pool.layout
         self.signal = SignalClient(
             identity,
-            m.Handshake(identity, self.model_id, layout.compat(), self.config.cluster_token),
+            m.Handshake(identity, self.model_id, layout.compat()),
             m.KVMapInit(identity, desc.to_dict(), layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
+            cluster_token=self.config.cluster_token,  # proven at each connection, never sent
         )
         self.signal.register_fd(self.wake_fd)
         self.info = WorkerInfo(Role.DECODE, http_url(self.config.public_host, self.config.port), identity,
@@ -248,13 +250,17 @@ class DecodeEngine(WorkerEngine):
         seq = self.sched.get(r.request_id)
         if seq is None or seq.prefill_addr != addr:
             return
+        if seq.request_id in self._asked:
+            self._asked[seq.request_id] = time.monotonic()  # news of it: the next re-ask waits SAFETY_REASK
         if r.status is S.FAILED:
             self._fail_seq(seq, 502, f"prefill worker: {r.error}", "prefill")
         elif r.status is S.EXPIRED:
             self._fail_seq(seq, 502, f"prefill worker {addr}: {r.error or 'KV expired before it was pulled'}",
                            "expired")
         elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
-            # Only pulls are sent for transferring requests: the prefill worker no longer has this KV.
+            if seq.ready and seq.recv_token is not None and seq.recv_token.done():
+                return  # its KV landed and prefill, its send done, forgot it: it joins the batch this step
+            # The prefill worker no longer has this request (its KV and, if not ready, its first token).
             self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request", "prefill")
         elif r.status is S.PREFILLING:
             if not seq.known and self._prompt_facts(seq, addr, r):
@@ -341,11 +347,11 @@ class DecodeEngine(WorkerEngine):
         count = -(-len(blocks) // size)
         seq.transfer_ids = part_transfer_ids(seq.request_id, count)
         secret = new_secret()  # only the prefill worker we send it to (in the pull) may write these blocks
-        tokens = []
-        for i, tid in enumerate(seq.transfer_ids):
-            dst = [Region(*r) for r in self.pool.byte_ranges(blocks[i * size : (i + 1) * size])]
-            tokens.append(self.transfer.expect(tid, dst, secret=secret))
-        token = tokens[0] if count == 1 else AllOf(transfer_id_of(seq.request_id), tokens)
+        parts = [(tid, [Region(*r) for r in self.pool.byte_ranges(blocks[i * size : (i + 1) * size])])
+                 for i, tid in enumerate(seq.transfer_ids)]
+        # One token owns the parts: when one fails, the others are aborted before the request's blocks are
+        # freed (a later part, sent on by a sender that reconnected, must not land in another request's).
+        token = expect_parts(self.transfer, transfer_id_of(seq.request_id), parts, secret=secret)
         token.on_finish(self._wake)  # the loop sleeps until the KV landed
         self.sched.set_recv_token(seq, token)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
@@ -364,32 +370,48 @@ class DecodeEngine(WorkerEngine):
         self.metrics.observe_e2e(time.monotonic() - item.arrival)
 
     def _send_lookups(self) -> None:
-        """Pulls for requests given a slot; claims for new requests; a safety re-ask for old claims."""
+        """Pulls for requests given a slot, all of them (in as many lookups as they need); claims for new
+        requests; a re-ask about every claimed request its prefill worker has not given its last word on
+        (``_unanswered``) after SAFETY_REASK without news of it: a lost notify costs one such interval."""
         now = time.monotonic()
-        status: dict[str, list[m.LookupEntry]] = {}
-        for seq in self.sched.waiting():
-            asked = self._asked.get(seq.request_id)
-            if seq.ready or (asked is not None and now - asked < SAFETY_REASK):
+        out: dict[str, list[m.LookupEntry]] = {}
+        for addr in list(self._pending_pulls):
+            if self._ready_peer(addr) is not None:  # (else they wait until it is)
+                out[addr] = self._pending_pulls.pop(addr)
+                for e in out[addr]:
+                    self._asked[e.request_id] = now  # (the pull's answer is news of it)
+        asks: Counter[str] = Counter()
+        for seq in self._unanswered():
+            addr, asked = seq.prefill_addr, self._asked.get(seq.request_id)
+            if asked is not None and now - asked < SAFETY_REASK:
                 continue
-            status.setdefault(seq.prefill_addr, []).append(m.LookupEntry(seq.request_id, None))
-        for addr in set(status) | set(self._pending_pulls):
-            peer = self.signal.get(addr)
-            if peer is None or peer.state is not PeerState.READY:
+            peer = self._ready_peer(addr)
+            # Claims and re-asks wait for the previous answer (one lookup in flight); past MAX_ENTRIES, next time.
+            if peer is None or peer.lookup_in_flight or asks[addr] == m.MAX_ENTRIES:
                 continue
-            entries = self._pending_pulls.pop(addr, [])
-            if not peer.lookup_in_flight:  # (claims wait for the previous answer: one lookup in flight)
-                for e in status.get(addr, ())[: m.MAX_ENTRIES - len(entries)]:
-                    if e.request_id in self._asked:
-                        self._status_polls += 1
-                    else:
-                        self._claims += 1
-                    self._asked[e.request_id] = now
-                    entries.append(e)
-            if entries:
-                self.signal.send_lookup(addr, entries[: m.MAX_ENTRIES])
-        if len(self._asked) > self.sched.num_waiting:  # forget requests that left the queue
-            waiting = {seq.request_id for seq in self.sched.waiting()}
-            self._asked = {rid: t for rid, t in self._asked.items() if rid in waiting}
+            asks[addr] += 1
+            if asked is None:
+                self._claims += 1
+            else:
+                self._status_polls += 1
+            self._asked[seq.request_id] = now
+            out.setdefault(addr, []).append(m.LookupEntry(seq.request_id, None))
+        for addr, entries in out.items():
+            for frame in lookup_frames(entries):
+                self.signal.send_lookup(addr, frame)
+        if len(self._asked) > self.sched.num_waiting + self.sched.num_transferring:  # forget those that left
+            live = {seq.request_id for seq in self.sched.waiting() + self.sched.transferring()}
+            self._asked = {rid: t for rid, t in self._asked.items() if rid in live}
+
+    def _ready_peer(self, addr: str):
+        peer = self.signal.get(addr)
+        return peer if peer is not None and peer.state is PeerState.READY else None
+
+    def _unanswered(self) -> list[DecodeSeq]:
+        """Claimed requests still waiting on word from their prefill worker: not ready yet (READY, pushed
+        once, may be lost on the way), or with their KV still coming (a send that failed there is told by
+        a notify alone)."""
+        return [s for s in self.sched.waiting() if not s.ready] + self.sched.transferring()
 
     def _decode_step(self) -> None:
         running = self.sched.running()
@@ -425,3 +447,26 @@ class DecodeEngine(WorkerEngine):
         if self.signal is not None:
             self.signal.close()
         self.transfer.close()
+
+
+# Bytes of encoded pull entries in one lookup: well under the signal plane's frame cap, with room for the
+# envelope (a msgpack int takes at most 5 bytes; an entry's id, secret and fields at most ENTRY_BYTES more).
+FRAME_BUDGET = m.MAX_FRAME_BYTES // 2
+ENTRY_BYTES = 64
+
+
+def lookup_frames(entries: list[m.LookupEntry]) -> list[list[m.LookupEntry]]:
+    """``entries`` in order, cut into lookups of at most ``m.MAX_ENTRIES`` entries and FRAME_BUDGET bytes."""
+    frames: list[list[m.LookupEntry]] = []
+    frame: list[m.LookupEntry] = []
+    size = 0
+    for e in entries:
+        cost = ENTRY_BYTES + len(e.request_id.encode()) + 5 * len(e.dest_blocks or ())
+        if frame and (len(frame) == m.MAX_ENTRIES or size + cost > FRAME_BUDGET):
+            frames.append(frame)
+            frame, size = [], 0
+        frame.append(e)
+        size += cost
+    if frame:
+        frames.append(frame)
+    return frames

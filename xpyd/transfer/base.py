@@ -194,16 +194,31 @@ class DerivedToken(CompletionToken):
 
 
 class AllOf(DerivedToken):
-    """The parts of one transfer (a pull streamed in parts): DONE when every part is, FAILED as soon as one
-    part failed (with its error)."""
+    """The parts of one receive (a pull streamed in parts, each ``expect``ed on its own): DONE when every part
+    is, FAILED as soon as one part failed (with its error).
 
-    __slots__ = ("_parts",)
+    Given the backend's ``abort`` (``expect_parts`` gives it), it owns its parts: before it reads FAILED it
+    aborts every part, so a reader that sees it FAILED knows that no byte of any part lands any more and may
+    give their blocks to another request (a part still expected would otherwise take the bytes of a sender
+    that reconnected and sent it on). ``abort()`` does the same for a receive its owner gives up on.
+    """
 
-    def __init__(self, transfer_id: str, parts: Sequence[CompletionToken]) -> None:
+    __slots__ = ("_parts", "_abort_part")
+
+    def __init__(self, transfer_id: str, parts: Sequence[CompletionToken],
+                 abort: Callable[[str], None] | None = None) -> None:
         super().__init__(transfer_id)
         if not parts:
             raise ValueError("AllOf needs at least one part")
         self._parts = tuple(parts)
+        self._abort_part = abort
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Abort every part (once this returns, no byte of any of them lands) and fail this token."""
+        if self._abort_part is None:
+            raise TypeError(f"{self.transfer_id!r}: an AllOf made without the backend's abort cannot abort")
+        self._abort_parts()
+        self._set(TransferState.FAILED, reason)
 
     def _followed(self) -> Sequence[CompletionToken]:
         return self._parts
@@ -213,9 +228,31 @@ class AllOf(DerivedToken):
             return
         failed = next((p for p in self._parts if p.failed()), None)
         if failed is not None:
+            self._abort_parts()  # first: FAILED tells the reader that the parts' blocks are free
             self._set(TransferState.FAILED, failed.error or "failed")
         elif all(p.done() for p in self._parts):
             self._set(TransferState.DONE, None)
+
+    def _abort_parts(self) -> None:
+        if self._abort_part is not None:
+            for p in self._parts:
+                self._abort_part(p.transfer_id)  # (a no-op for a part already finished)
+
+
+def expect_parts(backend: TransferBackend, transfer_id: str, parts: Sequence[tuple[str, Sequence[Region]]], *,
+                 secret: bytes) -> AllOf:
+    """Announce a receive in ``parts`` ((part transfer id, dst regions) each, all with ``secret``) and return
+    the token that owns them (``AllOf`` with ``backend.abort``). If announcing one raises, the ones announced
+    before it are aborted first."""
+    tokens: list[CompletionToken] = []
+    try:
+        for tid, dst in parts:
+            tokens.append(backend.expect(tid, dst, secret=secret))
+    except BaseException:
+        for token in tokens:
+            backend.abort(token.transfer_id)
+        raise
+    return AllOf(transfer_id, tokens, backend.abort)
 
 
 DEVICE_KINDS = ("cuda",)

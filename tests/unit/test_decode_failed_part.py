@@ -1,0 +1,47 @@
+"""A pull streamed in parts whose one part fails: the request fails, and the parts still expected are
+withdrawn before its blocks are freed, so a later part (its sender reconnected and sent on the next chunk)
+is refused and nothing lands in blocks that may already hold another request's KV. Decode engine stepped
+by hand with fake transfer backends (the prefill side's copies the bytes of what it sends)."""
+
+from __future__ import annotations
+
+from tests.unit.decode_harness import PREFILL, S, add_request, facts, make_engine
+from xpyd.signal.request_id import part_transfer_ids
+from xpyd.transfer.base import Region
+from xpyd.worker.request import RequestState
+from xpyd.worker.work_item import ErrorEvent
+
+
+def test_a_part_sent_after_another_part_failed_lands_nowhere(monkeypatch):
+    engine, transfer, sender, clock = make_engine(monkeypatch)
+    rid, payload = add_request(engine, clock)
+    engine.step()  # claimed
+    engine.signal.answer(facts(rid, S.PREFILLING, 12, part_blocks=1))  # 3 full blocks, pulled in 3 parts
+    engine.step()
+    seq = engine.sched.get(rid)
+    assert seq.state is RequestState.TRANSFERRING and engine.signal.lookups[-1][0].dest_blocks is not None
+    parts = part_transfer_ids(rid, 3)
+    assert transfer.expected == parts
+    blocks = list(seq.kv.blocks[:3])
+    dst = [[Region(*r) for r in engine.pool.byte_ranges([b])] for b in blocks]
+
+    def send(i: int):  # what prefill sends for part i (the secret came in the pull)
+        return sender.send(parts[i], dst[i], transfer.descriptor, dst[i], secret=transfer.secrets[parts[i]])
+
+    assert send(0).done()
+    transfer.fail(parts[1], "sender connection lost mid-transfer")  # part 1 broke mid-way
+    engine.step()
+    assert engine.sched.get(rid) is None and engine.pool.num_used == 0
+    (event,) = payload.sink.events
+    assert isinstance(event, ErrorEvent) and event.status == 502 and "connection lost" in event.message
+    assert engine.signal.released == [rid] and transfer.outstanding() == set()
+    freed = bytes(engine.pool.buffer())
+
+    late = send(2)  # the sender reconnected and sends the chunk it had queued
+    assert late.failed() and "unexpected transfer id" in late.error
+    assert bytes(engine.pool.buffer()) == freed  # nothing landed in the freed blocks
+    engine.step()
+    engine.sched.check_invariants()
+    assert not engine.sched.has_work() and engine.pool.num_used == 0 and transfer.outstanding() == set()
+    transfer.close()
+    sender.close()
