@@ -116,9 +116,10 @@ class FakeWorker:
         try:
             if self.fail is not None:
                 status, err = self.fail
+                rid = request.headers["X-Request-Id"]  # "{rid}" in its text: as a worker names the request
                 if isinstance(err, str):
-                    return web.Response(status=status, text=err)
-                return web.json_response(err, status=status)
+                    return web.Response(status=status, text=err.replace("{rid}", rid))
+                return web.json_response(json.loads(json.dumps(err).replace("{rid}", rid)), status=status)
             await asyncio.sleep(self.delay)
             if self.role is Role.PREFILL:
                 return web.json_response(self._first_token(chat))
@@ -171,7 +172,8 @@ class FakeWorker:
         rest = self.tokens[1:]
         for i, tok in enumerate(rest):
             if self.stream_error is not None and i == self.error_after:  # a worker failing mid-stream
-                await send({"error": self.stream_error})
+                rid = request.headers["X-Request-Id"]
+                await send({"error": json.loads(json.dumps(self.stream_error).replace("{rid}", rid))})
                 await send("[DONE]")
                 await end()
                 return resp
@@ -201,10 +203,10 @@ class Cluster:
     http: aiohttp.ClientSession
     decodes: list[FakeWorker]
 
-    def post(self, path: str, body: dict | bytes, **kw):
+    def post(self, path: str, body: dict | bytes, headers: dict | None = None, **kw):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         return self.http.post(self.url + path, data=data,
-                              headers={"Content-Type": "application/json"}, **kw)
+                              headers={"Content-Type": "application/json", **(headers or {})}, **kw)
 
     def workers(self) -> list[FakeWorker]:
         return [self.prefill, *self.decodes]
@@ -473,7 +475,7 @@ async def test_decode_error_after_some_tokens_is_an_error_event(cluster: Cluster
     events = sse_events(raw)
     assert events[2:4] == cluster.decode.sent[:2] and events[-1] == b"data: [DONE]\n\n"
     error = json.loads(events[-2][6:])["error"]
-    assert error == {"message": f"decode worker {cluster.decode.url} failed: engine failed", "type": "server_error",
+    assert error == {"message": "decode worker failed: engine failed", "type": "server_error",  # (no address)
                      "param": None, "code": None}
     assert len(events) == 6  # role, Hello, 2 tokens, the error, [DONE]
 
@@ -696,7 +698,7 @@ async def test_decode_in_stream_error_keeps_a_503_or_504(cluster: Cluster, code,
         data = await r.json()
     assert_openai_error(data)
     assert data["error"]["type"] == "server_error"
-    assert data["error"]["message"] == f"decode worker {cluster.decode.url} failed: prefill not ready within 1s"
+    assert data["error"]["message"] == "decode worker failed: prefill not ready within 1s"
     async with cluster.post("/v1/chat/completions", chat(stream=True)) as r:
         assert r.status == 200
         events = await read_sse(r)
@@ -752,7 +754,8 @@ async def test_worker_down_is_retried_and_proxy_keeps_serving():
             data = await r.json()
         assert_openai_error(data)
         assert "no decode worker available" in data["error"]["message"]
-        assert c.decodes[0].url in data["error"]["message"]  # the failure that led there
+        assert "(after: decode worker unreachable: ClientConnectorError" in data["error"]["message"]  # what led there
+        assert not internal_names(c, data["error"]["message"])
         async with c.http.get(c.url + "/health") as r:
             assert r.status == 503
     finally:
@@ -781,6 +784,125 @@ async def test_health_503_without_workers():
     finally:
         stop.set()
         await task
+
+
+# ------------------------------------------------------------------ what the client sees of the cluster
+
+
+def internal_names(c: Cluster, text: str) -> list[str]:
+    """Every internal name in ``text``: a worker's URL, host:port or signal address, or a workers' request id."""
+    names = [n for w in c.workers() for n in (w.url, w.url.removeprefix("http://"), w.signal_addr)]
+    return [n for n in [*names, "xpyd-", "~p~", "127.0.0.1"] if n in text]
+
+
+async def test_the_client_sees_the_public_id_and_no_internal_address(cluster: Cluster):
+    """X-Request-Id is the response's id (the workers' id names both workers' addresses); a client's own
+    X-Request-Id names the response and comes back, as vLLM does, on every answer."""
+    for path, body, prefix in (("/v1/completions", completion(), "cmpl-"), ("/v1/chat/completions", chat(), "chatcmpl-")):
+        async with cluster.post(path, body) as r:
+            data = await r.json()
+            assert r.status == 200 and r.headers["X-Request-Id"] == data["id"] and data["id"].startswith(prefix)
+            assert not internal_names(cluster, json.dumps([dict(r.headers), data]))
+        async with cluster.post(path, {**body, "stream": True}) as r:
+            header, raw = r.headers["X-Request-Id"], await r.read()
+        ids = {json.loads(e[6:])["id"] for e in sse_events(raw)[:-1]}
+        assert ids == {header} and header.startswith(prefix) and not internal_names(cluster, raw.decode())
+        async with cluster.post(path, body, headers={"X-Request-Id": "trace-7f3a/1;p=2"}) as r:
+            assert r.headers["X-Request-Id"] == "trace-7f3a/1;p=2"
+            assert (await r.json())["id"] == prefix + "trace-7f3a/1;p=2"
+    # The workers still get the proxy's own id (both addresses in it), never the client's.
+    assert all(parse_request_id(x.headers["X-Request-Id"]) for w in cluster.workers() for x in w.received)
+    async with cluster.http.get(cluster.url + "/v1/models", headers={"X-Request-Id": "abc"}) as r:
+        assert r.headers["X-Request-Id"] == "abc"
+    async with cluster.post("/v1/completions", completion(model="other"), headers={"X-Request-Id": "abc"}) as r:
+        assert r.status == 404 and r.headers["X-Request-Id"] == "abc"
+    async with cluster.post("/v1/completions", completion()) as r:  # none sent: the response's id
+        assert r.headers["X-Request-Id"] == (await r.json())["id"]
+
+
+@pytest.mark.parametrize("rid", ["x" * 201, 'a"b', "a\\b", "a b", "caf\u00e9"])
+async def test_a_client_request_id_that_cannot_name_a_response_is_a_400(cluster: Cluster, rid: str):
+    """vLLM takes any X-Request-Id; here it names the response, so one that cannot is refused (rather than
+    replaced: the client would get back an id it did not send) before the workers see anything."""
+    async with cluster.http.post(cluster.url + "/v1/completions", data=json.dumps(completion()).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "X-Request-Id": rid.encode().decode("latin-1")}) as r:
+        assert r.status == 400
+        data = await r.json()
+        assert "X-Request-Id" not in r.headers
+    assert_openai_error(data)
+    assert data["error"]["param"] == "X-Request-Id" and "X-Request-Id must be" in data["error"]["message"]
+    assert all(not w.received for w in cluster.workers())
+
+
+async def test_openai_client_reads_the_public_id(cluster: Cluster):
+    """As a user of the official client reads them: the response's id and its X-Request-Id header."""
+    client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        answer = raw.parse()
+        assert raw.headers["x-request-id"] == answer.id and answer.id.startswith("chatcmpl-")
+        raw = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=5, stream=True,
+                                                                 extra_headers={"X-Request-Id": "mine-42"})
+        chunks = [ch async for ch in raw.parse()]
+        assert raw.headers["x-request-id"] == "mine-42" and {ch.id for ch in chunks} == {"cmpl-mine-42"}
+        assert "".join(ch.choices[0].text for ch in chunks) == "".join(TOKENS)
+        cluster.decode.stream_error = {"message": "KV transfer failed: {rid}", "type": "server_error",
+                                       "param": None, "code": 502}
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=5,
+                                            extra_headers={"X-Request-Id": "mine-43"})
+        assert e.value.status_code == 502 and e.value.response.headers["x-request-id"] == "mine-43"
+        assert e.value.message.endswith("decode worker failed: KV transfer failed: cmpl-mine-43")
+    finally:
+        await client.close()
+
+
+# A worker's own message naming the cluster's inside: its request id, its peer, other hosts.
+LEAKY = ("KV transfer failed for {rid} (xpyd-0123456789abcdef0123456789abcdef.1): prefill at {prefill} and "
+         "10.1.2.3:7000 and [fd00::5]:7001 and fd00::6 did not answer; see http://prefill-0.internal:8100/x or "
+         "etcd.kube-system.svc:2379; Connect call failed ('10.1.2.4', 8100)")
+LEAKY_REDACTED = ("KV transfer failed for {public} ([internal id]): prefill at [internal address] and [internal "
+                  "address] and [internal address] and [internal address] did not answer; see [internal address] "
+                  "or [internal address]; Connect call failed [internal address]")
+
+
+@pytest.mark.parametrize("where", ["decode in stream, JSON answer", "decode in stream, streaming",
+                                   "prefill 4xx body", "decode 5xx text"])
+async def test_worker_error_texts_reach_the_client_without_internal_names(cluster: Cluster, where: str):
+    """A worker's error text is passed on, but what it says of the cluster's inside is not: addresses become
+    [internal address], the workers' request id the response's id, any other such id [internal id]."""
+    leaky = LEAKY.replace("{prefill}", cluster.prefill.signal_addr)
+    headers = {"X-Request-Id": "req-1"}
+    body, stream = completion(), where.endswith("streaming")
+    if where.startswith("decode in stream"):
+        cluster.decode.stream_error = {"message": leaky, "type": "server_error", "param": None, "code": 502}
+    elif where == "prefill 4xx body":
+        cluster.prefill.fail = (400, {"error": {"message": leaky, "type": "BadRequestError", "param": "{rid}",
+                                                "code": 400, "detail": [leaky]}})
+    else:
+        cluster.decode.fail = (500, {"error": {"message": leaky}})  # (a text body is cut at 200 characters)
+    async with cluster.post("/v1/completions", {**body, "stream": stream}, headers=headers) as r:
+        raw = await r.read()
+        assert r.headers["X-Request-Id"] == "req-1"
+        assert not internal_names(cluster, json.dumps(dict(r.headers)))
+    assert not internal_names(cluster, raw.decode())
+    for name in ("10.1.2", "fd00", "prefill-0.internal", "etcd.kube", "8100", "7001", "2379"):
+        assert name not in raw.decode()
+    expected = LEAKY_REDACTED.replace("{public}", "cmpl-req-1")
+    if stream:
+        error = json.loads(sse_events(raw)[-2][6:])["error"]
+        assert error["message"] == f"decode worker failed: {expected}"
+    else:
+        error = json.loads(raw)["error"]
+        if where == "prefill 4xx body":  # the worker's own body, otherwise as it sent it
+            assert r.status == 400 and error == {"message": expected, "type": "BadRequestError",
+                                                 "param": "cmpl-req-1", "code": 400, "detail": [expected]}
+        elif where == "decode 5xx text":
+            assert r.status == 502 and error["message"] == f"decode worker failed with HTTP 500: {expected}"
+        else:
+            assert r.status == 502 and error["message"] == f"decode worker failed: {expected}"
 
 
 # ------------------------------------------------------------------ static discovery

@@ -78,3 +78,23 @@ def test_chunk_head_is_how_every_chunk_of_the_stream_starts(kind):
                   stream_chunk(*args, None, None, role=True), usage_chunk(*args, 3, 4)):
         assert dumps(chunk).startswith(head)
     assert not dumps(stream_chunk("chatcmpl-2", *args[1:], "hi", None)).startswith(head)
+
+
+# ------------------------------------------------------------------ a client's own X-Request-Id
+
+
+def test_a_clients_request_id_names_the_response_as_vllm_does():
+    from xpyd.api.identity import MAX_CLIENT_ID_CHARS, client_request_id
+    from xpyd.api.responses import new_response_id
+
+    assert client_request_id(None) is None and client_request_id("") is None  # none: the proxy's own
+    for good in ("abc", "0f" * 16, "trace=1;span/2:3~x", "x" * MAX_CLIENT_ID_CHARS):
+        assert client_request_id(good) == good
+        for kind in RequestKind:
+            ResponseIdentity(new_response_id(kind, good), 1, "m")  # (any it takes fits a response id)
+    assert new_response_id(RequestKind.CHAT, "abc") == "chatcmpl-abc"
+    assert new_response_id(RequestKind.COMPLETION, "abc") == "cmpl-abc"
+    for bad in ("x" * (MAX_CLIENT_ID_CHARS + 1), "a b", 'a"b', "a\\b", "a\tb", "caf\u00e9", "\x00"):
+        with pytest.raises(APIError) as e:
+            client_request_id(bad)
+        assert e.value.status == 400 and e.value.param == "X-Request-Id"

@@ -9,6 +9,12 @@ A worker given one writes it into every chunk (and its JSON body), and a stream 
 proxy's own (it already sent the chat role chunk and prefill's first token) opens with no role chunk:
 the proxy then passes decode's events on as they came. Workers check it strictly (``response_identity``:
 a 400 that names the field); a request without it gets the worker's own values.
+
+The client may choose the id: as vLLM does, a client's ``X-Request-Id`` names the response
+(``cmpl-<it>`` / ``chatcmpl-<it>``, ``xpyd.api.responses.new_response_id``) and comes back in the response's
+``X-Request-Id``. vLLM takes any value; here it must fit a response id (``client_request_id``: 1 to 200
+visible ASCII characters, no quotes or backslashes), and one that does not is a 400 naming the header
+rather than being replaced, so a client never gets an id back other than the one it sent.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 from xpyd.api.openai import APIError
 
 MAX_ID_CHARS = 256
+MAX_CLIENT_ID_CHARS = 200  # a client's X-Request-Id (a response id adds at most 9: "chatcmpl-")
+CLIENT_ID_HEADER = "X-Request-Id"
 MAX_MODEL_CHARS = 1024
 MAX_CREATED = 2**32 - 1  # Unix seconds (year 2106)
 _ID = re.compile(r"[!#-\[\]-~]+")  # visible ASCII but '"' and '\\'
@@ -81,3 +89,15 @@ def response_identity(kv_transfer_params: dict | None) -> ResponseIdentity | Non
         if problem is not None:
             raise APIError(400, f"{where}.{name} {problem}", param=f"{where}.{name}")
     return ResponseIdentity(obj["id"], obj["created"], obj["model"])
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's ``X-Request-Id`` header as the proxy takes it: None when absent or empty; APIError(400)
+    naming the header unless it is 1 to MAX_CLIENT_ID_CHARS visible ASCII characters without quotes or
+    backslashes (what a response id may hold)."""
+    if not value:
+        return None
+    if len(value) > MAX_CLIENT_ID_CHARS or not _ID.fullmatch(value):
+        raise APIError(400, f"{CLIENT_ID_HEADER} must be 1 to {MAX_CLIENT_ID_CHARS} visible ASCII characters "
+                       "without quotes or backslashes", param=CLIENT_ID_HEADER)
+    return value

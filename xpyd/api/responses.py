@@ -17,10 +17,11 @@ DONE_DATA = b"[DONE]"  # the data of the event that ends an OpenAI stream
 SSE_DONE = b"data: " + DONE_DATA + b"\n\n"
 
 
-def new_response_id(kind: RequestKind) -> str:
-    """``cmpl-<hex>`` or ``chatcmpl-<hex>``, like OpenAI and vLLM."""
+def new_response_id(kind: RequestKind, base: str | None = None) -> str:
+    """``cmpl-<hex>`` or ``chatcmpl-<hex>``, like OpenAI and vLLM; with ``base`` (a client's ``X-Request-Id``,
+    checked by ``xpyd.api.identity.client_request_id``) ``cmpl-<base>``, as vLLM names it."""
     prefix = "chatcmpl" if kind is RequestKind.CHAT else "cmpl"
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{base or uuid.uuid4().hex}"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

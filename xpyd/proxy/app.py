@@ -8,7 +8,8 @@ A request moves through::
     -> every decode worker full: wait in the bounded queue (503 when full or timed out)
     -> Router picks prefill + decode among the UP workers (503 if a role has none), avoiding pairs
        whose path failed lately while there are others (``pairs.PairHealth``)
-    -> RequestId.new(p, d) -> PDCall: prefill and decode called at once
+    -> RequestId.new(p, d) -> PDCall: prefill and decode called at once (the id, which names both
+       workers' addresses, goes to the workers only: the client's is the response id, see below)
     -> a worker unreachable (or the path between the two failed) before the client got anything: it
        is marked down (the pair avoided) and the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
@@ -25,6 +26,10 @@ http_errors (errors in OpenAI's shape).
 
 To the client it looks like a single OpenAI/vLLM server: one response id and
 ``created`` per request, the served model name, and errors in OpenAI's shape.
+As vLLM does, a client's ``X-Request-Id`` names the response (``cmpl-<it>``; checked:
+``client_request_id``) and comes back in the ``X-Request-Id`` of every answer; without one,
+a generation's ``X-Request-Id`` is its response id. Nothing the client reads names a
+worker's address or the workers' request id (errors go through ``http_errors.Redactor``).
 ``GET /cluster`` shows every worker with its health and load; ``GET /metrics``
 the proxy's Prometheus metrics (``xpyd.proxy.metrics``). With an API key set,
 everything but ``GET /health`` needs ``Authorization: Bearer KEY`` (``/cluster``
@@ -38,11 +43,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from quart import Quart, Response, request
 
-from xpyd.api.identity import ResponseIdentity
+from xpyd.api.identity import ResponseIdentity, client_request_id
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
@@ -51,7 +57,7 @@ from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, de
 from xpyd.proxy.cache_feed import CacheFeed
 from xpyd.proxy.client import WorkerClient, worker_session
 from xpyd.proxy.config import ProxyConfig
-from xpyd.proxy.http_errors import json_response, register_error_handlers
+from xpyd.proxy.http_errors import Redactor, json_response, register_error_handlers
 from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.pairs import PairHealth
@@ -84,6 +90,7 @@ class Proxy:
         self.limit = ConcurrencyLimit(config.max_concurrent_requests)
         self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
         self.pairs = PairHealth(base=config.pair_cooldown)
+        self.redactor = Redactor(lambda: [w for role in Role for w in self.registry.workers(role)])
         self.inflight = InFlight(self.router, self.pairs, on_end=self.queue.wake)
         self.table.on_down(self.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
@@ -174,8 +181,22 @@ class Proxy:
             if slot is not None and not slot.handed_off:
                 slot.release()
 
-    async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity]:
-        """The client's request, checked, and what its response is called (id, created, model)."""
+    def echo_request_id(self, response: Response) -> Response:
+        """After every route, as vLLM: the client's own ``X-Request-Id`` comes back (a generation's answer
+        already has its id: the client's, or the response id)."""
+        if REQUEST_ID_HEADER not in response.headers:
+            try:
+                rid = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+            except APIError:  # one that cannot name a response: refused where it would, never echoed
+                rid = None
+            if rid is not None:
+                response.headers[REQUEST_ID_HEADER] = rid
+        return response
+
+    async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity, str]:
+        """The client's request, checked, what its response is called (id, created, model) and its
+        ``X-Request-Id`` (the client's own, or the response id)."""
+        client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         check_content_type(request.headers.get("Content-Type"))
         req = parse_request(await request.get_data(cache=False), kind)
         model = self.served_model()
@@ -185,14 +206,15 @@ class Proxy:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
         try:
-            return req, ResponseIdentity(new_response_id(kind), int(time.time()), model)
+            identity = ResponseIdentity(new_response_id(kind, client_id), int(time.time()), model)
+            return req, identity, client_id or identity.id
         except ValueError as e:  # a worker's served name no worker would accept back
             raise APIError(500, f"cannot serve model {model[:80]!r}: {e}", type="server_error") from None
 
     async def _generate(self, kind: RequestKind, timer: RequestTimer, slot: Slot) -> Response:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
-        req, identity = await self._read_request(kind)
+        req, identity, public_id = await self._read_request(kind)
         keys = await self._prompt_keys(req)
         failed: UpstreamError | None = None
         retries = self.config.retries
@@ -203,23 +225,24 @@ class Proxy:
             try:
                 first = await call.first_token()
                 timer.first_token()
-                headers = {REQUEST_ID_HEADER: call.request_id}
+                headers = {REQUEST_ID_HEADER: public_id}
                 if req.stream:
                     streaming = True  # from here the body owns the call, the timer and the slot
                     call.hold(slot)
-                    return stream_response(call, req, first, headers, timer, self.worker_failed)
+                    return stream_response(call, req, first, headers, timer, self.worker_failed,
+                                           self._public_error(call))
                 body = await complete_body(call, req, first, timer)
                 timer.end(Outcome.OK)
                 return json_response(body, headers=headers)
             except UpstreamError as e:
                 self.worker_failed(e)
                 if e.fault in (Fault.UNREACHABLE, Fault.PATH) and retries > 0:
-                    log.warning("%s: %s; retrying on another pair", call.request_id, e.message)
+                    log.warning("%s (%s): %s; retrying on another pair", identity.id, call.request_id, e.message)
                     failed, retries = e, retries - 1
                     continue
                 level = logging.INFO if e.status < 500 else logging.WARNING
-                log.log(level, "%s: %s (HTTP %d)", call.request_id, e.message, e.status)
-                raise
+                log.log(level, "%s (%s): %s (HTTP %d)", identity.id, call.request_id, e.message, e.status)
+                raise self._public_error(call)(e) from None
             finally:
                 if not streaming:
                     await call.aclose()
@@ -258,6 +281,10 @@ class Proxy:
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
         return self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
 
+    def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:
+        """What the client may read of an error of ``call``: its request id named by the response's."""
+        return lambda e: self.redactor.error(e, call.request_id, call.identity.id, call.pair)
+
     def _decode_room(self) -> int | None:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))
 
@@ -289,6 +316,7 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     app.before_serving(proxy.open)
     app.after_serving(proxy.close)
     app.before_request(proxy.check_api_key)
+    app.after_request(proxy.echo_request_id)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -314,5 +342,5 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     async def metrics() -> Response:
         return proxy.metrics_response()
 
-    register_error_handlers(app, config.max_body_bytes)
+    register_error_handlers(app, config.max_body_bytes, proxy.redactor)
     return app

@@ -69,6 +69,11 @@ class PDCall:
     def prefill_url(self) -> str:
         return self._prefill.http_url
 
+    @property
+    def pair(self) -> tuple[WorkerInfo, WorkerInfo]:
+        """(prefill, decode)"""
+        return self._prefill, self._decode
+
     def prefill_lost(self, error: UpstreamError) -> bool:
         """The prefill worker died: end the call with ``error`` unless decode already has the KV.
 

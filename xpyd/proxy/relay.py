@@ -11,8 +11,9 @@ part. A streaming response goes::
 (a request that ended on prefill: the proxy writes the usage chunk itself).
 
 A failure once the status line is sent becomes an error event and ``[DONE]``
-(as vLLM does); the body owns the call and the request's timer, and drops the
-call when it ends or, if the client left before it started, when it is collected.
+(as vLLM does; its message as ``public`` gives it: without internal addresses or ids);
+the body owns the call and the request's timer, and drops the call when it ends or,
+if the client left before it started, when it is collected.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
 
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
-                    timer: RequestTimer, on_error: Callable[[APIError], None]) -> Response:
-    """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here."""
-    body = _stream(call, req, first, on_error, timer)
+                    timer: RequestTimer, on_error: Callable[[APIError], None],
+                    public: Callable[[APIError], APIError]) -> Response:
+    """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here. ``on_error`` sees a
+    failure as it is; the client, as ``public`` makes it."""
+    body = _stream(call, req, first, on_error, public, timer)
     # If the client leaves before the body starts, the generator never runs
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
@@ -66,7 +69,7 @@ def _abandon(call: PDCall, timer: RequestTimer) -> None:
 
 async def _stream(
     call: PDCall, req: CompletionRequest, first: FirstToken,
-    on_error: Callable[[APIError], None], timer: RequestTimer,
+    on_error: Callable[[APIError], None], public: Callable[[APIError], APIError], timer: RequestTimer,
 ) -> AsyncIterator[bytes]:
     kind, name = req.kind, call.identity
 
@@ -94,12 +97,13 @@ async def _stream(
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
         on_error(e)
-        log.warning("%s: %s (in stream)", call.request_id, e.message)
+        log.warning("%s (%s): %s (in stream)", name.id, call.request_id, e.message)
+        e = public(e)
         yield sse(APIError(e.status, e.message, type=e.type).to_dict())
         yield SSE_DONE
     except Exception:
         timer.end(Outcome.INTERNAL_ERROR)
-        log.exception("%s: streaming failed", call.request_id)
+        log.exception("%s (%s): streaming failed", name.id, call.request_id)
         yield sse(APIError(500, "internal error in the proxy", type="server_error").to_dict())
         yield SSE_DONE
     finally:
