@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -134,15 +135,45 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+class PortAllocator:
+    """Port runs for the servers tests start, below the ephemeral range (32768-60999 on Linux, so no
+    outgoing connection takes one before its server binds it). One allocator serves a whole test process
+    and never hands out a port twice, so two runs taken one after the other (a prefill range and a decode
+    range, five ports of one cluster) cannot overlap, though nothing listens on them yet. Each process
+    walks up from its own random start, and a run is handed out only if every port of it can be bound
+    now (another process's servers are skipped)."""
+
+    LOW, HIGH = 20000, 32000
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._next = random.Random(seed).randrange(self.LOW, self.HIGH)
+        self._given: set[int] = set()
+        self._lock = threading.Lock()
+
+    def take(self, n: int, host: str = "127.0.0.1") -> int:
+        """The first port p of a run p .. p+n-1 that no earlier call returned and that is bindable now."""
+        if not 1 <= n <= 64:
+            raise ValueError(f"a run of {n} ports")
+        with self._lock:
+            for _ in range((self.HIGH - self.LOW) // 2):
+                p = self._next
+                self._next = p + n if p + 2 * n <= self.HIGH else self.LOW
+                if p + n > self.HIGH:
+                    continue
+                run = range(p, p + n)
+                if self._given.isdisjoint(run) and all(bindable(q, host) for q in run):
+                    self._given.update(run)
+                    return p
+        raise RuntimeError(f"no free run of {n} ports in {self.LOW}-{self.HIGH}")
+
+
+PORTS = PortAllocator()
+
+
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """A port p with p .. p+n-1 all free on ``host``, below the ephemeral range (32768-60999 on Linux),
-    so that no outgoing connection of another process takes one of them before the server binds it."""
-    rng = random.Random()
-    for _ in range(500):
-        p = rng.randrange(20000, 32000 - n)
-        if all(bindable(p + i, host) for i in range(n)):
-            return p
-    raise RuntimeError("no free port range")
+    """A port p with p .. p+n-1 all free on ``host`` and none of them handed out before in this process
+    (`PortAllocator`)."""
+    return PORTS.take(n, host)
 
 
 def bindable(port: int, host: str = "127.0.0.1") -> bool:

@@ -9,6 +9,7 @@ them (`start`). Every test ends with no block held.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.numerics import Reference, assert_decided, assert_paths_close
+from xpyd.model.kv_blocks import BlockAllocator
 from xpyd.model.kv_pool import KVPool
 from xpyd.model.llama_fast import FastLlama
 from xpyd.prefix_hash import block_hashes, hash_seed
@@ -129,9 +132,38 @@ def hf_generate(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
+def exact_logits(hf, hf64, ids: list[int]) -> Reference:
+    """transformers' logits at every position of ``ids`` in float64 (``hf64``: the same weights), and the
+    bound on a float32 computation's error, measured with the float32 model ``hf`` (tests/numerics.py)."""
     with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0, -1].float()
+        return Reference.measure(hf64(torch.tensor([ids])).logits[0], hf(torch.tensor([ids])).logits[0])
+
+
+def exact_last_logits(hf, hf64, ids: list[int]) -> Reference:
+    ref = exact_logits(hf, hf64, ids)
+    return Reference(ref.exact[-1], ref.bound)
+
+
+def assert_exact_greedy(hf, hf64, prompt: list[int], tokens: list[int], what: str = "") -> None:
+    """``tokens`` are what exact greedy decoding of ``prompt`` gives, each step decided by more than the
+    float32 error, so every float32 path (transformers', the runner's, batched or not) gives them too."""
+    ref = exact_logits(hf, hf64, prompt + tokens[:-1])
+    assert_decided(Reference(ref.exact[len(prompt) - 1 :], ref.bound), tokens, what)
+
+
+def float64_copy(hf):
+    return copy.deepcopy(hf).double().eval()
+
+
+def fresh(runner: ModelRunner) -> ModelRunner:
+    """``runner`` as a new one, whatever a test before left in it (blocks held, prefixes cached, another
+    attention): a shared runner carries no failure from one test into the next, and a test's leak check
+    (`assert_no_block_held`) sees only what that test allocated."""
+    alloc = runner.pool.blocks
+    runner.pool.blocks = BlockAllocator(alloc.num_blocks, caching=alloc.caching)
+    runner.use_fast_path(True)
+    runner.fast_path.decode_attention = "sdpa"  # float32's (these runners are all float32)
+    return runner
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -141,17 +173,32 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 # --- SmolLM2 (the default model), float32: token-for-token against transformers' generate -----------------
 
+def smol_reference(hf, hf64, prompt: list[int]) -> tuple[list[int], Reference]:
+    """transformers' greedy tokens for ``prompt``, and the exact (float64) logits each was picked from, with
+    the float32 bound; every step is decided by more than twice the bound (`assert_decided`), so any
+    float32 path gives these tokens on any CPU."""
+    tokens = hf_generate(hf, prompt, NEW_TOKENS)
+    ref = exact_logits(hf, hf64, prompt + tokens[:-1])
+    rows = Reference(ref.exact[len(prompt) - 1 :], ref.bound)
+    assert_decided(rows, tokens, "SmolLM2 reference")
+    return tokens, rows
+
+
 class References(Mapping):
     """transformers' greedy tokens by prompt name, computed in a thread of this process while the tests run
-    the runner (each computes on one thread: the machine has two cores); reading one waits for it."""
+    the runner (each computes on one thread: the machine has two cores); reading one waits for it.
+    ``logits(name)``: the exact logits of each step and the float32 bound."""
 
     def __init__(self, futures: dict[str, Future]) -> None:
         self._futures = futures
 
     def __getitem__(self, name: str) -> list[int]:
-        ref = self._futures[name].result()
+        ref = self._futures[name].result()[0]
         assert len(ref) == NEW_TOKENS and 2 not in ref, f"{name}: pick a prompt that does not hit eos early"
         return ref
+
+    def logits(self, name: str) -> Reference:
+        return self._futures[name].result()[1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._futures)
@@ -161,19 +208,26 @@ class References(Mapping):
 
 
 @pytest.fixture(scope="module")
-def smol(smollm_dir):
+def smol_shared(smollm_dir):
     tok = load_tokenizer(smollm_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    hf64 = float64_copy(hf)
     prompts = {
         "plain": encode_prompt(tok, "The three most important inventions of the twentieth century were"),
         "chat": encode_chat(tok, [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]),
         "non_ascii": encode_prompt(tok, "Voici une recette de crème brûlée (クレームブリュレ) 🍮 :"),
     }
     with ThreadPoolExecutor(1, thread_name_prefix="reference") as ex:
-        refs = References({name: ex.submit(hf_generate, hf, p, NEW_TOKENS) for name, p in prompts.items()})
+        refs = References({name: ex.submit(smol_reference, hf, hf64, p) for name, p in prompts.items()})
         runner = ModelRunner(smollm_dir, torch.float32, num_blocks=64, max_seq_len=256)
         assert runner.block_size == 16
         yield runner, prompts, refs
+
+
+@pytest.fixture
+def smol(smol_shared):
+    runner, prompts, refs = smol_shared
+    return fresh(runner), prompts, refs
 
 
 @pytest.mark.parametrize("name", ["plain", "chat", "non_ascii"])
@@ -302,74 +356,106 @@ def test_smollm_decode_batch_sharing_prefix_blocks_matches_generate(smol):
     outs = run(runner, seqs, NEW_TOKENS, join_at=[0, 0, 2, 2, 5])
     assert [s.start for s in seqs] == [0, 32, 0, 16, 0]
     assert outs == [refs["chat"], refs["chat"], refs["non_ascii"], refs["non_ascii"], refs["plain"]]
-    for cold, warm in ((seqs[0], seqs[1]), (seqs[2], seqs[3])):
-        torch.testing.assert_close(warm.logits[0], cold.logits[0], rtol=1e-4, atol=1e-4)
+    for cold, warm, name in ((seqs[0], seqs[1], "chat"), (seqs[2], seqs[3], "non_ascii")):
+        first = refs.logits(name)
+        Reference(first.exact[0], first.bound).check_pair(warm.logits[0], cold.logits[0], name)
     assert_no_block_held(runner)
 
 
 # --- tiny random Llama: logits against a full transformers forward at every step ---------------------------
 
 @pytest.fixture(scope="module")
-def tiny_runners(tiny_model_dir):
-    """runner(block_size): one float32 tiny runner per block size (640 tokens of KV), made on first use."""
-    made: dict[int, ModelRunner] = {}
+def tiny_made() -> dict[int, ModelRunner]:
+    return {}
+
+
+@pytest.fixture
+def tiny_runners(tiny_model_dir, tiny_made):
+    """runner(block_size): one float32 tiny runner per block size (640 tokens of KV), made on first use
+    and shared by the module's tests, handed to each test `fresh`."""
+    fresh_here: set[int] = set()
 
     def runner(block_size: int = TINY_BLOCK) -> ModelRunner:
-        if block_size not in made:
-            made[block_size] = ModelRunner(tiny_model_dir, torch.float32, num_blocks=640 // block_size,
-                                           max_seq_len=128, block_size=block_size)
-        return made[block_size]
+        if block_size not in tiny_made:
+            tiny_made[block_size] = ModelRunner(tiny_model_dir, torch.float32, num_blocks=640 // block_size,
+                                                max_seq_len=128, block_size=block_size)
+        if block_size not in fresh_here:
+            fresh_here.add(block_size)
+            fresh(tiny_made[block_size])
+        return tiny_made[block_size]
 
     return runner
 
 
 @pytest.fixture(scope="module")
 def tiny_hf(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return hf, float64_copy(hf)
 
 
 @pytest.fixture
 def tiny(tiny_runners, tiny_hf):
     runner = tiny_runners()
     yield runner, tiny_hf
-    runner.use_fast_path(True)
-    runner.fast_path.decode_attention = "sdpa"
     assert_no_block_held(runner)
 
 
+def test_a_test_that_stops_holding_blocks(tiny_runners):
+    """What a failing test leaves in the module's shared runner: blocks held, a prefix cached, another
+    attention (the next test gets the runner fresh)."""
+    runner = tiny_runners()
+    held = runner.pool.blocks.allocate(3)
+    assert runner.pool.blocks.commit(held[0], 12345)
+    runner.fast_path.decode_attention = "matmul"
+    assert runner.pool.num_used == 3
+
+
+def test_the_next_test_gets_the_shared_runner_fresh(tiny_runners):
+    runner = tiny_runners()
+    assert runner.pool.num_used == 0 and runner.pool.blocks.num_cached == 0
+    assert runner.pool.blocks.num_free == runner.pool.layout.num_blocks
+    assert runner.fast_path.decode_attention == "sdpa"
+    runner.pool.blocks.check()
+
+
 def test_tiny_prefill_and_decode_logits_match_forward(tiny):
-    runner, hf = tiny
+    runner, (hf, hf64) = tiny
     seq = new_seq(runner.pool, prompt_of(11, 0), seed=1)
     prefill(runner, seq)
-    torch.testing.assert_close(seq.logits[0], hf_last_logits(hf, seq.prompt), rtol=1e-4, atol=1e-4)
     for _ in range(12):
         decode(runner, [seq])
-        torch.testing.assert_close(seq.logits[-1], hf_last_logits(hf, seq.prompt + seq.out[:-1]), rtol=1e-4, atol=1e-4)
+    ref = exact_logits(hf, hf64, seq.prompt + seq.out[:-1])  # each position's logits see only what came before
+    for step, logits in enumerate(seq.logits):
+        Reference(ref.exact[10 + step], ref.bound).check(logits, f"step {step}")
     assert len(seq.table) == runner.pool.layout.blocks_for(11 + 12) == 5
     assert len(set(seq.out)) > 1  # the random model is not constant, so a broken cache would show
     release(runner.pool, [seq])
 
 
 def test_tiny_greedy_matches_generate(tiny):
-    runner, hf = tiny
+    runner, (hf, hf64) = tiny
     prompt = prompt_of(9, 1)
     ref = hf_generate(hf, prompt, 40)
+    assert_exact_greedy(hf, hf64, prompt, ref)  # so any float32 path generates it
     assert greedy(runner, prompt, len(ref), seed=2) == ref
 
 
 def test_tiny_batched_equals_single(tiny):
-    runner, _ = tiny
+    runner, (hf, hf64) = tiny
     prompts = [prompt_of(5, 2), prompt_of(17, 3), prompt_of(2, 4)]
     single = [greedy(runner, p, 20, seed=i) for i, p in enumerate(prompts)]
+    for p, tokens in zip(prompts, single):
+        assert_exact_greedy(hf, hf64, p, tokens)  # batched or not, float32 rounding cannot change them
     seqs = [new_seq(runner.pool, p, seed=10 + i) for i, p in enumerate(prompts)]
     assert run(runner, seqs, 20, join_at=[0, 2, 9]) == single
 
 
 def test_freed_blocks_reuse_ignores_stale_kv(tiny):
-    runner, _ = tiny
+    runner, (hf, hf64) = tiny
     pool = runner.pool
     long_prompt, short_prompt = prompt_of(60, 5), prompt_of(4, 6)
     fresh = greedy(runner, short_prompt, 15)
+    assert_exact_greedy(hf, hf64, short_prompt, fresh)
     tables = []
     while pool.blocks.num_free >= 12:  # (nearly) every block gets a long, unrelated context
         tables.append(scattered(pool, 12, seed=len(tables)))
@@ -385,7 +471,7 @@ def test_freed_blocks_reuse_ignores_stale_kv(tiny):
 def test_pool_holds_the_same_kv_as_transformers(tiny):
     """The K/V of every token sits at row t % block_size of block table[t // block_size], cold or after a
     shared prefix (the second request computes tokens 5.. into its own blocks)."""
-    runner, hf = tiny
+    runner, (hf, hf64) = tiny
     pool, bs = runner.pool, runner.block_size
     first = prompt_of(12, 7)
     a = new_seq(pool, first, seed=6)
@@ -394,12 +480,13 @@ def test_pool_holds_the_same_kv_as_transformers(tiny):
     prefill(runner, b)
     for seq in (a, b):
         with torch.inference_mode():
-            cache = hf(torch.tensor([seq.prompt]), use_cache=True).past_key_values
+            cache, cache64 = (m(torch.tensor([seq.prompt]), use_cache=True).past_key_values for m in (hf, hf64))
         rows = [(seq.table[t // bs], t % bs) for t in range(len(seq.prompt))]
         for layer in range(2):
-            for kv, ref in ((0, cache.layers[layer].keys[0]), (1, cache.layers[layer].values[0])):
+            for kv in (0, 1):
+                ref32, ref64 = ((c.layers[layer].keys if kv == 0 else c.layers[layer].values)[0] for c in (cache, cache64))
                 ours = torch.stack([pool.tensor[block, :, layer, kv, row] for block, row in rows], 1)
-                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)  # [kv_heads, seq, head_dim]
+                Reference.measure(ref64, ref32).check(ours, f"layer {layer} {'KV'[kv]}")  # [kv_heads, seq, head_dim]
     release(pool, [a, b])
 
 
@@ -417,12 +504,12 @@ def test_kv_moved_by_block_bytes_decodes_the_same(tiny, tiny_model_dir):
     """Prefill in one pool, the blocks' bytes into other blocks of another pool, decode there; then a
     second request sharing the first one's leading block: prefill computes and moves only the rest, the
     decode side reuses the block it already holds."""
-    prefill_runner, _ = tiny
+    prefill_runner, (hf, hf64) = tiny
     bs = prefill_runner.block_size
     decode_runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=24, max_seq_len=64, block_size=bs)
     assert decode_runner.pool.layout.compat() == prefill_runner.pool.layout.compat()
     first = prompt_of(13, 8)
-    prompts = [first, first[:bs] + prompt_of(9, 9)]
+    prompts = [first, first[:bs] + prompt_of(9, 10)]  # (prompts whose every step is decided: assert_exact_greedy)
     src = new_seq(prefill_runner.pool, prompts[0], seed=1)
     prefill(prefill_runner, src)
     src2 = new_seq(prefill_runner.pool, prompts[1], seed=2, prefix=src.table[:1])
@@ -437,6 +524,8 @@ def test_kv_moved_by_block_bytes_decodes_the_same(tiny, tiny_model_dir):
     for _ in range(10):
         decode(decode_runner, [dst, dst2])
     release(decode_runner.pool, [dst, dst2])
+    for p, tokens in zip(prompts, (dst.out, dst2.out)):
+        assert_exact_greedy(hf, hf64, p, tokens)  # so a single-pool run must give them too
     assert [dst.out, dst2.out] == [greedy(prefill_runner, p, 11) for p in prompts]
     assert_no_block_held(decode_runner)
 
@@ -518,7 +607,9 @@ def test_bfloat16_runs_close_to_transformers(tiny_model_dir):
     b = new_seq(runner.pool, a.prompt[:8] + prompt_of(3, 10), seed=2, prefix=a.table[:2])
     prefill(runner, b)  # from token 8 on, after a's first two blocks
     for seq in (a, b):
-        assert torch.corrcoef(torch.stack([seq.logits[0], hf_last_logits(hf, seq.prompt)]))[0, 1] > 0.99
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([seq.prompt])).logits[0, -1].float()
+        assert torch.corrcoef(torch.stack([seq.logits[0], theirs]))[0, 1] > 0.99
     release(runner.pool, [a, b])
     assert_no_block_held(runner)
 
@@ -535,10 +626,10 @@ def test_prefill_after_shared_prefix_blocks_equals_cold_prefill(tiny_runners, ti
     b's prefill from ``start = blocks * block_size`` (up to the last full block b can reuse: at least one
     token is computed) gives the logits of b's cold prefill and of transformers; then a and b decode
     side by side and generate what a cold prefill and transformers' generate do."""
-    runner, hf = tiny_runners(block_size), tiny_hf
+    runner, (hf, hf64) = tiny_runners(block_size), tiny_hf
     pool = runner.pool
     start = blocks * block_size
-    seed = 100 * block_size + blocks
+    seed = 2000 + 100 * block_size + blocks  # prompts whose every step is decided (assert_exact_greedy)
     a_prompt = prompt_of(length, seed)
     b_prompt = a_prompt[:start] + prompt_of(length - start, seed + 1)
     assert b_prompt[start] != a_prompt[start]
@@ -553,14 +644,17 @@ def test_prefill_after_shared_prefix_blocks_equals_cold_prefill(tiny_runners, ti
     assert b.start == start and set(b.table[blocks:]).isdisjoint(a.table)
     prefill(runner, b)
     assert torch.equal(pool.tensor[a.table[:blocks]], shared)  # b wrote only into its own blocks
-    torch.testing.assert_close(b.logits[0], cold.logits[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(b.logits[0], hf_last_logits(hf, b_prompt), rtol=1e-4, atol=1e-4)
     try:
         for _ in range(9):
             decode(runner, [b, a])
     finally:
         release(pool, [a, b])
-    torch.testing.assert_close(b.logits[-1], hf_last_logits(hf, b_prompt + b.out[:-1]), rtol=1e-4, atol=1e-4)
+    ref = exact_logits(hf, hf64, b_prompt + b.out[:-1])
+    first, last = (Reference(ref.exact[i], ref.bound) for i in (length - 1, -1))
+    first.check_pair(b.logits[0], cold.logits[0], "b after the shared prefix, and b cold")
+    last.check(b.logits[-1], "b's last step")
+    assert_exact_greedy(hf, hf64, a_prompt, a.out, "a")  # so transformers' generate and any float32 path give them
+    assert_exact_greedy(hf, hf64, b_prompt, b.out, "b")
     assert a.out == hf_generate(hf, a_prompt, 10)
     assert b.out == hf_generate(hf, b_prompt, 10) == greedy(runner, b_prompt, 10, seed=4)
     assert_no_block_held(runner)
@@ -582,16 +676,18 @@ def _logits_match_forward_cold_and_after_a_prefix(runner: ModelRunner, hf, promp
     """prompt[:cold] prefilled, the rest decoded, each step against transformers; then a second request
     with the first two blocks of the first one's table, prefilled from there to cold + 5."""
     pool = runner.pool
+    ref = exact_logits(hf, float64_copy(hf), prompt)  # each position's logits see only the tokens up to it
+    at = lambda pos: Reference(ref.exact[pos], ref.bound)
     a = new_seq(pool, prompt[:cold], seed=1)
     prefill(runner, a)
     b = new_seq(pool, prompt[: cold + 5], seed=2, prefix=a.table[:2])
-    torch.testing.assert_close(a.logits[0], hf_last_logits(hf, prompt[:cold]), rtol=1e-4, atol=1e-4)
+    at(cold - 1).check(a.logits[0], "a's prefill")
     for pos in range(cold, len(prompt)):
         a.out[-1] = prompt[pos]  # teacher-forced: the prompt's next token, not the model's
         decode(runner, [a])
-        torch.testing.assert_close(a.logits[-1], hf_last_logits(hf, prompt[: pos + 1]), rtol=1e-4, atol=1e-4)
+        at(pos).check(a.logits[-1], f"a's step at {pos}")
     prefill(runner, b)
-    torch.testing.assert_close(b.logits[0], hf_last_logits(hf, prompt[: cold + 5]), rtol=1e-4, atol=1e-4)
+    at(cold + 4).check(b.logits[0], "b's prefill after a's blocks")
     release(pool, [a, b])
     assert_no_block_held(runner)
 
@@ -616,10 +712,10 @@ def test_other_llama_family_models(tmp_path, arch):
 
 # --- the lean forward (llama_fast) against the general HF-module path ---------------------------------------
 
-def _both_paths(runner: ModelRunner, prompts: list[list[int]], steps: int, shared: int) -> list[list[torch.Tensor]]:
+def _both_paths(runner: ModelRunner, prompts: list[list[int]], steps: int, shared: int) -> list[list[Seq]]:
     """Each prompt prefilled, then all decoded in one batch, on each path; the last prompt starts with the
     first prompt's first ``shared`` blocks and is prefilled after them, out of the first one's blocks.
-    Every logits tensor, per path."""
+    The requests (tokens and logits), per path."""
     results = []
     pool = runner.pool
     for fast in (True, False):
@@ -634,20 +730,28 @@ def _both_paths(runner: ModelRunner, prompts: list[list[int]], steps: int, share
                 decode(runner, seqs)
         finally:
             release(pool, seqs)
-        results.append([row for s in seqs for row in s.logits])
+        results.append(seqs)
     runner.use_fast_path(True)
     return results
 
 
 def test_fast_path_matches_general_path_float32(tiny):
-    runner, _ = tiny
+    """Both paths compute transformers' logits to within float32 error, at every step of every request, and
+    so pick the same tokens (each decided by more than that error)."""
+    runner, (hf, hf64) = tiny
     assert runner.fast_path_active and runner.fast_path_reason is None
     prompts = [prompt_of(23, 10), prompt_of(6, 11), prompt_of(41, 12)]
     prompts.append(prompts[0][:20] + prompt_of(9, 13))
     fast, general = _both_paths(runner, prompts, steps=8, shared=4)
-    assert len(fast) == len(general) == 4 + 4 * 8
-    for a, b in zip(fast, general):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for path, seqs in (("fast", fast), ("general", general)):
+        assert [len(s.logits) for s in seqs] == [9] * 4
+        for i, s in enumerate(seqs):
+            ref = exact_logits(hf, hf64, s.prompt + s.out[:-1])
+            rows = Reference(ref.exact[len(s.prompt) - 1 :], ref.bound)
+            for step, logits in enumerate(s.logits):
+                Reference(rows.exact[step], rows.bound).check(logits, f"{path} path, request {i}, step {step}")
+            assert_decided(rows, s.out, f"{path} path, request {i}")
+    assert [s.out for s in fast] == [s.out for s in general]
 
 
 @pytest.mark.parametrize("attention", ["kernel", "matmul"])
@@ -658,7 +762,7 @@ def test_fast_path_close_to_general_path_bfloat16(tiny_model_dir, attention):
     prompts = [prompt_of(12, 13), prompt_of(5, 14)]
     prompts.append(prompts[0][:8] + prompt_of(3, 15))
     fast, general = _both_paths(runner, prompts, steps=4, shared=2)
-    for a, b in zip(fast, general):
+    for a, b in zip(*([row for s in seqs for row in s.logits] for seqs in (fast, general))):
         assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.99
     assert_no_block_held(runner)
 
@@ -710,7 +814,7 @@ def _tables(pool: KVPool, layout: str, lengths: list[int]) -> list[list[int]]:
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("layout", ["ascending", "scattered", "interleaved", "shared-prefix"])
-def test_batched_decode_over_any_block_layout_equals_single_requests(tiny_runners, layout, attention):
+def test_batched_decode_over_any_block_layout_equals_single_requests(tiny_runners, tiny_hf, layout, attention):
     """Blocks anywhere in the pool, in any order, shared or not, stale KV everywhere else: the batch
     attends over each request's own blocks through its table, as a request decoded alone does."""
     runner = tiny_runners(4)
@@ -736,7 +840,8 @@ def test_batched_decode_over_any_block_layout_equals_single_requests(tiny_runner
         batched = runner.decode([s.table for s in seqs], [s.out[0] for s in seqs], [len(p) for p in prompts])
         for i, s in enumerate(seqs):
             alone = runner.decode([s.table], [s.out[0]], [len(s.prompt)])[0]
-            torch.testing.assert_close(batched[i], alone, rtol=1e-4, atol=1e-4)  # M=1 vs M=B GEMMs round apart
+            # M=1 vs M=B GEMMs round apart: each within float32 error of the exact step
+            exact_last_logits(*tiny_hf, s.prompt + s.out[:1]).check_pair(batched[i], alone, f"request {i}")
     finally:
         runner.fast_path.decode_attention = "sdpa"
         release(pool, seqs)
@@ -744,7 +849,7 @@ def test_batched_decode_over_any_block_layout_equals_single_requests(tiny_runner
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "matmul"])
-def test_ragged_batch_attends_per_request_and_equals_single_requests(tiny_runners, attention):
+def test_ragged_batch_attends_per_request_and_equals_single_requests(tiny_runners, tiny_hf, attention):
     """One long prompt among short ones: padding every request to the longest would cover rows x longest
     (3 x 50 > 2 x 59 live tokens), so each request attends over its own live KV; results equal
     single-request steps."""
@@ -760,7 +865,7 @@ def test_ragged_batch_attends_per_request_and_equals_single_requests(tiny_runner
         batched = runner.decode([s.table for s in seqs], [s.out[0] for s in seqs], positions)
         for i, s in enumerate(seqs):
             alone = runner.decode([s.table], [s.out[0]], [positions[i]])[0]
-            torch.testing.assert_close(batched[i], alone, rtol=1e-4, atol=1e-4)
+            exact_last_logits(*tiny_hf, s.prompt + s.out[:1]).check_pair(batched[i], alone, f"request {i}")
     finally:
         runner.fast_path.decode_attention = "sdpa"
         release(runner.pool, seqs)
@@ -770,7 +875,7 @@ def test_ragged_batch_attends_per_request_and_equals_single_requests(tiny_runner
 def test_matmul_decode_attention_equals_sdpa(tiny, tiny_model_dir):
     """The matmul attention (bfloat16's fallback) computes what SDPA does, for single and batched steps,
     over tables sharing a prefix block."""
-    runner, _ = tiny
+    runner, hfs = tiny
     assert runner.fast_path.decode_attention == "sdpa"  # float32 keeps transformers' kernel
     prompts = [prompt_of(7 + 9 * i, 60 + i) for i in range(3)]
     prompts[2][:5] = prompts[1][:5]
@@ -790,8 +895,11 @@ def test_matmul_decode_attention_equals_sdpa(tiny, tiny_model_dir):
                                   runner.decode(tables[1:2], first[1:2], positions[1:2])]
     finally:
         release(runner.pool, seqs)
-    for a, b in zip(results["sdpa"], results["matmul"]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    exact = [exact_last_logits(*hfs, p + [t]) for p, t in zip(prompts, first)]
+    for attention, (batch, one) in results.items():
+        for i, row in enumerate(batch):
+            exact[i].check(row, f"{attention}, request {i} in the batch")
+        exact[1].check(one[0], f"{attention}, request 1 alone")
     bf16 = ModelRunner(tiny_model_dir, torch.bfloat16, num_blocks=1, max_seq_len=64).fast_path
     assert bf16.decode_attention == "kernel"  # the native kernel (tests/integration/test_native_kernels.py)
     with pytest.raises(ValueError, match="decode_attention"):

@@ -467,3 +467,34 @@ def test_a_request_the_report_saw_no_longer_weighs_once_it_ended():
     assert state.released_blocks == 12  # until the next report, a's blocks are known to be free
     table.report(w, Stats(0, 0, 0), table.report_mark(w))
     assert state.released_blocks == 0 and not state.covered_blocks
+
+
+def test_a_decode_request_that_ended_frees_its_whole_prompt_before_the_next_report():
+    """A report taken while a request ran counts every block it held on the decode worker, the cached
+    prefix it shared included; once it ended, none of them weighs there, so the conversation's next
+    request (sent right after the answer, before the next report) goes back to the prefix it left."""
+    table, index, router, (a, b) = cache_env(2, Role.DECODE)
+    holds(index, b, LONG[:8])
+    first = prompt(LONG[:8] + [1])  # 10 blocks: 8 cached on b, 2 to receive
+    assert router.pick(Role.DECODE, [a, b], first) == b
+    ticket = router.started(b, first)
+    block_report(table, b, blocks_used=12)  # mid-flight: its 10 prompt blocks and 2 of generated tokens
+    router.finished(b, ticket)
+    assert table.get(b).released_blocks == 10
+    second = prompt(LONG[:8] + [2])
+    assert router.cost(table.get(b), second) == 2 + 2 < router.cost(table.get(a), second) == 10
+    assert router.pick(Role.DECODE, [a, b], second) == b
+
+
+def test_requests_a_lagging_report_missed_still_count_as_load():
+    """A worker's report can be a snapshot from before requests sent just ahead of the proxy's question
+    reached it: the proxy's own unfinished requests there are a floor on its load, so load still wins
+    over cache."""
+    table, index, router, (a, b) = cache_env(2, Role.DECODE, capacity=4)
+    holds(index, b, LONG)
+    keys = prompt(LONG)
+    for _ in range(5):
+        router.started(b, keys)
+    block_report(table, b, waiting=0)  # asked for after the five were sent, answered with an older snapshot
+    assert table.get(b).load == 0 and table.get(b).in_flight == 5
+    assert router.pick(Role.DECODE, [a, b], keys) == a  # 5 unfinished on b: more than a batch over a

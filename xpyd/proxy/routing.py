@@ -18,16 +18,21 @@ Policies:
 
       prefill: blocks to compute (the prompt's, less the prefix it caches)
                + its queue (reported ``queued_tokens`` / block_size + blocks sent since)
-      decode:  blocks to receive (likewise) + what it holds (reported ``blocks_used`` + blocks sent since)
+      decode:  blocks to receive (likewise) + what it holds (reported ``blocks_used`` + the blocks of the
+               requests sent since: all of each one's prompt, received or cached, since it holds them all)
 
   A request counts as cached on its workers at once (``PrefixIndex.expect``) and
   the blocks it lacked as their backlog until the next report: a conversation's
   next turn goes where its history is, while a burst sharing a prefix spreads (a
   worker still computing the prefix for the first request is no cheaper than one
-  without it) and then every worker holds the prefix. Load wins over cache: a
-  worker whose load (requests, as least_loaded counts them) exceeds the least
-  loaded one's by more than its capacity (a batch) is not a candidate. Equal
-  costs, and requests without keys, go as least_loaded.
+  without it) and then every worker holds the prefix. A request that ended no
+  longer weighs on its worker, whether or not the last report saw it: a
+  conversation's next turn, sent right after the answer, finds its worker as
+  free as it is. Load wins over cache: a worker whose load (requests, as
+  least_loaded counts them, and never fewer than this proxy's own unfinished
+  ones there, which a report can miss while they are on their way) exceeds the
+  least loaded one's by more than its capacity (a batch) is not a candidate.
+  Equal costs, and requests without keys, go as least_loaded.
 - ``least_loaded``: the lowest (waiting + running + transferring +
   assigned-since-report) / capacity; the assigned count spreads a burst before
   the next stats poll. Ties go round-robin, in a freshly shuffled order each
@@ -164,8 +169,9 @@ class CacheAwareRouter:
         up = _up(self._table, role, workers, avoid)
         if keys is None:
             return self._turns.least_loaded(role, up, up)
-        least = min(s.load for s in up)
-        candidates = [s for s in up if s.load - least <= max(s.info.capacity, 1)]  # never a hot spot
+        loads = [max(s.load, s.in_flight) for s in up]
+        least = min(loads)
+        candidates = [s for s, n in zip(up, loads) if n - least <= max(s.info.capacity, 1)]  # never a hot spot
         costs = [self.cost(s, keys) for s in candidates]
         low = min(costs)
         return self._turns.least_loaded(role, up, [s for s, c in zip(candidates, costs) if c == low])
@@ -177,9 +183,12 @@ class CacheAwareRouter:
     def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
         if keys is None:
             return self._table.started(worker)
-        # Prefill's queue grows by the blocks it computes, decode's memory by the blocks it receives
-        # (cached ones it shares). Until the next report, or until the request ends, they count as its backlog.
-        ticket = self._table.started(worker, self._missing(worker, keys))
+        # Prefill's queue grows by the blocks it computes; decode's memory (what ``blocks_used`` reports) by
+        # every block of the prompt: those it receives and the cached ones it holds again. Until the next
+        # report, or until the request ends, they count as its backlog; once it ends, they are released
+        # from the report's numbers too (a report that saw it counted all of them).
+        work = self._missing(worker, keys) if worker.role is Role.PREFILL else keys.num_blocks
+        ticket = self._table.started(worker, work)
         self._index.expect(worker, keys.hashes)
         return ticket
 
