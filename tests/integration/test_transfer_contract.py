@@ -19,7 +19,7 @@ import pytest
 
 from tests.cluster import has_ipv6_loopback
 from xpyd.transfer import make_backend
-from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState
+from xpyd.transfer.base import BackendDescriptor, Region, TransferError, TransferState, expect_parts
 from xpyd.transfer.auth import new_secret
 
 SECRET = new_secret()  # the transfers here that are not about their secret share one
@@ -200,6 +200,24 @@ def test_receiver_abort_refuses_the_bytes(pair):
     b.backend.abort("ab")  # twice: a no-op
 
 
+def test_a_failed_part_withdraws_the_other_parts_of_its_receive(pair):
+    """A receive in parts (a streamed pull) whose part 1 fails (its sender named other regions): once the
+    receive reads FAILED, part 2 is no longer expected, so its sender is refused and none of it lands."""
+    a, b = pair
+    parts = [(f"parts.{i}", [Region(i * 4096, 4096)]) for i in range(3)]
+    recv = expect_parts(b.backend, "parts", parts, secret=SECRET)
+    first = a.backend.send("parts.0", [Region(0, 4096)], b.desc, [Region(0, 4096)], secret=SECRET)
+    assert first.wait(TIMEOUT) and first.done()
+    bad = a.backend.send("parts.1", [Region(0, 4096)], b.desc, [Region(0, 4096)], secret=SECRET)
+    assert bad.wait(TIMEOUT) and bad.failed() and "differ" in bad.error
+    assert recv.failed() and "differ" in recv.error
+    assert b.backend.outstanding() == set()
+    before = b.bytes()
+    late = a.backend.send("parts.2", [Region(8192, 4096)], b.desc, [Region(8192, 4096)], secret=SECRET)
+    assert late.wait(TIMEOUT) and late.failed() and "unexpected transfer id" in late.error
+    assert b.bytes() == before and before[8192:12288] == bytes([FILL]) * 4096
+
+
 def test_abort_after_done_changes_nothing(pair):
     a, b = pair
     stok, rtok = _transfer(a, b, "fin", [Region(0, 10)], [Region(0, 10)])
@@ -314,11 +332,23 @@ def _kill(proc) -> None:
     proc.join(5)
 
 
-def _no_stale_segment(pid: int) -> None:
-    from xpyd.transfer import shm_segment
+def _swept_by_the_next_start(name: str, pid: int) -> None:
+    """The SIGKILLed child ran no cleanup: a backend with a shared-memory segment left it behind, and the next
+    backend start on this host (a worker's) removes it."""
+    def left() -> list[str]:
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{pid}-")]
 
-    shm_segment.remove_stale()  # what the next worker start does
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"xpyd-kv-{pid}-")]
+    if name in ("shm", "auto"):
+        assert left(), "the killed child left no segment to sweep"
+    Side(name).backend.close()  # a worker starting
+    assert left() == []
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
 
 
 def test_receiver_killed_fails_the_sender(name):
@@ -330,17 +360,31 @@ def test_receiver_killed_fails_the_sender(name):
         assert said == "expecting"
         first = a.backend.send("k0", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret)
         assert first.wait(TIMEOUT) and first.done()
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen: it takes in nothing sent from now on
         toks = [a.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret) for i in range(1, 30)]
-        _kill(proc)  # mid-stream: some of these were moving
+        _until(lambda: toks[0].state() is TransferState.TRANSFERRING, "k1 on its way to the receiver")
+        _kill(proc)  # k1 in flight, the rest queued
         for tok in toks:
             assert tok.wait(TIMEOUT), f"{tok!r} hangs after the peer died"
-        assert toks[-1].failed() and toks[-1].error
+        assert all(tok.failed() and tok.error for tok in toks)  # k1 too: its receiver never took it in
         assert a.backend.outstanding() == set()
     finally:
         a.backend.close()
         if proc.is_alive():
             _kill(proc)
-    _no_stale_segment(proc.pid)
+    _swept_by_the_next_start(name, proc.pid)
+
+
+def _freeze_mid_transfer(proc, toks) -> int:
+    """Stop the sender (SIGSTOP) at a moment one of ``toks`` is TRANSFERRING; that one's index."""
+    for _ in range(len(toks)):
+        _until(lambda: any(t.state() is TransferState.TRANSFERRING for t in toks), "a transfer in flight")
+        os.kill(proc.pid, signal.SIGSTOP)
+        moving = [i for i, t in enumerate(toks) if t.state() is TransferState.TRANSFERRING]
+        if moving:
+            return moving[0]
+        os.kill(proc.pid, signal.SIGCONT)  # it ended just before the stop: catch the next one
+    raise AssertionError("no transfer was ever in flight when the sender stopped")
 
 
 def test_sender_killed_never_leaves_a_transfer_hanging(name):
@@ -350,13 +394,11 @@ def test_sender_killed_never_leaves_a_transfer_hanging(name):
         toks = [b.backend.expect(f"k{i}", [Region(0, SIZE)], secret=SECRET) for i in range(64)]
         conn.send((b.desc.to_dict(), SECRET))
         assert conn.poll(TIMEOUT) and conn.recv() == "DONE"
-        _kill(proc)
-        deadline = time.monotonic() + TIMEOUT
-        while any(t.state() is TransferState.TRANSFERRING for t in toks) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        states = [t.state() for t in toks]
-        assert TransferState.TRANSFERRING not in states  # in flight when it died -> FAILED, not stuck
-        assert states[0] is TransferState.DONE and b.bytes() != bytes([FILL]) * SIZE
+        moving = _freeze_mid_transfer(proc, toks)
+        _kill(proc)  # toks[moving] was in flight when its sender stopped for good
+        _until(lambda: TransferState.TRANSFERRING not in [t.state() for t in toks], "every transfer ended")
+        assert toks[moving].finished()  # DONE (its bytes had all reached us) or FAILED, never stuck
+        assert toks[0].done() and b.bytes() == bytes(range(256)) * (SIZE // 256)  # only the sender's bytes
         for i, t in enumerate(toks):
             if t.state() is TransferState.PENDING:  # never started: the engine's own timeout aborts it
                 b.backend.abort(f"k{i}")
@@ -365,4 +407,4 @@ def test_sender_killed_never_leaves_a_transfer_hanging(name):
         b.backend.close()
         if proc.is_alive():
             _kill(proc)
-    _no_stale_segment(proc.pid)
+    _swept_by_the_next_start(name, proc.pid)
