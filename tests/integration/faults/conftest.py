@@ -1,6 +1,8 @@
 """Real worker processes for the fault, token and fuzz tests (tiny random Llama, short limits).
 
-One set for this directory (test_worker_faults.py and test_signal_fuzz.py):
+One set for this directory (test_worker_faults.py and test_signal_fuzz.py), started once and handed to each
+test alive and idle: a test that leaves a request, KV or a dead worker behind fails itself (each ends with
+its own idle checks), and the next test gets a fresh set instead of inheriting the leak.
 
 - ``prefill``: requires the cluster token, kv_ttl 2 s;
 - ``decode``: presents the token, prefill-wait timeout 3 s;
@@ -16,13 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, free_port
-from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, TOKEN, info
+from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, TOKEN, info, wait_idle
 
 
-@pytest.fixture(scope="session")
-def fault_workers(tmp_path_factory, tiny_model_dir: Path):
-    c = Cluster(tmp_path_factory.mktemp("fault-workers"))
-    common = ["--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
+def _start(workdir: Path, model: Path) -> tuple[Cluster, dict[str, str]]:
+    c = Cluster(workdir)
+    common = ["--model", str(model), "--dtype", "float32", "--threads", "1", "--max-model-len", "256",
               "--batch-size", "4"]
     urls: dict[str, str] = {}
     for name, extra in (("prefill", ["--cluster-token", TOKEN, "--kv-ttl", str(KV_TTL)]),
@@ -43,5 +44,38 @@ def fault_workers(tmp_path_factory, tiny_model_dir: Path):
     except BaseException:
         c.stop()
         raise
-    yield c, urls
-    c.stop()
+    return c, urls
+
+
+def _clean(c: Cluster, urls: dict[str, str]) -> bool:
+    """Every worker alive and holding nothing (a failed test may have left a request, KV or a dead worker)."""
+    for p in c.procs:
+        if p.popen.poll() is not None:
+            return False
+        try:
+            wait_idle(p.url, timeout=5)
+        except (AssertionError, OSError):
+            return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def _fault_cluster(tmp_path_factory, tiny_model_dir: Path):
+    holder: dict[str, tuple[Cluster, dict[str, str]]] = {}
+
+    def get() -> tuple[Cluster, dict[str, str]]:
+        if "c" in holder and not _clean(*holder["c"]):
+            holder.pop("c")[0].stop()  # one test's leak or crash must not fail every later test
+        if "c" not in holder:
+            holder["c"] = _start(tmp_path_factory.mktemp("fault-workers"), tiny_model_dir)
+        return holder["c"]
+
+    yield get
+    if "c" in holder:
+        holder["c"][0].stop()
+
+
+@pytest.fixture
+def fault_workers(_fault_cluster):
+    """The workers, alive and idle: restarted first if an earlier test left them otherwise."""
+    return _fault_cluster()

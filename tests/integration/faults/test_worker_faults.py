@@ -20,6 +20,10 @@ from tests.integration.faults.fault_helpers import prefill_body as _prefill_body
 from tests.integration.faults.fault_helpers import rid_for as _rid
 from tests.waiting import wait_until
 
+# A worker checks its timers every engine step or idle wake-up (<= 0.1 s); HTTP and stats polls add well
+# under a second even on a loaded 2-core machine. A timer that fired at twice its value fails.
+SWEEP_SLACK = 1.5
+
 
 def test_right_token_serves_and_both_sides_end_idle(fault_workers):
     _, urls = fault_workers
@@ -59,7 +63,9 @@ def test_unpulled_kv_is_freed_after_kv_ttl_and_a_later_pull_is_told_expired(faul
     assert held["blocks_used"] >= 1 and held["transferring"] == 1 and held["kv_used_bytes"] > 0, held
     s = wait_idle(urls["prefill"], timeout=KV_TTL + 10)
     freed_after = time.monotonic() - t_sent
-    assert KV_TTL * 0.9 <= freed_after <= KV_TTL + 10
+    # Freed by its lease: not before kv_ttl, and well before any other path would free it (the decode
+    # worker never claimed it; the next bound is the 10 s --peer-timeout, which does not apply either).
+    assert KV_TTL * 0.9 <= freed_after <= KV_TTL + SWEEP_SLACK, freed_after
     assert s["expired"] == expired_before + 1
     t0 = time.monotonic()
     status, body = post(urls["decode"], _decode_body(), rid)
@@ -78,7 +84,7 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     elapsed = time.monotonic() - t0
     assert status == 504, body
     assert f"within {PREFILL_WAIT:g}s" in body["error"]["message"]
-    assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + 10  # (the wait starts after t0)
+    assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + SWEEP_SLACK, elapsed  # (the wait starts after t0)
     s = wait_idle(urls["decode"])
     assert s["failures"].get("timeout", 0) >= 1
     # The decode worker released it: the prefill request arriving now is refused, no KV is held for it.
