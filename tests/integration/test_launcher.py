@@ -238,3 +238,18 @@ def test_help(cmd):
     r = subprocess.run([sys.executable, "-m", "xpyd", cmd, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     assert "--port" in r.stdout
+
+
+def test_port_runs_handed_out_to_tests_never_overlap():
+    """Two runs taken one after the other, before anything listens on them (an `xpyd up`'s prefill and
+    decode ranges), never share a port: the allocator remembers what it handed out, and skips a port
+    something listens on."""
+    from tests.cluster import PortAllocator
+
+    runs = [range(p, p + 4) for p in (free_port_run(4) for _ in range(300))]  # what the tests use
+    taken = [q for r in runs for q in r]
+    assert len(taken) == len(set(taken)) == 1200
+    assert all(20000 <= q < 32000 for q in taken)  # below the ephemeral range
+    ports = PortAllocator(seed=1)
+    with socket.create_server(("127.0.0.1", ports._next)) as busy:  # the port it would hand out next
+        assert ports.take(1) != busy.getsockname()[1]
