@@ -107,6 +107,14 @@ async def _next(item: WorkItem):
     return await asyncio.wait_for(item.sink.queue.get(), WAIT)
 
 
+async def _holding(engine: _Fake, n: int) -> None:
+    """Until the engine thread holds ``n`` requests (it adds them at its next step)."""
+    deadline = time.monotonic() + WAIT
+    while len(engine.held) != n:
+        assert time.monotonic() < deadline, f"the engine holds {len(engine.held)} requests, not {n}"
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 def engine():
     engine = _Fake()
@@ -149,8 +157,8 @@ async def test_an_exception_out_of_a_step_fails_every_request_and_the_engine(eng
     held = [_item(HOLD, 1), _item(HOLD, 2)]
     for item in held:
         engine.submit(item)
-    await asyncio.sleep(0.1)
-    assert len(engine.held) == 2 and engine.ready()
+    await _holding(engine, 2)
+    assert engine.ready()
     engine.broken_step = True
     for item in held:
         error = await _next(item)
@@ -174,7 +182,7 @@ async def test_a_request_whose_fail_path_raises_fails_the_engine(engine):
     engine.start_thread()
     held, bad = _item(HOLD), _item(BAD_OUTPUT)
     engine.submit(held)
-    await asyncio.sleep(0.1)
+    await _holding(engine, 1)
     engine.broken_fail_path = True
     engine.submit(bad)
     for item in (held, bad):
@@ -201,7 +209,7 @@ async def test_an_injected_step_fault_fails_the_engine_with_every_request(engine
     engine.start_thread()
     held = _item(HOLD)
     engine.submit(held)
-    await asyncio.sleep(0.1)
+    await _holding(engine, 1)
     marked = _item(HOLD, mark="<9>")
     engine.submit(marked)
     for item in (held, marked):
