@@ -540,8 +540,9 @@ def test_killed_peer_mid_stream_fails_sender():
 
 
 def test_a_connection_that_never_sends_a_header_is_dropped_and_a_real_peer_still_works():
-    """Idle slots cannot be hoarded: a new connection must send its first header within io_timeout
-    (a real sender connects right before its first transfer); a known peer may idle much longer."""
+    """Idle slots cannot be hoarded: a new connection must send its first header within the listener's
+    deadline (``listener.OPEN_TIMEOUT``; a real sender connects right before its first transfer); a known
+    peer may idle much longer (floods: tests/integration/test_transfer_listener_flood.py)."""
     a, b = Side(random.Random(2).randbytes(SIZE)), Side(io_timeout=0.5)
     try:
         host, port = parse_address(b.desc.address)

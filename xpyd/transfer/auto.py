@@ -184,6 +184,11 @@ class AutoTransferBackend:
         """Transfers the children refused to open so far (no or a wrong MAC, an id not expected, ...)."""
         return sum(child.refused for child in self.children)
 
+    @property
+    def unproven(self) -> int:
+        """Inbound connections the children closed before they opened a transfer (``listener.Door``)."""
+        return sum(child.unproven for child in self.children)
+
     def progress(self) -> None:
         for child in self.children:
             child.progress()

@@ -1,8 +1,10 @@
-"""The inbound side shared by the tcp and shm backends: their thread tracking and accept loop.
+"""The inbound side shared by the socket backends (tcp, shm, nixl): threads, accept loop, admission.
 
 ``Threads`` tracks the daemon threads a backend started, so ``close()`` can join them; the backend's
 own lock guards it. ``accept_loop`` runs the acceptor thread: one reader thread per inbound
-connection, at most ``max_inbound`` at once (more are closed at once). The outbound side is in ``sender``.
+connection, at most ``max_inbound`` at once (more are closed at once). ``Door`` decides how long a
+connection that has proven nothing yet may stay, and how many such may (see its docstring). The
+outbound side is in ``sender``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import select
 import socket
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 
-from xpyd.transfer.tcp_wire import Closing, Conn
+from xpyd.transfer.tcp_wire import Closing, Conn, Unproven
 
 ACCEPT_WAIT = 600.0  # the acceptor's poll timeout (it just polls again); close() wakes it at once
+OPEN_TIMEOUT = 1.0  # seconds from accept by which a connection's opening frames must have come
+MAX_PENDING = 64  # connections still owing their opening frames, from all sources together
+MAX_PENDING_PER_SOURCE = 16  # ... from one source address
+DROP_LOG_EVERY = 60.0  # seconds between warnings about connections dropped at the door
+_EVICTED = "closed by the listener to make room for a newer connection"
 
 
 class Threads:
@@ -86,3 +94,156 @@ def accept_loop(
                 sock.close()
                 continue
             threads.start(serve, f"{prefix}-{addr[0]}:{addr[1]}", sock, addr)
+
+
+class Door:
+    """Who may hold a transfer listener's connection: only a sender that proves itself at once.
+
+    A connection is *pending* from accept until its opening frames came: tcp's first transfer header,
+    shm's and nixl's Hello and first offer. The last of them carries the transfer's MAC (``auth``), and
+    the backend checks it as soon as it is read: the connection is then *in* (it opened a transfer; it
+    may stay, idle up to the backend's idle timeout, for the next) or refused and closed. A real sender
+    sends them right after it connects, so pending connections are bounded, and idle ones cannot crowd
+    out real senders:
+
+    - in time: every wait for the opening frames ends ``open_timeout`` after accept (``Unproven``);
+    - per source address: at most ``max_per_source`` pending; one more evicts the oldest from that
+      address (so a flood evicts its own connections; refusing the newest instead would let a flood
+      that renews its connections keep every real sender out);
+    - in all: at most ``max_pending``; one more evicts the oldest from the address with the most pending.
+
+    A connection that is in is never evicted. The listener's own cap (``accept_loop``'s ``max_inbound``,
+    above ``max_pending``) refuses new connections once that many readers are open. Thread-safe.
+    """
+
+    def __init__(self, open_timeout: float = OPEN_TIMEOUT, max_pending: int = MAX_PENDING,
+                 max_per_source: int = MAX_PENDING_PER_SOURCE) -> None:
+        if not open_timeout > 0:
+            raise ValueError(f"open_timeout must be > 0 seconds, got {open_timeout!r}")
+        if not 0 < max_per_source <= max_pending:
+            raise ValueError(f"need 0 < max_per_source <= max_pending, got {max_per_source}, {max_pending}")
+        self.open_timeout, self.max_pending, self.max_per_source = open_timeout, max_pending, max_per_source
+        self._lock = threading.Lock()
+        self._pending: defaultdict[str, list[_Guest]] = defaultdict(list)  # by source, oldest first
+        self._count = 0  # pending connections in all
+        self._dropped = 0
+        self._logged_at: float | None = None
+
+    def enter(self, sock: socket.socket, addr, wake_fd: int, io_timeout: float, opening_frames: int,
+              log: logging.Logger) -> "DoorConn":
+        """A just-accepted connection: its ``Conn``, pending until ``opening_frames`` frames were read;
+        it may evict an older pending one (see the class). ``close()`` it when done."""
+        guest = _Guest(str(addr[0]), sock, time.monotonic() + self.open_timeout)
+        with self._lock:
+            mine = self._pending[guest.source]
+            if len(mine) >= self.max_per_source:
+                self._evict(mine[0])
+            elif self._count >= self.max_pending:
+                self._evict(max(self._pending.values(), key=len)[0])
+            self._pending[guest.source].append(guest)
+            self._count += 1
+        return DoorConn(sock, wake_fd, io_timeout, self, guest, opening_frames, log)
+
+    @property
+    def pending(self) -> int:
+        """Connections accepted that have not sent their opening frames yet."""
+        with self._lock:
+            return self._count
+
+    def pending_by_source(self) -> dict[str, int]:
+        """Pending connections per source address."""
+        with self._lock:
+            return {source: len(guests) for source, guests in self._pending.items()}
+
+    @property
+    def dropped(self) -> int:
+        """Connections closed before their opening frames came: past the deadline, or evicted."""
+        with self._lock:
+            return self._dropped
+
+    def _evict(self, guest: "_Guest") -> None:
+        """(under the lock) Take a pending connection out; its reader wakes to a shut-down socket."""
+        self._remove(guest)
+        guest.evicted = True
+        try:
+            guest.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # (its reader closed it meanwhile)
+            pass
+
+    def _remove(self, guest: "_Guest") -> bool:
+        """(under the lock) Stop counting ``guest`` as pending; False if it no longer was."""
+        mine = self._pending.get(guest.source)
+        if mine is None or guest not in mine:
+            return False
+        mine.remove(guest)
+        if not mine:
+            del self._pending[guest.source]
+        self._count -= 1
+        return True
+
+    def _let_in(self, guest: "_Guest") -> bool:
+        """Its opening frames came: in, for good, unless it was evicted meanwhile (False)."""
+        with self._lock:
+            return self._remove(guest)
+
+    def _leave(self, guest: "_Guest", unproven: bool, log: logging.Logger) -> None:
+        with self._lock:
+            self._remove(guest)
+            if not unproven:
+                return
+            self._dropped += 1
+            now = time.monotonic()
+            if self._logged_at is not None and now - self._logged_at < DROP_LOG_EVERY:
+                return
+            self._logged_at, dropped = now, self._dropped
+        log.warning("transfer listener: closed a connection from %s that sent no transfer within %gs or was "
+                    "evicted by newer ones (%d so far; a flood of idle connections?)", guest.source,
+                    self.open_timeout, dropped)
+
+
+class _Guest:
+    __slots__ = ("source", "sock", "deadline", "evicted")
+
+    def __init__(self, source: str, sock: socket.socket, deadline: float) -> None:
+        self.source, self.sock, self.deadline, self.evicted = source, sock, deadline, False
+
+
+class DoorConn(Conn):
+    """An accepted connection's ``Conn`` while the ``Door`` holds it: every wait ends at the door's deadline
+    until ``opening_frames`` frames were read, then it is in and waits as any ``Conn``. A connection the
+    door evicted, or whose deadline passed, raises ``Unproven``."""
+
+    def __init__(self, sock: socket.socket, wake_fd: int, io_timeout: float, door: Door, guest: _Guest,
+                 opening_frames: int, log: logging.Logger) -> None:
+        super().__init__(sock, wake_fd, io_timeout)
+        self.deadline = guest.deadline
+        self._door, self._guest, self._to_open, self._log = door, guest, opening_frames, log
+        self._unproven = False
+
+    def read_frame(self, limit: int, first_byte_timeout: float | None = None) -> dict | None:
+        if not self._to_open:
+            return super().read_frame(limit, first_byte_timeout)
+        try:
+            frame = super().read_frame(limit, first_byte_timeout)
+        except Unproven:
+            self._unproven = True
+            raise
+        except OSError:
+            if self._guest.evicted:
+                self._unproven = True
+                raise Unproven(_EVICTED) from None
+            raise
+        if frame is None and not self._guest.evicted:
+            return None
+        self._to_open -= 1
+        if frame is None or (not self._to_open and not self._door._let_in(self._guest)):
+            self._unproven = True
+            raise Unproven(_EVICTED)
+        if not self._to_open:
+            self.deadline = None
+        return frame
+
+    def close(self) -> None:
+        """Leave the door (counted as dropped if it proved nothing in time) and close the socket."""
+        self._door._leave(self._guest, self._unproven or self._guest.evicted, self._log)
+        self.sock.close()

@@ -51,6 +51,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import Door
 from xpyd.transfer.pull import commit_round_trip, serve_offers
 from xpyd.transfer.nixl_agent import HOST, Agent, Memory, load, memory_of, plan
 from xpyd.transfer.nixl_progress import FALLBACK, Progress
@@ -58,7 +59,7 @@ from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp import STALL_TIMEOUT, fail_when_stalled
-from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, format_address, parse_address
+from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, Unproven, format_address, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class NixlTransferBackend:
         self.stall_timeout = stall_timeout
         self._setup = partial(_setup, stall_timeout=stall_timeout)
         self._endpoint = Endpoint()
+        self._door = Door()
         self._agent: Agent | None = None
         self._progress: Progress | None = None
         self._buffer: memoryview | DeviceMemory | None = None
@@ -167,6 +169,12 @@ class NixlTransferBackend:
         """Offers refused so far (no or a wrong MAC, an id not expected, ...)."""
         return self._endpoint.refused
 
+    @property
+    def unproven(self) -> int:
+        """Inbound connections closed before they opened a transfer: no Hello and offer within the
+        listener's deadline, or evicted by newer ones (``listener.Door``)."""
+        return self._door.dropped
+
     def abort(self, transfer_id: str) -> None:
         if self._agent is not None:
             self._agent.kick()  # readers with a READ posted (one may hold this transfer's lock) check it now
@@ -199,7 +207,9 @@ class NixlTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
+        # A sender says Hello and offers its first transfer right after it connects: both must come
+        # at once (``Door``); once an offer opened a transfer, the connection may wait for the next.
+        conn = self._door.enter(sock, addr, self._endpoint.wake[0], self.io_timeout, 2, log)
         peer: _PeerAgent | None = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
@@ -213,7 +223,7 @@ class NixlTransferBackend:
             peer = _PeerAgent(hello)  # loaded at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.size, self._buffer.nbytes,
                          lambda rec, offer: self._read(rec, peer, offer), commit_round_trip, log, addr)
-        except Closing:
+        except (Closing, Unproven):  # (the door counts and logs the unproven)
             return
         except (ProtocolError, OSError) as e:
             log.warning("dropping nixl connection from %s: %s", addr, e)
@@ -222,7 +232,7 @@ class NixlTransferBackend:
         finally:
             if peer is not None and peer.name is not None:
                 self._agent.drop_peer(peer.name)
-            sock.close()
+            conn.close()
 
     def _read(self, rec: Transfer, peer: "_PeerAgent", offer: Offer) -> str | None:
         """READ the offer's src into the claimed transfer's dst, request by request; None or why it failed.

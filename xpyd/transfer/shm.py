@@ -48,6 +48,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import Door
 from xpyd.transfer.parallel_copy import ParallelCopy, default_threads
 from xpyd.transfer.pull import serve_offers
 from xpyd.transfer.sender import connect, send_loop
@@ -58,6 +59,7 @@ from xpyd.transfer.tcp_wire import (
     Closing,
     Conn,
     ProtocolError,
+    Unproven,
     format_address,
     parse_address,
 )
@@ -114,6 +116,7 @@ class ShmTransferBackend:
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
         self._endpoint = Endpoint()
+        self._door = Door()
         self._segment: shm_segment.Segment | None = None
         self._board: Board | None = None  # (sender) at the end of the segment, after the pool
         self._pool_end = 0  # bytes of the segment before the board
@@ -212,6 +215,12 @@ class ShmTransferBackend:
         """Offers refused so far (no or a wrong MAC, an id not expected, ...)."""
         return self._endpoint.refused
 
+    @property
+    def unproven(self) -> int:
+        """Inbound connections closed before they opened a transfer: no Hello and offer within the
+        listener's deadline, or evicted by newer ones (``listener.Door``)."""
+        return self._door.dropped
+
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress chunk copy; none follows)
         if self._board is not None:  # after its token failed: a receiver that has not confirmed yet fails
@@ -242,7 +251,9 @@ class ShmTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
+        # A sender says Hello and offers its first transfer right after it connects: both must come
+        # at once (``Door``); once an offer opened a transfer, the connection may wait for the next.
+        conn = self._door.enter(sock, addr, self._endpoint.wake[0], self.io_timeout, 2, log)
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
             error = None
@@ -258,14 +269,14 @@ class ShmTransferBackend:
             serve_offers(conn, self._endpoint, self.name, hello.board, self._buffer.nbytes,
                          lambda rec, offer: self._copy(rec, peer, offer),
                          lambda conn, rec, offer: _confirm(peer, rec, offer), log, addr)
-        except Closing:
+        except (Closing, Unproven):  # (the door counts and logs the unproven)
             return
         except (ProtocolError, OSError) as e:
             log.warning("dropping shm connection from %s: %s", addr, e)
         except Exception:
             log.exception("dropping shm connection from %s", addr)
         finally:
-            sock.close()
+            conn.close()
 
     def _copy(self, rec: Transfer, peer: "_PeerSegment", offer: Offer) -> str | None:
         if offer.board is None:  # (confirming needs it)

@@ -44,6 +44,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import Door
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
@@ -54,6 +55,7 @@ from xpyd.transfer.tcp_wire import (
     Conn,
     Header,
     ProtocolError,
+    Unproven,
     drain,
     format_address,
     pack_ack,
@@ -68,7 +70,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 600.0  # an established inbound connection with no frame for this long is closed
 SOCK_BUF = 4 << 20
-MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once
+MAX_INBOUND = 256  # concurrent inbound connections; more are closed at once (see also ``listener.Door``)
 STALL_TIMEOUT = 10.0  # default: a peer that acknowledges nothing for this long fails the connection
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
@@ -132,6 +134,7 @@ class TcpTransferBackend:
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self._endpoint = Endpoint()
+        self._door = Door()
         self._buffer: memoryview | None = None
         self._descriptor: BackendDescriptor | None = None
 
@@ -182,6 +185,12 @@ class TcpTransferBackend:
         """Transfer headers refused so far (no or a wrong MAC, an id not expected, ...)."""
         return self._endpoint.refused
 
+    @property
+    def unproven(self) -> int:
+        """Inbound connections closed before they opened a transfer: no header within the listener's
+        deadline, or evicted by newer ones from the same source (``listener.Door``)."""
+        return self._door.dropped
+
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)
 
@@ -215,12 +224,12 @@ class TcpTransferBackend:
 
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
-        conn = Conn(sock, self._endpoint.wake[0], self.io_timeout)
-        idle = self.io_timeout  # a sender connects right before its first transfer: a silent one is dropped
+        # A sender connects right before its first transfer: its header must come at once (``Door``);
+        # once one opened a transfer, the connection may wait for the next.
+        conn = self._door.enter(sock, addr, self._endpoint.wake[0], self.io_timeout, 1, log)
         try:
             while True:
-                frame = conn.read_frame(MAX_HEADER, first_byte_timeout=idle)
-                idle = IDLE_TIMEOUT  # a known peer's connection may then wait for the next transfer
+                frame = conn.read_frame(MAX_HEADER, first_byte_timeout=IDLE_TIMEOUT)
                 if frame is None:
                     return
                 header = parse_header(frame, self._buffer.nbytes)
@@ -237,14 +246,14 @@ class TcpTransferBackend:
                     error = f"transfer {tid!r} aborted by the receiver"
                 self._endpoint.expected.finish(rec)
                 conn.send_all([memoryview(pack_ack(tid, error))])
-        except Closing:
+        except (Closing, Unproven):  # (the door counts and logs the unproven)
             return
         except (ProtocolError, OSError) as e:
             log.warning("dropping transfer connection from %s: %s", addr, e)
         except Exception:
             log.exception("dropping transfer connection from %s", addr)
         finally:
-            sock.close()
+            conn.close()
 
     def _claim(self, header: Header) -> tuple[Transfer | None, str | None]:
         """The expected transfer these bytes may be written to, else why they are refused."""

@@ -22,6 +22,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -57,6 +58,11 @@ class ProtocolError(Exception):
 
 class Closing(Exception):
     """The backend is closing."""
+
+
+class Unproven(ConnectionError):
+    """The connection did not prove itself in time: its deadline passed before its opening frames came
+    (``Conn.deadline``), or the listener closed it to make room for a newer one (``listener.Door``)."""
 
 
 class Aborted(Exception):
@@ -166,6 +172,7 @@ class Conn:
     def __init__(self, sock: socket.socket, wake_fd: int, io_timeout: float) -> None:
         self.sock = sock
         self.io_timeout = io_timeout
+        self.deadline: float | None = None  # (monotonic) every wait ends by then: ``Unproven``
         self._wake_fd = wake_fd
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -174,11 +181,15 @@ class Conn:
     def wait(self, events: int, timeout: float | None = None) -> None:
         """Wait until the socket is ready for ``events`` (or errored); raise on timeout/close."""
         self._poll.modify(self.sock, events)
-        ready = self._poll.poll(1000 * (self.io_timeout if timeout is None else timeout))
+        timeout = self.io_timeout if timeout is None else timeout
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        ready = self._poll.poll(1000 * (timeout if left is None else max(0.0, min(timeout, left))))
         if any(fd == self._wake_fd for fd, _ in ready):
             raise Closing()
         if not ready:
-            raise TimeoutError(f"no progress within {self.io_timeout if timeout is None else timeout:g}s")
+            if left is not None and left <= timeout:
+                raise Unproven("its opening frames did not come in time")
+            raise TimeoutError(f"no progress within {timeout:g}s")
 
     def stale(self) -> bool:
         """An idle connection that is readable has been closed (or spoken to out of turn)."""
