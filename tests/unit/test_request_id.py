@@ -77,3 +77,82 @@ def test_new_rejects_bad_addresses():
 
 def test_request_id_is_a_subclass_of_value_error():
     assert issubclass(RequestIdError, ValueError)
+
+
+# --- signed ids (ClusterKeys) ----------------------------------------------------------------------
+
+from xpyd.signal.request_id import (  # noqa: E402
+    MAX_SIGNED_LEN,
+    ClusterKeys,
+    SignatureError,
+    check_signal_addr,
+    split_signature,
+    transfer_id_of,
+)
+
+TOKEN = "cluster-token-for-tests"
+
+
+def test_a_signed_id_verifies_and_keeps_its_unsigned_id_and_transfer_id():
+    keys = ClusterKeys(TOKEN)
+    rid = RequestId.new("10.0.0.1:5555", "[::1]:6000")
+    signed = keys.sign(str(rid))
+    assert signed.startswith(str(rid) + "~m~") and len(signed) == len(str(rid)) + 3 + 64
+    assert keys.verify(signed) == rid and str(keys.verify(signed)) == str(rid)  # keyed by the unsigned id
+    assert transfer_id_of(signed) == transfer_id_of(str(rid)) == rid.short  # transfer ids unchanged
+    assert split_signature(signed) == (rid, signed[-64:])
+    assert split_signature(str(rid)) == (rid, None)
+    assert ClusterKeys(TOKEN).sign(str(rid)) == signed  # deterministic: any proxy with the token signs alike
+
+
+def _forgeries():
+    keys = ClusterKeys(TOKEN)
+    real = str(RequestId.new("10.0.0.1:5555", "10.0.0.2:6000"))
+    other = str(RequestId.new("10.6.6.6:5555", "10.0.0.2:6000"))
+    signed = keys.sign(real)
+    flip = "0" if signed[-1] != "0" else "1"
+    return {
+        "unsigned": real,
+        "wrong MAC": signed[:-1] + flip,
+        "another token's MAC": ClusterKeys("some-other-token").sign(other),
+        "a valid MAC over another address": other + signed[len(real):],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_forgeries()))
+def test_forged_ids_are_refused(name):
+    with pytest.raises(SignatureError):
+        ClusterKeys(TOKEN).verify(_forgeries()[name])
+
+
+@pytest.mark.parametrize("text", [
+    f"xpyd-{UID}~p~a:1~d~b:2~m~" + "0" * 63,  # short MAC
+    f"xpyd-{UID}~p~a:1~d~b:2~m~" + "A" * 64,  # uppercase hex
+    f"xpyd-{UID}~p~a:1~d~b:2~m~" + "0" * 65,
+    f"xpyd-{UID}~p~a:1~d~b:2~m~" + "0" * 64 + "\n",
+    f"xpyd-{UID}~p~a:1~d~b:2~m~" + "0" * 64 + "~m~" + "0" * 64,  # two MACs
+    f"xpyd-{UID}~p~{'a' * MAX_SIGNED_LEN}:1~d~b:2~m~" + "0" * 64,  # too long
+])
+def test_malformed_signed_ids_are_rejected(text):
+    with pytest.raises(RequestIdError):
+        split_signature(text)
+    with pytest.raises(RequestIdError):
+        ClusterKeys(TOKEN).verify(text)
+
+
+def test_the_http_bearer_is_derived_not_the_token():
+    keys = ClusterKeys(TOKEN)
+    assert TOKEN not in keys.http_bearer and len(keys.http_bearer) == 64
+    assert keys.http_authorized(f"Bearer {keys.http_bearer}")
+    assert keys.http_authorized(f"bearer {keys.http_bearer}")
+    for header in (None, "", f"Bearer {TOKEN}", "Bearer", f"Basic {keys.http_bearer}",
+                   f"Bearer {ClusterKeys('some-other-token').http_bearer}"):
+        assert not keys.http_authorized(header), header
+    assert TOKEN not in repr(keys)
+
+
+def test_check_signal_addr():
+    assert check_signal_addr("[::1]:5") == "[::1]:5"
+    for bad in ("::1:5", "a", "a:0", "a:65536", "a:1,b:2", ""):
+        with pytest.raises(RequestIdError):
+            check_signal_addr(bad)

@@ -8,10 +8,21 @@ demand. Format (strict)::
     xpyd-<32 lowercase hex>~p~<host>:<port>~d~<host>:<port>
 
 ``host`` is a DNS name, an IPv4 address, or a bracketed IPv6 address.
+
+With a cluster token the proxy signs each id it sends a worker: it appends ``~m~<64 lowercase hex>``, the
+HMAC-SHA256 of the whole id under a key derived from the token (``ClusterKeys``). A worker checks the MAC
+(constant time) when the request arrives and refuses an id without one or with a wrong one before it does
+anything with it, so a decode worker only ever connects to a prefill worker the proxy named. The MAC is a
+credential of the HTTP call only: the id the workers key the request by, send each other on the signal
+plane and derive transfer ids from is the unsigned one (``str(RequestId)``). The workers' HTTP APIs take
+another key derived from the token, as a bearer (``ClusterKeys.http_bearer``): the token itself never goes
+over the wire, so reading HTTP traffic gives neither the signal plane's secret nor a way to sign an id.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import uuid
 from dataclasses import dataclass
@@ -20,6 +31,12 @@ _HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))"
 _ADDR = rf"{_HOST}:[0-9]{{1,5}}"
 _PATTERN = re.compile(rf"^xpyd-(?P<uid>[0-9a-f]{{32}})~p~(?P<p>{_ADDR})~d~(?P<d>{_ADDR})$")
 MAX_LEN = 600
+SIGNATURE_SEP = "~m~"
+_MAC_HEX = 64  # HMAC-SHA256, hex
+MAX_SIGNED_LEN = MAX_LEN + len(SIGNATURE_SEP) + _MAC_HEX
+_SIGNED = re.compile(rf"^(?P<id>.+){SIGNATURE_SEP}(?P<mac>[0-9a-f]{{{_MAC_HEX}}})$", re.DOTALL)
+_ID_KEY_LABEL = b"xpyd-request-id-key\0"
+_HTTP_LABEL = b"xpyd-http-bearer\0"
 
 
 class RequestIdError(ValueError):
@@ -51,6 +68,14 @@ def _check_port(addr: str) -> None:
         raise RequestIdError(f"port out of range in {addr!r}")
 
 
+def check_signal_addr(addr: str) -> str:
+    """``addr`` if it is a ``host:port`` a request id may name (as in the id: IPv6 bracketed); else RequestIdError."""
+    if not isinstance(addr, str) or not re.fullmatch(_ADDR, addr):
+        raise RequestIdError(f"not a host:port address: {addr!r}")
+    _check_port(addr)
+    return addr
+
+
 def parse_request_id(text: str) -> RequestId:
     """Parse strictly; raise RequestIdError with a clear message otherwise."""
     if not isinstance(text, str) or not text:
@@ -77,3 +102,59 @@ def part_transfer_ids(request_id: str, parts: int) -> list[str]:
     """The transfer ids of a pull in ``parts`` parts: the short id itself for one part, else ``<id>.<i>``."""
     short = transfer_id_of(request_id)
     return [short] if parts == 1 else [f"{short}.{i}" for i in range(parts)]
+
+
+def split_signature(text: str) -> tuple[RequestId, str | None]:
+    """A request id as a worker receives it: the id (parsed strictly) and its MAC's hex, None when unsigned."""
+    if not isinstance(text, str) or not text:
+        raise RequestIdError("missing request id")
+    if len(text) > MAX_SIGNED_LEN:
+        raise RequestIdError(f"request id longer than {MAX_SIGNED_LEN} characters")
+    m = _SIGNED.fullmatch(text)
+    if m is None:
+        return parse_request_id(text), None
+    return parse_request_id(m["id"]), m["mac"]
+
+
+class SignatureError(RequestIdError):
+    """A request id without the proxy's MAC, or with a wrong one."""
+
+
+class ClusterKeys:
+    """The keys the proxy and the workers derive from the cluster token: one signs request ids, the other
+    is the bearer the workers' HTTP APIs require (``Authorization: Bearer <http_bearer>``)."""
+
+    __slots__ = ("_id_key", "http_bearer")
+
+    def __init__(self, cluster_token: str) -> None:
+        if not isinstance(cluster_token, str) or not cluster_token:
+            raise ValueError("the cluster token must be a non-empty string")
+        token = cluster_token.encode("utf-8", "surrogatepass")
+        self._id_key = hmac.new(token, _ID_KEY_LABEL, hashlib.sha256).digest()
+        self.http_bearer = hmac.new(token, _HTTP_LABEL, hashlib.sha256).hexdigest()
+
+    def __repr__(self) -> str:
+        return "ClusterKeys(<hidden>)"
+
+    def _mac(self, request_id: str) -> str:
+        return hmac.new(self._id_key, request_id.encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, request_id: str) -> str:
+        """``request_id`` (unsigned, as ``str(RequestId)``) with its MAC appended."""
+        return f"{request_id}{SIGNATURE_SEP}{self._mac(request_id)}"
+
+    def verify(self, text: str) -> RequestId:
+        """The id of a signed ``text``: RequestIdError when it is malformed, SignatureError when it is unsigned or
+        its MAC is wrong."""
+        rid, mac = split_signature(text)
+        if mac is None:
+            raise SignatureError("the request id is not signed (the proxy signs it with the cluster token)")
+        if not hmac.compare_digest(self._mac(str(rid)), mac):
+            raise SignatureError("the request id's signature does not match (another cluster token?)")
+        return rid
+
+    def http_authorized(self, authorization: str | None) -> bool:
+        """Does an ``Authorization`` header carry this cluster's bearer? (constant-time compare)"""
+        scheme, _, credential = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(),
+                                                                  self.http_bearer.encode())

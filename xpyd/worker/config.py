@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from xpyd.signal.request_id import RequestIdError, check_signal_addr
 from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
 from xpyd.worker.cpu_share import board_path
 
 DTYPES = ("float32", "bfloat16")
+CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "colocated": 8300}  # HTTP; prefill's signal plane: +1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
 
@@ -37,8 +39,11 @@ class WorkerConfig:
     kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
     prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
     peer_timeout: float = 10.0  # prefill: free the claimed KV of a decode worker silent this long
-    cluster_token: str | None = None  # shared secret decode workers present at the signal-plane handshake;
-    # it also keys every KV transfer's MAC (xpyd.transfer.auth)
+    cluster_token: str | None = field(default=None, repr=False)  # shared secret decode workers present at
+    # the signal-plane handshake; it also keys every KV transfer's MAC (xpyd.transfer.auth), the request ids'
+    # signatures and the bearer of the workers' HTTP APIs (xpyd.signal.request_id.ClusterKeys)
+    prefill_peers: tuple[str, ...] = ()  # decode without a token: signal addresses of prefill workers it may
+    # be sent to, besides those registered in etcd (none and no etcd: this host's; xpyd.worker.request_gate)
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
     nice: int = 0  # added to the process's scheduling niceness at start (0..19; higher = yields the CPU)
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
@@ -87,6 +92,14 @@ class WorkerConfig:
                              "every second)")
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
+        if self.prefill_peers and self.role != "decode":
+            raise ValueError("--prefill-peers is a decode worker's option")
+        for addr in self.prefill_peers:
+            try:
+                check_signal_addr(addr)
+            except RequestIdError as e:
+                raise ValueError(f"--prefill-peers: {e} (HOST:PORT of a prefill worker's signal plane, IPv6 "
+                                 "in brackets)") from None
         if self.cpu_share is not None:
             board_path(self.cpu_share)  # raises on a bad name
         if not 0 <= self.kv_copy_threads <= 16:
@@ -207,11 +220,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                             help="a prefill worker that leaves a signal-plane request (claim, pull, heartbeat) "
                                  "unanswered this many seconds is taken for unreachable: its requests here "
                                  "fail, and the proxy routes around the pair (default: %(default)s)")
+        parser.add_argument("--prefill-peers", action="append", default=[], metavar="HOST:PORT[,...]",
+                            help="without --cluster-token: the prefill workers (signal-plane addresses) this "
+                                 "worker may be sent to, besides those registered in etcd; a request naming "
+                                 "another is refused (403). Default: with --etcd, the registered ones; "
+                                 "without, this host's addresses only. With --cluster-token the proxy signs "
+                                 "each request's prefill worker instead")
     if role != "colocated":
-        parser.add_argument("--cluster-token", default=os.environ.get("XPYD_CLUSTER_TOKEN"),
+        parser.add_argument("--cluster-token", default=None,
                             help="shared secret checked at the signal-plane handshake and keying every KV "
-                                 "transfer's proof; set the same one on every worker "
-                                 "(default: $XPYD_CLUSTER_TOKEN; unset = no check)")
+                                 "transfer's proof; with it the HTTP API (/v1/*, /xpyd/*) answers only the "
+                                 "proxy (401) and only request ids it signed (403); set the same one on the "
+                                 "proxy and every worker (default: $XPYD_CLUSTER_TOKEN, preferred: a flag is "
+                                 "visible in the process list; unset = no check)")
     parser.add_argument("--cpu-share", default=None, metavar="NAME",
                         help="share this host's cores with the other workers started with the same NAME: "
                              "use up to --threads threads, fewer while the others are busy (one core each)")
@@ -275,5 +296,9 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     dataclass defaults."""
     given = vars(args)
     values = {f.name: given[f.name] for f in fields(WorkerConfig) if f.name != "role" and f.name in given}
-    values["cluster_token"] = values.get("cluster_token") or None  # an empty $XPYD_CLUSTER_TOKEN = no check
+    if "cluster_token" in values:  # an empty $XPYD_CLUSTER_TOKEN = no check
+        values["cluster_token"] = values["cluster_token"] or os.environ.get(CLUSTER_TOKEN_ENV) or None
+    if "prefill_peers" in values:
+        values["prefill_peers"] = tuple(a.strip() for item in values["prefill_peers"] for a in item.split(",")
+                                        if a.strip())
     return WorkerConfig(role=role, **values)

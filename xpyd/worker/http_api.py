@@ -5,6 +5,10 @@ The prefill worker answers with the first token (the proxy calls it with
 ``X-Request-Id`` header verbatim as the rendezvous key, and drop a request on
 ``POST /xpyd/abort`` with that header. Every error is OpenAI-style JSON: bodies
 that are not JSON (415), too large (413), invalid (400), unknown routes (404/405).
+Before any of that, ``request_gate`` checks the caller's credentials and the id: with a cluster token
+``/v1/*`` and ``/xpyd/*`` need the cluster's bearer (401) and an id the proxy signed (403); a decode worker
+without one takes only ids that name a prefill worker it knows (403). Nothing is read, queued or
+connected for a request refused there.
 
 A response is called by the request id, the time it arrived and the served
 model, unless the proxy names it (``kv_transfer_params.response``, see
@@ -46,9 +50,8 @@ from xpyd.model.output import StopParams
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
 from xpyd.model.sampling import SamplingParams
 from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, prompt_length_unrendered
-from xpyd.signal.request_id import RequestIdError, parse_request_id
-
-REQUEST_ID_HEADER = "X-Request-Id"
+from xpyd.signal.request_id import RequestId
+from xpyd.worker.request_gate import REQUEST_ID_HEADER, PrefillPeers, RequestGate
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ def _json(obj: dict, status: int = 200) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, mimetype="application/json")
 
 
-def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest, rid_text: str | None,
+def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest, rid: RequestId,
                     sink: OutputSink) -> WorkItem:
     """Validate and tokenize; raise APIError (4xx) for anything the client got wrong.
 
@@ -96,10 +99,6 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
     served = engine.info.model_id
     if req.model is not None and req.model != served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
-    try:
-        rid = parse_request_id(rid_text or "")
-    except RequestIdError as e:
-        raise APIError(400, f"{REQUEST_ID_HEADER}: {e}", param=REQUEST_ID_HEADER) from None
     decode = config.role == "decode"
     ids = [] if decode else _tokenize(engine.tokenizer, req)
     n = len(ids) if not decode else (_untokenized_length(engine.tokenizer, req) or 1)  # (decode: at least one)
@@ -150,10 +149,14 @@ def _tokenize(tokenizer, req: CompletionRequest) -> list[int]:
     return ids
 
 
-def create_worker_app(engine: Engine, config: WorkerConfig,
-                      kv_backend: Callable[[], dict] | None = None) -> Quart:
-    """The worker's HTTP API; ``kv_backend()`` describes its transfer backend in ``/xpyd/stats``."""
+def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable[[], dict] | None = None,
+                      prefill_peers: PrefillPeers | None = None) -> Quart:
+    """The worker's HTTP API; ``kv_backend()`` describes its transfer backend in ``/xpyd/stats``;
+    ``prefill_peers``: the prefill workers a decode worker without a cluster token may be sent to (default:
+    this host's)."""
     app = Quart(f"xpyd-{config.role}")
+    gate = RequestGate(config.role, config.cluster_token,
+                       prefill_peers if prefill_peers is not None else PrefillPeers(own_host=config.public_host))
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
     app.config["BODY_TIMEOUT"] = 30
@@ -168,6 +171,16 @@ def create_worker_app(engine: Engine, config: WorkerConfig,
         if d is None:
             d = dispatches[loop] = EventDispatch(loop)
         return d
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        """With a cluster token: 401 on /v1/* and /xpyd/* without the cluster's bearer (nothing read yet)."""
+        if gate.guards(request.path) and not gate.authorized(request.headers.get("Authorization")):
+            resp = _error(APIError(401, "this worker's API needs the cluster's credential (the proxy sends it)",
+                                   "authentication_error"))
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return None
 
     @app.after_serving
     async def stop_tokenizer() -> None:
@@ -224,9 +237,9 @@ def create_worker_app(engine: Engine, config: WorkerConfig,
         of after ``kv_ttl``.
         """
         try:
-            rid = parse_request_id(request.headers.get(REQUEST_ID_HEADER) or "")
-        except RequestIdError as e:
-            return _error(APIError(400, f"{REQUEST_ID_HEADER}: {e}", param=REQUEST_ID_HEADER))
+            rid = gate.parse(request.headers.get(REQUEST_ID_HEADER))
+        except APIError as e:
+            return _error(e)
         engine.abort(str(rid))
         return _json({"aborted": str(rid)})
 
@@ -259,6 +272,11 @@ def create_worker_app(engine: Engine, config: WorkerConfig,
         return _error(APIError(500, f"internal error in the {config.role} worker", "server_error"))
 
     async def _generate(kind: RequestKind) -> Response:
+        try:  # first: a forged id connects nothing and queues nothing
+            rid = await gate.admit(request.headers.get(REQUEST_ID_HEADER))
+        except APIError as e:
+            engine.metrics.request_done("rejected")
+            return _error(e)
         if not engine.ready():
             failure = engine.failure()
             return _error(APIError(503, "worker is starting" if failure is None else
@@ -271,8 +289,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig,
             named = response_identity(req.kv_transfer_params)
             loop = asyncio.get_running_loop()
             sink = OutputSink(dispatch_for(loop))
-            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req,
-                                              request.headers.get(REQUEST_ID_HEADER), sink)
+            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req, rid, sink)
         except APIError as e:
             if e.status < 500:
                 engine.metrics.request_done("rejected")

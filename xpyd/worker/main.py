@@ -40,6 +40,7 @@ from xpyd.worker.cpu_share import CpuShare
 from xpyd.worker.engine import WorkerEngine
 from xpyd.worker.http_api import create_worker_app
 from xpyd.worker.kv_staging import adopt_pool, needs_staging, stage_transfer
+from xpyd.worker.request_gate import PrefillPeers
 from xpyd.worker.malloc_tuning import tune_malloc
 
 log = logging.getLogger("xpyd.worker")
@@ -112,8 +113,10 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
     served = config.served_model_name or resolved.served_name
     engine, on_stop = start_engine(EngineParts(runner, tokenizer, config, transfer, served))
 
+    # The prefill workers a decode worker without a cluster token may be sent to (etcd: fed by _join's watch).
+    peers = PrefillPeers(config.prefill_peers, registry=config.etcd is not None, own_host=config.public_host)
     app = create_worker_app(engine, config,
-                            None if transfer is None else lambda: kv_backend_stats(config, transfer))
+                            None if transfer is None else lambda: kv_backend_stats(config, transfer), peers)
     hc = HyperConfig()
     hc.bind = [fd_bind(http_socket)]
     hc.accesslog = None
@@ -126,7 +129,7 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
     gc.collect()
     gc.freeze()
     try:
-        asyncio.run(_serve(config, engine, app, hc, serve))
+        asyncio.run(_serve(config, engine, app, hc, serve, peers))
     finally:
         engine.stop()
         if on_stop is not None:
@@ -199,7 +202,7 @@ def in_passing_thread(fn):
     return box["result"]
 
 
-async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
+async def _serve(config: WorkerConfig, engine, app, hc, serve, peers: PrefillPeers | None = None) -> None:
     stop = asyncio.Event()
     failed = asyncio.Event()
     shutdown = asyncio.Event()
@@ -214,7 +217,7 @@ async def _serve(config: WorkerConfig, engine, app, hc, serve) -> None:
 
     registration = watcher = None
     if config.etcd and not failed.is_set():
-        registration, watcher = await _join(config, engine)
+        registration, watcher = await _join(config, engine, peers)
     stopped, failing = asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())
     await asyncio.wait({serving, stopped, failing}, return_when=asyncio.FIRST_COMPLETED)
     if failed.is_set():
@@ -253,18 +256,27 @@ async def _leave_failed(config: WorkerConfig, registration, watcher, serving: as
         await watcher.close()
 
 
-async def _join(config: WorkerConfig, engine):
-    """Register in etcd (we accept connections now) and watch the other role's workers."""
-    registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl)
-    await registration.start()
+async def _join(config: WorkerConfig, engine, peers: PrefillPeers | None = None):
+    """Watch the other role's workers, then register in etcd (we accept connections now): a decode worker
+    knows the prefill workers registered before the proxy can send it a request naming one (``peers``)."""
     watcher = EtcdRegistry(config.etcd, model_id=engine.info.model_id)
     await watcher.start()
     peer_role = Role.DECODE if config.role == "prefill" else Role.PREFILL
     seen = {w.signal_addr for w in watcher.workers(peer_role)}
+    if peers is not None and peer_role is Role.PREFILL:
+        peers.update(seen)
+    try:
+        registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl)
+        await registration.start()
+    except BaseException:
+        await watcher.close()
+        raise
 
     def on_change() -> None:
         nonlocal seen
         now = {w.signal_addr for w in watcher.workers(peer_role)}
+        if peers is not None and peer_role is Role.PREFILL:
+            peers.update(now)
         left, joined = seen - now, now - seen  # (joined: new, or back, e.g. after an etcd outage of its own)
         seen = now
         if left:
