@@ -260,8 +260,9 @@ class DecodeEngine(WorkerEngine):
         elif seq.state is RequestState.TRANSFERRING and r.status in (S.UNKNOWN, S.NOT_READY):
             if seq.ready and seq.recv_token is not None and seq.recv_token.done():
                 return  # its KV landed and prefill, its send done, forgot it: it joins the batch this step
-            # The prefill worker no longer has this request (its KV and, if not ready, its first token).
-            self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds the KV of this request", "prefill")
+            # The prefill worker no longer has this request: its KV, or (not ready) the first token that never came.
+            what = "the KV" if seq.ready else "the first token"
+            self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds {what} of this request", "prefill")
         elif r.status is S.PREFILLING:
             if not seq.known and self._prompt_facts(seq, addr, r):
                 seq.part_blocks = r.part_blocks  # pulled now, the KV comes in parts as it is computed

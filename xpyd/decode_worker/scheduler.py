@@ -162,7 +162,9 @@ class DecodeScheduler:
             self._running[seq.request_id] = seq
 
     def poll_transfers(self) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
-        """Without blocking: move arrived requests to RUNNING; return (joined, failed)."""
+        """Without blocking: move arrived requests to RUNNING; return (joined, failed). A failed request's
+        blocks are freed here: its receive token reads FAILED only once no byte of it can land any more (a
+        receive in parts, ``expect_parts``, withdraws its other parts first)."""
         joined, failed = [], []
         for seq in list(self._transferring.values()):
             tok = seq.recv_token
