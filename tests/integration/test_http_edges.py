@@ -254,17 +254,17 @@ def assert_healthy(c: Cluster, urls: dict[str, str]) -> None:
     workers = _get(urls["proxy"] + "/cluster")["workers"]
     assert [w["health"] for w in workers] == ["up", "up"], workers  # client mistakes mark no worker down
     good = json.dumps({"prompt": "hello world", "max_tokens": 4, "temperature": 0}).encode()
-    headers = {"Content-Type": "application/json", "X-Request-Id": "client-chosen"}  # ignored by the proxy
+    headers = {"Content-Type": "application/json", "X-Request-Id": "client-chosen"}  # names the response
     status, _, raw = send(urls["proxy"], Case("good", body=good, headers=headers))
     assert status == 200, raw
-    assert json.loads(raw)["usage"]["completion_tokens"] == 4
+    assert json.loads(raw)["usage"]["completion_tokens"] == 4 and json.loads(raw)["id"] == "cmpl-client-chosen"
     assert_idle(urls)
 
 
 def test_proxy_edge_fuzz(cluster):
     c, urls = cluster
     for case in cases("proxy", CASES, SEED):
-        # A client's own X-Request-Id is not the proxy's business: it must not matter.
+        # A client's own X-Request-Id only names the response (even one that looks like the workers' ids).
         if len(case.why) % 3 == 0:
             case.headers = {**case.headers, "X-Request-Id": "client-chosen~p~1.2.3.4:5"}
         assert_error(*send(urls["proxy"], case), case)
@@ -390,6 +390,40 @@ def test_openai_client_stream_equals_the_json_answer(cluster):
         answer.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-2].choices[0].finish_reason == "length"
     assert len({ch.id for ch in chunks}) == 1 and chunks[0].model == model
+
+
+def test_the_client_sees_the_public_id_and_no_internal_address(cluster):
+    """As a user of the official client reads an answer of real workers: X-Request-Id is the response's id
+    (the client's own when it sent one, as vLLM does), and no worker address or workers' request id is in
+    any header or body, nor in a worker's own error passed on."""
+    import openai
+
+    _, urls = cluster
+    internal = [urls[k] for k in ("prefill", "decode", "prefill_signal", "decode_signal")]
+    internal += [u.removeprefix("http://") for u in internal] + ["xpyd-", "~p~"]
+
+    def leaks(raw, body: str) -> list[str]:
+        seen = json.dumps(dict(raw.headers)) + body
+        return [name for name in internal if name in seen]
+
+    client = openai.OpenAI(base_url=urls["proxy"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+    model = client.models.list().data[0].id
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    answer = raw.parse()
+    assert raw.headers["x-request-id"] == answer.id and answer.id.startswith("chatcmpl-")
+    assert not leaks(raw, raw.http_response.text)
+    raw = client.completions.with_raw_response.create(model=model, prompt="hello", max_tokens=4, stream=True,
+                                                      extra_headers={"X-Request-Id": "edge-1"})
+    chunks = list(raw.parse())
+    assert raw.headers["x-request-id"] == "edge-1" and {ch.id for ch in chunks} == {"cmpl-edge-1"}
+    assert len(chunks) == 4 and not leaks(raw, json.dumps([ch.model_dump() for ch in chunks]))
+    with pytest.raises(openai.BadRequestError) as e:  # prefill's own 400: longer than the model's context
+        client.completions.create(model=model, prompt="hello " * 300, max_tokens=4,
+                                  extra_headers={"X-Request-Id": "edge-2"})
+    response = e.value.response
+    assert response.headers["x-request-id"] == "edge-2" and "maximum context length" in response.text
+    assert not leaks(response, response.text)
 
 
 def test_every_listening_socket_is_on_loopback(cluster):
