@@ -70,10 +70,10 @@ class Redactor:
              workers: Iterable[WorkerInfo] = ()) -> str:
         """``text`` without internal addresses or ids; ``request_id`` (the call's, as the workers know it)
         becomes ``public_id`` (in any of its forms), and ``workers`` are known as well as the registry's."""
-        own = _REQUEST_ID.match(request_id).group("uid") if request_id and _REQUEST_ID.match(request_id) else None
+        call = _REQUEST_ID.match(request_id) if request_id and public_id is not None else None
 
         def name_id(m: re.Match) -> str:
-            return public_id if public_id is not None and m.group("uid") == own else INTERNAL_ID
+            return public_id if call is not None and m.group("uid") == call.group("uid") else INTERNAL_ID
 
         text = _REQUEST_ID.sub(name_id, text)
         for address in _known_addresses([*workers, *self._workers()]):
