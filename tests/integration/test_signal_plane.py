@@ -1,37 +1,71 @@
-"""The signal plane over real ZMQ sockets: typed messages, refusals, bad frames."""
+"""The signal plane over real ZMQ sockets: typed messages, refusals, bad frames, sessions that nobody can
+join without the cluster token or take over by naming a connection."""
 
 from __future__ import annotations
 
+import select
 import socket
+import threading
 import time
 
 import msgpack
 import pytest
 import zmq
 
+from types import SimpleNamespace
+
 from tests.cluster import has_ipv6_loopback
+from tests.unit.kv_fixtures import next_prefill
+from tests.waiting import wait_until
 from xpyd import PROTOCOL_VERSION
+from xpyd.signal import auth
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import RequestId
+from xpyd.model.kv_pool import KVLayout, KVPool
+from xpyd.prefill_worker.engine import PrefillEngine
+from xpyd.prefill_worker.scheduler import PrefillSeq
 from xpyd.signal.server import SignalServer
 from xpyd.transfer.auth import new_secret
+from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.worker.config import WorkerConfig
 
 COMPAT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "layout": "block-head-major/1", "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096}
 
 
+TOKEN = "s3cret-cluster-token"
+BIG_HASHES = bytes(range(256)) * (8 * m.MAX_BLOCKS // 256)  # the most block hashes one result may carry (512 KiB)
+
+
 class Handler:
     """A prefill-side handler with canned state (the real one is tested end to end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_token: str | None = None) -> None:
+        self.cluster_token = cluster_token
+        self.handshakes: list[str] = []
         self.maps: dict[str, m.KVMapInit] = {}
         self.ready: dict[str, int] = {}
         self.released: list[str] = []
         self.pulls: list[tuple[str, int]] = []
         self.secrets: list[bytes] = []  # of the pulls, as the prefill worker's handler got them
+        self.closed: list[tuple[str, str]] = []  # sessions that ended: (address, why)
+        self.undelivered: list[tuple[str, m.Message, str]] = []
+        self.heartbeats = 0
+        self.big = False  # ready results name the most block hashes a result may
+
+    def on_session_closed(self, identity, why):
+        self.closed.append((identity, why))
+
+    def on_undelivered(self, identity, msg, why):
+        self.undelivered.append((identity, msg, why))
+
+    def on_heartbeat(self, identity, msg):
+        self.heartbeats += 1
+        return m.HeartbeatReply()
 
     def on_handshake(self, identity, msg):
+        self.handshakes.append(identity)
         if msg.model_id != "m":
             return m.HandshakeReply(False, f"model mismatch: {msg.model_id!r}", "m")
         if msg.kv_compat != COMPAT:
@@ -45,7 +79,12 @@ class Handler:
     def on_lookup_all(self, identity, msg):
         out = []
         for e in msg.entries:
-            if e.request_id not in self.ready:
+            if "boom" in e.request_id:
+                raise RuntimeError("a handler bug")
+            if self.big:
+                out.append(m.LookupResult(e.request_id, m.LookupStatus.READY, 5, m.MAX_BLOCKS * 16,
+                                          block_hashes=BIG_HASHES))
+            elif e.request_id not in self.ready:
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.UNKNOWN))
             elif e.dest_blocks is None:
                 out.append(m.LookupResult(e.request_id, m.LookupStatus.READY, self.ready[e.request_id], 3))
@@ -69,9 +108,45 @@ def server():
     s.close()
 
 
-def _client(identity="127.0.0.1:7001", model="m", compat=COMPAT, timeout=2.0) -> SignalClient:
+@pytest.fixture
+def secured():
+    """A server whose decode workers must prove TOKEN."""
+    h = Handler(TOKEN)
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
+    yield s, h
+    s.close()
+
+
+def _client(identity="127.0.0.1:7001", model="m", compat=COMPAT, timeout=2.0, token=None) -> SignalClient:
     return SignalClient(identity, m.Handshake(identity, model, compat),
-                        m.KVMapInit(identity, TRANSFER, 1024, 4), timeout=timeout)
+                        m.KVMapInit(identity, TRANSFER, 1024, 4), timeout=timeout, cluster_token=token)
+
+
+def _ready(c: SignalClient, addr: str) -> None:
+    p = c.peer(addr)
+    _pump(c, lambda r, f: p.state is PeerState.READY or f)
+    assert p.state is PeerState.READY, p.error
+
+
+def _raw_session(ctx: zmq.Context, port: int, sender: str = "raw:1", token: str | None = None,
+                 routing_id: bytes | None = None) -> zmq.Socket:
+    """A DEALER that opened a session the way a decode worker does (hello, challenge, proof)."""
+    sock = ctx.socket(zmq.DEALER)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    hello = m.Hello(sender, "raw-instance", auth.new_nonce(), token is not None)
+    frame = m.encode(100, hello)
+    sock.send(frame)
+    challenge = m.decode(sock.recv()).msg
+    assert isinstance(challenge, m.Challenge), challenge
+    proof = None if token is None else auth.decode_proof(token, challenge.nonce, hello.nonce, frame)
+    sock.send(m.encode(101, m.Proof(proof)))
+    assert m.decode(sock.recv()).msg == m.AuthReply(True)
+    return sock
 
 
 def _pump(client, until, timeout=3.0):
@@ -84,10 +159,13 @@ def _pump(client, until, timeout=3.0):
     return replies, failed
 
 
-def test_handshake_map_lookup_pull_release(server):
-    s, h = server
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_handshake_map_lookup_pull_release(token):
+    h = Handler(token)
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
     addr = f"127.0.0.1:{s.port}"
-    c = _client()
+    c = _client(token=token)
     try:
         p = c.peer(addr)
         _pump(c, lambda r, f: p.state is PeerState.READY)
@@ -107,9 +185,10 @@ def test_handshake_map_lookup_pull_release(server):
         assert h.pulls == [(rid, (2, 3))] and h.secrets == [secret]
         c.send_release(addr, [rid])
         _pump(c, lambda r, f: h.released)
-        assert h.released == [rid]
+        assert h.released == [rid] and h.handshakes == ["127.0.0.1:7001"]
     finally:
         c.close()
+        s.close()
 
 
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
@@ -126,9 +205,7 @@ def test_ipv6_server_and_client_with_bracketed_addresses(fixed_port):
     try:
         assert s.port > 0 and (not fixed_port or s.port == port)
         addr = f"[::1]:{s.port}"
-        p = c.peer(addr)
-        _pump(c, lambda r, f: p.state is not PeerState.HANDSHAKING and p.state is not PeerState.MAPPING)
-        assert p.state is PeerState.READY, p.error
+        _ready(c, addr)
         rid = str(RequestId.new(addr, "[::1]:7001"))
         h.ready[rid] = 5
         c.send_lookup(addr, [m.LookupEntry(rid)])
@@ -157,13 +234,16 @@ def test_handshake_refuses_mismatch_with_clear_message(server, model, compat, ne
         c.close()
 
 
-def _raw_roundtrip(port: int, frame: bytes, identity: bytes = b"raw:1") -> m.Envelope:
+def _raw_roundtrip(port: int, frame: bytes, session: bool = True) -> m.Envelope:
+    """``frame``'s answer, sent on a connection with an open session (or none)."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    if session:
+        sock = _raw_session(ctx, port)
+    else:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send(frame)
         return m.decode(sock.recv())
@@ -185,7 +265,7 @@ def _frame(seq: int, msg: dict, version: int = PROTOCOL_VERSION) -> bytes:
     (_frame(5, {"type": [1.5, 2.5]}), 5, "$.msg.type"),
     (_frame(6, {"type": "handshake", "sender": 3}), 6, "$.msg.sender"),
     (_frame(7, {"type": "lookup_all", "sender": "raw:1", "entries": [["x", -5]]}), 7, "$.msg.entries[0][1]"),
-    (_frame(8, {"type": "release", "sender": "someone-else", "request_ids": []}), 8, "does not match"),
+    (_frame(8, {"type": "release", "sender": "someone-else", "request_ids": []}), 8, "does not match the session"),
     # A pull without its transfer secret (nobody could prove it to the decode worker's listener), or with
     # one of the wrong size, is refused whole: no KV send starts.
     (_frame(9, {"type": "lookup_all", "sender": "raw:1", "entries": [["x", [2, 3], 0]]}), 9,
@@ -209,8 +289,8 @@ def test_oversized_frame_is_dropped_and_server_keeps_serving(server):
     sock.send(b"x" * (m.MAX_FRAME_BYTES + 10))  # zmq MAXMSGSIZE drops this connection
     sock.close(0)
     ctx.term()
-    ok = m.encode(3, m.Release("raw:2", ()))
-    reply = _raw_roundtrip(s.port, ok, identity=b"raw:2")
+    ok = m.encode(3, m.Release("raw:1", ()))
+    reply = _raw_roundtrip(s.port, ok)
     assert reply.msg == m.ReleaseReply(0) and reply.seq == 3
 
 
@@ -280,11 +360,7 @@ def test_peer_that_dies_fails_at_once_and_a_new_one_is_reached(server):
 def test_multipart_and_unknown_requests_get_error_replies(server):
     s, h = server
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, b"raw:3")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
-    sock.connect(f"tcp://127.0.0.1:{s.port}")
+    sock = _raw_session(ctx, s.port, "raw:3")
     try:
         sock.send_multipart([m.encode(1, m.Release("raw:3", ())), b"extra"])
         reply = m.decode(sock.recv())
@@ -299,9 +375,9 @@ def test_multipart_and_unknown_requests_get_error_replies(server):
 
 
 def _zmtp_dealer(port: int, identity: str) -> socket.socket:
-    """A TCP connection that speaks ZMTP 3.1 as a DEALER with ``identity``, has the server answer one
-    handshake on it, and then says nothing more: a decode worker whose link went silent (a cut cable
-    drops packets; no FIN, no RST ever arrives)."""
+    """A TCP connection that speaks ZMTP 3.1 as a DEALER, opens a session as decode worker ``identity`` (on a
+    server without a cluster token) and then says nothing more: a decode worker whose link went silent (a
+    cut cable drops packets; no FIN, no RST ever arrives)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     got = bytearray()  # everything the server sent so far
 
@@ -311,44 +387,360 @@ def _zmtp_dealer(port: int, identity: str) -> socket.socket:
             assert chunk, f"the server hung up before {needle!r}"
             got.extend(chunk)
 
-    props = b"".join(bytes([len(k)]) + k + len(v).to_bytes(4, "big") + v
-                     for k, v in ((b"Socket-Type", b"DEALER"), (b"Identity", identity.encode())))
+    props = b"".join(bytes([len(k)]) + k + len(v).to_bytes(4, "big") + v for k, v in ((b"Socket-Type", b"DEALER"),))
     ready = b"\x05READY" + props
-    hello = m.encode(1, m.Handshake(identity, "m", COMPAT))
+    hello = m.encode(1, m.Hello(identity, "stale", auth.new_nonce(), False))
     sock.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32))  # greeting
     read_until(b"NULL")
     sock.sendall(bytes([0x04, len(ready)]) + ready)
     read_until(b"ROUTER")  # (its READY)
     sock.sendall(bytes([0x00, len(hello)]) + hello)
-    read_until(b"handshake_reply")  # the identity is this connection's now
+    read_until(b"challenge")
+    proof = m.encode(2, m.Proof(None))
+    sock.sendall(bytes([0x00, len(proof)]) + proof)
+    read_until(b"auth_reply")  # the session is open
     return sock
 
 
-def test_a_silent_connection_is_dropped_so_its_worker_can_connect_again():
-    """A ROUTER keeps a connection's identity until that connection closes, and ignores a new connection
-    with the same identity meanwhile. After a silent cut, the decode worker's old connection never
-    closes by itself: the server's heartbeats (ZMTP PING, ``peer_timeout``) close it, so the worker's
-    new connection is served."""
+def test_a_silent_connection_is_closed_and_its_worker_is_served_at_once_meanwhile():
+    """After a silent cut, the decode worker's old connection never closes by itself: the server's
+    heartbeats (ZMTP PING, ``peer_timeout``) close it. The worker's new connection is served at once
+    meanwhile: its session replaces the silent one's (it is the same worker)."""
     h = Handler()
     s = SignalServer("127.0.0.1", 0, h, peer_timeout=1.0)
     s.start()
     identity = "127.0.0.1:7009"
     stale = _zmtp_dealer(s.port, identity)
-    c = _client(identity, timeout=1.0)
+    c = _client(identity, timeout=5.0)
     try:
-        t0 = time.monotonic()
-        p = c.peer(f"127.0.0.1:{s.port}")
-        _, failed = _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
-        while failed:  # (a handshake sent while the stale connection held the identity: tried again)
-            p = c.peer(f"127.0.0.1:{s.port}")
-            _, failed = _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
-            assert time.monotonic() - t0 < 8, "the new connection was not served"
-        assert p.state is PeerState.READY
+        _ready(c, f"127.0.0.1:{s.port}")
+        assert h.closed == [(identity, "a new session of the same decode worker opened")]
         assert stale.recv(1 << 16, socket.MSG_DONTWAIT) is not None  # (PINGs came; then it was closed)
         stale.settimeout(5)
         while stale.recv(1 << 16):  # the server closed the stale connection
             pass
+        assert h.closed == [(identity, "a new session of the same decode worker opened")]  # (nothing more ended)
     finally:
         stale.close()
         c.close()
         s.close()
+
+
+# --- who may join, and what a stranger gets ------------------------------------------------------
+
+
+def _stranger(ctx: zmq.Context, port: int, routing_id: bytes | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def test_a_stranger_on_a_taken_routing_id_without_the_token_gets_nothing_and_the_worker_reconnects(secured):
+    """The decode worker's connection closes (restart, failure, cut); a stranger without the token connects
+    under its old name (its address, as routing ids were before) or under the exact routing id the ROUTER
+    had given the closed connection. Every request gets "handshake first", a push for the worker goes to
+    nobody (and is reported), and the real worker opens a new session and gets its pushes."""
+    s, h = secured
+    addr, me = f"127.0.0.1:{s.port}", "127.0.0.1:7001"
+    real = _client(me, token=TOKEN)
+    _ready(real, addr)
+    rid = str(RequestId.new(addr, me))
+    h.ready[rid] = 42
+    taken = s._sessions.route(me).routing_id  # (test only: the name the ROUTER gave the connection)
+    assert taken[:1] == b"\0" and taken != me.encode()
+    real.close()  # the worker's DEALER is gone
+    wait_until(lambda: h.closed, "the session to end with its connection")
+    assert h.closed == [(me, "its connection closed")]
+    ctx = zmq.Context()
+    try:
+        for n, name in enumerate((me.encode(), taken), start=1):
+            sock = _stranger(ctx, s.port, name)
+            for seq, msg in enumerate([
+                m.KVMapInit(me, TRANSFER, 1024, 4),
+                m.LookupAll(me, (m.LookupEntry(rid), m.LookupEntry(rid, (0,), 0, new_secret()))),
+                m.Release(me, (rid,)), m.Heartbeat(me), m.Handshake(me, "m", COMPAT)], start=1):
+                sock.send(m.encode(seq, msg))
+                assert m.decode(sock.recv()).msg == m.ErrorReply("handshake first"), msg.TYPE
+            sock.send(m.encode(9, m.Hello(me, "stranger", auth.new_nonce(), False)))  # no token to prove
+            assert "cluster token required" in m.decode(sock.recv()).msg.error
+            sock.send(m.encode(10, m.Hello(me, "stranger", auth.new_nonce(), True)))  # claims one, cannot prove it
+            assert isinstance(m.decode(sock.recv()).msg, m.Challenge)
+            sock.send(m.encode(11, m.Proof(bytes(32))))
+            assert m.decode(sock.recv()).msg == m.AuthReply(False, "cluster token mismatch")
+            notify = m.Notify((m.LookupResult(rid, m.LookupStatus.READY, 42, 3),))
+            s.push(me, notify)
+            wait_until(lambda: len(h.undelivered) == n, "the push to be reported undelivered")
+            assert sock.poll(0) == 0  # nothing came to the stranger
+            sock.close(0)
+        assert h.handshakes == [me] and list(h.maps) == [me] and h.released == [] and h.pulls == []
+        assert h.heartbeats == 0 and [u[1:] for u in h.undelivered] == [(notify, "no open session")] * 2
+        again = _client(me, token=TOKEN)  # the real worker, back: a new session
+        try:
+            _ready(again, addr)
+            s.push(me, notify)
+            replies, _ = _pump(again, lambda r, f: r)
+            assert replies == [(addr, notify)] and len(h.undelivered) == 2
+        finally:
+            again.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+class _Relay:
+    """A TCP relay between one client and the server that records the bytes each way (a capture)."""
+
+    def __init__(self, port: int) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = port
+        self.up, self.down = bytearray(), bytearray()  # client -> server, server -> client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client, _ = self._listener.accept()
+        server = socket.create_connection(("127.0.0.1", self._target))
+        with client, server:
+            while not self._stop.is_set():
+                readable, _, _ = select.select([client, server], [], [], 0.05)
+                for src in readable:
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    (server if src is client else client).sendall(data)
+                    (self.up if src is client else self.down).extend(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._listener.close()
+
+
+def test_the_handshake_on_the_wire_holds_no_token_and_replaying_it_opens_nothing(secured):
+    s, h = secured
+    relay = _Relay(s.port)
+    c = _client(token=TOKEN)
+    try:
+        _ready(c, f"127.0.0.1:{relay.port}")  # through the relay: everything it said is captured
+    finally:
+        c.close()
+        relay.close()
+    captured = bytes(relay.up + relay.down)
+    assert b"auth_reply" in relay.down and b"kv_map_reply" in relay.down  # (the whole exchange was captured)
+    for form in (TOKEN.encode(), TOKEN.encode().hex().encode(), TOKEN.upper().encode()):
+        assert form not in captured
+    assert h.handshakes == ["127.0.0.1:7001"]
+    # Replay every byte the decode worker sent (greeting, hello, proof, handshake, kv_map_init) on a new connection.
+    with socket.create_connection(("127.0.0.1", s.port), timeout=5) as replay:
+        answer = bytearray()
+
+        def read_until(needle: bytes) -> None:
+            while needle not in answer:
+                chunk = replay.recv(65536)
+                assert chunk, f"the server hung up before {needle!r}: {bytes(answer)!r}"
+                answer.extend(chunk)
+
+        replay.sendall(bytes(relay.up[:64]))  # the ZMTP greeting, then (once the server's came) the rest
+        read_until(b"ROUTER")
+        replay.sendall(bytes(relay.up[64:]))
+        read_until(b"handshake first")  # (the answer to the replayed kv_map_init)
+    assert b"cluster token mismatch" in answer and b"handshake first" in answer  # a fresh nonce: the old proof fails
+    assert b"handshake_reply" not in answer and b"kv_map_reply" not in answer
+    assert h.handshakes == ["127.0.0.1:7001"] and list(h.maps) == ["127.0.0.1:7001"]
+
+
+def test_a_wrong_token_fails_on_both_sides(secured):
+    s, h = secured
+    addr = f"127.0.0.1:{s.port}"
+    c = _client(token="another-token-456")  # the decode side finds the prefill worker's proof wrong ...
+    try:
+        p = c.peer(addr)
+        _, failed = _pump(c, lambda r, f: f)
+        assert failed == [p] and "the prefill worker's proof: cluster token mismatch" in p.error
+    finally:
+        c.close()
+    ctx = zmq.Context()  # ... and the prefill side a decode worker's proof made with another token
+    try:
+        sock = _stranger(ctx, s.port, None)
+        hello = m.Hello("127.0.0.1:7001", "i", auth.new_nonce(), True)
+        frame = m.encode(1, hello)
+        sock.send(frame)
+        challenge = m.decode(sock.recv()).msg
+        sock.send(m.encode(2, m.Proof(auth.decode_proof("another-token-456", challenge.nonce, hello.nonce, frame))))
+        assert m.decode(sock.recv()).msg == m.AuthReply(False, "cluster token mismatch")
+        sock.send(m.encode(3, m.Handshake("127.0.0.1:7001", "m", COMPAT)))
+        assert m.decode(sock.recv()).msg == m.ErrorReply("handshake first")
+    finally:
+        ctx.destroy(linger=0)
+    for token, needle in ((None, "cluster token required"), (TOKEN, "has none")):
+        h2 = Handler(None if token else TOKEN)
+        s2 = SignalServer("127.0.0.1", 0, h2)
+        s2.start()
+        c = _client(token=token)
+        try:
+            p = c.peer(f"127.0.0.1:{s2.port}")
+            _, failed = _pump(c, lambda r, f: f)
+            assert failed == [p] and "handshake" in p.error and needle in p.error, p.error
+        finally:
+            c.close()
+            s2.close()
+        assert h2.handshakes == []
+    assert h.handshakes == []
+
+
+# --- what a lookup's answer may be --------------------------------------------------------------
+
+
+def test_a_lookup_answer_over_the_frame_cap_arrives_whole(server):
+    """64 prompts of 128k tokens, ready at once: 64 results of 512 KiB of block hashes each (32 MiB), against
+    a 4 MiB frame cap. All arrive (the reply and the notifies before it) and the peer stays up."""
+    s, h = server
+    addr = f"127.0.0.1:{s.port}"
+    h.big = True
+    c = _client(timeout=30)
+    try:
+        _ready(c, addr)
+        rids = [str(RequestId.new(addr, "127.0.0.1:7001")) for _ in range(64)]
+        c.send_lookup(addr, [m.LookupEntry(rid) for rid in rids])
+        replies, failed = _pump(c, lambda r, f: f or any(isinstance(x, m.LookupReply) for _, x in r), timeout=60)
+        assert failed == [] and c.get(addr).state is PeerState.READY
+        assert isinstance(replies[-1][1], m.LookupReply) and len(replies) > 1
+        results = [r for _, x in replies for r in x.results]
+        assert [r.request_id for r in results] == rids
+        assert all(r.status is m.LookupStatus.READY and r.block_hashes == BIG_HASHES for r in results)
+    finally:
+        c.close()
+
+
+def test_an_error_answer_to_a_lookup_fails_that_lookups_requests_only(server):
+    s, h = server
+    addr = f"127.0.0.1:{s.port}"
+    c = _client()
+    try:
+        _ready(c, addr)
+        bad = [str(RequestId.new(addr, "127.0.0.1:7001")).replace("xpyd-", "xpyd-boom") for _ in range(2)]
+        c.send_lookup(addr, [m.LookupEntry(rid) for rid in bad])
+        replies, failed = _pump(c, lambda r, f: r or f)
+        assert failed == [] and c.get(addr).state is PeerState.READY
+        ((_, reply),) = replies
+        assert [(r.request_id, r.status) for r in reply.results] == [(rid, m.LookupStatus.FAILED) for rid in bad]
+        assert "refused the lookup: internal error: RuntimeError" in reply.results[0].error
+        good = str(RequestId.new(addr, "127.0.0.1:7001"))
+        h.ready[good] = 3
+        c.send_lookup(addr, [m.LookupEntry(good)])
+        replies, _ = _pump(c, lambda r, f: r)
+        assert replies[0][1].results[0].status is m.LookupStatus.READY  # the peer serves on
+    finally:
+        c.close()
+
+
+# --- claims belong to a session (a real prefill engine behind the server) -----------------------
+
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
+DECODE = "127.0.0.1:7001"
+
+
+@pytest.fixture
+def prefill():
+    """A prefill engine (fake model and transfers, stepped by hand) serving the signal plane with TOKEN."""
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    net = FakeNetwork()
+    transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
+    engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100, cluster_token=TOKEN), transfer, "m")
+    transfer.register(engine.pool.buffer())
+    desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
+    server = SignalServer("127.0.0.1", 0, engine)
+    engine.notify = server.push
+    server.start()
+    yield engine, server, desc
+    server.close()
+    transfer.close()
+    decode_side.close()
+
+
+def _prefilled(engine: PrefillEngine, rid: str) -> None:
+    """``rid``'s prompt (3 tokens: one block) prefilled, its KV held for DECODE."""
+    payload = SimpleNamespace(output=SimpleNamespace(finished=None))
+    with engine._lock:
+        engine.sched.add(PrefillSeq(rid, [1, 2, 3], payload=payload, peer=DECODE))
+        engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())
+
+
+def _decode_client(desc) -> SignalClient:
+    return SignalClient(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat()),
+                        m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks), timeout=5.0,
+                        cluster_token=TOKEN)
+
+
+def _lookup(c: SignalClient, addr: str, rids: list[str]) -> dict[str, m.LookupResult]:
+    c.send_lookup(addr, [m.LookupEntry(rid) for rid in rids])
+    replies, failed = _pump(c, lambda r, f: r or f)
+    assert failed == []
+    return {r.request_id: r for _, reply in replies for r in reply.results}
+
+
+def test_a_restarted_decode_worker_frees_what_its_predecessor_claimed(prefill):
+    """The decode worker restarts on the same address (a new process instance): once the new one opens its
+    session, the KV the old one claimed is freed at once (not kept alive by the new one's heartbeats), KV
+    nobody claimed stays for the new one, and the old connection is served nothing more."""
+    engine, server, desc = prefill
+    addr = f"127.0.0.1:{server.port}"
+    claimed = [str(RequestId.new(addr, DECODE)) for _ in range(2)]
+    unclaimed = str(RequestId.new(addr, DECODE))
+    for rid in claimed + [unclaimed]:
+        _prefilled(engine, rid)
+    old = _decode_client(desc)
+    new = _decode_client(desc)
+    try:
+        _ready(old, addr)
+        assert {r.status for r in _lookup(old, addr, claimed).values()} == {m.LookupStatus.READY}
+        assert engine.pool.num_used == 3 and all(engine.sched.get(rid).claimed for rid in claimed)
+        assert old.instance != new.instance
+        _ready(new, addr)  # (the old process's connection is still open: a restart it did not see)
+        wait_until(lambda: engine.pool.num_used == 1, "the old instance's claimed KV to be freed")
+        assert [rid for rid in claimed if engine.sched.get(rid) is not None] == []
+        assert engine.stats()["orphaned"] == 2 and engine.stats()["handshaken"] == 1
+        got = _lookup(new, addr, claimed + [unclaimed])
+        assert {got[rid].status for rid in claimed} == {m.LookupStatus.EXPIRED}
+        assert "signal session ended" in got[claimed[0]].error
+        assert got[unclaimed].status is m.LookupStatus.READY and got[unclaimed].first_token == 42
+        old.heartbeat(0.0)  # the old process, should it still be there, is served nothing
+        _, failed = _pump(old, lambda r, f: f)
+        assert len(failed) == 1 and "handshake first" in failed[0].error
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_claim_dies_with_its_session_and_a_lost_notify_loses_nothing(prefill):
+    engine, server, desc = prefill
+    addr = f"127.0.0.1:{server.port}"
+    rid, later = str(RequestId.new(addr, DECODE)), str(RequestId.new(addr, DECODE))
+    _prefilled(engine, rid)
+    c = _decode_client(desc)
+    try:
+        _ready(c, addr)
+        assert _lookup(c, addr, [rid])[rid].status is m.LookupStatus.READY and engine.sched.get(rid).claimed
+    finally:
+        c.close()  # its connection closes: the session, and its claim, end with it
+    wait_until(lambda: engine.pool.num_used == 0, "the closed session's claimed KV to be freed")
+    c = _decode_client(desc)
+    try:
+        _ready(c, addr)
+        assert _lookup(c, addr, [later])[later].status is m.LookupStatus.UNKNOWN  # claimed before it arrives
+        engine.notify = lambda peer, msg: None  # its "ready" push is lost on the way
+        _prefilled(engine, later)
+        with engine._lock:
+            seq = engine.sched.get(later)
+            seq.claimed = True  # (as _add does for a request claimed before it arrived)
+        result = _lookup(c, addr, [later])[later]  # the decode worker asks again: the whole answer is there
+        assert (result.status, result.first_token, result.num_tokens, result.tail) == (m.LookupStatus.READY, 42, 3,
+                                                                                       (1, 2, 3))
+    finally:
+        c.close()

@@ -1,8 +1,8 @@
-"""The prefill worker's record of decode workers: liveness, departures, eviction, the cluster token."""
+"""The prefill worker's record of decode workers: liveness, departures, eviction, sessions that end."""
 
 from __future__ import annotations
 
-from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
+from xpyd.prefill_worker.peers import DecodePeers, PeerMap
 from xpyd.transfer.base import BackendDescriptor
 
 DESC = BackendDescriptor("tcp", "127.0.0.1:9", 4096)
@@ -36,10 +36,12 @@ def test_the_least_recently_heard_from_is_forgotten_beyond_the_limit_with_its_po
     assert peers.pool("c") == PeerMap(DESC, 64, 8) and peers.leave("c", 6.0) == PeerMap(DESC, 64, 8)
 
 
-def test_token_refusal():
-    assert token_refusal(None, None) is None
-    assert "same --cluster-token" in token_refusal(None, "x")  # it keys transfers: the pair could move nothing
-    assert "required" in token_refusal("s3cret-token", None)
-    assert token_refusal("s3cret-token", "wrong") == "cluster token mismatch"
-    assert token_refusal("s3cret-token", "s3cret-token") is None
-    assert token_refusal("s3cret-token", "\udcff") == "cluster token mismatch"  # lone surrogate: no crash
+def test_a_closed_session_forgets_the_handshake_and_the_pool_until_the_next_one():
+    peers = DecodePeers()
+    peers.accept("a", 0.0)
+    peers.register("a", PeerMap(DESC, 64, 8))
+    assert peers.close("a") and not peers.close("a")  # (the second time: nothing to forget)
+    assert peers.pool("a") is None and not peers.heard_from("a", 1.0) and peers.last_heard("a") is None
+    assert peers.num_handshaken == 0 and peers.num_registered == 0
+    peers.accept("a", 2.0)  # its next session
+    assert peers.heard_from("a", 3.0) and peers.pool("a") is None  # (it maps its pool again)

@@ -16,10 +16,18 @@ COMPAT = {"layout": "block-head-major/1", "num_layers": 2, "num_kv_heads": 2, "h
           "block_size": 16}
 TRANSFER = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 4096, "offers": [["tcp", "x"]]}
 SECRET = bytes(range(m.TRANSFER_SECRET_BYTES))
+NONCE = bytes(range(32, 32 + m.NONCE_BYTES))
+PROOF = bytes(range(64, 64 + m.PROOF_BYTES))
 
 EVERY_MESSAGE = [
+    m.Hello("10.0.0.2:7200", "0123456789abcdef", NONCE, True),
+    m.Challenge(NONCE, PROOF),
+    m.Challenge(NONCE, None),
+    m.Proof(PROOF),
+    m.Proof(None),
+    m.AuthReply(True),
+    m.AuthReply(False, "cluster token mismatch"),
     m.Handshake("10.0.0.2:7200", "m", COMPAT),
-    m.Handshake("10.0.0.2:7200", "m", COMPAT, "token"),
     m.HandshakeReply(True, None, "m"),
     m.HandshakeReply(False, "model mismatch"),
     m.KVMapInit("10.0.0.2:7200", TRANSFER, 1024, 4),
@@ -80,6 +88,7 @@ def _frame(msg: dict | None = None, **envelope) -> bytes:
 LOOKUP = {"type": "lookup_all", "sender": "a:1"}
 RELEASE = {"type": "release", "sender": "a:1"}
 HANDSHAKE = {"type": "handshake", "sender": "a:1", "model_id": "m", "kv_compat": COMPAT}
+HELLO = {"type": "hello", "sender": "a:1", "instance": "i", "nonce": NONCE, "token": True}
 RESULT = [RID, "ready", 9, 3, None]
 
 
@@ -146,6 +155,13 @@ RESULT = [RID, "ready", 9, 3, None]
     pytest.param(_frame({"type": "lookup_reply", "results": [[RID, "ready", 9, 3, None, b"", list(range(1025))]]}),
                  "$.msg.results[0][6]", id="tail-too-long"),
     pytest.param(_frame({"type": "release_reply", "released": -1}), "$.msg.released", id="negative-released"),
+    pytest.param(_frame({**HELLO, "nonce": NONCE[:-1]}), "$.msg.nonce", id="short-nonce"),
+    pytest.param(_frame({**HELLO, "sender": "x" * (m.MAX_ADDRESS + 1)}), "$.msg.sender", id="hello-sender-too-long"),
+    pytest.param(_frame({**HELLO, "instance": ""}), "$.msg.instance", id="empty-instance"),
+    pytest.param(_frame({**HELLO, "token": "yes"}), "$.msg.token", id="token-flag-not-bool"),
+    pytest.param(_frame({"type": "proof", "proof": PROOF + b"x"}), "$.msg.proof", id="proof-too-long"),
+    pytest.param(_frame({"type": "challenge", "nonce": NONCE, "proof": "s3cret"}), "$.msg.proof",
+                 id="proof-not-bytes"),
 ])
 def test_bad_frames_raise_message_error(frame, needle):
     with pytest.raises(m.MessageError) as info:
@@ -185,3 +201,33 @@ def test_mutated_frames_decode_or_raise_message_error_only():
         except m.MessageError:
             refused += 1
     assert refused > 1000
+
+
+# The largest legal answer to one lookup: MAX_ENTRIES results, each naming MAX_BLOCKS block hashes (512 KiB) and
+# a full tail, against a frame cap of MAX_FRAME_BYTES (4 MiB).
+BIG_HASHES = bytes(range(256)) * (8 * m.MAX_BLOCKS // 256)
+
+
+def _big_result(i: int) -> m.LookupResult:
+    return m.LookupResult(f"{RID}-{i}", m.LookupStatus.READY, 7, m.MAX_BLOCKS * 16 + m.MAX_TAIL,
+                          block_hashes=BIG_HASHES, tail=tuple(range(m.MAX_TAIL)), cached_tokens=16)
+
+
+def test_the_largest_lookup_answer_splits_into_frames_under_the_cap_and_arrives_whole():
+    results = tuple(_big_result(i) for i in range(m.MAX_ENTRIES))
+    with pytest.raises(m.MessageError, match="exceeds"):  # one frame cannot hold it
+        m.encode(3, m.LookupReply(results))
+    groups = m.split_results(results)
+    frames = [m.encode(0, m.Notify(g)) for g in groups[:-1]] + [m.encode(3, m.LookupReply(groups[-1]))]
+    assert all(len(f) <= m.MAX_FRAME_BYTES for f in frames) and len(frames) > 1
+    got = [r for f in frames for r in m.decode(f).msg.results]
+    assert [r.request_id for r in got] == [r.request_id for r in results]  # every one, in order
+    assert all(r == _big_result(int(r.request_id.rsplit("-", 1)[1])) for r in got)
+
+
+def test_small_answers_stay_one_frame_and_an_oversized_result_is_failed_not_dropped():
+    small = tuple(m.LookupResult(f"{RID}-{i}", m.LookupStatus.NOT_READY) for i in range(m.MAX_ENTRIES))
+    assert m.split_results(small) == [small] and m.split_results(()) == [()]
+    huge = m.LookupResult(RID, m.LookupStatus.FAILED, error="x" * m.MAX_FRAME_BYTES)
+    ((only,),) = m.split_results((huge,))
+    assert only.request_id == RID and only.status is m.LookupStatus.FAILED and "exceeds a signal frame" in only.error

@@ -10,13 +10,18 @@ it; the moment the prefill ends (or the request fails or expires here), the serv
 ``notify`` to the claimant.
 
 Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a later
-lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, or until its
-decode worker has sent nothing (heartbeats included) for ``peer_timeout``; a send to a decode worker
-silent that long is aborted. Requests that ended here
+lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, until its
+decode worker has sent nothing (heartbeats included) for ``peer_timeout``, until the signal session that
+claimed it ends, or at most CLAIM_TTL_FACTOR x ``kv_ttl`` (``expiry``); a send to a decode worker silent
+that long, or whose session ended, is aborted. Requests that ended here
 unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
-(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival. With
-a cluster token configured, a decode worker must present it at the handshake (constant-time compare),
-and nothing but a handshake is served before that.
+(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival.
+
+Who is served: the signal server opens a session per connection once the decode worker proved the
+cluster token (challenge-response, the token never sent: ``xpyd.signal.auth``) and calls this engine
+only for open sessions, with the decode worker's address from its authenticated hello; it says when a
+decode worker's session ended (``on_session_closed``). A push that could not be delivered changes
+nothing here: the decode worker's next lookup is answered from the request's state.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.expiry import late_kv, stalled_sends
-from xpyd.prefill_worker.peers import DecodePeers, PeerMap, token_refusal
+from xpyd.prefill_worker.expiry import CLAIM_TTL_FACTOR, late_kv, orphaned, stalled_sends
+from xpyd.prefill_worker.peers import DecodePeers, PeerMap
 from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
@@ -71,6 +76,9 @@ class PrefillEngine(WorkerEngine):
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
         self._expired = 0
         self._released_on_arrival = 0
+        self._undelivered = 0  # notifies the signal server could not send (the decode worker asks again)
+        self._orphaned = 0  # requests freed because the session of their decode worker ended
+        self._claims: dict[str, set[str]] = {}  # decode worker -> ids of its live claimed requests
         # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
         # their prompt was still computing
         self._steps = Counter()
@@ -98,6 +106,7 @@ class PrefillEngine(WorkerEngine):
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self._sends),
                     "expired": self._expired, "released_on_arrival": self._released_on_arrival,
+                    "notifies_undelivered": self._undelivered, "orphaned": self._orphaned,
                     "prefill_chunk": self.sched.chunk, "prefill_steps": self._steps["steps"],
                     "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"],
                     "kv_stream": self._streams, "kv_parts_streamed": self._steps["streamed_parts"]}
@@ -163,16 +172,19 @@ class PrefillEngine(WorkerEngine):
             self.metrics.request_done("aborted")
         else:
             item.start_output(self.tokenizer)
-            self.sched.add(PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
-                                      hashes=self.kv_cache.hashes(item.prompt_ids),
-                                      claimed=self._memory.claimed_early.pop(rid, False)))
+            seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
+                             hashes=self.kv_cache.hashes(item.prompt_ids))
+            self.sched.add(seq)
+            if self._memory.claimed_early.pop(rid, False):
+                self._claim(seq)
 
     def _expire(self, now: float) -> None:
         """Free KV that waits for a pull in vain, abort sends to silent decode workers (``expiry``); later
         lookups are answered 'expired' / 'failed'."""
         ttl, silent = self.config.kv_ttl, self.config.peer_timeout
         self._peers.forget_left(before=now - ttl)  # whatever they held has expired by now
-        for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE)):
+        for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE),
+                                CLAIM_TTL_FACTOR * ttl):
             self.sched.release(seq.request_id, RequestState.FAILED)
             self._ended(seq)
             self._expired += 1
@@ -202,9 +214,17 @@ class PrefillEngine(WorkerEngine):
         self.metrics.set_kv_cache(self.kv_cache.stats())
         self.publish_kv_events()
 
+    def _claim(self, seq: PrefillSeq) -> None:
+        """Its decode worker claimed it (notified when ready; its KV waits for that worker's session)."""
+        seq.claimed = True
+        self._claims.setdefault(seq.peer, set()).add(seq.request_id)
+
     def _ended(self, seq: PrefillSeq) -> None:
         """``seq`` reached a final state: count it (and its pull's bytes); if its prompt never finished, its
         HTTP call still waits: answer it."""
+        claims = self._claims.get(seq.peer)
+        if claims is not None:
+            claims.discard(seq.request_id)
         plan = seq.pull.plan if seq.pull is not None else None
         if plan is not None:
             ok = seq.state is RequestState.FINISHED
@@ -338,11 +358,45 @@ class PrefillEngine(WorkerEngine):
         self.transfer.close()
 
     # --- signal plane (server thread) --------------------------------------
+    @property
+    def cluster_token(self) -> str | None:
+        """What each decode worker's signal session proves (the signal server checks it)."""
+        return self.config.cluster_token
+
+    def on_session_closed(self, identity: str, why: str) -> None:
+        """The signal session of decode worker ``identity`` ended: it shakes hands again on its next one;
+        what that session claimed (held KV, sends in flight, claims of requests still to come) is freed
+        (``expiry.orphaned``): its decode worker failed those requests, or is a new process that never
+        heard of them."""
+        with self._lock:
+            self._peers.close(identity)
+            for rid in [r for r in self._memory.claimed_early if _decode_addr_of(r) == identity]:
+                self._memory.claimed_early.pop(rid, None)
+            held, sending = orphaned(self.sched.held(), self.sched.sending(), identity)
+            error = f"its decode worker's signal session ended ({why})"
+            for seq in held:
+                self.sched.release(seq.request_id, RequestState.FAILED)
+                self._ended(seq)
+                self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV freed: {error}", False)
+            for seq in sending:
+                self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
+                abort_sends(self.transfer, seq)
+                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {error}", False)
+            self._orphaned += len(held) + len(sending)
+            for rid in self._claims.pop(identity, ()):  # not prefilled yet: nobody waits for a notify now
+                seq = self.sched.get(rid)
+                if seq is not None and not seq.state.is_final and not seq.cancel_requested:
+                    seq.claimed = False  # (kv_ttl from now on: the worker's next session may claim it again)
+        if held or sending:
+            log.info("decode worker %s: %d claimed requests freed, %d sends aborted: %s", identity, len(held),
+                     len(sending), error)
+            self.post(None)  # (the engine polls the aborted sends)
+
+    def on_undelivered(self, identity: str, msg: m.Message, why: str) -> None:
+        with self._lock:
+            self._undelivered += 1
+
     def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply:
-        refusal = token_refusal(self.config.cluster_token, msg.cluster_token)
-        if refusal is not None:
-            log.warning("refused handshake from %r: %s", identity[:64], refusal)
-            return m.HandshakeReply(False, refusal)
         if msg.model_id != self.model_id:
             return m.HandshakeReply(False, f"model mismatch: prefill serves {self.model_id!r}, "
                                            f"decode serves {msg.model_id!r}", self.model_id)
@@ -416,7 +470,7 @@ class PrefillEngine(WorkerEngine):
                 self._memory.claimed_early[e.request_id] = True  # claimed on arrival; notified when ready
             return m.LookupResult(e.request_id, S.UNKNOWN)
         if e.dest_blocks is None:
-            seq.claimed = True  # notified when ready (or ended); its KV waits for this decode worker
+            self._claim(seq)  # notified when ready (or ended); its KV waits for this decode worker
         streaming = seq.state is RequestState.RUNNING and self._streams
         if seq.state is RequestState.WAITING or (seq.state is RequestState.RUNNING and not streaming):
             return m.LookupResult(e.request_id, S.NOT_READY)

@@ -5,7 +5,15 @@ Held KV (prefilled, not yet pulled) is late when
 - its decode worker left the cluster (discovery) and did not pull it within ``grace`` seconds of that (or
   of the prefill, if later): one that drains still pulls, one that was killed never will;
 - it is claimed and its decode worker has sent nothing (heartbeats included) for ``silent`` seconds;
+- it is claimed and was not pulled within ``claim_ttl`` seconds (a decode worker that keeps talking but
+  lost the request, or never gets to it, does not hold it for ever: CLAIM_TTL_FACTOR x ``kv_ttl``);
 - it is not claimed and nobody pulled it within ``ttl`` seconds.
+
+KV is *orphaned* when the signal session of its decode worker ended (its connection closed, or a new
+session of that address opened: the worker reconnected or restarted): what that session claimed (held
+KV) or pulled (sends in flight) is given up at once, since the decode worker that asked for it has failed
+those requests (a restarted one never heard of them). KV nobody claimed keeps its ``ttl``: the worker's
+next session may still claim and pull it.
 
 A send (whole, or a streamed prompt's parts) is stalled when its decode worker has sent nothing for
 ``silent`` seconds: the link was cut or the worker died without a word, and the backend would otherwise
@@ -22,8 +30,11 @@ from xpyd.prefill_worker.peers import DecodePeers
 from xpyd.prefill_worker.scheduler import PrefillSeq
 
 
+CLAIM_TTL_FACTOR = 4  # claimed KV waits at most this many kv_ttl for its pull
+
+
 def late_kv(held: Iterable[PrefillSeq], peers: DecodePeers, now: float, ttl: float, silent: float,
-            grace: float) -> list[tuple[PrefillSeq, str]]:
+            grace: float, claim_ttl: float) -> list[tuple[PrefillSeq, str]]:
     """The held requests whose KV is given up on, each with why (in the words the logs and the decode
     worker get)."""
     late = []
@@ -33,6 +44,8 @@ def late_kv(held: Iterable[PrefillSeq], peers: DecodePeers, now: float, ttl: flo
             late.append((seq, f"its decode worker left the cluster and did not pull it within {grace:g}s"))
         elif seq.claimed and now - (peers.last_heard(seq.peer) or 0.0) >= silent:
             late.append((seq, f"its decode worker {seq.peer} claimed it but sent nothing for {silent:g}s"))
+        elif seq.claimed and now - seq.held_since >= claim_ttl:
+            late.append((seq, f"its decode worker {seq.peer} claimed it but did not pull it within {claim_ttl:g}s"))
         elif not seq.claimed and now - seq.held_since >= ttl:
             late.append((seq, f"not pulled within kv_ttl={ttl:g}s"))
     return late
@@ -44,3 +57,11 @@ def stalled_sends(sending: Iterable[PrefillSeq], peers: DecodePeers, now: float,
     return [(seq, f"its decode worker {seq.peer} sent nothing for {silent:g}s during the KV send")
             for seq in sending
             if not seq.cancel_requested and now - (peers.last_heard(seq.peer) or 0.0) >= silent]
+
+
+def orphaned(held: Iterable[PrefillSeq], sending: Iterable[PrefillSeq],
+             peer: str) -> tuple[list[PrefillSeq], list[PrefillSeq]]:
+    """The signal session of decode worker ``peer`` ended: its claimed held KV and its sends in flight (not
+    already being dropped)."""
+    return ([seq for seq in held if seq.peer == peer and seq.claimed],
+            [seq for seq in sending if seq.peer == peer and not seq.cancel_requested])

@@ -1,14 +1,15 @@
 """The decode workers a prefill worker serves, as its engine keeps track of them.
 
 Who shook hands and when each was last heard from (any message counts, heartbeats included), the KV pool
-each registered (``kv_map_init``), and which left the cluster (discovery). At most ``max_peers`` are
-remembered; beyond that the least recently heard from is forgotten (it shakes hands again). Not
-thread-safe: the engine's lock guards it.
+each registered (``kv_map_init``), and which left the cluster (discovery). A decode worker is known by its
+address, as its signal session's authenticated hello names it (``xpyd.signal.server``: one open session
+per address); when that session ends, the worker is forgotten (``close``) and shakes hands again on its
+next session. At most ``max_peers`` are remembered; beyond that the least recently heard from is
+forgotten (it shakes hands again). Not thread-safe: the engine's lock guards it.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -50,6 +51,11 @@ class DecodePeers:
         self._seen.move_to_end(identity)
         return True
 
+    def close(self, identity: str) -> bool:
+        """Its signal session ended: forget its handshake and its pool (True if it had shaken hands)."""
+        self._maps.pop(identity, None)
+        return self._seen.pop(identity, None) is not None
+
     def last_heard(self, identity: str) -> float | None:
         return self._seen.get(identity)
 
@@ -87,19 +93,3 @@ class DecodePeers:
     def num_registered(self) -> int:
         return len(self._maps)
 
-
-def token_refusal(expected: str | None, presented: str | None) -> str | None:
-    """Why a handshake is refused for its cluster token, or None if it may proceed (constant-time).
-
-    A token where this worker has none is refused too: both sides key every KV transfer's MAC with it,
-    so the pair could not move a byte."""
-    if expected is None:
-        if presented is not None:
-            return ("the decode worker presents a cluster token and this prefill worker has none: set the "
-                    "same --cluster-token on both (KV transfers are keyed with it)")
-        return None
-    if presented is None:
-        return "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"
-    if not hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode()):
-        return "cluster token mismatch"
-    return None

@@ -1,9 +1,13 @@
 """Decode side of the signal plane: one ZMQ DEALER per prefill worker, opened on demand.
 
 Used from the decode engine thread only (ZMQ sockets are not thread-safe).
-Connecting a new peer sends ``handshake`` then ``kv_map_init``; lookups are
-only sent to a peer once both were accepted. Every request has a deadline; a
-peer that misses one is marked FAILED and its requests fail (no hang).
+Connecting a new peer opens a session (``hello``; the prefill worker's ``challenge`` proves it holds the
+cluster token, and only then does this worker send its own ``proof``: ``xpyd.signal.auth``; the token
+is never sent), then sends ``handshake`` and ``kv_map_init``; lookups are only sent to a peer once all
+were accepted. The DEALER sets no routing id: the prefill worker's ROUTER names the connection, so
+nobody can take this worker's session by naming it. Every request has a deadline; a peer that misses
+one is marked FAILED and its requests fail (no hang). An ``error`` answer to a lookup fails that lookup's
+requests only (each gets a FAILED result); one to anything else fails the peer.
 
 Prefill pushes ``notify`` (seq 0) for requests this worker claimed; ``poll`` returns those with the
 lookup replies. ``heartbeat`` keeps each ready peer told that this worker is alive (prefill frees
@@ -27,6 +31,7 @@ from enum import Enum
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from xpyd.signal import auth
 from xpyd.signal import messages as m
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,7 @@ _WATCHED_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class PeerState(str, Enum):
+    AUTHENTICATING = "authenticating"
     HANDSHAKING = "handshaking"
     MAPPING = "mapping"
     READY = "ready"
@@ -47,9 +53,11 @@ class PrefillPeer:
     addr: str
     sock: zmq.Socket
     monitor: zmq.Socket | None = None
-    state: PeerState = PeerState.HANDSHAKING
+    state: PeerState = PeerState.AUTHENTICATING
     error: str | None = None
     pending: dict[int, tuple[str, float]] = field(default_factory=dict)  # seq -> (type, deadline)
+    lookups: dict[int, tuple[str, ...]] = field(default_factory=dict)  # seq -> request ids of a lookup
+    hello: tuple[bytes, bytes] = (b"", b"")  # (our nonce, the hello frame as sent)
     lookup_in_flight: bool = False
     last_lookup: float = 0.0
     last_sent: float = 0.0  # monotonic time of the last message sent to this peer
@@ -57,8 +65,12 @@ class PrefillPeer:
 
 class SignalClient:
     def __init__(self, identity: str, handshake: m.Handshake, kv_map: m.KVMapInit,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, cluster_token: str | None = None) -> None:
+        """``identity``: this worker's signal address (named in its hello); ``cluster_token``: what it
+        proves, and expects each prefill worker to prove (None: neither)."""
         self.identity = identity
+        self.instance = auth.new_instance()  # this process (a restarted worker is a new instance)
+        self._token = cluster_token
         self._handshake = handshake
         self._kv_map = kv_map
         self._timeout = timeout
@@ -79,8 +91,7 @@ class SignalClient:
         if p is not None:
             self._drop(p)
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)  # (no ROUTING_ID: the ROUTER names each connection itself)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.IPV6, int(addr.startswith("[")))  # '[v6]:port' (request ids bracket IPv6)
         monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
@@ -91,7 +102,11 @@ class SignalClient:
         self._by_monitor[monitor] = p
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
-        self._send(p, self._handshake)
+        nonce = auth.new_nonce()
+        hello = m.Hello(self.identity, self.instance, nonce, self._token is not None)
+        seq = next(self._seq)
+        p.hello = (nonce, m.encode(seq, hello))
+        self._send_frame(p, seq, hello.TYPE, p.hello[1])
         return p
 
     def get(self, addr: str) -> PrefillPeer | None:
@@ -133,14 +148,17 @@ class SignalClient:
     # --- requests ----------------------------------------------------------
     def _send(self, p: PrefillPeer, msg: m.Message) -> int:
         seq = next(self._seq)
+        self._send_frame(p, seq, msg.TYPE, m.encode(seq, msg))
+        return seq
+
+    def _send_frame(self, p: PrefillPeer, seq: int, kind: str, frame: bytes) -> None:
         try:
-            p.sock.send(m.encode(seq, msg), zmq.NOBLOCK)
+            p.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self._fail(p, "peer not reachable (send queue full)")
-            return seq
+            return
         p.last_sent = time.monotonic()
-        p.pending[seq] = (msg.TYPE, p.last_sent + self._timeout)
-        return seq
+        p.pending[seq] = (kind, p.last_sent + self._timeout)
 
     def pending_requests(self) -> int:
         """Requests sent and not yet answered, over all peers (for stats)."""
@@ -152,7 +170,9 @@ class SignalClient:
             raise RuntimeError(f"prefill peer {addr} is not ready")
         p.lookup_in_flight = True
         p.last_lookup = time.monotonic()
-        self._send(p, m.LookupAll(self.identity, tuple(entries)))
+        seq = self._send(p, m.LookupAll(self.identity, tuple(entries)))
+        if seq in p.pending:
+            p.lookups[seq] = tuple(e.request_id for e in entries)
 
     def send_release(self, addr: str, request_ids: list[str]) -> None:
         p = self._peers.get(addr)
@@ -219,12 +239,23 @@ class SignalClient:
             log.warning("unexpected reply seq %d from %s", env.seq, p.addr)
             return
         msg = env.msg
-        if isinstance(msg, m.ErrorReply):
+        asked = p.lookups.pop(env.seq, None)
+        if isinstance(msg, m.ErrorReply) and asked is not None:  # this lookup's requests fail, not the peer
+            p.lookup_in_flight = False
+            error = f"prefill worker {p.addr} refused the lookup: {msg.error}"
+            replies.append((p.addr, m.LookupReply(tuple(m.LookupResult(rid, m.LookupStatus.FAILED, error=error)
+                                                         for rid in asked))))
+        elif isinstance(msg, m.ErrorReply):
             self._fail(p, f"prefill worker {p.addr} refused {sent[0]}: {msg.error}")
+        elif isinstance(msg, m.Challenge) and p.state is PeerState.AUTHENTICATING:
+            self._on_challenge(p, msg)
+        elif isinstance(msg, m.AuthReply):
+            if not msg.ok:
+                self._fail(p, f"handshake with {p.addr} refused: {msg.error}")
         elif isinstance(msg, m.HandshakeReply):
             if not msg.ok:
                 self._fail(p, f"handshake with {p.addr} refused: {msg.error}")
-            else:
+            elif p.state is PeerState.HANDSHAKING:
                 p.state = PeerState.MAPPING
                 self._send(p, self._kv_map)
         elif isinstance(msg, m.KVMapReply):
@@ -238,11 +269,28 @@ class SignalClient:
         elif isinstance(msg, (m.ReleaseReply, m.HeartbeatReply)):
             pass
 
+    def _on_challenge(self, p: PrefillPeer, msg: m.Challenge) -> None:
+        """The prefill worker proved the cluster token (or neither side has one): prove it back, and shake
+        hands (sent together: the prefill worker serves the handshake only once the proof opened the
+        session). A wrong proof: nothing more is sent."""
+        nonce, hello = p.hello
+        expected = None if self._token is None else auth.prefill_proof(self._token, nonce, msg.nonce, hello)
+        refusal = auth.proof_refusal(expected, msg.proof, "prefill")
+        if refusal is not None:
+            self._fail(p, f"handshake with {p.addr} refused: the prefill worker's proof: {refusal}")
+            return
+        proof = None if self._token is None else auth.decode_proof(self._token, msg.nonce, nonce, hello)
+        p.state = PeerState.HANDSHAKING
+        self._send(p, m.Proof(proof))
+        if p.state is PeerState.HANDSHAKING:
+            self._send(p, self._handshake)
+
     def _fail(self, p: PrefillPeer, error: str) -> None:
         log.warning("%s", error)
         p.state = PeerState.FAILED
         p.error = error
         p.pending.clear()
+        p.lookups.clear()
         p.lookup_in_flight = False
         self._close_sockets(p)  # the record stays (FAILED, with its error); peer() reconnects
         self._failed.append(p)  # reported by the next poll()

@@ -3,7 +3,10 @@
 Decode workers (DEALER) send requests; the prefill worker (ROUTER) answers each
 with exactly one reply carrying the same ``seq``.
 
-- ``handshake``   -> ``handshake_reply``  (protocol version, model, KV layout must match)
+- ``hello``       -> ``challenge``        (what the decode worker is; the prefill worker's proof of the
+  cluster token, ``xpyd.signal.auth``) or ``handshake_reply`` (refused: a token on one side only)
+- ``proof``       -> ``auth_reply``       (the decode worker's proof; the session opens)
+- ``handshake``   -> ``handshake_reply``  (model, KV layout must match)
 - ``kv_map_init`` -> ``kv_map_reply``     (where the decode side's KV pool can be written)
 - ``lookup_all``  -> ``lookup_reply``     (status of many requests. An entry without a destination
   *claims* the request: prefill keeps its KV for this decode worker and pushes a ``notify`` the
@@ -16,7 +19,8 @@ with exactly one reply carrying the same ``seq``.
   worker that stops sending anything is freed)
 
 Unsolicited, prefill -> decode, with ``seq`` 0: ``notify`` (results of claimed requests that became
-ready, failed or expired).
+ready, failed or expired; also the results of a lookup that do not fit in its reply's frame, sent just
+before the reply: ``split_results``).
 
 A frame is one msgpack map, ``{"version": PROTOCOL_VERSION, "seq": n, "msg": {"type": "lookup_all", ...}}``:
 the messages are a union tagged by ``type``. Lookup entries and results are arrays (``[request_id,
@@ -38,17 +42,24 @@ from typing import Annotated, Any
 import msgspec
 
 from xpyd import PROTOCOL_VERSION, TRANSFER_SECRET_BYTES
+from xpyd.signal.auth import NONCE_BYTES, PROOF_BYTES
 from xpyd.signal.request_id import MAX_LEN as MAX_REQUEST_ID_LEN
 
 MAX_FRAME_BYTES = 4 << 20  # a signal-plane frame is small; anything bigger is refused
 MAX_ENTRIES = 1024
 MAX_BLOCKS = 1 << 16  # KV blocks of one request (max_model_len / block_size)
 MAX_TAIL = 1024  # tokens after a prompt's last full block (< block_size)
+MAX_ADDRESS = 300  # a worker's signal address (host:port, [v6]:port)
+FRAME_SLACK = 256  # bytes of a frame around its results (envelope, tags, array header): ``split_results``
 
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 TransferSecret = Annotated[bytes, msgspec.Meta(min_length=TRANSFER_SECRET_BYTES, max_length=TRANSFER_SECRET_BYTES)]
+Address = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDRESS)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+ProofBytes = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
+InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class MessageError(ValueError):
@@ -73,11 +84,33 @@ class _Message(msgspec.Struct, frozen=True, tag_field="type"):
         return self.__struct_config__.tag
 
 
+class Hello(_Message, frozen=True, tag="hello"):
+    """Opens a connection's session (``xpyd.signal.auth``): what the decode worker is, and its nonce."""
+
+    sender: Address  # the decode worker's signal address (request ids name it; prefill sends KV there)
+    instance: InstanceId  # its process: a restarted worker on the same address is a new instance
+    nonce: Nonce
+    token: bool  # it proves a cluster token
+
+
+class Challenge(_Message, frozen=True, tag="challenge"):
+    nonce: Nonce
+    proof: ProofBytes | None  # the prefill worker's proof of the cluster token; None: it has none
+
+
+class Proof(_Message, frozen=True, tag="proof"):
+    proof: ProofBytes | None  # the decode worker's proof; None: it has no cluster token
+
+
+class AuthReply(_Message, frozen=True, tag="auth_reply"):
+    ok: bool
+    error: str | None = None
+
+
 class Handshake(_Message, frozen=True, tag="handshake"):
-    sender: str  # the decode worker's own signal address (its identity)
+    sender: str  # the decode worker's own signal address (the session's, from its hello)
     model_id: str
     kv_compat: dict[str, Any]  # KVLayout.compat() of the sender, compared whole
-    cluster_token: str | None = None
 
 
 class HandshakeReply(_Message, frozen=True, tag="handshake_reply"):
@@ -165,7 +198,7 @@ class ErrorReply(_Message, frozen=True, tag="error"):
     error: str
 
 
-Message = (Handshake | HandshakeReply | KVMapInit | KVMapReply | LookupAll | LookupReply | Release
+Message = (Hello | Challenge | Proof | AuthReply | Handshake | HandshakeReply | KVMapInit | KVMapReply | LookupAll | LookupReply | Release
            | ReleaseReply | Heartbeat | HeartbeatReply | Notify | ErrorReply)
 
 
@@ -202,6 +235,30 @@ def unpack_hashes(data: bytes) -> list[int]:
     if len(data) % 8:
         raise MessageError(f"block hashes of {len(data)} bytes (not a multiple of 8)")
     return list(struct.unpack(f"<{len(data) // 8}Q", data))
+
+
+def split_results(results: tuple[LookupResult, ...],
+                  limit: int = MAX_FRAME_BYTES - FRAME_SLACK) -> list[tuple[LookupResult, ...]]:
+    """``results`` in groups that each fit one frame (``limit`` bytes of results), in order; at least one
+    group (maybe empty). Any legal set of results gets through this way: one result is at most ~530 KiB
+    (MAX_BLOCKS hashes, MAX_TAIL tokens); one that is larger anyway (a huge error text) goes as FAILED
+    with a short error instead."""
+    groups: list[tuple[LookupResult, ...]] = []
+    group: list[LookupResult] = []
+    size = 0
+    for r in results:
+        n = len(_encoder.encode(r))
+        if n > limit:
+            r = LookupResult(r.request_id, LookupStatus.FAILED, error=f"its result ({n} bytes) exceeds a "
+                             "signal frame")
+            n = len(_encoder.encode(r))
+        if group and size + n > limit:
+            groups.append(tuple(group))
+            group, size = [], 0
+        group.append(r)
+        size += n
+    groups.append(tuple(group))
+    return groups
 
 
 def encode(seq: int, msg: Message) -> bytes:
