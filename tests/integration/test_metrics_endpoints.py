@@ -45,8 +45,19 @@ def scrape(url: str) -> dict[tuple, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def value(values: dict, name: str, **labels: str) -> float:
+def value(values: "dict | Delta", name: str, **labels: str) -> float:
     return values[(name, tuple(sorted(labels.items())))]
+
+
+class Delta:
+    """Counters since ``before`` (the cluster is shared by the module's tests: no absolute counts);
+    ``now`` for gauges."""
+
+    def __init__(self, now: dict, before: dict) -> None:
+        self.now, self._before = now, before
+
+    def __getitem__(self, key: tuple) -> float:
+        return self.now[key] - self._before[key]
 
 
 def completion(proxy: str, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> int:
@@ -78,8 +89,7 @@ def wait_idle(urls: dict[str, str], timeout: float = 10.0) -> dict[str, dict]:
 
 
 def test_metrics_count_the_requests_served(cluster, layout):
-    before = wait_idle(cluster)  # every series is there from the start, at zero
-    assert value(before["prefill"], "xpyd_requests_total", role="prefill", outcome="finished") == 0
+    before = wait_idle(cluster)  # every series is there whatever ran before (counted from here: deltas)
     assert value(before["proxy"], "xpyd_requests_in_flight", role="proxy") == 0
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -89,7 +99,7 @@ def test_metrics_count_the_requests_served(cluster, layout):
     kv_bytes = sum(layout.blocks_for(t) for t in prompt_tokens) * layout.block_bytes  # whole blocks move
 
     got = wait_idle(cluster)
-    p, d, x = got["prefill"], got["decode"], got["proxy"]
+    p, d, x = (Delta(got[k], before[k]) for k in ("prefill", "decode", "proxy"))
     P, D = {"role": "prefill"}, {"role": "decode"}
 
     # Outcomes: every request finished on both workers and was ok at the proxy.
@@ -102,10 +112,10 @@ def test_metrics_count_the_requests_served(cluster, layout):
 
     # KV: nothing held when idle; capacity is the whole pool; every prompt's KV moved once, each way.
     for m, r in ((p, P), (d, D)):
-        assert value(m, "xpyd_kv_pool_used_bytes", **r) == 0
-        assert value(m, "xpyd_kv_pool_capacity_bytes", **r) == layout.total_bytes
+        assert value(m.now, "xpyd_kv_pool_used_bytes", **r) == 0
+        assert value(m.now, "xpyd_kv_pool_capacity_bytes", **r) == layout.total_bytes
         for state in ("waiting", "running", "transferring"):
-            assert value(m, "xpyd_requests_in_flight", **r, state=state) == 0
+            assert value(m.now, "xpyd_requests_in_flight", **r, state=state) == 0
     assert value(p, "xpyd_kv_transfer_bytes_total", **P, direction="send") == kv_bytes
     assert value(d, "xpyd_kv_transfer_bytes_total", **D, direction="recv") == kv_bytes
     assert value(p, "xpyd_kv_transfers_total", **P, direction="send", outcome="ok") == n
@@ -117,8 +127,8 @@ def test_metrics_count_the_requests_served(cluster, layout):
     assert value(p, "xpyd_prefix_cache_hits_total", **P) == 0
     assert value(d, "xpyd_kv_reuse_saved_bytes_total", **D) == 0
     for m, r in ((p, P), (d, D)):
-        assert value(m, "xpyd_kv_blocks", **r, state="used") == 0
-        assert value(m, "xpyd_kv_blocks", **r, state="free") == layout.num_blocks
+        assert value(m.now, "xpyd_kv_blocks", **r, state="used") == 0
+        assert value(m.now, "xpyd_kv_blocks", **r, state="free") == layout.num_blocks
 
     # Latencies: one TTFT per request (prefill, proxy), one ITL per later token, E2E per request.
     assert value(p, "xpyd_time_to_first_token_seconds_count", **P) == n
@@ -131,21 +141,23 @@ def test_metrics_count_the_requests_served(cluster, layout):
     assert value(x, "xpyd_proxy_inter_token_latency_seconds_count") == n * (MAX_TOKENS - 1)
     assert value(d, "xpyd_e2e_request_latency_seconds_count", **D) == n
     assert value(x, "xpyd_proxy_e2e_request_latency_seconds_count") == n
-    assert value(x, "xpyd_requests_in_flight", role="proxy") == 0
-    assert value(x, "xpyd_proxy_workers", role="prefill", health="up") == 1
-    assert value(x, "xpyd_proxy_workers", role="decode", health="up") == 1
+    assert value(x.now, "xpyd_requests_in_flight", role="proxy") == 0
+    assert value(x.now, "xpyd_proxy_workers", role="prefill", health="up") == 1
+    assert value(x.now, "xpyd_proxy_workers", role="decode", health="up") == 1
 
 
 def test_refused_requests_are_counted(cluster):
     bad = json.dumps({"prompt": "x", "max_tokens": 0}).encode()
+    before = {name: scrape(cluster[name]) for name in ("prefill", "proxy")}
     for name in ("proxy", "prefill"):
         req = urllib.request.Request(cluster[name] + "/v1/completions", bad, {"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 400
-    assert value(scrape(cluster["prefill"]), "xpyd_requests_total", role="prefill", outcome="rejected") == 1
-    assert value(scrape(cluster["proxy"]), "xpyd_proxy_requests_total", endpoint="/v1/completions",
-                 outcome="client_error") == 1
+    prefill = Delta(scrape(cluster["prefill"]), before["prefill"])
+    proxy = Delta(scrape(cluster["proxy"]), before["proxy"])
+    assert value(prefill, "xpyd_requests_total", role="prefill", outcome="rejected") == 1
+    assert value(proxy, "xpyd_proxy_requests_total", endpoint="/v1/completions", outcome="client_error") == 1
 
 
 def test_request_ending_on_its_first_token_is_finished_on_prefill(cluster):
