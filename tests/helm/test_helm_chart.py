@@ -296,7 +296,9 @@ def test_existing_secrets_reach_proxy_and_workers(helm: Helm) -> None:
     assert not objects(docs, "Secret")
     proxy = _env(container(one(docs, "Deployment", f"{FULLNAME}-proxy")))
     assert proxy["XPYD_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "xpyd-api-key", "key": "api-key"}
-    assert "XPYD_CLUSTER_TOKEN" not in proxy
+    # the proxy signs request ids with the cluster token and presents it to the workers' HTTP APIs
+    assert proxy["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "xpyd-cluster-token", "key": "cluster-token"}
     for role in ROLES:
         env = _env(container(one(docs, "Deployment", f"{FULLNAME}-{role}")))
         assert env["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
@@ -311,9 +313,26 @@ def test_secret_values_become_secrets_the_pods_reference(helm: Helm) -> None:
     assert set(secrets[f"{FULLNAME}-api-key"]["data"]) == {"api-key"}
     proxy = _env(container(one(docs, "Deployment", f"{FULLNAME}-proxy")))
     assert proxy["XPYD_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-api-key"
+    assert proxy["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-cluster-token"
     for role in ROLES:
         env = _env(container(one(docs, "Deployment", f"{FULLNAME}-{role}")))
         assert env["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULLNAME}-cluster-token"
+
+
+def test_cluster_token_reaches_every_pod_in_its_environment_only(helm: Helm) -> None:
+    """The proxy signs request ids with the token and the workers' HTTP APIs require it: every xpyd pod has it,
+    from the Secret, never on a command line (visible in the process list); the probes hit /health, which
+    needs no token."""
+    docs = helm.template(set_strings=("clusterToken.value=token-for-tests",))
+    deployments = objects(docs, "Deployment")
+    assert set(deployments) == {f"{FULLNAME}-proxy", *(f"{FULLNAME}-{role}" for role in ROLES)}
+    for name, workload in deployments.items():
+        c = container(workload)
+        assert _env(c)["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{FULLNAME}-cluster-token", "key": "cluster-token"}, name
+        assert not any("token-for-tests" in str(word) for word in [*c.get("command", []), *c.get("args", [])])
+        probes = [c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe") if "httpGet" in c.get(p, {})]
+        assert probes and all(p["httpGet"]["path"] == "/health" for p in probes), name
 
 
 def test_no_secret_env_without_secrets(helm: Helm) -> None:

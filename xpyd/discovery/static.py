@@ -24,8 +24,10 @@ ATTEMPT_TIMEOUT = 5.0  # one GET /xpyd/info
 
 class StaticRegistry:
     def __init__(
-        self, prefill_urls: list[str], decode_urls: list[str], timeout: float = 60.0
+        self, prefill_urls: list[str], decode_urls: list[str], timeout: float = 60.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        """``headers``: sent with every ``/xpyd/info`` (the proxy's credential, where workers require one)."""
         if not prefill_urls or not decode_urls:
             raise ValueError("static discovery needs at least one prefill and one decode URL")
         urls = [u.rstrip("/") for u in [*prefill_urls, *decode_urls]]
@@ -38,12 +40,13 @@ class StaticRegistry:
             Role.DECODE: [u.rstrip("/") for u in decode_urls],
         }
         self._timeout = timeout
+        self._headers = dict(headers or {})
         self._workers: dict[Role, list[WorkerInfo]] = {Role.PREFILL: [], Role.DECODE: []}
 
     async def start(self) -> None:
         deadline = time.monotonic() + self._timeout
         timeout = aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=self._headers) as session:
             tasks = {
                 (role, url): asyncio.create_task(self._fetch(session, url, role, deadline))
                 for role, urls in self._urls.items()
@@ -75,6 +78,10 @@ class StaticRegistry:
                     if resp.status == 200:
                         info = WorkerInfo.from_dict(await resp.json(content_type=None))
                         break
+                    if resp.status == 401:  # retrying will not help
+                        raise RegistryError(
+                            f"{role.value} worker {url} refused the proxy (HTTP 401): give the proxy the "
+                            "workers' --cluster-token ($XPYD_CLUSTER_TOKEN)")
                     last_error = f"HTTP {resp.status}"
             except aiohttp.InvalidURL as e:
                 raise RegistryError(f"{role.value} worker: invalid URL {url!r}") from e

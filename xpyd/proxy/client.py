@@ -5,6 +5,10 @@ the decode worker's open SSE stream (``DecodeStream``); ``release_later`` asks a
 worker, in the background, to drop a request. Every failure is an
 ``UpstreamError`` (see ``xpyd.proxy.upstream``). How a client request uses
 these calls is ``xpyd.proxy.pd_call``.
+
+With the workers' cluster token, every call over the session carries the bearer derived from it
+(``worker_headers``) and every request id sent is signed (``WorkerClient``): the request id the proxy
+keeps, logs and names its calls by stays the unsigned one.
 """
 
 from __future__ import annotations
@@ -20,19 +24,28 @@ from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.decode_stream import DecodeStream
 from xpyd.proxy.upstream import Fault, UpstreamError, raise_for_status, upstream_errors
 from xpyd.proxy.worker_api import ABORT_PATH, REQUEST_ID_HEADER, ROUTES, FirstToken, parse_first_token
+from xpyd.signal.request_id import ClusterKeys
 
 log = logging.getLogger(__name__)
 
 # Fault and UpstreamError are imported from here too (xpyd.proxy.upstream is their home).
-__all__ = ["DecodeStream", "Fault", "UpstreamError", "WorkerClient", "worker_session"]
+__all__ = ["DecodeStream", "Fault", "UpstreamError", "WorkerClient", "worker_headers", "worker_session"]
 
 RELEASE_TIMEOUT = 2.0
 
 
+def worker_headers(cluster_token: str | None) -> dict[str, str]:
+    """The headers every call to a worker carries: the cluster's bearer, with a token (else none)."""
+    if cluster_token is None:
+        return {}
+    return {"Authorization": f"Bearer {ClusterKeys(cluster_token).http_bearer}"}
+
+
 def worker_session(
-    connect_timeout: float, read_timeout: float, max_connections: int
+    connect_timeout: float, read_timeout: float, max_connections: int, cluster_token: str | None = None
 ) -> aiohttp.ClientSession:
-    """The proxy's one pooled session to its workers (requests and health polls)."""
+    """The proxy's one pooled session to its workers (requests, health and stats polls, KV events), with
+    the cluster's bearer on every call when ``cluster_token`` is set."""
     timeout = aiohttp.ClientTimeout(
         total=None,  # streams may run long; every read has its own limit instead
         sock_connect=connect_timeout,
@@ -41,7 +54,8 @@ def worker_session(
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_on_headers_sent)
     connector = aiohttp.TCPConnector(limit=max_connections)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace])
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace],
+                                 headers=worker_headers(cluster_token))
 
 
 async def _on_headers_sent(_session, ctx, _params) -> None:
@@ -51,12 +65,19 @@ async def _on_headers_sent(_session, ctx, _params) -> None:
 
 
 class WorkerClient:
-    """Posts to workers over one pooled session from ``worker_session`` (owned by the caller)."""
+    """Posts to workers over one pooled session from ``worker_session`` (owned by the caller); with
+    ``cluster_token``, each request id goes out signed."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout: float,
+                 cluster_token: str | None = None) -> None:
         self._session = session
         self.connect_timeout = connect_timeout
+        self._keys = ClusterKeys(cluster_token) if cluster_token is not None else None
         self._releases: set[asyncio.Task] = set()
+
+    def wire_id(self, request_id: str) -> str:
+        """``request_id`` as the workers are sent it: signed when the proxy has the cluster token."""
+        return request_id if self._keys is None else self._keys.sign(request_id)
 
     def release_later(self, worker: WorkerInfo, request_id: str) -> None:
         """In the background: ``POST /xpyd/abort`` so ``worker`` drops ``request_id`` (best effort)."""
@@ -69,7 +90,8 @@ class WorkerClient:
 
     async def _release(self, worker: WorkerInfo, request_id: str) -> None:
         try:
-            async with self._session.post(worker.http_url + ABORT_PATH, headers={REQUEST_ID_HEADER: request_id},
+            async with self._session.post(worker.http_url + ABORT_PATH,
+                                          headers={REQUEST_ID_HEADER: self.wire_id(request_id)},
                                           timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT)) as resp:
                 await resp.read()
         except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: session closed
@@ -80,7 +102,7 @@ class WorkerClient:
         return self._session.post(
             worker.http_url + ROUTES[kind],
             data=dumps(body),
-            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: request_id},
+            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id)},
             trace_request_ctx={"sent": sent},
         )
 

@@ -30,6 +30,8 @@ class ProxyConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # larger client bodies get 413
     max_connections: int = 1024  # pooled connections to workers
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    cluster_token: str | None = field(default=None, repr=False)  # the workers' token: the proxy signs each
+    # request id with it and presents the bearer derived from it (xpyd.signal.request_id.ClusterKeys)
     max_concurrent_requests: int = 1024  # generation requests in the proxy at once (queued included); 429 beyond
     max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
     queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
@@ -60,6 +62,8 @@ class ProxyConfig:
         if self.api_key is not None and not (self.api_key.isprintable() and self.api_key.isascii()
                                              and " " not in self.api_key):
             raise ValueError("the API key must be printable ASCII without spaces")
+        if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
+            raise ValueError("the cluster token must be 8-256 characters")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
         if self.max_queue < 0:

@@ -25,12 +25,14 @@ from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.netaddr import fd_bind, host_port, reserve_tcp
 from xpyd.proxy.app import create_app
+from xpyd.proxy.client import worker_headers
 from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
 
 API_KEY_ENV = "XPYD_API_KEY"
+CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
 REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
@@ -76,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"require 'Authorization: Bearer KEY' on every route but /health "
                              f"(default: ${API_KEY_ENV}; unset = open). Prefer the environment "
                              "variable: a flag is visible in the process list")
+    parser.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                        help=f"the workers' --cluster-token: the proxy signs every request id it sends them "
+                             f"and presents a credential derived from it, as workers with a token require "
+                             f"(default: ${CLUSTER_TOKEN_ENV}; prefer it: a flag is visible in the process "
+                             "list)")
     parser.add_argument("--max-concurrent-requests", type=int,
                         default=_DEFAULTS.max_concurrent_requests, metavar="N",
                         help="generation requests the proxy holds at once, queued ones included; "
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         discovery_timeout=args.worker_wait,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        cluster_token=args.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV) or None,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
@@ -132,7 +140,8 @@ def make_registry(config: ProxyConfig) -> Registry:
             raise RegistryError(f"dynamic discovery (--etcd) is unavailable: {e}") from e
         return EtcdRegistry(config.etcd)
     return StaticRegistry(
-        list(config.prefill_urls), list(config.decode_urls), timeout=config.discovery_timeout
+        list(config.prefill_urls), list(config.decode_urls), timeout=config.discovery_timeout,
+        headers=worker_headers(config.cluster_token),
     )
 
 
@@ -188,9 +197,9 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
         starting.result()  # raises RegistryError
         app = create_app(config, registry)
         source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
-        log.info("proxy on http://%s serving %s (%s, policy %s, API key %s)", address,
+        log.info("proxy on http://%s serving %s (%s, policy %s, API key %s, cluster token %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
-                 "required" if config.api_key else "not required")
+                 "required" if config.api_key else "not required", "set" if config.cluster_token else "not set")
         await serve(app, _hypercorn_config(sock), shutdown_trigger=stop.wait)
     finally:
         if sock.fileno() != -1:  # not handed to hypercorn (stopped or failed before serving)

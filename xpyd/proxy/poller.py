@@ -59,6 +59,7 @@ class HealthPoller:
         self._on_probe = on_probe  # after every probe: what the table says may have changed
         self._unanswered: dict[tuple[Role, str], int] = {}  # UP worker -> probes in a row that timed out
         self._feed = feed  # told about every tick, and polls each UP worker's KV events after its stats
+        self._refused: set[str] = set()  # workers whose stats answered 401 (warned about once)
 
     def start(self) -> None:
         if self._task is None:
@@ -141,6 +142,10 @@ class HealthPoller:
             if resp.status >= 500:
                 self._table.mark_down(worker, f"poll: GET /xpyd/stats answered HTTP {resp.status}")
                 return
+            if resp.status == 401 and worker.http_url not in self._refused:
+                self._refused.add(worker.http_url)  # (said once per worker)
+                log.warning("%s worker %s refuses the proxy (HTTP 401): it has a --cluster-token the proxy "
+                            "lacks (or another one)", worker.role.value, worker.http_url)
             body = await resp.content.read(MAX_STATS_BYTES)  # read even a 404: keeps the connection
         stats = None
         if resp.status == 200:
