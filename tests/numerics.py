@@ -109,3 +109,18 @@ def assert_decided(rows: Reference, tokens: Sequence[int], what: str = "") -> No
             f"{what}: step {t} is decided by a top-2 margin of {margins[t]:.3g}, within 2 x the float32 bound "
             f"{rows.bound:.3g}: float32 paths may pick either token; choose another prompt")
         assert ours == exact, f"{what}: step {t}: token {ours}, the exact (float64) greedy pick is {exact}"
+
+
+def decided_greedy(model, model64, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for ``ids`` (``model``: float32; ``model64``: the same weights in
+    float64), each asserted to be decided by more than the float32 error (`assert_decided`): the tokens
+    any float32 path of this model gives, on any CPU, so a reference other paths can be compared to."""
+    prompt = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=model.generation_config.eos_token_id)
+        tokens = out[0, len(ids):].tolist()
+        seq = torch.tensor([ids + tokens[:-1]])
+        ref = Reference.measure(model64(seq).logits[0], model(seq).logits[0])
+    assert_decided(Reference(ref.exact[len(ids) - 1 :], ref.bound), tokens, "reference")
+    return tokens

@@ -10,6 +10,7 @@ compute, so these checks cover chunked and packed prefill and streamed KV end to
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import urllib.error
 import urllib.request
@@ -33,25 +34,25 @@ def cluster(tmp_path_factory, smollm_dir: Path):
 
 @pytest.fixture(scope="module")
 def reference(smollm_dir: Path):
-    """Greedy single-process generate() on the same folder, float32."""
+    """Greedy single-process generate() on the same folder, float32; each token decided by more than
+    float32 error (tests/numerics.py), so the cluster's float32 paths must give the same ones."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.numerics import decided_greedy
     from xpyd.model.tokenizer import encode_chat, encode_prompt
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))
     model = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    model64 = copy.deepcopy(model).double()  # every reference token is decided beyond float32 error
     cache: dict = {}
 
     def generate(*, prompt=None, messages=None, max_tokens=NEW_TOKENS) -> tuple[str, int, str]:
         key = (json.dumps(prompt), json.dumps(messages), max_tokens)
         if key not in cache:
             ids = encode_chat(tok, messages) if messages is not None else encode_prompt(tok, prompt)
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=max_tokens, do_sample=False)
-            new = out[0, len(ids):].tolist()
+            new = decided_greedy(model, model64, ids, max_tokens)
             finish = "stop" if new and new[-1] in (tok.eos_token_id,) else "length"
             cache[key] = (tok.decode(new, skip_special_tokens=True), len(new), finish)
         return cache[key]

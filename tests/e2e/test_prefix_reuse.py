@@ -6,6 +6,7 @@ follow-up chat turn moves only the KV decode does not hold yet."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import urllib.request
 from pathlib import Path
@@ -38,18 +39,17 @@ def reference(smollm_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.numerics import decided_greedy
     from xpyd.model.tokenizer import encode_chat, encode_prompt
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))
     model = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    model64 = copy.deepcopy(model).double()  # every reference token is decided beyond float32 error
 
     def generate(prompt=None, messages=None, max_tokens=NEW_TOKENS) -> tuple[list[int], str]:
         ids = encode_chat(tok, messages) if messages is not None else encode_prompt(tok, prompt)
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False)
-        new = out[0, len(ids):].tolist()
+        new = decided_greedy(model, model64, ids, max_tokens)
         return ids, tok.decode(new, skip_special_tokens=True)
 
     return generate
