@@ -43,7 +43,7 @@ from xpyd.worker.stepping import decode_and_sample
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
-from xpyd.signal.client import PeerState, SignalClient
+from xpyd.signal.client import PeerState, PrefillPeer, SignalClient
 from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.base import Region, TransferBackend, expect_parts
@@ -404,7 +404,7 @@ class DecodeEngine(WorkerEngine):
             live = {seq.request_id for seq in self.sched.waiting() + self.sched.transferring()}
             self._asked = {rid: t for rid, t in self._asked.items() if rid in live}
 
-    def _ready_peer(self, addr: str):
+    def _ready_peer(self, addr: str) -> PrefillPeer | None:
         peer = self.signal.get(addr)
         return peer if peer is not None and peer.state is PeerState.READY else None
 
