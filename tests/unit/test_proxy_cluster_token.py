@@ -97,16 +97,23 @@ async def test_every_call_carries_the_credential_and_every_id_goes_signed(aiohtt
         assert headers["x-request-id"] != rid and str(KEYS.verify(headers["x-request-id"])) == rid
 
 
-@pytest.mark.parametrize("status", [401, 403])
-async def test_a_worker_refusing_the_proxy_is_a_502_to_the_client(aiohttp_server, status):
+@pytest.mark.parametrize("status, role, fault", [
+    (401, Role.DECODE, Fault.NONE), (401, Role.PREFILL, Fault.NONE), (403, Role.PREFILL, Fault.NONE),
+    (403, Role.DECODE, Fault.PATH),  # decode refuses the prefill worker named: that pair is avoided, retried
+])
+async def test_a_worker_refusing_the_proxy_is_a_502_to_the_client(aiohttp_server, status, role, fault):
     rec = Recorder(status, {"error": {"message": "refused", "type": "authentication_error"}})
     url = await rec.serve(aiohttp_server)
-    worker = WorkerInfo(Role.DECODE, url, "127.0.0.1:1", "m", 1, 8)
+    worker = WorkerInfo(role, url, "127.0.0.1:1", "m", 1, 8)
     async with aiohttp.ClientSession() as session:
+        client = WorkerClient(session, 5)
         with pytest.raises(UpstreamError) as caught:
-            await WorkerClient(session, 5).open_decode(worker, RequestKind.COMPLETION, {}, "xpyd-x")
+            if role is Role.DECODE:
+                await client.open_decode(worker, RequestKind.COMPLETION, {}, "xpyd-x")
+            else:
+                await client.prefill(worker, RequestKind.COMPLETION, {}, "xpyd-x")
     e = caught.value
-    assert e.status == 502 and e.fault is Fault.NONE and "--cluster-token" in e.message
+    assert e.status == 502 and e.fault is fault and "--cluster-token" in e.message
     assert e.to_dict()["error"]["type"] == "server_error"
 
 

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 from xpyd.api.identity import ResponseIdentity
-from xpyd.api.openai import CompletionRequest
+from xpyd.api.openai import CompletionRequest, RequestKind
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient
 from xpyd.proxy.decode_stream import DecodeStream
@@ -96,9 +96,7 @@ class PDCall:
         kind = self._req.kind
         self._prefill_task = asyncio.create_task(self._client.prefill(
             self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
-        self._decode_task = asyncio.create_task(self._client.open_decode(
-            self._decode, kind, decode_body(self._req, self._decode, self.identity), self.request_id,
-            self._decode_sent))
+        self._decode_task = asyncio.create_task(self._open_decode(kind))
         pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -112,6 +110,12 @@ class PDCall:
                     await self._decode_connected()
                 self._first = first
                 return first
+
+    async def _open_decode(self, kind: RequestKind) -> DecodeStream:
+        with self._path_faults():  # (decode refusing the prefill worker the id names: the pair's fault)
+            return await self._client.open_decode(
+                self._decode, kind, decode_body(self._req, self._decode, self.identity), self.request_id,
+                self._decode_sent)
 
     async def _decode_connected(self) -> None:
         """Wait until decode's request is sent or has failed (usually long done by now)."""

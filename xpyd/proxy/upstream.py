@@ -2,7 +2,8 @@
 
 A worker's 4xx carries its status and body so the client sees them verbatim, but for 401 and 403: those
 refuse the proxy (its cluster token, the request id it signed), not the client's request, so the client
-gets a 502; a worker's 503 stays 503 and its 504 stays 504; any other 5xx or a broken
+gets a 502 (a decode worker's 403, refusing the prefill worker the id names, is the pair's ``PATH`` fault:
+retried on another pair, as when decode cannot reach that prefill worker); a worker's 503 stays 503 and its 504 stays 504; any other 5xx or a broken
 connection is a 502, and a timeout of ours a 504. The ``fault`` says what the
 failure means for the worker (the proxy marks it down, and may retry elsewhere).
 """
@@ -17,7 +18,7 @@ from enum import Enum
 import aiohttp
 
 from xpyd.api.openai import APIError
-from xpyd.discovery.types import WorkerInfo
+from xpyd.discovery.types import Role, WorkerInfo
 
 MAX_ERROR_BODY = 64 * 1024  # bytes of a worker's error body we read and pass on
 _KEPT_5XX = (503, 504)  # a worker starting or overloaded, or timed out itself: the client hears the same
@@ -94,9 +95,10 @@ async def raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> 
     except (ValueError, KeyError, TypeError):
         body, message = None, raw.decode(errors="replace")[:200]
     name = who(worker)
-    if resp.status in _REFUSED_PROXY:
+    if resp.status in _REFUSED_PROXY:  # (a decode worker's 403 refuses the pair: the prefill worker named)
+        path = resp.status == 403 and worker.role is Role.DECODE
         raise UpstreamError(502, f"{name} refused the proxy (HTTP {resp.status}; is the proxy's --cluster-token "
-                            f"the workers'?): {message}", worker=worker)
+                            f"the workers'?): {message}", worker=worker, fault=Fault.PATH if path else Fault.NONE)
     if 400 <= resp.status < 500:
         raise UpstreamError(resp.status, message or f"{name}: HTTP {resp.status}", body, worker)
     raise UpstreamError(server_error_status(resp.status), f"{name} failed with HTTP {resp.status}: {message}",
