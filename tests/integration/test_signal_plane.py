@@ -25,6 +25,7 @@ from xpyd.signal.request_id import RequestId
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq
+from xpyd.signal import server as signal_server
 from xpyd.signal.server import SignalServer
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
@@ -744,3 +745,27 @@ def test_a_claim_dies_with_its_session_and_a_lost_notify_loses_nothing(prefill):
                                                                                        (1, 2, 3))
     finally:
         c.close()
+
+
+def test_a_push_to_a_connection_that_takes_nothing_is_reported_not_dropped_silently(monkeypatch):
+    """A decode worker that stops reading: once its connection's queue is full, each further push is reported
+    undelivered (the ROUTER is ROUTER_MANDATORY; without it, ZMQ drops at the high-water mark without a
+    word) and the session stays open (the worker's re-ask gets the state)."""
+    monkeypatch.setattr(signal_server, "SEND_HWM", 4)
+    h = Handler()
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
+    ctx = zmq.Context()
+    try:
+        sock = _raw_session(ctx, s.port, "raw:1")
+        sock.setsockopt(zmq.RCVHWM, 1)
+        notify = m.Notify((m.LookupResult("r", m.LookupStatus.READY, 1, 1, block_hashes=BIG_HASHES[: 64 << 10]),))
+        for _ in range(600):  # 38 MiB: more than the socket buffers hold
+            s.push("raw:1", notify)
+        wait_until(lambda: h.undelivered, "a push to be reported undelivered")
+        assert h.undelivered[0] == ("raw:1", notify, "its send queue is full (high-water mark)")
+        assert h.closed == [] and s._sessions.route("raw:1") is not None
+        sock.close(0)
+    finally:
+        ctx.destroy(linger=0)
+        s.close()

@@ -72,6 +72,7 @@ class SignalHandler(Protocol):
 
 
 HEARTBEAT_IVL = 1.0  # seconds between ZMTP PINGs on each decode worker's connection
+SEND_HWM = 1000  # messages queued for one decode worker's connection; a push beyond is reported undelivered
 
 
 class SignalServer:
@@ -109,6 +110,7 @@ class SignalServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to no one raises instead of vanishing
         sock.setsockopt(zmq.IPV6, int(is_ipv6(self._host)))
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
