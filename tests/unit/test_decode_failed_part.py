@@ -5,9 +5,15 @@ by hand with fake transfer backends (the prefill side's copies the bytes of what
 
 from __future__ import annotations
 
-from tests.unit.decode_harness import PREFILL, S, add_request, facts, make_engine
+import torch
+
+from tests.unit.decode_harness import LAYOUT, S, add_request, facts, make_engine
+from xpyd.model.kv_pool import KVPool
 from xpyd.signal.request_id import part_transfer_ids
-from xpyd.transfer.base import Region
+from xpyd.transfer.auth import new_secret
+from xpyd.transfer.base import Region, expect_parts
+from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.worker.kv_staging import StagedTransfer, stage_pool
 from xpyd.worker.request import RequestState
 from xpyd.worker.work_item import ErrorEvent
 
@@ -44,4 +50,26 @@ def test_a_part_sent_after_another_part_failed_lands_nowhere(monkeypatch):
     engine.sched.check_invariants()
     assert not engine.sched.has_work() and engine.pool.num_used == 0 and transfer.outstanding() == set()
     transfer.close()
+    sender.close()
+
+
+def test_a_staged_receive_in_parts_withdraws_its_parts_from_the_staging_too():
+    """A device pool (its bytes staged in a host copy): the parts still expected leave the backend and the
+    staging, so a late part lands neither in the host copy nor in the pool, and nothing stays outstanding."""
+    net, secret = FakeNetwork(), new_secret()
+    pool = KVPool(LAYOUT, device=torch.device("cpu"))
+    receiver = StagedTransfer(FakeTransferBackend(net), stage_pool(pool, pin=False))
+    desc = receiver.register(pool.buffer())
+    sender = FakeTransferBackend(net, auto_complete=True)
+    sender.register(memoryview(bytearray([0x5A]) * LAYOUT.total_bytes))
+    parts = [(f"r.{i}", [Region(*r) for r in pool.byte_ranges([i])]) for i in range(3)]
+    recv = expect_parts(receiver, "r", parts, secret=secret)
+    assert sender.send("r.0", parts[0][1], desc, parts[0][1], secret=secret).done()
+    receiver.inner.fail("r.1", "sender connection lost mid-transfer")
+    assert recv.failed() and receiver.outstanding() == set()
+    host, device = bytes(pool.buffer()), pool.tensor.clone()
+    late = sender.send("r.2", parts[2][1], desc, parts[2][1], secret=secret)
+    assert late.failed() and "unexpected transfer id" in late.error
+    assert bytes(pool.buffer()) == host and torch.equal(pool.tensor, device)
+    receiver.close()
     sender.close()
