@@ -124,3 +124,16 @@ def decided_greedy(model, model64, ids: list[int], max_new_tokens: int) -> list[
         ref = Reference.measure(model64(seq).logits[0], model(seq).logits[0])
     assert_decided(Reference(ref.exact[len(ids) - 1 :], ref.bound), tokens, "reference")
     return tokens
+
+
+def assert_roundings_apart(a: torch.Tensor, b: torch.Tensor, n: float = 1.0, what: str = "") -> None:
+    """``a`` and ``b`` (of one low-precision dtype) are one value computed in float32 in two orders and
+    rounded: the float32 error (FACTOR * eps32 at the largest magnitude) may move a value across a
+    rounding boundary, so they are at most ``n`` units in the last place of their dtype apart (at the
+    larger of the two) plus that error."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    x, y = a.detach().double(), b.detach().double()
+    bound = ulps(torch.maximum(x.abs(), y.abs()), n, a.dtype) + FACTOR * EPS32 * float(y.abs().max())
+    over = (x - y).abs() > bound
+    assert not over.any(), (f"{what}: {int(over.sum())} of {over.numel()} elements more than {n:g} {a.dtype} "
+                            f"rounding(s) apart, e.g. {x[over][:3].tolist()} vs {y[over][:3].tolist()}")
