@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xpyd.prefill_worker.expiry import late_kv, orphaned, stalled_sends
+from xpyd.prefill_worker.expiry import claim_ttl, late_kv, orphaned, stalled_sends
 from xpyd.prefill_worker.peers import DecodePeers
 from xpyd.prefill_worker.scheduler import PrefillSeq
 
@@ -75,3 +75,7 @@ def test_a_closed_session_orphans_its_claimed_kv_and_its_sends_but_not_unclaimed
     sending[1].cancel_requested = True
     claimed, sends = orphaned(held, sending, D0)
     assert [s.request_id for s in claimed] == ["claimed"] and [s.request_id for s in sends] == ["pulling"]
+
+
+def test_claims_wait_long_whatever_kv_ttl_is():
+    assert claim_ttl(0.3) == 600.0 and claim_ttl(30.0) == 600.0 and claim_ttl(300.0) == 1200.0

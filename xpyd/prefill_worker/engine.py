@@ -12,7 +12,7 @@ it; the moment the prefill ends (or the request fails or expires here), the serv
 Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a later
 lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, until its
 decode worker has sent nothing (heartbeats included) for ``peer_timeout``, until the signal session that
-claimed it ends, or at most CLAIM_TTL_FACTOR x ``kv_ttl`` (``expiry``); a send to a decode worker silent
+claimed it ends, or at most ``expiry.claim_ttl`` (10 minutes by default); a send to a decode worker silent
 that long, or whose session ended, is aborted. Requests that ended here
 unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
 (``recent.RequestMemory``); a release that arrives before its request drops the request on arrival.
@@ -42,7 +42,7 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.expiry import CLAIM_TTL_FACTOR, late_kv, orphaned, stalled_sends
+from xpyd.prefill_worker.expiry import claim_ttl, late_kv, orphaned, stalled_sends
 from xpyd.prefill_worker.peers import DecodePeers, PeerMap
 from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
@@ -184,7 +184,7 @@ class PrefillEngine(WorkerEngine):
         ttl, silent = self.config.kv_ttl, self.config.peer_timeout
         self._peers.forget_left(before=now - ttl)  # whatever they held has expired by now
         for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE),
-                                CLAIM_TTL_FACTOR * ttl):
+                                claim_ttl(ttl)):
             self.sched.release(seq.request_id, RequestState.FAILED)
             self._ended(seq)
             self._expired += 1

@@ -6,7 +6,8 @@ Held KV (prefilled, not yet pulled) is late when
   of the prefill, if later): one that drains still pulls, one that was killed never will;
 - it is claimed and its decode worker has sent nothing (heartbeats included) for ``silent`` seconds;
 - it is claimed and was not pulled within ``claim_ttl`` seconds (a decode worker that keeps talking but
-  lost the request, or never gets to it, does not hold it for ever: CLAIM_TTL_FACTOR x ``kv_ttl``);
+  lost the request does not hold it for ever; ``claim_ttl``: long, since a request that is ready may
+  wait at its decode worker for a slot in the batch as long as the generations ahead of it take);
 - it is not claimed and nobody pulled it within ``ttl`` seconds.
 
 KV is *orphaned* when the signal session of its decode worker ended (its connection closed, or a new
@@ -30,7 +31,13 @@ from xpyd.prefill_worker.peers import DecodePeers
 from xpyd.prefill_worker.scheduler import PrefillSeq
 
 
-CLAIM_TTL_FACTOR = 4  # claimed KV waits at most this many kv_ttl for its pull
+CLAIM_TTL_FACTOR = 4  # claimed KV waits at most this many kv_ttl for its pull ...
+MIN_CLAIM_TTL = 600.0  # ... and at least this many seconds
+
+
+def claim_ttl(kv_ttl: float) -> float:
+    """How long claimed KV may wait for its pull."""
+    return max(CLAIM_TTL_FACTOR * kv_ttl, MIN_CLAIM_TTL)
 
 
 def late_kv(held: Iterable[PrefillSeq], peers: DecodePeers, now: float, ttl: float, silent: float,
