@@ -706,7 +706,8 @@ def test_a_restarted_decode_worker_frees_what_its_predecessor_claimed(prefill):
         _ready(new, addr)  # (the old process's connection is still open: a restart it did not see)
         wait_until(lambda: engine.pool.num_used == 1, "the old instance's claimed KV to be freed")
         assert [rid for rid in claimed if engine.sched.get(rid) is not None] == []
-        assert engine.stats()["orphaned"] == 2 and engine.stats()["handshaken"] == 1
+        stats = engine.stats()
+        assert stats["orphaned"] == 2 and stats["expired"] == 2 and stats["handshaken"] == 1
         got = _lookup(new, addr, claimed + [unclaimed])
         assert {got[rid].status for rid in claimed} == {m.LookupStatus.EXPIRED}
         assert "signal session ended" in got[claimed[0]].error

@@ -383,6 +383,7 @@ class PrefillEngine(WorkerEngine):
                 abort_sends(self.transfer, seq)
                 self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {error}", False)
             self._orphaned += len(held) + len(sending)
+            self._expired += len(held)  # (freed unpulled, as KV that expires)
             for rid in self._claims.pop(identity, ()):  # not prefilled yet: nobody waits for a notify now
                 seq = self.sched.get(rid)
                 if seq is not None and not seq.state.is_final and not seq.cancel_requested:
