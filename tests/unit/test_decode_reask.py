@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from tests.unit.decode_harness import LAYOUT, S, add_request, facts, make_engine
 from xpyd.decode_worker.engine import FRAME_BUDGET, SAFETY_REASK, lookup_frames
 from xpyd.signal import messages as m
@@ -22,7 +24,10 @@ def _status(entries) -> list[str]:
     return [e.request_id for e in entries if e.dest_blocks is None]
 
 
-def test_a_lost_ready_notify_of_a_streamed_pull_costs_one_reask(monkeypatch):
+@pytest.mark.parametrize("answer", ["facts", "first token alone"])
+def test_a_lost_ready_notify_of_a_streamed_pull_costs_one_reask(monkeypatch, answer):
+    """Prefill answers the re-ask with the prompt's facts while it sends, or (its send done) with how the
+    request ended there: the first token alone."""
     engine, transfer, sender, clock = make_engine(monkeypatch)
     rid, payload = add_request(engine, clock)
     engine.step()
@@ -42,7 +47,10 @@ def test_a_lost_ready_notify_of_a_streamed_pull_costs_one_reask(monkeypatch):
     clock.now += 0.01
     engine.step()
     assert _status(engine.signal.lookups[-1]) == [rid]  # the re-ask
-    engine.signal.answer(facts(rid, S.SENDING, 12, first_token=42))  # what prefill answers while it sends
+    if answer == "facts":
+        engine.signal.answer(facts(rid, S.SENDING, 12, first_token=42))
+    else:
+        engine.signal.answer(m.LookupResult(rid, S.SENDING, 42))
     engine.step()
     seq = engine.sched.get(rid)
     assert seq.state is RequestState.RUNNING and payload.output.token_ids == [42, 7]
