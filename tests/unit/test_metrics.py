@@ -46,7 +46,8 @@ def test_worker_metrics_render_names_types_and_values():
     m.transfer_done("recv", 1000, 0.02, ok=True)
     m.transfer_done("recv", 500, 0.01, ok=True)
     m.transfer_done("recv", 700, 0.05, ok=False)  # failed: counted, but no bytes and no duration
-    stats = {"blocks_used": 5, "blocks_cached": 9, "blocks_free": 20, "prefix_query_tokens": 100,
+    # 25 blocks: 5 held by requests (2 of them cached), 7 cached and held by none, 13 empty
+    stats = {"blocks_used": 5, "blocks_cached": 9, "blocks_free": 20, "blocks_evictable": 7, "prefix_query_tokens": 100,
              "prefix_hit_tokens": 64}
     m.set_kv_cache(stats)
     m.set_kv_cache(stats | {"prefix_query_tokens": 150, "prefix_hit_tokens": 80})  # counters grow by the difference
@@ -96,7 +97,7 @@ def test_worker_metrics_render_names_types_and_values():
     assert value(v, "xpyd_kv_transfers_total", **d, outcome="ok") == 2
     assert value(v, "xpyd_kv_transfers_total", **d, outcome="failed") == 1
     assert {s: value(v, "xpyd_kv_blocks", **r, state=s) for s in ("used", "cached", "free")} == \
-        {"used": 5, "cached": 9, "free": 20}
+        {"used": 5, "cached": 7, "free": 13}  # a partition of the pool
     assert value(v, "xpyd_prefix_cache_queries_total", **r) == 150
     assert value(v, "xpyd_prefix_cache_hits_total", **r) == 80
     assert value(v, "xpyd_kv_reuse_saved_bytes_total", **r) == 4096

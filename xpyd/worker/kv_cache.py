@@ -133,5 +133,5 @@ class KVCache:
     def stats(self) -> dict:
         a = self.allocator
         return {"blocks_total": a.num_blocks, "blocks_used": a.num_referenced, "blocks_cached": a.num_cached,
-                "blocks_free": a.num_free, "blocks_reserved": self.reserved,
+                "blocks_free": a.num_free, "blocks_evictable": a.num_evictable, "blocks_reserved": self.reserved,
                 "prefix_query_tokens": self.query_tokens, "prefix_hit_tokens": self.hit_tokens}

@@ -20,7 +20,9 @@ xpyd_engine_batch_size                     histogram  kind=prefill|decode: reque
 xpyd_kv_transfer_bytes_total               counter    direction=send|recv: bytes of completed transfers
 xpyd_kv_transfer_seconds                   histogram  direction: start -> completion (completed only)
 xpyd_kv_transfers_total                    counter    direction, outcome=ok|failed
-xpyd_kv_blocks                             gauge      state=used|cached|free: KV blocks of the paged cache
+xpyd_kv_blocks                             gauge      state=used|cached|free: KV blocks of the paged cache (the
+                                                      three add up to the pool: held by requests; held by none
+                                                      and kept for their prefix, evictable; empty)
 xpyd_prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
 xpyd_prefix_cache_hits_total               counter    ... and found there (not computed / not moved)
 xpyd_kv_reuse_saved_bytes_total            counter    decode: KV bytes not transferred (prefix blocks held)
@@ -112,8 +114,8 @@ class WorkerMetrics:
     def set_kv_cache(self, stats: dict) -> None:
         """From ``KVCache.stats()``: block states, and the prefix-cache counters' growth since last time."""
         self._blocks["used"].set(stats["blocks_used"])
-        self._blocks["cached"].set(stats["blocks_cached"])
-        self._blocks["free"].set(stats["blocks_free"])
+        self._blocks["cached"].set(stats["blocks_evictable"])  # (a used block may be cached too: counted as used)
+        self._blocks["free"].set(stats["blocks_free"] - stats["blocks_evictable"])
         queries, hits = stats["prefix_query_tokens"], stats["prefix_hit_tokens"]
         self._queries.inc(queries - self._counted[0])
         self._hits.inc(hits - self._counted[1])

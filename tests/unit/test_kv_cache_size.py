@@ -1,0 +1,61 @@
+"""The KV cache's size as a user gives it: ``--kv-cache-memory SIZE`` (bytes, with units) or
+``--kv-cache-tokens N``, through the workers' real argument parser, down to the pool's block count."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from xpyd.worker.config import WorkerConfig, add_worker_arguments, config_from_args, parse_bytes
+
+TOKEN_BYTES = 46_080  # SmolLM2-135M, float32: 30 layers x 2 (K, V) x 3 KV heads x 64 x 4 bytes
+
+
+@pytest.mark.parametrize("text, value", [
+    ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("1000000", 1_000_000),
+    ("64kib", 64 << 10), (" 3 MiB ", 3 << 20), ("1g", 10**9),
+])
+def test_sizes_with_units(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 GiBs", "-1GiB", "0", "0.0001", "1e9", "2TiB", "two"])
+def test_sizes_that_are_not_sizes_are_refused_with_an_example(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        parse_bytes(text)
+
+
+def _config(role: str, *argv: str):
+    parser = argparse.ArgumentParser(prog=f"xpyd {role}")
+    add_worker_arguments(parser, role)
+    return config_from_args(parser.parse_args(list(argv)), role)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_cache_memory_sets_the_pool_in_whole_blocks(role):
+    cfg = _config(role, "--kv-cache-memory", "64MiB", "--max-model-len", "512")
+    assert cfg.kv_cache_memory == 64 << 20
+    blocks = cfg.kv_blocks(TOKEN_BYTES)
+    assert blocks == (64 << 20) // TOKEN_BYTES // cfg.block_size  # 1,456 tokens -> 91 blocks of 16
+    assert blocks * cfg.block_size * TOKEN_BYTES <= 64 << 20
+
+
+def test_kv_cache_memory_too_small_for_one_request_is_refused():
+    cfg = _config("decode", "--kv-cache-memory", "1MiB", "--max-model-len", "512")  # 22 tokens
+    with pytest.raises(ValueError, match="cannot hold one request of --max-model-len 512"):
+        cfg.kv_blocks(TOKEN_BYTES)
+
+
+def test_kv_cache_memory_and_tokens_together_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        _config("decode", "--kv-cache-memory", "64MiB", "--kv-cache-tokens", "4096")
+    assert e.value.code == 2 and "not allowed with argument --kv-cache-memory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--kv-cache-tokens or --kv-cache-memory"):  # the config alone too
+        WorkerConfig(role="decode", kv_cache_memory=64 << 20, kv_cache_tokens=4096)
+
+
+def test_a_bad_size_on_the_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        _config("prefill", "--kv-cache-memory", "lots")
+    assert e.value.code == 2 and "not a size: 'lots'" in capsys.readouterr().err
