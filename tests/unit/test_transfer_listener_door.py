@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from xpyd.transfer.listener import Door, DoorConn
+from xpyd.transfer.listener import Door, DoorConn, source_of
 from xpyd.transfer.tcp_wire import Unproven, pack_frame
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,18 @@ def test_many_sources_keep_the_total_cap_and_the_biggest_source_pays(guests):
     # the first from .66 (4 pending), then (.66 and .67 both had 3) the next from .66, the first of them
     assert [g.shut(i) for i in flood] == [True, True, False, False, False, False, False]
     assert not g.shut(real) and not any(g.shut(i) for i in late)
+
+
+def test_an_ipv6_prefix_is_one_source(guests):
+    """Whoever holds one address of an IPv6 /64 usually holds them all: the /64 shares one cap."""
+    assert source_of("2001:db8:1:2::a") == source_of("2001:db8:1:2:ffff::1%eth0") == "2001:db8:1:2::/64"
+    assert source_of("2001:db8:1:3::a") != source_of("2001:db8:1:2::a")
+    assert source_of("::ffff:10.1.2.3") == source_of("10.1.2.3") == "10.1.2.3"
+    g = guests(Door(max_pending=64, max_per_source=4))
+    flood = [g.enter(f"2001:db8:1:2::{i:x}") for i in range(1, 7)]
+    other = g.enter("2001:db8:1:3::1")
+    assert g.door.pending_by_source() == {"2001:db8:1:2::/64": 4, "2001:db8:1:3::/64": 1}
+    assert [g.shut(i) for i in flood] == [True, True, False, False, False, False] and not g.shut(other)
 
 
 def test_a_connection_that_sent_its_opening_frames_is_never_evicted(guests):

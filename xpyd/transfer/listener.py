@@ -9,6 +9,7 @@ outbound side is in ``sender``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import select
 import socket
@@ -107,10 +108,10 @@ class Door:
     out real senders:
 
     - in time: every wait for the opening frames ends ``open_timeout`` after accept (``Unproven``);
-    - per source address: at most ``max_per_source`` pending; one more evicts the oldest from that
-      address (so a flood evicts its own connections; refusing the newest instead would let a flood
-      that renews its connections keep every real sender out);
-    - in all: at most ``max_pending``; one more evicts the oldest from the address with the most pending.
+    - per source (an IPv4 address, an IPv6 /64: ``source_of``): at most ``max_per_source`` pending;
+      one more evicts the oldest from that source (so a flood evicts its own connections; refusing the
+      newest instead would let a flood that renews its connections keep every real sender out);
+    - in all: at most ``max_pending``; one more evicts the oldest from the source with the most pending.
 
     A connection that is in is never evicted. The listener's own cap (``accept_loop``'s ``max_inbound``,
     above ``max_pending``) refuses new connections once that many readers are open. Thread-safe.
@@ -133,7 +134,7 @@ class Door:
               log: logging.Logger) -> "DoorConn":
         """A just-accepted connection: its ``Conn``, pending until ``opening_frames`` frames were read;
         it may evict an older pending one (see the class). ``close()`` it when done."""
-        guest = _Guest(str(addr[0]), sock, time.monotonic() + self.open_timeout)
+        guest = _Guest(source_of(str(addr[0])), sock, time.monotonic() + self.open_timeout)
         with self._lock:
             mine = self._pending[guest.source]
             if len(mine) >= self.max_per_source:
@@ -151,7 +152,7 @@ class Door:
             return self._count
 
     def pending_by_source(self) -> dict[str, int]:
-        """Pending connections per source address."""
+        """Pending connections per source (``source_of``)."""
         with self._lock:
             return {source: len(guests) for source, guests in self._pending.items()}
 
@@ -199,6 +200,18 @@ class Door:
         log.warning("transfer listener: closed a connection from %s that sent no transfer within %gs or was "
                     "evicted by newer ones (%d so far; a flood of idle connections?)", guest.source,
                     self.open_timeout, dropped)
+
+
+def source_of(host: str) -> str:
+    """The source a connection counts against: its IPv4 address, or its IPv6 /64 (one host's, or one
+    site's, share of addresses: whoever has one address there usually has them all)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network((ip, 64), strict=False)) if ip.version == 6 else str(ip)
 
 
 class _Guest:
