@@ -1,4 +1,4 @@
-"""The KV cache's size and its reuse as live workers report them (real 1P1D, tiny random Llama).
+"""The KV cache's size and its reuse as live workers and `xpyd bench` report them (real 1P1D, tiny random Llama).
 
 ``--kv-cache-memory`` sizes both workers' pools in whole blocks, and a prompt that shares a prefix with
 an earlier one shows up in the prefix-cache metrics of both roles: prefill's hits, decode's KV not moved,
@@ -8,6 +8,8 @@ and the client's ``cached_tokens``.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -86,3 +88,24 @@ def test_a_shared_prefix_shows_in_both_roles_prefix_cache_metrics(cluster):
         assert _value(after[role], "xpyd_kv_blocks", role=role, state="cached") == 2
         assert _value(after[role], "xpyd_kv_blocks", role=role, state="free") == blocks - 2
     assert delta("decode", "xpyd_kv_reuse_saved_bytes_total") == 2 * capacity / blocks  # two blocks' bytes
+
+
+def test_xpyd_bench_against_xpyd_reports_every_request_and_the_prefix_cache(cluster, tiny_model_dir: Path,
+                                                                           tmp_path: Path):
+    """`xpyd bench` as a user runs it against this cluster: shared-prefix workload, streaming, usage read back."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "xpyd", "bench", "--url", cluster["proxy"], "--workload", "shared-prefix",
+         "--num-prefixes", "2", "--prefix-len", "48", "--input-len", "8", "--output-len", "5",
+         "--num-requests", "8", "--concurrency", "2", "--tokenizer", str(tiny_model_dir), "--seed", "1",
+         "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["completed"] == 8 and report["failed"] == 0, report["errors"]
+    assert report["ttft_ms"]["count"] == 8 and report["e2e_ms"]["count"] == 8
+    assert report["total_output_tokens"] == 8 * 5
+    # 2 prefixes of 48 tokens (3 blocks) over 8 requests: every request after a prefix's first finds it cached
+    cache = report["prefix_cache"]
+    assert cache["requests"] == 8 and cache["cached_tokens"] >= (8 - 2) * 3 * BLOCK, cache
+    assert 0 < cache["hit_rate"] < 1
