@@ -78,3 +78,34 @@ def test_each_workers_api_refuses_a_caller_without_the_token(up):
             assert _status(url + path) == 401, (role, path)
             assert _status(url + path, bearer) == 200, (role, path)
         assert _status(url + "/health") == 200  # (what xpyd up and probes wait on)
+
+
+def _up_args(*argv: str):
+    import argparse
+
+    from xpyd.launcher import up as launcher
+
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    return launcher, p.parse_args(list(argv))
+
+
+def test_the_environment_variable_reaches_every_child_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("XPYD_CLUSTER_TOKEN", "from-the-environment")
+    launcher, args = _up_args()
+    for proxy in (False, True):
+        assert launcher.child_env(args, proxy=proxy)["XPYD_CLUSTER_TOKEN"] == "from-the-environment"
+    launcher, args = _up_args("--cluster-token", TOKEN, "--api-key", "sk-0123456789")
+    assert launcher.child_env(args)["XPYD_CLUSTER_TOKEN"] == TOKEN
+    assert "XPYD_API_KEY" not in launcher.child_env(args)  # (the API key is the proxy's alone)
+    assert launcher.child_env(args, proxy=True)["XPYD_API_KEY"] == "sk-0123456789"
+    monkeypatch.delenv("XPYD_CLUSTER_TOKEN")
+    assert launcher.child_env(_up_args()[1]) is None  # nothing to add: the children inherit this environment
+
+
+def test_a_token_the_workers_would_refuse_stops_xpyd_up_before_anything_starts(monkeypatch):
+    monkeypatch.delenv("XPYD_CLUSTER_TOKEN", raising=False)
+    launcher, args = _up_args("--cluster-token", "short")
+    with pytest.raises(ValueError, match="8-256"):
+        launcher._plan(args)
+    assert launcher.run(args) == 2
