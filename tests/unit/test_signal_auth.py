@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from xpyd.signal import auth
 from xpyd.signal import messages as m
 from xpyd.signal.sessions import Sessions
@@ -131,10 +129,9 @@ def test_open_sessions_are_bounded():
     assert _open(s, b"\0r3", 7)[1].ok  # (a known address may always replace its session)
 
 
-@pytest.mark.parametrize("first", [True, False])
-def test_a_hello_on_an_open_session_is_refused_and_changes_nothing(first):
+def test_a_hello_on_an_open_session_is_refused_and_changes_nothing():
     s = Sessions()
     _open(s, b"\0r1", 5)
-    hello, frame = _hello()
-    assert s.hello(b"\0r1", 5, hello, frame, TOKEN if first else None).ok is False
-    assert s.route(D0).routing_id == b"\0r1"
+    hello, frame = _hello(sender="10.0.0.3:7200")
+    assert s.hello(b"\0r1", 5, hello, frame, TOKEN) == m.HandshakeReply(False, "this connection's session is open already")
+    assert s.route(D0).routing_id == b"\0r1" and s.route("10.0.0.3:7200") is None and s.num_pending == 0
