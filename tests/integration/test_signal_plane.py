@@ -375,10 +375,10 @@ def test_multipart_and_unknown_requests_get_error_replies(server):
     assert h.maps == {} and h.released == []
 
 
-def _zmtp_dealer(port: int, identity: str) -> socket.socket:
-    """A TCP connection that speaks ZMTP 3.1 as a DEALER, opens a session as decode worker ``identity`` (on a
-    server without a cluster token) and then says nothing more: a decode worker whose link went silent (a
-    cut cable drops packets; no FIN, no RST ever arrives)."""
+def _zmtp_dealer(port: int, identity: str, token: str | None) -> socket.socket:
+    """A TCP connection that speaks ZMTP 3.1 as a DEALER, opens a session as decode worker ``identity`` and
+    then says nothing more: a decode worker whose link went silent (a cut cable drops packets; no FIN, no
+    RST ever arrives)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     got = bytearray()  # everything the server sent so far
 
@@ -390,37 +390,52 @@ def _zmtp_dealer(port: int, identity: str) -> socket.socket:
 
     props = b"".join(bytes([len(k)]) + k + len(v).to_bytes(4, "big") + v for k, v in ((b"Socket-Type", b"DEALER"),))
     ready = b"\x05READY" + props
-    hello = m.encode(1, m.Hello(identity, "stale", auth.new_nonce(), False))
+    msg = m.Hello(identity, "stale", auth.new_nonce(), token is not None)
+    hello = m.encode(1, msg)
     sock.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32))  # greeting
     read_until(b"NULL")
     sock.sendall(bytes([0x04, len(ready)]) + ready)
     read_until(b"ROUTER")  # (its READY)
     sock.sendall(bytes([0x00, len(hello)]) + hello)
     read_until(b"challenge")
-    proof = m.encode(2, m.Proof(None))
+    nonce = got[got.index(b"nonce\xc4\x20") + 7:][:32]  # (the challenge's nonce: a msgpack bin 8 of 32 bytes)
+    proof = m.encode(2, m.Proof(None if token is None else auth.decode_proof(token, nonce, msg.nonce, hello)))
     sock.sendall(bytes([0x00, len(proof)]) + proof)
     read_until(b"auth_reply")  # the session is open
     return sock
 
 
-def test_a_silent_connection_is_closed_and_its_worker_is_served_at_once_meanwhile():
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_a_silent_connection_is_closed_so_its_worker_can_connect_again(token):
     """After a silent cut, the decode worker's old connection never closes by itself: the server's
-    heartbeats (ZMTP PING, ``peer_timeout``) close it. The worker's new connection is served at once
-    meanwhile: its session replaces the silent one's (it is the same worker)."""
-    h = Handler()
+    heartbeats (ZMTP PING, ``peer_timeout``) close it, and its session with it. With a cluster token the
+    worker's new connection is served at once (its proof makes it the worker: its session replaces the
+    silent one); without one, only once the silent connection is closed (else anyone naming a live
+    worker would take its session)."""
+    h = Handler(token)
     s = SignalServer("127.0.0.1", 0, h, peer_timeout=1.0)
     s.start()
     identity = "127.0.0.1:7009"
-    stale = _zmtp_dealer(s.port, identity)
-    c = _client(identity, timeout=5.0)
+    stale = _zmtp_dealer(s.port, identity, token)
+    c = _client(identity, timeout=5.0, token=token)
     try:
-        _ready(c, f"127.0.0.1:{s.port}")
-        assert h.closed == [(identity, "a new session of the same decode worker opened")]
-        assert stale.recv(1 << 16, socket.MSG_DONTWAIT) is not None  # (PINGs came; then it was closed)
+        t0 = time.monotonic()
+        p = c.peer(f"127.0.0.1:{s.port}")
+        _, failed = _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
+        if token is not None:
+            assert failed == [] and h.closed == [(identity, "a new session of the same decode worker opened")]
+        else:
+            assert failed == [p] and "has an open session on another connection" in p.error
+            while p.state is not PeerState.READY:  # (the worker tries again, as its next request would)
+                assert time.monotonic() - t0 < 8, "the new connection was not served"
+                p = c.peer(f"127.0.0.1:{s.port}")
+                _pump(c, lambda r, f: p.state is PeerState.READY or f, timeout=5)
+            assert h.closed == [(identity, "its connection closed")]
+        assert p.state is PeerState.READY
         stale.settimeout(5)
-        while stale.recv(1 << 16):  # the server closed the stale connection
+        while stale.recv(1 << 16):  # (PINGs came; then) the server closed the stale connection
             pass
-        assert h.closed == [(identity, "a new session of the same decode worker opened")]  # (nothing more ended)
+        assert len(h.closed) == 1  # (its session had ended already)
     finally:
         stale.close()
         c.close()

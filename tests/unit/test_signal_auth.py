@@ -88,6 +88,16 @@ def test_without_a_token_the_exchange_only_opens_a_per_connection_session():
     assert s.prove(b"\0r3", 7, m.Proof(None)) == (m.AuthReply(False, "hello first"), None)
 
 
+def test_without_a_token_an_open_session_is_not_replaced_until_its_connection_closes():
+    s = Sessions()
+    _open(s, b"\0r1", 5, token=None)
+    _, reply, replaced = _open(s, b"\0r2", 6, token=None, instance="someone")  # anyone may say they are D0
+    assert not reply.ok and "has an open session" in reply.error and replaced is None
+    assert s.route(D0).routing_id == b"\0r1" and s.get(b"\0r2", 6) == (None, None)
+    s.closed_fd(5)  # the old connection closed
+    assert _open(s, b"\0r2", 6, token=None)[1].ok and s.route(D0).routing_id == b"\0r2"
+
+
 def test_a_new_session_of_the_same_address_replaces_the_old_one():
     s = Sessions()
     _open(s, b"\0r1", 5)

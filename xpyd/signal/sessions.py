@@ -7,7 +7,9 @@ process instance) comes from its authenticated hello. It closes when its connect
 sees the descriptor go), when a message under its routing id arrives on another connection (a stranger
 that took the routing id after the connection closed), when a send to it finds no such peer, or when a
 newer session of the same address opens (a decode worker that reconnected or restarted: one open session
-per address, and pushes go to that one).
+per address, and pushes go to that one). Without a cluster token nobody proves anything, so a newer
+session does not replace an open one (else anyone could take a live worker's session by naming it): the
+worker waits until the old connection closes (a cut one: after the server's heartbeats time out).
 
 Unauthenticated sessions are bounded: at most ``max_pending``, each for at most ``auth_timeout``
 seconds (the oldest goes first); open sessions at most ``max_open``. Not thread-safe: the server
@@ -82,6 +84,9 @@ class Sessions:
         if len(self._open) >= self._max_open and s.sender not in self._current:
             return m.AuthReply(False, f"too many decode workers ({self._max_open})"), None
         replaced = self._current.get(s.sender)
+        if replaced is not None and s.expected is None:  # (no token: anyone could say they are that worker)
+            return m.AuthReply(False, f"decode worker {s.sender} has an open session on another connection (one "
+                                      "on a cut link is closed after --peer-timeout)"), None
         if replaced is not None:
             self._open.pop(replaced.routing_id, None)
             replaced.open = False
