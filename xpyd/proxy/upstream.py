@@ -3,9 +3,9 @@
 A worker's 4xx carries its status and body so the client sees them verbatim, but for 401 and 403: those
 refuse the proxy (its cluster token, the request id it signed), not the client's request, so the client
 gets a 502 (a decode worker's 403, refusing the prefill worker the id names, is the pair's ``PATH`` fault:
-retried on another pair, as when decode cannot reach that prefill worker); a worker's 503 stays 503 and its 504 stays 504; any other 5xx or a broken
-connection is a 502, and a timeout of ours a 504. The ``fault`` says what the
-failure means for the worker (the proxy marks it down, and may retry elsewhere).
+retried on another pair, as when decode cannot reach that prefill worker). A worker's 503 stays 503 and
+its 504 stays 504; any other 5xx or a broken connection is a 502, and a timeout of ours a 504. The
+``fault`` says what the failure means for the worker (the proxy marks it down, and may retry elsewhere).
 """
 
 from __future__ import annotations
