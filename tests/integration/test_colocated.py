@@ -40,15 +40,16 @@ def reference(tiny_model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.numerics import decided_greedy
+
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model64 = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float64).eval()
 
     def gen(prompt: str, n: int) -> str:
+        """transformers' greedy text, every token decided beyond float32 error (so the worker's must match)."""
         ids = tok(prompt).input_ids
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False)
-        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+        return tok.decode(decided_greedy(model, model64, ids, n), skip_special_tokens=True)
 
     return gen
 
