@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, free_port
-from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, TOKEN, info, wait_idle
+from tests.integration.faults.fault_helpers import KEYS, KV_TTL, PREFILL_WAIT, TOKEN, info, wait_idle
+from xpyd.signal.request_id import ClusterKeys
 
 
 def _start(workdir: Path, model: Path) -> tuple[Cluster, dict[str, str]]:
@@ -32,11 +33,14 @@ def _start(workdir: Path, model: Path) -> tuple[Cluster, dict[str, str]]:
         urls[name] = f"http://127.0.0.1:{port}"
         urls[name + "_signal"] = f"127.0.0.1:{sig}"
         c.start(name, ["prefill", *common, *extra, "--port", str(port), "--signal-port", str(sig)], urls[name])
+        KEYS[urls[name]] = ClusterKeys(TOKEN)
     for name, token in (("decode", TOKEN), ("decode_wrong", "not-the-cluster-token"), ("decode_none", None)):
         port = free_port()
         urls[name] = f"http://127.0.0.1:{port}"
         extra = ["--prefill-wait-timeout", str(PREFILL_WAIT)] + (["--cluster-token", token] if token else [])
         c.start(name, ["decode", *common, *extra, "--port", str(port), "--kv-port", str(free_port())], urls[name])
+        if token:
+            KEYS[urls[name]] = ClusterKeys(token)
     try:
         c.wait_healthy()
         for name in ("decode", "decode_wrong", "decode_none"):

@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
-from xpyd.signal.request_id import RequestId
+from xpyd.signal.request_id import ClusterKeys, RequestId
 
 TOKEN = "s3cret-cluster-token"
 KV_TTL = 2.0
@@ -16,17 +16,36 @@ PREFILL_WAIT = 3.0
 BODY = {"prompt": "hello world", "temperature": 0, "ignore_eos": True}
 
 
+# Workers started with a cluster token: their URL -> the keys the proxy would use with them (their HTTP
+# API needs the bearer derived from the token, and request ids the proxy signed with it).
+KEYS: dict[str, ClusterKeys] = {}
+
+
+def headers(url: str, rid: str | None = None) -> dict[str, str]:
+    """What the proxy sends ``url``: its credential and, for a request, the id signed (with a token)."""
+    keys = KEYS.get(url)
+    out = {} if keys is None else {"Authorization": f"Bearer {keys.http_bearer}"}
+    if rid is not None:
+        out["X-Request-Id"] = rid if keys is None else keys.sign(rid)
+    return out
+
+
+def _get(url: str, path: str) -> dict:
+    req = urllib.request.Request(url + path, headers=headers(url))
+    return json.loads(urllib.request.urlopen(req, timeout=5).read())
+
+
 def info(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(url + "/xpyd/info", timeout=5).read())
+    return _get(url, "/xpyd/info")
 
 
 def stats(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(url + "/xpyd/stats", timeout=5).read())
+    return _get(url, "/xpyd/stats")
 
 
 def post(url: str, body: dict, rid: str, timeout: float = 60) -> tuple[int, dict]:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "X-Request-Id": rid})
+                                 headers={"Content-Type": "application/json", **headers(url, rid)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

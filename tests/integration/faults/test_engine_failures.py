@@ -239,7 +239,9 @@ def test_a_fatal_fault_on_a_decode_worker_fails_every_request_deregisters_and_ex
         faulty, etcd, tmp_path, tiny_model_dir):
     _, urls = faulty
     c, url = _start_failing(tmp_path, etcd, "decode", [*_common(tiny_model_dir), "--batch-size", "4",
-                                                       "--prefill-wait-timeout", "60", "--kv-port", str(free_port())])
+                                                       "--prefill-wait-timeout", "60", "--kv-port", str(free_port()),
+                                                       # (the prefill worker is not in etcd: listed instead)
+                                                       "--prefill-peers", urls["prefill_signal"]])
     try:
         decode_id = info(url)["signal_addr"]
         rid = {k: str(RequestId.new(urls["prefill_signal"], decode_id)) for k in ("w1", "w2", "fatal")}

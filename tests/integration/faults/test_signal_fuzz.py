@@ -19,7 +19,9 @@ import zmq
 from tests.integration.faults.fault_helpers import TOKEN, info, stats, wait_idle
 from tests.integration.faults.fault_helpers import pair as _pair
 from tests.integration.faults.fault_helpers import rid_for as _rid
+from tests.waiting import wait_until
 from xpyd import PROTOCOL_VERSION
+from xpyd.signal import auth
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId
 
@@ -27,7 +29,7 @@ SEED = 6
 N_SIGNAL = 2000
 N_TRANSFER = 300
 IDENTITY = "127.0.0.1:9"  # the fuzzer's DEALER identity (a host:port, so request ids can name it)
-REPLY_TYPES = {"error", "handshake_reply", "kv_map_reply", "lookup_reply", "release_reply"}
+REPLY_TYPES = {"error", "handshake_reply", "kv_map_reply", "lookup_reply", "release_reply", "auth_reply"}
 COMPAT = {"layout": "block-head-major/1", "block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
 BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # tokens x layers x K/V x kv heads x head_dim x float32
 
@@ -50,8 +52,9 @@ def _bodies(rng: random.Random, prefill_addr: str) -> list[tuple[str, dict]]:
     rid = str(RequestId.new(prefill_addr, IDENTITY))
     transfer = {"backend": "tcp", "address": "127.0.0.1:9", "buffer_size": 1 << 20}
     return [
-        ("handshake", {"sender": IDENTITY, "model_id": "x", "kv_compat": COMPAT,
-                       "cluster_token": rng.choice([None, "wrong-token-123"])}),
+        ("handshake", {"sender": IDENTITY, "model_id": "x", "kv_compat": COMPAT}),
+        ("hello", {"sender": IDENTITY, "instance": "fuzz", "nonce": rng.randbytes(32), "token": rng.random() < 0.5}),
+        ("proof", {"proof": rng.choice([None, rng.randbytes(32)])}),
         ("kv_map_init", {"sender": IDENTITY, "transfer": transfer, "block_bytes": 4096, "num_blocks": 4}),
         ("lookup_all", {"sender": IDENTITY, "entries": [[rid, None], [rid, [0]], ["xpyd-not-an-id", None]]}),
         ("release", {"sender": IDENTITY, "request_ids": [rid, "garbage"]}),
@@ -104,7 +107,7 @@ def _size(frame: bytes | list[bytes]) -> int:
 
 def _dealer(ctx: zmq.Context, port: int, identity: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+    sock.setsockopt(zmq.ROUTING_ID, identity.encode())  # (a name the server ignores: sessions are per connection)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"tcp://127.0.0.1:{port}")
@@ -127,7 +130,14 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
         sock = _dealer(ctx, port, IDENTITY)
         # Shake hands and map properly once, so that fuzzed lookups and releases reach the deep paths too.
         model = info(urls["prefill"])["model_id"]
-        sock.send(m.encode(1, m.Handshake(IDENTITY, model, COMPAT, TOKEN)))
+        hello = m.Hello(IDENTITY, "fuzz", auth.new_nonce(), True)
+        frame = m.encode(1, hello)
+        sock.send(frame)
+        challenge = m.decode(sock.recv()).msg
+        assert challenge.proof == auth.prefill_proof(TOKEN, hello.nonce, challenge.nonce, frame)
+        sock.send(m.encode(2, m.Proof(auth.decode_proof(TOKEN, challenge.nonce, hello.nonce, frame))))
+        assert m.decode(sock.recv()).msg == m.AuthReply(True)
+        sock.send(m.encode(1, m.Handshake(IDENTITY, model, COMPAT)))
         assert m.decode(sock.recv()).msg == m.HandshakeReply(True, None, model)
         sock.send(m.encode(2, m.KVMapInit(IDENTITY, {"backend": "tcp", "address": "127.0.0.1:9",
                                                      "buffer_size": 1 << 20}, BLOCK_BYTES, 4)))
@@ -150,8 +160,11 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
             assert reply["version"] == PROTOCOL_VERSION and reply["msg"]["type"] in REPLY_TYPES, reply
             body, t = reply["msg"], reply["msg"]["type"]
             kinds[t] = kinds.get(t, 0) + 1
-            if t == "handshake_reply":  # fuzzed handshakes carry a wrong token or none
-                assert body["ok"] is False and "cluster token" in body["error"], reply
+            if t == "handshake_reply":  # fuzzed handshakes name another model; hellos come on an open session
+                assert body["ok"] is False and ("model mismatch" in body["error"]
+                                                or "open already" in body["error"]), reply
+            if t == "auth_reply":  # a proof with no hello pending
+                assert body == {"type": "auth_reply", "ok": False, "error": "hello first"}, reply
             if t == "lookup_reply":  # only ids this identity may ask about, none ready
                 assert all(r[1] in ("unknown", "failed") for r in body["results"]), reply
             if t == "release_reply":
@@ -163,18 +176,22 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
         big.close(0)
         sock.send(m.encode(7, m.Release(IDENTITY, ())))
         assert m.decode(sock.recv()).msg == m.ReleaseReply(0)
-        stranger = _dealer(ctx, port, "127.0.0.1:11")  # never shook hands: nothing but a handshake is served
-        for seq, msg in enumerate([m.Release("127.0.0.1:11", ()), m.LookupAll("127.0.0.1:11", ()),
-                                   m.KVMapInit("127.0.0.1:11", {"backend": "tcp", "address": "127.0.0.1:9",
-                                                                "buffer_size": 1 << 20}, 4096, 4)]):
+        stranger = _dealer(ctx, port, "127.0.0.1:11")  # never proved the token: nothing but a hello is served,
+        # even in the name of a worker that has a session
+        for seq, msg in enumerate([m.Release(IDENTITY, ()), m.LookupAll(IDENTITY, ()), m.Handshake(IDENTITY, "x", COMPAT),
+                                   m.KVMapInit(IDENTITY, {"backend": "tcp", "address": "127.0.0.1:9",
+                                                          "buffer_size": 1 << 20}, 4096, 4)]):
             stranger.send(m.encode(seq, msg))
             assert m.decode(stranger.recv()).msg == m.ErrorReply("handshake first")
         stranger.close(0)
         sock.close(0)
     finally:
         ctx.destroy(linger=0)
+    after = wait_until(lambda: (s := stats(urls["prefill"]))["handshaken"] < before["handshaken"] and s,
+                       "the fuzzer's session to end with its connection")  # (wait_until from tests.waiting)
     after = wait_idle(urls["prefill"])
-    for key in ("handshaken", "peers", "sends", "expired"):
+    assert after["handshaken"] == before["handshaken"] - 1 and after["peers"] == before["peers"] - 1
+    for key in ("sends", "expired"):
         assert after[key] == before[key], (key, before, after)
     (ps, _), (ds, dbody) = _pair(urls, _rid(urls))
     assert ps == 200 and ds == 200, dbody

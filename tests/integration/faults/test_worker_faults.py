@@ -15,6 +15,7 @@ import urllib.request
 
 from tests.integration.faults.fault_helpers import KV_TTL, PREFILL_WAIT, post, stats, wait_idle
 from tests.integration.faults.fault_helpers import decode_body as _decode_body
+from tests.integration.faults.fault_helpers import headers as _headers
 from tests.integration.faults.fault_helpers import pair as _pair
 from tests.integration.faults.fault_helpers import prefill_body as _prefill_body
 from tests.integration.faults.fault_helpers import rid_for as _rid
@@ -101,7 +102,7 @@ def test_an_abort_that_overtakes_its_request_drops_the_request_on_arrival(fault_
     _, urls = fault_workers
     rid = _rid(urls)
     released_before = stats(urls["prefill"])["released_on_arrival"]
-    req = urllib.request.Request(urls["prefill"] + "/xpyd/abort", data=b"", headers={"X-Request-Id": rid})
+    req = urllib.request.Request(urls["prefill"] + "/xpyd/abort", data=b"", headers=_headers(urls["prefill"], rid))
     with urllib.request.urlopen(req, timeout=5) as r:
         assert r.status == 200 and json.loads(r.read()) == {"aborted": rid}
     t0 = time.monotonic()  # its decode side, asking for it meanwhile, is told at once (not at its timeout)
@@ -129,7 +130,7 @@ def test_a_streamed_prefill_wait_timeout_ends_with_an_error_event_coded_504(faul
     """How the proxy hears it (it always streams from decode): the event's integer code is the status."""
     _, urls = fault_workers
     req = urllib.request.Request(urls["decode"] + "/v1/completions", headers={
-        "Content-Type": "application/json", "X-Request-Id": _rid(urls)},
+        "Content-Type": "application/json", **_headers(urls["decode"], _rid(urls))},
         data=json.dumps({**_decode_body(), "stream": True}).encode())
     with urllib.request.urlopen(req, timeout=PREFILL_WAIT + 10) as r:
         events = [line.removeprefix(b"data: ") for line in r.read().splitlines() if line.startswith(b"data: ")]
@@ -145,8 +146,9 @@ def _open_decode_stream(urls: dict, rid: str) -> socket.socket:
     host, port = urls["decode"].removeprefix("http://").split(":")
     body = ('{"prompt": "hello world", "max_tokens": 6, "stream": true, '
             '"kv_transfer_params": {"role": "decode"}}').encode()
+    fields = "".join(f"{k}: {v}\r\n" for k, v in _headers(urls["decode"], rid).items())
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            f"{fields}Content-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.create_connection((host, int(port)), timeout=5)
     sock.sendall(head + body)
     return sock
