@@ -14,8 +14,9 @@ lookup for it is answered ``expired``; claimed KV is kept until it is pulled or 
 decode worker has sent nothing (heartbeats included) for ``peer_timeout``, until the signal session that
 claimed it ends, or at most ``expiry.claim_ttl`` (10 minutes by default); a send to a decode worker silent
 that long, or whose session ended, is aborted. Requests that ended here
-unpulled (aborted, failed) are remembered for a while so lookups get a clear answer
-(``recent.RequestMemory``); a release that arrives before its request drops the request on arrival.
+unpulled (aborted, failed) or sent are remembered for a while so lookups get a clear answer (a sent one:
+its first token, for a decode worker whose READY push was lost; ``recent.RequestMemory``); a release that
+arrives before its request drops the request on arrival.
 
 Who is served: the signal server opens a session per connection once the decode worker proved the
 cluster token (challenge-response, the token never sent: ``xpyd.signal.auth``) and calls this engine
@@ -199,9 +200,10 @@ class PrefillEngine(WorkerEngine):
 
     def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
         """Remember how a request ended here unpulled; tell the decode worker that claimed it."""
-        self._memory.ended[request_id] = (status, error)
+        result = m.LookupResult(request_id, status, error=error)
+        self._memory.ended[request_id] = result
         if claimed:
-            self._push(request_id, m.LookupResult(request_id, status, error=error))
+            self._push(request_id, result)
 
     def _push(self, request_id: str, result: m.LookupResult) -> None:
         peer = _decode_addr_of(request_id)
@@ -229,6 +231,9 @@ class PrefillEngine(WorkerEngine):
         if plan is not None:
             ok = seq.state is RequestState.FINISHED
             self.metrics.transfer_done("send", plan.nbytes, time.monotonic() - plan.started, ok)
+            if ok:  # sent: a re-ask (its READY push may have been lost) is answered with the first token
+                self._memory.ended[seq.request_id] = m.LookupResult(seq.request_id, m.LookupStatus.SENDING,
+                                                                    seq.first_token, seq.prompt_len)
         self.metrics.request_done(_outcome(seq))
         if seq.first_token is None and seq.payload is not None and not seq.payload.sink.ended:
             sink = seq.payload.sink
@@ -450,7 +455,8 @@ class PrefillEngine(WorkerEngine):
         with self.isolate(e.request_id):
             return self._lookup_one(identity, peer, e)
         ended = self._memory.ended.get(e.request_id)
-        return m.LookupResult(e.request_id, m.LookupStatus.FAILED, error=ended[1] if ended else "internal error")
+        error = ended.error if ended is not None and ended.error else "internal error"
+        return m.LookupResult(e.request_id, m.LookupStatus.FAILED, error=error)
 
     def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
         S = m.LookupStatus
@@ -464,7 +470,7 @@ class PrefillEngine(WorkerEngine):
         if seq is None:
             ended = self._memory.ended.get(e.request_id)
             if ended is not None:
-                return m.LookupResult(e.request_id, ended[0], error=ended[1])
+                return ended
             if e.request_id in self._memory.released_early:  # refused when it arrives: do not wait for it
                 return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
             if e.dest_blocks is None:

@@ -1,7 +1,7 @@
 """A bounded, time-limited memory of request ids the prefill worker no longer holds.
 
-Two uses: requests that ended here without being pulled (expired lease, aborted,
-failed prefill), so a later lookup gets a clear answer instead of "unknown"; and
+Two uses: requests that ended here (expired lease, aborted, failed prefill, or sent), so a
+later lookup gets a clear answer instead of "unknown"; and
 releases that arrived before the request itself (the decode side gave up first),
 so the request is dropped on arrival instead of holding KV for a whole lease.
 Both are bounded: at most ``max_entries`` ids (the least recently used goes first),
@@ -31,8 +31,9 @@ def recent_ids(retention: float, max_entries: int, timer: Callable[[], float] = 
 class RequestMemory:
     """What a prefill worker remembers of requests it no longer holds (each a ``recent_ids`` memory):
 
-    - ``ended``: request id -> (status, error) of requests that ended here unpulled (expired, aborted,
-      failed), so a later lookup is answered that instead of "unknown";
+    - ``ended``: request id -> the ``LookupResult`` a later lookup gets instead of "unknown": how a request
+      that is no longer held ended here (expired, aborted, failed: its status and why; sent: SENDING with
+      its first token, for a decode worker whose READY push was lost on the way);
     - ``released_early``: ids released before they arrived (dropped on arrival);
     - ``claimed_early``: ids their decode worker claimed before they arrived (claimed on arrival).
     """
