@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, Proc, free_port
-from xpyd.signal.request_id import parse_request_id
+from tests.request_log import dispatches, involves
 
 CLIENTS = 8
 MAX_TOKENS = 96
@@ -44,7 +44,7 @@ class Result:
     start: float
     end: float
     outcome: str  # "ok" | "error" (error event or 5xx JSON) | "hung" | "bad: ..."
-    rid: str | None  # the proxy's request id (names both workers), when it answered 200
+    rid: str | None  # the response id (X-Request-Id), when the proxy answered 200
     detail: str = ""
     client: int = -1
 
@@ -144,7 +144,7 @@ def env(tmp_path_factory, tiny_model_dir: Path):
         c.wait_healthy()
         port = free_port()
         urls = [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
-        c.start("proxy", ["proxy", "--port", str(port), *urls], f"http://127.0.0.1:{port}")
+        c.start("proxy", ["proxy", "--port", str(port), *urls, "--log-requests"], f"http://127.0.0.1:{port}")
         c.wait_healthy()
         addrs = {}
         for p in (*prefill, *decode):
@@ -155,11 +155,14 @@ def env(tmp_path_factory, tiny_model_dir: Path):
         c.stop()
 
 
-def _on(result: Result, addr: str) -> bool:
-    if result.rid is None:
-        return False
-    rid = parse_request_id(result.rid)
-    return addr in (rid.prefill_addr, rid.decode_addr)
+def _on(result: Result, addr: str, ids: dict) -> bool:
+    """Was the request dispatched to the worker with signal address ``addr`` (``ids``: the proxy log's)?"""
+    return result.rid is not None and involves(ids.get(result.rid, []), addr)
+
+
+def proxy_dispatches(env: "Env") -> dict:
+    proxy = next(p for p in env.c.procs if p.name == "proxy")
+    return dispatches(proxy.log.read_text(errors="replace"))
 
 
 def _stats(url: str) -> dict:
@@ -180,14 +183,17 @@ def _wait_idle(procs: list[Proc], timeout: float = 5.0) -> None:
 
 def kill_under_load(env: Env, victim: Proc) -> list[Result]:
     load = Load(env.proxy)
-    # every client has finished a request and is on its next one: requests in flight in every phase
-    load.wait_each_client(0.0, "a request done by every client")
-    victim.popen.send_signal(signal.SIGKILL)
-    t_kill = time.monotonic()
-    victim.popen.wait(5)
-    # every client's request in flight at the kill has ended, and each has run one more after it
-    load.wait_each_client(t_kill + DOWN_WITHIN, "a request by every client after the kill")
-    results = load.stop()
+    try:
+        # every client has finished a request and is on its next one: requests in flight in every phase
+        load.wait_each_client(0.0, "a request done by every client")
+        victim.popen.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        victim.popen.wait(5)
+        # every client's request in flight at the kill has ended, and each has run one more after it
+        load.wait_each_client(t_kill + DOWN_WITHIN, "a request by every client after the kill")
+    finally:
+        results = load.stop()  # (no client thread outlives the test, whatever failed)
+    ids = proxy_dispatches(env)
 
     bad = [r for r in results if r.outcome not in ("ok", "error")]
     assert not bad, bad[:5]
@@ -197,13 +203,16 @@ def kill_under_load(env: Env, victim: Proc) -> list[Result]:
     late = [(round(r.end - t_kill, 3), r.detail) for r in errors if r.end - t_kill > FAULT_BOUND]
     assert not late, late
     victim_addr = env.addrs[victim.name]
+    # the kill hit requests: some in flight had been dispatched to the victim (else this shows nothing)
+    assert any(_on(r, victim_addr, ids) or r.outcome == "error" for r in in_flight), in_flight
     for r in errors:  # an error only where the dead worker was involved
-        assert r.rid is None or _on(r, victim_addr), (r, victim_addr)
-    others = [r for r in in_flight if r.rid is not None and not _on(r, victim_addr)]
+        assert r.rid is None or _on(r, victim_addr, ids), (r, victim_addr)
+    others = [r for r in in_flight if r.rid is not None and not _on(r, victim_addr, ids)]
     assert all(r.outcome == "ok" for r in others), [r for r in others if r.outcome != "ok"]
     after = [r for r in results if r.start > t_kill + DOWN_WITHIN]
     assert after and all(r.outcome == "ok" for r in after), [r for r in after if r.outcome != "ok"][:3]
-    assert all(not _on(r, victim_addr) for r in after)  # the proxy marked it down
+    assert all(r.rid in ids for r in after)  # (every answered request is in the proxy's log)
+    assert all(not _on(r, victim_addr, ids) for r in after)  # the proxy marked it down
     # Later requests keep succeeding on the remaining workers.
     for i in range(4):
         assert stream_once(env.proxy, i).outcome == "ok"

@@ -18,6 +18,7 @@ from pathlib import Path
 from tests.cluster import STARTUP, http_ok, UpProcess as Up, free_port_run as _free_run, up_child_pid as _worker_pid
 from tests.cluster import wait_until as _wait
 from tests.e2e.test_dead_workers import CLIENTS, Load, _on, stream_once
+from tests.request_log import dispatches
 
 FAULT_BOUND = 2.0  # seconds from the kill to the end of every affected stream
 
@@ -30,7 +31,7 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
     etcd_port = _free_run(2)
     up = Up(tiny_model_dir, tmp_path / "up.log", "--max-model-len", "256", "--prefill", "2", "--decode", "2",
             "--etcd-port", str(etcd_port),
-            "--batch-size", "4")
+            "--batch-size", "4", "--log-requests")
     try:
         up.wait_ready()
         victim_url = f"http://127.0.0.1:{up.dp}"
@@ -38,11 +39,14 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
         victim_pid = _worker_pid(up.proc.pid, "decode", up.dp)
 
         load = Load(up.url)
-        _wait(lambda: sum(1 for r in load.results if r.outcome == "ok") >= CLIENTS, 60, "streams flowing")
-        os.kill(victim_pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        time.sleep(FAULT_BOUND + 0.5)  # the window the affected requests must end in
-        results = load.stop()
+        try:
+            _wait(lambda: sum(1 for r in load.results if r.outcome == "ok") >= CLIENTS, 60, "streams flowing")
+            os.kill(victim_pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            time.sleep(FAULT_BOUND + 0.5)  # the window the affected requests must end in
+        finally:
+            results = load.stop()
+        ids = dispatches(up.text())
 
         bad = [r for r in results if r.outcome not in ("ok", "error")]
         assert not bad, bad[:5]
@@ -50,8 +54,9 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
         errors = [r for r in in_flight if r.outcome == "error"]
         late = [(round(r.end - t_kill, 3), r.detail) for r in errors if r.end - t_kill > FAULT_BOUND]
         assert not late, late
-        assert all(r.rid is None or _on(r, victim_addr) for r in errors), errors
-        others = [r for r in in_flight if r.rid is not None and not _on(r, victim_addr)]
+        assert any(_on(r, victim_addr, ids) or r.outcome == "error" for r in in_flight), in_flight  # it hit some
+        assert all(r.rid is None or _on(r, victim_addr, ids) for r in errors), errors
+        others = [r for r in in_flight if r.rid is not None and not _on(r, victim_addr, ids)]
         assert others and all(r.outcome == "ok" for r in others), [r for r in others if r.outcome != "ok"]
         assert up.proc.poll() is None, "xpyd up stopped the cluster:\n" + up.text()[-3000:]
 

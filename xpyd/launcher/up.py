@@ -93,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: requests waiting when every decode worker is full, more get 503")
     p.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                    help="proxy: longest wait in that queue before a 503")
+    p.add_argument("--log-requests", action="store_true",
+                   help="proxy: log each request's response id with the workers' request id and both workers")
 
 
 
@@ -166,7 +168,7 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
     for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return out
+    return out + (["--log-requests"] if args.log_requests else [])
 
 
 def cluster_token(args: argparse.Namespace) -> str | None:

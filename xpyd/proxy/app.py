@@ -279,6 +279,8 @@ class Proxy:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
+        if self.config.log_requests:
+            log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
         return self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
 
     def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:

@@ -36,6 +36,7 @@ class ProxyConfig:
     max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
     queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
     pair_cooldown: float = 5.0  # a prefill/decode pair whose path failed is avoided this long (doubling, max 60 s)
+    log_requests: bool = False  # log each dispatch: response id -> the workers' request id and both workers
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-timeout", type=float, default=_DEFAULTS.queue_timeout,
                         metavar="SECONDS",
                         help="longest wait in that queue before a 503 (default: %(default)s)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log one line per dispatched request (and per retry): the client's response id, "
+                             "the request id the workers know it by and both workers' URLs, to follow a "
+                             "request into the workers' logs (clients never see the internal id)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -129,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         pair_cooldown=args.pair_cooldown,
+        log_requests=args.log_requests,
     )
 
 
