@@ -42,6 +42,7 @@ from testbed import ROOT, EtcdOnHost
 
 from tests import door
 from tests.cluster import Cluster, wait_until
+from xpyd.signal.request_id import ClusterKeys
 
 STREAMS = 8
 MAX_TOKENS = 4
@@ -94,7 +95,7 @@ class OneByTwo:
                                            wrap=self.wrap(name)).url
         self.c.start("proxy", ["proxy", "--host", self.hosts["proxy"].ip, "--port", str(PROXY_PORT),
                                "--etcd", self.etcd.endpoint, "--pair-cooldown", str(PAIR_COOLDOWN)], self.proxy,
-                     wrap=self.wrap("proxy"))
+                     env={"XPYD_CLUSTER_TOKEN": TOKEN}, wrap=self.wrap("proxy"))
         self.c.wait_healthy()
         wait_until(lambda: len(self.listed()) == 3, 20, "the proxy to discover 3 workers in etcd")
 
@@ -110,7 +111,7 @@ class OneByTwo:
         return {w["http_url"]: w for w in get(self.proxy + "/cluster")["workers"]}
 
     def stats(self, name: str) -> dict:
-        return get(self.urls[name] + "/xpyd/stats")
+        return get(self.urls[name] + "/xpyd/stats", {"Authorization": f"Bearer {ClusterKeys(TOKEN).http_bearer}"})
 
     def pid(self, name: str) -> int:
         return next(p.popen.pid for p in self.c.procs if p.name == name)  # (ip netns exec execs the worker)
@@ -120,8 +121,8 @@ class OneByTwo:
         return self.stats(name)["kv_backend"]["received"].get("tcp", 0)
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def get(url: str, headers: dict[str, str] | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
         return json.loads(r.read())
 
 

@@ -102,8 +102,8 @@ class Proxy:
 
     async def open(self) -> None:
         c = self.config
-        self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections)
-        self._client = WorkerClient(self._session, c.connect_timeout)
+        self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
+        self._client = WorkerClient(self._session, c.connect_timeout, c.cluster_token)
         if self.index is not None:
             self._feed = CacheFeed(self._session, self.index)
         self._poller = HealthPoller(self.registry, self.table, self._session,
