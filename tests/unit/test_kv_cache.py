@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.kv_fixtures import kv_cache
-from xpyd.prefix_hash import block_hashes
+from xpyd.model.kv_blocks import BlockAllocator
+from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
+from xpyd.worker.kv_cache import KVCache, RequestKV
 from xpyd.worker.kv_events import KVEventLog
 
 BS = 4
@@ -85,6 +87,47 @@ def test_decode_extends_the_chain_over_generated_tokens():
     again = cache.admit(cache.hashes(follow_up), 13, 13, 13)
     assert again.cached_tokens == 12  # a follow-up turn finds the generated blocks too
     cache.free(again)
+
+
+def _keyed_cache(num_blocks: int) -> KVCache:
+    return KVCache(BlockAllocator(num_blocks), BS, seed=5, key=hash_key("a-cluster-token"))
+
+
+def _run(cache: KVCache, prompt: list[int], generated: list[int], salt: str | None) -> RequestKV:
+    """A decode-shaped lifecycle: the prompt's chain named elsewhere (``chain``), then generated tokens."""
+    named = block_hashes(prompt, BS, salted_seed(cache.seed, salt, cache.key), key=cache.key)
+    kv = cache.admit(cache.chain(named, salt), len(prompt), len(prompt) + len(generated), len(prompt))
+    cache.prompt_done(kv, len(prompt), prompt[len(named) * BS:])
+    for i, token in enumerate(generated):
+        cache.grow(kv, len(prompt) + i + 1)
+        cache.append_tokens(kv, (token,))
+    return kv
+
+
+@pytest.mark.parametrize("prompt_len", [2, 6])  # shorter than a block (generated blocks only) / one and a half
+def test_a_cache_salt_keys_prompt_and_generated_blocks(prompt_len):
+    cache = _keyed_cache(16)
+    prompt, generated = list(range(50, 50 + prompt_len)), [7, 8, 9, 10, 11, 12, 13, 14]
+    whole = prompt + generated
+    salted = _run(cache, prompt, generated, "alice")
+    assert salted.hashes == block_hashes(whole, BS, salted_seed(cache.seed, "alice", cache.key), key=cache.key)
+    assert salted.hashes == cache.hashes(whole, "alice")[: len(salted.hashes)]
+    cache.free(salted)
+    for salt in (None, "bob"):  # another salt, or none: nothing of alice's is found
+        other = cache.admit(cache.hashes(whole, salt), len(whole), len(whole), len(whole))
+        assert other.cached_tokens == 0 and not set(other.hashes) & set(salted.hashes)
+        cache.free(other)
+    same = cache.admit(cache.hashes(whole, "alice"), len(whole), len(whole), len(whole))
+    assert same.cached_tokens == (len(whole) // BS) * BS  # the same salt shares, generated blocks too
+    cache.free(same)
+
+
+def test_hashes_are_keyed_with_the_deployments_key():
+    cache = _keyed_cache(4)
+    ids = list(range(12))
+    assert list(cache.hashes(ids)) == block_hashes(ids, BS, 5, key=hash_key("a-cluster-token"))
+    assert not set(cache.hashes(ids)) & set(block_hashes(ids, BS, 5))
+    assert cache.hashes(ids).root == 5 and cache.hashes(ids, "s").root == salted_seed(5, "s", cache.key)
 
 
 def test_caching_off_reuses_nothing_and_records_nothing():

@@ -232,3 +232,15 @@ def test_response_ids():
     assert new_response_id(C).startswith("cmpl-")
     assert new_response_id(CHAT).startswith("chatcmpl-")
     assert new_response_id(C) != new_response_id(C)
+
+
+@pytest.mark.parametrize("kind", [RequestKind.COMPLETION, RequestKind.CHAT])
+def test_cache_salt(kind):
+    body = {"prompt": "hi"} if kind is RequestKind.COMPLETION else {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(json.dumps(body).encode(), kind).cache_salt is None
+    assert parse_request(json.dumps({**body, "cache_salt": "tenant-7"}).encode(), kind).cache_salt == "tenant-7"
+    assert parse_request(json.dumps({**body, "cache_salt": "s" * 256}).encode(), kind).cache_salt == "s" * 256
+    for bad in ("", "s" * 257, 7, ["a"]):
+        with pytest.raises(APIError) as e:
+            parse_request(json.dumps({**body, "cache_salt": bad}).encode(), kind)
+        assert e.value.status == 400 and e.value.param == "cache_salt"

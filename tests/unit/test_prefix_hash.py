@@ -8,11 +8,13 @@ import struct
 import subprocess
 import sys
 from array import array
+import hashlib
+import hmac
 from hashlib import blake2b
 
 import pytest
 
-from xpyd.prefix_hash import block_hashes, hash_seed
+from xpyd.prefix_hash import block_hashes, hash_key, hash_seed, key_id, salted_seed
 
 SEED = hash_seed("HuggingFaceTB/SmolLM2-135M-Instruct", "paged/1")
 
@@ -138,3 +140,54 @@ def test_errors(kwargs, match):
     args = dict(token_ids=[1, 2, 3, 4, 5, 6, 7, 8], block_size=4, seed=SEED) | kwargs
     with pytest.raises(ValueError, match=match):
         block_hashes(**args)
+
+
+# --- keyed hashes and cache_salt ---------------------------------------------------------------------------
+
+KEY = hash_key("a-cluster-token")
+
+
+def test_keyed_hashes_follow_the_construction_with_the_key():
+    h0 = int.from_bytes(blake2b(SEED.to_bytes(8, "little") + struct.pack("<4I", 0, 1, 2, 3), digest_size=8,
+                                key=KEY).digest(), "little")
+    assert block_hashes(list(range(4)), 4, SEED, key=KEY) == [h0]
+    assert KEY == hmac.new(b"a-cluster-token", b"xpyd prefix-hash key/1", hashlib.sha256).digest()
+    assert hash_key(None) == b""  # no cluster token: unkeyed, as documented
+    assert block_hashes(list(range(4)), 4, SEED, key=b"") == [H(SEED, [0, 1, 2, 3])]
+
+
+def test_without_the_key_nobody_computes_a_keyed_hash():
+    ids = tokens(64)
+    keyed = block_hashes(ids, 16, SEED, key=KEY)
+    assert not set(keyed) & set(block_hashes(ids, 16, SEED))  # the published seed alone is not enough
+    assert not set(keyed) & set(block_hashes(ids, 16, SEED, key=hash_key("another-token")))
+    assert block_hashes(ids, 16, SEED, first_block=2, parent=keyed[1], key=KEY) == keyed[2:]
+    assert key_id(KEY) == key_id(hash_key("a-cluster-token")) != key_id(b"") != key_id(hash_key("another-token"))
+    assert bytes.fromhex(key_id(KEY)) not in KEY
+
+
+def test_a_salt_changes_every_block_and_the_same_salt_shares():
+    ids = tokens(64)
+    plain = block_hashes(ids, 16, SEED, key=KEY)
+    alice = block_hashes(ids, 16, salted_seed(SEED, "alice", KEY), key=KEY)
+    bob = block_hashes(ids, 16, salted_seed(SEED, "bob", KEY), key=KEY)
+    assert len(set(plain) | set(alice) | set(bob)) == 12  # no block in common, the first one included
+    assert alice == block_hashes(ids, 16, salted_seed(SEED, "alice", KEY), key=KEY)
+    assert salted_seed(SEED, None, KEY) == SEED
+    assert salted_seed(SEED, "alice", KEY) != salted_seed(SEED, "alice", b"")  # keyed too
+    assert salted_seed(SEED, "alice", KEY) == int.from_bytes(
+        blake2b(SEED.to_bytes(8, "little") + b"alice", digest_size=8, key=KEY, person=b"xpyd-kv-salt/1").digest(),
+        "little")
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257, 5, b"alice"])
+def test_bad_salts(salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        salted_seed(SEED, salt)
+
+
+def test_bad_keys():
+    with pytest.raises(ValueError, match="key"):
+        block_hashes(list(range(4)), 4, SEED, key=b"k" * 65)
+    with pytest.raises(ValueError, match="key"):
+        block_hashes(list(range(4)), 4, SEED, key="text")

@@ -26,6 +26,7 @@ from typing import Any
 
 MAX_STOP_SEQUENCES = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
+MAX_CACHE_SALT_CHARS = 256  # (xpyd.prefix_hash.MAX_SALT_CHARS)
 _UINT64 = 2**64
 
 
@@ -80,6 +81,7 @@ class CompletionRequest:
     include_usage: bool  # stream_options.include_usage (only meaningful when streaming)
     kv_transfer_params: dict | None
     raw: dict  # the parsed body, as received; copy before editing
+    cache_salt: str | None = None  # vLLM's field: only requests with the same salt share prefix-cache blocks
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -332,6 +334,10 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
     if kv is not None and not isinstance(kv, dict):
         raise _bad("'kv_transfer_params' must be an object", "kv_transfer_params")
     stream = _optional_bool(d, "stream")
+    cache_salt = d.get("cache_salt")
+    if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+        raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                   "cache_salt")
 
     is_chat = kind is RequestKind.CHAT
     return CompletionRequest(
@@ -350,4 +356,5 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         include_usage=_parse_stream_options(d, stream),
         kv_transfer_params=kv,
         raw=d,
+        cache_salt=cache_salt,
     )

@@ -11,7 +11,9 @@ Prefix reuse: a full block is named by a hash chained over the tokens so far (`p
 request's leading full blocks that the cache holds are shared (reference-counted), not computed or
 moved again. Once a block's KV is complete its hash is recorded (`cache_blocks`, `append_tokens`),
 so the next request with that prefix finds it; blocks of ended requests stay cached until the pool
-needs the memory (least recently used first).
+needs the memory (least recently used first). The hashes are keyed with the deployment's secret, and a
+request's ``cache_salt`` moves the start of its chain (``BlockChain.root``), prompt and generated blocks
+alike: requests with different salts never share a block.
 """
 
 from __future__ import annotations
@@ -20,7 +22,19 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
-from xpyd.prefix_hash import block_hashes
+from xpyd.prefix_hash import block_hashes, salted_seed
+
+
+class BlockChain(list):
+    """A request's chain hashes (a list of ints) and ``root``, the h_-1 they chain from: the cache's seed,
+    salted with the request's ``cache_salt`` if it has one. ``KVCache.admit`` hands the root to the request's
+    KV, whose generated blocks continue the same chain."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, hashes: Sequence[int], root: int) -> None:
+        super().__init__(hashes)
+        self.root = root
 
 
 @dataclass(eq=False, slots=True)
@@ -33,13 +47,15 @@ class RequestKV:
     reserved: int  # blocks it may still grow into
     committed: int = 0  # leading blocks whose hashes are recorded in the cache (or skipped as duplicates)
     tail: list[int] = field(default_factory=list)  # tokens after the last hashed block (decode's chain)
+    root: int | None = None  # h_-1 of its chain (the seed salted with its cache_salt); None: the cache's seed
 
 
 class KVCache:
-    def __init__(self, allocator: BlockAllocator, block_size: int, seed: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, seed: int, key: bytes = b"") -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.seed = seed
+        self.key = key  # the deployment's block-hash key (prefix_hash.hash_key); b"": unkeyed
         self.reserved = 0  # blocks promised to admitted requests and not yet allocated
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... and found there
@@ -51,10 +67,16 @@ class KVCache:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """The chain hashes of the full blocks of ``token_ids`` (also with caching off here: prefill names
-        a prompt's blocks to its decode worker, whose cache may be on)."""
-        return block_hashes(token_ids, self.block_size, self.seed)
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> BlockChain:
+        """The chain hashes of the full blocks of ``token_ids`` of a request with ``cache_salt`` = ``salt``
+        (also with caching off here: prefill names a prompt's blocks to its decode worker, whose cache may
+        be on)."""
+        root = salted_seed(self.seed, salt, self.key)
+        return BlockChain(block_hashes(token_ids, self.block_size, root, key=self.key), root)
+
+    def chain(self, hashes: Sequence[int], salt: str | None = None) -> BlockChain:
+        """``hashes`` (named by another worker) as the chain of a request with ``cache_salt`` = ``salt``."""
+        return BlockChain(hashes, salted_seed(self.seed, salt, self.key))
 
     def can_admit(self, blocks: int) -> bool:
         """Could a request needing ``blocks`` in all (now and later) be admitted, ignoring cache hits?"""
@@ -81,7 +103,8 @@ class KVCache:
         self.reserved += total - now
         self.query_tokens += num_tokens if self.caching else 0
         self.hit_tokens += len(hits) * self.block_size
-        return RequestKV(hits + fresh, list(hashes), len(hits) * self.block_size, total - now, committed=len(hits))
+        return RequestKV(hits + fresh, list(hashes), len(hits) * self.block_size, total - now, committed=len(hits),
+                         root=hashes.root if isinstance(hashes, BlockChain) else None)
 
     def grow(self, kv: RequestKV, num_tokens: int) -> None:
         """Make ``kv`` hold ``num_tokens`` tokens, from its reservation (beyond it only if blocks are free)."""
@@ -117,8 +140,9 @@ class KVCache:
             return
         kv.tail.extend(tokens)
         while len(kv.tail) >= self.block_size and len(kv.hashes) < len(kv.blocks):
-            parent = kv.hashes[-1] if kv.hashes else self.seed  # (the chain starts from the seed: h_-1)
-            (h,) = block_hashes(kv.tail[: self.block_size], self.block_size, parent)
+            # (the chain starts from its root, h_-1: the seed, salted with the request's cache_salt)
+            parent = kv.hashes[-1] if kv.hashes else (self.seed if kv.root is None else kv.root)
+            (h,) = block_hashes(kv.tail[: self.block_size], self.block_size, parent, key=self.key)
             kv.hashes.append(h)
             del kv.tail[: self.block_size]
             self.cache_blocks(kv, len(kv.hashes) * self.block_size)
