@@ -87,8 +87,13 @@ def run(args: argparse.Namespace, model: str) -> dict:
 
         for name in ("p0", "p1"):
             start(name, ["prefill", *common, "--host", hosts[name].ip, "--port", "8100", "--signal-port", "8101"])
+        # (a decode worker without a token follows request ids only to prefill workers it knows; checkouts
+        # from before that rule have no --prefill-peers)
+        peers = ([f"--prefill-peers={hosts['p0'].ip}:8101,{hosts['p1'].ip}:8101"]
+                 if "--prefill-peers" in (root / "xpyd/worker/config.py").read_text() else [])
         for name in ("d0", "d1"):
-            start(name, ["decode", *common, "--host", hosts[name].ip, "--port", "8200", "--kv-port", "8201"])
+            start(name, ["decode", *common, "--host", hosts[name].ip, "--port", "8200", "--kv-port", "8201",
+                         *peers])
         urls = {n: f"http://{hosts[n].ip}:{8100 if n[0] == 'p' else 8200}" for n in ("p0", "p1", "d0", "d1")}
         for url in urls.values():
             wait_http(url + "/health", procs)

@@ -88,7 +88,9 @@ def run_config(name: str, extra: list[str], args: argparse.Namespace, model: str
 
         start(p, ["prefill", *common, "--host", p.ip, "--port", "8100", "--signal-port", "8101",
                   "--prefill-chunk", str(args.chunk), *extra], "prefill")
-        start(d, ["decode", *common, "--host", d.ip, "--port", "8200", "--kv-port", "8201"], "decode")
+        # (a decode worker without a token follows request ids only to prefill workers it knows)
+        peers = [f"--prefill-peers={p.ip}:8101"] if "--prefill-peers" in (ROOT / "xpyd/worker/config.py").read_text() else []
+        start(d, ["decode", *common, "--host", d.ip, "--port", "8200", "--kv-port", "8201", *peers], "decode")
         wait_http(f"http://{p.ip}:8100/health", procs)
         wait_http(f"http://{d.ip}:8200/health", procs)
         start(x, ["proxy", "--host", x.ip, "--port", "8000", "--prefill", f"http://{p.ip}:8100",
