@@ -12,6 +12,7 @@ from xpyd.decode_worker import engine as engine_module
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
 from xpyd.model.kv_pool import KVLayout, KVPool
+from xpyd.model.output import FinishReason, StopParams
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState
 from xpyd.signal.request_id import RequestId
@@ -61,12 +62,16 @@ class LookupSignal(FakeSignal):
 
 
 class Output:
-    def __init__(self) -> None:
+    """Records its tokens; finishes (length) at its request's ``stop.max_tokens`` (read at each token: an
+    open-ended request's is settled by the prompt's facts)."""
+
+    def __init__(self, stop_of) -> None:
+        self._stop_of = stop_of
         self.token_ids: list[int] = []
 
     def append(self, token: int):
         self.token_ids.append(token)
-        return "t", None
+        return "t", FinishReason.LENGTH if len(self.token_ids) >= self._stop_of().max_tokens else None
 
 
 class Sink:
@@ -95,12 +100,14 @@ def make_engine(monkeypatch, batch_size: int = 8, layout: KVLayout = LAYOUT):
     return engine, transfer, sender, clock
 
 
-def add_request(engine: DecodeEngine, clock: Clock) -> tuple[str, SimpleNamespace]:
+def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
+                open_ended: bool = False) -> tuple[str, SimpleNamespace]:
     """A request as ``_add`` takes it (claimed at the next step), with a recording output and sink."""
     rid = str(RequestId.new(PREFILL, DECODE))
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
-                              output=Output(), open_ended=False, stop=SimpleNamespace(max_tokens=4),
+                              open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
                               start_output=lambda tokenizer: None)
+    payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload
 

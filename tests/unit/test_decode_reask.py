@@ -123,13 +123,13 @@ def test_reasks_wait_for_the_lookup_in_flight_and_stop_at_the_last_word(monkeypa
 
 def test_more_pulls_than_one_lookup_holds_are_all_sent(monkeypatch):
     n = m.MAX_ENTRIES + 100
-    layout = replace(LAYOUT, num_blocks=n)
+    layout = replace(LAYOUT, num_blocks=2 * n)
     engine, transfer, sender, clock = make_engine(monkeypatch, batch_size=n, layout=layout)
     rids = [add_request(engine, clock)[0] for _ in range(n)]
     for rid in rids:
-        engine.sched.mark_ready(rid, 42)  # (prompt of 0 full blocks + 3 tokens: one block each)
+        engine.sched.mark_ready(rid, 42)  # (3 prompt tokens, 2 to decode: one block pulled, two held)
         seq = engine.sched.get(rid)
-        seq.prompt_len, seq.final_len, seq.tail = 3, 4, (1, 2, 3)
+        seq.prompt_len, seq.final_len, seq.tail = 3, 5, (1, 2, 3)
     engine.step()
     pulled = [e.request_id for frame in engine.signal.lookups for e in frame if e.dest_blocks is not None]
     assert sorted(pulled) == sorted(rids) and len(pulled) == n

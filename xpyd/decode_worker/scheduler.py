@@ -10,6 +10,10 @@ A request whose prompt is still computing on a prefill worker that streams (``pr
 as soon as there is room: its KV arrives in parts while prefill computes the rest, and it joins the
 batch once the last part landed and prefill's first token arrived (``ready``), whichever is later.
 
+A request whose first token is its last (prompt + max_tokens = prompt + 1: ``needs_kv`` False) is never
+given blocks: prefill's first token ends it, so a pull while its prompt computes would move KV nobody
+uses. It waits, holding nothing, until the first token arrives (the engine then finishes it).
+
 A ready request's leading prompt blocks that this worker's prefix cache already holds are reused: only
 the blocks after them are pulled (``kv.cached_tokens``), none at all when the cache holds the whole
 prompt (``skip_transfer``).
@@ -57,6 +61,11 @@ class DecodeSeq:
     hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks (from prefill)
     tail: tuple[int, ...] = ()  # the prompt's tokens after its full blocks (from prefill)
     cached_tokens: int = 0  # prompt tokens prefill reused from its cache (reported in usage)
+
+    @property
+    def needs_kv(self) -> bool:
+        """False when prefill's first token is its last (max_tokens 1): nothing is decoded after it."""
+        return self.final_len != self.prompt_len + 1
 
     def set_state(self, new: RequestState) -> None:
         check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)
@@ -125,7 +134,8 @@ class DecodeScheduler:
         return seq
 
     def schedule_transfers(self) -> list[DecodeSeq]:
-        """Give KV blocks to ready requests, oldest first, while the batch and the pool have room.
+        """Give KV blocks to requests whose prompt is known, oldest first, while the batch and the pool have
+        room (none to one that needs no KV).
 
         The caller then announces each receive to the transfer backend and
         asks prefill to send (``set_recv_token``).
@@ -134,7 +144,7 @@ class DecodeScheduler:
         for seq in list(self._waiting.values()):
             if self.num_running + self.num_transferring >= self.batch_size:
                 break
-            if not seq.known:
+            if not seq.known or not seq.needs_kv:
                 continue
             kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
                                reuse_tokens=seq.prompt_len)
