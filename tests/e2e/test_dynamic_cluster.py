@@ -321,21 +321,28 @@ def test_sigkill_stops_routing_after_first_failure(dyn, reference):
         load.wait_done(6)
         victim.popen.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
-        _wait(lambda: dyn.by_url().get(victim.url, {"health": "down"})["health"] == "down",
-              LEASE_TTL + 10, "the victim marked down or gone")
+        seen: list[str] = []  # the victim's health at the proxy, "gone" once its lease expired
+
+        def not_up() -> bool:
+            seen.append(dyn.by_url().get(victim.url, {"health": "gone"})["health"])
+            return seen[-1] != "up"
+        _wait(not_up, LEASE_TTL + 10, "the victim marked down or gone", 0.02)
         t_down = time.monotonic()
+        # Marked down by the proxy itself (a refused connection: a request's, or a health poll's) while
+        # still registered: not found out by its lease expiring (LEASE_TTL s after the kill).
+        assert seen[-1] == "down", seen[-5:]
+        assert t_down - t_kill < LEASE_TTL / 2, t_down - t_kill
         before = dyn.by_url().get(victim.url, {}).get("requests")
         load.wait_done(9, started_after=t_down, what="requests after the victim was marked down")
         after = dyn.by_url().get(victim.url, {}).get("requests")
         assert after in (None, before)  # nothing more routed to the dead worker (None: lease expired)
-        # ...and it was noticed by the lease TTL at the latest (plus room for a busy machine)
-        assert t_down - t_kill <= LEASE_TTL + 3.0
     finally:
         results = load.stop()
     late = [r for r in results if r.start > t_down]
     assert late and all(r.ok for r in late), [r for r in late if not r.ok][:3]
     failed = [r for r in results if not r.ok]  # (those the victim had): over by the time it was found dead
     assert all(r.t < t_down + 2.0 for r in failed), [(r.t - t_down, r.status) for r in failed]
+    assert len(failed) <= 3, failed  # at most the three clients' requests in flight there at the kill
 
 
 def test_etcd_outage_keeps_serving_and_recovers(dyn, reference):
