@@ -32,7 +32,6 @@ _HASH_LIMIT = 2**64
 _SEED_PERSON = b"xpyd-kv-seed/1"  # seeds and block hashes are hashed differently: neither passes for the other
 _SALT_PERSON = b"xpyd-kv-salt/1"
 _KEY_LABEL = b"xpyd prefix-hash key/1"
-_KEY_ID_PERSON = b"xpyd-kv-keyid/1"
 MAX_SALT_CHARS = 256  # a cache_salt's length (the API refuses longer ones)
 
 if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports has a 4-byte C int
@@ -61,12 +60,6 @@ def hash_key(cluster_token: str | None) -> bytes:
     if not isinstance(cluster_token, str) or not cluster_token:
         raise ValueError("the cluster token must be a non-empty string")
     return hmac.new(cluster_token.encode("utf-8", "surrogatepass"), _KEY_LABEL, hashlib.sha256).digest()
-
-
-def key_id(key: bytes) -> str:
-    """A public name of ``key`` (hex): equal on two processes exactly when they hash blocks with the same key,
-    so a router can tell that its key is not the workers' without either one revealing it."""
-    return blake2b(key, digest_size=8, person=_KEY_ID_PERSON).hexdigest()
 
 
 def salted_seed(seed: int, salt: str | None, key: bytes = b"") -> int:

@@ -86,7 +86,7 @@ class ColocatedEngine(WorkerEngine):
             n = len(item.prompt_ids)
             self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item,
                                         final_len=min(self.max_model_len, n + item.stop.max_tokens),
-                                        hashes=self.kv_cache.hashes(item.prompt_ids)))
+                                        hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt)))
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         seq = self.sched.get(request_id)

@@ -296,7 +296,8 @@ class DecodeEngine(WorkerEngine):
                            f"requested {prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
                            f"{item.stop.max_tokens} in the completion).", "length", release=True)
             return False
-        seq.hashes, seq.tail, seq.cached_tokens = hashes, r.tail, r.cached_tokens
+        # (the chain's root is the seed salted with this request's cache_salt: its generated blocks chain from it)
+        seq.hashes, seq.tail, seq.cached_tokens = self.kv_cache.chain(hashes, item.cache_salt), r.tail, r.cached_tokens
         seq.prompt_len = prompt_len
         seq.final_len = prompt_len + item.stop.max_tokens
         seq.known = True

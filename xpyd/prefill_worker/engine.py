@@ -174,7 +174,7 @@ class PrefillEngine(WorkerEngine):
         else:
             item.start_output(self.tokenizer)
             seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
-                             hashes=self.kv_cache.hashes(item.prompt_ids))
+                             hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt))
             self.sched.add(seq)
             if self._memory.claimed_early.pop(rid, False):
                 self._claim(seq)

@@ -7,10 +7,12 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from xpyd.discovery.types import WorkerInfo
-from xpyd.prefix_hash import hash_seed
+from xpyd.model.fingerprint import weights_fingerprint
+from xpyd.prefix_hash import hash_key, hash_seed
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.config import WorkerConfig
@@ -38,11 +40,19 @@ class PeersLeft:
     joined: frozenset[str] = frozenset()
 
 
-def _kv_cache(pool, served_name: str) -> KVCache:
-    """The schedulers' view of ``pool``; block hashes are seeded with the model and the KV layout, so
-    workers agree on them exactly when their KV bytes mean the same."""
+def _kv_cache(pool, weights: str, key: bytes) -> KVCache:
+    """The schedulers' view of ``pool``; block hashes are seeded with the model's weights and the KV layout,
+    so workers agree on them exactly when their KV bytes mean the same, and keyed with the deployment's key."""
     layout = pool.layout
-    return KVCache(pool.blocks, layout.block_size, hash_seed(served_name, json.dumps(layout.compat(), sort_keys=True)))
+    return KVCache(pool.blocks, layout.block_size, hash_seed(weights, json.dumps(layout.compat(), sort_keys=True)),
+                   key)
+
+
+def model_identity(runner, served_name: str) -> str:
+    """What names the runner's weights: the fingerprint of the folder it loaded (``config.name_or_path``), not
+    the name they are served under; a runner without weights (a test's fake) is named by ``served_name``."""
+    config = getattr(runner, "config", None)
+    return served_name if config is None else "weights:" + weights_fingerprint(Path(config.name_or_path))
 
 
 class WorkerEngine(EngineThread):
@@ -58,7 +68,8 @@ class WorkerEngine(EngineThread):
         self.tokenizer = tokenizer
         self.config = config
         self.pool = runner.pool
-        self.kv_cache = _kv_cache(self.pool, served_name) if self.pool is not None else None
+        self.kv_cache = (_kv_cache(self.pool, model_identity(runner, served_name), hash_key(config.cluster_token))
+                         if self.pool is not None else None)
         self.kv_events = KVEventLog()  # the block hashes this worker caches, for routers
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids

@@ -124,7 +124,8 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
         raise APIError(400, str(e)) from None
     stop = StopParams(max_tokens=max_tokens, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
                       eos_token_ids=engine.eos_token_ids)
-    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended)
+    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended,
+                    cache_salt=req.cache_salt)
 
 
 def _untokenized_length(tokenizer, req: CompletionRequest) -> int | None:

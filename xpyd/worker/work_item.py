@@ -95,6 +95,7 @@ class WorkItem:
     output: OutputProcessor | None = None
     arrival: float = field(default_factory=time.monotonic)  # validated and handed over (for latency metrics)
     open_ended: bool = False  # no max_tokens given: as many as the context allows (decode settles it when ready)
+    cache_salt: str | None = None  # the request's cache_salt: its KV blocks are shared only with the same salt
 
     def start_output(self, tokenizer) -> None:
         self.generator = make_generator(self.sampling.seed)
