@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.decode_harness import LAYOUT, S, add_request, facts, make_engine
-from xpyd.decode_worker.engine import FRAME_BUDGET, SAFETY_REASK, lookup_frames
+from xpyd.decode_worker.lookups import FRAME_BUDGET, SAFETY_REASK, lookup_frames
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
@@ -134,7 +134,7 @@ def test_more_pulls_than_one_lookup_holds_are_all_sent(monkeypatch):
     pulled = [e.request_id for frame in engine.signal.lookups for e in frame if e.dest_blocks is not None]
     assert sorted(pulled) == sorted(rids) and len(pulled) == n
     assert all(len(frame) <= m.MAX_ENTRIES for frame in engine.signal.lookups)
-    assert engine._pending_pulls == {}
+    assert engine.lookups.pending_pulls == 0
 
 
 def test_lookup_frames_fit_the_signal_planes_frame_cap():

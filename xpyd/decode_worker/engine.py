@@ -3,8 +3,9 @@
 One engine thread owns the scheduler, the signal-plane DEALERs and the model.
 A new request is *claimed* at its prefill worker at once (a lookup without a destination); the
 prefill worker pushes ``notify`` when the request is ready (first token) or ended there, so no
-request is polled for (a safety re-ask goes out only after ``SAFETY_REASK`` seconds without news, for any
-request prefill has not given its last word on: a notify lost on the way costs that long, not a timeout).
+request is polled for (a safety re-ask goes out only after ``lookups.SAFETY_REASK`` seconds without news,
+for any request prefill has not given its last word on: a notify lost on the way costs that long, not a
+timeout; what is asked when: ``lookups``).
 Heartbeats keep every connected prefill worker told that this worker is alive.
 Each step: take new requests/aborts, read signal replies and notifies, call the transfer
 backend's ``progress()`` while a pull is in flight, poll transfer tokens
@@ -31,6 +32,7 @@ from collections import Counter
 from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.decode_worker.lookups import Lookups
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
@@ -43,14 +45,13 @@ from xpyd.worker.stepping import decode_and_sample
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
-from xpyd.signal.client import PeerState, PrefillPeer, SignalClient
+from xpyd.signal.client import PeerState, SignalClient
 from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.base import Region, TransferBackend, expect_parts
 
 log = logging.getLogger(__name__)
 
-SAFETY_REASK = 5.0  # seconds a claimed request waits without news before it is asked about again
 HEARTBEAT_INTERVAL = 1.0  # a prefill peer sent nothing for this long gets a heartbeat
 # Failures that say the path to the request's prefill worker is broken, not either worker: the signal plane
 # to it (unreachable, silent), its KV not arriving (a transfer failed or stalled), the request not reported
@@ -67,10 +68,7 @@ class DecodeEngine(WorkerEngine):
         self.transfer = transfer
         self.sched = DecodeScheduler(config.batch_size, self.kv_cache)
         self.signal: SignalClient | None = None
-        self._pending_pulls: dict[str, list[m.LookupEntry]] = {}
-        self._asked: dict[str, float] = {}  # claimed request id -> when it was last asked about or heard of
-        self._claims = 0  # requests claimed at their prefill worker
-        self._status_polls = 0  # safety re-asks about claimed requests (no news for SAFETY_REASK)
+        self.lookups = Lookups()  # claims, re-asks and pulls owed to the prefill workers
         self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
@@ -112,7 +110,7 @@ class DecodeEngine(WorkerEngine):
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
                        "pulls": dict(self._pulls), "failures": dict(self._failures),
-                       "claims": self._claims, "status_polls": self._status_polls}
+                       "claims": self.lookups.claims, "status_polls": self.lookups.status_polls}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
         self.metrics.set_kv_cache(self.kv_cache.stats())
@@ -167,7 +165,7 @@ class DecodeEngine(WorkerEngine):
         for seq in self.sched.schedule_transfers():
             with self.isolate(seq.request_id, seq.payload):
                 self._start_pull(seq)
-        self._send_lookups()
+        self.lookups.send(self.signal, self.sched, time.monotonic())
         if self.sched.running():
             self._decode_step()
         self._update_stats()
@@ -223,7 +221,7 @@ class DecodeEngine(WorkerEngine):
         return True
 
     def _fail_peer(self, addr: str, error: str) -> None:
-        self._pending_pulls.pop(addr, None)  # (their requests fail below)
+        self.lookups.drop(addr)  # (their requests fail below)
         for seq in self.sched.waiting() + self.sched.transferring():
             if seq.prefill_addr == addr:
                 self._fail_seq(seq, 502, error, "peer")
@@ -250,8 +248,7 @@ class DecodeEngine(WorkerEngine):
         seq = self.sched.get(r.request_id)
         if seq is None or seq.prefill_addr != addr:
             return
-        if seq.request_id in self._asked:
-            self._asked[seq.request_id] = time.monotonic()  # news of it: the next re-ask waits SAFETY_REASK
+        self.lookups.heard(seq.request_id, time.monotonic())  # news of it: the next re-ask waits
         if r.status is S.FAILED:
             self._fail_seq(seq, 502, f"prefill worker: {r.error}", "prefill")
         elif r.status is S.EXPIRED:
@@ -359,8 +356,8 @@ class DecodeEngine(WorkerEngine):
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self._recv_started[seq.request_id] = (time.monotonic(), len(blocks) * self.pool.layout.block_bytes)
         self._pulls[seq.prefill_addr] += 1
-        self._pending_pulls.setdefault(seq.prefill_addr, []).append(
-            m.LookupEntry(seq.request_id, tuple(blocks), first, secret, part_blocks=size if count > 1 else 0))
+        self.lookups.pull(seq.prefill_addr, m.LookupEntry(seq.request_id, tuple(blocks), first, secret,
+                                                          part_blocks=size if count > 1 else 0))
 
     def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
         started = self._recv_started.pop(seq.request_id, None)
@@ -370,50 +367,6 @@ class DecodeEngine(WorkerEngine):
     def _finished(self, item: WorkItem) -> None:
         self.metrics.request_done("finished")
         self.metrics.observe_e2e(time.monotonic() - item.arrival)
-
-    def _send_lookups(self) -> None:
-        """Pulls for requests given a slot, all of them (in as many lookups as they need); claims for new
-        requests; a re-ask about every claimed request its prefill worker has not given its last word on
-        (``_unanswered``) after SAFETY_REASK without news of it: a lost notify costs one such interval."""
-        now = time.monotonic()
-        out: dict[str, list[m.LookupEntry]] = {}
-        for addr in list(self._pending_pulls):
-            if self._ready_peer(addr) is not None:  # (else they wait until it is)
-                out[addr] = self._pending_pulls.pop(addr)
-                for e in out[addr]:
-                    self._asked[e.request_id] = now  # (the pull's answer is news of it)
-        asks: Counter[str] = Counter()
-        for seq in self._unanswered():
-            addr, asked = seq.prefill_addr, self._asked.get(seq.request_id)
-            if asked is not None and now - asked < SAFETY_REASK:
-                continue
-            peer = self._ready_peer(addr)
-            # Claims and re-asks wait for the previous answer (one lookup in flight); past MAX_ENTRIES, next time.
-            if peer is None or peer.lookup_in_flight or asks[addr] == m.MAX_ENTRIES:
-                continue
-            asks[addr] += 1
-            if asked is None:
-                self._claims += 1
-            else:
-                self._status_polls += 1
-            self._asked[seq.request_id] = now
-            out.setdefault(addr, []).append(m.LookupEntry(seq.request_id, None))
-        for addr, entries in out.items():
-            for frame in lookup_frames(entries):
-                self.signal.send_lookup(addr, frame)
-        if len(self._asked) > self.sched.num_waiting + self.sched.num_transferring:  # forget those that left
-            live = {seq.request_id for seq in self.sched.waiting() + self.sched.transferring()}
-            self._asked = {rid: t for rid, t in self._asked.items() if rid in live}
-
-    def _ready_peer(self, addr: str) -> PrefillPeer | None:
-        peer = self.signal.get(addr)
-        return peer if peer is not None and peer.state is PeerState.READY else None
-
-    def _unanswered(self) -> list[DecodeSeq]:
-        """Claimed requests still waiting on word from their prefill worker: not ready yet (READY, pushed
-        once, may be lost on the way), or with their KV still coming (a send that failed there is told by
-        a notify alone)."""
-        return [s for s in self.sched.waiting() if not s.ready] + self.sched.transferring()
 
     def _decode_step(self) -> None:
         running = self.sched.running()
@@ -450,25 +403,3 @@ class DecodeEngine(WorkerEngine):
             self.signal.close()
         self.transfer.close()
 
-
-# Bytes of encoded pull entries in one lookup: well under the signal plane's frame cap, with room for the
-# envelope (a msgpack int takes at most 5 bytes; an entry's id, secret and fields at most ENTRY_BYTES more).
-FRAME_BUDGET = m.MAX_FRAME_BYTES // 2
-ENTRY_BYTES = 64
-
-
-def lookup_frames(entries: list[m.LookupEntry]) -> list[list[m.LookupEntry]]:
-    """``entries`` in order, cut into lookups of at most ``m.MAX_ENTRIES`` entries and FRAME_BUDGET bytes."""
-    frames: list[list[m.LookupEntry]] = []
-    frame: list[m.LookupEntry] = []
-    size = 0
-    for e in entries:
-        cost = ENTRY_BYTES + len(e.request_id.encode()) + 5 * len(e.dest_blocks or ())
-        if frame and (len(frame) == m.MAX_ENTRIES or size + cost > FRAME_BUDGET):
-            frames.append(frame)
-            frame, size = [], 0
-        frame.append(e)
-        size += cost
-    if frame:
-        frames.append(frame)
-    return frames
