@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from xpyd import PROTOCOL_VERSION
 from xpyd.api.openai import RequestKind, parse_request
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.prefix_hash import block_hashes
+from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
 from tests.cluster import free_port
@@ -58,9 +58,10 @@ def words(start: int, n: int) -> str:
 PREFIX = words(100, 20 * BLOCK)  # 20 blocks shared by the requests below
 
 
-def prompt_hashes(body: dict, kind: RequestKind = RequestKind.COMPLETION) -> list[int]:
+def prompt_hashes(body: dict, kind: RequestKind = RequestKind.COMPLETION, key: bytes = b"") -> list[int]:
+    """The blocks a worker names for ``body``, keyed with ``key`` and salted with its ``cache_salt``."""
     ids = TOKENS.token_ids(parse_request(json.dumps(body).encode(), kind))
-    return block_hashes(ids, BLOCK, SEED)
+    return block_hashes(ids, BLOCK, salted_seed(SEED, body.get("cache_salt"), key), key=key)
 
 
 # ------------------------------------------------------------------ fakes
@@ -73,6 +74,7 @@ class CacheWorker:
     capacity: int = 4
     backlog: int = 0  # reported as waiting
     serve_tokenizer: bool = True
+    key: bytes = b""  # the block-hash key (the cluster token's)
     received: list[str] = field(default_factory=list)  # prompts (or the last message)
     cache: set[int] = field(default_factory=set)
     epoch: str = field(default_factory=lambda: secrets.token_hex(4))
@@ -167,7 +169,7 @@ class CacheWorker:
             ids = body["prompt"]  # token ids: as they are (a real worker checks its vocabulary)
         else:
             ids = TOKENS.token_ids(parse_request(json.dumps(body).encode(), kind))
-        hashes = block_hashes(ids, BLOCK, SEED)
+        hashes = block_hashes(ids, BLOCK, salted_seed(SEED, body.get("cache_salt"), self.key), key=self.key)
         hits = 0
         while hits < len(hashes) and hashes[hits] in self.cache:
             hits += 1
@@ -210,9 +212,9 @@ class Env:
     prefill: list[CacheWorker]
     decode: list[CacheWorker]
 
-    async def complete(self, prompt: str | list[int]) -> None:
+    async def complete(self, prompt: str | list[int], **fields) -> None:
         async with self.http.post(self.url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as r:
+                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **fields}) as r:
             assert r.status == 200, await r.text()
             assert (await r.json())["choices"][0]["text"] == "Hi!"
 
@@ -256,11 +258,11 @@ class Env:
 async def make_env() -> AsyncIterator:
     cleanups = []
 
-    async def make(serve_tokenizer: bool = True, **config_kw) -> Env:
+    async def make(serve_tokenizer: bool = True, key: bytes = b"", **config_kw) -> Env:
         prefill = [CacheWorker(Role.PREFILL, 15100 + i) for i in range(2)]
         decode = [CacheWorker(Role.DECODE, 16100 + i) for i in range(2)]
         for w in (*prefill, *decode):
-            w.serve_tokenizer = serve_tokenizer
+            w.serve_tokenizer, w.key = serve_tokenizer, key
             await w.start()
         config = ProxyConfig(port=free_port(), poll_interval=0.05, **config_kw)
         hc = HypercornConfig()
@@ -337,6 +339,34 @@ async def test_shared_prefix_goes_where_it_is_cached_until_evicted(make_env):
     await env.settle()
     await env.complete(words(500, 3 * BLOCK))
     assert (len(pa.received), len(pb.received), len(da.received)) == (6, 5, 1)
+
+
+async def test_keyed_salted_prefixes_go_where_the_same_salt_is_cached(make_env):
+    """Workers with a cluster token key their block hashes and salt them with each request's cache_salt; the
+    proxy (same token) names a request's blocks the same way: a prefix cached under one salt draws requests
+    with that salt, and none with another salt or without one."""
+    token = "a-cluster-token"
+    key = hash_key(token)
+    env = await make_env(key=key, cluster_token=token)
+    (pa, pb), (da, db) = env.prefill, env.decode
+    alice = prompt_hashes({"prompt": PREFIX, "cache_salt": "alice"}, key=key)
+    assert len(alice) == 20 and not set(alice) & set(prompt_hashes({"prompt": PREFIX, "cache_salt": "bob"}, key=key))
+    pa.store(alice)  # pa and db hold alice's prefix, and are busier than their peers
+    db.store(alice)
+    pa.backlog = db.backlog = 1
+    for w in (pa, db):
+        await env.indexed(w, 20)
+        await env.reported(w)
+    for i in range(3):
+        await env.settle()
+        await env.complete(f"{PREFIX} w{900 + i}", cache_salt="alice")
+    assert (len(pa.received), len(pb.received), len(da.received), len(db.received)) == (3, 0, 0, 3)
+    assert pa.hit_tokens == 3 * 20 * BLOCK
+    for i, fields in enumerate(({"cache_salt": "bob"}, {}, {"cache_salt": "bob"})):  # by load: the idle ones
+        await env.settle()
+        await env.complete(f"{PREFIX} w{950 + i}", **fields)
+    assert (len(pa.received), len(db.received)) == (3, 3)
+    assert pb.hit_tokens == 20 * BLOCK  # the second bob request found the first one's blocks
 
 
 async def _hit_rate(env: Env, w: CacheWorker) -> float | None:

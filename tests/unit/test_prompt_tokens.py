@@ -13,8 +13,10 @@ import pytest
 
 from xpyd.api.openai import RequestKind, parse_request
 from xpyd.model.tokenizer import encode_chat, encode_prompt, load_tokenizer
-from xpyd.prefix_hash import block_hashes, hash_seed
+from xpyd.model.kv_blocks import BlockAllocator
+from xpyd.prefix_hash import block_hashes, hash_key, hash_seed
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
+from xpyd.worker.kv_cache import KVCache
 
 SEED = hash_seed("test-model", "layout")
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -208,3 +210,22 @@ async def test_tokenizing_in_a_thread_lets_the_event_loop_run(smollm):
     await ticker
     assert keys.num_tokens > 40_000
     assert max(gaps) < took / 3, f"the loop stood still {max(gaps) * 1e3:.0f} ms of {took * 1e3:.0f} ms"
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a", "tenant-b"])
+@pytest.mark.parametrize("kind", [RequestKind.COMPLETION, RequestKind.CHAT])
+def test_keyed_salted_keys_equal_the_workers(smollm, kind, salt):
+    """With the deployment's key and a request's cache_salt, the proxy names the blocks as a worker's KVCache
+    does (same key from the same cluster token), and another salt (or none) shares no block with it."""
+    tok, _ = smollm
+    key = hash_key("a-cluster-token")
+    proxy = PromptTokenizer(TokenizerSpec.from_json(served(tok)), key)
+    worker = KVCache(BlockAllocator(4), 16, SEED, key)
+    body = {"prompt": TEXTS[-1]} if kind is RequestKind.COMPLETION else {"messages": CHATS[-1]}
+    req = parse_request(json.dumps({**body, **({} if salt is None else {"cache_salt": salt})}).encode(), kind)
+    ids = proxy.token_ids(req)
+    hashes = proxy.keys(req).hashes
+    assert hashes == tuple(worker.hashes(ids, salt)) and len(hashes) == len(ids) // 16 > 0
+    others = {tuple(worker.hashes(ids, s)) for s in (None, "tenant-a", "tenant-b") if s != salt}
+    assert all(not set(o) & set(hashes) for o in others)
+    assert not set(hashes) & set(PromptTokenizer(TokenizerSpec.from_json(served(tok))).keys(req).hashes)  # unkeyed

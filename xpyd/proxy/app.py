@@ -53,6 +53,7 @@ from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_cont
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role
+from xpyd.prefix_hash import hash_key
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
 from xpyd.proxy.cache_feed import CacheFeed
 from xpyd.proxy.client import WorkerClient, worker_session
@@ -105,7 +106,7 @@ class Proxy:
         self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
         self._client = WorkerClient(self._session, c.connect_timeout, c.cluster_token)
         if self.index is not None:
-            self._feed = CacheFeed(self._session, self.index)
+            self._feed = CacheFeed(self._session, self.index, hash_key=hash_key(c.cluster_token))
         self._poller = HealthPoller(self.registry, self.table, self._session,
                                     c.poll_interval, c.poll_timeout, on_probe=self.queue.wake, feed=self._feed)
         self._poller.start()

@@ -50,9 +50,10 @@ class CacheFeed:
     """Keeps a ``PrefixIndex`` and the proxy's ``PromptTokenizer`` up to date; ``HealthPoller`` drives it."""
 
     def __init__(self, session: aiohttp.ClientSession, index: PrefixIndex,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hash_key: bytes = b"") -> None:
         self._session = session
         self.index = index
+        self._hash_key = hash_key  # the workers' block-hash key (prefix_hash.hash_key of the cluster token)
         self.tokenizer: PromptTokenizer | None = None  # None: requests are routed without their blocks
         self._clock = clock
         self._source: tuple[Role, str] | None = None  # the worker the tokenizer came from
@@ -138,7 +139,7 @@ class CacheFeed:
         current = self.tokenizer
         if current is not None and current.digest == spec.digest():
             return current  # the same as the one in use (e.g. fetched again after its worker left)
-        return PromptTokenizer(spec)
+        return PromptTokenizer(spec, self._hash_key)
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -9,7 +9,9 @@ read by ``xpyd.proxy.cache_feed``), without transformers::
                 trim_blocks + lstrip_blocks, its ``tojson``, ``raise_exception`` and ``strftime_now``,
                 the special-token strings, ``tools``/``documents`` None, ``add_generation_prompt``)
                 -> tokenizer.json's pipeline WITHOUT special tokens        (``apply_chat_template``)
-    ids -> ``prefix_hash.block_hashes(ids, block_size, hash_seed)``: the names a worker gives the blocks
+    ids -> ``prefix_hash.block_hashes(ids, block_size, salted_seed(hash_seed, cache_salt, key), key)``: the
+           names a worker gives the blocks (``key``: the deployment's block-hash key, which the proxy
+           derives from its cluster token as the workers do; it is never sent)
 
 Messages are those ``parse_request`` leaves (role, content, optional name), as the worker parses the
 same body. Tokenizing costs CPU (~1.3 ms per 1,000 tokens, as on the worker): callers run
@@ -33,7 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from xpyd.api.openai import CompletionRequest, RequestKind
-from xpyd.prefix_hash import block_hashes
+from xpyd.prefix_hash import block_hashes, salted_seed
 from xpyd.proxy.prefix_index import PromptKeys
 
 MAX_BLOCK_SIZE = 1 << 16
@@ -93,10 +95,11 @@ class TokenizerSpec:
 
 class PromptTokenizer:
     """The workers' tokenizer and chat template, rebuilt from a ``TokenizerSpec`` (build it in a thread:
-    parsing a tokenizer.json takes ~0.1 s)."""
+    parsing a tokenizer.json takes ~0.1 s); ``key``: the deployment's block-hash key (``prefix_hash.hash_key``)."""
 
-    def __init__(self, spec: TokenizerSpec) -> None:
+    def __init__(self, spec: TokenizerSpec, key: bytes = b"") -> None:
         self.spec = spec
+        self.key = key
         self.digest = spec.digest()
         try:
             self._tokenizer = Tokenizer.from_str(spec.tokenizer_json)
@@ -116,7 +119,8 @@ class PromptTokenizer:
     def keys(self, req: CompletionRequest) -> PromptKeys:
         ids = self.token_ids(req)
         spec = self.spec
-        return PromptKeys(len(ids), spec.block_size, tuple(block_hashes(ids, spec.block_size, spec.hash_seed)))
+        root = salted_seed(spec.hash_seed, req.cache_salt, self.key)  # (the request's cache_salt starts its chain)
+        return PromptKeys(len(ids), spec.block_size, tuple(block_hashes(ids, spec.block_size, root, key=self.key)))
 
     def token_ids(self, req: CompletionRequest) -> list[int]:
         if req.kind is RequestKind.CHAT:
