@@ -7,7 +7,11 @@ import json
 import pytest
 
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.model.kv_blocks import BlockAllocator
+from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
 from xpyd.proxy.prefix_index import Cursor, KVUpdate, PrefixIndex, PromptKeys
+from xpyd.worker.kv_cache import KVCache
+from xpyd.worker.kv_events import KVEventLog
 
 
 def worker(i: int, role: Role = Role.PREFILL) -> WorkerInfo:
@@ -171,3 +175,24 @@ def test_keys_count_the_partial_last_block():
     assert PromptKeys(num_tokens=33, block_size=16, hashes=(1, 2)).num_blocks == 3
     assert PromptKeys(num_tokens=32, block_size=16, hashes=(1, 2)).num_blocks == 2
     assert PromptKeys(num_tokens=5, block_size=16, hashes=()).num_blocks == 1
+
+
+def test_a_salted_cache_matches_only_requests_with_its_salt():
+    """A keyed worker cache stores a request with cache_salt "alice"; its events reach the index; the index
+    matches the proxy's names of the same prompt with that salt (every block) and with another salt or none
+    (no block)."""
+    key = hash_key("a-cluster-token")
+    cache = KVCache(BlockAllocator(16), 4, seed=9, key=key)
+    events = KVEventLog()
+    ids = list(range(100, 118))  # 4 full blocks + 2
+    kv = cache.admit(cache.hashes(ids, "alice"), len(ids), len(ids), len(ids))
+    cache.prompt_done(kv, len(ids), ids[16:])
+    events.record(*cache.allocator.take_events())
+    index, w = PrefixIndex(), worker(1)
+    assert feed(index, w, events.since(None, None))
+
+    def keys(salt: str | None) -> PromptKeys:  # as PromptTokenizer.keys names them
+        return PromptKeys(len(ids), 4, tuple(block_hashes(ids, 4, salted_seed(9, salt, key), key=key)))
+
+    assert index.match(w, keys("alice").hashes) == 4
+    assert index.match(w, keys("bob").hashes) == index.match(w, keys(None).hashes) == 0
