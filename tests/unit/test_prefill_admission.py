@@ -51,6 +51,31 @@ def test_while_several_decode_workers_wait_each_gets_a_fair_share_oldest_first()
     sched.check_invariants()
 
 
+def test_a_decode_worker_holds_at_most_its_share_of_the_kv_blocks():
+    """Places are not the only share: A's three long prompts (5 blocks each) would take 15 of 16 blocks with
+    the 3 places A may hold beside one other live decode worker; A's block share is 16 * 3 // 4 = 12, so its
+    third waits and B's prompt (2 blocks) starts at once."""
+    sched = PrefillScheduler(batch_size=4, kv=kv_cache(16))
+    for i in range(3):
+        sched.add(PrefillSeq(f"a{i}", list(range(20)), peer="A"))
+    assert [s.request_id for s in (_prefill(sched, live_peers=2) for _ in range(3)) if s] == ["a0", "a1"]
+    sched.add(PrefillSeq("b0", list(range(8)), peer="B"))
+    assert _prefill(sched, live_peers=2).request_id == "b0"
+    assert sched.kv.allocator.num_free == 16 - 2 * 5 - 2
+    sched.check_invariants()
+
+
+def test_a_prompt_larger_than_its_share_runs_alone():
+    sched = PrefillScheduler(batch_size=4, kv=kv_cache(16))
+    sched.add(PrefillSeq("long", list(range(56)), peer="A"))  # 14 blocks > A's share of 12
+    sched.add(PrefillSeq("next", list(range(4)), peer="A"))
+    assert _prefill(sched, live_peers=2).request_id == "long"
+    assert _prefill(sched, live_peers=2) is None  # A is over its share: its next one waits
+    sched.release("long", S.FINISHED)
+    assert _prefill(sched, live_peers=2).request_id == "next"
+    sched.check_invariants()
+
+
 def test_claimed_kv_never_expires_on_kv_ttl_unclaimed_does():
     sched = PrefillScheduler(batch_size=2, kv=kv_cache(2))
     sched.add(PrefillSeq("claimed", [1], peer="A", claimed=True))

@@ -30,7 +30,11 @@ Admission per decode worker: KV waits here for the decode worker named in the re
 so one slow or full decode worker must not take every place from the others. A decode worker
 may hold at most ``batch_size`` minus one place for each other live decode worker, and while
 requests for other decode workers wait, at most its fair share (``batch_size`` over the decode
-workers that have work here). Requests whose decode worker is at its cap wait.
+workers that have work here). The same share holds for KV blocks: a decode worker's requests may hold
+at most its places' share of the pool (``num_blocks * cap // batch_size``), so a few long prompts for
+one decode worker cannot fill the pool while its place count is low; a decode worker holding nothing may
+always start one request (a prompt larger than its share runs alone). Requests whose decode worker is
+at its cap wait.
 """
 
 from __future__ import annotations
@@ -313,21 +317,28 @@ class PrefillScheduler:
     # --- internals ---------------------------------------------------------
     def _admissible(self, live_peers: int) -> list[PrefillSeq]:
         """Waiting requests that may start now as far as places go (oldest first): room in the batch for
-        each of them in turn, and their decode worker under its cap."""
+        each of them in turn, and their decode worker under its cap, in places and in KV blocks."""
         room = self.batch_size - self.num_running - self.num_transferring
         if room <= 0 or not self._waiting:
             return []
-        held = Counter(s.peer for s in self._running.values())
-        held.update(s.peer for s in self._transferring.values())
+        held, held_blocks = Counter[str](), Counter[str]()
+        for s in (*self._running.values(), *self._transferring.values()):
+            held[s.peer] += 1
+            held_blocks[s.peer] += len(s.kv.blocks)
         demand = {s.peer for s in self._waiting}
         peers = max(live_peers, len(demand | set(held)))
+        pool = self.kv.allocator.num_blocks
         out = []
         for seq in self._waiting:
             if len(out) == room:
                 break
-            if held[seq.peer] < self._cap(seq.peer, peers, demand):
+            cap = self._cap(seq.peer, peers, demand)
+            need = self.kv.blocks_for(seq.prompt_len)
+            if held[seq.peer] < cap and (held_blocks[seq.peer] == 0
+                                         or held_blocks[seq.peer] + need <= pool * cap // self.batch_size):
                 out.append(seq)
                 held[seq.peer] += 1
+                held_blocks[seq.peer] += need
         return out
 
     def _admit(self, seq: PrefillSeq) -> bool:
