@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -205,6 +206,10 @@ def up_child_pid(up_pid: int, role: str, port: int) -> int:
     raise LookupError(f"no {role} child on port {port}")
 
 
+def _option(argv: Sequence[str], name: str, default: int) -> int:
+    return int(argv[argv.index(name) + 1]) if name in argv else default
+
+
 class UpProcess:
     """`xpyd up` on free ports (prefill and decode HTTP ports with room for 2 workers each)."""
 
@@ -218,14 +223,28 @@ class UpProcess:
              "--threads", "1", *extra],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = {role: _option(extra, f"--{role}", 1) for role in ("prefill", "decode")}
+        if "--colocated" in extra:
+            self.workers = {}
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
     def wait_ready(self) -> None:
+        """Until `xpyd up` says it is ready and its proxy routes to every worker it started (with etcd, a
+        worker the proxy has not seen yet gets no request: load would pile on the others)."""
         wait_until(lambda: self.proc.poll() is not None or "Press Ctrl-C to stop" in self.text(), 2 * STARTUP,
                    "xpyd up ready")
         assert self.proc.poll() is None, self.text()[-3000:]
+        if self.workers:
+            wait_until(lambda: self.routed() == self.workers, STARTUP, f"the proxy routing to {self.workers}")
+
+    def routed(self) -> dict[str, int]:
+        """UP workers per role, as the proxy's /cluster lists them."""
+        with urllib.request.urlopen(self.url + "/cluster", timeout=5) as r:
+            workers = json.loads(r.read())["workers"]
+        up = [w["role"] for w in workers if w["health"] == "up"]
+        return {role: up.count(role) for role in self.workers}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
