@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, free_port, wait_until
-from xpyd.signal.request_id import ClusterKeys, RequestId
+from xpyd.signal.request_id import ClusterKeys, RequestId, parse_request_id
 
 TOKEN = "token-of-the-gate-tests"
 KEYS = ClusterKeys(TOKEN)
@@ -132,7 +132,7 @@ def test_a_signed_request_is_served_through_both_worker_apis(workers):
     t.join(60)
     ds, dbody = out["d"]
     assert ps == 200 and ds == 200, (pbody, dbody)
-    assert pbody["id"] == dbody["id"] == rid  # keyed (and named) by the unsigned id
+    assert pbody["id"] == dbody["id"] == "cmpl-" + parse_request_id(rid).uid  # keyed by the unsigned id (named by its random part)
     assert dbody["usage"]["completion_tokens"] == 4
 
 

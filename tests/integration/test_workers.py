@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, free_port
-from xpyd.signal.request_id import RequestId
+from xpyd.signal.request_id import RequestId, parse_request_id
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_matching_pair_serves_through_worker_apis(workers, reference):
     t.join(60)
     (ps, pbody), (ds, dbody) = out["p"], out["d"]
     assert ps == 200 and ds == 200, (pbody, dbody)
-    assert pbody["id"] == rid and dbody["id"] == rid  # used verbatim
+    assert pbody["id"] == dbody["id"] == "cmpl-" + parse_request_id(rid).uid  # one request on both (named by the id's random part: no address)
     want_text, want_n, want_finish = reference(body["prompt"], 6)
     first_text, first_n, _ = reference(body["prompt"], 1)
     # prefill answers with the first token; decode continues after it (the proxy joins the two texts)

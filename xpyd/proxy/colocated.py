@@ -2,7 +2,9 @@
 
 This is the traditional setup disaggregation is compared against (``xpyd up
 --colocated``): requests are validated the same way, then forwarded as they are
-and the worker's answer (JSON or SSE) is passed back unchanged.
+and the worker's answer (JSON or SSE) is passed back unchanged, but for its errors: as with the P/D proxy,
+no internal address or request id reaches the client (``http_errors.Redactor``), and ``X-Request-Id`` is
+the client's own or the response id.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from xpyd.api.identity import client_request_id
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
-from xpyd.api.responses import dumps, models_response
+from xpyd.api.responses import dumps, models_response, new_response_id
 from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
+from xpyd.proxy.http_errors import Redactor
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
 from xpyd.signal.request_id import RequestId
 
@@ -56,6 +61,7 @@ def create_colocated_app(config, url: str) -> Quart:
     state: dict = {}
     api_key = ApiKey(config.api_key) if config.api_key is not None else None
     limit = ConcurrencyLimit(config.max_concurrent_requests)  # as the P/D proxy: 429 beyond it
+    redactor = Redactor(lambda: [state["info"]] if "info" in state else [])
 
     @app.before_request
     async def check_api_key() -> None:  # as the P/D proxy: all but /health need the key when set
@@ -133,6 +139,7 @@ def create_colocated_app(config, url: str) -> Quart:
 
     async def _forward(kind: RequestKind, timer, slot: Slot) -> Response:
         try:
+            client_id = client_request_id(request.headers.get("X-Request-Id"))
             check_content_type(request.headers.get("Content-Type"))
             req = parse_request(await request.get_data(cache=False), kind)
             if req.model is not None and req.model != model():
@@ -141,44 +148,67 @@ def create_colocated_app(config, url: str) -> Quart:
             info: WorkerInfo = state["info"]
             body = dict(req.raw)
             body["model"] = info.model_id
-            rid = str(RequestId.new(info.signal_addr, info.signal_addr))
-            resp = await state["session"].post(url + _PATHS[kind], json=body, headers={"X-Request-Id": rid})
+            rid = RequestId.new(info.signal_addr, info.signal_addr)
+            resp = await state["session"].post(url + _PATHS[kind], json=body, headers={"X-Request-Id": str(rid)})
         except APIError as e:
             timer.end(Outcome.CLIENT_ERROR if e.status < 500 else Outcome.UNAVAILABLE)
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             timer.end(Outcome.UPSTREAM_ERROR)
-            raise APIError(502, f"colocated worker unreachable: {e}", type="server_error") from None
+            log.warning("colocated worker %s unreachable: %s", url, e)
+            raise APIError(502, "colocated worker unreachable", type="server_error") from None
+        # (the worker names an answer it was not given a name for by the id's random part)
+        headers = {"X-Request-Id": client_id or new_response_id(kind, rid.uid)}
         if resp.status != 200 or not req.stream:
             data = await resp.read()
             resp.release()
             if resp.status == 200:
                 timer.first_token()
+            else:
+                data = _redacted(data, redactor, str(rid), headers["X-Request-Id"])
             timer.end(Outcome.OK if resp.status == 200 else
                       (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
-            return Response(data, status=resp.status, content_type="application/json")
+            return Response(data, status=resp.status, content_type="application/json", headers=headers)
         slot.handed_off = True  # the stream now holds the place until it ends
-        return Response(_relay(resp, timer, slot), status=200, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"})
+        return Response(_relay(resp, timer, slot, lambda d: _redacted(d, redactor, str(rid), headers["X-Request-Id"])),
+                        status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     return app
 
 
-async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot) -> AsyncIterator[bytes]:
+def _redacted(data: bytes, redactor: Redactor, request_id: str, public_id: str) -> bytes:
+    """A worker's error body (JSON, or one SSE event's data) without internal addresses or ids."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return data
+    error["message"] = redactor.text(error["message"], request_id, public_id)
+    return dumps(doc)
+
+
+async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot,
+                 redact: Callable[[bytes], bytes]) -> AsyncIterator[bytes]:
     outcome = Outcome.ABORTED
     first = True
     try:
-        async for chunk in resp.content.iter_any():
-            if first:
-                timer.first_token()
-                first = False
-            else:
-                timer.token()
-            yield chunk
+        async for line in resp.content:  # line by line: an error event is redacted before it is sent
+            if line.startswith(b'data: {"error"'):
+                line = b"data: " + redact(line[6:].strip()) + b"\n"
+            elif line.startswith(b"data: {"):
+                if first:
+                    timer.first_token()
+                    first = False
+                else:
+                    timer.token()
+            yield line
         outcome = Outcome.OK
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         outcome = Outcome.UPSTREAM_ERROR
-        error = APIError(502, f"colocated worker failed: {e}", type="server_error").to_dict()
+        log.warning("colocated stream failed: %s", e)
+        error = APIError(502, "colocated worker failed", type="server_error").to_dict()
         yield b"data: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
     finally:
         resp.release()

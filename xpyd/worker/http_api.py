@@ -37,6 +37,7 @@ from xpyd.api.responses import (
     SSE_DONE,
     completion_response,
     models_response,
+    new_response_id,
     sse,
     stream_chunk,
     usage_chunk,
@@ -297,9 +298,9 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             return _error(e)
         rid = str(item.request_id)
         engine.submit(item)
-        if named is None:
-            shape = StreamShape(kind, rid, int(time.time()), engine.info.model_id, req.include_usage,
-                                role_chunk=True)
+        if named is None:  # called directly (or by the colocated proxy): named by the id's random part only
+            shape = StreamShape(kind, new_response_id(kind, item.request_id.uid), int(time.time()),
+                                engine.info.model_id, req.include_usage, role_chunk=True)
         else:  # the proxy's name; its stream has its own role chunk
             shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
         if req.stream:

@@ -20,6 +20,7 @@ from tests.integration.faults.fault_helpers import pair as _pair
 from tests.integration.faults.fault_helpers import prefill_body as _prefill_body
 from tests.integration.faults.fault_helpers import rid_for as _rid
 from tests.waiting import wait_until
+from xpyd.signal.request_id import parse_request_id
 
 # A worker checks its timers every engine step or idle wake-up (<= 0.1 s); HTTP and stats polls add well
 # under a second even on a loaded 2-core machine. A timer that fired at twice its value fails.
@@ -31,7 +32,7 @@ def test_right_token_serves_and_both_sides_end_idle(fault_workers):
     rid = _rid(urls)
     (ps, pbody), (ds, dbody) = _pair(urls, rid)
     assert ps == 200 and ds == 200, (pbody, dbody)
-    assert dbody["usage"]["completion_tokens"] == 6 and dbody["id"] == rid
+    assert dbody["usage"]["completion_tokens"] == 6 and dbody["id"] == "cmpl-" + parse_request_id(rid).uid
     wait_idle(urls["prefill"])
     wait_idle(urls["decode"])
 
