@@ -53,3 +53,26 @@ def test_a_decode_worker_marks_its_path_failures_in_the_error_event():
     assert body["error"]["kv_path"] is True and body["error"]["code"] == 504
     assert in_stream_error(body["error"], DECODE).fault is Fault.PATH
     assert "kv_path" not in error_body(ErrorEvent(500, "decode failed"))["error"]
+
+
+class _Content:
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+
+    async def read(self, n: int) -> bytes:
+        return self._raw[:n]
+
+
+class _Resp:
+    def __init__(self, status: int, raw: bytes) -> None:
+        self.status, self.content = status, _Content(raw)
+
+
+async def test_a_long_plain_text_error_is_cut_between_words_so_no_half_address_is_left():
+    from xpyd.proxy.http_errors import Redactor
+    from xpyd.proxy.upstream import UpstreamError, raise_for_status
+
+    text = ("x " * 94 + "upstream 10.11.12.13:8100 refused").encode()  # the address straddles 200 characters
+    with pytest.raises(UpstreamError) as e:
+        await raise_for_status(_Resp(500, text), DECODE)
+    assert "upstream 10." not in Redactor(lambda: []).text(e.value.message)

@@ -93,7 +93,9 @@ async def raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> 
         body = json.loads(raw)
         message = str(body["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        body, message = None, raw.decode(errors="replace")[:200]
+        text = raw.decode(errors="replace")
+        # (cut at a space: half an address would slip past the redaction of what reaches the client)
+        body, message = None, text if len(text) <= 200 else text[:200].rsplit(None, 1)[0] + " ..."
     name = who(worker)
     if resp.status in _REFUSED_PROXY:  # (a decode worker's 403 refuses the pair: the prefill worker named)
         path = resp.status == 403 and worker.role is Role.DECODE
