@@ -1,20 +1,24 @@
 """KV reuse across requests on a real 1P1D cluster (SmolLM2-135M, float32): prompts that share a prefix
 are answered from cached blocks on prefill (not computed again) and on decode (not moved again), with the
 same tokens as a cold run and as transformers ``generate``, also while the small cache evicts; a
-follow-up chat turn moves only the KV decode does not hold yet."""
+follow-up chat turn moves only the KV decode does not hold yet; requests with a ``cache_salt`` share
+blocks only with the same salt. The cluster has a cluster token, so every block hash is keyed with it:
+prefill, decode and the proxy must agree on the keyed names for any of this to hold."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
 import json
+import os
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import start_1p1d, wait_until
-from xpyd.worker.config import WorkerConfig
+from xpyd.signal.request_id import ClusterKeys
+from xpyd.worker.config import CLUSTER_TOKEN_ENV, WorkerConfig
 
 MAX_MODEL_LEN = 512
 CACHE_TOKENS = 1024  # 64 blocks of 16: a handful of these prompts fill it
@@ -26,10 +30,22 @@ DOC = ("The river town kept its records in a stone tower by the bridge. Every sp
        "agreed that it mattered, because the tower was the one place the floods had never reached. ") * 2
 
 
+TOKEN = "prefix-reuse-cluster-token"
+WORKER_AUTH = {"Authorization": f"Bearer {ClusterKeys(TOKEN).http_bearer}"}  # the workers' APIs require it
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm_dir: Path):
-    c, urls = start_1p1d(tmp_path_factory.mktemp("reuse"), str(smollm_dir), dtype="float32", batch_size=4,
-                         max_model_len=MAX_MODEL_LEN, extra=["--kv-cache-tokens", str(CACHE_TOKENS)])
+    saved = os.environ.get(CLUSTER_TOKEN_ENV)
+    os.environ[CLUSTER_TOKEN_ENV] = TOKEN  # every process of the cluster takes it from its environment
+    try:
+        c, urls = start_1p1d(tmp_path_factory.mktemp("reuse"), str(smollm_dir), dtype="float32", batch_size=4,
+                             max_model_len=MAX_MODEL_LEN, extra=["--kv-cache-tokens", str(CACHE_TOKENS)])
+    finally:
+        if saved is None:
+            del os.environ[CLUSTER_TOKEN_ENV]
+        else:
+            os.environ[CLUSTER_TOKEN_ENV] = saved
     yield urls
     c.stop()
 
@@ -72,12 +88,12 @@ def post(url: str, path: str, body: dict) -> dict:
 
 
 def stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/xpyd/stats", timeout=5) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/xpyd/stats", headers=WORKER_AUTH), timeout=5) as r:
         return json.loads(r.read())
 
 
 def recv_bytes(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=WORKER_AUTH), timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith('xpyd_kv_transfer_bytes_total{') and 'direction="recv"' in line:
                 return float(line.rsplit(" ", 1)[1])
@@ -112,6 +128,32 @@ def test_shared_prefixes_are_reused_on_both_roles_with_the_same_tokens(cluster, 
     for url in (cluster["prefill"], cluster["decode"]):
         wait_until(lambda: _freed(stats(url)), 10, f"{url}: every request's blocks freed")
         assert stats(url)["blocks_cached"] > 0
+
+
+def test_cache_salt_shares_blocks_only_within_one_salt(cluster, reference, background):
+    """The same prompt without a salt, then as "alice", as "bob", and as "alice" again: only the last finds
+    blocks (all of its full ones, on prefill and on decode); the salted ones before it find none, though
+    the unsalted prompt's blocks are cached on both roles. Every answer has the reference's tokens."""
+    prompt = DOC + "Question: who may read the ledgers?"
+    expected = background.submit(reference, prompt=prompt)
+
+    def send(salt: str | None) -> tuple[dict, int]:
+        """The answer, and how many prompt blocks decode found in its cache instead of pulling them."""
+        before = stats(cluster["decode"])["kv_reused_blocks"]
+        body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        answer = post(cluster["proxy"], "/v1/completions", body if salt is None else {**body, "cache_salt": salt})
+        wait_until(lambda: _freed(stats(cluster["decode"])), 10, "decode freed the request's blocks")
+        return answer, stats(cluster["decode"])["kv_reused_blocks"] - before
+
+    plain, _ = send(None)
+    first_alice, alice_reused = send("alice")
+    bob, bob_reused = send("bob")
+    again_alice, again_reused = send("alice")
+    ids, want = expected.result()
+    assert [r["choices"][0]["text"] for r in (plain, first_alice, bob, again_alice)] == [want] * 4
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first_alice, bob, again_alice)]
+    assert cached == [0, 0, (len(ids) - 1) // BLOCK * BLOCK]
+    assert (alice_reused, bob_reused, again_reused) == (0, 0, len(ids) // BLOCK)
 
 
 def _freed(s: dict) -> bool:
