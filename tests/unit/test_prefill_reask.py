@@ -116,4 +116,4 @@ def test_a_request_sent_whole_is_answered_the_same_after_its_send(prefill):
     assert (again.status, again.first_token, again.num_tokens) == (S.SENDING, FIRST, 3)
     # A release that comes after the send ended (decode's, or the proxy's abort) changes nothing.
     assert engine.on_release(DECODE, m.Release(DECODE, (rid,))).released == 0
-    assert rid not in engine._memory.released_early
+    assert rid not in engine.held.memory.released_early

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from xpyd.model.kv_pool import KVLayout, KVPool
-from xpyd.prefill_worker.engine import RELEASED_EARLY, PrefillEngine
+from xpyd.prefill_worker.engine import PrefillEngine
+from xpyd.prefill_worker.held import RELEASED_EARLY
 from xpyd.prefill_worker.recent import recent_ids
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId
@@ -111,7 +112,7 @@ def test_engine_remembers_a_release_that_overtook_its_request():
         engine.post(SimpleNamespace(request_id=rid, sink=sink, prompt_ids=[1, 2]))  # (a WorkItem, reduced)
         engine.step()
         assert [type(e) for e in sink.events] == [ErrorEvent] and sink.events[0].status == 409
-        assert rid not in engine._memory.released_early and engine.stats()["released_on_arrival"] == 1
+        assert rid not in engine.held.memory.released_early and engine.stats()["released_on_arrival"] == 1
         assert (_lookup(engine, rid).status, _lookup(engine, rid).error) == (m.LookupStatus.FAILED, RELEASED_EARLY)
         assert engine.sched.get(rid) is None and engine.pool.num_used == 0  # nothing held for it
     finally:

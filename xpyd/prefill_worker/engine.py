@@ -3,7 +3,8 @@
 Threads: the engine thread (forward passes, scheduling, polling sends and, while any is in flight,
 calling the backend's ``progress()`` every iteration; it sleeps until a send's token finishes and wakes
 it, or every ``progress_tick`` of a backend that needs one), the signal-server thread (answers decode
-workers; starts sends), transfer threads (move bytes). The first two share the scheduler under one lock.
+workers, ``signal_plane``; starts sends), transfer threads (move bytes). The first two share the requests
+held (the scheduler, the decode workers served, what is remembered: ``held``) under one lock.
 
 Readiness is pushed: a decode worker claims a request (a lookup without a destination) as soon as it has
 it; the moment the prefill ends (or the request fails or expires here), the server thread pushes a
@@ -19,16 +20,16 @@ its first token, for a decode worker whose READY push was lost; ``recent.Request
 arrives before its request drops the request on arrival.
 
 Who is served: the signal server opens a session per connection once the decode worker proved the
-cluster token (challenge-response, the token never sent: ``xpyd.signal.auth``) and calls this engine
-only for open sessions, with the decode worker's address from its authenticated hello; it says when a
-decode worker's session ended (``on_session_closed``). A push that could not be delivered changes
-nothing here: the decode worker's next lookup is answered from the request's state.
+cluster token (challenge-response, the token never sent: ``xpyd.signal.auth``) and calls the engine's
+signal plane (``signal_plane.PrefillSignalPlane``) only for open sessions, with the decode worker's
+address from its authenticated hello; it says when a decode worker's session ended
+(``on_session_closed``). A push that could not be delivered changes nothing here: the decode worker's
+next lookup is answered from the request's state.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from typing import Callable
@@ -43,21 +44,16 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.expiry import claim_ttl, late_kv, orphaned, stalled_sends
-from xpyd.prefill_worker.peers import DecodePeers, PeerMap
-from xpyd.prefill_worker.recent import RequestMemory
+from xpyd.prefill_worker.expiry import claim_ttl, late_kv, stalled_sends
+from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
+from xpyd.prefill_worker.signal_plane import PrefillSignalPlane
 from xpyd.signal import messages as m
-from xpyd.signal.request_id import RequestIdError, parse_request_id
-from xpyd.prefill_worker.handover import abort_sends, plan_pull, ready_result, send_due
-from xpyd.transfer.base import BackendDescriptor, TransferBackend
+from xpyd.prefill_worker.handover import abort_sends, send_due
+from xpyd.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
 
-RELEASED_EARLY = "released before it reached the prefill worker (its client went away)"
-MAX_REMEMBERED = 16384  # ended / released-early request ids kept for clear answers
-MIN_RETENTION = 60.0  # seconds those ids are kept (at least kv_ttl)
-STREAM_PARTS = 4  # a streamed prompt's KV moves in parts of a quarter chunk (the last one after the prompt)
 LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
 
 
@@ -69,20 +65,23 @@ class PrefillEngine(WorkerEngine):
         super().__init__(runner, tokenizer, config, served_name)
         self.transfer = transfer
         self.sched = PrefillScheduler(config.batch_size, self.kv_cache, chunk=config.prefill_chunk)
-        self._lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
-        self._peers = DecodePeers()
-        self._sends: Counter[str] = Counter()  # KV sends started, by decode worker
-        self._kv_compat = self.pool.layout.compat()
-        self._memory = RequestMemory(max(MIN_RETENTION, config.kv_ttl), MAX_REMEMBERED)
-        self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
-        self._expired = 0
-        self._released_on_arrival = 0
-        self._undelivered = 0  # notifies the signal server could not send (the decode worker asks again)
-        self._orphaned = 0  # requests freed because the session of their decode worker ended
-        self._claims: dict[str, set[str]] = {}  # decode worker -> ids of its live claimed requests
+        # What this thread and the signal server's share (under held.lock), and the server's handler.
+        self.held = HeldRequests(self.sched, transfer, self.metrics, config.kv_stream, config.kv_ttl)
+        self._lock, self._peers = self.held.lock, self.held.peers
+        self.signal_plane = PrefillSignalPlane(self.held, self.pool, self.model_id, config.cluster_token,
+                                               self.isolate, self._wake)
         # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
         # their prompt was still computing
         self._steps = Counter()
+
+    @property
+    def notify(self) -> Callable[[str, m.Message], None] | None:
+        """The signal server's push (set by main): how a claimant is told its request is ready or ended."""
+        return self.held.notify
+
+    @notify.setter
+    def notify(self, push: Callable[[str, m.Message], None] | None) -> None:
+        self.held.notify = push
 
     def start(self, signal_addr: str) -> None:
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
@@ -105,12 +104,14 @@ class PrefillEngine(WorkerEngine):
                     "queued_tokens": self.sched.queued_tokens(),
                     "transfers_in_flight": len(self.transfer.outstanding()),
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
-                    "sends": dict(self._sends),
-                    "expired": self._expired, "released_on_arrival": self._released_on_arrival,
-                    "notifies_undelivered": self._undelivered, "orphaned": self._orphaned,
+                    "sends": dict(self.held.sends),
+                    "expired": self.held.counts["expired"],
+                    "released_on_arrival": self.held.counts["released_on_arrival"],
+                    "notifies_undelivered": self.held.counts["notifies_undelivered"],
+                    "orphaned": self.held.counts["orphaned"],
                     "prefill_chunk": self.sched.chunk, "prefill_steps": self._steps["steps"],
                     "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"],
-                    "kv_stream": self._streams, "kv_parts_streamed": self._steps["streamed_parts"]}
+                    "kv_stream": self.held.streams, "kv_parts_streamed": self._steps["streamed_parts"]}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
@@ -119,13 +120,13 @@ class PrefillEngine(WorkerEngine):
                 if isinstance(item, Abort):
                     with self.isolate(item.request_id):
                         seq = self.sched.get(item.request_id)
-                        if self._release(item.request_id):
-                            self._record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the prefill "
-                                             "worker (its client went away)", seq.claimed)
-                        elif item.request_id not in self._memory.ended:
+                        if self.held.release(item.request_id):
+                            self.held.record_end(item.request_id, m.LookupStatus.FAILED, "aborted on the "
+                                                 "prefill worker (its client went away)", seq.claimed)
+                        elif item.request_id not in self.held.memory.ended:
                             # The proxy gave up before the request itself got here (its two HTTP calls raced):
                             # drop it on arrival instead of holding its KV for a whole lease.
-                            self._memory.released_early[item.request_id] = True
+                            self.held.memory.released_early[item.request_id] = True
                 elif isinstance(item, PeersLeft):
                     self._drop_peers(item.addrs)
                     for addr in item.joined:  # (one that had left and is back: its KV is kept as any other's)
@@ -136,9 +137,10 @@ class PrefillEngine(WorkerEngine):
             ended, broken = self.sched.poll()
             for seq in broken:  # a part's send failed: the others stop; the request ends when they did
                 abort_sends(self.transfer, seq)
-                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send failed: {seq.error}", seq.claimed)
+                self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send failed: {seq.error}",
+                                     seq.claimed)
             for seq in ended:
-                self._ended(seq)
+                self.held.ended(seq)
             self._expire(time.monotonic())
             chunks = self.sched.plan(self._peers.live(time.monotonic(), self.config.peer_timeout))
             for chunk in chunks:
@@ -162,12 +164,12 @@ class PrefillEngine(WorkerEngine):
         if self.sched.get(rid) is not None:
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
-        elif self._memory.released_early.pop(rid, False):
+        elif self.held.memory.released_early.pop(rid, False):
             # Its decode worker gave up on it (aborted or timed out) before it arrived here. Remembered as
             # ended, so a decode worker still waiting for it is answered FAILED, not "unknown".
-            claimed = self._memory.claimed_early.pop(rid, False)
-            self._record_end(rid, m.LookupStatus.FAILED, RELEASED_EARLY, claimed)
-            self._released_on_arrival += 1
+            claimed = self.held.memory.claimed_early.pop(rid, False)
+            self.held.record_end(rid, m.LookupStatus.FAILED, RELEASED_EARLY, claimed)
+            self.held.counts["released_on_arrival"] += 1
             item.sink.put(ErrorEvent(409, f"request {rid} was already released (its decode worker or the proxy "
                                           "gave up on it)"))
             self.metrics.request_done("aborted")
@@ -176,8 +178,8 @@ class PrefillEngine(WorkerEngine):
             seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
                              hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt))
             self.sched.add(seq)
-            if self._memory.claimed_early.pop(rid, False):
-                self._claim(seq)
+            if self.held.memory.claimed_early.pop(rid, False):
+                self.held.claim(seq)
 
     def _expire(self, now: float) -> None:
         """Free KV that waits for a pull in vain, abort sends to silent decode workers (``expiry``); later
@@ -187,28 +189,16 @@ class PrefillEngine(WorkerEngine):
         for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE),
                                 claim_ttl(ttl)):
             self.sched.release(seq.request_id, RequestState.FAILED)
-            self._ended(seq)
-            self._expired += 1
-            self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
+            self.held.ended(seq)
+            self.held.counts["expired"] += 1
+            self.held.record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
         for seq, why in stalled_sends(self.sched.sending(), self._peers, now, silent):
             self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
             abort_sends(self.transfer, seq)
-            self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
+            self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
             log.warning("request %s: KV send aborted: %s", seq.request_id, why)
-        self._memory.expire()
-
-    def _record_end(self, request_id: str, status: m.LookupStatus, error: str, claimed: bool) -> None:
-        """Remember how a request ended here unpulled; tell the decode worker that claimed it."""
-        result = m.LookupResult(request_id, status, error=error)
-        self._memory.ended[request_id] = result
-        if claimed:
-            self._push(request_id, result)
-
-    def _push(self, request_id: str, result: m.LookupResult) -> None:
-        peer = _decode_addr_of(request_id)
-        if self.notify is not None and peer is not None:
-            self.notify(peer, m.Notify((result,)))
+        self.held.memory.expire()
 
     def _update_metrics(self) -> None:
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
@@ -216,37 +206,11 @@ class PrefillEngine(WorkerEngine):
         self.metrics.set_kv_cache(self.kv_cache.stats())
         self.publish_kv_events()
 
-    def _claim(self, seq: PrefillSeq) -> None:
-        """Its decode worker claimed it (notified when ready; its KV waits for that worker's session)."""
-        seq.claimed = True
-        self._claims.setdefault(seq.peer, set()).add(seq.request_id)
-
-    def _ended(self, seq: PrefillSeq) -> None:
-        """``seq`` reached a final state: count it (and its pull's bytes); if its prompt never finished, its
-        HTTP call still waits: answer it."""
-        claims = self._claims.get(seq.peer)
-        if claims is not None:
-            claims.discard(seq.request_id)
-        plan = seq.pull.plan if seq.pull is not None else None
-        if plan is not None:
-            ok = seq.state is RequestState.FINISHED
-            self.metrics.transfer_done("send", plan.nbytes, time.monotonic() - plan.started, ok)
-            if ok:  # sent: a re-ask (its READY push may have been lost) is answered with the first token
-                self._memory.ended[seq.request_id] = m.LookupResult(seq.request_id, m.LookupStatus.SENDING,
-                                                                    seq.first_token, seq.prompt_len)
-        self.metrics.request_done(_outcome(seq))
-        if seq.first_token is None and seq.payload is not None and not seq.payload.sink.ended:
-            sink = seq.payload.sink
-            if seq.state is RequestState.FAILED:
-                sink.put(ErrorEvent(500, seq.error or "prefill failed"))
-            else:
-                sink.put(ErrorEvent(409, f"request {seq.request_id} was released before its prefill ran to completion"))
-
     def _announce(self, seq: PrefillSeq) -> None:
         """A claimed request started: tell its decode worker the prompt's facts, so it can pull the KV as it
         is computed (when this worker streams)."""
-        if self._streams:
-            self._push(seq.request_id, self._ready_result(seq, m.LookupStatus.PREFILLING))
+        if self.held.streams:
+            self.held.push(seq.request_id, self.held.ready_result(seq, m.LookupStatus.PREFILLING))
 
     def _run_step(self, chunks: list[Chunk]) -> None:
         """One forward pass over the step's chunks; requests whose prompt it ends get their first token.
@@ -273,7 +237,7 @@ class PrefillEngine(WorkerEngine):
                         self.kv_cache.cache_blocks(chunk.seq.kv, chunk.end)  # (a later prompt may share them)
                         self.sched.chunk_done(chunk)
                         if chunk.seq.state.is_final:  # released while its chunk ran
-                            self._ended(chunk.seq)
+                            self.held.ended(chunk.seq)
                         elif chunk.seq.pull is not None:  # the KV of this chunk's full blocks goes now
                             self._steps["streamed_parts"] += send_due(self.transfer, self.sched, chunk.seq,
                                                                       self._wake)
@@ -287,10 +251,10 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             self.sched.fail_running(seq, str(e))
             abort_sends(self.transfer, seq)  # (parts of its first chunks may be on their way)
-            self._record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
-                             seq.claimed)
+            self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
+                                 seq.claimed)
             if seq.state.is_final:
-                self._ended(seq)
+                self.held.ended(seq)
 
     def _prefilled(self, seq: PrefillSeq, token: int, now: float) -> None:
         item: WorkItem = seq.payload
@@ -301,24 +265,13 @@ class PrefillEngine(WorkerEngine):
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, ())
             self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
-                self._ended(seq)
+                self.held.ended(seq)
             elif seq.pull is not None:  # streamed: the parts still due go now (the last one at least)
                 send_due(self.transfer, self.sched, seq, self._wake)
             if not seq.state.is_final and seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
-                self._push(seq.request_id, self._ready_result(seq, m.LookupStatus.READY))
+                self.held.push(seq.request_id, self.held.ready_result(seq, m.LookupStatus.READY))
         item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
-
-    def _ready_result(self, seq: PrefillSeq, status: m.LookupStatus) -> m.LookupResult:
-        part_blocks = 0  # one part (a prompt one step computes has nothing to overlap its KV with)
-        if status is m.LookupStatus.PREFILLING and seq.prompt_len - seq.kv.cached_tokens > self.sched.chunk:
-            part_blocks = max(1, self.sched.chunk // STREAM_PARTS // self.kv_cache.block_size)
-        return ready_result(seq, status, self.kv_cache.block_size, part_blocks)
-
-    @property
-    def _streams(self) -> bool:
-        """Does this worker send a request's KV while its prompt computes (chunked, streaming on)?"""
-        return self.sched.chunk > 0 and self.config.kv_stream
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         with self._lock:
@@ -330,19 +283,10 @@ class PrefillEngine(WorkerEngine):
             # (in a step, or with sends in flight, which are aborted: it ends, and is counted, when they end)
             self.sched.release(request_id, RequestState.FAILED)
             abort_sends(self.transfer, seq)
-            self._record_end(request_id, m.LookupStatus.FAILED, error, seq.claimed)
+            self.held.record_end(request_id, m.LookupStatus.FAILED, error, seq.claimed)
             if seq.state.is_final:
-                self._ended(seq)
+                self.held.ended(seq)
         return True
-
-    def _release(self, request_id: str) -> int:
-        seq = self.sched.release(request_id)
-        if seq is None:
-            return 0
-        abort_sends(self.transfer, seq)
-        if seq.state.is_final:
-            self._ended(seq)
-        return 1
 
     def _drop_peers(self, addrs: frozenset[str]) -> None:
         """Decode workers left the cluster. One that drains (SIGTERM) still pulls what it has in flight, so
@@ -363,171 +307,28 @@ class PrefillEngine(WorkerEngine):
         self.transfer.close()
 
     # --- signal plane (server thread) --------------------------------------
+    # The signal server's handler is ``signal_plane``; the engine answers the same for callers that hold it.
     @property
     def cluster_token(self) -> str | None:
-        """What each decode worker's signal session proves (the signal server checks it)."""
-        return self.config.cluster_token
+        return self.signal_plane.cluster_token
 
     def on_session_closed(self, identity: str, why: str) -> None:
-        """The signal session of decode worker ``identity`` ended: it shakes hands again on its next one;
-        what that session claimed (held KV, sends in flight, claims of requests still to come) is freed
-        (``expiry.orphaned``): its decode worker failed those requests, or is a new process that never
-        heard of them."""
-        with self._lock:
-            self._peers.close(identity)
-            for rid in [r for r in self._memory.claimed_early if _decode_addr_of(r) == identity]:
-                self._memory.claimed_early.pop(rid, None)
-            held, sending = orphaned(self.sched.held(), self.sched.sending(), identity)
-            error = f"its decode worker's signal session ended ({why})"
-            for seq in held:
-                self.sched.release(seq.request_id, RequestState.FAILED)
-                self._ended(seq)
-                self._record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV freed: {error}", False)
-            for seq in sending:
-                self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
-                abort_sends(self.transfer, seq)
-                self._record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {error}", False)
-            self._orphaned += len(held) + len(sending)
-            self._expired += len(held)  # (freed unpulled, as KV that expires)
-            for rid in self._claims.pop(identity, ()):  # not prefilled yet: nobody waits for a notify now
-                seq = self.sched.get(rid)
-                if seq is not None and not seq.state.is_final and not seq.cancel_requested:
-                    seq.claimed = False  # (kv_ttl from now on: the worker's next session may claim it again)
-        if held or sending:
-            log.info("decode worker %s: %d claimed requests freed, %d sends aborted: %s", identity, len(held),
-                     len(sending), error)
-            self.post(None)  # (the engine polls the aborted sends)
+        self.signal_plane.on_session_closed(identity, why)
 
     def on_undelivered(self, identity: str, msg: m.Message, why: str) -> None:
-        with self._lock:
-            self._undelivered += 1
+        self.signal_plane.on_undelivered(identity, msg, why)
 
     def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply:
-        if msg.model_id != self.model_id:
-            return m.HandshakeReply(False, f"model mismatch: prefill serves {self.model_id!r}, "
-                                           f"decode serves {msg.model_id!r}", self.model_id)
-        if msg.kv_compat != self._kv_compat:
-            return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
-                                           f"decode {msg.kv_compat}", self.model_id)
-        with self._lock:
-            self._peers.accept(identity, time.monotonic())
-        return m.HandshakeReply(True, None, self.model_id)
-
-    def _known(self, identity: str) -> bool:
-        """Has this decode worker shaken hands? (marks it active)"""
-        with self._lock:
-            return self._peers.heard_from(identity, time.monotonic())
+        return self.signal_plane.on_handshake(identity, msg)
 
     def on_heartbeat(self, identity: str, msg: m.Heartbeat) -> m.HeartbeatReply | m.ErrorReply:
-        return m.HeartbeatReply() if self._known(identity) else m.ErrorReply("handshake first")
+        return self.signal_plane.on_heartbeat(identity, msg)
 
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply | m.ErrorReply:
-        if not self._known(identity):
-            return m.ErrorReply("handshake first")
-        try:
-            desc = BackendDescriptor.from_dict(msg.transfer)
-        except (ValueError, TypeError, KeyError) as e:
-            return m.KVMapReply(False, f"bad transfer descriptor: {e}")
-        if desc.backend != self.transfer.name:
-            return m.KVMapReply(False, f"transfer backend mismatch: prefill uses {self.transfer.name}, "
-                                       f"decode uses {desc.backend}")
-        if msg.block_bytes != self.pool.layout.block_bytes:
-            return m.KVMapReply(False, f"KV block size mismatch: prefill blocks hold {self.pool.layout.block_bytes} "
-                                       f"bytes, decode blocks {msg.block_bytes}")
-        if msg.block_bytes * msg.num_blocks > desc.buffer_size:
-            return m.KVMapReply(False, "KV map does not fit the registered buffer")
-        with self._lock:
-            self._peers.register(identity, PeerMap(desc, msg.block_bytes, msg.num_blocks))
-        return m.KVMapReply(True)
+        return self.signal_plane.on_kv_map_init(identity, msg)
 
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
-        if not self._known(identity):
-            return m.ErrorReply("handshake first")
-        results = []
-        with self._lock:
-            peer = self._peers.pool(identity)
-            for e in msg.entries:
-                results.append(self._lookup_isolated(identity, peer, e))
-        return m.LookupReply(tuple(results))
-
-    def _lookup_isolated(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
-        """``_lookup_one``; if it raises, that request fails here and the decode worker is told so."""
-        with self.isolate(e.request_id):
-            return self._lookup_one(identity, peer, e)
-        ended = self._memory.ended.get(e.request_id)
-        error = ended.error if ended is not None and ended.error else "internal error"
-        return m.LookupResult(e.request_id, m.LookupStatus.FAILED, error=error)
-
-    def _lookup_one(self, identity: str, peer: PeerMap | None, e: m.LookupEntry) -> m.LookupResult:
-        S = m.LookupStatus
-        try:
-            rid = parse_request_id(e.request_id)
-        except RequestIdError as err:
-            return m.LookupResult(e.request_id, S.FAILED, error=str(err))
-        if rid.decode_addr != identity:
-            return m.LookupResult(e.request_id, S.FAILED, error="request belongs to another decode worker")
-        seq = self.sched.get(e.request_id)
-        if seq is None:
-            ended = self._memory.ended.get(e.request_id)
-            if ended is not None:
-                return ended
-            if e.request_id in self._memory.released_early:  # refused when it arrives: do not wait for it
-                return m.LookupResult(e.request_id, S.FAILED, error=RELEASED_EARLY)
-            if e.dest_blocks is None:
-                self._memory.claimed_early[e.request_id] = True  # claimed on arrival; notified when ready
-            return m.LookupResult(e.request_id, S.UNKNOWN)
-        if e.dest_blocks is None:
-            self._claim(seq)  # notified when ready (or ended); its KV waits for this decode worker
-        streaming = seq.state is RequestState.RUNNING and self._streams
-        if seq.state is RequestState.WAITING or (seq.state is RequestState.RUNNING and not streaming):
-            return m.LookupResult(e.request_id, S.NOT_READY)
-        if e.dest_blocks is None:
-            if streaming:
-                return self._ready_result(seq, S.PREFILLING)
-            return self._ready_result(seq, S.READY if seq.pull is None else S.SENDING)
-        # A pull (only the decode worker named in the request id gets here).
-        if peer is None:
-            return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
-        if seq.pull is None:
-            plan = plan_pull(self.pool, seq, e, peer, time.monotonic())
-            if isinstance(plan, str):
-                return m.LookupResult(e.request_id, S.FAILED, error=plan)
-            self.sched.start_pull(e.request_id, len(plan.parts), plan)
-            if len(plan.parts) > 1:  # the last chunk computes the last part alone: only it is left to move
-                seq.split_at = plan.parts[-2].ready_at
-            self._sends[identity] += 1
-            if send_due(self.transfer, self.sched, seq, self._wake):
-                self.post(None)  # wake the engine to poll the sends
-        if streaming:
-            return self._ready_result(seq, S.PREFILLING)
-        return m.LookupResult(e.request_id, S.SENDING, seq.first_token, seq.prompt_len)
+        return self.signal_plane.on_lookup_all(identity, msg)
 
     def on_release(self, identity: str, msg: m.Release) -> m.ReleaseReply | m.ErrorReply:
-        if not self._known(identity):
-            return m.ErrorReply("handshake first")
-        n = 0
-        with self._lock:
-            for rid in msg.request_ids:
-                if _decode_addr_of(rid) != identity:
-                    continue  # not this decode worker's request (or not a request id): ignored
-                if self._release(rid):
-                    n += 1
-                elif rid not in self._memory.ended:
-                    self._memory.released_early[rid] = True  # dropped if it arrives later
-        return m.ReleaseReply(n)
-
-
-def _outcome(seq: PrefillSeq) -> str:
-    """How a request ended here. KV released unpulled because the first token ended the
-    request (decode did not need it) is a finished request, not an aborted one."""
-    if seq.state is RequestState.ABORTED and seq.payload.output.finished is not None:
-        return "finished"
-    return seq.state.value
-
-
-def _decode_addr_of(request_id: str) -> str | None:
-    try:
-        return parse_request_id(request_id).decode_addr
-    except RequestIdError:
-        return None
-
+        return self.signal_plane.on_release(identity, msg)
