@@ -35,8 +35,9 @@ class Clock:
 
 
 class LookupSignal(FakeSignal):
-    """The prefill peer is connected (READY); each lookup sent is recorded (``lookups``, one list of entries
-    per frame) and stays in flight until ``answer`` puts its reply on the next poll."""
+    """The prefill peer is connected (READY, unless the test sets ``prefill.state``); each lookup sent is
+    recorded (``lookups``, one list of entries per frame) and stays in flight until ``answer`` puts its
+    reply on the next poll; releases are recorded (``released``) when they go out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +60,11 @@ class LookupSignal(FakeSignal):
 
     def notify(self, *results: m.LookupResult) -> None:
         self.replies.append((PREFILL, m.Notify(tuple(results))))
+
+    def send_release(self, addr: str, request_ids: list[str]) -> None:
+        """Recorded if it goes out: as the real client, only on a ready connection (else it is dropped)."""
+        if self.prefill.state is PeerState.READY:
+            super().send_release(addr, request_ids)
 
 
 class Output:
@@ -106,7 +112,7 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
     rid = str(RequestId.new(PREFILL, DECODE))
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
-                              start_output=lambda tokenizer: None)
+                              prompt_ids=[], start_output=lambda tokenizer: None)  # (no ids: prefill's names taken)
     payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.decode_harness import S, add_request, facts, make_engine
+from xpyd.signal.client import PeerState
 from xpyd.worker.request import RequestState
 from xpyd.worker.work_item import TokenEvent
 
@@ -52,3 +53,22 @@ def test_a_request_with_a_token_left_to_decode_is_pulled_while_its_prompt_comput
     engine._abort(rid)
     engine.step()
     assert not engine.sched.has_work() and engine.pool.num_used == 0 and transfer.outstanding() == set()
+
+
+def test_a_release_while_the_connection_to_prefill_is_being_made_goes_once_it_is_ready(monkeypatch):
+    """The proxy hangs up on decode as soon as prefill's first token ended the request, before decode's
+    first connection to that prefill worker is ready: the release goes when it is, not never (the KV would
+    wait there for kv_ttl)."""
+    engine, transfer, sender, clock = make_engine(monkeypatch)
+    engine.signal.prefill.state = PeerState.HANDSHAKING
+    rid, payload = add_request(engine, clock, max_tokens=1)
+    engine.step()
+    engine._abort(rid)
+    engine.step()
+    assert engine.signal.released == [] and engine.signal.lookups == [] and not engine.sched.has_work()
+    engine.signal.prefill.state = PeerState.READY
+    engine.step()
+    assert engine.signal.released == [rid]
+    assert engine.signal.lookups == []  # (nothing to claim: the request is gone)
+    engine.step()
+    assert engine.signal.released == [rid]  # once

@@ -161,7 +161,7 @@ class DecodeEngine(WorkerEngine):
                 self.metrics.request_done("failed")
                 self._failures["transfer"] += 1
                 seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}", kv_path=True))
-                self.signal.send_release(seq.prefill_addr, [seq.request_id])
+                self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
         for seq in self.sched.schedule_transfers():
             with self.isolate(seq.request_id, seq.payload):
                 self._start_pull(seq)
@@ -197,7 +197,7 @@ class DecodeEngine(WorkerEngine):
         self.sched.abort(request_id)
         self.metrics.request_done("aborted")
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
-            self.signal.send_release(seq.prefill_addr, [request_id])
+            self.lookups.release(self.signal, seq.prefill_addr, [request_id])
 
     def _fail_seq(self, seq: DecodeSeq, status: int, error: str, cause: str, release: bool = False) -> None:
         """Fail a request; with ``release``, also tell its prefill worker to drop the KV. ``cause`` is counted
@@ -211,7 +211,7 @@ class DecodeEngine(WorkerEngine):
         self._failures[cause] += 1
         seq.payload.sink.put(ErrorEvent(status, error, kv_path=cause in KV_PATH_CAUSES))
         if release and state in (RequestState.WAITING, RequestState.TRANSFERRING):
-            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         seq = self.sched.get(request_id)
@@ -232,6 +232,7 @@ class DecodeEngine(WorkerEngine):
         goes away (the socket monitor fails what still waits then)."""
         if not any(s.prefill_addr == addr for s in self.sched.waiting() + self.sched.transferring()):
             self.signal.drop(addr)
+            self.lookups.drop(addr)
 
     def _fail_overdue(self, now: float) -> None:
         limit = self.config.prefill_wait_timeout
@@ -314,13 +315,13 @@ class DecodeEngine(WorkerEngine):
                 self._abort_receives(seq)
             self.sched.finish(seq)
             self._finished(item)
-            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
             item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1, seq.cached_tokens))
             return
         self.sched.mark_ready(seq.request_id, token)
         if seq.state is RequestState.TRANSFERRING and not seq.transfer_ids:
             # its whole prompt was cached here (pulled nothing): prefill's copy can go now
-            self.signal.send_release(seq.prefill_addr, [seq.request_id])
+            self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
 
     def _abort_receives(self, seq: DecodeSeq) -> None:
         """Cancel the receives of ``seq``'s KV: once this returns, no byte of them lands in its blocks."""
@@ -340,7 +341,7 @@ class DecodeEngine(WorkerEngine):
             self.sched.skip_transfer(seq)
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
             if seq.ready:
-                self.signal.send_release(seq.prefill_addr, [seq.request_id])
+                self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
             return
         size = seq.part_blocks if not seq.ready and seq.part_blocks else len(blocks)
         count = -(-len(blocks) // size)

@@ -1,6 +1,6 @@
 """What a decode worker asks its prefill workers, and when (the engine thread's only caller).
 
-Three kinds of lookup entries go to a prefill worker:
+Three kinds of lookup entries go to a prefill worker, and releases:
 
 - a *pull* (a destination for the KV) for each request the scheduler gave blocks to: all of them, kept
   until the prefill worker's connection is ready;
@@ -8,7 +8,10 @@ Three kinds of lookup entries go to a prefill worker:
   is ready or ended there;
 - a safety *re-ask* (no destination) about a claimed request the prefill worker has not given its last
   word on (not ready yet, or its KV still coming), ``SAFETY_REASK`` seconds after the last news of it: a
-  notify lost on the way (a ROUTER at its high-water mark drops it) costs that long, not the request.
+  notify lost on the way (a ROUTER at its high-water mark drops it) costs that long, not the request;
+- a *release* (the request ended here: its KV there can go), at once, or, while the connection to that
+  prefill worker is still being made (a request aborted as soon as it came), as soon as it is ready: a
+  release lost would keep the KV there until its kv_ttl.
 
 Claims and re-asks wait while a lookup to that prefill worker is in flight (one at a time), at most
 ``m.MAX_ENTRIES`` per lookup. Each prefill worker's entries go in as many lookups as the signal plane's
@@ -36,6 +39,7 @@ class Lookups:
 
     def __init__(self) -> None:
         self._pulls: dict[str, list[m.LookupEntry]] = {}  # prefill worker -> pulls not sent yet
+        self._releases: dict[str, list[str]] = {}  # prefill worker (connecting) -> ids to release once ready
         self._asked: dict[str, float] = {}  # claimed request id -> when it was last asked about or heard of
         self.claims = 0  # requests claimed at their prefill worker
         self.status_polls = 0  # safety re-asks about claimed requests (no news for SAFETY_REASK)
@@ -49,9 +53,20 @@ class Lookups:
         self._pulls.setdefault(addr, []).append(entry)
 
     def drop(self, addr: str) -> None:
-        """Prefill worker ``addr`` failed: its pulls not sent yet are dropped (the engine fails their
-        requests)."""
+        """The connection to prefill worker ``addr`` failed or was closed: its pulls not sent yet are dropped
+        (the engine fails their requests), and its releases (its session ended: what it claimed is freed
+        there; the rest expires)."""
         self._pulls.pop(addr, None)
+        self._releases.pop(addr, None)
+
+    def release(self, signal: SignalClient, addr: str, request_ids: list[str]) -> None:
+        """Tell prefill worker ``addr`` to drop these requests' KV: now, or once the connection to it that
+        is being made is ready."""
+        peer = signal.get(addr)
+        if peer is not None and peer.state not in (PeerState.READY, PeerState.FAILED):
+            self._releases.setdefault(addr, []).extend(request_ids)
+        else:
+            signal.send_release(addr, request_ids)  # (no connection, or a failed one: nothing there to tell)
 
     def heard(self, request_id: str, now: float) -> None:
         """News of a claimed request (an answer or a notify): its next re-ask waits SAFETY_REASK from now."""
@@ -59,8 +74,14 @@ class Lookups:
             self._asked[request_id] = now
 
     def send(self, signal: SignalClient, sched: DecodeScheduler, now: float) -> None:
-        """Pulls for requests given a slot, all of them; claims for new requests; a re-ask about every
-        claimed request its prefill worker has not given its last word on, after SAFETY_REASK without news."""
+        """Releases held back for a connection that is now ready; pulls for requests given a slot, all of
+        them; claims for new requests; a re-ask about every claimed request its prefill worker has not given
+        its last word on, after SAFETY_REASK without news."""
+        for addr in list(self._releases):
+            if _ready_peer(signal, addr) is not None:
+                ids = self._releases.pop(addr)
+                for i in range(0, len(ids), m.MAX_ENTRIES):
+                    signal.send_release(addr, ids[i : i + m.MAX_ENTRIES])
         out: dict[str, list[m.LookupEntry]] = {}
         for addr in list(self._pulls):
             if _ready_peer(signal, addr) is not None:  # (else they wait until it is)
