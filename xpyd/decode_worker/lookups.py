@@ -1,4 +1,4 @@
-"""What a decode worker asks its prefill workers, and when (the engine thread's only caller).
+"""What a decode worker asks and tells its prefill workers, and when (used by the engine thread alone).
 
 Three kinds of lookup entries go to a prefill worker, and releases:
 
@@ -34,8 +34,8 @@ ENTRY_BYTES = 64
 
 
 class Lookups:
-    """The pulls still to send, by prefill worker, and when each claimed request was last asked about or
-    heard of (with how many claims and re-asks went out, for stats)."""
+    """The pulls and releases still to send, by prefill worker, and when each claimed request was last asked
+    about or heard of (with how many claims and re-asks went out, for stats)."""
 
     def __init__(self) -> None:
         self._pulls: dict[str, list[m.LookupEntry]] = {}  # prefill worker -> pulls not sent yet
