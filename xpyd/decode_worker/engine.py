@@ -286,6 +286,14 @@ class DecodeEngine(WorkerEngine):
                            f"more tokens for a {r.num_tokens}-token prompt", "prefill", release=True)
             return False
         item: WorkItem = seq.payload
+        if item.prompt_ids:  # decode tokenized the prompt (its cache is on): it caches KV only under its own names
+            own = self.kv_cache.hashes(item.prompt_ids, item.cache_salt)
+            if (r.num_tokens != len(item.prompt_ids) or hashes != own
+                    or tuple(r.tail) != tuple(item.prompt_ids[len(own) * bs:])):
+                self._fail_seq(seq, 502, f"prefill worker {addr} named another prompt than this request's (its "
+                               "length, block hashes or tail differ from decode's)", "prefill", release=True)
+                return False
+            hashes = own
         limit, prompt_len = self.max_model_len, r.num_tokens
         if item.open_ended:
             item.stop = replace(item.stop, max_tokens=max(1, limit - prompt_len))

@@ -95,14 +95,16 @@ def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest
                     sink: OutputSink) -> WorkItem:
     """Validate and tokenize; raise APIError (4xx) for anything the client got wrong.
 
-    A decode worker does not tokenize: prefill, which has the same request, tokenizes and checks it, and its
-    "ready" carries the prompt's length (the decode engine finishes the length checks then)."""
+    Prefill, which has the same request, tokenizes and checks it, and its "ready" carries the prompt's length
+    and block hashes (the decode engine finishes the length checks then). A decode worker with its prefix
+    cache on tokenizes too: it caches the KV it pulls only under block hashes it computed itself, and refuses
+    a prompt that prefill names otherwise (``DecodeEngine._prompt_facts``); with its cache off it does not."""
     served = engine.info.model_id
     if req.model is not None and req.model != served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     decode = config.role == "decode"
-    ids = [] if decode else _tokenize(engine.tokenizer, req)
-    n = len(ids) if not decode else (_untokenized_length(engine.tokenizer, req) or 1)  # (decode: at least one)
+    ids = [] if decode and not config.prefix_cache else _tokenize(engine.tokenizer, req)
+    n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req) or 1)  # (decode: at least one)
     limit = engine.max_model_len
     kvp = req.kv_transfer_params or {}
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
