@@ -68,7 +68,8 @@ class WorkerEngine(EngineThread):
         self.tokenizer = tokenizer
         self.config = config
         self.pool = runner.pool
-        self.kv_cache = (_kv_cache(self.pool, model_identity(runner, served_name), hash_key(config.cluster_token))
+        self.weights = model_identity(runner, served_name)  # what the KV depends on: the weights, not the name
+        self.kv_cache = (_kv_cache(self.pool, self.weights, hash_key(config.cluster_token))
                          if self.pool is not None else None)
         self.kv_events = KVEventLog()  # the block hashes this worker caches, for routers
         self.max_model_len: int = runner.max_model_len
