@@ -39,7 +39,7 @@ if array("I").itemsize != 4:  # pragma: no cover - every platform CPython suppor
 
 
 def hash_seed(*parts: str | int) -> int:
-    """A 64-bit seed naming what the KV depends on (e.g. the model id and the KV layout's compat string).
+    """A 64-bit seed naming what the KV depends on (the weights' identity and the KV layout's compat string).
 
     Each part is encoded with its type and length, so ("ab", "c") and ("a", "bc") differ, as do "1" and 1.
     """
