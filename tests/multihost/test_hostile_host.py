@@ -259,38 +259,51 @@ def takeover_frames(sender: str, ids: list[str], mallory_kv: str) -> list[m.Mess
     ]
 
 
+REFUSED = [{"type": "error", "seq": 10 + i, "ok": None, "error": "handshake first"} for i in range(6)]
+
+
+def try_takeover(cluster: Hostile, mallory, as_decode: str, routing_id: bytes | None, claim: bool) -> list[dict]:
+    """mallory at p0's signal plane as decode worker ``as_decode`` (a signal address), with ``routing_id``
+    (None: the ROUTER names the connection), saying it proves the token (``claim``) or not; what came back."""
+    ids = cluster.internal_ids()[-2 * STREAMS:]  # the newest dispatches: some are in flight now
+    mallory_kv = f"{cluster.hosts['mallory'].ip}:{TRAP_PORT}"
+    frames = [m.encode(10 + i, msg).hex() for i, msg in enumerate(takeover_frames(as_decode, ids, mallory_kv))]
+    answer = mallory.ask({"op": "signal", "address": cluster.signal_addr("p0"), "sender": as_decode,
+                          "routing_id": None if routing_id is None else routing_id.hex(), "claim_token": claim,
+                          "frames": frames, "wait": 0.5}, timeout=30)
+    return answer["received"]
+
+
+def assert_refused(received: list[dict], claim: bool, what: str) -> None:
+    """One refusal for the hello (or a challenge, then one for the proof) and one for each message after it:
+    no notify, no lookup answer, no session."""
+    if claim:  # p0 proves the token first; mallory's proof is wrong
+        assert [a["type"] for a in received[:1]] == ["challenge"], (what, received)
+        opening = [{"type": "auth_reply", "seq": 2, "ok": False, "error": "cluster token mismatch"}]
+        received = received[1:]
+    else:
+        opening = [{"type": "handshake_reply", "seq": 1, "ok": False,
+                    "error": "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode worker)"}]
+    assert received == opening + REFUSED, (what, claim, received)
+
+
 def test_a_stranger_with_the_decode_workers_routing_id_gets_nothing(hostile, mallory, reference):
-    p0_sig, d0_sig = hostile.signal_addr("p0"), hostile.signal_addr("d0")
-    mallory_kv = f"{hostile.hosts['mallory'].ip}:{TRAP_PORT}"
+    d0_sig = hostile.signal_addr("d0")
     guesses = {"d0's signal address": d0_sig.encode(), "d0's HTTP address": hostile.urls["d0"][7:].encode(),
                "the ROUTER's own naming": None, "a short one": b"\x01", "a 5-byte one": b"\x01\x00\x00\x00\x01"}
     before = hostile.received("d0")
     with Traffic(hostile, "takeover") as traffic:
         wait_until(lambda: traffic.count() >= STREAMS, 60, "real requests completing")
-        answers = {}
-        for what, rid in guesses.items():
-            for claim in (False, True):
-                ids = hostile.internal_ids()[-2 * STREAMS:]  # the newest dispatches: some are in flight now
-                frames = [m.encode(10 + i, msg).hex() for i, msg in enumerate(takeover_frames(d0_sig, ids, mallory_kv))]
-                answers[what, claim] = mallory.ask(
-                    {"op": "signal", "address": p0_sig, "routing_id": None if rid is None else rid.hex(),
-                     "claim_token": claim, "sender": d0_sig, "frames": frames, "wait": 0.5}, timeout=30)
+        # (each routing id once per round: a ROUTER drops a connection whose routing id another one holds, and
+        # mallory's previous one may not have been reaped yet)
+        answers = {(what, claim): try_takeover(hostile, mallory, d0_sig, rid, claim)
+                   for claim in (False, True) for what, rid in guesses.items()}
         served = traffic.count()
         wait_until(lambda: traffic.count() >= served + STREAMS, 60, "real requests completing after the takeovers")
         results = traffic.stop()
     print(f"\ntakeover: {len(answers)} sessions tried during {len(results)} real requests")
-    refused = [{"type": "error", "seq": 10 + i, "ok": None, "error": "handshake first"} for i in range(6)]
-    for (what, claim), answer in answers.items():
-        if claim:  # p0 proves the token first; mallory's proof is wrong
-            assert [a["type"] for a in answer["received"][:1]] == ["challenge"], (what, answer)
-            opening = [{"type": "auth_reply", "seq": 2, "ok": False, "error": "cluster token mismatch"}]
-            got = answer["received"][1:]
-        else:
-            opening = [{"type": "handshake_reply", "seq": 1, "ok": False,
-                        "error": "cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the decode "
-                                 "worker)"}]
-            got = answer["received"]
-        assert got == opening + refused, (what, claim, got)  # one refusal each; no notify, no lookup reply
+    for (what, claim), received in answers.items():
+        assert_refused(received, claim, what)
     assert mallory.ask({"op": "caught"}) == {"peers": [], "bytes": 0}  # no KV came to mallory's "pool"
     all_exact(results, reference)
     assert hostile.received("d0") > before  # the real decode worker's own requests went on
@@ -315,19 +328,30 @@ def test_a_sniffer_reads_no_token_and_a_replayed_handshake_opens_nothing(hostile
     try:
         ready, _, _ = select.select([dump.stderr], [], [], 10)
         assert ready and b"listening on" in dump.stderr.readline(), "tcpdump did not start listening"
+        hostile.start_worker("d1")  # a decode worker that joins (and shakes hands) while the capture runs
+        hostile.c.wait_healthy()
+        wait_until(lambda: hostile.urls["d1"] in hostile.listed(), 20, "the proxy to discover d1")
+        d1_sig = hostile.signal_addr("d1")
         with Traffic(hostile, "sniff") as traffic:
-            hostile.start_worker("d1")  # a decode worker that joins (and shakes hands) while the capture runs
-            hostile.c.wait_healthy()
-            wait_until(lambda: hostile.urls["d1"] in hostile.listed(), 20, "the proxy to discover d1")
-            wait_until(lambda: hostile.received("d1") >= 2, 60, "d1 serving")
+            wait_until(lambda: hostile.received("d1") >= 2, 60, "d1 serving (its session with p0 open)")
+            # Right after d1's session opened, mallory tries to take it over as d1.
+            takeover = try_takeover(hostile, mallory, d1_sig, d1_sig.encode(), claim=True)
+            served = hostile.received("d1")
+            wait_until(lambda: hostile.received("d1") >= served + 2, 60, "d1 serving after the takeover")
             results = traffic.stop()
     finally:
         dump.send_signal(signals.SIGTERM)
         dump.wait(10)
+    assert_refused(takeover, True, "d1's address, right after d1 joined")
     all_exact(results, reference)
     streams = tcp_streams(pcap.read_bytes())
     p0, d1 = hostile.hosts["p0"].ip, hostile.hosts["d1"].ip
-    d1_sig = hostile.signal_addr("d1")
+    # No form of the token anywhere on the wire; on the signal plane not even the HTTP credential.
+    wire = b"".join(streams.values())
+    signal_plane = b"".join(data for f, data in streams.items() if SIGNAL_PORT in (f[1], f[3]))
+    for what, needle in forms(TOKEN).items():
+        assert needle not in wire, f"the token's {what} is on the wire"
+    assert KEYS.http_bearer.encode() not in signal_plane
     (client_flow,) = [f for f in streams if f[0] == d1 and f[2:] == (p0, SIGNAL_PORT)]
     server = streams[(p0, SIGNAL_PORT, d1, client_flow[1])]
     said = [m.decode(b).msg for b in zmtp_messages(streams[client_flow])]
@@ -337,12 +361,6 @@ def test_a_sniffer_reads_no_token_and_a_replayed_handshake_opens_nothing(hostile
     assert isinstance(said[1], m.Proof) and said[1].proof is not None
     assert isinstance(heard[0], m.Challenge) and heard[0].proof is not None
     assert heard[1] == m.AuthReply(True)
-    # No form of the token anywhere on the wire; on the signal plane not even the HTTP credential.
-    wire = b"".join(streams.values())
-    signal_plane = b"".join(data for f, data in streams.items() if SIGNAL_PORT in (f[1], f[3]))
-    for what, needle in forms(TOKEN).items():
-        assert needle not in wire, f"the token's {what} is on the wire"
-    assert KEYS.http_bearer.encode() not in signal_plane
     # What a sniffer does get: the proxy's calls to the workers carry the HTTP credential (a key derived from
     # the token, not the token) and signed request ids.
     http = b"".join(data for f, data in streams.items() if f[0] == hostile.hosts["proxy"].ip)
