@@ -10,6 +10,8 @@ Every test ends with a leak check on the workers that stay up.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import threading
 import time
@@ -67,13 +69,12 @@ def reference(tiny_model_dir: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.numerics import decided_greedy
+
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    ids = tok(PROMPT).input_ids
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False)
-    return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    model64 = copy.deepcopy(model).double()  # every reference token is decided beyond float32 error
+    return tok.decode(decided_greedy(model, model64, tok(PROMPT).input_ids, MAX_TOKENS), skip_special_tokens=True)
 
 
 def _body(role: str, mark: str | None = None, stream: bool = False) -> dict:
