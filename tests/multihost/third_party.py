@@ -265,8 +265,8 @@ def mallory() -> None:
 def tcp_streams(pcap: bytes) -> dict[tuple[str, int, str, int], bytes]:
     """Each TCP direction's payload, in sequence order, from a libpcap file of Ethernet frames (``tcpdump
     -w``): ``(src, sport, dst, dport) -> bytes``. Retransmitted bytes count once."""
-    magic = pcap[:4]
-    order = {b"\xd4\xc3\xb2\xa1": "<", b"\x4d\x3c\xb2\xa1": "<", b"\xa1\xb2\xc3\xd4": ">", b"\xa1\xb2\x3c\x4d": ">"}[magic]
+    order = {b"\xd4\xc3\xb2\xa1": "<", b"\x4d\x3c\xb2\xa1": "<",  # (microsecond, nanosecond timestamps)
+             b"\xa1\xb2\xc3\xd4": ">", b"\xa1\xb2\x3c\x4d": ">"}[pcap[:4]]
     if struct.unpack(order + "I", pcap[20:24])[0] != 1:
         raise ValueError("not an Ethernet capture")
     segments: dict[tuple, dict[int, bytes]] = {}
