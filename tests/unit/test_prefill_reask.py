@@ -61,7 +61,7 @@ def prefill(monkeypatch):
     engine.notify = lambda peer, msg: pushed.extend(msg.results)
     transfer.register(engine.pool.buffer())
     desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
-    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
     assert engine.on_kv_map_init(DECODE, m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.block_bytes,
                                                      LAYOUT.num_blocks)).ok
     yield engine, transfer, pushed

@@ -76,7 +76,7 @@ def test_prefill_sends_with_the_secret_the_pull_carried():
     rid = str(RequestId.new(PREFILL, DECODE))
     engine.sched.add(PrefillSeq(rid, [1, 2, 3]))
     engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())
-    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
     init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
     secret = new_secret()

@@ -102,7 +102,7 @@ def test_engine_remembers_a_release_that_overtook_its_request():
     transfer = FakeTransferBackend(FakeNetwork())
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100), transfer, "m")
     try:
-        assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+        assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
         rid = str(RequestId.new(PREFILL, DECODE))
         assert _lookup(engine, rid).status is m.LookupStatus.UNKNOWN
         assert engine.on_release(DECODE, m.Release(DECODE, (rid,))).released == 0  # not here yet: remembered

@@ -79,7 +79,7 @@ def test_prefill_a_send_that_cannot_start_fails_just_its_request():
     engine.notify = lambda peer, msg: pushed.append(msg)
     transfer.register(engine.pool.buffer())
     desc = decode_side.register(memoryview(bytearray(LAYOUT.total_bytes)))
-    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
     assert engine.on_kv_map_init(DECODE, m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)).ok
     rids = [str(RequestId.new(PREFILL, DECODE)) for _ in range(2)]
     sinks = {rid: _Sink() for rid in rids}

@@ -39,7 +39,7 @@ def _sending_engine():
     payload = SimpleNamespace(output=SimpleNamespace(finished=None))
     engine.sched.add(PrefillSeq(rid, [1, 2, 3], payload=payload, peer=DECODE))
     engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())
-    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
     init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
     claim = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, None),)))

@@ -62,7 +62,7 @@ def test_prefill_engine_drives_progress_while_a_send_is_in_flight(tick):
     engine.sched.prefilled(next_prefill(engine.sched), 42, time.monotonic())  # (its forward pass: not tested here)
     assert engine.step() == IDLE_SLEEP and transfer.progress_calls == 0  # KV held, nobody pulls yet
     # The decode worker pulls it, through the signal plane's handlers.
-    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat())).ok
+    assert engine.on_handshake(DECODE, m.Handshake(DECODE, "m", engine.peer_compat())).ok
     init = m.KVMapInit(DECODE, decode_desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks)
     assert engine.on_kv_map_init(DECODE, init).ok
     reply = engine.on_lookup_all(DECODE, m.LookupAll(DECODE, (m.LookupEntry(rid, (0,), 0, new_secret()),)))

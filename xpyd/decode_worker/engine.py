@@ -82,7 +82,7 @@ class DecodeEngine(WorkerEngine):
         layout = self.pool.layout
         self.signal = SignalClient(
             identity,
-            m.Handshake(identity, self.model_id, layout.compat()),
+            m.Handshake(identity, self.model_id, self.peer_compat()),
             m.KVMapInit(identity, desc.to_dict(), layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
             cluster_token=self.config.cluster_token,  # proven at each connection, never sent

@@ -68,8 +68,8 @@ class PrefillEngine(WorkerEngine):
         # What this thread and the signal server's share (under held.lock), and the server's handler.
         self.held = HeldRequests(self.sched, transfer, self.metrics, config.kv_stream, config.kv_ttl)
         self._lock, self._peers = self.held.lock, self.held.peers
-        self.signal_plane = PrefillSignalPlane(self.held, self.pool, self.model_id, config.cluster_token,
-                                               self.isolate, self._wake)
+        self.signal_plane = PrefillSignalPlane(self.held, self.pool, self.model_id, self.peer_compat(),
+                                               config.cluster_token, self.isolate, self._wake)
         # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
         # their prompt was still computing
         self._steps = Counter()

@@ -37,15 +37,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSignalPlane:
-    def __init__(self, held: HeldRequests, pool: KVPool, model_id: str, cluster_token: str | None,
+    def __init__(self, held: HeldRequests, pool: KVPool, model_id: str, compat: dict, cluster_token: str | None,
                  isolate: Callable[[str], AbstractContextManager], wake: Callable[[], None]) -> None:
-        """``isolate(request_id)``: a scope in which an exception fails just that request (the engine's);
-        ``wake``: wake the engine thread (sends to poll)."""
+        """``compat``: what a decode worker's handshake must match (``WorkerEngine.peer_compat``: the KV layout
+        and the weights); ``isolate(request_id)``: a scope in which an exception fails just that request (the
+        engine's); ``wake``: wake the engine thread (sends to poll)."""
         self.held = held
         self.pool = pool
         self.model_id = model_id
         self.cluster_token = cluster_token  # what each decode worker's session proves (the server checks it)
-        self._kv_compat = pool.layout.compat()
+        self._kv_compat = compat
         self._isolate = isolate
         self._wake = wake
 
@@ -88,6 +89,11 @@ class PrefillSignalPlane:
         if msg.model_id != self.model_id:
             return m.HandshakeReply(False, f"model mismatch: prefill serves {self.model_id!r}, "
                                            f"decode serves {msg.model_id!r}", self.model_id)
+        if msg.kv_compat.get("weights") != self._kv_compat.get("weights"):
+            return m.HandshakeReply(False, f"the workers serve {self.model_id!r} from different weights "
+                                           f"(prefill {self._kv_compat.get('weights')!s:.60}, decode "
+                                           f"{msg.kv_compat.get('weights')!s:.60}): their KV cannot mix",
+                                    self.model_id)
         if msg.kv_compat != self._kv_compat:
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)

@@ -80,6 +80,11 @@ class WorkerEngine(EngineThread):
         self._items: weakref.WeakSet[WorkItem] = weakref.WeakSet()  # submitted, still referenced by the engine
         self._fault: FaultInjection | None = None
 
+    def peer_compat(self) -> dict:
+        """What a prefill and a decode worker must share to move KV between them, compared whole at their
+        handshake: the KV layout and the weights (two models served under one name must not mix KV)."""
+        return {**self.pool.layout.compat(), "weights": self.weights}
+
     def start_thread(self) -> None:
         self._fault = FaultInjection.from_env(os.environ)  # test-only fault injection: see worker/faults.py
         super().start_thread()

@@ -22,6 +22,7 @@ from tests.integration.faults.fault_helpers import rid_for as _rid
 from tests.waiting import wait_until
 from xpyd import PROTOCOL_VERSION
 from xpyd.signal import auth
+from xpyd.model.fingerprint import weights_fingerprint
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId
 
@@ -121,7 +122,7 @@ def _no_tracebacks(cluster, *names: str) -> None:
             assert "Traceback" not in p.log.read_text(errors="replace"), p.tail(80)
 
 
-def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
+def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers, tiny_model_dir):
     cluster, urls = fault_workers
     port = int(urls["prefill_signal"].rsplit(":", 1)[1])
     rng = random.Random(SEED)
@@ -137,7 +138,9 @@ def test_fuzz_signal_plane_of_a_real_prefill_worker(fault_workers):
         assert challenge.proof == auth.prefill_proof(TOKEN, hello.nonce, challenge.nonce, frame)
         sock.send(m.encode(2, m.Proof(auth.decode_proof(TOKEN, challenge.nonce, hello.nonce, frame))))
         assert m.decode(sock.recv()).msg == m.AuthReply(True)
-        sock.send(m.encode(1, m.Handshake(IDENTITY, model, COMPAT)))
+        # (the weights the workers loaded are part of what must match)
+        compat = {**COMPAT, "weights": "weights:" + weights_fingerprint(tiny_model_dir)}
+        sock.send(m.encode(1, m.Handshake(IDENTITY, model, compat)))
         assert m.decode(sock.recv()).msg == m.HandshakeReply(True, None, model)
         sock.send(m.encode(2, m.KVMapInit(IDENTITY, {"backend": "tcp", "address": "127.0.0.1:9",
                                                      "buffer_size": 1 << 20}, BLOCK_BYTES, 4)))
