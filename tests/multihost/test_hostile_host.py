@@ -342,6 +342,8 @@ def test_a_sniffer_reads_no_token_and_a_replayed_handshake_opens_nothing(hostile
     finally:
         dump.send_signal(signals.SIGTERM)
         dump.wait(10)
+    summary = dump.stderr.read().decode(errors="replace")
+    assert re.search(r"^0 packets dropped by kernel$", summary, re.M), summary  # (what the checks read is all)
     assert_refused(takeover, True, "d1's address, right after d1 joined")
     all_exact(results, reference)
     streams = tcp_streams(pcap.read_bytes())
