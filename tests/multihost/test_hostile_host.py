@@ -23,9 +23,9 @@ block or a transfer.
 
 What a sniffer on the workers' network does get: the HTTP calls from the proxy to the workers are plain HTTP and
 carry the credential derived from the token (``Authorization: Bearer <ClusterKeys.http_bearer>``) and signed
-request ids. With them it can call the workers' APIs as the proxy (the ids it can sign are none: the MAC covers
-the whole id), not join the signal plane, not sign an id, not write KV. The README says to keep the workers'
-network private for that reason; ``test_a_sniffer_reads_no_token_and_a_replayed_handshake_opens_nothing``
+request ids. With them it can call the workers' APIs as the proxy does, with ids the proxy signed (it cannot sign
+another: the MAC covers the whole id); it cannot join the signal plane or open a transfer. The README says to keep
+the workers' network private for that reason; ``test_a_sniffer_reads_no_token_and_a_replayed_handshake_opens_nothing``
 asserts exactly this split.
 """
 
