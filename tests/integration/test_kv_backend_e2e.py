@@ -82,12 +82,13 @@ def test_shm_and_tcp_decode_give_the_same_tokens(tmp_path: Path, tiny_model_dir:
         log = pproc.log.read_text(errors="replace")
         assert log.count("shm transfer: connected to") == 1  # the auto decode worker, and only it
         # /xpyd/stats says which part of auto carried each transfer
-        # (and how many frames that tried to open a transfer their listeners refused: none here)
+        # (and how many frames that tried to open a transfer their listeners refused, how many connections
+        # they closed before any opened one: none here)
         assert _stats(prefill)["kv_backend"] == {"name": "auto", "sent": {"tcp": 1, "shm": 1}, "received": {},
-                                                 "refused": 0}
+                                                 "refused": 0, "unproven": 0}
         assert _stats(decodes["auto"][0])["kv_backend"] == {"name": "auto", "sent": {}, "received": {"shm": 1},
-                                                           "refused": 0}
-        assert _stats(decodes["tcp"][0])["kv_backend"] == {"name": "tcp", "refused": 0}
+                                                           "refused": 0, "unproven": 0}
+        assert _stats(decodes["tcp"][0])["kv_backend"] == {"name": "tcp", "refused": 0, "unproven": 0}
     finally:
         c.stop()
     pids = [pproc.popen.pid] + [p.popen.pid for _, p in decodes.values()]

@@ -153,13 +153,15 @@ def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
     """``kv_backend`` in ``/xpyd/stats``: the configured backend, for ``auto`` which of its parts carried
     the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``), and how many frames
     that tried to open a transfer its listeners refused (``refused``: no or a wrong MAC, an id not
-    expected; backends that count them)."""
+    expected; backends that count them), and how many connections they closed before any opened a transfer
+    (``unproven``: past the 1 s deadline, or evicted by the per-source caps)."""
     out: dict = {"name": config.kv_backend}
     if isinstance(transfer, AutoTransferBackend):
         out.update(transfer.used())
-    refused = getattr(transfer, "refused", None)
-    if isinstance(refused, int):
-        out["refused"] = refused
+    for key in ("refused", "unproven"):
+        count = getattr(transfer, key, None)
+        if isinstance(count, int):
+            out[key] = count
     return out
 
 
