@@ -689,7 +689,8 @@ def _prefilled(engine: PrefillEngine, rid: str) -> None:
 
 
 def _decode_client(desc) -> SignalClient:
-    return SignalClient(DECODE, m.Handshake(DECODE, "m", LAYOUT.compat()),
+    # (the fake runner's weights are named by the served name: "m")
+    return SignalClient(DECODE, m.Handshake(DECODE, "m", {**LAYOUT.compat(), "weights": "m"}),
                         m.KVMapInit(DECODE, desc.to_dict(), LAYOUT.block_bytes, LAYOUT.num_blocks), timeout=5.0,
                         cluster_token=TOKEN)
 
