@@ -360,7 +360,8 @@ def test_receiver_killed_fails_the_sender(name):
         assert said == "expecting"
         first = a.backend.send("k0", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret)
         assert first.wait(TIMEOUT) and first.done()
-        os.kill(proc.pid, signal.SIGSTOP)  # frozen: it takes in nothing sent from now on
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen: it takes in nothing sent from now on...
+        _until(lambda: _state(proc.pid) == "T", "the receiver stopped")  # (...once the stop has taken effect)
         toks = [a.backend.send(f"k{i}", [Region(0, SIZE)], peer, [Region(0, SIZE)], secret=secret) for i in range(1, 30)]
         _until(lambda: toks[0].state() is TransferState.TRANSFERRING, "k1 on its way to the receiver")
         _kill(proc)  # k1 in flight, the rest queued
@@ -375,11 +376,18 @@ def test_receiver_killed_fails_the_sender(name):
     _swept_by_the_next_start(name, proc.pid)
 
 
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _freeze_mid_transfer(proc, toks) -> int:
     """Stop the sender (SIGSTOP) at a moment one of ``toks`` is TRANSFERRING; that one's index."""
     for _ in range(len(toks)):
         _until(lambda: any(t.state() is TransferState.TRANSFERRING for t in toks), "a transfer in flight")
         os.kill(proc.pid, signal.SIGSTOP)
+        _until(lambda: _state(proc.pid) == "T", "the sender stopped")  # (states settle once it has)
         moving = [i for i, t in enumerate(toks) if t.state() is TransferState.TRANSFERRING]
         if moving:
             return moving[0]
