@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported: 2 shared cores
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as xpyd.discovery does, before any grpc import
 
 from pathlib import Path
 
