@@ -146,7 +146,14 @@ class PortAllocator:
 
     LOW, HIGH = 20000, 32000
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, worker: str | None = None, workers: str | None = None) -> None:
+        # Under pytest-xdist each test process walks its own slice of the range, so two never hand out one port.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "") if worker is None else worker
+        workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") if workers is None else workers
+        if worker.startswith("gw") and int(workers) > 1:
+            width = (self.HIGH - self.LOW) // int(workers)
+            self.LOW = self.LOW + width * int(worker[2:])
+            self.HIGH = self.LOW + width
         self._next = random.Random(seed).randrange(self.LOW, self.HIGH)
         self._given: set[int] = set()
         self._lock = threading.Lock()

@@ -95,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         from xpyd.worker.config import config_from_args
 
         config = config_from_args(args, args.command)
-        if args.command == "prefill":
+        from xpyd.netaddr import reserve_listen
+
+        http_socket = reserve_listen(config.host, config.port)  # before the runtime's imports (seconds): a
+        if args.command == "prefill":  # taken port is an error at once, and a crash loop's restarts fail fast
             from xpyd.prefill_worker.main import run
         elif args.command == "decode":
             from xpyd.decode_worker.main import run
         else:
             from xpyd.colocated_worker.main import run
-        run(config)
+        run(config, http_socket)
         return 0
     except ValueError as e:  # configuration errors: say what is wrong, no traceback
         print(f"xpyd {args.command}: error: {e}", file=sys.stderr)

@@ -55,6 +55,14 @@ def reserve_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reserve_listen(host: str, port: int) -> socket.socket:
+    """``reserve_tcp`` for a server's own port: a taken one is a ValueError saying so (one line for the user)."""
+    try:
+        return reserve_tcp(host, port)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
+
+
 def fd_bind(sock: socket.socket) -> str:
     """The hypercorn ``bind`` entry that hands it ``sock`` (hypercorn owns and closes the descriptor)."""
     return f"fd://{sock.detach()}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import STARTUP, UpProcess, bindable, free_port_run, has_ipv6_loopback, up_child_pid, wait_until
+from tests.cluster import STARTUP, UpProcess, bindable, free_port, free_port_run, has_ipv6_loopback, up_child_pid, wait_until
 from tests.e2e.test_dead_workers import stream_once
 from xpyd.child import die_with_parent
 
@@ -208,6 +208,14 @@ def test_up_refuses_busy_port(tiny_model_dir: Path):
     assert f"proxy port {busy}" in r.stderr
 
 
+def test_up_refuses_a_restart_backoff_above_its_maximum_before_starting_anything(tiny_model_dir: Path):
+    r = subprocess.run([sys.executable, "-m", "xpyd", "up", "--model", str(tiny_model_dir), "--port", str(free_port()),
+                        "--restart-backoff", "5", "--max-restart-backoff", "2"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--restart-backoff (5) <= --max-restart-backoff (2)" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_worker_on_a_taken_port_says_so_before_loading_the_model(tiny_model_dir: Path):
     """The HTTP port is bound first: a taken one is a one-line error, not a traceback after the model load
     (and while the model loads, no other socket can take the port from under the worker)."""
@@ -250,6 +258,9 @@ def test_port_runs_handed_out_to_tests_never_overlap():
     taken = [q for r in runs for q in r]
     assert len(taken) == len(set(taken)) == 1200
     assert all(20000 <= q < 32000 for q in taken)  # below the ephemeral range
+    slices = [PortAllocator(seed=1, worker=f"gw{i}", workers="3") for i in range(3)]  # pytest-xdist's processes
+    given = [set(range(p, p + 4)) for a in slices for p in (a.take(4) for _ in range(50))]
+    assert len(set().union(*given)) == 600  # no two test processes hand out one port
     ports = PortAllocator(seed=1)
     with socket.create_server(("127.0.0.1", ports._next)) as busy:  # the port it would hand out next
         assert ports.take(1) != busy.getsockname()[1]

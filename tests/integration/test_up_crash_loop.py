@@ -8,13 +8,15 @@ so each restart exits at once with "cannot listen" (workers bind their port befo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from pathlib import Path
 
 from tests.cluster import UpProcess, up_child_pid, wait_until
 
-BACKOFFS = 1 + 2 + 4 + 8  # seconds xpyd up waits before restarts 1..4 (it doubles from 1 s)
+BACKOFF = 0.25  # --restart-backoff: xpyd up waits 0.25, 0.5, 1, 2 s before restarts 1..4 (it doubles)
+BACKOFFS = BACKOFF * (1 + 2 + 4 + 8)
 
 
 def _children(pid: int) -> list[int]:
@@ -29,7 +31,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_five_fast_crashes_in_a_row_stop_the_cluster(tiny_model_dir: Path, tmp_path: Path):
-    up = UpProcess(tiny_model_dir, tmp_path / "up.log", "--max-model-len", "256")
+    up = UpProcess(tiny_model_dir, tmp_path / "up.log", "--max-model-len", "256", "--restart-backoff", str(BACKOFF))
     squatter = socket.socket()
     try:
         up.wait_ready()
@@ -45,6 +47,8 @@ def test_five_fast_crashes_in_a_row_stop_the_cluster(tiny_model_dir: Path, tmp_p
         text = up.text()
         assert text.count("cannot listen on 127.0.0.1:%d" % up.dp) == 4, text[-3000:]  # restarts 1..4 crashed
         assert "decode 0 exited 5 times in a row within 60s of starting" in text, text[-3000:]
+        delays = [float(d) for d in re.findall(r"decode 0 exited unexpectedly .* restarting it in ([0-9.]+)s", text)]
+        assert delays == [BACKOFF * 2**k for k in range(4)], delays  # the back-off asked for, doubling
         assert "stopping the cluster" in text
         assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in children)  # every child gone
         with socket.socket() as s:  # and their ports free (the proxy's, prefill's)

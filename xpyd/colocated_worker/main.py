@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.main import EngineParts, run_worker
@@ -13,5 +15,5 @@ def start_engine(parts: EngineParts) -> tuple[ColocatedEngine, None]:
     return engine, None
 
 
-def run(config: WorkerConfig) -> None:
-    run_worker(config, start_engine)
+def run(config: WorkerConfig, http_socket: socket.socket | None = None) -> None:
+    run_worker(config, start_engine, http_socket)

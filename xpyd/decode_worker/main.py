@@ -3,6 +3,8 @@ on demand, one per prefill worker it pulls from)."""
 
 from __future__ import annotations
 
+import socket
+
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.main import EngineParts, run_worker
@@ -14,5 +16,5 @@ def start_engine(parts: EngineParts) -> tuple[DecodeEngine, None]:
     return engine, None
 
 
-def run(config: WorkerConfig) -> None:
-    run_worker(config, start_engine)
+def run(config: WorkerConfig, http_socket: socket.socket | None = None) -> None:
+    run_worker(config, start_engine, http_socket)

@@ -29,7 +29,8 @@ class RestartPolicy:
 
     def __post_init__(self) -> None:
         if not 0 <= self.backoff <= self.max_backoff:
-            raise ValueError("need 0 <= backoff <= max_backoff")
+            raise ValueError(f"the restart back-off must be 0 <= --restart-backoff ({self.backoff:g}) <= "
+                             f"--max-restart-backoff ({self.max_backoff:g})")
         if self.fast_crash <= 0 or self.max_fast_crashes < 1:
             raise ValueError("fast_crash must be > 0 and max_fast_crashes >= 1")
 

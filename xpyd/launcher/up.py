@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 from xpyd.discovery.local_etcd import LocalEtcd
-from xpyd.launcher.supervisor import GiveUp, Supervisor
+from xpyd.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
 from xpyd.proxy.config import ProxyConfig
@@ -30,6 +30,7 @@ from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 
 _WORKER = WorkerConfig(role="decode")  # the workers' and the proxy's defaults (one place: their configs)
 _PROXY = ProxyConfig()
+_RESTART = RestartPolicy()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: requests waiting when every decode worker is full, more get 503")
     p.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                    help="proxy: longest wait in that queue before a 503")
+    p.add_argument("--restart-backoff", type=float, default=_RESTART.backoff, metavar="SECONDS",
+                   help="seconds before a worker that exited is started again; doubles on each fast crash "
+                        f"(default {_RESTART.backoff:g}, at most --max-restart-backoff)")
+    p.add_argument("--max-restart-backoff", type=float, default=_RESTART.max_backoff, metavar="SECONDS",
+                   help=f"longest wait before a restart (default {_RESTART.max_backoff:g})")
     p.add_argument("--log-requests", action="store_true",
                    help="proxy: log each request's response id with the workers' request id and both workers")
 
@@ -233,6 +239,7 @@ def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
     x, y = args.prefill or 1, args.decode or 1
     if not (1 <= x <= 32 and 1 <= y <= 32):
         raise ValueError("--prefill and --decode must be between 1 and 32")
+    RestartPolicy(backoff=args.restart_backoff, max_backoff=args.max_restart_backoff)  # ValueError: told below
     if args.prefill_port + 2 * x > args.decode_port and args.decode_port + 2 * y > args.prefill_port:
         raise ValueError("the prefill and decode port ranges overlap: move --decode-port")
     return dynamic, x, y
@@ -283,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         stop_requested.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = Supervisor()
+    cluster = Supervisor(RestartPolicy(backoff=args.restart_backoff, max_backoff=args.max_restart_backoff))
     etcd = None
     try:
         discovery: list[str] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from typing import Callable
 
 from xpyd.netaddr import host_port
@@ -21,5 +23,5 @@ def start_engine(parts: EngineParts) -> tuple[PrefillEngine, Callable[[], None]]
     return engine, server.close
 
 
-def run(config: WorkerConfig) -> None:
-    run_worker(config, start_engine)
+def run(config: WorkerConfig, http_socket: socket.socket | None = None) -> None:
+    run_worker(config, start_engine, http_socket)

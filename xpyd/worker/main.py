@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from xpyd.model import native
 from xpyd.model.loader import ensure_converted
 from xpyd.model.runner import ModelRunner, kv_token_bytes
 from xpyd.model.tokenizer import load_tokenizer
-from xpyd.netaddr import fd_bind, host_port, reserve_tcp
+from xpyd.netaddr import fd_bind, host_port, reserve_listen
 from xpyd.transfer.auto import AutoTransferBackend
 from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
 from xpyd.worker.config import WorkerConfig
@@ -67,10 +68,12 @@ class EngineParts:
 StartEngine = Callable[[EngineParts], tuple[WorkerEngine, Callable[[], None] | None]]
 
 
-def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
+def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: socket.socket | None = None) -> None:
     """The worker process for ``config.role``: model, KV pool and transfer backend, the engine that
-    ``start_engine`` builds on them (each role package passes its own), and the HTTP API until SIGTERM."""
-    http_socket = reserve_http_port(config.host, config.port)  # before the model loads: a taken port fails now
+    ``start_engine`` builds on them (each role package passes its own), and the HTTP API until SIGTERM.
+    ``http_socket``: the HTTP port, already bound (`xpyd.cli` binds it before importing the runtime)."""
+    if http_socket is None:
+        http_socket = reserve_listen(config.host, config.port)  # before the model loads: a taken port fails now
     if not tune_malloc():
         log.info("glibc mallopt not available: activation buffers are page-faulted in per prefill")
     if config.nice:
@@ -139,14 +142,6 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine) -> None:
         log.error("%s worker: exiting with code %d (its engine failed: %s)", config.role, ENGINE_FAILED_EXIT,
                   engine.failure())
         raise SystemExit(ENGINE_FAILED_EXIT)
-
-
-def reserve_http_port(host: str, port: int):
-    """The HTTP port, bound (``netaddr.reserve_tcp``); a clear error if it is taken."""
-    try:
-        return reserve_tcp(host, port)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {host_port(host, port)}: {e.strerror or e}") from None
 
 
 def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
