@@ -18,6 +18,7 @@ from tests.cluster import has_ipv6_loopback
 from tests.unit.kv_fixtures import next_prefill
 from tests.waiting import wait_until
 from xpyd import PROTOCOL_VERSION
+from xpyd.model.sampling import TorchSampler
 from xpyd.signal import auth
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
@@ -665,7 +666,7 @@ DECODE = "127.0.0.1:7001"
 @pytest.fixture
 def prefill():
     """A prefill engine (fake model and transfers, stepped by hand) serving the signal plane with TOKEN."""
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset(), sampler=TorchSampler())
     net = FakeNetwork()
     transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100, cluster_token=TOKEN), transfer, "m")

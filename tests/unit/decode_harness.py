@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal
+from xpyd.model.sampling import TorchSampler
 from xpyd.decode_worker import engine as engine_module
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
@@ -97,7 +98,7 @@ def make_engine(monkeypatch, batch_size: int = 8, layout: KVLayout = LAYOUT):
     monkeypatch.setattr(engine_module, "decode_and_sample", lambda runner, kv, running: [7] * len(running))
     net = FakeNetwork()
     transfer, sender = FakeTransferBackend(net), FakeTransferBackend(net, auto_complete=True)
-    runner = SimpleNamespace(pool=KVPool(layout), max_model_len=32, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(layout), max_model_len=32, eos_token_ids=frozenset(), sampler=TorchSampler())
     engine = DecodeEngine(runner, None, WorkerConfig(role="decode", port=8100), transfer, "m")
     engine.sched.batch_size = batch_size
     transfer.register(engine.pool.buffer())
@@ -112,7 +113,7 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
     rid = str(RequestId.new(PREFILL, DECODE))
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
-                              prompt_ids=[], start_output=lambda tokenizer: None)  # (no ids: prefill's names taken)
+                              prompt_ids=[], start_output=lambda tokenizer, sampler: None)  # (no ids: prefill's names taken)
     payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload

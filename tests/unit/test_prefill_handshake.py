@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from xpyd.model.sampling import TorchSampler
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.signal import messages as m
@@ -20,7 +21,7 @@ DECODE = "127.0.0.1:7001"
 @pytest.fixture
 def engine():
     transfer = FakeTransferBackend(FakeNetwork())
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=32, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=32, eos_token_ids=frozenset(), sampler=TorchSampler())
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100), transfer, "m")
     yield engine
     transfer.close()

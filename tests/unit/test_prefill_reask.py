@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from xpyd.model.sampling import TorchSampler
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker import engine as engine_module
 from xpyd.prefill_worker.engine import PrefillEngine
@@ -51,10 +52,10 @@ def prefill(monkeypatch):
     """(engine, its fake transfer backend, the pushes it made); a decode worker has shaken hands and
     registered its pool. Prompts run in chunks of one block, their KV streamed."""
     monkeypatch.setattr(engine_module, "prefill_chunks", lambda runner, chunks: [None] * len(chunks))
-    monkeypatch.setattr(engine_module, "sample_first", lambda last: [FIRST] * len(last))
+    monkeypatch.setattr(engine_module, "sample_first", lambda runner, last: [FIRST] * len(last))
     net = FakeNetwork()
     transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=32, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=32, eos_token_ids=frozenset(), sampler=TorchSampler())
     config = WorkerConfig(role="prefill", port=8100, prefill_chunk=LAYOUT.block_size)
     engine = PrefillEngine(runner, None, config, transfer, "m")
     pushed: list[m.LookupResult] = []

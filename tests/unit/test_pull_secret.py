@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from tests.unit.fake_signal import FakeSignal
 from tests.unit.kv_fixtures import next_prefill
 from xpyd import TRANSFER_SECRET_BYTES
+from xpyd.model.sampling import TorchSampler
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.scheduler import DecodeSeq
 from xpyd.model.kv_pool import KVLayout, KVPool
@@ -29,7 +30,7 @@ PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
 
 
 def _runner():
-    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset(), sampler=TorchSampler())
 
 
 class RecordingSignal(FakeSignal):

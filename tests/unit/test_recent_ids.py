@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from xpyd.model.sampling import TorchSampler
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.held import RELEASED_EARLY
@@ -98,7 +99,7 @@ def _lookup(engine: PrefillEngine, rid: str) -> m.LookupResult:
 
 
 def test_engine_remembers_a_release_that_overtook_its_request():
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset(), sampler=TorchSampler())
     transfer = FakeTransferBackend(FakeNetwork())
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100), transfer, "m")
     try:

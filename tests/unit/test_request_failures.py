@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal, ready
 from tests.unit.kv_fixtures import next_prefill
+from xpyd.model.sampling import TorchSampler
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
 from xpyd.decode_worker.engine import DecodeEngine
@@ -31,7 +32,7 @@ S = m.LookupStatus
 
 
 def _runner():
-    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    return SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset(), sampler=TorchSampler())
 
 
 class _Sink:
@@ -131,7 +132,7 @@ def _decode_request(engine, broken_output: bool = False) -> tuple[str, _Sink]:
     rid, sink = str(RequestId.new(PREFILL, DECODE)), _Sink()
     payload = SimpleNamespace(arrival=time.monotonic(), sink=sink, sampling=SimpleNamespace(temperature=0),
                               output=_Output(broken_output), open_ended=False, stop=SimpleNamespace(max_tokens=4),
-                              cache_salt=None, prompt_ids=[], start_output=lambda tokenizer: None)  # (keeps its output)
+                              cache_salt=None, prompt_ids=[], start_output=lambda tokenizer, sampler: None)  # (keeps its output)
     engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=payload, deadline=time.monotonic() + 60))
     return rid, sink
 

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 from tests.unit.kv_fixtures import next_prefill
+from xpyd.model.sampling import TorchSampler
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq
@@ -26,7 +27,7 @@ PEER_TIMEOUT = 3.0
 
 def _sending_engine():
     """A prefill engine with one request whose KV send to DECODE is in flight (the fake never finishes it)."""
-    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset())
+    runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=8, eos_token_ids=frozenset(), sampler=TorchSampler())
     net = FakeNetwork()
     transfer, decode_side = FakeTransferBackend(net), FakeTransferBackend(net)
     engine = PrefillEngine(runner, None, WorkerConfig(role="prefill", port=8100, peer_timeout=PEER_TIMEOUT),

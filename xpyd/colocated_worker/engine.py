@@ -82,7 +82,7 @@ class ColocatedEngine(WorkerEngine):
             self.metrics.request_done("rejected")
             item.sink.put(ErrorEvent(409, f"duplicate request id {item.request_id}"))
         else:
-            item.start_output(self.tokenizer)
+            item.start_output(self.tokenizer, self.runner.sampler)
             n = len(item.prompt_ids)
             self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item,
                                         final_len=min(self.max_model_len, n + item.stop.max_tokens),

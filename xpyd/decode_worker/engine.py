@@ -40,7 +40,6 @@ from xpyd.worker.kv_staging import pool_memory
 from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
-from xpyd.model.sampling import skip_draw
 from xpyd.worker.stepping import decode_and_sample
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
@@ -307,7 +306,7 @@ class DecodeEngine(WorkerEngine):
         seq.prompt_len = prompt_len
         seq.final_len = prompt_len + item.stop.max_tokens
         seq.known = True
-        item.start_output(self.tokenizer)
+        item.start_output(self.tokenizer, self.runner.sampler)
         return True
 
     def _first_token(self, seq: DecodeSeq, token: int) -> None:
@@ -315,7 +314,7 @@ class DecodeEngine(WorkerEngine):
         tokenized and checked once, by prefill)."""
         item: WorkItem = seq.payload
         if item.sampling.temperature > 0:
-            skip_draw(item.generator)  # prefill used this draw for the first token
+            self.runner.sampler.skip_draw(item.generator)  # prefill used this draw for the first token
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
             if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)

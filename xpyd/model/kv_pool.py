@@ -1,35 +1,25 @@
-"""The preallocated KV cache of one worker, in fixed-size blocks (paged): a request holds a list of blocks.
+"""The preallocated KV cache of one worker as a torch tensor, in fixed-size blocks (paged): a request holds a
+list of blocks. The layout, byte ranges and the allocator are `kv_layout`'s (torch-free); this pool adds the
+tensor the forward passes read and write: a view of host memory on the CPU, or a tensor on another device.
 
-Shape `[num_blocks, num_kv_heads, num_layers, 2 (K/V), block_size, head_dim]`. Token t of a request lives in
-block `blocks[t // block_size]` at row `t % block_size`. Inside a block the KV heads are outermost, so
-the bytes of one head slice of a block (what a decode worker with a larger tensor-parallel degree
-needs) are one contiguous run, and for one (head, layer, K or V) the block's rows are contiguous, which
-is what the decode attention reads. A block is one contiguous byte range of the pool; adjacent
-blocks coalesce into one region for the transfer engine (`byte_ranges`), which sends or receives them
-straight from/into the pool (`buffer()`), no staging.
-
-Which blocks are free, referenced or cached (prefix caching) is the `BlockAllocator`'s business
-(`pool.blocks`); the pool only holds the memory and names its byte ranges.
-
-The pool lives on a torch device (CPU by default). A pool on another device (a GPU) is not host memory:
-its `buffer()` is the host staging copy that `xpyd.worker.kv_staging` attaches (same offsets), and the
-staging transfer wrapper copies each request's region between the two.
+A pool on another device (a GPU) is not host memory: its `buffer()` is the host staging copy that
+`xpyd.worker.kv_staging` attaches (same offsets), and the staging transfer wrapper copies each request's
+region between the two.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
-
 import torch
 
-from xpyd.model.kv_blocks import BlockAllocator, PoolFull
+from xpyd.model.kv_blocks import BlockAllocator
+from xpyd.model.kv_layout import (ELEMENT_BYTES, LAYOUT_NAME, ByteRange, HostKVPool, KVLayout, PoolFull,
+                                  _checked, block_ranges)
 
-__all__ = ["LAYOUT_NAME", "ByteRange", "KVLayout", "KVPool", "PoolFull", "block_ranges", "dtype_name"]
-
-LAYOUT_NAME = "block-head-major/1"
+__all__ = ["LAYOUT_NAME", "ByteRange", "KVLayout", "KVPool", "PoolFull", "block_ranges", "dtype_name",
+           "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+assert set(_DTYPES) == set(ELEMENT_BYTES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -39,77 +29,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    num_blocks: int
-    block_size: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(_DTYPES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
-
-    @property
-    def token_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_size * self.token_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the whole pool holds."""
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens (the last one possibly partly filled)."""
-        return -(-num_tokens // self.block_size)
-
-    def compat(self) -> dict:
-        """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
-        return {
-            "layout": LAYOUT_NAME,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "block_size": self.block_size,
-        }
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return _DTYPES[layout.dtype]
 
 
-class ByteRange(NamedTuple):
-    """A contiguous byte range of the pool's ``buffer()`` (the worker turns it into a transfer region)."""
-
-    offset: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-
-class KVPool:
+class KVPool(HostKVPool):
     def __init__(self, layout: KVLayout, buffer: memoryview | None = None,
                  device: torch.device | str | None = None, caching: bool = True) -> None:
         """``buffer``: optional writable memory of exactly ``layout.total_bytes`` to hold the pool (e.g. a
@@ -119,21 +43,19 @@ class KVPool:
         self.layout = layout
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.staging = None  # kv_staging.HostStaging: the host copy a non-CPU pool's transfers go through
+        dtype = torch_dtype(layout)
         if self.device.type != "cpu":
             if buffer is not None:
                 raise ValueError(f"a KVPool on {self.device} cannot live in a host buffer (it stages through "
                                  "one instead: xpyd.worker.kv_staging)")
-            self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype, device=self.device)
+            self.tensor = torch.zeros(layout.shape, dtype=dtype, device=self.device)
         elif buffer is None:
-            self.tensor = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+            self.tensor = torch.zeros(layout.shape, dtype=dtype)
         else:
-            if not isinstance(buffer, memoryview) or buffer.readonly or not buffer.c_contiguous:
-                raise ValueError("KVPool buffer must be a writable, C-contiguous memoryview")
-            if buffer.nbytes != layout.total_bytes:
-                raise ValueError(f"KVPool buffer holds {buffer.nbytes} bytes, the layout needs {layout.total_bytes}")
-            flat = torch.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer, dtype=torch.uint8)
-            self.tensor = flat.view(layout.torch_dtype).view(layout.shape)
+            flat = torch.frombuffer(_checked(buffer, layout), dtype=torch.uint8)
+            self.tensor = flat.view(dtype).view(layout.shape)
             self.tensor.zero_()
+        self._memory = None
         self.blocks = BlockAllocator(layout.num_blocks, caching=caching)
 
     def buffer(self) -> memoryview:
@@ -147,33 +69,3 @@ class KVPool:
                              "first (the worker's kv_staging.stage_pool)")
         flat = self.tensor.view(-1).view(torch.uint8).numpy()  # numpy keeps the tensor alive
         return memoryview(flat)
-
-    @property
-    def num_used(self) -> int:
-        """Blocks some request holds."""
-        return self.blocks.num_referenced
-
-    def used_bytes(self) -> int:
-        return self.blocks.num_referenced * self.layout.block_bytes
-
-    def byte_ranges(self, blocks: Sequence[int]) -> list[ByteRange]:
-        """The bytes of ``blocks`` in order, runs of consecutive block ids coalesced into one range each."""
-        return block_ranges(blocks, self.layout.block_bytes, self.layout.num_blocks)
-
-
-def block_ranges(blocks: Sequence[int], block_bytes: int, num_blocks: int) -> list[ByteRange]:
-    """The byte ranges of ``blocks`` of a pool of ``num_blocks`` blocks of ``block_bytes`` bytes, in order,
-    runs of consecutive ids coalesced (ValueError for an id outside the pool)."""
-    out: list[ByteRange] = []
-    run_start = prev = -2
-    for b in blocks:
-        if type(b) is not int or not 0 <= b < num_blocks:
-            raise ValueError(f"KV block {b!r} does not exist (pool has {num_blocks})")
-        if b != prev + 1:
-            if run_start >= 0:
-                out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
-            run_start = b
-        prev = b
-    if run_start >= 0:
-        out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
-    return out

@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from xpyd.model import paged
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
+from xpyd.model.sampling import TorchSampler
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -73,6 +74,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size: int = self.model.lm_head.out_features
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model)
+        self.sampler = TorchSampler()  # logits -> tokens, as the role engines ask (one draw per sampled token)
 
         inner = self.model.model
         self._embed = inner.embed_tokens

@@ -174,7 +174,7 @@ class PrefillEngine(WorkerEngine):
                                           "gave up on it)"))
             self.metrics.request_done("aborted")
         else:
-            item.start_output(self.tokenizer)
+            item.start_output(self.tokenizer, self.runner.sampler)
             seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
                              hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt))
             self.sched.add(seq)
@@ -229,7 +229,7 @@ class PrefillEngine(WorkerEngine):
         self.metrics.observe_step("prefill", now - t0, len(chunks))
         self._steps.update(steps=1, partial=sum(not c.last for c in chunks), tokens=sum(c.end - c.start for c in chunks))
         last = [(c, row) for c, row in zip(chunks, logits) if c.last]
-        tokens = sample_first(last)
+        tokens = sample_first(self.runner, last)
         with self._lock:
             for chunk in chunks:
                 if not chunk.last:

@@ -1,5 +1,9 @@
 """One forward pass plus sampling, for the engines of every role.
 
+The runner (the model's `ModelRunner`, or the simulated engine's) does both: ``prefill``/``prefill_many``/
+``decode`` return one row of scores per request, its ``sampler`` turns rows into tokens (``sample``), makes a
+request's random state (``new_generator``) and consumes the draw another worker made (``skip_draw``).
+
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
 ``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
 ``prompt_ids``) and a ``payload`` WorkItem whose output processor holds the tokens generated so far.
@@ -9,9 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-
-from xpyd.model.sampling import sample
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.work_item import WorkItem
 
@@ -20,7 +21,7 @@ def prefill_and_sample(runner: Any, seq: Any) -> int:
     """Run ``seq``'s prompt after its cached prefix into its blocks and sample its first token."""
     item: WorkItem = seq.payload
     logits = runner.prefill(seq.kv.blocks, seq.prompt_ids, start=seq.kv.cached_tokens)
-    return sample(logits.unsqueeze(0), [item.sampling], [item.generator])[0]
+    return runner.sampler.sample([logits], [item.sampling], [item.generator])[0]
 
 
 def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
@@ -30,13 +31,13 @@ def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
     return runner.prefill_many([(c.seq.kv.blocks, c.seq.prompt_ids[: c.end], c.start) for c in chunks])
 
 
-def sample_first(rows: Sequence[tuple[Any, Any]]) -> list[int]:
+def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int]:
     """The first token of each (chunk, logits row) whose chunk ended its prompt."""
     if not rows:
         return []
     items = [chunk.seq.payload for chunk, _ in rows]
-    logits = torch.stack([row for _, row in rows])
-    return sample(logits, [i.sampling for i in items], [i.generator for i in items])
+    return runner.sampler.sample([row for _, row in rows], [i.sampling for i in items],
+                                 [i.generator for i in items])
 
 
 def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
@@ -54,4 +55,4 @@ def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[
     logits = runner.decode(tables, tokens, positions)
     for seq, token in zip(seqs, tokens):
         cache.append_tokens(seq.kv, (token,))
-    return sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])
+    return runner.sampler.sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])

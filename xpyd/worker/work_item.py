@@ -7,10 +7,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from xpyd.model.output import OutputProcessor, StopParams
-from xpyd.model.sampling import SamplingParams, make_generator
+from xpyd.model.sampling_params import SamplingParams
 from xpyd.signal.request_id import RequestId
 
 
@@ -91,12 +89,12 @@ class WorkItem:
     sampling: SamplingParams
     stop: StopParams
     sink: OutputSink
-    generator: torch.Generator | None = None
+    generator: object | None = None  # the runner's random state for this request (its sampler makes it)
     output: OutputProcessor | None = None
     arrival: float = field(default_factory=time.monotonic)  # validated and handed over (for latency metrics)
     open_ended: bool = False  # no max_tokens given: as many as the context allows (decode settles it when ready)
     cache_salt: str | None = None  # the request's cache_salt: its KV blocks are shared only with the same salt
 
-    def start_output(self, tokenizer) -> None:
-        self.generator = make_generator(self.sampling.seed)
+    def start_output(self, tokenizer, sampler) -> None:
+        self.generator = sampler.new_generator(self.sampling.seed)
         self.output = OutputProcessor(tokenizer, self.stop)

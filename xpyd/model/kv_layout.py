@@ -1,0 +1,161 @@
+"""The KV pool's layout and byte ranges, and a pool in plain host memory: nothing here needs torch.
+
+Shape `[num_blocks, num_kv_heads, num_layers, 2 (K/V), block_size, head_dim]`. Token t of a request lives in
+block `blocks[t // block_size]` at row `t % block_size`. Inside a block the KV heads are outermost, so
+the bytes of one head slice of a block (what a decode worker with a larger tensor-parallel degree
+needs) are one contiguous run, and for one (head, layer, K or V) the block's rows are contiguous, which
+is what the decode attention reads. A block is one contiguous byte range of the pool; adjacent
+blocks coalesce into one region for the transfer engine (`byte_ranges`), which sends or receives them
+straight from/into the pool (`buffer()`), no staging.
+
+Which blocks are free, referenced or cached (prefix caching) is the `BlockAllocator`'s business
+(`pool.blocks`); the pool only holds the memory and names its byte ranges. The torch pool (`kv_pool`) is
+this one with a tensor view over its memory, or a tensor on another device.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from xpyd.model.kv_blocks import BlockAllocator, PoolFull
+
+__all__ = ["ELEMENT_BYTES", "LAYOUT_NAME", "ByteRange", "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
+
+LAYOUT_NAME = "block-head-major/1"
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV dtypes a layout may name
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_blocks: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(ELEMENT_BYTES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.token_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (the last one possibly partly filled)."""
+        return -(-num_tokens // self.block_size)
+
+    def compat(self) -> dict:
+        """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
+        return {
+            "layout": LAYOUT_NAME,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+        }
+
+
+class ByteRange(NamedTuple):
+    """A contiguous byte range of the pool's ``buffer()`` (the worker turns it into a transfer region)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class HostKVPool:
+    """A pool in host memory, as plain bytes (no torch): the simulated engine's, and the base of the torch
+    pool (`kv_pool.KVPool`). ``buffer``: optional writable memory of exactly ``layout.total_bytes`` (e.g. a
+    shared-memory segment from the shm transfer backend), zeroed here, which must outlive the pool; without
+    one, anonymous memory is mapped (its pages cost nothing until written). ``caching``: keep the blocks of
+    ended requests for prefix reuse (``blocks``)."""
+
+    def __init__(self, layout: KVLayout, buffer: memoryview | None = None, caching: bool = True) -> None:
+        self.layout = layout
+        self.staging = None  # a non-host pool's host copy (kv_staging); a host pool needs none
+        if buffer is None:
+            self._map = mmap.mmap(-1, layout.total_bytes)  # zero-filled, untouched pages take no memory
+            self._memory = memoryview(self._map)
+        else:
+            self._memory = _checked(buffer, layout)
+            _zero(self._memory)
+        self.blocks = BlockAllocator(layout.num_blocks, caching=caching)
+
+    def buffer(self) -> memoryview:
+        """Writable uint8 view of the whole pool, sharing its memory (for the transfer engine)."""
+        return self._memory
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some request holds."""
+        return self.blocks.num_referenced
+
+    def used_bytes(self) -> int:
+        return self.blocks.num_referenced * self.layout.block_bytes
+
+    def byte_ranges(self, blocks: Sequence[int]) -> list[ByteRange]:
+        """The bytes of ``blocks`` in order, runs of consecutive block ids coalesced into one range each."""
+        return block_ranges(blocks, self.layout.block_bytes, self.layout.num_blocks)
+
+
+def _checked(buffer: memoryview, layout: KVLayout) -> memoryview:
+    if not isinstance(buffer, memoryview) or buffer.readonly or not buffer.c_contiguous:
+        raise ValueError("KVPool buffer must be a writable, C-contiguous memoryview")
+    if buffer.nbytes != layout.total_bytes:
+        raise ValueError(f"KVPool buffer holds {buffer.nbytes} bytes, the layout needs {layout.total_bytes}")
+    return buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+
+
+def _zero(memory: memoryview, chunk: int = 1 << 24) -> None:
+    zeros = bytes(min(chunk, memory.nbytes))
+    for start in range(0, memory.nbytes, chunk):
+        end = min(start + chunk, memory.nbytes)
+        memory[start:end] = zeros[: end - start]
+
+
+def block_ranges(blocks: Sequence[int], block_bytes: int, num_blocks: int) -> list[ByteRange]:
+    """The byte ranges of ``blocks`` of a pool of ``num_blocks`` blocks of ``block_bytes`` bytes, in order,
+    runs of consecutive ids coalesced (ValueError for an id outside the pool)."""
+    out: list[ByteRange] = []
+    run_start = prev = -2
+    for b in blocks:
+        if type(b) is not int or not 0 <= b < num_blocks:
+            raise ValueError(f"KV block {b!r} does not exist (pool has {num_blocks})")
+        if b != prev + 1:
+            if run_start >= 0:
+                out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
+            run_start = b
+        prev = b
+    if run_start >= 0:
+        out.append(ByteRange(run_start * block_bytes, (prev + 1 - run_start) * block_bytes))
+    return out
