@@ -3,7 +3,7 @@
 checkouts, both with a cluster token, alternately, three rounds; `xpyd bench` at concurrency 4 (256-token
 prompts, 64 output tokens) against each; TTFT p50 and ITL p50 side by side and their ratios.
 
-    .venv/bin/python scripts/bench_auth.py --base /path/to/older/checkout [--rounds 3] [--out DIR]
+    .venv/bin/python scripts/bench_auth.py --base /path/to/older/checkout [--rounds 3] [--requests 128] [--out DIR]
 
 The older checkout runs with this checkout's venv (PYTHONPATH points at it). Each run starts its own
 cluster on free ports and stops it; nothing but 127.0.0.1 is contacted.
@@ -44,7 +44,7 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-def run_once(checkout: Path, label: str, out: Path, tokenizer: str) -> dict:
+def run_once(checkout: Path, label: str, out: Path, tokenizer: str, requests: int) -> dict:
     base = _free_port_run(30)  # proxy, prefill (HTTP + signal), decode (HTTP + KV), and room
     port, pp, dp = base, base + 10, base + 20
     env = dict(os.environ, PYTHONPATH=str(checkout), XPYD_CLUSTER_TOKEN=TOKEN, OMP_WAIT_POLICY="PASSIVE")
@@ -60,7 +60,7 @@ def run_once(checkout: Path, label: str, out: Path, tokenizer: str) -> dict:
             time.sleep(0.5)
         report = out / f"{label}.json"
         subprocess.run([PY, "-m", "xpyd", "bench", "--url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
-                        "--no-progress", "--num-requests", "32", "--concurrency", "4", "--input-len", "256",
+                        "--no-progress", "--num-requests", str(requests), "--concurrency", "4", "--input-len", "256",
                         "--output-len", "64", "--warmup", "2", "--json", str(report)],
                        check=True, stdout=subprocess.DEVNULL, cwd=ROOT, timeout=900)
         return json.loads(report.read_text())
@@ -78,6 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the other checkout (e.g. a git worktree of an older commit)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=128, help="requests per run (after 2 warm-up ones)")
     ap.add_argument("--out", default=str(ROOT / "docs/bench/auth-cost"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -89,7 +90,7 @@ def main() -> int:
     for r in range(1, args.rounds + 1):
         pair = {}
         for name, checkout in (("base", Path(args.base).resolve()), ("head", ROOT)):
-            rep = run_once(checkout, f"{name}_r{r}", out, tokenizer)
+            rep = run_once(checkout, f"{name}_r{r}", out, tokenizer, args.requests)
             pair[name] = (rep["ttft_ms"]["p50"], rep["itl_ms"]["p50"], rep["output_tokens_per_s"], rep["failed"])
         rows.append(pair)
         b, h = pair["base"], pair["head"]
