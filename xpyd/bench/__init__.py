@@ -5,8 +5,11 @@ Serving benchmark (any OpenAI-compatible endpoint), one module per job:
 - ``workload``: request specs (prompts of exact token lengths, shared prefixes, jsonl files) and
   Poisson arrival times;
 - ``conversation``: multi-turn conversations, whose requests are built from the previous answers;
+- ``trace``: Mooncake-format traces (timestamps, lengths, hash ids) turned into timed requests whose
+  prompts share exactly the blocks the hash ids say, and the trace's own statistics;
 - ``client``: one aiohttp session; each streaming request becomes a ``RequestResult`` timeline;
-- ``runner``: arrival processes (closed loop, Poisson open loop, prefill-stall, conversations);
+- ``runner``: arrival processes (closed loop, open loop at given times: Poisson or a trace's, prefill-stall,
+  conversations);
 - ``metrics``: TTFT / TPOT / ITL / E2E distributions, throughput, SLOs and goodput, prefix-cache hit
   rates (pure);
 - ``report`` / ``plot``: JSON, printed table, PNGs;

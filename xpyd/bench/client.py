@@ -65,6 +65,7 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
     text: str = ""  # the generated text (multi-turn builds the next turn from it)
     turn: int | None = None  # the spec's turn (multi-turn)
+    trace_line: int | None = None  # the spec's line in the trace file (trace replay)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -143,19 +144,22 @@ class StreamingClient:
         body: dict = {"model": self._model, "max_tokens": spec.max_tokens, "stream": True,
                       "stream_options": {"include_usage": True}, "ignore_eos": True}
         if self._endpoint is Endpoint.CHAT:
+            if isinstance(spec.prompt, tuple):
+                raise ValueError("a prompt of token ids needs the completions endpoint")
             body["messages"] = (list(spec.messages) if spec.messages is not None
                                 else [{"role": "user", "content": spec.prompt}])
         elif spec.prompt is None:
             raise ValueError("the completions endpoint needs a prompt, not messages")
         else:
-            body["prompt"] = spec.prompt
+            body["prompt"] = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
         return body
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         if self._session is None:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = self.body(spec)
-        result = RequestResult(label=spec.label, send_time=time.perf_counter(), turn=spec.turn)
+        result = RequestResult(label=spec.label, send_time=time.perf_counter(), turn=spec.turn,
+                               trace_line=spec.trace_line)
         try:
             async with self._session.post(self._url, json=body) as resp:
                 if resp.status != 200:

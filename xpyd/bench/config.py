@@ -10,6 +10,7 @@ from pathlib import Path
 from xpyd.bench.client import Endpoint
 from xpyd.bench.conversation import MultiTurnConfig
 from xpyd.bench.metrics import SLO
+from xpyd.bench.trace import TraceConfig, load_trace
 from xpyd.bench.workload import parse_range
 
 
@@ -20,6 +21,7 @@ class Workload(str, Enum):
     PREFILL_STALL = "prefill-stall"  # short streams at fixed concurrency + Poisson long prompts
     SHARED_PREFIX = "shared-prefix"  # a few long prefixes, each request one of them + its own suffix
     MULTI_TURN = "multi-turn"  # conversations whose every turn carries the history with the answers
+    TRACE = "trace"  # a Mooncake-format trace replayed at its timestamps (--trace FILE)
 
 
 DEFAULT_LENS = {Workload.PREFILL_STALL: (64, 128), Workload.SHARED_PREFIX: (64, 32),
@@ -86,6 +88,7 @@ class BenchConfig:
     stall: StallConfig = field(default_factory=StallConfig)
     shared_prefix: SharedPrefixConfig = field(default_factory=SharedPrefixConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    trace: TraceConfig | None = None  # with --workload trace (given by --trace FILE)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -115,6 +118,14 @@ class BenchConfig:
                              "streams and --stall-long-rate for the long prompts, not --rate")
         if self.workload is Workload.MULTI_TURN:
             self._check_multi_turn()
+        if (self.workload is Workload.TRACE) != (self.trace is not None):
+            raise ValueError("--trace FILE goes with --workload trace (the default when --trace is given)")
+        if self.trace is not None:
+            if self.concurrency is not None or self.rate is not None:
+                raise ValueError("a trace sends each request at its timestamp: no --concurrency or --rate "
+                                 "(--time-scale speeds it up)")
+            if self.endpoint is not Endpoint.COMPLETIONS:
+                raise ValueError("--trace needs --endpoint completions (prompts of exact token blocks)")
 
     def _check_multi_turn(self) -> None:
         mt = self.multi_turn
@@ -143,7 +154,7 @@ class BenchConfig:
         """Enough connections that the client never queues a request the arrival process sent."""
         if self.workload is Workload.PREFILL_STALL:
             return self.stall.short_concurrency + 64  # long prompts are rare; 64 in flight is a meltdown
-        if self.rate is not None:
+        if self.rate is not None or self.workload is Workload.TRACE:
             return max(self.num_requests, 1)
         return self.effective_concurrency
 
@@ -152,7 +163,8 @@ class BenchConfig:
         out = {
             "url": self.url, "endpoint": self.endpoint.value, "model": self.model,
             "workload": self.workload.value, "num_requests": self.num_requests,
-            "concurrency": None if self.rate is not None else self.effective_concurrency,
+            "concurrency": (None if self.rate is not None or self.workload is Workload.TRACE
+                            else self.effective_concurrency),
             "rate": self.rate, "input_len": self.input_len, "output_len": self.output_len,
             "input_len_range": list(self.input_range) if self.input_range else None,
             "output_len_range": list(self.output_range) if self.output_range else None,
@@ -174,6 +186,10 @@ class BenchConfig:
             out["multi_turn"] = {"conversations": mt.conversations, "turns": mt.turns,
                                  "prefix_len": mt.prefix_len, "shared_context": mt.shared_context,
                                  "think_time_s": mt.think_time_s, "think_time": "exponential"}
+        if self.trace is not None:
+            tc = self.trace
+            out["trace"] = {"path": str(tc.path), "time_scale": tc.time_scale, "max_requests": tc.max_requests,
+                            "block_size": tc.block_size}
         return out
 
 
@@ -181,8 +197,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Raises ValueError with a message naming the flag for anything inconsistent."""
     if args.url is None:
         raise ValueError("--url is required")
-    workload = Workload(args.workload)
+    workload = _workload(args)
     _check_workload_flags(args, workload)
+    trace = _trace_config(args, workload)
     shared_prefix = SharedPrefixConfig(**_given(num_prefixes=args.num_prefixes, prefix_len=args.prefix_len))
     multi_turn = MultiTurnConfig()
     if workload is Workload.MULTI_TURN:  # conversations: --conversations, else --concurrency, else 4
@@ -194,6 +211,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     num_requests = args.num_requests
     if num_requests is None and workload is Workload.MULTI_TURN:
         num_requests = multi_turn.conversations * multi_turn.turns
+    if trace is not None:  # the trace is read (and checked) now: a bad line is a bad argument
+        num_requests = len(load_trace(trace.path, trace.block_size, trace.max_requests))
     if num_requests is None:
         raise ValueError("--num-requests is required")
     d_in, d_out = DEFAULT_LENS.get(workload, (128, 128))
@@ -218,7 +237,41 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=SLO.parse(args.slo or ""), json_path=Path(args.json) if args.json else None,
         plot_dir=Path(args.plot) if args.plot else None, progress=not args.no_progress,
         include_requests=args.include_requests, stall=stall, shared_prefix=shared_prefix, multi_turn=multi_turn,
+        trace=trace,
     )
+
+
+_TRACE_ONLY = {"--time-scale": "time_scale", "--max-requests": "max_requests",
+               "--trace-block-size": "trace_block_size"}
+_NOT_WITH_TRACE = {"--num-requests": "num_requests", "--input-len": "input_len", "--output-len": "output_len",
+                   "--input-len-range": "input_len_range", "--output-len-range": "output_len_range",
+                   "--concurrency": "concurrency", "--rate": "rate"}
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    """--workload, else trace when --trace is given, else fixed."""
+    if args.workload is None:
+        return Workload.TRACE if args.trace is not None else Workload.FIXED
+    workload = Workload(args.workload)
+    if args.trace is not None and workload is not Workload.TRACE:
+        raise ValueError(f"--trace replays a trace: it does not go with --workload {workload.value}")
+    return workload
+
+
+def _trace_config(args: argparse.Namespace, workload: Workload) -> TraceConfig | None:
+    if args.trace is None:
+        for flag, attr in _TRACE_ONLY.items():
+            if getattr(args, attr) is not None:
+                raise ValueError(f"{flag} goes with --trace FILE")
+        if workload is Workload.TRACE:
+            raise ValueError("--workload trace needs --trace FILE")
+        return None
+    for flag, attr in _NOT_WITH_TRACE.items():
+        if getattr(args, attr) is not None:
+            raise ValueError(f"{flag} does not go with --trace: the trace gives each request's lengths and send "
+                             f"time (--max-requests N replays the first N, --time-scale X runs X times as fast)")
+    return TraceConfig(**_given(path=Path(args.trace), time_scale=args.time_scale, max_requests=args.max_requests,
+                                block_size=args.trace_block_size))
 
 
 def _given(**values) -> dict:

@@ -16,6 +16,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,7 +30,8 @@ from xpyd.bench.conversation import Conversation, MultiTurnConfig, build_convers
 from xpyd.bench.metrics import summarize, summarize_turns
 from xpyd.bench.report import build_report, format_table, request_records, write_json
 from xpyd.bench.runner import Timed, closed_loop, conversations, open_loop, prefill_stall, timed
-from xpyd.bench.workload import (LABEL_ALL, LABEL_LONG, LABEL_SHORT, PromptBuilder, RequestSpec,
+from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRequests, load_trace, send_offsets, trace_stats
+from xpyd.bench.workload import (LABEL_ALL, LABEL_LONG, LABEL_SHORT, WORDS, PromptBuilder, RequestSpec,
                                  TokenizerPromptBuilder, WordPromptBuilder, cycle_to, fixed_requests,
                                  iter_fixed, load_jsonl, poisson_offsets, random_requests,
                                  shared_prefix_requests)
@@ -50,6 +52,8 @@ examples:
       --input-len 64 --output-len 32 --num-requests 64 --concurrency 4 --tokenizer PATH
   xpyd bench --url http://127.0.0.1:8000 --endpoint chat --workload multi-turn --conversations 8 \\
       --turns 4 --prefix-len 512 --input-len 64 --output-len 32 --think-time 1 --concurrency 4
+  xpyd bench --url http://127.0.0.1:8000 --trace conversation_trace.jsonl --max-requests 200 \
+      --time-scale 10 --tokenizer PATH --slo ttft=2s,tpot=100ms --json trace.json
 
 The prefix-cache hit rate (sum of usage.prompt_tokens_details.cached_tokens / sum of prompt_tokens) is
 reported when the server sends cached_tokens (vLLM: --enable-prompt-tokens-details), else "n/a".
@@ -118,10 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default: 0)")
 
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=[w.value for w in Workload], default="fixed",
+    g.add_argument("--workload", choices=[w.value for w in Workload],
                    help="fixed: --input-len/--output-len; random: lengths uniform in the ranges; jsonl: "
                         "--prompts; prefill-stall: short streams + Poisson long prompts; shared-prefix: "
-                        "shared prefixes + unique suffixes; multi-turn: conversations (default: fixed)")
+                        "shared prefixes + unique suffixes; multi-turn: conversations; trace: --trace "
+                        "(default: trace with --trace, else fixed)")
     g.add_argument("--input-len", type=int, metavar="TOKENS",
                    help="prompt tokens (default: 128; prefill-stall short class: 64; shared-prefix: the "
                         "suffix, 64; multi-turn: each question, 64)")
@@ -164,6 +169,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-context", action="store_true",
                    help="multi-turn: every conversation opens with the same context (default: each its own)")
 
+    g = parser.add_argument_group("trace replay (Mooncake format)")
+    g.add_argument("--trace", metavar="FILE.jsonl",
+                   help='replay a trace: one {"timestamp": ms, "input_length": N, "output_length": M, '
+                        '"hash_ids": [...]} a line; each request is sent at its timestamp (from the first '
+                        "one's) with a prompt of input_length tokens whose blocks repeat where the hash ids "
+                        "do, and max_tokens = output_length (exact: ignore_eos). With --tokenizer the "
+                        "prompts are token ids (exact blocks); without, common words (about a token each). "
+                        "Completions endpoint only")
+    g.add_argument("--time-scale", type=float, metavar="X",
+                   help="replay speed: request i goes at timestamp_i / X, so 2.0 runs twice as fast and 0.5 "
+                        "half as fast (default: 1, the trace's own pace)")
+    g.add_argument("--max-requests", type=int, metavar="N",
+                   help="replay the first N requests of the trace (default: all); the run lasts as long as "
+                        "their timestamps say, divided by --time-scale")
+    g.add_argument("--trace-block-size", type=int, metavar="TOKENS",
+                   help=f"tokens per hash id (default: {MOONCAKE_BLOCK_SIZE}, Mooncake's)")
+
     g = parser.add_argument_group("output")
     g.add_argument("--slo", metavar="K=V,...",
                    help="SLOs for goodput: ttft, tpot, itl (every gap), e2e; units us/ms/s, bare = ms "
@@ -181,10 +203,11 @@ class Plan:
     """What to send: the measured requests (short class for prefill-stall), long prompts, warmup;
     or, for multi-turn, the conversations (their requests are built as the answers come)."""
 
-    specs: list[RequestSpec]
+    specs: Sequence[RequestSpec]
     warmup: list[RequestSpec]
     long_specs: Iterator[RequestSpec] | None = None
     conversations: list[Conversation] | None = None
+    trace: TraceRequests | None = None  # trace replay: the same requests as specs, with their records
 
 
 def build_plan(config: BenchConfig) -> Plan:
@@ -192,6 +215,13 @@ def build_plan(config: BenchConfig) -> Plan:
                               if config.tokenizer_path else WordPromptBuilder())
     rng, warm_rng = random.Random(config.seed), random.Random(config.seed + 7919)
     n, w = config.num_requests, config.warmup
+    if config.trace is not None:  # warmup: unrelated requests of --input-len / --output-len
+        tc = config.trace
+        vocab = builder.token_ids() if isinstance(builder, TokenizerPromptBuilder) else WORDS
+        requests = TraceRequests(load_trace(tc.path, tc.block_size, tc.max_requests), tc.block_size, vocab,
+                                 config.seed)
+        return Plan(requests, fixed_requests(builder, w, config.input_len, config.output_len, warm_rng),
+                    trace=requests)
     if config.workload is Workload.JSONL:
         loaded = load_jsonl(config.prompts_path, config.endpoint is Endpoint.CHAT, config.output_len)
         return Plan(cycle_to(loaded, n), cycle_to(loaded, w))
@@ -254,6 +284,9 @@ async def _measure(config: BenchConfig, plan: Plan, client: StreamingClient) -> 
         elif plan.conversations is not None:
             phase = conversations(client.send, (c.dialogue() for c in plan.conversations),
                                   config.effective_concurrency, deadline, on_done)
+        elif plan.trace is not None:
+            offsets = send_offsets(plan.trace.records, config.trace.time_scale)
+            phase = open_loop(client.send, plan.specs, offsets, deadline, on_done)
         elif config.rate is not None:
             offsets = poisson_offsets(config.rate, len(plan.specs), config.seed)
             phase = open_loop(client.send, plan.specs, offsets, deadline, on_done)
@@ -297,10 +330,12 @@ def run(args: argparse.Namespace) -> int:
         model, measured, warmup_failed = asyncio.run(_bench(config, plan))
     except (EndpointUnreachable, NotOpenAI) as e:
         return _error(str(e), 1)
-    return _report(config, model, measured, warmup_failed)
+    trace = (trace_stats(plan.trace.records, config.trace.block_size).as_dict(config.trace.time_scale)
+             if plan.trace is not None else None)
+    return _report(config, model, measured, warmup_failed, trace)
 
 
-def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int) -> int:
+def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int, trace: dict | None = None) -> int:
     results = sorted(measured.results, key=lambda r: r.send_time)
     overall = summarize(results, measured.duration_s, config.slo)
     classes = ({lab: summarize([r for r in results if r.label == lab], measured.duration_s, config.slo)
@@ -308,8 +343,8 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
     turns = (summarize_turns(results, config.num_requests) if config.workload is Workload.MULTI_TURN
              else None)
     described = config.describe() | {"model": model}
-    print(format_table(overall, classes, described, model, turns))
-    report = build_report(overall, classes, described, model, warmup_failed, turns)
+    print(format_table(overall, classes, described, model, turns, trace))
+    report = build_report(overall, classes, described, model, warmup_failed, turns, trace)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
     if config.json_path is not None:

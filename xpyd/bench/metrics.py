@@ -16,7 +16,9 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
 - Goodput (vLLM's definition, from DistServe): completed requests per second that meet *every* given
   SLO, each inclusive (value <= SLO): TTFT, TPOT (a one-token request meets it), E2E, and - an
   xpyd addition - ITL, met when every ITL gap of the request is <= the SLO. With no SLO given every
-  completed request is good (goodput = request throughput).
+  completed request is good (goodput = request throughput). Goodput in output tokens/s counts the
+  output tokens of those good requests; SLO attainment is good / (completed + failed): a failed
+  request misses every SLO.
 - Prefix-cache hit rate: sum(cached_tokens) / sum(prompt_tokens) over the completed requests whose
   usage reports ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI do); None ("n/a") when
   none of them does. Multi-turn runs also get it, with the TTFT distribution, per turn index.
@@ -182,6 +184,7 @@ class Summary:
     requests_per_s: float
     output_tokens_per_s: float
     goodput_requests_per_s: float  # without an SLO every completed request is good
+    goodput_output_tokens_per_s: float  # the output tokens of the good requests, per second
     good: int
     slo_misses: dict[str, int]  # completed requests missing each SLO
     errors: dict[str, int]  # failed requests by error kind
@@ -190,6 +193,12 @@ class Summary:
     usage_missing: int  # completed requests whose stream had no usage chunk
     cache: CacheHits
     error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def slo_attainment(self) -> float | None:
+        """The share of the requests sent that met every SLO (failed ones did not); None for none."""
+        sent = self.completed + self.failed
+        return self.good / sent if sent else None
 
 
 def summarize(results: Iterable[RequestResult], duration_s: float, slo: SLO | None = None) -> Summary:
@@ -204,10 +213,11 @@ def summarize(results: Iterable[RequestResult], duration_s: float, slo: SLO | No
     samples = list(dict.fromkeys(f"{r.error}: {r.error_detail}" for r in failed))[:5]
     slo = slo or SLO()
     misses = {k: 0 for k in slo.as_ms()}
-    good = 0
+    good = good_tokens = 0
     for lat in done:
         missed = slo.misses(lat)
         good += not missed
+        good_tokens += 0 if missed else lat.output_tokens
         for k in missed:
             misses[k] += 1
     out_tokens = sum(lat.output_tokens for lat in done)
@@ -222,6 +232,7 @@ def summarize(results: Iterable[RequestResult], duration_s: float, slo: SLO | No
         requests_per_s=len(done) / duration_s,
         output_tokens_per_s=out_tokens / duration_s,
         goodput_requests_per_s=good / duration_s,
+        goodput_output_tokens_per_s=good_tokens / duration_s,
         good=good,
         slo_misses=misses,
         errors=errors,

@@ -2,14 +2,18 @@
 
 JSON top level: ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (each ``mean``, ``p50``, ``p90``,
 ``p99``, ``max``, ``count``; null when there is no sample), ``output_tokens_per_s``, ``requests_per_s``,
-``goodput_requests_per_s``, ``completed``, ``failed``, plus ``duration_s``, ``errors`` (failed
-requests by kind), ``slo_ms`` / ``good`` / ``slo_missed``, token totals, ``prefix_cache``
-(``hit_rate``, null when the server reports no cached tokens; ``cached_tokens``, ``prompt_tokens``,
-``requests``: the completed requests that reported them), ``config``, ``definitions``, ``classes``
-(per request class, same keys; prefill-stall: ``short`` and ``long``), ``multi_turn`` (multi-turn:
-``turns``, one entry per turn index with ``completed``, ``failed``, ``ttft_ms``, ``prefix_cache``;
-``first_turn`` and ``later_turns`` prefix caches; ``turns_not_sent``), and with
-``--include-requests`` every request's timeline (``requests``).
+``goodput_requests_per_s``, ``goodput_output_tokens_per_s``, ``completed``, ``failed``, plus
+``duration_s``, ``errors`` (failed requests by kind), ``slo_ms`` / ``good`` / ``slo_missed`` /
+``slo_attainment``, token totals, ``prefix_cache`` (``hit_rate``, null when the server reports no
+cached tokens; ``cached_tokens``, ``prompt_tokens``, ``requests``: the completed requests that
+reported them), ``config``, ``definitions``, ``classes`` (per request class, same keys;
+prefill-stall: ``short`` and ``long``), ``multi_turn`` (multi-turn: ``turns``, one entry per turn
+index with ``completed``, ``failed``, ``ttft_ms``, ``prefix_cache``; ``first_turn`` and
+``later_turns`` prefix caches; ``turns_not_sent``), ``trace`` (trace replay: the trace's own
+``requests``, ``mean_input_tokens``, ``mean_output_tokens``, ``total_input_tokens``,
+``shared_prefix_tokens``, ``prefix_sharing_ratio`` (the upper bound of ``prefix_cache.hit_rate``),
+``block_size``, ``span_s``, ``time_scale``, ``replay_span_s``), and with ``--include-requests``
+every request's timeline (``requests``; a trace's carry their ``trace_line``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ DEFINITIONS = {
     "e2e": "end of stream ([DONE]) - send (ms)",
     "percentiles": "linear interpolation between order statistics (numpy 'linear')",
     "throughput": "over duration_s, the wall time from the first send to the last response end",
-    "goodput": "completed requests/s meeting every SLO (value <= SLO; itl: every gap <= SLO), as vLLM",
+    "goodput": "completed requests/s meeting every SLO (value <= SLO; itl: every gap <= SLO), as vLLM; "
+               "goodput_output_tokens_per_s: their output tokens/s",
+    "slo_attainment": "requests meeting every SLO / requests sent (completed + failed); a failed one misses",
+    "prefix_sharing_ratio": "trace replay: input tokens in leading blocks an earlier request of the trace had / "
+                            "all input tokens: the hit rate of an unbounded prefix cache, an upper bound for "
+                            "prefix_cache.hit_rate",
     "failed": "excluded from latencies and token counts",
     "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
                     "the completed requests reporting cached_tokens; null when none does",
@@ -63,7 +72,9 @@ def summary_dict(s: Summary) -> dict:
         "requests_per_s": s.requests_per_s,
         "output_tokens_per_s": s.output_tokens_per_s,
         "goodput_requests_per_s": s.goodput_requests_per_s,
+        "goodput_output_tokens_per_s": s.goodput_output_tokens_per_s,
         "good": s.good,
+        "slo_attainment": s.slo_attainment,
         "slo_missed": s.slo_misses,
         "ttft_ms": _dist(s.ttft),
         "tpot_ms": _dist(s.tpot),
@@ -91,12 +102,13 @@ def request_records(results: list[RequestResult], start: float) -> list[dict]:
         "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens,
         "turn": r.turn,
+        "trace_line": r.trace_line,
         "error": r.error,
     } for r in results]
 
 
 def build_report(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
-                 warmup_failed: int = 0, turns: TurnSummary | None = None) -> dict:
+                 warmup_failed: int = 0, turns: TurnSummary | None = None, trace: dict | None = None) -> dict:
     out = summary_dict(overall)
     out.update({
         "schema_version": SCHEMA_VERSION,
@@ -110,6 +122,8 @@ def build_report(overall: Summary, classes: dict[str, Summary], config: dict, mo
         out["classes"] = {name: summary_dict(s) for name, s in classes.items()}
     if turns is not None:
         out["multi_turn"] = turns_dict(turns)
+    if trace is not None:
+        out["trace"] = trace
     return out
 
 
@@ -138,6 +152,10 @@ def _section(title: str, s: Summary) -> list[str]:
              f"{'goodput requests/s':<28}{s.goodput_requests_per_s:.3f}"
              + (f"  (missed: {', '.join(f'{k} {v}' for k, v in s.slo_misses.items())})"
                 if s.slo_misses else ""),
+             f"{'goodput output tokens/s':<28}{s.goodput_output_tokens_per_s:.2f}",
+             f"{'SLO attainment':<28}"
+             + ("-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.1f}% ({s.good} of "
+                                                    f"{s.completed + s.failed} requests)"),
              f"{'prefix cache hit rate':<28}{_hit_rate(s.cache)}",
              f"{'latency (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
     for name, d in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e)):
@@ -160,10 +178,24 @@ def _turns_section(t: TurnSummary) -> list[str]:
     return lines
 
 
+def _trace_section(t: dict, cache: CacheHits) -> list[str]:
+    return ["--- trace ".ljust(62, "-"),
+            f"{'requests':<28}{t['requests']}, over {t['span_s']:g} s of trace time, replayed in "
+            f"{t['replay_span_s']:g} s",
+            f"{'mean input / output tokens':<28}{t['mean_input_tokens']:.1f} / {t['mean_output_tokens']:.1f}",
+            f"{'prefix-sharing ratio':<28}{100 * t['prefix_sharing_ratio']:.1f}% ({t['shared_prefix_tokens']} of "
+            f"{t['total_input_tokens']} input tokens in blocks of {t['block_size']} seen before)",
+            f"{'server prefix cache hits':<28}{_hit_rate(cache)} (the ratio above is its upper bound)"]
+
+
 def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
-                 turns: TurnSummary | None = None) -> str:
-    load = (f"rate {config['rate']} req/s" if config.get("rate") is not None
-            else f"concurrency {config.get('concurrency')}")
+                 turns: TurnSummary | None = None, trace: dict | None = None) -> str:
+    if tc := config.get("trace"):
+        load = f"trace {tc['path']} at {tc['time_scale']:g}x"
+    elif config.get("rate") is not None:
+        load = f"rate {config['rate']} req/s"
+    else:
+        load = f"concurrency {config.get('concurrency')}"
     lines = ["=" * 62,
              f"xpyd bench: {config['url']} ({config['endpoint']}), model {model}",
              f"workload {config['workload']}, {load}, duration {overall.duration_s:.2f} s",
@@ -180,6 +212,8 @@ def format_table(overall: Summary, classes: dict[str, Summary], config: dict, mo
         lines += _section(f"class {name}", s)
     if turns is not None:
         lines += _turns_section(turns)
+    if trace is not None:
+        lines += _trace_section(trace, overall.cache)
     lines.append("ITL is per streamed chunk; TPOT uses usage.completion_tokens.")
     if overall.cache.hit_rate is None:
         lines.append("prefix cache n/a: no usage.prompt_tokens_details.cached_tokens "

@@ -39,14 +39,16 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request to send. Exactly one of ``prompt`` / ``messages`` is set."""
+    """One request to send. Exactly one of ``prompt`` / ``messages`` is set; a prompt is text or
+    token ids (the completions API takes either)."""
 
     max_tokens: int
-    prompt: str | None = None
+    prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
     input_len: int | None = None  # prompt tokens as built here (None: unknown, e.g. from a file)
     label: str = LABEL_ALL  # the request class the report groups by
     turn: int | None = None  # multi-turn: the 1-based turn of its conversation
+    trace_line: int | None = None  # trace replay: the request's line in the trace file
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -99,6 +101,14 @@ class TokenizerPromptBuilder:
         except (OSError, ValueError) as e:
             raise WorkloadError(f"cannot load a tokenizer from {path}: {e}") from e
         return cls(tok)
+
+    def token_ids(self) -> list[int]:
+        """The ids of the words prompts are built from, each one token alone (trace replay sends
+        prompts as ids, so they need not survive re-tokenization next to each other)."""
+        ids = [e[0] for e in self._tok(self._pool, add_special_tokens=False)["input_ids"] if len(e) == 1]
+        if len(ids) < 50:
+            raise WorkloadError("this tokenizer has fewer than 50 single-token words to build prompts from")
+        return ids
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
