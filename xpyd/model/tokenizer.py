@@ -1,14 +1,23 @@
-"""Tokenizer loading and prompt encoding, shared by both workers so they agree on token ids."""
+"""Tokenizer loading and prompt encoding, shared by both workers so they agree on token ids.
+
+The functions take a transformers tokenizer or anything offering the same few names (``tok(text).input_ids``,
+``apply_chat_template``, ``len(tok)``, ``chat_template``, ``backend_tokenizer``, the special tokens' strings):
+the simulated engine's workers pass ``xpyd.tokenization``'s, and never import transformers.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The model's transformers tokenizer (imports transformers: the real engine's workers only)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

@@ -49,7 +49,7 @@ from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.output import StopParams
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
-from xpyd.model.sampling import SamplingParams
+from xpyd.model.sampling_params import SamplingParams
 from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, prompt_length_unrendered
 from xpyd.signal.request_id import RequestId
 from xpyd.worker.request_gate import REQUEST_ID_HEADER, PrefillPeers, RequestGate
