@@ -12,6 +12,7 @@ from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
 from xpyd.worker.cpu_share import board_path
 
 DTYPES = ("float32", "bfloat16")
+ENGINES = ("torch", "sim")  # the real forward pass, or the simulated one (xpyd.model.sim: no torch)
 CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "colocated": 8300}  # HTTP; prefill's signal plane: +1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
@@ -55,6 +56,10 @@ class WorkerConfig:
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
+    engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
+    sim_profile: str | None = None  # sim: the timing profile's JSON file (None: the built-in one)
+    sim_speedup: float = 1.0  # sim: run this many times faster than the profile (inf: no simulated time)
+    sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -119,6 +124,32 @@ class WorkerConfig:
             raise ValueError("--prefill-chunk must be in [0, 1048576] tokens (0 = whole prompts)")
         check_kv_backend(self.kv_backend)
         check_device(self.device)
+        self._check_sim()
+
+    def _check_sim(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.engine != "sim":
+            given = [flag for flag, value, default in (("--sim-profile", self.sim_profile, None),
+                                                       ("--sim-speedup", self.sim_speedup, 1.0),
+                                                       ("--sim-kv-token-bytes", self.sim_kv_token_bytes, None))
+                     if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: options of --engine sim")
+            return
+        if self.device != "cpu":
+            raise ValueError("--engine sim keeps its KV in host memory: --device cpu")
+        if isinstance(self.sim_speedup, bool) or not isinstance(self.sim_speedup, (int, float)) \
+                or not self.sim_speedup > 0:  # (nan fails too)
+            raise ValueError(f"--sim-speedup must be a number > 0 (inf: no simulated time), not {self.sim_speedup!r}")
+        n = self.sim_kv_token_bytes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 32 <= n <= 1 << 24 or n % 4):
+            raise ValueError(f"--sim-kv-token-bytes must be a multiple of 4 in [32, 16777216] (a token's record "
+                             f"takes 16 bytes of its K half), not {n!r}")
+        if self.sim_profile is not None:
+            from xpyd.model.sim.profile import SimProfile
+
+            SimProfile.load(self.sim_profile)  # ValueError naming the file: unreadable, or not a profile
 
     def kv_blocks(self, token_bytes: int) -> int:
         """Blocks in the KV pool, given the bytes of one token's KV (from the model); ValueError when the
@@ -239,6 +270,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--device", default=d.device, metavar="cpu|cuda|cuda:N",
                         help="torch device of the model and KV pool (default cpu; only cpu is tested, "
                              "see docs/devices.md)")
+    parser.add_argument("--engine", choices=ENGINES, default=d.engine,
+                        help="torch: the model's forward pass; sim: a simulated one (no torch, a light "
+                             "process) with the real KV pool, prefix cache, schedulers and transfers, tokens a "
+                             "function of the sequence, each pass timed by --sim-profile (see docs/sim.md)")
+    parser.add_argument("--sim-profile", default=None, metavar="FILE",
+                        help="--engine sim: forward-pass times measured on the real engine (xpyd bench "
+                             "calibrate; default: the built-in profile of the default model on this machine)")
+    parser.add_argument("--sim-speedup", type=float, default=d.sim_speedup, metavar="N|inf",
+                        help="--engine sim: run N times faster than the profile (inf: no simulated time)")
+    parser.add_argument("--sim-kv-token-bytes", type=int, default=None, metavar="N",
+                        help="--engine sim: KV bytes per token, moved by every transfer (default: the "
+                             "model's real KV size at 16 bits)")
     parser.add_argument("--nice", type=int, default=d.nice,
                         help="raise this process's niceness (0-19) so that other roles on the same cores "
                              "win the CPU when both are busy")

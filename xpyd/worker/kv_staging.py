@@ -16,6 +16,9 @@ Copies are synchronous, on the thread that calls `send` or polls the token. nixl
 registers the device pool itself (`registers_device_memory`; NIXL VRAM, never run on a GPU: see
 docs/devices.md), and `pool_memory` hands it the pool as `DeviceMemory`. A CPU pool never stages,
 except in tests that force it to prove the round trip.
+
+torch is imported only where a torch pool is handled: a simulated worker's host pool (`HostKVPool`) goes
+through `shared_pool_memory` and `pool_memory` without it.
 """
 
 from __future__ import annotations
@@ -23,11 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 from types import SimpleNamespace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from xpyd.model.kv_pool import KVPool
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -40,6 +40,9 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.shm_segment import SegmentError
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +52,8 @@ class HostStaging:
     def __init__(self, pool_tensor: torch.Tensor, buffer: memoryview | None = None, pin: bool | None = None) -> None:
         """``buffer``: host memory of the pool's size to stage in (e.g. the shm segment); else allocated
         here, pinned (page-locked, for fast device copies) when ``pin`` (default: on a CUDA pool)."""
+        import torch
+
         if not pool_tensor.is_contiguous():
             raise ValueError("the staged pool tensor must be contiguous")
         self._device = pool_tensor.view(-1).view(torch.uint8)
@@ -98,8 +103,11 @@ def _registers_device_memory(transfer) -> bool:
 def pool_memory(pool, transfer) -> memoryview | DeviceMemory:
     """What a worker registers with its backend: the pool's host bytes (or its staging copy), or the device
     pool itself for a backend that registers device memory (nixl on a GPU)."""
-    if pool.staging is None and pool.device.type != "cpu" and _registers_device_memory(transfer):
-        t, device = pool.tensor, pool.device
+    device = getattr(pool, "device", None)  # (a host pool has none: its memory is host memory)
+    if pool.staging is None and device is not None and device.type != "cpu" and _registers_device_memory(transfer):
+        import torch
+
+        t = pool.tensor
         index = device.index if device.index is not None else torch.cuda.current_device()
         return DeviceMemory(device.type, index, t.data_ptr(), t.numel() * t.element_size())
     return pool.buffer()
@@ -133,18 +141,32 @@ def _backend_host_memory(transfer, layout) -> memoryview | None:
 
 
 def adopt_pool(transfer, runner) -> None:
-    """Move ``runner.pool`` into memory the backend provides (shm: its segment), if it provides any.
+    """Move ``runner.pool`` (a torch `KVPool` on the CPU) into memory the backend provides (shm: its segment),
+    if it provides any.
 
     For the *sending* (prefill) worker only: with shm the receiver copies out of the sender's segment
     into its own pool, which stays in ordinary memory. Call before the engine is built (engines hold
     ``runner.pool``). ``auto`` falls back to tcp only when no segment can be created; ``shm`` raises.
+    A runner whose pool is not a torch pool takes the memory at construction instead (`shared_pool_memory`).
     """
+    layout = runner.pool.layout
+    buffer = shared_pool_memory(transfer, layout.total_bytes)
+    if buffer is not None:
+        from xpyd.model.kv_pool import KVPool
+
+        blocks = getattr(runner.pool, "blocks", None)
+        runner.pool = KVPool(layout, buffer=buffer, caching=blocks.caching if blocks is not None else True)
+
+
+def shared_pool_memory(transfer, nbytes: int) -> memoryview | None:
+    """Memory of ``nbytes`` for the sending (prefill) worker's pool that the backend provides (shm: a segment
+    the receivers copy out of), or None (tcp; or ``auto`` when no segment can be created: it then uses tcp
+    only; ``shm`` raises)."""
     allocate = getattr(transfer, "allocate", None)
     if allocate is None:
-        return
-    layout = runner.pool.layout
+        return None
     try:
-        buffer = allocate(layout.total_bytes)
+        return allocate(nbytes)
     except SegmentError as e:
         if getattr(transfer, "extras", None) is None:
             raise
@@ -152,10 +174,7 @@ def adopt_pool(transfer, runner) -> None:
         for extra in transfer.extras:
             extra.close()
         transfer.extras = []
-        return
-    if buffer is not None:
-        blocks = getattr(runner.pool, "blocks", None)
-        runner.pool = KVPool(layout, buffer=buffer, caching=blocks.caching if blocks is not None else True)
+        return None
 
 
 class _LandingToken(DerivedToken):
