@@ -120,6 +120,10 @@ PASSED_ON = (
     ("--kv-cache-tokens", ("prefill", "decode", "colocated")),
     ("--kv-cache-memory", ("prefill", "decode", "colocated")),
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
+    ("--engine", ("prefill", "decode", "colocated")),
+    ("--sim-profile", ("prefill", "decode", "colocated")),
+    ("--sim-speedup", ("prefill", "decode", "colocated")),
+    ("--sim-kv-token-bytes", ("prefill", "decode", "colocated")),
 )
 
 
@@ -138,12 +142,14 @@ def _add_worker_options(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=action.dest, action="store_false" if action.default else "store_true",
                            help=help_text)
         else:
-            g.add_argument(flag, dest=action.dest, type=action.type, default=action.default,
-                           metavar=action.metavar or ("SECONDS" if action.type is float else "N"), help=help_text)
+            g.add_argument(flag, dest=action.dest, type=action.type, default=action.default, choices=action.choices,
+                           metavar=action.metavar or (None if action.choices else "SECONDS" if action.type is float
+                                                      else "N"), help=help_text)
 
 
 def worker_options(args: argparse.Namespace, role: str) -> list[str]:
-    """The PASSED_ON options for a worker of ``role`` that differ from its default, as command-line words."""
+    """The PASSED_ON options for a worker of ``role`` that differ from its default, as command-line words
+    (``--engine sim`` and its ``--sim-*`` options go to every worker)."""
     out: list[str] = []
     for flag, roles in PASSED_ON:
         if role not in roles:
@@ -153,7 +159,7 @@ def worker_options(args: argparse.Namespace, role: str) -> list[str]:
         if action.nargs == 0:
             if value != action.default:
                 out.append(flag)
-        elif value is not None:
+        elif value is not None and value != action.default:
             out += [flag, str(value)]
     return out
 
@@ -229,6 +235,8 @@ def _wait_ready(cluster: Supervisor, urls: dict[str, str], deadline: float, stop
 def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
     check_device(args.device)  # before anything starts: no half-started cluster
     cluster_token(args)
+    WorkerConfig(role="decode", engine=args.engine, sim_profile=args.sim_profile, sim_speedup=args.sim_speedup,
+                 sim_kv_token_bytes=args.sim_kv_token_bytes, device=args.device)  # the --sim-* options' checks
     dynamic = args.prefill is not None or args.decode is not None
     if args.colocated:
         if dynamic:

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from xpyd.model.sim.profile import SimProfile
 from xpyd.signal.request_id import RequestIdError, check_signal_addr
 from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
 from xpyd.worker.cpu_share import board_path
@@ -147,8 +148,6 @@ class WorkerConfig:
             raise ValueError(f"--sim-kv-token-bytes must be a multiple of 4 in [32, 16777216] (a token's record "
                              f"takes 16 bytes of its K half), not {n!r}")
         if self.sim_profile is not None:
-            from xpyd.model.sim.profile import SimProfile
-
             SimProfile.load(self.sim_profile)  # ValueError naming the file: unreadable, or not a profile
 
     def kv_blocks(self, token_bytes: int) -> int:

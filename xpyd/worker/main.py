@@ -8,6 +8,11 @@ in flight (HTTP streams, KV not yet pulled) before exiting. If its engine fails 
 state can no longer be trusted; every request it held has been sent an error) it deregisters, gives the
 HTTP streams ``FAILED_FLUSH`` seconds to deliver those errors and exits with ``ENGINE_FAILED_EXIT``, to be
 restarted (Kubernetes, ``xpyd up``).
+
+``--engine torch`` loads the model with torch (`xpyd.model.runner.ModelRunner`, transformers' tokenizer);
+``--engine sim`` runs the simulated forward pass (`xpyd.model.sim.SimRunner`) with the torch-free tokenizer
+(`xpyd.tokenization`): such a process never imports torch or transformers, so every torch import here is on
+the torch engine's path only.
 """
 
 from __future__ import annotations
@@ -21,26 +26,27 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
-import torch
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HyperConfig
 
 from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
 from xpyd.discovery.types import Role
-from xpyd.model import native
-from xpyd.model.loader import ensure_converted
-from xpyd.model.runner import ModelRunner, kv_token_bytes
+from xpyd.model.loader import ResolvedModel, ensure_converted
+from xpyd.model.sim.profile import SimProfile, default_profile
+from xpyd.model.sim.runner import ModelFacts, SimRunner
 from xpyd.model.tokenizer import load_tokenizer
 from xpyd.netaddr import fd_bind, host_port, reserve_listen
+from xpyd.tokenization.tokenizer import LightTokenizer
 from xpyd.transfer.auto import AutoTransferBackend
 from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.cpu_share import CpuShare
 from xpyd.worker.engine import WorkerEngine
 from xpyd.worker.http_api import create_worker_app
-from xpyd.worker.kv_staging import adopt_pool, needs_staging, stage_transfer
+from xpyd.worker.kv_staging import adopt_pool, needs_staging, shared_pool_memory, stage_transfer
 from xpyd.worker.request_gate import PrefillPeers
 from xpyd.worker.malloc_tuning import tune_malloc
 
@@ -54,10 +60,11 @@ ENGINE_FAILED_EXIT = 70  # EX_SOFTWARE: the engine failed; restart the worker
 
 @dataclass(frozen=True, slots=True)
 class EngineParts:
-    """What the runtime built for a role's engine: the model runner (with its KV pool), the tokenizer,
-    the config, the KV transfer backend (None for the colocated role) and the served model name."""
+    """What the runtime built for a role's engine: the model runner (with its KV pool; a `ModelRunner` or a
+    `SimRunner`), the tokenizer, the config, the KV transfer backend (None for the colocated role) and the
+    served model name."""
 
-    runner: ModelRunner
+    runner: Any
     tokenizer: object
     config: WorkerConfig
     transfer: object | None
@@ -74,13 +81,15 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
     ``http_socket``: the HTTP port, already bound (`xpyd.cli` binds it before importing the runtime)."""
     if http_socket is None:
         http_socket = reserve_listen(config.host, config.port)  # before the model loads: a taken port fails now
-    if not tune_malloc():
+    if config.engine == "torch" and not tune_malloc():  # (the simulated engine has no activations: a
+        # tuned heap would only keep what start-up freed)
         log.info("glibc mallopt not available: activation buffers are page-faulted in per prefill")
     if config.nice:
         os.nice(config.nice)  # let other roles on the same cores win the CPU when both are busy
-    torch.set_num_threads(config.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    device = torch.device(config.device)
+    if config.engine == "torch":
+        import torch
+
+        torch.set_num_threads(config.threads)
     transfer = None
     if config.role in ("prefill", "decode"):
         copy_threads = kv_copy_threads(config.kv_copy_threads, config.threads, config.device)
@@ -89,30 +98,12 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
         if config.role == "decode" and config.kv_backend in ("shm", "auto"):
             log.info("decode: shm transfers of 8 MiB or more are copied with %d thread(s)%s", copy_threads,
                      "" if config.kv_copy_threads else " (auto: --kv-copy-threads)")
-    resolved = None
-
-    def build_runner() -> ModelRunner:
-        nonlocal resolved
-        resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
-        num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
-        log.info("%s: loading %s (%s on %s; KV cache of %d blocks x %d tokens%s)", config.role, resolved.path,
-                 config.dtype, device, num_blocks, config.block_size,
-                 ", prefix caching" if config.prefix_cache else "")
-        runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
-                             block_size=config.block_size, device=device, caching=config.prefix_cache)
-        log.info("%s: %s", config.role, describe_forward(runner))
-        if config.cpu_share:
-            runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
-        runner.warmup()
-        if config.role == "prefill" and device.type == "cpu":
-            adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
-        # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
-        return runner
-
-    runner = in_passing_thread(build_runner)
-    if transfer is not None and needs_staging(transfer, device):  # a device pool under tcp/shm: transfers
-        transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
-    tokenizer = load_tokenizer(resolved.path)
+    if config.engine == "sim":
+        runner, resolved = build_sim_runner(config, transfer)
+        tokenizer = LightTokenizer.from_folder(resolved.path)
+    else:
+        runner, resolved, transfer = build_torch_runner(config, transfer)
+        tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
     engine, on_stop = start_engine(EngineParts(runner, tokenizer, config, transfer, served))
 
@@ -144,6 +135,63 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
         raise SystemExit(ENGINE_FAILED_EXIT)
 
 
+def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedModel, Any]:
+    """The model loaded with torch (`ModelRunner`), its pool moved where ``transfer`` wants it (prefill, shm:
+    a shared segment; a device pool under tcp/shm: staged through host memory, ``transfer`` wrapped)."""
+    import torch
+
+    from xpyd.model.runner import ModelRunner, kv_token_bytes
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    device = torch.device(config.device)
+    resolved = None
+
+    def build_runner() -> ModelRunner:
+        nonlocal resolved
+        resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
+        num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
+        log.info("%s: loading %s (%s on %s; KV cache of %d blocks x %d tokens%s)", config.role, resolved.path,
+                 config.dtype, device, num_blocks, config.block_size,
+                 ", prefix caching" if config.prefix_cache else "")
+        runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
+                             block_size=config.block_size, device=device, caching=config.prefix_cache)
+        log.info("%s: %s", config.role, describe_forward(runner))
+        if config.cpu_share:
+            runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
+        runner.warmup()
+        if config.role == "prefill" and device.type == "cpu":
+            adopt_pool(transfer, runner)  # shm/auto: the prefill KV pool moves into a shared-memory segment
+        # (the decode pool stays in process memory: shm receivers copy into it from the prefill's segment)
+        return runner
+
+    runner = in_passing_thread(build_runner)
+    if transfer is not None and needs_staging(transfer, device):  # a device pool under tcp/shm: transfers
+        transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
+    return runner, resolved, transfer
+
+
+def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, ResolvedModel]:
+    """The simulated engine over the model folder's config (`SimRunner`): a host KV pool sized as the real
+    engine's (``config.kv_blocks``) at its KV bytes per token; a prefill worker's pool in the memory its
+    backend provides (shm: a shared segment), as `adopt_pool` moves a torch pool there."""
+    resolved = ensure_converted(config.model)  # (a GGUF converted before is found in the cache, without torch)
+    token_bytes = config.sim_kv_token_bytes or ModelFacts.read(resolved.path).kv_token_bytes
+    num_blocks = config.kv_blocks(token_bytes)
+    buffer = None
+    if config.role == "prefill":  # (the decode pool stays in process memory, as the real engine's)
+        buffer = shared_pool_memory(transfer, num_blocks * config.block_size * token_bytes)
+    profile = SimProfile.load(config.sim_profile) if config.sim_profile else default_profile()
+    runner = SimRunner(resolved.path, num_blocks=num_blocks, max_seq_len=config.max_model_len,
+                       block_size=config.block_size, caching=config.prefix_cache, kv_token_bytes=token_bytes,
+                       profile=profile, speedup=config.sim_speedup, buffer=buffer)
+    log.info("%s: simulated engine for %s (KV cache of %d blocks x %d tokens x %d bytes%s%s; %s, speed-up %s)",
+             config.role, resolved.path, num_blocks, config.block_size, token_bytes,
+             ", prefix caching" if config.prefix_cache else "", ", in shared memory" if buffer is not None else "",
+             config.sim_profile or "built-in profile", config.sim_speedup)
+    runner.warmup()
+    return runner, resolved
+
+
 def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
     """``kv_backend`` in ``/xpyd/stats``: the configured backend, for ``auto`` which of its parts carried
     the transfers so far (``{"name": "auto", "sent": {"tcp": 3}, "received": {}}``), and how many frames
@@ -160,8 +208,12 @@ def kv_backend_stats(config: WorkerConfig, transfer) -> dict:
     return out
 
 
-def describe_forward(runner: ModelRunner) -> str:
+def describe_forward(runner) -> str:
     """Which forward pass (and decode attention) this worker runs, and why not the faster one."""
+    import torch
+
+    from xpyd.model import native
+
     if runner.fast_path is None:
         return f"general forward (the lean one does not cover this model: {runner.fast_path_reason})"
     fast = runner.fast_path
