@@ -152,13 +152,58 @@ def test_pd_gives_the_colocated_tokens(clusters, sampling):
 
 
 def test_the_sim_tokenizer_is_the_models(clusters, smollm_dir: Path):
-    """GET /xpyd/tokenizer of a sim worker serves what a real worker serves (transformers' description)."""
+    """GET /xpyd/tokenizer of a sim worker serves what a real worker serves (transformers' description), and
+    its blocks are named after the simulated engine's identity ("sim:", the weights' fingerprint, the KV bytes
+    per token), not after the served name: simulated and real KV, or two models' simulated KV, never mix."""
+    from xpyd.model.fingerprint import weights_fingerprint
+    from xpyd.model.kv_layout import LAYOUT_NAME
+    from xpyd.model.sim.runner import ModelFacts
     from xpyd.model.tokenizer import describe_tokenizer, load_tokenizer
+    from xpyd.prefix_hash import hash_seed
 
     _, urls = clusters
     served = _get(urls["decode"] + "/xpyd/tokenizer")
     assert {k: served[k] for k in ("tokenizer", "chat_template", "special_tokens")} == \
         describe_tokenizer(load_tokenizer(smollm_dir))
+    token_bytes = ModelFacts.read(smollm_dir).kv_token_bytes
+    layout = {"layout": LAYOUT_NAME, "num_layers": 1, "num_kv_heads": 1, "head_dim": token_bytes // 4,
+              "dtype": "float16", "block_size": 16}
+    identity = f"sim:{weights_fingerprint(smollm_dir)}:{token_bytes}"
+    assert served["hash_seed"] == hash_seed(identity, json.dumps(layout, sort_keys=True))
+    assert _get(urls["prefill0"] + "/xpyd/tokenizer")["hash_seed"] == served["hash_seed"]
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--sim-speedup", "0"], "--sim-speedup must be a number > 0"),
+    (["--sim-speedup", "nan"], "--sim-speedup must be a number > 0"),
+    (["--sim-kv-token-bytes", "30"], "--sim-kv-token-bytes must be a multiple of 4"),
+    (["--sim-profile", "/nonexistent/profile.json"], "simulation profile /nonexistent/profile.json"),
+    (["--engine", "torch", "--sim-speedup", "2"], "--sim-speedup: options of --engine sim"),
+])
+def test_sim_options_are_checked_at_start(tmp_path, flags, error):
+    """A wrong --sim-* option stops the worker before anything loads, saying which (exit 2), and `xpyd up`
+    refuses it before it starts a child."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    for argv in (["decode", "--engine", "sim", *flags, "--port", str(port)],
+                 ["up", "--engine", "sim", *flags, "--port", str(port)]):
+        out = subprocess.run([sys.executable, "-m", "xpyd", *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert error in out.stderr
+
+
+def test_up_passes_the_engine_to_every_worker():
+    from xpyd.cli import build_parser
+    from xpyd.launcher.up import worker_options
+
+    args = build_parser().parse_args(["up", "--engine", "sim", "--sim-profile", "p.json", "--sim-speedup", "inf",
+                                      "--sim-kv-token-bytes", "64"])
+    for role in ("prefill", "decode", "colocated"):
+        assert worker_options(args, role) == ["--engine", "sim", "--sim-profile", "p.json", "--sim-speedup", "inf",
+                                              "--sim-kv-token-bytes", "64"]
+    assert worker_options(build_parser().parse_args(["up"]), "decode") == []  # defaults: nothing passed
 
 
 def test_the_proxy_routes_sim_workers_by_cache(tmp_path, sim_options):

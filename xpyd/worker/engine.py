@@ -49,8 +49,13 @@ def _kv_cache(pool, weights: str, key: bytes) -> KVCache:
 
 
 def model_identity(runner, served_name: str) -> str:
-    """What names the runner's weights: the fingerprint of the folder it loaded (``config.name_or_path``), not
-    the name they are served under; a runner without weights (a test's fake) is named by ``served_name``."""
+    """What names the runner's weights: its own ``identity`` when it has one (the simulated engine's: "sim:"
+    and the folder's fingerprint, so simulated and real KV never mix), else the fingerprint of the folder it
+    loaded (``config.name_or_path``), not the name they are served under; a runner without weights (a test's
+    fake) is named by ``served_name``."""
+    identity = getattr(runner, "identity", None)
+    if isinstance(identity, str) and identity:
+        return identity
     config = getattr(runner, "config", None)
     return served_name if config is None else "weights:" + weights_fingerprint(Path(config.name_or_path))
 
