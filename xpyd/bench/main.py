@@ -178,8 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prompts are token ids (exact blocks); without, common words (about a token each). "
                         "Completions endpoint only")
     g.add_argument("--time-scale", type=float, metavar="X",
-                   help="replay speed: request i goes at timestamp_i / X, so 2.0 runs twice as fast and 0.5 "
-                        "half as fast (default: 1, the trace's own pace)")
+                   help="replay speed: a request goes (its timestamp - the first one's) / X after the start, "
+                        "so 2.0 runs twice as fast and 0.5 half as fast (default: 1, the trace's own pace)")
     g.add_argument("--max-requests", type=int, metavar="N",
                    help="replay the first N requests of the trace (default: all); the run lasts as long as "
                         "their timestamps say, divided by --time-scale")
