@@ -18,6 +18,8 @@ the torch engine's path only.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import os
@@ -122,6 +124,8 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
     # do the interpreter's collections at exit: an idle worker's SIGTERM-to-exit went from 1.6 s to 0.35 s.
     gc.collect()
     gc.freeze()
+    if config.engine == "sim":
+        _release_freed_heap()  # what start-up freed (parsing tokenizer.json: ~15 MB) goes back to the system
     try:
         asyncio.run(_serve(config, engine, app, hc, serve, peers))
     finally:
@@ -224,6 +228,16 @@ def describe_forward(runner) -> str:
         if reasons:
             text += f" (native kernels unavailable: {'; '.join(sorted(reasons))})"
     return text
+
+
+def _release_freed_heap() -> None:
+    """glibc's malloc_trim(0): free pages in the heap go back to the system (a simulated worker's start-up
+    frees more than it keeps; measured: a decode worker's PSS 90 -> 75 MB). Nothing where it is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def in_passing_thread(fn):
