@@ -1,18 +1,17 @@
-"""xpyd bench --trace against a real xpyd cluster (1P1D, tiny random Llama, token-id prompts).
+"""xpyd bench --trace against real xpyd servers.
 
-Every request of a small synthetic trace completes with exactly its input and output lengths; the
-bodies the bench sent share exactly the token blocks their hash ids share (and no others); no request
-goes before its timestamp / --time-scale; the server's prefix-cache hits stay within the trace's
-prefix-sharing ratio. The first 20 lines of the real Mooncake trace (prompts up to 87k tokens) need the
-simulated engine: a torch model on this CPU takes minutes and runs out of memory on the longest.
+A small synthetic trace through a 1P1D cluster (tiny random Llama, token-id prompts): every request completes
+with exactly its input and output lengths; the bodies the bench sent share exactly the token blocks their
+hash ids share (and no others); no request goes before its timestamp / --time-scale; the server's
+prefix-cache hits stay within the trace's prefix-sharing ratio. The first 20 lines of the real Mooncake trace
+(prompts up to 87k tokens) go to a simulated colocated worker (--engine sim, no simulated time): a torch
+model on this CPU takes minutes and runs out of memory on the 87k-token prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -124,25 +123,43 @@ def test_synthetic_trace_replays_exact_blocks_at_its_times(cluster, tiny_model_d
     assert f"{SHARED} of {sum(r[1] for r in ROWS)} input tokens in blocks of {BLOCK} seen before" in text
 
 
-def _has_sim_engine() -> bool:
-    out = subprocess.run([sys.executable, "-m", "xpyd", "colocated", "--help"], capture_output=True, text=True)
-    return "--engine" in out.stdout and "sim" in out.stdout
+SIM_PROFILE = {  # no simulated time is spent (--sim-speedup inf): only its shape matters
+    "format": "xpyd-sim-profile/1", "model": "test", "machine": "test", "dtype": "float32", "threads": 1,
+    "created": "2026-01-01T00:00:00Z",
+    "prefill": {"new_tokens": [1, 1024], "cached_tokens": [0, 1024], "seconds": [[0.001, 0.001], [0.01, 0.01]]},
+    "decode": {"batch": [1, 8], "context_tokens": [1, 4096], "seconds": [[0.001, 0.002], [0.002, 0.003]]},
+}
+
+
+def long_context_model(folder: Path, smollm_dir: Path) -> Path:
+    """SmolLM2's files with a 128k-token context in config.json (the simulated engine reads only the config,
+    the tokenizer and the weights' fingerprint)."""
+    folder.mkdir()
+    for f in smollm_dir.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((smollm_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 131072}))
+    return folder
 
 
 def test_first_20_lines_of_the_real_trace(tmp_path, smollm_dir, monkeypatch):
     if not REAL_TRACE.exists():
         pytest.skip("the Mooncake trace is not on this machine")
-    if not _has_sim_engine():
-        pytest.skip("needs the simulated engine (--engine sim): its prompts reach 87k tokens")
     lines = REAL_TRACE.read_text().splitlines()[:20]
     rows = [json.loads(x) for x in lines]
     trace = tmp_path / "head.jsonl"
     trace.write_text("\n".join(lines) + "\n")
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(SIM_PROFILE))
+    model = long_context_model(tmp_path / "model", smollm_dir)
     c = Cluster(tmp_path)
     wp, xp = free_port(), free_port()
     worker, proxy = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{xp}"
-    c.start("colocated", ["colocated", "--engine", "sim", "--sim-speedup", "inf", "--model", str(smollm_dir),
-                          "--max-model-len", "131072", "--batch-size", "20", "--port", str(wp)], worker)
+    c.start("colocated", ["colocated", "--engine", "sim", "--sim-profile", str(profile), "--sim-speedup", "inf",
+                          "--sim-kv-token-bytes", "64", "--model", str(model), "--max-model-len", "90000",
+                          "--kv-cache-tokens", "400000", "--batch-size", "20", "--threads", "1", "--port", str(wp)],
+            worker)
     try:
         c.wait_healthy()
         c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], proxy)
