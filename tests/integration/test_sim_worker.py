@@ -106,12 +106,7 @@ def _pss_kb(pid: int) -> int:
     raise AssertionError("no Pss line")
 
 
-@pytest.mark.parametrize("role", [
-    "decode", "colocated",
-    pytest.param("prefill0", marks=pytest.mark.xfail(strict=True, reason=(
-        "the prefill role imports xpyd.model.kv_pool (torch) in prefill_worker/handover.py and signal_plane.py, "
-        "for type names; importing kv_layout there instead makes a prefill sim worker torch-free"))),
-])
+@pytest.mark.parametrize("role", ["decode", "colocated", "prefill0"])
 def test_a_sim_worker_loads_no_torch_and_stays_light(clusters, role):
     c, urls = clusters
     proxy = urls["colocated_proxy"] if role == "colocated" else urls["proxy"]

@@ -31,6 +31,7 @@ from xpyd.worker.cpu_share import remove_board, sweep_stale_boards
 _WORKER = WorkerConfig(role="decode")  # the workers' and the proxy's defaults (one place: their configs)
 _PROXY = ProxyConfig()
 _RESTART = RestartPolicy()
+MAX_WORKERS = 128  # per role on one host
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -245,8 +246,8 @@ def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
             raise ValueError("--policy chooses between P/D workers; the colocated baseline has one worker")
         return False, 0, 1
     x, y = args.prefill or 1, args.decode or 1
-    if not (1 <= x <= 32 and 1 <= y <= 32):
-        raise ValueError("--prefill and --decode must be between 1 and 32")
+    if not (1 <= x <= MAX_WORKERS and 1 <= y <= MAX_WORKERS):  # (each takes two ports of its role's range)
+        raise ValueError(f"--prefill and --decode must be between 1 and {MAX_WORKERS}")
     RestartPolicy(backoff=args.restart_backoff, max_backoff=args.max_restart_backoff)  # ValueError: told below
     if args.prefill_port + 2 * x > args.decode_port and args.decode_port + 2 * y > args.prefill_port:
         raise ValueError("the prefill and decode port ranges overlap: move --decode-port")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from xpyd.model.kv_pool import KVPool, block_ranges
+from xpyd.model.kv_layout import HostKVPool, block_ranges
 from xpyd.prefill_worker.peers import PeerMap
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
@@ -53,7 +53,7 @@ class PullPlan:
         return [p.transfer_id for p in self.parts[:sent]]
 
 
-def plan_pull(pool: KVPool, seq: PrefillSeq, entry: m.LookupEntry, peer: PeerMap, now: float) -> PullPlan | str:
+def plan_pull(pool: HostKVPool, seq: PrefillSeq, entry: m.LookupEntry, peer: PeerMap, now: float) -> PullPlan | str:
     """Where each part of a pull goes and when it can, or why the pull is refused."""
     blocks = seq.kv.blocks[entry.first_block:]
     if len(entry.dest_blocks) != len(blocks):

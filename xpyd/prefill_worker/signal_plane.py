@@ -23,7 +23,7 @@ import time
 from contextlib import AbstractContextManager
 from typing import Callable
 
-from xpyd.model.kv_pool import KVPool
+from xpyd.model.kv_layout import HostKVPool
 from xpyd.prefill_worker.expiry import orphaned
 from xpyd.prefill_worker.handover import abort_sends, plan_pull, send_due
 from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests, decode_addr_of
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSignalPlane:
-    def __init__(self, held: HeldRequests, pool: KVPool, model_id: str, compat: dict, cluster_token: str | None,
+    def __init__(self, held: HeldRequests, pool: HostKVPool, model_id: str, compat: dict, cluster_token: str | None,
                  isolate: Callable[[str], AbstractContextManager], wake: Callable[[], None]) -> None:
         """``compat``: what a decode worker's handshake must match (``WorkerEngine.peer_compat``: the KV layout
         and the weights); ``isolate(request_id)``: a scope in which an exception fails just that request (the
