@@ -187,6 +187,9 @@ def test_a_cached_prefix_that_holds_other_tokens_or_nothing_is_refused(model):
     with pytest.raises(ValueError, match="KV at position 8 does not hold .*all zeros"):
         runner.prefill(blocks, PROMPT, start=10)
     assert bytes(runner.pool.buffer()) == before
+    runner.pool.buffer()[runner._records.offset(blocks, 7) + 9] ^= 4  # the last record of the chunk before
+    with pytest.raises(ValueError, match="KV at position 7 does not hold .*torn or altered"):
+        runner.prefill(blocks, PROMPT, start=8)
 
 
 def test_bad_batches_are_refused_and_nothing_is_written(model):
@@ -284,9 +287,8 @@ def test_speedup_inf_never_sleeps(model, monkeypatch):
 
 
 def test_a_simulated_runner_imports_no_torch(tiny_model_dir):
-    code = ("import sys; from pathlib import Path; from xpyd.model.sim import SimProfile, SimRunner; "
-            f"p = SimProfile.from_dict({_profile().to_dict()!r}); "
-            f"r = SimRunner(Path({str(tiny_model_dir)!r}), num_blocks=4, max_seq_len=32, profile=p); "
+    code = ("import sys; from pathlib import Path; from xpyd.model.sim import SimRunner; "
+            f"r = SimRunner(Path({str(tiny_model_dir)!r}), num_blocks=4, max_seq_len=32); "  # the built-in profile
             "r.warmup(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), r.vocab_size)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -10,7 +10,9 @@ same tokens, and KV that was not transferred, or transferred wrong, is an error 
 
 What a pass verifies before it writes anything (ValueError otherwise, nothing written):
 - prefill: the batch is well formed (as ModelRunner), and the cached prefix [0, start) of each part holds
-  exactly the records of its tokens (the whole chain: O(start));
+  exactly the records of its tokens (the whole chain: O(start) hashes), except for the next chunk of a prompt
+  whose chunk before this runner wrote: then the record at start - 1 and a digest of the tokens [0, start)
+  are compared with what it remembers (a chunked prompt costs O(length), not O(length^2 / chunk));
 - decode: the batch is well formed; each request's positions [0, pos) hold one unbroken chain of records, all
   of them the first time this runner sees the request at this place, else only the record at pos - 1, which
   this runner wrote itself at the previous step (it remembers, per request, the last record it wrote).
@@ -28,7 +30,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from array import array
 from collections import OrderedDict
+from hashlib import blake2b
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -41,7 +45,7 @@ from xpyd.model.sim.sampler import SimSampler
 
 __all__ = ["ModelFacts", "SimRunner"]
 
-REMEMBERED = 1 << 16  # requests whose last written record a runner remembers (the oldest is dropped past this)
+REMEMBERED = 4096  # requests whose last written record a runner remembers (the oldest is dropped past this)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +125,9 @@ class SimRunner:
         self.profile = profile if profile is not None else default_profile()
         self.speedup = float(speedup)
         self.cpu_share = None  # the worker may set it; a simulated pass uses no core to speak of
-        self._written: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # (block, position) -> record
+        # (block, position) -> (the record this runner wrote there last for some request, and when a prefill
+        # wrote it, a digest of the request's tokens up to it)
+        self._written: OrderedDict[tuple[int, int], tuple[bytes, bytes | None]] = OrderedDict()
 
     def prefill(self, blocks: list[int], token_ids: list[int], start: int = 0) -> bytes:
         """Run ``token_ids`` from ``start`` on (the records of [0, start) already in ``blocks``): write the
@@ -176,12 +182,12 @@ class SimRunner:
             checked.append((table, self._ids(token_ids), start))
         planned = []
         for table, ids, start in checked:  # every cached prefix verified before anything is written
-            planned.append((table, start, chain(ids[start:], start, self._records.verify_tokens(table, ids, start))))
+            planned.append((table, ids, start, chain(ids[start:], start, self._prefix(table, ids, start))))
         rows = []
-        for table, start, records in planned:
+        for table, ids, start, records in planned:
             self._records.write(table, start, records)
-            last = start + len(records) - 1
-            self._remember((table[last // self.block_size], last), records[-1])
+            last = len(ids) - 1
+            self._remember((table[last // self.block_size], last), records[-1], _tokens_digest(ids))
             rows.append(records[-1][:8])
         return rows, sum(len(ids) - start for _, ids, start in checked), sum(start for _, _, start in checked)
 
@@ -205,9 +211,21 @@ class SimRunner:
             digest = digest_after(digest, token, pos)
             record = record_of(digest, token)
             self._records.write(table, pos, (record,))
-            self._remember((table[pos // bs], pos), record)
+            self._remember((table[pos // bs], pos), record, None)
             rows.append(digest)
         return rows
+
+    def _prefix(self, table: list[int], ids: list[int], start: int) -> bytes:
+        """digest_{start-1} of a prefill part, its records [0, start) verified against its tokens: in full,
+        unless this runner's own last prefill of these very tokens ended at start - 1 (the chunk before) and
+        its record is still in place."""
+        if start == 0:
+            return ZERO_DIGEST
+        mine = self._written.get((table[(start - 1) // self.block_size], start - 1))
+        if mine is not None and mine[1] is not None and self._records.read(table, start - 1) == mine[0] \
+                and mine[1] == _tokens_digest(ids[:start]):
+            return mine[0][:8]
+        return self._records.verify_tokens(table, ids, start)
 
     def _before(self, table: list[int], pos: int) -> bytes:
         """digest_{pos-1} of a decode request, its records verified (see the module's docstring)."""
@@ -215,12 +233,12 @@ class SimRunner:
             return ZERO_DIGEST
         key = (table[(pos - 1) // self.block_size], pos - 1)
         mine = self._written.pop(key, None)
-        if mine is not None and self._records.read(table, pos - 1) == mine:
-            return mine[:8]  # the record this runner wrote at the previous step, still in place
+        if mine is not None and self._records.read(table, pos - 1) == mine[0]:
+            return mine[0][:8]  # the record this runner wrote at the previous step, still in place
         return self._records.verify_chain(table, pos)
 
-    def _remember(self, key: tuple[int, int], record: bytes) -> None:
-        self._written[key] = record
+    def _remember(self, key: tuple[int, int], record: bytes, tokens: bytes | None) -> None:
+        self._written[key] = (record, tokens)
         self._written.move_to_end(key)
         if len(self._written) > REMEMBERED:
             self._written.popitem(last=False)
@@ -263,3 +281,8 @@ class SimRunner:
             if type(t) is not int or not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} outside the vocabulary [0, {self.vocab_size})")
         return ids
+
+
+def _tokens_digest(ids: list[int]) -> bytes:
+    """A digest of a token sequence (ids already checked to be in the vocabulary), computed in C."""
+    return blake2b(array("q", ids).tobytes(), digest_size=16).digest()
