@@ -1,7 +1,9 @@
 """The `xpyd` command: up | proxy | prefill | decode | colocated | bench | status.
 
 The top of the import graph. Each command's package is imported only when that command runs, so
-`xpyd proxy` or `xpyd bench` never import torch, and `--help` answers at once.
+`xpyd proxy` or `xpyd bench` never import torch, and `--help` answers at once. `xpyd bench calibrate`
+measures the model for the simulated engine: it is the model layer's (`xpyd.model.sim_calibrate`; the
+load generator may not import the model), so it is dispatched here, before the bench parser.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(p, "colocated")
     from xpyd.bench import main as bench_main
 
-    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (or: xpyd bench transfer)")
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (or: xpyd bench transfer | "
+                                     "calibrate)", epilog=CALIBRATE_EPILOG)
     bench_main.add_arguments(p)
     p = sub.add_parser("status", help="list the workers registered in etcd",
                        description="Print the workers registered under /workers/ in etcd.")
@@ -69,8 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CALIBRATE_EPILOG = """\
+calibrate mode (the simulated engine's timing profile):
+  xpyd bench calibrate --model M --out FILE [--dtype float32|bfloat16] [--threads N] [--quick]
+      measure this machine's real engine: prefill time vs new and cached tokens, decode step time vs
+      batch and context; the profile for --engine sim --sim-profile FILE (xpyd bench calibrate --help)"""
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "calibrate"]:
+        from xpyd.model import sim_calibrate
+
+        return sim_calibrate.main(argv[2:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command:>7} %(levelname)s %(message)s",
                         stream=sys.stderr)
