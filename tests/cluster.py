@@ -218,10 +218,11 @@ def _option(argv: Sequence[str], name: str, default: int) -> int:
 
 
 class UpProcess:
-    """`xpyd up` on free ports (prefill and decode HTTP ports with room for 2 workers each)."""
+    """`xpyd up` on free ports (prefill and decode port runs with room for its workers, at least 2 each)."""
 
     def __init__(self, model: Path, log: Path, *extra: str) -> None:
-        self.port, self.pp, self.dp = free_port_run(1), free_port_run(4), free_port_run(4)
+        x, y = (max(2, _option(extra, f"--{role}", 1)) for role in ("prefill", "decode"))
+        self.port, self.pp, self.dp = free_port_run(1), free_port_run(2 * x), free_port_run(2 * y)
         self.log = log
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
