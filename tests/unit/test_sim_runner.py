@@ -48,8 +48,8 @@ def _profile(prefill: float = 0.0, decode: float = 0.0) -> SimProfile:
 
 
 def _runner(folder: Path, num_blocks: int = 16, speedup: float = float("inf"), **kw) -> SimRunner:
-    return SimRunner(folder, num_blocks=num_blocks, max_seq_len=48, block_size=BS, profile=kw.pop("profile", _profile()),
-                     speedup=speedup, **kw)
+    return SimRunner(folder, num_blocks=num_blocks, max_seq_len=48, block_size=BS,
+                     profile=kw.pop("profile", _profile()), speedup=speedup, **kw)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The simulated engine's KV content: one 16-byte record per token, at the start of the token's K row.
 
     record_t = digest_t (8 bytes) || token_t (4 bytes, little-endian) || check_t (4 bytes)
-    digest_t = blake2b(digest_{t-1} || token_t (4 bytes LE) || t (4 bytes LE), digest_size=8), digest_{-1} = 8 zero bytes
+    digest_t = blake2b(digest_{t-1} || token_t (4 bytes LE) || t (4 bytes LE), digest_size=8)
+    digest_{-1} = 8 zero bytes
     check_t  = blake2b(digest_t || token_t, digest_size=4)
 
 The digest is chained over the whole sequence, so the record of the last token names every token before it
