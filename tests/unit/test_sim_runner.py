@@ -313,3 +313,15 @@ def test_a_pass_is_timed_at_its_whole_size(model, monkeypatch):
     runner.decode([first, second], [1, 2], [11, 5])  # 2 requests, 12 + 6 tokens: 380 s / 10
     assert len(slept) == 2
     assert 0.83 < slept[0] <= 0.88 and 35 < slept[1] <= 38  # (less the passes' own time)
+
+
+def test_a_runner_over_given_memory_keeps_its_kv_there(model):
+    size = 8 * BS * 256  # blocks x tokens x the model's KV bytes per token
+    memory = memoryview(bytearray(b"\x01" * size))
+    runner = _runner(model, num_blocks=8, buffer=memory)
+    blocks = runner.pool.blocks.allocate(3)
+    row = runner.prefill(blocks, PROMPT)
+    at = runner._records.offset(blocks, len(PROMPT) - 1)
+    assert bytes(memory[at : at + 8]) == row  # the last token's digest, in that memory
+    with pytest.raises(ValueError, match="the layout needs"):
+        _runner(model, num_blocks=8, buffer=memoryview(bytearray(size - 1)))
