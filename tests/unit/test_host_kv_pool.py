@@ -45,3 +45,11 @@ def test_a_host_pool_is_zeroed_writable_memory_and_counts_held_blocks():
 def test_a_buffer_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="the layout needs"):
         HostKVPool(LAYOUT, buffer=memoryview(bytearray(LAYOUT.total_bytes - 1)))
+
+
+def test_a_buffer_known_to_hold_zeros_is_not_written():
+    """A new shared-memory segment is zero-filled: the pool does not write it again (``zeroed``)."""
+    buffer = memoryview(bytearray(b"\x01" * LAYOUT.total_bytes))  # (not zeros: shows whether it was written)
+    HostKVPool(LAYOUT, buffer=buffer, zeroed=True)
+    KVPool(LAYOUT, buffer=buffer, zeroed=True)
+    assert bytes(buffer) == b"\x01" * LAYOUT.total_bytes

@@ -98,9 +98,11 @@ class HostKVPool:
     pool (`kv_pool.KVPool`). ``buffer``: optional writable memory of exactly ``layout.total_bytes`` (e.g. a
     shared-memory segment from the shm transfer backend), zeroed here, which must outlive the pool; without
     one, anonymous memory is mapped (its pages cost nothing until written). ``caching``: keep the blocks of
-    ended requests for prefix reuse (``blocks``)."""
+    ended requests for prefix reuse (``blocks``). ``zeroed``: the buffer is known to hold zeros (a segment
+    just created), so it is not written again here."""
 
-    def __init__(self, layout: KVLayout, buffer: memoryview | None = None, caching: bool = True) -> None:
+    def __init__(self, layout: KVLayout, buffer: memoryview | None = None, caching: bool = True,
+                 zeroed: bool = False) -> None:
         self.layout = layout
         self.staging = None  # a non-host pool's host copy (kv_staging); a host pool needs none
         if buffer is None:
@@ -108,7 +110,8 @@ class HostKVPool:
             self._memory = memoryview(self._map)
         else:
             self._memory = _checked(buffer, layout)
-            _zero(self._memory)
+            if not zeroed:
+                _zero(self._memory)
         self.blocks = BlockAllocator(layout.num_blocks, caching=caching)
 
     def buffer(self) -> memoryview:

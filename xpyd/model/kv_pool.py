@@ -35,11 +35,12 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
 
 class KVPool(HostKVPool):
     def __init__(self, layout: KVLayout, buffer: memoryview | None = None,
-                 device: torch.device | str | None = None, caching: bool = True) -> None:
+                 device: torch.device | str | None = None, caching: bool = True, zeroed: bool = False) -> None:
         """``buffer``: optional writable memory of exactly ``layout.total_bytes`` to hold the pool (e.g. a
         shared-memory segment from the shm transfer backend); it is zeroed here and must outlive the pool.
         ``device``: where the pool lives (default CPU); ``buffer`` is host memory, so CPU only.
-        ``caching``: keep the blocks of ended requests for prefix reuse (``blocks``)."""
+        ``caching``: keep the blocks of ended requests for prefix reuse (``blocks``). ``zeroed``: ``buffer`` is
+        known to hold zeros (a segment just created): not written again here."""
         self.layout = layout
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.staging = None  # kv_staging.HostStaging: the host copy a non-CPU pool's transfers go through
@@ -54,7 +55,8 @@ class KVPool(HostKVPool):
         else:
             flat = torch.frombuffer(_checked(buffer, layout), dtype=torch.uint8)
             self.tensor = flat.view(dtype).view(layout.shape)
-            self.tensor.zero_()
+            if not zeroed:
+                self.tensor.zero_()
         self._memory = None
         self.blocks = BlockAllocator(layout.num_blocks, caching=caching)
 

@@ -155,7 +155,8 @@ def adopt_pool(transfer, runner) -> None:
         from xpyd.model.kv_pool import KVPool
 
         blocks = getattr(runner.pool, "blocks", None)
-        runner.pool = KVPool(layout, buffer=buffer, caching=blocks.caching if blocks is not None else True)
+        runner.pool = KVPool(layout, buffer=buffer, caching=blocks.caching if blocks is not None else True,
+                             zeroed=True)  # (a new segment: zero-filled already)
 
 
 def shared_pool_memory(transfer, nbytes: int) -> memoryview | None:

@@ -187,7 +187,8 @@ def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, Resolve
     profile = SimProfile.load(config.sim_profile) if config.sim_profile else default_profile()
     runner = SimRunner(resolved.path, num_blocks=num_blocks, max_seq_len=config.max_model_len,
                        block_size=config.block_size, caching=config.prefix_cache, kv_token_bytes=token_bytes,
-                       profile=profile, speedup=config.sim_speedup, buffer=buffer)
+                       profile=profile, speedup=config.sim_speedup, buffer=buffer,
+                       zeroed=buffer is not None)  # (a new segment: zero-filled already)
     log.info("%s: simulated engine for %s (KV cache of %d blocks x %d tokens x %d bytes%s%s; %s, speed-up %s)",
              config.role, resolved.path, num_blocks, config.block_size, token_bytes,
              ", prefix caching" if config.prefix_cache else "", ", in shared memory" if buffer is not None else "",

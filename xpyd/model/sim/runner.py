@@ -97,7 +97,7 @@ def _json(path: Path) -> dict:
 class SimRunner:
     def __init__(self, model_dir: Path, *, num_blocks: int, max_seq_len: int, block_size: int = 16,
                  caching: bool = True, kv_token_bytes: int | None = None, profile: SimProfile | None = None,
-                 speedup: float = 1.0, buffer: memoryview | None = None) -> None:
+                 speedup: float = 1.0, buffer: memoryview | None = None, zeroed: bool = False) -> None:
         facts = ModelFacts.read(Path(model_dir))
         if kv_token_bytes is None:
             kv_token_bytes = facts.kv_token_bytes
@@ -118,7 +118,7 @@ class SimRunner:
         self.kv_token_bytes = kv_token_bytes
         self.pool = HostKVPool(KVLayout(num_layers=1, num_kv_heads=1, head_dim=kv_token_bytes // 4, dtype="float16",
                                         num_blocks=num_blocks, block_size=block_size),
-                               buffer=buffer, caching=caching)
+                               buffer=buffer, caching=caching, zeroed=zeroed)
         # Token t's K half: row t % block_size of its block (half a token's bytes); its record starts there.
         self._records = KVRecords(self.pool.buffer(), self.pool.layout.block_bytes, kv_token_bytes // 2, block_size)
         self.sampler = SimSampler(self.vocab_size, self.eos_token_ids)
