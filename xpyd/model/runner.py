@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from xpyd.model import paged
+from xpyd.model import batch_checks, paged
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.sampling import TorchSampler
@@ -153,24 +153,8 @@ class ModelRunner:
         (blocks, token_ids, start) as in `prefill`; float32 logits [parts, vocab] of each part's last token.
         The fast path packs every part's tokens into one batch for the matmuls; the general path runs the
         parts one after another. Every part is checked before anything is written."""
-        if not parts:
-            raise ValueError("prefill_many needs at least one part")
-        checked = []
-        own: set[int] = set()
-        for blocks, token_ids, start in parts:
-            n = len(token_ids)
-            if not 1 <= n <= self.max_model_len:
-                raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
-            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n:
-                raise ValueError(f"prefill from position {start!r} of a {n}-token prompt: start is an int in "
-                                 f"[0, {n}) (at least one token is computed)")
-            blocks = self._table(blocks, n)
-            written = blocks[start // self.block_size :]
-            self._check_own(written)
-            if own.intersection(written):
-                raise ValueError("two parts of one forward pass write the same KV block")
-            own.update(written)
-            checked.append((blocks, self._ids(token_ids[start:]), start))
+        tables = batch_checks.prefill_parts(self.pool.layout, self.pool.blocks, self.max_model_len, parts)
+        checked = [(t, self._ids(token_ids[start:]), start) for t, (_, token_ids, start) in zip(tables, parts)]
         if self._use_fast:
             logits = self._fast.prefill_many(self.pool.tensor, checked)
             return logits if self._on_cpu else logits.cpu()
@@ -208,18 +192,11 @@ class ModelRunner:
         the request's own (held by it alone), and no two requests write one row. Returns float32 logits
         [B, vocab]; ValueError, and nothing written, for a bad batch.
         """
-        batch = len(tables)
-        if batch == 0 or len(token_ids) != batch or len(positions) != batch:
-            raise ValueError("decode needs equally long, non-empty tables, token_ids and positions")
         bs = self.block_size
-        for pos in positions:
-            if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.max_model_len:
-                raise ValueError(f"position {pos!r} outside [0, {self.max_model_len})")
-        tables = [self._table(t, p + 1) for t, p in zip(tables, positions)]
+        tables = batch_checks.decode_batch(self.pool.layout, self.pool.blocks, self.max_model_len, tables, token_ids,
+                                           positions)
+        batch = len(tables)
         written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
-        if len(set(written)) != batch:
-            raise ValueError("two requests of one decode batch write the same KV row")
-        self._check_own([b for b, _ in written])
         if self._use_fast:
             logits = self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
             return logits if self._on_cpu else logits.cpu()
@@ -252,32 +229,6 @@ class ModelRunner:
             self.decode([blocks], [4], [4])
         finally:
             self.pool.blocks.release(blocks)
-
-    def _table(self, blocks: list[int], num_tokens: int) -> list[int]:
-        """The leading blocks of ``blocks`` that hold ``num_tokens`` tokens. Every id of ``blocks`` must be a
-        block of the pool, and none may repeat among those (a bad id must never reach the in-place
-        writes); the forward passes see only these, so no block past them is ever read."""
-        need = self.pool.layout.blocks_for(num_tokens)
-        if len(blocks) < need:
-            raise ValueError(f"{len(blocks)} KV blocks cannot hold {num_tokens} tokens (need {need})")
-        count = self.pool.layout.num_blocks
-        for b in blocks:
-            if type(b) is not int or not 0 <= b < count:
-                raise ValueError(f"KV block {b!r} does not exist (pool has {count})")
-        table = list(blocks[:need])
-        if len(set(table)) != need:
-            raise ValueError(f"a block appears twice in one request's blocks {table}: two positions, one row")
-        return table
-
-    def _check_own(self, blocks: list[int]) -> None:
-        """New KV goes only into blocks exactly one request holds: a shared block is another request's
-        (cached) prefix, and an unheld one may be handed out or evicted meanwhile."""
-        alloc = self.pool.blocks
-        for b in blocks:
-            ref = alloc.ref(b)
-            if ref != 1:
-                held = "not held by any request" if ref == 0 else f"shared by {ref} requests"
-                raise ValueError(f"KV block {b} is {held}: new KV is written only into a request's own blocks")
 
     def _ids(self, token_ids: list[int]) -> torch.Tensor:
         """Token ids on the runner's device, checked on the CPU first (no device sync for the check)."""

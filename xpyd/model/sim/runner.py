@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from xpyd.model import batch_checks
 from xpyd.model.fingerprint import weights_fingerprint
 from xpyd.model.kv_layout import HostKVPool, KVLayout
 from xpyd.model.sim.profile import SimProfile, default_profile
@@ -162,24 +163,8 @@ class SimRunner:
             self.pool.blocks.release(blocks)
 
     def _prefill(self, parts: Sequence[tuple[list[int], list[int], int]]) -> tuple[list[bytes], int, int]:
-        if not parts:
-            raise ValueError("prefill_many needs at least one part")
-        checked = []
-        own: set[int] = set()
-        for blocks, token_ids, start in parts:
-            n = len(token_ids)
-            if not 1 <= n <= self.max_model_len:
-                raise ValueError(f"prompt of {n} tokens outside [1, {self.max_model_len}]")
-            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < n:
-                raise ValueError(f"prefill from position {start!r} of a {n}-token prompt: start is an int in "
-                                 f"[0, {n}) (at least one token is computed)")
-            table = self._table(blocks, n)
-            written = table[start // self.block_size :]
-            self._check_own(written)
-            if own.intersection(written):
-                raise ValueError("two parts of one forward pass write the same KV block")
-            own.update(written)
-            checked.append((table, self._ids(token_ids), start))
+        tables = batch_checks.prefill_parts(self.pool.layout, self.pool.blocks, self.max_model_len, parts)
+        checked = [(t, self._ids(token_ids), start) for t, (_, token_ids, start) in zip(tables, parts)]
         planned = []
         for table, ids, start in checked:  # every cached prefix verified before anything is written
             planned.append((table, ids, start, chain(ids[start:], start, self._prefix(table, ids, start))))
@@ -192,18 +177,9 @@ class SimRunner:
         return rows, sum(len(ids) - start for _, ids, start in checked), sum(start for _, _, start in checked)
 
     def _decode(self, tables: list[list[int]], token_ids: list[int], positions: list[int]) -> list[bytes]:
-        batch = len(tables)
-        if batch == 0 or len(token_ids) != batch or len(positions) != batch:
-            raise ValueError("decode needs equally long, non-empty tables, token_ids and positions")
         bs = self.block_size
-        for pos in positions:
-            if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.max_model_len:
-                raise ValueError(f"position {pos!r} outside [0, {self.max_model_len})")
-        tables = [self._table(t, p + 1) for t, p in zip(tables, positions)]
-        written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
-        if len(set(written)) != batch:
-            raise ValueError("two requests of one decode batch write the same KV row")
-        self._check_own([b for b, _ in written])
+        tables = batch_checks.decode_batch(self.pool.layout, self.pool.blocks, self.max_model_len, tables, token_ids,
+                                           positions)
         ids = self._ids(token_ids)
         previous = [self._before(t, p) for t, p in zip(tables, positions)]  # verified before any write
         rows = []
@@ -250,30 +226,6 @@ class SimRunner:
         left = seconds / self.speedup - (time.monotonic() - started)
         if left > 0:
             time.sleep(left)
-
-    def _table(self, blocks: list[int], num_tokens: int) -> list[int]:
-        """The leading blocks of ``blocks`` that hold ``num_tokens`` tokens; every id a block of the pool, none
-        repeated among those."""
-        need = self.pool.layout.blocks_for(num_tokens)
-        if len(blocks) < need:
-            raise ValueError(f"{len(blocks)} KV blocks cannot hold {num_tokens} tokens (need {need})")
-        count = self.pool.layout.num_blocks
-        for b in blocks:
-            if type(b) is not int or not 0 <= b < count:
-                raise ValueError(f"KV block {b!r} does not exist (pool has {count})")
-        table = list(blocks[:need])
-        if len(set(table)) != need:
-            raise ValueError(f"a block appears twice in one request's blocks {table}: two positions, one row")
-        return table
-
-    def _check_own(self, blocks: list[int]) -> None:
-        """New KV goes only into blocks exactly one request holds (as ModelRunner)."""
-        alloc = self.pool.blocks
-        for b in blocks:
-            ref = alloc.ref(b)
-            if ref != 1:
-                held = "not held by any request" if ref == 0 else f"shared by {ref} requests"
-                raise ValueError(f"KV block {b} is {held}: new KV is written only into a request's own blocks")
 
     def _ids(self, token_ids: Sequence[int]) -> list[int]:
         ids = list(token_ids)
