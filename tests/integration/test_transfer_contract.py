@@ -383,23 +383,27 @@ def _state(pid: int) -> str:
 
 
 def _freeze_mid_transfer(proc, toks) -> int:
-    """Stop the sender (SIGSTOP) at a moment one of ``toks`` is TRANSFERRING; that one's index."""
-    for _ in range(len(toks)):
-        _until(lambda: any(t.state() is TransferState.TRANSFERRING for t in toks), "a transfer in flight")
+    """Stop the sender (SIGSTOP) at a moment one of ``toks`` is TRANSFERRING; that one's index. A transfer takes
+    about a millisecond, too short to see coming under load: the sender is stopped at random moments, and let
+    go again when nothing was in flight, until one stop lands inside a transfer."""
+    rng = random.Random(0)
+    while True:
         os.kill(proc.pid, signal.SIGSTOP)
         _until(lambda: _state(proc.pid) == "T", "the sender stopped")  # (states settle once it has)
         moving = [i for i, t in enumerate(toks) if t.state() is TransferState.TRANSFERRING]
         if moving:
             return moving[0]
-        os.kill(proc.pid, signal.SIGCONT)  # it ended just before the stop: catch the next one
-    raise AssertionError("no transfer was ever in flight when the sender stopped")
+        assert any(t.state() is TransferState.PENDING for t in toks), \
+            "no transfer was in flight at any stop before the sender had sent every expected one"
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(rng.uniform(0, 0.002))
 
 
 def test_sender_killed_never_leaves_a_transfer_hanging(name):
     proc, conn, peer = _spawn(name, "sender")
     b = Side(name)
     try:
-        toks = [b.backend.expect(f"k{i}", [Region(0, SIZE)], secret=SECRET) for i in range(64)]
+        toks = [b.backend.expect(f"k{i}", [Region(0, SIZE)], secret=SECRET) for i in range(256)]
         conn.send((b.desc.to_dict(), SECRET))
         assert conn.poll(TIMEOUT) and conn.recv() == "DONE"
         moving = _freeze_mid_transfer(proc, toks)
