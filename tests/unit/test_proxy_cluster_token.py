@@ -14,7 +14,7 @@ from xpyd.discovery.base import RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy import main as proxy_main
-from xpyd.proxy.client import WorkerClient, worker_headers, worker_session
+from xpyd.proxy.client import WorkerClient, WorkerSessions, worker_headers, worker_sessions
 from xpyd.proxy.upstream import Fault, UpstreamError
 from xpyd.signal.request_id import ClusterKeys, RequestId
 
@@ -79,17 +79,19 @@ async def test_every_call_carries_the_credential_and_every_id_goes_signed(aiohtt
     url = await rec.serve(aiohttp_server)
     worker = WorkerInfo(Role.PREFILL, url, "127.0.0.1:1", "m", 1, 8)
     rid = str(RequestId.new("127.0.0.1:1", "127.0.0.1:2"))
-    session = worker_session(5, 5, 4, TOKEN)
+    sessions = worker_sessions(5, 5, 4, TOKEN)
     try:
-        client = WorkerClient(session, 5, TOKEN)
+        client = WorkerClient(sessions, 5, TOKEN)
         await client.prefill(worker, RequestKind.COMPLETION, {"prompt": "a"}, rid)
-        async with session.get(url + "/xpyd/stats") as resp:  # (the poller's and the cache feed's calls)
+        async with sessions.control.get(url + "/xpyd/stats") as resp:  # (the poller's and the cache feed's calls)
             await resp.read()
         await client._release(worker, rid)
+        async with sessions.decode.get(url + "/health") as resp:  # (the decode streams' pool)
+            await resp.read()
     finally:
-        await session.close()
+        await sessions.close()
     paths = [p for p, _ in rec.seen]
-    assert paths == ["/v1/completions", "/xpyd/stats", "/xpyd/abort"]
+    assert paths == ["/v1/completions", "/xpyd/stats", "/xpyd/abort", "/health"]
     for path, headers in rec.seen:
         assert headers["authorization"] == f"Bearer {KEYS.http_bearer}", path
         assert TOKEN not in str(headers)
@@ -106,7 +108,7 @@ async def test_a_worker_refusing_the_proxy_is_a_502_to_the_client(aiohttp_server
     url = await rec.serve(aiohttp_server)
     worker = WorkerInfo(role, url, "127.0.0.1:1", "m", 1, 8)
     async with aiohttp.ClientSession() as session:
-        client = WorkerClient(session, 5)
+        client = WorkerClient(WorkerSessions(session, session, session), 5)
         with pytest.raises(UpstreamError) as caught:
             if role is Role.DECODE:
                 await client.open_decode(worker, RequestKind.COMPLETION, {}, "xpyd-x")

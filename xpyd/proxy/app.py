@@ -45,7 +45,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
 from quart import Quart, Response, request
 
 from xpyd.api.identity import ResponseIdentity, client_request_id
@@ -56,7 +55,7 @@ from xpyd.discovery.types import Role
 from xpyd.prefix_hash import hash_key
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
 from xpyd.proxy.cache_feed import CacheFeed
-from xpyd.proxy.client import WorkerClient, worker_session
+from xpyd.proxy.client import WorkerClient, WorkerSessions, worker_sessions
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.http_errors import Redactor, json_response, register_error_handlers
 from xpyd.proxy.inflight import InFlight, TrackedCall
@@ -96,18 +95,18 @@ class Proxy:
         self.table.on_down(self.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
             self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))
-        self._session: aiohttp.ClientSession | None = None
+        self._sessions: WorkerSessions | None = None
         self._client: WorkerClient | None = None
         self._poller: HealthPoller | None = None
         self._feed: CacheFeed | None = None
 
     async def open(self) -> None:
         c = self.config
-        self._session = worker_session(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
-        self._client = WorkerClient(self._session, c.connect_timeout, c.cluster_token)
+        self._sessions = worker_sessions(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
+        self._client = WorkerClient(self._sessions, c.connect_timeout, c.cluster_token)
         if self.index is not None:
-            self._feed = CacheFeed(self._session, self.index, hash_key=hash_key(c.cluster_token))
-        self._poller = HealthPoller(self.registry, self.table, self._session,
+            self._feed = CacheFeed(self._sessions.control, self.index, hash_key=hash_key(c.cluster_token))
+        self._poller = HealthPoller(self.registry, self.table, self._sessions.control,
                                     c.poll_interval, c.poll_timeout, on_probe=self.queue.wake, feed=self._feed)
         self._poller.start()
 
@@ -118,9 +117,9 @@ class Proxy:
         if self._feed is not None:
             await self._feed.close()
             self._feed = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._sessions is not None:
+            await self._sessions.close()
+            self._sessions = None
 
     def served_model(self) -> str | None:
         if self.config.model_name is not None:

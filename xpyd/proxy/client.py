@@ -1,4 +1,9 @@
-"""Posting to workers: the proxy's one pooled HTTP session and the calls made over it.
+"""Posting to workers: the proxy's pooled HTTP sessions and the calls made over them.
+
+Three pools, one per kind of call, so that none can starve another (`WorkerSessions`): decode streams are held
+for a whole generation, prefill POSTs wait for a prompt's first token, and control calls (health and stats
+probes, KV events, releases) are short and must get through whatever the others hold: with one pool, 1,000
+streams waiting on their prefill held every connection, probes timed out and workers were marked down.
 
 ``WorkerClient.prefill`` returns prefill's first token; ``open_decode`` returns
 the decode worker's open SSE stream (``DecodeStream``); ``release_later`` asks a
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -29,9 +35,11 @@ from xpyd.signal.request_id import ClusterKeys
 log = logging.getLogger(__name__)
 
 # Fault and UpstreamError are imported from here too (xpyd.proxy.upstream is their home).
-__all__ = ["DecodeStream", "Fault", "UpstreamError", "WorkerClient", "worker_headers", "worker_session"]
+__all__ = ["DecodeStream", "Fault", "UpstreamError", "WorkerClient", "WorkerSessions", "worker_headers",
+           "worker_session", "worker_sessions"]
 
 RELEASE_TIMEOUT = 2.0
+CONTROL_PER_WORKER = 8  # control connections to one worker at most (a probe, a KV-events poll, releases)
 
 
 def worker_headers(cluster_token: str | None) -> dict[str, str]:
@@ -41,11 +49,36 @@ def worker_headers(cluster_token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {ClusterKeys(cluster_token).http_bearer}"}
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSessions:
+    """The proxy's pools to its workers, one per kind of call (see the module's docstring)."""
+
+    prefill: aiohttp.ClientSession  # prefill POSTs: up to max_connections
+    decode: aiohttp.ClientSession  # decode streams: up to max_connections, each held for a generation
+    control: aiohttp.ClientSession  # probes, KV events, tokenizer, releases: CONTROL_PER_WORKER per worker
+
+    async def close(self) -> None:
+        for session in (self.prefill, self.decode, self.control):
+            await session.close()
+
+
+def worker_sessions(connect_timeout: float, read_timeout: float, max_connections: int,
+                    cluster_token: str | None = None) -> WorkerSessions:
+    """The three pools, each with the cluster's bearer on every call when ``cluster_token`` is set."""
+    return WorkerSessions(
+        prefill=worker_session(connect_timeout, read_timeout, max_connections, cluster_token),
+        decode=worker_session(connect_timeout, read_timeout, max_connections, cluster_token),
+        control=worker_session(connect_timeout, read_timeout, 0, cluster_token, per_worker=CONTROL_PER_WORKER),
+    )
+
+
 def worker_session(
-    connect_timeout: float, read_timeout: float, max_connections: int, cluster_token: str | None = None
+    connect_timeout: float, read_timeout: float, max_connections: int, cluster_token: str | None = None,
+    per_worker: int = 0,
 ) -> aiohttp.ClientSession:
-    """The proxy's one pooled session to its workers (requests, health and stats polls, KV events), with
-    the cluster's bearer on every call when ``cluster_token`` is set."""
+    """A pooled session to workers of at most ``max_connections`` connections (0: no total limit) and
+    ``per_worker`` to one worker (0: no limit), with the cluster's bearer on every call when ``cluster_token``
+    is set."""
     timeout = aiohttp.ClientTimeout(
         total=None,  # streams may run long; every read has its own limit instead
         sock_connect=connect_timeout,
@@ -53,7 +86,7 @@ def worker_session(
     )
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_on_headers_sent)
-    connector = aiohttp.TCPConnector(limit=max_connections)
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace],
                                  headers=worker_headers(cluster_token))
 
@@ -65,12 +98,12 @@ async def _on_headers_sent(_session, ctx, _params) -> None:
 
 
 class WorkerClient:
-    """Posts to workers over one pooled session from ``worker_session`` (owned by the caller); with
-    ``cluster_token``, each request id goes out signed."""
+    """Posts to workers over the pools of ``worker_sessions`` (owned by the caller): prefill POSTs, decode
+    streams and releases each over their own; with ``cluster_token``, each request id goes out signed."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout: float,
+    def __init__(self, sessions: WorkerSessions, connect_timeout: float,
                  cluster_token: str | None = None) -> None:
-        self._session = session
+        self._sessions = sessions
         self.connect_timeout = connect_timeout
         self._keys = ClusterKeys(cluster_token) if cluster_token is not None else None
         self._releases: set[asyncio.Task] = set()
@@ -90,16 +123,16 @@ class WorkerClient:
 
     async def _release(self, worker: WorkerInfo, request_id: str) -> None:
         try:
-            async with self._session.post(worker.http_url + ABORT_PATH,
+            async with self._sessions.control.post(worker.http_url + ABORT_PATH,
                                           headers={REQUEST_ID_HEADER: self.wire_id(request_id)},
                                           timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT)) as resp:
                 await resp.read()
         except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: session closed
             log.debug("%s: abort on %s failed: %s", request_id, worker.http_url, e)
 
-    def _post(self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,
-              sent: asyncio.Event | None = None):
-        return self._session.post(
+    def _post(self, session: aiohttp.ClientSession, worker: WorkerInfo, kind: RequestKind, body: dict,
+              request_id: str, sent: asyncio.Event | None = None):
+        return session.post(
             worker.http_url + ROUTES[kind],
             data=dumps(body),
             headers={"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id)},
@@ -110,7 +143,7 @@ class WorkerClient:
         self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str
     ) -> FirstToken:
         with upstream_errors(worker):
-            async with self._post(worker, kind, body, request_id) as resp:
+            async with self._post(self._sessions.prefill, worker, kind, body, request_id) as resp:
                 await raise_for_status(resp, worker)
                 data = await resp.json(content_type=None)
             return parse_first_token(data, kind)
@@ -121,7 +154,7 @@ class WorkerClient:
     ) -> DecodeStream:
         """Post to decode; ``sent`` is set once the request is on the wire (before any answer)."""
         with upstream_errors(worker):
-            resp = await self._post(worker, kind, body, request_id, sent)
+            resp = await self._post(self._sessions.decode, worker, kind, body, request_id, sent)
             try:
                 await raise_for_status(resp, worker)
             except BaseException:
