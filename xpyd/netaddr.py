@@ -2,11 +2,18 @@
 
 An IPv6 literal is bracketed wherever a port follows it (``[::1]:8100``): in request ids,
 worker URLs, ZMQ endpoints and hypercorn binds. IPv4 addresses and names are left as they are.
+Also the HTTP keep-alive the proxy and the workers agree on, and listening sockets bound before serving.
 """
 
 from __future__ import annotations
 
 import socket
+
+# HTTP keep-alive between the proxy and its workers: the proxy lets an idle pooled connection go well before
+# the worker would close it, so it never sends a request on a connection the worker is closing (aiohttp does
+# not retry a POST: it failed as "Server disconnected", and hypercorn's default of 5 s is under aiohttp's 15 s).
+WORKER_KEEP_ALIVE = 75.0  # seconds a worker keeps an idle HTTP connection open
+PROXY_KEEP_ALIVE = 30.0  # seconds the proxy keeps an idle pooled connection to a worker
 
 
 def is_ipv6(host: str) -> bool:

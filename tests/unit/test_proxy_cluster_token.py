@@ -127,3 +127,16 @@ async def test_static_discovery_sends_the_credential_and_gives_up_at_once_on_401
         await registry.start()
     assert rec.seen and all(h["authorization"] == f"Bearer {KEYS.http_bearer}" for _, h in rec.seen)
     assert worker_headers(None) == {}
+
+
+async def test_the_proxy_lets_idle_connections_go_before_a_worker_would():
+    """A pooled connection the worker is closing must never carry a POST (aiohttp does not retry it: the
+    request failed as "Server disconnected"): the proxy's keep-alive is shorter than the workers'."""
+    from xpyd.netaddr import PROXY_KEEP_ALIVE, WORKER_KEEP_ALIVE
+
+    sessions = worker_sessions(5, 5, 4)
+    try:
+        for session in (sessions.prefill, sessions.decode, sessions.control):
+            assert session.connector._keepalive_timeout == PROXY_KEEP_ALIVE < WORKER_KEEP_ALIVE
+    finally:
+        await sessions.close()

@@ -27,6 +27,7 @@ import aiohttp
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import dumps
 from xpyd.discovery.types import WorkerInfo
+from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.decode_stream import DecodeStream
 from xpyd.proxy.upstream import Fault, UpstreamError, raise_for_status, upstream_errors
 from xpyd.proxy.worker_api import ABORT_PATH, REQUEST_ID_HEADER, ROUTES, FirstToken, parse_first_token
@@ -86,7 +87,8 @@ def worker_session(
     )
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_on_headers_sent)
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker)
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker,
+                                     keepalive_timeout=PROXY_KEEP_ALIVE)  # (below the workers': netaddr)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace],
                                  headers=worker_headers(cluster_token))
 

@@ -23,6 +23,7 @@ from xpyd.api.identity import client_request_id
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import dumps, models_response, new_response_id
 from xpyd.discovery.types import WorkerInfo
+from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
 from xpyd.proxy.http_errors import Redactor
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
@@ -73,7 +74,8 @@ def create_colocated_app(config, url: str) -> Quart:
         timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout,
                                         sock_read=config.read_timeout)
         state["session"] = aiohttp.ClientSession(timeout=timeout,
-                                                 connector=aiohttp.TCPConnector(limit=config.max_connections))
+                                                 connector=aiohttp.TCPConnector(limit=config.max_connections,
+                                                                                keepalive_timeout=PROXY_KEEP_ALIVE))
         state["info"] = await fetch_info(state["session"], url, config.discovery_timeout)
 
     @app.after_serving

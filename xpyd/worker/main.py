@@ -40,7 +40,7 @@ from xpyd.model.loader import ResolvedModel, ensure_converted
 from xpyd.model.sim.profile import SimProfile, default_profile
 from xpyd.model.sim.runner import ModelFacts, SimRunner
 from xpyd.model.tokenizer import load_tokenizer
-from xpyd.netaddr import fd_bind, host_port, reserve_listen
+from xpyd.netaddr import WORKER_KEEP_ALIVE, fd_bind, host_port, reserve_listen
 from xpyd.tokenization.tokenizer import LightTokenizer
 from xpyd.transfer.auto import AutoTransferBackend
 from xpyd.transfer.selection import kv_copy_threads, make_worker_backend
@@ -118,6 +118,7 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
     hc.graceful_timeout = config.drain_timeout
+    hc.keep_alive_timeout = WORKER_KEEP_ALIVE  # longer than the proxy's (netaddr)
 
     # What start-up made (torch, transformers, the model: hundreds of thousands of objects) lives as long as
     # the process. Frozen (as vLLM does after its start-up), no full collection walks it while serving, nor
