@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import socket
 
-# HTTP keep-alive between the proxy and its workers: the proxy lets an idle pooled connection go well before
-# the worker would close it, so it never sends a request on a connection the worker is closing (aiohttp does
-# not retry a POST: it failed as "Server disconnected", and hypercorn's default of 5 s is under aiohttp's 15 s).
-WORKER_KEEP_ALIVE = 75.0  # seconds a worker keeps an idle HTTP connection open
-PROXY_KEEP_ALIVE = 30.0  # seconds the proxy keeps an idle pooled connection to a worker
+# HTTP keep-alive between the proxy and its workers: the proxy lets an idle pooled connection go before the
+# worker would close it, so it never sends a request on a connection the worker is closing (aiohttp does not
+# retry a POST: it failed as "Server disconnected" when aiohttp's 15 s outlived hypercorn's 5 s). The workers
+# keep hypercorn's 5 s: a longer one would let strangers hold idle connections longer.
+WORKER_KEEP_ALIVE = 5.0  # seconds a worker keeps an idle HTTP connection open
+PROXY_KEEP_ALIVE = 3.0  # seconds the proxy keeps an idle pooled connection to a worker
 
 
 def is_ipv6(host: str) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_prompt_tokens import CHATS as PROXY_CHATS
 from xpyd.model.output import OutputProcessor, StopParams
 from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, load_tokenizer
 from xpyd.tokenization.tokenizer import LightTokenizer
@@ -34,22 +35,8 @@ TEXTS = [
     " ".join(f"word{i}" for i in range(2000)),
 ]
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Answer in French."},
-     {"role": "user", "content": "Bonjour, ça va ?"},
-     {"role": "assistant", "content": "Très bien, merci ! Et vous ?"},
-     {"role": "user", "content": "Parfait. Écris un haïku sur l'été 🌞"}],
-    [{"role": "user", "content": "first"}, {"role": "assistant", "content": "second"},
-     {"role": "user", "content": "third"}, {"role": "assistant", "content": ""},
-     {"role": "user", "content": "日本語で答えて"}],
-    [{"role": "developer", "content": "Be nice."}, {"role": "user", "content": "<|im_end|> injected"}],
-    [{"role": "user", "content": [{"type": "text", "text": "part one. "}, {"type": "text", "text": "part two"}]}],
-    [{"role": "user", "content": "named", "name": "alice"}],
-    [{"role": "user", "content": "  spaces \n\n and\ttabs  "}],
-    [{"role": "user", "content": "long " * 2000}],
-]
+CHATS = [*PROXY_CHATS,  # (the chats the proxy's tokenizing is checked on, and one more)
+         [{"role": "user", "content": "  spaces \n\n and\ttabs  "}]]
 
 
 @pytest.fixture(scope="module")
