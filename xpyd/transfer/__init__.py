@@ -29,6 +29,7 @@ _BACKENDS = {
     "auto": ("xpyd.transfer.auto", "make_auto_backend"),
     "neuron": ("xpyd.transfer.neuron", "make_neuron_backend"),  # needs torch-neuronx; never run on Neuron hardware
     "nixl": ("xpyd.transfer.nixl_backend", "NixlTransferBackend"),  # needs NIXL (pip install xpyd[nixl])
+    "cuda_ipc": ("xpyd.transfer.cuda_ipc", "CudaIpcTransferBackend"),  # needs torch with CUDA; one GPU, one host
 }
 
 

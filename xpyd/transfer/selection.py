@@ -3,7 +3,9 @@
 - ``tcp``: sockets, any host. ``shm``: shared memory, both workers on one host (the prefill pool
   lives in a /dev/shm segment). ``neuron``: needs torch-neuronx and a pool in Neuron device memory
   (never run on Neuron hardware; refuses to start). ``nixl``: NVIDIA NIXL over UCX, any host (needs ``pip install
-  xpyd[nixl]``; without it the worker refuses to start and says so).
+  xpyd[nixl]``; without it the worker refuses to start and says so). ``cuda_ipc``: both workers' pools on
+  one GPU (``--device cuda[:N]`` on both), the receiver copies device to device through a CUDA IPC handle of
+  the sender's pool; refuses to start on a CPU pool or without CUDA.
 - ``auto`` (default): tcp plus shm. The worker's descriptor is its tcp one and also offers shm with
   its host key; the *sending* (prefill) side picks shm when the receiver offers it on the same host,
   tcp otherwise. If no segment can be created (no /dev/shm, too small), ``auto`` runs tcp only.
@@ -18,7 +20,7 @@ import os
 
 from xpyd.transfer import make_backend
 
-KV_BACKENDS = ("auto", "tcp", "shm", "nixl", "neuron")
+KV_BACKENDS = ("auto", "tcp", "shm", "nixl", "neuron", "cuda_ipc")
 
 
 def check_kv_backend(name: str) -> str:
@@ -42,11 +44,13 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
 
 
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1,
-                        cluster_token: str | None = None, stall_timeout: float | None = None):
+                        cluster_token: str | None = None, stall_timeout: float | None = None,
+                        device: str | None = None):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
     shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
     ``auth``; ``stall_timeout``: tcp (and nixl control) connections whose peer acknowledges nothing for this
-    long fail, see ``tcp.fail_when_stalled``; None: the backend's default)."""
+    long fail, see ``tcp.fail_when_stalled``; None: the backend's default; ``device``: the worker's
+    ``--device``, which cuda_ipc checks before the model loads)."""
     check_kv_backend(name)
     common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token}
     stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp/nixl: shm is one host)
@@ -57,6 +61,11 @@ def make_worker_backend(name: str, host: str, port: int, advertise_host: str | N
         return make_backend(name, **common, **stall)
     if name == "shm":
         return make_backend(name, **common, tag=tag, copy_threads=copy_threads)
+    if name == "cuda_ipc":  # (loopback control connections: no stall timeout, as shm)
+        if device is not None and not device.startswith("cuda"):
+            raise ValueError(f"--kv-backend cuda_ipc copies between pools on one GPU: it needs --device cuda[:N] "
+                             f"on both workers, not --device {device}")
+        return make_backend(name, **common)
     if name == "auto":
         return make_backend(name, **common, tag=tag, copy_threads=copy_threads, **stall)
     if name == "neuron":

@@ -14,7 +14,8 @@ the backend provides one), registers that copy with the backend, and wraps the b
 Offsets, descriptors and the wire are unchanged: a peer cannot tell a staged pool from a CPU one.
 Copies are synchronous, on the thread that calls `send` or polls the token. nixl does not stage: it
 registers the device pool itself (`registers_device_memory`; NIXL VRAM, never run on a GPU: see
-docs/devices.md), and `pool_memory` hands it the pool as `DeviceMemory`. A CPU pool never stages,
+docs/devices.md), and `pool_memory` hands it the pool as `DeviceMemory`; cuda_ipc does not stage either: it
+takes the pool tensor itself (`registers_tensor`) and copies device to device. A CPU pool never stages,
 except in tests that force it to prove the round trip.
 
 torch is imported only where a torch pool is handled: a simulated worker's host pool (`HostKVPool`) goes
@@ -100,10 +101,13 @@ def _registers_device_memory(transfer) -> bool:
     return getattr(transfer, "registers_device_memory", False)
 
 
-def pool_memory(pool, transfer) -> memoryview | DeviceMemory:
-    """What a worker registers with its backend: the pool's host bytes (or its staging copy), or the device
-    pool itself for a backend that registers device memory (nixl on a GPU)."""
+def pool_memory(pool, transfer) -> memoryview | DeviceMemory | torch.Tensor:
+    """What a worker registers with its backend: the pool's host bytes (or its staging copy), the device
+    pool itself for a backend that registers device memory (nixl on a GPU), or the pool tensor for one that
+    takes it as it is (cuda_ipc: it refuses a pool that is not on a CUDA device)."""
     device = getattr(pool, "device", None)  # (a host pool has none: its memory is host memory)
+    if device is not None and getattr(transfer, "registers_tensor", False) and pool.staging is None:
+        return pool.tensor
     if pool.staging is None and device is not None and device.type != "cpu" and _registers_device_memory(transfer):
         import torch
 

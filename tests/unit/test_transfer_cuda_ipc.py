@@ -1,0 +1,263 @@
+"""The cuda_ipc backend's protocol on a CPU: real sockets and threads, host memory standing in for the GPU
+(``HostOps``: the device operations' one fake). The real device operations run in
+tests/gpu/test_cuda_ipc_transfer.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import msgpack
+import numpy as np
+import pytest
+
+from tests import door
+from xpyd import PROTOCOL_VERSION
+from xpyd.transfer import cuda_ipc, make_backend
+from xpyd.transfer.auth import new_secret
+from xpyd.transfer.base import BackendDescriptor, Region, TransferState
+from xpyd.transfer.cuda_ipc import GPU_OFFER, HOST_OFFER, CudaIpcTransferBackend, batches, pieces
+from xpyd.transfer.cuda_ipc_device import MAX_HANDLE, Export, HostOps, HostRegistry
+from xpyd.transfer.cuda_ipc_wire import Hello
+from xpyd.transfer.selection import make_worker_backend
+from xpyd.transfer.tcp_wire import ProtocolError
+from xpyd.worker.kv_staging import needs_staging, pool_memory
+
+SIZE = 1 << 16
+TIMEOUT = 10.0
+
+
+class Side:
+    def __init__(self, registry: HostRegistry, fill: int, uuid: str = "GPU-0", ops: HostOps | None = None) -> None:
+        self.ops = ops or HostOps(registry, uuid)
+        self.pool = np.full(SIZE, fill, dtype=np.uint8)
+        self.backend = CudaIpcTransferBackend(io_timeout=5.0, ops=self.ops)
+        self.desc = self.backend.register(self.pool)
+
+
+@pytest.fixture
+def pair():
+    registry = HostRegistry()
+    sender, receiver = Side(registry, 0), Side(registry, 0xAA)
+    sender.pool[:] = np.arange(SIZE, dtype=np.uint64).astype(np.uint8) ^ 0x5C
+    yield sender, receiver
+    sender.backend.close()
+    receiver.backend.close()
+    assert sender.backend.outstanding() == set() and receiver.backend.outstanding() == set()
+
+
+def _expected(receiver_before: np.ndarray, sender: np.ndarray, src, dst) -> np.ndarray:
+    out = receiver_before.copy()
+    flat = np.concatenate([sender[r.offset: r.end] for r in src])
+    at = 0
+    for r in dst:
+        out[r.offset: r.end] = flat[at: at + r.length]
+        at += r.length
+    return out
+
+
+def test_pieces_pair_runs_and_batches_keep_them_whole():
+    src = [Region(0, 10), Region(100, 30)]
+    dst = [Region(1000, 25), Region(2000, 15)]
+    assert list(pieces(src, dst)) == [(0, 1000, 10), (100, 1010, 15), (115, 2000, 15)]
+    assert list(batches(src, dst, 12)) == [[(0, 1000, 10), (100, 1010, 15)], [(115, 2000, 15)]]
+    assert list(batches(src, dst, 1 << 20)) == [[(0, 1000, 10), (100, 1010, 15), (115, 2000, 15)]]
+    # a run of adjacent blocks on both sides is one piece, however long
+    assert list(pieces([Region(0, 1 << 30)], [Region(4096, 1 << 30)])) == [(0, 4096, 1 << 30)]
+
+
+def test_bytes_land_in_the_dst_regions_only_with_one_copy_per_piece(pair):
+    sender, receiver = pair
+    src = [Region(0, 4096), Region(8192, 4096 * 3)]
+    dst = [Region(4096 * 5, 4096 * 2), Region(4096 * 10, 4096 * 2)]
+    want = _expected(receiver.pool, sender.pool, src, dst)
+    secret = new_secret()
+    rtok = receiver.backend.expect("t1", dst, secret=secret)
+    stok = sender.backend.send("t1", src, receiver.desc, dst, secret=secret)
+    assert stok.wait(TIMEOUT) and stok.state() is TransferState.DONE
+    assert rtok.state() is TransferState.DONE  # the sender's DONE implies the receiver's
+    assert np.array_equal(receiver.pool, want)
+    assert receiver.ops.copies == len(list(pieces(src, dst))) == 3
+    assert sender.backend.outstanding() == set() and receiver.backend.outstanding() == set()
+
+
+def test_a_wrong_mac_leaves_the_expected_transfer_pending_and_opens_nothing(pair):
+    sender, receiver = pair
+    rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=new_secret())
+    stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=new_secret())
+    assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED
+    assert "MAC does not match" in stok.error
+    assert rtok.state() is TransferState.PENDING and receiver.backend.outstanding() == {"t1"}
+    assert receiver.ops.registry.opened == 0 and receiver.backend.refused == 1
+    assert (receiver.pool == 0xAA).all()
+    receiver.backend.abort("t1")
+
+
+def test_the_sender_offers_only_after_the_forward_that_wrote_the_kv(pair):
+    sender, receiver = pair
+    sender.ops.gate.clear()  # the forward is still running on the device
+    secret = new_secret()
+    rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+    stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+    assert sender.ops.waiting.wait(TIMEOUT)  # the sender thread waits on the mark; send() returned at once
+    assert rtok.state() is TransferState.PENDING and (receiver.pool == 0xAA).all()
+    sender.ops.gate.set()
+    assert stok.wait(TIMEOUT) and stok.state() is TransferState.DONE
+    assert np.array_equal(receiver.pool[:4096], sender.pool[:4096])
+
+
+def test_a_sender_abort_before_the_offer_fails_it_and_nothing_lands(pair):
+    sender, receiver = pair
+    sender.ops.gate.clear()
+    secret = new_secret()
+    rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+    stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+    assert sender.ops.waiting.wait(TIMEOUT)
+    sender.backend.abort("t1")
+    sender.ops.gate.set()
+    assert stok.state() is TransferState.FAILED and stok.error == "aborted"
+    # the sender thread goes on to the next transfer: this one was never offered
+    tok2 = receiver.backend.expect("t2", [Region(4096, 4096)], secret=secret)
+    assert sender.backend.send("t2", [Region(0, 4096)], receiver.desc, [Region(4096, 4096)],
+                               secret=secret).wait(TIMEOUT)
+    assert tok2.state() is TransferState.DONE and rtok.state() is TransferState.PENDING
+    assert (receiver.pool[:4096] == 0xAA).all()
+    receiver.backend.abort("t1")
+
+
+class BlockingOps(HostOps):
+    """Holds the first copy until the test releases it (``entered`` once it is inside)."""
+
+    def __init__(self, registry: HostRegistry, uuid: str = "GPU-0") -> None:
+        super().__init__(registry, uuid)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def copy(self, peer, pieces, after) -> None:
+        self.entered.set()
+        assert self.release.wait(TIMEOUT)
+        super().copy(peer, pieces, after)
+
+
+def test_a_sender_abort_while_the_receiver_copies_fails_both(pair):
+    sender, _ = pair
+    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry))
+    try:
+        secret = new_secret()
+        rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+        stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+        assert receiver.ops.entered.wait(TIMEOUT)
+        sender.backend.abort("t1")  # its blocks may be reused now: the copy must not count
+        receiver.ops.release.set()
+        assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED
+        assert rtok.error == "transfer 't1' aborted by the sender"
+        assert stok.state() is TransferState.FAILED
+    finally:
+        receiver.ops.release.set()
+        receiver.backend.close()
+
+
+def test_a_receiver_abort_while_copying_stops_before_the_next_batch(pair, monkeypatch):
+    monkeypatch.setattr(cuda_ipc, "COPY_BATCH", 4096)
+    sender, _ = pair
+    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry))
+    try:
+        secret = new_secret()
+        dst = [Region(0, 4096), Region(8192, 4096)]  # two batches
+        rtok = receiver.backend.expect("t1", dst, secret=secret)
+        stok = sender.backend.send("t1", [Region(0, 8192)], receiver.desc, dst, secret=secret)
+        assert receiver.ops.entered.wait(TIMEOUT)
+        aborter = threading.Thread(target=receiver.backend.abort, args=("t1",))
+        aborter.start()  # (it waits out the batch in progress)
+        assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED  # failed before the batch ends
+        receiver.ops.release.set()
+        aborter.join(TIMEOUT)
+        assert not aborter.is_alive()
+        assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED
+        assert "aborted by the receiver" in stok.error
+        assert receiver.ops.copies == 1 and (receiver.pool[8192:12288] == 0xAA).all()
+    finally:
+        receiver.ops.release.set()
+        receiver.backend.close()
+
+
+def test_a_peer_on_another_gpu_or_host_is_refused_by_both_sides(pair):
+    sender, receiver = pair
+    other_gpu = Side(sender.ops.registry, 0xAA, uuid="GPU-1")
+    try:
+        with pytest.raises(ValueError, match="one GPU only"):
+            sender.backend.send("t1", [Region(0, 16)], other_gpu.desc, [Region(0, 16)], secret=new_secret())
+        other_host = BackendDescriptor("cuda_ipc", receiver.desc.address, SIZE,
+                                       offers=((HOST_OFFER, "another-host"), (GPU_OFFER, "GPU-0")))
+        with pytest.raises(ValueError, match="not on this host"):
+            sender.backend.send("t1", [Region(0, 16)], other_host, [Region(0, 16)], secret=new_secret())
+        # a descriptor that lies about the GPU: the receiver's own check refuses the sender's Hello
+        lying = BackendDescriptor("cuda_ipc", other_gpu.desc.address, SIZE,
+                                  offers=((HOST_OFFER, sender.backend.host_key), (GPU_OFFER, "GPU-0")))
+        secret = new_secret()
+        rtok = other_gpu.backend.expect("t1", [Region(0, 16)], secret=secret)
+        stok = sender.backend.send("t1", [Region(0, 16)], lying, [Region(0, 16)], secret=secret)
+        assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED
+        assert "sender's pool is on GPU GPU-0, ours on GPU-1" in stok.error
+        assert rtok.state() is TransferState.PENDING and other_gpu.ops.registry.opened == 0
+        # a Hello from another host
+        hello = Hello(PROTOCOL_VERSION, "another-host", "GPU-0", sender.ops.export()).pack()
+        answer = door.knock_pull(receiver.desc.address, hello, b"")
+        assert answer.replies[0]["ok"] is False and "not on this host" in answer.replies[0]["error"]
+        assert answer.hung_up
+    finally:
+        other_gpu.backend.close()
+
+
+def test_a_handle_that_does_not_open_fails_the_transfer_not_the_backend(pair):
+    sender, receiver = pair
+    stranger = Side(HostRegistry(), 0x11)  # its handle is in a registry the receiver cannot open from
+    try:
+        secret = new_secret()
+        rtok = receiver.backend.expect("t1", [Region(0, 16)], secret=secret)
+        stok = stranger.backend.send("t1", [Region(0, 16)], receiver.desc, [Region(0, 16)], secret=secret)
+        assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED
+        assert "cannot open the sender's handle" in stok.error and rtok.state() is TransferState.FAILED
+        tok = receiver.backend.expect("t2", [Region(0, 16)], secret=secret)  # the receiver keeps serving
+        assert sender.backend.send("t2", [Region(0, 16)], receiver.desc, [Region(0, 16)], secret=secret).wait(TIMEOUT)
+        assert tok.state() is TransferState.DONE
+    finally:
+        stranger.backend.close()
+
+
+def test_hello_round_trips_and_bounds_every_field():
+    export = Export(0, b"h" * 64, 1 << 20, 0, b"ref", 8, b"e" * 64, True, 4096, 8192)
+    hello = Hello(PROTOCOL_VERSION, "host", "GPU-0", export)
+    assert Hello.parse(msgpack.unpackb(hello.pack()[4:], raw=False)) == hello
+    good = msgpack.unpackb(hello.pack()[4:], raw=False)
+    for key, bad in [("h", b""), ("h", "text"), ("h", b"x" * (MAX_HANDLE + 1)), ("ev", b"x" * (MAX_HANDLE + 1)),
+                     ("ref", None), ("host", ""), ("gpu", "g" * 513), ("size", -1), ("n", 0), ("base", 1 << 20),
+                     ("dev", "0"), ("sync", 1), ("v", "1"), ("t", "offer")]:
+        with pytest.raises(ProtocolError):
+            Hello.parse({**good, key: bad})
+
+
+def test_the_worker_refuses_cuda_ipc_on_a_cpu_pool_and_without_cuda():
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        make_worker_backend("cuda_ipc", "127.0.0.1", 0, None, device="cpu")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_ipc needs CUDA"):
+            make_backend("cuda_ipc")
+    backend = CudaIpcTransferBackend(ops=HostOps(HostRegistry()))
+    try:
+        with pytest.raises(ValueError, match=r"on a CUDA device \(--device cuda\)"):
+            backend.register(torch.zeros(16, dtype=torch.uint8))
+    finally:
+        backend.close()
+
+
+def test_the_worker_hands_cuda_ipc_its_pool_tensor_unstaged():
+    import torch
+
+    backend = CudaIpcTransferBackend(ops=HostOps(HostRegistry()))
+    tensor = object()
+    pool = SimpleNamespace(device=torch.device("cuda", 0), staging=None, tensor=tensor)
+    assert pool_memory(pool, backend) is tensor
+    assert not needs_staging(backend, torch.device("cuda", 0))
+    backend.close()

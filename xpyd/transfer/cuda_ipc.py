@@ -1,0 +1,357 @@
+"""CUDA IPC transfer backend: KV moves device to device between two processes on one GPU, one copy per run.
+
+Both workers' pools are CUDA tensors on the same GPU. A transfer is pulled, with the control channel of
+shm and nixl (``cuda_ipc_wire``; TCP loopback, length-prefixed msgpack): the sender connects to the
+receiver's listener (the descriptor's address) and says Hello with its host key, its GPU's UUID and its
+pool's CUDA IPC handle (exported once, ``cuda_ipc_device``); the receiver refuses a sender on another host
+or another GPU. Per transfer the sender offers its ``src`` regions with a MAC that proves it holds the
+transfer's secret (``auth``); the *receiver* checks it, claims the transfer it ``expect``ed, opens the
+sender's handle (at the connection's first offer that checks out: a stranger's handle is never opened),
+copies each (src run, dst run) piece with one device copy on a stream of its own, in batches of about
+``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more bytes
+land), replies, and the sender commits (its source stayed valid: it did not abort meanwhile) before the
+receiver marks DONE (``pull.commit_round_trip``, as nixl). No byte passes through host memory.
+
+Ordering with the engines: ``send()`` runs on the prefill engine's thread right after the forward that
+wrote the KV; it records a mark (a CUDA event) on the current stream there, and the sender thread waits
+for it before it offers, so the receiver never reads KV still being written, and the engine never blocks.
+``expect()`` likewise records a mark on the decode engine's stream, after which the copy starts (the
+destination blocks' earlier users are done with them).
+
+Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with shm and nixl
+through ``endpoint``): an acceptor, one reader per inbound connection (it copies), one sender per peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from queue import SimpleQueue
+from typing import Iterator, Sequence
+
+from xpyd import PROTOCOL_VERSION
+from xpyd.netaddr import listen_tcp
+from xpyd.transfer import auth, shm_segment
+from xpyd.transfer.base import (
+    BackendDescriptor,
+    CompletionToken,
+    Region,
+    TransferError,
+    TransferState,
+    check_send_regions,
+    check_transfer_id,
+)
+from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps, Piece
+from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.listener import Door
+from xpyd.transfer.pull import commit_round_trip, serve_offers
+from xpyd.transfer.sender import connect, send_loop
+from xpyd.transfer.table import Transfer
+from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, Unproven, format_address, parse_address
+
+log = logging.getLogger(__name__)
+
+HOST_OFFER = "cuda_ipc-host"  # descriptor offers: the host key ...
+GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on another GPU before connecting)
+COPY_BATCH = 256 << 20  # bytes copied per lock hold and fence (abort latency vs. fences; ~0.1 ms on an H200)
+MAX_INBOUND = 256
+
+
+def pieces(src: Sequence[Region], dst: Sequence[Region]) -> Iterator[Piece]:
+    """Walk both region lists (equal totals) in step: one piece per overlap of a src run and a dst run."""
+    si = di = s_off = d_off = 0
+    while si < len(src):
+        s, d = src[si], dst[di]
+        n = min(s.length - s_off, d.length - d_off)
+        yield s.offset + s_off, d.offset + d_off, n
+        s_off += n
+        d_off += n
+        if s_off == s.length:
+            si, s_off = si + 1, 0
+        if d_off == d.length:
+            di, d_off = di + 1, 0
+
+
+def batches(src: Sequence[Region], dst: Sequence[Region], limit: int = COPY_BATCH) -> Iterator[list[Piece]]:
+    """The pieces grouped, whole, into batches of at least ``limit`` bytes (the last may hold fewer)."""
+    batch: list[Piece] = []
+    size = 0
+    for piece in pieces(src, dst):
+        batch.append(piece)
+        size += piece[2]
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _setup(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class CudaIpcTransferBackend:
+    name = "cuda_ipc"
+    # The pool is registered as it is (a CUDA tensor), never staged through host memory (kv_staging).
+    registers_device_memory = True
+    registers_tensor = True
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 io_timeout: float = 30.0, advertise_host: str | None = None, cluster_token: str | None = None,
+                 ops: DeviceOps | None = None) -> None:
+        """``ops``: the device operations (default ``CudaOps``: refuses without CUDA); ``cluster_token``: the
+        workers' shared token, or None; it keys every transfer's MAC together with the transfer's secret."""
+        if type(port) is not int or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        if not connect_timeout > 0 or not io_timeout > 0:
+            raise ValueError("connect_timeout and io_timeout must be > 0")
+        if advertise_host is None and host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"binding to {host!r} needs advertise_host (the address peers connect to)")
+        self._ops = ops if ops is not None else _cuda_ops()
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
+        self.host_key = shm_segment.host_key()
+        self._cluster_token = auth.check_cluster_token(cluster_token)
+        self._endpoint = Endpoint()
+        self._door = Door()
+        self._nbytes = 0  # of the registered pool; 0 until register()
+        self._gpu = ""
+        self._marks: dict[str, object] = {}  # expected transfer id -> the decode engine's mark at expect()
+        self._sent_marks: dict[str, object] = {}  # transfer id being sent -> the prefill forward's mark at send()
+        self._marks_lock = threading.Lock()
+        self._descriptor: BackendDescriptor | None = None
+
+    # -- public API -------------------------------------------------------
+    def register(self, pool) -> BackendDescriptor:
+        """Register the KV pool: the pool tensor on a CUDA device (``HostOps``: host memory)."""
+        with self._endpoint.lock:
+            self._endpoint.check_open()
+            if self._nbytes:
+                raise TransferError("a buffer is already registered with this backend")
+            nbytes = self._ops.attach(pool)
+            self._gpu = self._ops.uuid()
+            listener = listen_tcp(self.host, self.port)
+            self._endpoint.listen(listener)
+            self._nbytes = nbytes
+            address = format_address(self.advertise_host, listener.getsockname()[1])
+            self._descriptor = BackendDescriptor(self.name, address, nbytes,
+                                                 offers=((HOST_OFFER, self.host_key), (GPU_OFFER, self._gpu)))
+            self._endpoint.start_acceptor(self.name, self._serve, _setup, MAX_INBOUND, log)
+        log.info("cuda_ipc: KV pool of %d bytes on GPU %s registered (device-to-device copies)", nbytes, self._gpu)
+        return self._descriptor
+
+    @property
+    def descriptor(self) -> BackendDescriptor | None:
+        return self._descriptor
+
+    def reaches(self, peer: BackendDescriptor) -> bool:
+        """True if ``peer`` offers cuda_ipc on this host and this GPU."""
+        return (peer.offer(self.name) is not None and peer.offer(HOST_OFFER) == self.host_key
+                and peer.offer(GPU_OFFER) == self._gpu)
+
+    def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
+             dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
+        """Queue a transfer; call it on the thread whose stream wrote ``src`` (its mark orders the copy)."""
+        check_transfer_id(transfer_id)
+        key = auth.transfer_key(secret, self._cluster_token)
+        if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
+            raise ValueError(f"peer must offer cuda_ipc, got {peer!r:.200}")
+        if peer.offer(HOST_OFFER) != self.host_key:
+            raise ValueError("peer is not on this host (another host or network namespace): cuda_ipc cannot "
+                             "reach it; use nixl or tcp")
+        nbytes = self._require_pool()
+        if peer.offer(GPU_OFFER) != self._gpu:
+            raise ValueError(f"peer's pool is on GPU {peer.offer(GPU_OFFER)!r:.80}, ours on {self._gpu!r}: "
+                             "cuda_ipc copies within one GPU only; use nixl or tcp")
+        address = peer.offer(self.name)
+        parse_address(address)
+        src, dst, total = check_send_regions(src, nbytes, dst, peer.buffer_size)
+        job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
+        mark = self._ops.mark()
+        with self._marks_lock:
+            self._sent_marks[transfer_id] = mark
+        try:
+            self._endpoint.send(job, address, self._start_sender)
+        except BaseException:
+            with self._marks_lock:
+                self._sent_marks.pop(transfer_id, None)
+            raise
+        return job.token
+
+    def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
+        check_transfer_id(transfer_id)
+        key = auth.transfer_key(secret, self._cluster_token)
+        mark = self._ops.mark()
+        with self._marks_lock:
+            self._marks[transfer_id] = mark
+        try:
+            return self._endpoint.expect(transfer_id, dst, self._require_pool(), key)
+        except BaseException:
+            self._drop_mark(transfer_id, mark)
+            raise
+
+    @property
+    def refused(self) -> int:
+        """Offers refused so far (no or a wrong MAC, an id not expected, ...)."""
+        return self._endpoint.refused
+
+    @property
+    def unproven(self) -> int:
+        """Inbound connections closed before they opened a transfer (``listener.Door``)."""
+        return self._door.dropped
+
+    def abort(self, transfer_id: str) -> None:
+        self._endpoint.abort(transfer_id)  # (waits out an in-progress copy batch; none follows)
+        self._drop_mark(transfer_id)
+        with self._marks_lock:
+            self._sent_marks.pop(transfer_id, None)
+
+    def outstanding(self) -> set[str]:
+        return self._endpoint.outstanding()
+
+    progress_tick = None  # the receiver's threads copy the bytes; tokens wake the engine when finished
+
+    def progress(self) -> None:
+        """Nothing to do: the receiver's reader threads copy the bytes."""
+
+    def forget_peer(self, address: str) -> None:
+        self._endpoint.forget_peer(address)
+
+    def close(self) -> None:
+        if self._endpoint.close(join_timeout=self.connect_timeout + 5):
+            with self._marks_lock:
+                self._marks.clear()
+                self._sent_marks.clear()
+            self._ops.close()
+
+    # -- internals --------------------------------------------------------
+    def _require_pool(self) -> int:
+        if not self._nbytes:
+            raise TransferError("register() a buffer first")
+        return self._nbytes
+
+    def _drop_mark(self, transfer_id: str, mark: object | None = None) -> object | None:
+        with self._marks_lock:
+            if mark is None or self._marks.get(transfer_id) is mark:
+                return self._marks.pop(transfer_id, None)
+        return None
+
+    # -- receiver ---------------------------------------------------------
+    def _serve(self, sock: socket.socket, addr) -> None:
+        conn = self._door.enter(sock, addr, self._endpoint.wake[0], self.io_timeout, 2, log)
+        try:
+            hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
+            error = None
+            if hello.version != PROTOCOL_VERSION:
+                error = f"protocol version {hello.version} != {PROTOCOL_VERSION}"
+            elif hello.host != self.host_key:
+                error = "sender is not on this host (another host or network namespace)"
+            elif hello.gpu != self._gpu:
+                error = f"sender's pool is on GPU {hello.gpu}, ours on {self._gpu}: cuda_ipc copies within one GPU"
+            conn.send_all([memoryview(Reply(error is None, error).pack())])
+            if error is not None:
+                log.warning("refused cuda_ipc peer %s: %s", addr, error)
+                return
+            peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
+            serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
+                         lambda rec, offer: self._copy(rec, peer, offer), commit_round_trip, log, addr)
+        except (Closing, Unproven):
+            return
+        except (ProtocolError, OSError) as e:
+            log.warning("dropping cuda_ipc connection from %s: %s", addr, e)
+        except Exception:
+            log.exception("dropping cuda_ipc connection from %s", addr)
+        finally:
+            conn.close()
+
+    def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer) -> str | None:
+        """Copy the offer's src into the claimed transfer's dst, batch by batch; None or why it failed."""
+        after = self._drop_mark(offer.transfer_id)
+        try:
+            src = peer.open(self._ops)
+        except DeviceError as e:
+            rec.token._fail(str(e))
+            return str(e)
+        rec.token._advance(TransferState.TRANSFERRING)
+        for batch in batches(offer.src, rec.regions, COPY_BATCH):
+            with rec.lock:
+                if rec.token.finished():
+                    return f"transfer {offer.transfer_id!r} aborted by the receiver"
+                try:
+                    self._ops.copy(src, batch, after)
+                except DeviceError as e:
+                    rec.token._fail(str(e))
+                    return str(e)
+            after = None
+        return None
+
+    # -- sender -----------------------------------------------------------
+    def _start_sender(self, address: str, queue: SimpleQueue) -> None:
+        self._endpoint.threads.start(send_loop, f"xpyd-cuda_ipc-send-{address}", address, queue, self._connect,
+                                     self._push, self._endpoint.sending, log)
+
+    def _connect(self, address: str) -> Conn:
+        conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
+        try:
+            conn.send_all([memoryview(Hello(PROTOCOL_VERSION, self.host_key, self._gpu, self._ops.export()).pack())])
+            reply = Reply.parse(conn.read_frame(MAX_FRAME))
+            if not reply.ok:
+                raise ConnectionError(f"refused: {reply.error}")
+            log.info("cuda_ipc transfer: connected to %s; it copies from our pool on GPU %s", address, self._gpu)
+            return conn
+        except BaseException:
+            conn.sock.close()
+            raise
+
+    def _push(self, conn: Conn, job: Transfer, address: str) -> None:
+        tid = job.token.transfer_id
+        with self._marks_lock:
+            mark = self._sent_marks.pop(tid, None)
+        if mark is not None:
+            self._ops.wait(mark)  # the forward that wrote the source has finished on the device
+        if not job.token._advance(TransferState.TRANSFERRING):
+            return
+        mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
+        conn.send_all([memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack())])
+        reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        if not reply.ok:
+            job.token._fail(f"refused by {address}: {reply.error}")
+            if reply.bye:
+                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
+            return
+        with job.lock:
+            ok = not job.token.finished()  # aborted while the peer copied: its copy is void
+        conn.send_all([memoryview(Commit(tid, ok).pack())])
+        reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        if ok and reply.ok:
+            job.token._advance(TransferState.DONE)
+        elif ok:
+            job.token._fail(f"refused by {address}: {reply.error}")
+
+
+class _PeerPool:
+    """The sender's pool as its Hello describes it; opened when the first offer that checks out needs it."""
+
+    __slots__ = ("hello", "pool")
+
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.pool = None
+
+    def open(self, ops: DeviceOps):
+        if self.pool is None:
+            self.pool = ops.open(self.hello.export)
+        return self.pool
+
+
+def _cuda_ops() -> DeviceOps:
+    try:
+        return CudaOps()
+    except DeviceError as e:
+        raise ValueError(f"--kv-backend cuda_ipc: {e}") from None
+    except ImportError as e:
+        raise ImportError(f"--kv-backend cuda_ipc needs torch with CUDA: {e}") from None

@@ -1,0 +1,249 @@
+"""The device operations of the cuda_ipc transfer backend: export a pool, open a peer's, copy runs, fence.
+
+``DeviceOps`` is what ``cuda_ipc`` asks of the device, and nothing more:
+
+- ``attach(pool)``: take this worker's pool (its byte size; refuses one that is not on the device);
+- ``uuid()``: which physical device the pool is on (two processes on one GPU report the same);
+- ``export()``: the pool's IPC handle, made once (``Export``: what the sender's Hello carries);
+- ``open(export)``: the peer's pool, opened from its handle (once per connection; a bad handle raises
+  ``DeviceError``);
+- ``mark()``: a point on the device's current stream (a CUDA event), recorded on the calling (engine)
+  thread; ``wait(mark)``: the calling (transfer) thread waits until the device passed it;
+- ``copy(peer, pieces, after)``: one device copy per ``(src offset, dst offset, bytes)`` piece from the
+  peer's pool into ours, after ``after`` (a mark), then a fence: it returns once the bytes landed.
+
+Two implementations: ``CudaOps`` (torch's CUDA IPC: ``untyped_storage()._share_cuda_()`` on the sender,
+``UntypedStorage._new_shared_cuda`` on the receiver, as ``torch.multiprocessing.reductions`` does; copies
+on a stream of their own) and ``HostOps``, host memory standing in for the device so that the protocol
+is tested for real on a CPU (a shared ``HostRegistry`` plays the driver's table of exported handles).
+torch is imported only by ``CudaOps``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+MAX_HANDLE = 4096  # bytes of one handle field (a cudaIpcMemHandle is 64; expandable segments carry more)
+
+Piece = tuple[int, int, int]  # (src offset in the peer's pool, dst offset in ours, bytes)
+
+
+class DeviceError(Exception):
+    """A device operation failed (a handle that does not open, a copy that faulted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """A pool's storage as torch's ``_share_cuda_`` describes it, plus where the pool lies inside it."""
+
+    device: int  # the exporting process's device index (the receiver opens on its own, same UUID)
+    handle: bytes  # the memory handle of the allocation that holds the storage
+    storage_size: int  # bytes of the storage
+    storage_offset: int  # bytes from the allocation's start to the storage's
+    ref_handle: bytes  # torch's shared reference counter (a file name) ...
+    ref_offset: int  # ... and the slot in it
+    event_handle: bytes  # an event the producer recorded at export ...
+    event_sync: bool  # ... that the opener waits on when set
+    base: int  # bytes from the storage's start to the pool's first byte
+    nbytes: int  # bytes of the pool
+
+    def __post_init__(self) -> None:
+        for name in ("handle", "ref_handle", "event_handle"):
+            v = getattr(self, name)
+            if type(v) is not bytes or len(v) > MAX_HANDLE:
+                raise ValueError(f"export {name} must be at most {MAX_HANDLE} bytes")
+        for name in ("device", "storage_size", "storage_offset", "ref_offset", "base", "nbytes"):
+            v = getattr(self, name)
+            if type(v) is not int or not 0 <= v < 1 << 63:
+                raise ValueError(f"export {name} must be an int >= 0, got {v!r:.40}")
+        if type(self.event_sync) is not bool:
+            raise ValueError("export event_sync must be a bool")
+        if self.nbytes <= 0 or self.base + self.nbytes > self.storage_size:
+            raise ValueError(f"export pool [{self.base}, +{self.nbytes}) outside its {self.storage_size}-byte storage")
+
+
+class DeviceOps(Protocol):
+    kind: str  # "cuda", or "host" for the stand-in
+
+    def attach(self, pool) -> int: ...
+    def uuid(self) -> str: ...
+    def export(self) -> Export: ...
+    def open(self, export: Export) -> object: ...
+    def mark(self) -> object: ...
+    def wait(self, mark: object) -> None: ...
+    def copy(self, peer: object, pieces: Sequence[Piece], after: object | None) -> None: ...
+    def close(self) -> None: ...
+
+
+class CudaOps:
+    """The real thing: torch CUDA IPC handles of the pool's storage, copies on a dedicated stream."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceError("cuda_ipc needs CUDA (torch.cuda.is_available() is False)")
+        self._torch = torch
+        self._pool = None  # the pool tensor (kept alive: peers hold handles to its memory)
+        self._bytes = None  # its flat uint8 view
+        self._device = None
+        self._stream = None
+        self._export: Export | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, pool) -> int:
+        torch = self._torch
+        if not isinstance(pool, torch.Tensor) or pool.device.type != "cuda":
+            where = pool.device if isinstance(pool, torch.Tensor) else type(pool).__name__
+            raise ValueError(f"cuda_ipc needs the KV pool on a CUDA device (--device cuda), got {where}")
+        if not pool.is_contiguous() or pool.numel() == 0:
+            raise ValueError("cuda_ipc needs a contiguous, non-empty pool tensor")
+        self._pool, self._device = pool, pool.device
+        self._bytes = pool.view(-1).view(torch.uint8)
+        self._stream = torch.cuda.Stream(device=pool.device)
+        return self._bytes.numel()
+
+    def uuid(self) -> str:
+        return str(self._torch.cuda.get_device_properties(self._device).uuid)
+
+    def export(self) -> Export:
+        with self._lock:  # once: torch keeps the sharing state of the storage (its ref counter) alive
+            if self._export is None:
+                storage = self._pool.untyped_storage()
+                (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+                 event_sync) = storage._share_cuda_()
+                base = self._pool.storage_offset() * self._pool.element_size()
+                self._export = Export(int(device), bytes(handle), int(size), int(offset), bytes(ref_handle or b""),
+                                      int(ref_offset), bytes(event_handle or b""), bool(event_sync), base,
+                                      self._bytes.numel())
+            return self._export
+
+    def open(self, export: Export):
+        torch = self._torch
+        try:
+            with torch.cuda.device(self._device):  # the receiver's own index of the same device (same UUID)
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    self._device.index, export.handle, export.storage_size, export.storage_offset,
+                    export.ref_handle, export.ref_offset, export.event_handle, export.event_sync)
+                whole = torch.empty(0, dtype=torch.uint8, device=self._device).set_(
+                    storage, 0, (export.storage_size,), (1,))
+        except Exception as e:  # (RuntimeError from the driver: not a handle, another process's context ...)
+            raise DeviceError(f"cannot open the sender's CUDA IPC handle: {e}") from None
+        return whole[export.base: export.base + export.nbytes]
+
+    def mark(self):
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self._device))
+        return event
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
+
+    def copy(self, peer, pieces: Sequence[Piece], after) -> None:
+        torch = self._torch
+        try:
+            with torch.cuda.stream(self._stream):
+                if after is not None:
+                    self._stream.wait_event(after)
+                for s, d, n in pieces:
+                    self._bytes[d: d + n].copy_(peer[s: s + n], non_blocking=True)
+            self._stream.synchronize()
+        except Exception as e:
+            raise DeviceError(f"device copy failed: {e}") from None
+
+    def close(self) -> None:
+        self._pool = self._bytes = None
+
+
+class HostRegistry:
+    """The stand-in for the driver: what ``HostOps`` exported, by handle (share one between both sides)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[bytes, np.ndarray] = {}
+        self.opened = 0  # handles opened so far (tests check that strangers open nothing)
+
+    def add(self, array: np.ndarray) -> bytes:
+        handle = secrets.token_bytes(16)
+        with self._lock:
+            self._pools[handle] = array
+        return handle
+
+    def get(self, handle: bytes) -> np.ndarray:
+        with self._lock:
+            array = self._pools.get(handle)
+            if array is None:
+                raise DeviceError("cannot open the sender's handle: no such exported memory")
+            self.opened += 1
+            return array
+
+    def drop(self, array: np.ndarray) -> None:
+        with self._lock:
+            self._pools = {h: a for h, a in self._pools.items() if a is not array}
+
+
+class HostOps:
+    """``DeviceOps`` over host memory (a writable buffer), for the protocol's tests on a CPU.
+
+    ``gate``: what ``mark()`` returns and ``wait()`` waits on; set (the forward has finished) unless a test
+    clears it. ``waiting`` is set once a ``wait()`` started. ``copies`` counts the device copies made."""
+
+    kind = "host"
+
+    def __init__(self, registry: HostRegistry, device_uuid: str = "GPU-host-stand-in") -> None:
+        self.registry = registry
+        self.device_uuid = device_uuid
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+        self.copies = 0
+        self._array: np.ndarray | None = None
+        self._export: Export | None = None
+
+    def attach(self, pool) -> int:
+        if not isinstance(pool, (memoryview, bytearray, np.ndarray)):
+            raise ValueError(f"cuda_ipc needs the KV pool on a CUDA device (--device cuda), got {type(pool).__name__}")
+        self._array = np.frombuffer(pool, dtype=np.uint8) if not isinstance(pool, np.ndarray) else pool.view(np.uint8)
+        if not self._array.size:
+            raise ValueError("cuda_ipc needs a non-empty pool")
+        return self._array.size
+
+    def uuid(self) -> str:
+        return self.device_uuid
+
+    def export(self) -> Export:
+        if self._export is None:
+            n = self._array.size
+            self._export = Export(0, self.registry.add(self._array), n, 0, b"", 0, b"", False, 0, n)
+        return self._export
+
+    def open(self, export: Export) -> np.ndarray:
+        array = self.registry.get(export.handle)
+        if export.base + export.nbytes > array.size:
+            raise DeviceError("cannot open the sender's handle: the pool it names is larger than its memory")
+        return array[export.base: export.base + export.nbytes]
+
+    def mark(self) -> threading.Event:
+        return self.gate
+
+    def wait(self, mark: threading.Event) -> None:
+        self.waiting.set()
+        mark.wait()
+
+    def copy(self, peer: np.ndarray, pieces: Sequence[Piece], after) -> None:
+        if after is not None:
+            after.wait()
+        for s, d, n in pieces:
+            self._array[d: d + n] = peer[s: s + n]
+            self.copies += 1
+
+    def close(self) -> None:
+        if self._array is not None:
+            self.registry.drop(self._array)
