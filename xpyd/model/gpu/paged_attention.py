@@ -192,29 +192,38 @@ def _kernels(interpret: bool) -> _Kernels:
     """The kernels, compiled for the GPU or wrapped for Triton's interpreter (CPU tensors). Triton picks the
     mode when a function is decorated, so it is decorated here, once per mode, not at import."""
     if interpret:
-        _fix_interpreter_index()
+        _fix_interpreter()
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = interpret
         return _Kernels(triton.jit(_store_kv_kernel), triton.jit(_decode_kernel), triton.jit(_combine_kernel))
 
 
-def _fix_interpreter_index() -> None:
-    """Triton's interpreter (3.6) turns a tensor used as a loop bound into an int with `int(array)`, which
-    NumPy >= 2.4 refuses for its one-element scalars (triton-lang/triton#9171); the kernels' loops run over
-    bounds read from device memory, so wrap the interpreter's patch of `tl.tensor` to squeeze first. Only the
-    interpreter (CPU tests) is touched; compiled kernels never run this."""
+def _fix_interpreter() -> None:
+    """Make Triton's (3.6) interpreter run these kernels whenever triton was imported. Two gaps, both only in
+    the interpreter (the CPU tests); compiled kernels never run this:
+    - the standard library's jit functions (`tl.sum`, `tl.max`, `tl.cdiv`, `tl.zeros`) are interpretable only
+      if TRITON_INTERPRET was set before triton was first imported: each kernel run now swaps in interpreted
+      copies of them, as that import would have made;
+    - a tensor used as a loop bound becomes an int through `int(array)`, which NumPy >= 2.4 refuses for the
+      interpreter's one-element scalars (triton-lang/triton#9171): squeeze first."""
     from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
 
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "squeezes_index", False):
+    original = interpreter._patch_lang
+    if getattr(original, "xpyd_fixed", False):
         return
+    interpreted = {name: interpreter.InterpretedFunction(value.fn) for name, value in vars(tl).items()
+                   if isinstance(value, JITFunction)}
 
-    def patch(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def patch_lang(fn):
+        scope = original(fn)
+        for name, value in interpreted.items():
+            scope.set_attr(tl, name, value)
+        scope.set_attr(tl.tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        return scope
 
-    patch.squeezes_index = True
-    interpreter._patch_lang_tensor = patch
+    patch_lang.xpyd_fixed = True
+    interpreter._patch_lang = patch_lang
 
 
 if triton is not None:
