@@ -234,6 +234,8 @@ def test_hello_round_trips_and_bounds_every_field():
                      ("dev", "0"), ("sync", 1), ("v", "1"), ("t", "offer")]:
         with pytest.raises(ProtocolError):
             Hello.parse({**good, key: bad})
+    with pytest.raises(ValueError, match="at most"):  # (what the sender itself would export)
+        Export(0, b"h" * (MAX_HANDLE + 1), 1 << 20, 0, b"", 0, b"", False, 0, 8192)
 
 
 def test_the_worker_refuses_cuda_ipc_on_a_cpu_pool_and_without_cuda():
