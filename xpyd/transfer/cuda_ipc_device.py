@@ -149,7 +149,7 @@ class CudaOps:
     def copy(self, peer, pieces: Sequence[Piece], after) -> None:
         torch = self._torch
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                 if after is not None:
                     self._stream.wait_event(after)
                 for s, d, n in pieces:
