@@ -192,11 +192,11 @@ def test_runner_on_a_device_keeps_weights_pool_and_every_step_there(tiny_model_d
     for step, num_ids, num_logits in steps:
         with DeviceLedger(fill=0) as ledger:
             logits = step()
-        assert logits.device.type == "cpu" and logits.numel() == num_logits  # sampling's side
+        assert logits.device.type == "meta" and logits.numel() == num_logits  # sampled on the device
         assert ledger.mixed == [], ledger.mixed  # every per-step tensor is on the device
-        # per step, one copy each way: at most the token ids in, exactly the logits out
+        # per step, at most the token ids go in, and nothing comes back (the sampler copies the sampled ids)
         assert [(c.numel, c.dtype) for c in ledger.to_device()] in ([], [(num_ids, torch.long)]), ledger.copies
-        assert [(c.numel, c.dtype) for c in ledger.to_host()] == [(num_logits, torch.float32)], ledger.copies
+        assert ledger.to_host() == [], ledger.copies
     for table in tables:
         runner.pool.blocks.release(table)
     assert runner.pool.num_used == 0

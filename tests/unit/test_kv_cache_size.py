@@ -51,8 +51,20 @@ def test_kv_cache_memory_and_tokens_together_are_refused(capsys):
     with pytest.raises(SystemExit) as e:
         _config("decode", "--kv-cache-memory", "64MiB", "--kv-cache-tokens", "4096")
     assert e.value.code == 2 and "not allowed with argument --kv-cache-memory" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--kv-cache-tokens or --kv-cache-memory"):  # the config alone too
+    with pytest.raises(ValueError, match="once, not --kv-cache-tokens and --kv-cache-memory"):  # the config too
         WorkerConfig(role="decode", kv_cache_memory=64 << 20, kv_cache_tokens=4096)
+
+
+def test_gpu_memory_utilization_is_a_cuda_size_alone(capsys):
+    with pytest.raises(SystemExit) as e:
+        _config("decode", "--kv-cache-tokens", "4096", "--gpu-memory-utilization", "0.4")
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="on a CUDA device: --device cuda"):
+        WorkerConfig(role="decode", gpu_memory_utilization=0.4)
+    with pytest.raises(ValueError, match="once, not --kv-cache-memory and --gpu-memory-utilization"):
+        WorkerConfig(role="decode", kv_cache_memory=1 << 20, gpu_memory_utilization=0.4)
+    with pytest.raises(ValueError, match="--load-format must be one of"):
+        WorkerConfig(role="decode", load_format="pt")
 
 
 def test_a_bad_size_on_the_command_line_is_a_usage_error(capsys):

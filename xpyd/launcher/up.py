@@ -120,6 +120,9 @@ PASSED_ON = (
     ("--block-size", ("prefill", "decode", "colocated")),
     ("--kv-cache-tokens", ("prefill", "decode", "colocated")),
     ("--kv-cache-memory", ("prefill", "decode", "colocated")),
+    ("--gpu-memory-utilization", ("prefill", "decode", "colocated")),
+    ("--load-format", ("prefill", "decode", "colocated")),
+    ("--enforce-eager", ("prefill", "decode", "colocated")),
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
     ("--engine", ("prefill", "decode", "colocated")),
     ("--sim-profile", ("prefill", "decode", "colocated")),
@@ -278,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     model = ensure_converted(args.model, progress=True)  # once, here, so workers do not race to convert
     served = args.served_model_name or model.served_name
     cores = len(os.sched_getaffinity(0))
-    share = None if args.no_cpu_share else f"up-{args.port}"
+    share = None if args.no_cpu_share or args.device != "cpu" else f"up-{args.port}"  # (cores matter on CPU)
     threads = args.threads or (cores if share else max(1, cores // (x + y)))
     role = "colocated" if args.colocated else "decode"
     common = ["--model", str(model.path), "--served-model-name", served, "--dtype", args.dtype,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from xpyd.model import batch_checks, paged
+from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.sampling import TorchSampler
@@ -59,17 +60,28 @@ def _released(forward):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, num_blocks: int, max_seq_len: int,
-                 block_size: int = 16, device: torch.device | str = "cpu", caching: bool = True) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, num_blocks: int | Callable[["ModelRunner"], int],
+                 max_seq_len: int, block_size: int = 16, device: torch.device | str = "cpu", caching: bool = True,
+                 load_format: str = "auto", max_batch: int = 8, cuda_graphs: bool = True) -> None:
+        """``num_blocks``: the KV pool's size, or a function of the loaded runner (its weights on the device)
+        that says it (``--gpu-memory-utilization``: `xpyd.model.gpu.memory`). ``load_format``: "auto" (the
+        folder's safetensors) or "dummy" (seeded random weights made on the device: `dummy_weights`).
+        On CUDA, decode steps of up to ``max_batch`` requests run the paged kernels, in CUDA graphs when
+        ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device."""
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
         _check_supported(config, max_model_len)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load format must be one of {LOAD_FORMATS}, not {load_format!r}")
         self.config = config
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-        if not self._on_cpu:
-            self.model.to(self.device)
+        if load_format == "dummy":
+            self.model = dummy_model(config, dtype, self.device)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+            if not self._on_cpu:
+                self.model.to(self.device)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.vocab_size: int = self.model.lm_head.out_features
@@ -86,18 +98,6 @@ class ModelRunner:
         self._num_kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._scale = self._head_dim**-0.5
-        self.pool = KVPool(
-            KVLayout(
-                num_layers=len(self._layers),
-                num_kv_heads=self._num_kv_heads,
-                head_dim=self._head_dim,
-                dtype=dtype_name(dtype),
-                num_blocks=num_blocks,
-                block_size=block_size,
-            ),
-            device=self.device,
-            caching=caching,
-        )
         self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -105,10 +105,53 @@ class ModelRunner:
         if self.fast_path_reason is None:
             self._fast = FastLlama(self.model, max_model_len, dtype)
         self._use_fast = self._fast is not None
+        self._general_path = True  # the transformers modules still hold their weights
+        self.decoder = None  # the CUDA decode steps (xpyd.model.gpu.decoder), when they run here
+        self.decoder_reason: str | None = "not a CUDA device" if self.device.type != "cuda" else None
+        if self.device.type == "cuda" and self._fast is not None:
+            _drop_fused_copies(self.model)  # (the lean forward holds the fused weights: one copy on the device)
+            self._general_path = False
+            torch.cuda.empty_cache()
+        layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
+                          dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        self._layout_template = layout
+        if callable(num_blocks):
+            num_blocks = num_blocks(self)
+        self.pool = KVPool(
+            KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                     dtype=layout.dtype, num_blocks=num_blocks, block_size=block_size),
+            device=self.device,
+            caching=caching,
+        )
         self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self._threads = torch.get_num_threads()
         if self._fast is not None:
             self._fast.on_layer = self._pace
+        if self.device.type == "cuda":
+            self._start_cuda(max_batch, cuda_graphs)
+
+    def _start_cuda(self, max_batch: int, cuda_graphs: bool) -> None:
+        """Sampling on the device; decode steps through the paged kernels (in graphs) when they run here."""
+        from xpyd.model.gpu.sampler import DeviceSampler
+
+        self.sampler = DeviceSampler()
+        if self._fast is None:
+            self.decoder_reason = f"the lean forward does not cover this model: {self.fast_path_reason}"
+            return
+        from xpyd.model.gpu import paged_attention
+        from xpyd.model.gpu.decoder import PagedDecoder
+
+        reason = paged_attention.why_unavailable(self.device)
+        if reason is not None:
+            self.decoder_reason = reason
+            return
+        self.decoder = PagedDecoder(self._fast, self.pool.tensor, self.pool.layout.blocks_for(self.max_model_len),
+                                    max_batch, graphs=cuda_graphs)
+
+    @property
+    def layout_template(self) -> KVLayout:
+        """The pool's layout with one block: what sizes a pool before it exists (`num_blocks` callables)."""
+        return self._layout_template
 
     def _pace(self) -> None:
         """Before each layer: tell the host's other workers we are busy; take the cores they leave idle."""
@@ -134,6 +177,8 @@ class ModelRunner:
         """Switch between the lean forward and the general (HF-module) path, e.g. to compare them."""
         if enabled and self._fast is None:
             raise ValueError(f"the fast path does not cover this model: {self.fast_path_reason}")
+        if not enabled and not self._general_path:
+            raise ValueError("the general path's weights were freed (on CUDA the lean forward holds the only copy)")
         self._use_fast = enabled
 
     def prefill(self, blocks: list[int], token_ids: list[int], start: int = 0) -> torch.Tensor:
@@ -156,8 +201,7 @@ class ModelRunner:
         tables = batch_checks.prefill_parts(self.pool.layout, self.pool.blocks, self.max_model_len, parts)
         checked = [(t, self._ids(token_ids[start:]), start) for t, (_, token_ids, start) in zip(tables, parts)]
         if self._use_fast:
-            logits = self._fast.prefill_many(self.pool.tensor, checked)
-            return logits if self._on_cpu else logits.cpu()
+            return self._fast.prefill_many(self.pool.tensor, checked)  # (on the device: sampled there)
         return torch.stack([self._prefill_general(*part) for part in checked])
 
     def _prefill_general(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -197,9 +241,11 @@ class ModelRunner:
                                            positions)
         batch = len(tables)
         written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
+        if self.decoder is not None:
+            self._ids(token_ids, upload=False)  # (the range check; the decoder uploads the ids with the step)
+            return self.decoder.step(tables, positions, token_ids)
         if self._use_fast:
-            logits = self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
-            return logits if self._on_cpu else logits.cpu()
+            return self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
@@ -230,12 +276,12 @@ class ModelRunner:
         finally:
             self.pool.blocks.release(blocks)
 
-    def _ids(self, token_ids: list[int]) -> torch.Tensor:
+    def _ids(self, token_ids: list[int], upload: bool = True) -> torch.Tensor:
         """Token ids on the runner's device, checked on the CPU first (no device sync for the check)."""
         ids = torch.tensor(token_ids, dtype=torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._embed.num_embeddings):
             raise ValueError(f"token id outside the vocabulary [0, {self._embed.num_embeddings})")
-        return ids if self._on_cpu else ids.to(self.device)
+        return ids if self._on_cpu or not upload else ids.to(self.device)
 
     def _qkv(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = layer.self_attn
@@ -254,9 +300,18 @@ class ModelRunner:
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits on the CPU (sampling's side)."""
-        logits = self._lm_head(self._norm(last_hidden)).float()
-        return logits if self._on_cpu else logits.cpu()
+        """float32 logits, on the runner's device (the sampler's)."""
+        return self._lm_head(self._norm(last_hidden)).float()
+
+
+def _drop_fused_copies(model) -> None:
+    """Free the transformers modules' own copies of the weights the lean forward fused (q/k/v, gate/up,
+    o, down): on a GPU a second copy would cost memory the KV cache needs. The general path is gone after."""
+    for layer in model.model.layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype, device=module.weight.device),
+                                               requires_grad=False)
 
 
 def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:

@@ -13,6 +13,7 @@ from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
 from xpyd.worker.cpu_share import board_path
 
 DTYPES = ("float32", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # (xpyd.model.dummy_weights: the torch side of "dummy")
 ENGINES = ("torch", "sim")  # the real forward pass, or the simulated one (xpyd.model.sim: no torch)
 CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "colocated": 8300}  # HTTP; prefill's signal plane: +1
@@ -54,6 +55,9 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV block (paged cache; prefix-cache granularity)
     kv_cache_tokens: int | None = None  # KV capacity in tokens (None: batch_size x max_model_len)
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
+    gpu_memory_utilization: float | None = None  # ... or what is left of this share of a CUDA device (0.45)
+    load_format: str = "auto"  # auto: the folder's weights; dummy: seeded random ones made on the device
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
@@ -114,8 +118,19 @@ class WorkerConfig:
             raise ValueError("--nice must be in [0, 19]")
         if not 1 <= self.block_size <= 1024:
             raise ValueError("--block-size must be in [1, 1024] tokens")
-        if self.kv_cache_tokens is not None and self.kv_cache_memory is not None:
-            raise ValueError("give the KV cache's size once: --kv-cache-tokens or --kv-cache-memory")
+        sizes = [flag for flag, value in (("--kv-cache-tokens", self.kv_cache_tokens),
+                                          ("--kv-cache-memory", self.kv_cache_memory),
+                                          ("--gpu-memory-utilization", self.gpu_memory_utilization))
+                 if value is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give the KV cache's size once, not {' and '.join(sizes)}")
+        if self.gpu_memory_utilization is not None:
+            if not self.device.startswith("cuda"):
+                raise ValueError("--gpu-memory-utilization sizes the KV cache on a CUDA device: --device cuda")
+            if isinstance(self.gpu_memory_utilization, bool) or not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {self.gpu_memory_utilization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"--kv-cache-tokens {self.kv_cache_tokens} cannot hold one request of "
                              f"--max-model-len {self.max_model_len}")
@@ -216,6 +231,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                       help="KV cache capacity in tokens (default: --batch-size x --max-model-len)")
     size.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
                       help="KV cache capacity in bytes, e.g. 512MiB or 2GiB (instead of --kv-cache-tokens)")
+    size.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                      help="--device cuda: this worker's share of the device's memory (0-1]; its KV cache gets "
+                           "what the weights, activations and graphs leave of it (two workers on one GPU: "
+                           "0.45 each, say)")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+                        help="auto: the model folder's weights; dummy: seeded random weights made on the device "
+                             "(a model folder with config and tokenizer only; speed set by the shape)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="--device cuda: run decode steps eagerly, without CUDA graphs")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="turn prefix caching off: every prompt is computed, and its KV moved, whole")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")
@@ -267,8 +291,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="share this host's cores with the other workers started with the same NAME: "
                              "use up to --threads threads, fewer while the others are busy (one core each)")
     parser.add_argument("--device", default=d.device, metavar="cpu|cuda|cuda:N",
-                        help="torch device of the model and KV pool (default cpu; only cpu is tested, "
-                             "see docs/devices.md)")
+                        help="torch device of the model and KV pool (default cpu; cuda: docs/devices.md)")
     parser.add_argument("--engine", choices=ENGINES, default=d.engine,
                         help="torch: the model's forward pass; sim: a simulated one (no torch, a light "
                              "process) with the real KV pool, prefix cache, schedulers and transfers, tokens a "

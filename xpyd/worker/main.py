@@ -155,12 +155,19 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
     def build_runner() -> ModelRunner:
         nonlocal resolved
         resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
-        num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
-        log.info("%s: loading %s (%s on %s; KV cache of %d blocks x %d tokens%s)", config.role, resolved.path,
-                 config.dtype, device, num_blocks, config.block_size,
+        if config.gpu_memory_utilization is not None:
+            num_blocks = gpu_share_blocks(config)
+            size = f"KV cache from {config.gpu_memory_utilization:g} of the device"
+        else:
+            num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
+            size = f"KV cache of {num_blocks} blocks"
+        log.info("%s: loading %s (%s%s on %s; %s x %d tokens%s)", config.role, resolved.path, config.dtype,
+                 ", random weights" if config.load_format == "dummy" else "", device, size, config.block_size,
                  ", prefix caching" if config.prefix_cache else "")
         runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
-                             block_size=config.block_size, device=device, caching=config.prefix_cache)
+                             block_size=config.block_size, device=device, caching=config.prefix_cache,
+                             load_format=config.load_format, max_batch=config.batch_size,
+                             cuda_graphs=not config.enforce_eager)
         log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
             runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
@@ -174,6 +181,32 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
     if transfer is not None and needs_staging(transfer, device):  # a device pool under tcp/shm: transfers
         transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
     return runner, resolved, transfer
+
+
+def gpu_share_blocks(config: WorkerConfig):
+    """``num_blocks`` for `ModelRunner` under ``--gpu-memory-utilization``: a function of the loaded runner that
+    measures its largest prefill's activations and sizes the pool from what is left of the share."""
+
+    def blocks(runner) -> int:
+        from xpyd.model.gpu import memory
+
+        layout = runner.layout_template
+        tokens = min(runner.max_model_len, config.prefill_chunk or runner.max_model_len)
+        peak = memory.prefill_peak_bytes(runner.fast_path, layout, tokens, runner.device)
+        cfg = runner.config
+        elem = layout.token_bytes // (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim)
+        graphs = memory.graph_reserve_bytes(config.batch_size, runner.vocab_size, cfg.hidden_size,
+                                            cfg.intermediate_size, elem)
+        budget = memory.kv_budget_bytes(runner.device, config.gpu_memory_utilization, peak, graphs)
+        count = budget // layout.block_bytes
+        if count * layout.block_size < config.max_model_len:
+            raise ValueError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: {budget >> 20} MiB hold "
+                             f"{count} blocks, not one request of --max-model-len {config.max_model_len}")
+        log.info("%s: KV cache of %d blocks (%d MiB; prefill of %d tokens peaks at %d MiB)", config.role, count,
+                 budget >> 20, tokens, peak >> 20)
+        return count
+
+    return blocks
 
 
 def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, ResolvedModel]:
@@ -226,6 +259,12 @@ def describe_forward(runner) -> str:
     fast = runner.fast_path
     text = f"lean forward, {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
+    if runner.device.type == "cuda":
+        if runner.decoder is not None:
+            graphs = ",".join(map(str, runner.decoder.graph_sizes))
+            text += f"; CUDA decode: paged kernels, {f'graphs for batch {graphs}' if graphs else 'eager'}"
+        else:
+            text += f"; CUDA decode without the paged kernels ({runner.decoder_reason})"
     if runner.dtype == torch.bfloat16 and runner.device.type == "cpu":
         reasons = {native.unavailable_reason(src) for src in ("decode_attention.c", "pointwise.c")} - {None}
         if reasons:

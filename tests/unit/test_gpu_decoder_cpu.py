@@ -1,0 +1,80 @@
+"""The CUDA engine's decode step (`xpyd.model.gpu.decoder.PagedDecoder`), run eagerly on the CPU through Triton's
+interpreter: the same Python and the same kernels a GPU worker runs (CUDA graphs aside), checked against the
+lean forward's own decode over the same pool.
+
+Both are float32 paths of one computation over a 2-layer model (64-wide dots, contexts under 64 tokens): their
+logits differ by float32 rounding, ~1e-6 of the logits' scale; 1e-4 of it is the bound (100x headroom), and
+the argmax (the greedy token) must be the same wherever the top-2 margin is wider than that bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the CUDA engine's kernels are Triton kernels")
+
+from xpyd.model.gpu.decoder import PagedDecoder  # noqa: E402
+from xpyd.model.runner import ModelRunner  # noqa: E402
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _prefilled(runner: ModelRunner, prompts: list[list[int]], room: int):
+    tables, tokens = [], []
+    for ids in prompts:
+        table = runner.pool.blocks.allocate(runner.pool.layout.blocks_for(len(ids) + room))
+        tokens.append(int(runner.prefill(table, ids).argmax()))
+        tables.append(table)
+    return tables, tokens
+
+
+def test_paged_decoder_steps_match_the_lean_forward_and_padding_writes_nothing(tiny_model_dir, interpreter):
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=48, max_seq_len=128, block_size=4)
+    fast, pool = runner.fast_path, runner.pool.tensor
+    decoder = PagedDecoder(fast, pool, runner.pool.layout.blocks_for(128), max_batch=4, graphs=False)
+    assert decoder.sizes == (1, 2, 4) and decoder.graph_sizes == ()
+    prompts = [[5, 9, 13, 2, 7, 7, 1], [4, 8, 15, 16, 23, 42, 3, 3, 9, 11, 30], [6, 6, 1]]
+    tables, tokens = _prefilled(runner, prompts, room=8)
+    positions = [len(p) for p in prompts]
+    for step in range(5):  # a batch of 3 runs padded to 4; positions cross block boundaries on the way
+        before = pool.clone()
+        logits = decoder.step(tables, positions, tokens)
+        after = pool.clone()
+        pool.copy_(before)
+        expected = fast.decode(pool, tables, positions, torch.tensor(tokens))
+        written = after.ne(before).any(dim=(1, 2, 3, 5))  # [blocks, rows]: which rows the step wrote
+        want = torch.zeros_like(written)
+        for table, p in zip(tables, positions):
+            want[table[p // 4], p % 4] = True
+        assert torch.equal(written, want), f"step {step}: rows written {written.nonzero().tolist()}"
+        assert torch.allclose(after, pool, rtol=0, atol=1e-5 * float(pool.abs().max())), "K/V rows differ"
+        scale = float(expected.abs().max())
+        assert logits.shape == expected.shape and float((logits - expected).abs().max()) <= 1e-4 * scale
+        top = expected.topk(2, dim=-1).values
+        decided = (top[:, 0] - top[:, 1]) > 2e-4 * scale
+        assert torch.equal(logits.argmax(-1)[decided], expected.argmax(-1)[decided])
+        tokens = expected.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    for table in tables:
+        runner.pool.blocks.release(table)
+
+
+def test_a_batch_over_the_largest_size_is_refused(tiny_model_dir, interpreter):
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=16, max_seq_len=64, block_size=4)
+    decoder = PagedDecoder(runner.fast_path, runner.pool.tensor, 16, max_batch=2, graphs=False)
+    with pytest.raises(ValueError, match="a decode batch of 3 is over this decoder's 2"):
+        decoder.step([[0], [1], [2]], [0, 0, 0], [1, 1, 1])
+
+
+def test_graphs_need_cuda_and_the_kernels_say_why_they_cannot_run(tiny_model_dir, monkeypatch):
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=16, max_seq_len=64, block_size=4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="interpreter"):
+        PagedDecoder(runner.fast_path, runner.pool.tensor, 16, max_batch=2, graphs=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        PagedDecoder(runner.fast_path, runner.pool.tensor, 16, max_batch=2, graphs=True)

@@ -1,0 +1,71 @@
+"""How much of a CUDA device a worker's KV pool may take (``--gpu-memory-utilization``, as vLLM's).
+
+The worker's share of the device is ``fraction x total memory``; its KV pool gets what is left of that
+share after the weights (already loaded), the peak activations of the largest forward pass it runs
+(measured: one prefill of that many tokens over a scratch pool, before the real pool exists), the decode
+graphs' memory (estimated from the largest batch's logits and MLP activations), and a fixed reserve for
+what torch's allocator does not count (the CUDA context, cuBLAS workspaces). Two workers sharing one GPU
+each take their own fraction (0.45 each, say); a budget larger than the memory still free (another process
+holds it) is refused with both numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xpyd.model.kv_pool import KVLayout, KVPool
+
+CONTEXT_RESERVE = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, Triton's modules: outside torch's count
+MIB = 1 << 20
+
+
+def check_fraction(fraction: float) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {fraction!r}")
+    return float(fraction)
+
+
+@torch.inference_mode()
+def prefill_peak_bytes(fast, layout: KVLayout, tokens: int, device: torch.device) -> int:
+    """Bytes a prefill forward of ``tokens`` tokens allocates at its peak beyond what is held before it
+    (activations, attention workspaces, logits), measured over a scratch pool of just those tokens."""
+    scratch = KVPool(KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                              layout.blocks_for(tokens), layout.block_size), device=device, caching=False)
+    table = list(range(scratch.layout.num_blocks))
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fast.prefill_many(scratch.tensor, [(table, ids, 0)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def graph_reserve_bytes(max_batch: int, vocab: int, hidden: int, intermediate: int, elem: int) -> int:
+    """Memory the decode graphs keep for the largest batch: float32 logits, the MLP's and attention's
+    activations (a few of each), plus slack for the smaller graphs sharing the pool."""
+    per_row = vocab * 4 * 2 + (4 * intermediate + 8 * hidden) * elem
+    return max_batch * per_row + 64 * MIB
+
+
+def kv_budget_bytes(device: torch.device, fraction: float, activation_peak: int, graph_reserve: int) -> int:
+    """Bytes the KV pool may take on ``device``; ValueError with the numbers when nothing is left."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)  # weights (and the allocator's cache) of this process
+    need = activation_peak + graph_reserve + CONTEXT_RESERVE
+    budget = int(fraction * total) - held - need
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {fraction}: {fraction * total / MIB:.0f} MiB of the device's "
+                         f"{total / MIB:.0f} MiB leave nothing for the KV cache after the weights "
+                         f"({held / MIB:.0f} MiB), activations ({activation_peak / MIB:.0f} MiB), graphs and "
+                         f"the CUDA context ({(graph_reserve + CONTEXT_RESERVE) / MIB:.0f} MiB)")
+    available = free - activation_peak - graph_reserve - 256 * MIB  # (the context is already out of `free`)
+    if budget > available:
+        raise ValueError(f"--gpu-memory-utilization {fraction}: the KV cache would take {budget / MIB:.0f} MiB but "
+                         f"only {max(0, available) / MIB:.0f} MiB of the device are free beside what this "
+                         f"worker needs (other processes hold {(total - free - held) / MIB:.0f} MiB): lower "
+                         f"the fraction")
+    return budget
