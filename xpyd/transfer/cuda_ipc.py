@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 HOST_OFFER = "cuda_ipc-host"  # descriptor offers: the host key ...
 GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on another GPU before connecting)
-COPY_BATCH = 256 << 20  # bytes copied per lock hold and fence (abort latency vs. fences; ~0.1 ms on an H200)
+COPY_BATCH = 1 << 30  # bytes copied per lock hold and fence (abort latency vs. fences: ~0.5 ms on an H200)
 MAX_INBOUND = 256
 
 
