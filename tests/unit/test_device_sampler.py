@@ -32,7 +32,7 @@ from xpyd.model.sampling import SamplingParams, TorchSampler, make_generator, sk
 EPS = torch.finfo(torch.float32).eps
 
 
-def _logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
+def logits_without_ties(batch: int, vocab: int, seed: int) -> torch.Tensor:
     """float32 [batch, vocab], each row normal quantiles times a scale in [1, 5], in a random order:
     no two entries of a row are equal."""
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ def _logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.stack(rows).float()
 
 
-def _params(vocab: int, g: torch.Generator) -> SamplingParams:
+def random_params(vocab: int, g: torch.Generator) -> SamplingParams:
     def pick(options):
         return options[int(torch.randint(len(options), (), generator=g))]
 
@@ -58,7 +58,7 @@ def _params(vocab: int, g: torch.Generator) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def _near_boundary(row: torch.Tensor, params: SamplingParams, u: float, tree_scan: bool = False) -> bool:
+def near_boundary(row: torch.Tensor, params: SamplingParams, u: float, tree_scan: bool = False) -> bool:
     """Whether the draw, or the top-p cut, lies within 2 * bound (module docstring) of a boundary of the
     exact float64 distribution of ``row``'s float32 scores."""
     scores = (row.float() / params.temperature).double()
@@ -89,30 +89,39 @@ def _near_boundary(row: torch.Tensor, params: SamplingParams, u: float, tree_sca
     return bool(unsure[j]) or u - lower < tol or upper - u < tol
 
 
+def compare_with_cpu(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> tuple[int, int]:
+    """Sample ``logits`` (on any device) with DeviceSampler and their CPU copy with TorchSampler, from
+    generators of the same seeds; assert the same token for every row away from a boundary and the same
+    next draw from every generator after. Returns (sampled rows compared, rows near a boundary)."""
+    ref_gens, dev_gens = [make_generator(s) for s in seeds], [make_generator(s) for s in seeds]
+    expected = TorchSampler.sample(logits.cpu(), params, ref_gens)
+    got = DeviceSampler.sample(logits, params, dev_gens)
+    assert len(got) == len(params) and all(isinstance(t, int) for t in got)
+    compared = skipped = 0
+    for i, p in enumerate(params):
+        u = float(torch.rand((), generator=make_generator(seeds[i])))  # the row's one draw
+        if not p.greedy and near_boundary(logits[i].cpu(), p, u, tree_scan=logits.is_cuda):
+            skipped += 1
+            continue
+        compared += not p.greedy
+        assert got[i] == expected[i], (i, p, u)
+    # the streams moved alike: one draw per sampled row, none per greedy row
+    assert [float(torch.rand((), generator=r)) for r in ref_gens] == [
+        float(torch.rand((), generator=d)) for d in dev_gens
+    ]
+    return compared, skipped
+
+
 @pytest.mark.parametrize("vocab, batches", [(1000, (1, 5, 32)), (49152, (1, 8, 32)), (128256, (1, 3, 16, 32))])
 def test_same_tokens_and_streams_as_the_cpu_sampler(vocab, batches):
     compared = skipped = 0
     for trial, batch in enumerate(batches):
         g = torch.Generator().manual_seed(1000 * vocab + trial)
-        logits = _logits(batch, vocab, seed=trial + vocab)
-        params = [_params(vocab, g) for _ in range(batch)]
+        logits = logits_without_ties(batch, vocab, seed=trial + vocab)
+        params = [random_params(vocab, g) for _ in range(batch)]
         seeds = [int(torch.randint(2**62, (), generator=g)) for _ in range(batch)]
-        ref_gens = [make_generator(s) for s in seeds]
-        dev_gens = [make_generator(s) for s in seeds]
-        expected = TorchSampler.sample(logits, params, ref_gens)
-        got = DeviceSampler.sample(logits, params, dev_gens)
-        assert len(got) == batch and all(isinstance(t, int) for t in got)
-        for i, p in enumerate(params):
-            u = float(torch.rand((), generator=make_generator(seeds[i])))  # the row's one draw
-            if not p.greedy and _near_boundary(logits[i], p, u):
-                skipped += 1
-                continue
-            compared += not p.greedy
-            assert got[i] == expected[i], (i, p)
-        # the streams moved alike: one draw per sampled row, none per greedy row
-        assert [float(torch.rand((), generator=r)) for r in ref_gens] == [
-            float(torch.rand((), generator=d)) for d in dev_gens
-        ]
+        c, s = compare_with_cpu(logits, params, seeds)
+        compared, skipped = compared + c, skipped + s
     assert compared >= 20 and skipped <= compared // 5, (compared, skipped)  # sampled rows compared
 
 
@@ -122,26 +131,16 @@ def test_many_small_batches_exact():
     for trial in range(200):
         g = torch.Generator().manual_seed(trial)
         batch = 1 + trial % 32
-        logits = _logits(batch, vocab, seed=trial)
-        params = [_params(vocab, g) for _ in range(batch)]
-        seeds = list(range(trial * 100, trial * 100 + batch))
-        ref_gens, dev_gens = [make_generator(s) for s in seeds], [make_generator(s) for s in seeds]
-        expected = TorchSampler.sample(logits, params, ref_gens)
-        got = DeviceSampler.sample(logits, params, dev_gens)
-        for i, p in enumerate(params):
-            u = float(torch.rand((), generator=make_generator(seeds[i])))
-            if not p.greedy and _near_boundary(logits[i], p, u):
-                skipped += 1
-                continue
-            compared += 1
-            assert got[i] == expected[i], (trial, i, p)
-        assert [r.get_state().tolist() for r in ref_gens] == [d.get_state().tolist() for d in dev_gens]
-    assert compared > 3000 and skipped <= compared // 100, (compared, skipped)
+        logits = logits_without_ties(batch, vocab, seed=trial)
+        params = [random_params(vocab, g) for _ in range(batch)]
+        c, s = compare_with_cpu(logits, params, list(range(trial * 100, trial * 100 + batch)))
+        compared, skipped = compared + c, skipped + s
+    assert compared > 2000 and skipped <= compared // 100, (compared, skipped)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_is_the_argmax_and_never_draws(dtype):
-    logits = _logits(6, 500, seed=3).to(dtype)
+    logits = logits_without_ties(6, 500, seed=3).to(dtype)
     params = [SamplingParams(temperature=t) for t in (0.0, 1e-6, 9.99e-6, 0.0, 0.0, 1e-7)]
     gens = [make_generator(7 + i) for i in range(6)]
     states = [g.get_state().clone() for g in gens]
@@ -156,7 +155,7 @@ def test_greedy_is_the_argmax_and_never_draws(dtype):
 
 
 def test_rows_list_and_tensor_agree():
-    logits = _logits(5, 300, seed=11)
+    logits = logits_without_ties(5, 300, seed=11)
     params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=7, temperature=0.7),
               SamplingParams(top_p=0.6), SamplingParams(top_k=40, top_p=0.9)]
     as_tensor = DeviceSampler.sample(logits, params, [make_generator(s) for s in range(5)])
@@ -170,7 +169,7 @@ def test_rows_list_and_tensor_agree():
 def test_a_seeded_request_continues_its_stream_across_workers():
     """Prefill samples the first token (one draw); decode makes the generator from the seed, skips that
     draw, and samples the rest: the tokens of one generator sampling every step."""
-    logits = _logits(6, 200, seed=5)
+    logits = logits_without_ties(6, 200, seed=5)
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     one = make_generator(p.seed)
     straight = [DeviceSampler.sample(logits[i : i + 1], [p], [one])[0] for i in range(6)]
@@ -185,12 +184,19 @@ def test_a_seeded_request_continues_its_stream_across_workers():
     assert [TorchSampler.sample(logits[i : i + 1], [p], [cpu_gen])[0] for i in range(1, 6)] == decode
 
 
-def test_top_k_one_is_the_argmax_of_the_scores_and_draws_once():
-    logits = _logits(4, 1000, seed=9)
-    gens = [make_generator(s) for s in range(4)]
-    got = DeviceSampler.sample(logits, [SamplingParams(top_k=1, temperature=0.6)] * 4, gens)
-    assert got == torch.argmax(logits, dim=-1).tolist()
-    fresh = [make_generator(s) for s in range(4)]
+def test_top_k_keeps_exactly_k_tokens_per_row_and_draws_once():
+    """Three near-equal leaders, rows of k 1, 2 and 3 in one batch (one top-k at width 3, masked per
+    row): k 1 always takes the first, k 2 both leaders and never the third, k 3 all three."""
+    batch = 96
+    logits = torch.full((batch, 1000), -20.0)
+    logits[:, 10], logits[:, 20], logits[:, 30] = 5.0, 4.99, 4.98
+    ks = [1 + i % 3 for i in range(batch)]
+    gens = [make_generator(s) for s in range(batch)]
+    got = DeviceSampler.sample(logits, [SamplingParams(top_k=k, temperature=0.6) for k in ks], gens)
+    assert {t for t, k in zip(got, ks) if k == 1} == {10}
+    assert {t for t, k in zip(got, ks) if k == 2} == {10, 20}
+    assert {t for t, k in zip(got, ks) if k == 3} == {10, 20, 30}
+    fresh = [make_generator(s) for s in range(batch)]
     for f in fresh:
         skip_draw(f)
     assert [float(torch.rand((), generator=g)) for g in gens] == [float(torch.rand((), generator=f)) for f in fresh]

@@ -94,16 +94,18 @@ def sample_from_draws(
     return chosen
 
 
-def _search(probs: torch.Tensor, u: torch.Tensor, last: torch.Tensor | int) -> torch.Tensor:
-    """Index [B] where each row's draw lands in its cdf, at most ``last``: as the CPU sampler."""
+def _search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index [B] where each row's draw lands in its cdf, as the CPU sampler. u < 1 keeps u * cdf[-1] below
+    cdf[-1] in float32, so the index never reaches the zero-probability tail (masked k, cut top-p); the
+    clamp is the CPU sampler's, for the last column."""
     cdf = torch.cumsum(probs, dim=-1)
     j = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
-    return j.clamp(max=last) if isinstance(last, int) else torch.minimum(j, last)
+    return j.clamp(max=probs.shape[1] - 1)
 
 
 def _plain(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Rows without top-k or top-p: the cdf in vocabulary order."""
-    return _search(torch.softmax(scores, dim=-1), u, scores.shape[1] - 1)
+    return _search(torch.softmax(scores, dim=-1), u)
 
 
 def _truncated(
@@ -122,7 +124,7 @@ def _truncated(
     before = torch.cumsum(probs, dim=-1) - probs
     cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))  # top-p off: nothing cut
     probs = probs.masked_fill(before >= cut[:, None], 0.0)
-    j = _search(probs, u, k - 1)
+    j = _search(probs, u)
     return ids.gather(1, j[:, None]).squeeze(1)
 
 
