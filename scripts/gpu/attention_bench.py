@@ -1,7 +1,8 @@
 """Time the Triton paged decode attention (xpyd/model/gpu/paged_attention.py) against torch SDPA over gathered
 blocks, on CUDA.
 
-    PYTHONPATH=. python3 scripts/gpu/attention_bench.py [--batches 1,8,64] [--contexts 512,4096] [--splits N] [--tile 64]
+    PYTHONPATH=. python3 scripts/gpu/attention_bench.py [--batches 1,8,64] [--contexts 512,4096]
+        [--splits N] [--tile 64]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bfloat16, block size 16, each
 request's blocks drawn from a shuffled order. One call is one layer of one decode step: every request

@@ -184,6 +184,7 @@ def test_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="layer"):
         pa.paged_decode_attention(q, pool, 2, tables, lens, 0.25, out, ws)
     with pytest.raises(ValueError, match="multiple"):
-        pa.paged_decode_attention(q[:, :3], pool, 0, tables, lens, 0.25, out[:, :3], pa.DecodeWorkspace(2, 3, 16, 2, "cpu"))
+        three = pa.DecodeWorkspace(2, 3, 16, 2, "cpu")
+        pa.paged_decode_attention(q[:, :3], pool, 0, tables, lens, 0.25, out[:, :3], three)
     with pytest.raises(ValueError):
         pa.DecodeWorkspace(2, 4, 16, 2, "cpu", tile_tokens=24)
