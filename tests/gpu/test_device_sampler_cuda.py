@@ -1,7 +1,8 @@
 """DeviceSampler on CUDA: the CPU sampler's tokens, one upload and one copy of the ids back per step, no
 other synchronisation, and a device part that a CUDA graph can capture.
 
-The exactness bound is tests/unit/test_device_sampler.py's, with a rounding per level of the CUDA scan.
+The exactness bound is tests/unit/test_device_sampler.py's (it assumes CUDA's float32 exp within 2 ulp and
+a correctly rounded division, as torch builds without fast math).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_same_tokens_and_streams_as_the_cpu_sampler(vocab, batches):
         seeds = [int(torch.randint(2**62, (), generator=g)) for _ in range(batch)]
         c, s = compare_with_cpu(logits, params, seeds)
         compared, skipped = compared + c, skipped + s
-    assert compared >= 40 and skipped <= compared // 4, (compared, skipped)
+    assert compared >= 40 and skipped <= compared // 5, (compared, skipped)
 
 
 def _memcpys(fn) -> dict[str, list[str]]:

@@ -3,20 +3,22 @@
 The batched code runs here on CPU tensors: the very code a CUDA worker runs, on another device.
 
 Exactness and its one exception. Both samplers compute the same float32 scores (logits / T is one
-correctly rounded division either way); they differ in how the cdf is summed (softmax over a masked
-width, a batched scan), so each normalised cdf entry is off the exact (float64) one by at most
+correctly rounded division either way) and float32 probabilities; they differ in how these are summed
+(softmax over a masked width; DeviceSampler's prefix sums in float64 on any device, the CPU sampler's
+double-accumulated and rounded to float32), so each normalised cdf entry is off the exact (float64) one
+by at most
 
-    bound = sum_i p_i * delta_i * 2 + scan
+    bound = 2 * sum_i p_i * delta_i + 2 * eps
 
 with delta_i = eps * (|s_i - max s| / 2 + 3) the relative error of one float32 probability (the rounded
 difference s_i - max, exp within 2 ulp, the division by the sum within 1 ulp; the sum's own error is a
 factor common to every entry and cancels in cdf / cdf[-1]), counted twice for the normalisation, and
-scan = 2 * eps for the prefix sum (CPU accumulates in double and rounds once) and the product u * cdf[-1];
-a CUDA tree scan adds a rounding per level: eps * (ceil(log2 n) + 2) (tests/gpu). A draw farther than 2 * bound from
-both ends of its exact interval (and a top-p whose exact "mass before" is farther than 2 * bound from
-every token's) picks the same token in both; the test asserts equality for all such rows and that they
-are nearly all rows, so it cannot pass by excluding them. The logits have no ties (normal quantiles in a
-random order), so the sorted order is unique.
+2 * eps for rounding the prefix sum to float32 and the product u * cdf[-1]. A draw farther than 2 * bound
+from both ends of its exact interval (and a top-p whose exact "mass before" is farther than 2 * bound
+from every token's, or whose unsure tokens' mass is added to the distance) picks the same token in both;
+the tests assert equality for all such rows, and that they are nearly all rows, so they cannot pass by
+excluding them. The logits have no ties (normal quantiles in a random order), so the sorted order is
+unique. tests/gpu/test_device_sampler_cuda.py runs the same comparison with the logits on CUDA.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def random_params(vocab: int, g: torch.Generator) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def near_boundary(row: torch.Tensor, params: SamplingParams, u: float, tree_scan: bool = False) -> bool:
+def near_boundary(row: torch.Tensor, params: SamplingParams, u: float) -> bool:
     """Whether the draw, or the top-p cut, lies within 2 * bound (module docstring) of a boundary of the
     exact float64 distribution of ``row``'s float32 scores."""
     scores = (row.float() / params.temperature).double()
@@ -69,8 +71,7 @@ def near_boundary(row: torch.Tensor, params: SamplingParams, u: float, tree_scan
         scores = torch.sort(scores, descending=True).values
     p = torch.softmax(scores, dim=-1)
     gap = (scores.max() - scores).abs()
-    scan = EPS * (math.ceil(math.log2(scores.numel())) + 2 if tree_scan else 2)
-    bound = 2 * float((p * EPS * (gap / 2 + 3)).sum()) + scan
+    bound = 2 * float((p * EPS * (gap / 2 + 3)).sum()) + 2 * EPS
     tol = 2 * bound
     unsure = torch.zeros_like(p, dtype=torch.bool)
     if params.top_p < 1:
@@ -100,7 +101,7 @@ def compare_with_cpu(logits: torch.Tensor, params: list[SamplingParams], seeds: 
     compared = skipped = 0
     for i, p in enumerate(params):
         u = float(torch.rand((), generator=make_generator(seeds[i])))  # the row's one draw
-        if not p.greedy and near_boundary(logits[i].cpu(), p, u, tree_scan=logits.is_cuda):
+        if not p.greedy and near_boundary(logits[i].cpu(), p, u):
             skipped += 1
             continue
         compared += not p.greedy

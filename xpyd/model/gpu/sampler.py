@@ -23,7 +23,7 @@ parameter mix can be captured in a CUDA graph with the uploaded [6, B] tensor as
 (`sample_from_draws`).
 
 The batched cdf is summed in another order than the per-row one (softmax over masked positions, a
-parallel scan on CUDA), so a draw within rounding of a cdf boundary may land in the neighbouring token;
+float64 scan), so a draw within rounding of a cdf boundary may land in the neighbouring token;
 tests/unit/test_device_sampler.py bounds that distance and asserts equality for every draw farther away.
 """
 
@@ -94,12 +94,19 @@ def sample_from_draws(
     return chosen
 
 
+def _cumsum(probs: torch.Tensor) -> torch.Tensor:
+    """Prefix sums in float64: CUDA's row scan would carry a float32 running total across thousands of
+    chunks of a 128k vocabulary; the CPU sampler's (double accumulation, rounded once) is matched to
+    within a float32 rounding."""
+    return torch.cumsum(probs, dim=-1, dtype=torch.float64)
+
+
 def _search(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index [B] where each row's draw lands in its cdf, as the CPU sampler. u < 1 keeps u * cdf[-1] below
-    cdf[-1] in float32, so the index never reaches the zero-probability tail (masked k, cut top-p); the
-    clamp is the CPU sampler's, for the last column."""
-    cdf = torch.cumsum(probs, dim=-1)
-    j = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    cdf[-1], so the index never reaches the zero-probability tail (masked k, cut top-p); the clamp is the
+    CPU sampler's, for the last column."""
+    cdf = _cumsum(probs)
+    j = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True).squeeze(1)
     return j.clamp(max=probs.shape[1] - 1)
 
 
@@ -121,7 +128,7 @@ def _truncated(
     position = torch.arange(width, device=scores.device)
     values = values.masked_fill(position >= k[:, None], float("-inf"))
     probs = torch.softmax(values, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs
+    before = _cumsum(probs) - probs
     cut = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))  # top-p off: nothing cut
     probs = probs.masked_fill(before >= cut[:, None], 0.0)
     j = _search(probs, u)
