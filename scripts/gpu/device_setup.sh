@@ -52,11 +52,15 @@ _xpyd_device_setup() {
 import importlib.metadata as md, os, sys
 from packaging.requirements import Requirement
 site = os.environ["XPYD_SITE_DIR"]
+# `nixl` names both CUDA builds; only the machine's (nixl-cu13) is carried, as docs/transfer.md installs it.
+NOT_NEEDED = {("nixl", "nixl-cu12")}
 bad = []
 for dist in md.distributions(path=[site]):
     for text in dist.requires or []:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if (dist.metadata["Name"].lower(), req.name.lower()) in NOT_NEEDED:
             continue
         try:
             have = md.version(req.name)
