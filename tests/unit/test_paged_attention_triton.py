@@ -93,9 +93,9 @@ def run(q, pool, layer, tables, lens, splits, tile):
     return out
 
 
-# lengths: 1, an exact multiple of the block size (32: 4 blocks of 8, 1 of 32), ones that are not (37, 5),
-# a padding row (0); 37 spans three tiles
-SEQ_LENS = [1, 32, 0, 37, 5]
+# lengths: 1, an exact multiple of the block size (32: 4 blocks of 8, 1 of 32), ones that are not (37, 5, 61),
+# a padding row (0); 61 spans four tiles, so with 4 splits every split holds some of it
+SEQ_LENS = [1, 32, 0, 37, 5, 61]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
