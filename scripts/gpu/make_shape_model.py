@@ -89,6 +89,9 @@ PRESETS: dict[str, dict] = {
         "rms_norm_eps": 1e-05,
         "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
         "tie_word_embeddings": False,
+        # A transformers 5 config (rope_parameters, dtype). Without a version, transformers 5.17 (the GPU
+        # machine's) takes the local tokenizer for a Mistral one and warns that its regex is wrong.
+        "transformers_version": "5.17.0",
         "unk_token_id": 0,
         "use_cache": True,
         "vocab_size": 128256,
