@@ -2,7 +2,7 @@
 blocks, on CUDA.
 
     PYTHONPATH=. python3 scripts/gpu/attention_bench.py [--batches 1,8,64] [--contexts 512,4096]
-        [--splits N] [--tile 64]
+        [--splits N] [--tile 64] [--warps N]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bfloat16, block size 16, each
 request's blocks drawn from a shuffled order. One call is one layer of one decode step: every request
@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--splits", type=int, default=0, help="splits per (row, KV head); 0: default_splits")
     parser.add_argument("--tile", type=int, default=64, help="tokens per inner-loop tile")
+    parser.add_argument("--warps", type=int, default=0, help="warps of the attention kernel; 0: the workspace's choice")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("attention_bench: needs a CUDA device", file=sys.stderr)
@@ -78,7 +79,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     print(f"{props.name}, {sms} SMs; {HEADS} heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16, block {BLOCK}, "
-          f"tile {args.tile}")
+          f"tile {args.tile}, warps {args.warps or 'auto'}")
     print(f"{'batch':>5} {'ctx':>5} {'splits':>6} | {'triton us':>9} {'GB/s':>6} | {'sdpa us':>8} {'GB/s':>6} | "
           f"{'speedup':>7} | {'err/bound triton':>16} {'sdpa':>6}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -90,7 +91,8 @@ def main() -> int:
             pool, q, tables, lens = case(batch, context, gen)
             tables64 = tables.long()
             splits = args.splits or pa.default_splits(batch, KV_HEADS, sms)
-            ws = pa.DecodeWorkspace(batch, HEADS, HEAD_DIM, splits, DEVICE, tile_tokens=args.tile)
+            ws = pa.DecodeWorkspace(batch, HEADS, HEAD_DIM, splits, DEVICE, tile_tokens=args.tile,
+                                    num_warps=args.warps or None)
             out = torch.empty_like(q)
 
             def triton_call():

@@ -190,3 +190,12 @@ def test_refuses_mismatched_inputs():
         pa.paged_decode_attention(q[:, :3], pool, 0, tables, lens, 0.25, out[:, :3], three)
     with pytest.raises(ValueError):
         pa.DecodeWorkspace(2, 4, 16, 2, "cpu", tile_tokens=24)
+    with pytest.raises(ValueError):
+        pa.DecodeWorkspace(2, 4, 16, 2, "cpu", num_warps=3)
+
+
+def test_workspace_warps_follow_the_tile_size():
+    assert pa.DecodeWorkspace(1, 4, 128, 2, "cpu").num_warps == 8  # 64 x 128 tiles
+    assert pa.DecodeWorkspace(1, 4, 128, 2, "cpu", tile_tokens=32).num_warps == 4
+    assert pa.DecodeWorkspace(1, 4, 96, 2, "cpu").num_warps == 8  # head_dim 96 pads to 128
+    assert pa.DecodeWorkspace(1, 4, 128, 2, "cpu", num_warps=2).num_warps == 2

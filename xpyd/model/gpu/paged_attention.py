@@ -67,11 +67,13 @@ def default_splits(batch: int, kv_heads: int, sm_count: int, max_splits: int = 6
 class DecodeWorkspace:
     """Preallocated float32 scratch of split-K attention for up to ``max_batch`` rows: each split's
     partial output `[max_batch, num_heads, num_splits, head_dim]` and log-sum-exp (base 2)
-    `[max_batch, num_heads, num_splits]`. It fixes the number of splits, and ``tile_tokens`` (tokens per
-    inner-loop tile, a power of two >= 16); one workspace serves every layer of a step."""
+    `[max_batch, num_heads, num_splits]`. It fixes the number of splits, ``tile_tokens`` (tokens per
+    inner-loop tile, a power of two >= 16) and ``num_warps`` of the attention kernel (None: 8 for tiles of
+    64 x 128 elements or more, where 4 warps would need ~200 registers a thread, else 4); one workspace
+    serves every layer of a step."""
 
     def __init__(self, max_batch: int, num_heads: int, head_dim: int, num_splits: int, device,
-                 tile_tokens: int = 64) -> None:
+                 tile_tokens: int = 64, num_warps: int | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("num_heads", num_heads), ("head_dim", head_dim),
                             ("num_splits", num_splits)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -79,7 +81,11 @@ class DecodeWorkspace:
         if tile_tokens < 16 or tile_tokens & (tile_tokens - 1):
             raise ValueError(f"DecodeWorkspace.tile_tokens must be a power of two >= 16, got {tile_tokens}")
         self.max_batch, self.num_heads, self.head_dim = max_batch, num_heads, head_dim
-        self.num_splits, self.tile_tokens = num_splits, tile_tokens
+        if num_warps is None:
+            num_warps = 8 if tile_tokens * _next_power_of_2(head_dim) >= 64 * 128 else 4
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeWorkspace.num_warps must be a power of two up to 16, got {num_warps}")
+        self.num_splits, self.tile_tokens, self.num_warps = num_splits, tile_tokens, num_warps
         size = (max_batch, num_heads, num_splits)
         self.partial = torch.empty(*size, head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(*size, dtype=torch.float32, device=device)
@@ -107,7 +113,7 @@ def store_kv(pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, s
         s[0], s[1], s[3], s[4], layer * s[2],
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         kv_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=_NUM_WARPS)
+        BLOCK_H=_next_power_of_2(kv_heads), BLOCK_D=_next_power_of_2(head_dim), num_warps=_NUM_WARPS)
 
 
 def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layer: int, tables: torch.Tensor,
@@ -142,7 +148,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layer: int, tabl
     kern = _kernels(pool.device.type == "cpu")
     group = heads // kv_heads
     splits = ws.num_splits
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, _next_power_of_2(head_dim))
     s = pool.stride()
     kern.decode[(batch, kv_heads, splits)](
         q, pool, tables, seq_lens, out, ws.partial, ws.lse,
@@ -151,15 +157,20 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, layer: int, tabl
         ws.partial.stride(0), ws.partial.stride(1), ws.partial.stride(2), ws.lse.stride(0), ws.lse.stride(1),
         float(scale) * _LOG2E, group, head_dim,
         NUM_SPLITS=splits, BLOCK_SIZE=pool.shape[4], BLOCK_N=ws.tile_tokens,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=_NUM_WARPS)
+        BLOCK_G=max(16, _next_power_of_2(group)), BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32, num_warps=ws.num_warps)
     if splits > 1:
         kern.combine[(batch, heads)](
             ws.partial, ws.lse, out,
             ws.partial.stride(0), ws.partial.stride(1), ws.partial.stride(2), ws.lse.stride(0), ws.lse.stride(1),
             out.stride(0), out.stride(1), head_dim,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=_NUM_WARPS)
+            NUM_SPLITS=splits, BLOCK_S=_next_power_of_2(splits), BLOCK_D=block_d, num_warps=_NUM_WARPS)
     return out
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2, also where Triton is missing (a workspace is plain torch)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _check_pool(pool: torch.Tensor, layer: int) -> None:
