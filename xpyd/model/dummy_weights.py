@@ -7,7 +7,9 @@ itself, and a reference (transformers) built the same way computes the same func
 
 from __future__ import annotations
 
+import hashlib
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -49,3 +51,11 @@ def dummy_model(config, dtype: torch.dtype, device: torch.device | str, seed: in
     model.requires_grad_(False)
     fill_dummy(model, seed)
     return model.eval()
+
+
+def dummy_identity(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int = DEFAULT_SEED) -> str:
+    """What names a dummy model's weights (the folder has no weight files to fingerprint): its config, dtype,
+    seed and the kind of device whose random numbers made them; two workers agree on it exactly when they
+    made the same weights, so KV blocks are shared between them and with nobody else."""
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+    return f"dummy:{seed}:{str(dtype).removeprefix('torch.')}:{torch.device(device).type}:{digest}"

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from xpyd.model import batch_checks, paged
-from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_model
+from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.sampling import TorchSampler
@@ -76,8 +76,10 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"
+        self.identity: str | None = None  # what names the weights when the folder's files do not (dummy)
         if load_format == "dummy":
             self.model = dummy_model(config, dtype, self.device)
+            self.identity = dummy_identity(Path(model_dir), dtype, self.device)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
             if not self._on_cpu:

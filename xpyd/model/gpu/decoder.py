@@ -130,10 +130,8 @@ class PagedDecoder:
         for index, layer in enumerate(f.layers):
             qkv = layer.qkv(f._norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
             qk = f._rope(qkv, cos, sin)  # [B, heads + kv_heads, hd]
-            kernels.store_kv(pool, index, qk[:, nh:].contiguous(), qkv[:, nh + nkv :].contiguous(), slot_blocks,
-                             slot_rows)
-            attn = kernels.paged_decode_attention(qk[:, :nh].contiguous(), pool, index, tables, lengths, f.scale,
-                                                  out, workspace)
+            kernels.store_kv(pool, index, qk[:, nh:], qkv[:, nh + nkv :], slot_blocks, slot_rows)  # (strided views)
+            attn = kernels.paged_decode_attention(qk[:, :nh], pool, index, tables, lengths, f.scale, out, workspace)
             x = x + layer.o(attn.view(batch, nh * hd))
             x = f._mlp(layer, x)
         return f.logits(x)
