@@ -33,7 +33,7 @@ run() {  # run NAME LIMIT CMD...
 for stage in "$@"; do
   case $stage in
     setup) ;;
-    tests) run tests 240 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/gpu tests/unit/test_gpu_decoder_cpu.py ;;
+    tests) run tests 240 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/gpu ;;
     exact) run exact 180 python3 scripts/gpu/exactness.py --model $M/small --dtype float32 --tokens 48 --json "$OUT/exact.json" ;;
     attention) run attention 120 python3 scripts/gpu/attention_bench.py ;;
     transfer) run transfer 150 python3 scripts/gpu/transfer_bench.py ;;
