@@ -13,11 +13,12 @@ import pytest
 
 from tests import door
 from xpyd import PROTOCOL_VERSION
-from xpyd.transfer import cuda_ipc, make_backend
+from xpyd.transfer import cuda_ipc, cuda_ipc_kernel, make_backend
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.base import BackendDescriptor, Region, TransferState
 from xpyd.transfer.cuda_ipc import GPU_OFFER, HOST_OFFER, CudaIpcTransferBackend, batches, pieces
 from xpyd.transfer.cuda_ipc_device import MAX_HANDLE, Export, HostOps, HostRegistry
+from xpyd.transfer.cuda_ipc_stamps import RECEIVER_STAGES, SENDER_STAGES, Stamps
 from xpyd.transfer.cuda_ipc_wire import Hello
 from xpyd.transfer.selection import make_worker_backend
 from xpyd.transfer.tcp_wire import ProtocolError
@@ -132,10 +133,10 @@ class BlockingOps(HostOps):
         super().__init__(registry, uuid)
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def copy(self, peer, pieces, after) -> None:
+    def copy(self, peer, pieces, after, timed=False):
         self.entered.set()
         assert self.release.wait(TIMEOUT)
-        super().copy(peer, pieces, after)
+        return super().copy(peer, pieces, after, timed)
 
 
 def test_a_sender_abort_while_the_receiver_copies_fails_both(pair):
@@ -263,3 +264,104 @@ def test_the_worker_hands_cuda_ipc_its_pool_tensor_unstaged():
     assert pool_memory(pool, backend) is tensor
     assert not needs_staging(backend, torch.device("cuda", 0))
     backend.close()
+
+
+def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair):
+    sender, receiver = pair
+    assert sender.backend.stamps is None  # off by default
+    sender.backend.stamps, receiver.backend.stamps = Stamps(), Stamps()
+    secret = new_secret()
+    src, dst = [Region(0, 4096), Region(8192, 4096)], [Region(4096, 8192)]
+    receiver.backend.expect("t1", dst, secret=secret)
+    assert sender.backend.send("t1", src, receiver.desc, dst, secret=secret).wait(TIMEOUT)
+    sent, sent_device = sender.backend.stamps.take("t1")
+    got, device = receiver.backend.stamps.take("t1")
+    assert list(sent) == list(SENDER_STAGES) and sent_device is None
+    assert list(got) == list(RECEIVER_STAGES) and device is not None and device >= 0
+    times = [sent["send"], sent["marked"], sent["offered"], got["claimed"], got["opened"], got["enqueued"],
+             got["synced"], sent["copied"], sent["committed"], got["commit_read"], sent["done"]]
+    assert times == sorted(times)  # one clock for both sides (perf_counter_ns: CLOCK_MONOTONIC)
+    assert receiver.backend.stamps.take("t1") == ({}, None)  # taken: forgotten
+
+
+def test_stamps_keep_the_last_transfers_only():
+    stamps = Stamps(keep=2)
+    for tid in ("a", "b", "c"):
+        stamps(tid, "send", 1)
+    stamps.add_device("c", 0.5)
+    assert set(stamps.stages) == {"b", "c"}
+    assert stamps.take("c") == ({"send": 1}, 0.5) and stamps.take("a") == ({}, None)
+
+
+def test_chunk_table_cuts_each_piece_in_order_and_words_fit_every_offset():
+    table = cuda_ipc_kernel.chunk_table([(0, 1000, 10), (100, 16, 25)], chunk=8)
+    assert table.tolist() == [[0, 8, 100, 108, 116, 124],
+                              [1000, 1008, 16, 24, 32, 40],
+                              [8, 2, 8, 8, 8, 1]]
+    assert cuda_ipc_kernel.word_bytes(table, 4096, 64) == 1  # lengths 2 and 1
+    even = cuda_ipc_kernel.chunk_table([(64, 4096, 48), (4096, 0, 32)], chunk=32)
+    assert cuda_ipc_kernel.word_bytes(even, 4096, 64) == 8 and cuda_ipc_kernel.vector(even, 4096, 64)
+    assert cuda_ipc_kernel.word_bytes(even, 4096, 68) == 4 and not cuda_ipc_kernel.vector(even, 4096, 68)
+    with pytest.raises(ValueError, match="lengths > 0"):
+        cuda_ipc_kernel.chunk_table([(0, 0, 0)])
+
+
+def _runs_reference(dst, src, pieces):
+    want = dst.clone()
+    for s, d, n in pieces:
+        want[d: d + n] = src[s: s + n]
+    return want
+
+
+# scattered pieces: misaligned (1-byte words) and 16-byte aligned ones (8-byte words, vector hints),
+# several chunks per piece, a last chunk shorter than a step
+RUNS = [[(0, 1000, 520), (1024, 2048, 16), (3001, 3, 77)],
+        [(0, 1024, 512), (2048, 16, 256), (1536, 3072, 48), (512, 3584, 272)]]
+
+
+@pytest.mark.parametrize("pieces", RUNS)
+def test_one_launch_copies_every_run_exactly(pieces, monkeypatch):
+    pytest.importorskip("triton", reason="the copy kernel needs Triton")
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+    real = cuda_ipc_kernel._kernel
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(cuda_ipc_kernel, "_kernel", lambda interpret: Counting(real(interpret)))
+    src = (torch.arange(4096) * 7 % 251).to(torch.uint8)
+    dst = torch.full((4096,), 0xAA, dtype=torch.uint8)
+    want = _runs_reference(dst, src, pieces)
+    n = cuda_ipc_kernel.copy_runs(dst, src, pieces, chunk=256, block=64)
+    assert n == cuda_ipc_kernel.chunk_table(pieces, 256).shape[1] and launches == [(n,)]
+    assert torch.equal(dst, want)
+
+
+def test_the_foreach_fallback_copies_every_run_exactly():
+    import torch
+
+    src = (torch.arange(4096) * 7 % 251).to(torch.uint8)
+    for pieces in RUNS:
+        dst = torch.full((4096,), 0xAA, dtype=torch.uint8)
+        want = _runs_reference(dst, src, pieces)
+        assert cuda_ipc_kernel.copy_runs_foreach(dst, src, pieces) == len(pieces)
+        assert torch.equal(dst, want)
+
+
+def test_the_copy_kernel_says_why_it_cannot_run(monkeypatch):
+    pytest.importorskip("triton", reason="without Triton it says that instead")
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in cuda_ipc_kernel.why_unavailable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="past the end"):
+        cuda_ipc_kernel.copy_runs_foreach(torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8),
+                                          [(0, 8, 9)])

@@ -18,6 +18,11 @@ for it before it offers, so the receiver never reads KV still being written, and
 ``expect()`` likewise records a mark on the decode engine's stream, after which the copy starts (the
 destination blocks' earlier users are done with them).
 
+Where the time goes: ``backend.stamps = Stamps()`` makes both sides note, per transfer, the
+``time.perf_counter_ns()`` of each stage (``cuda_ipc_stamps``; one clock for every process
+of a host) and the device time of the receiver's copies (CUDA events around them); ``scripts/gpu/
+transfer_bench.py`` prints them. Off by default (None): the hot path then pays one attribute test per stage.
+
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with shm and nixl
 through ``endpoint``): an acceptor, one reader per inbound connection (it copies), one sender per peer.
 """
@@ -43,6 +48,7 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps, Piece
+from xpyd.transfer.cuda_ipc_stamps import Stamps
 from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
@@ -124,6 +130,7 @@ class CudaIpcTransferBackend:
         self._sent_marks: dict[str, object] = {}  # transfer id being sent -> the prefill forward's mark at send()
         self._marks_lock = threading.Lock()
         self._descriptor: BackendDescriptor | None = None
+        self.stamps: Stamps | None = None  # where each transfer's time goes (``Stamps``), when set
 
     # -- public API -------------------------------------------------------
     def register(self, pool) -> BackendDescriptor:
@@ -156,6 +163,8 @@ class CudaIpcTransferBackend:
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
              dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         """Queue a transfer; call it on the thread whose stream wrote ``src`` (its mark orders the copy)."""
+        if self.stamps is not None:
+            self.stamps(transfer_id, "send")
         check_transfer_id(transfer_id)
         key = auth.transfer_key(secret, self._cluster_token)
         if not isinstance(peer, BackendDescriptor) or peer.offer(self.name) is None:
@@ -258,7 +267,7 @@ class CudaIpcTransferBackend:
                 return
             peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
-                         lambda rec, offer: self._copy(rec, peer, offer), commit_round_trip, log, addr)
+                         lambda rec, offer: self._copy(rec, peer, offer), self._confirm, log, addr)
         except (Closing, Unproven):
             return
         except (ProtocolError, OSError) as e:
@@ -270,24 +279,39 @@ class CudaIpcTransferBackend:
 
     def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer) -> str | None:
         """Copy the offer's src into the claimed transfer's dst, batch by batch; None or why it failed."""
-        after = self._drop_mark(offer.transfer_id)
+        tid, stamps = offer.transfer_id, self.stamps
+        if stamps is not None:
+            stamps(tid, "claimed")
+        after = self._drop_mark(tid)
         try:
             src = peer.open(self._ops)
         except DeviceError as e:
             rec.token._fail(str(e))
             return str(e)
+        if stamps is not None:
+            stamps(tid, "opened")
         rec.token._advance(TransferState.TRANSFERRING)
         for batch in batches(offer.src, rec.regions, COPY_BATCH):
             with rec.lock:
                 if rec.token.finished():
-                    return f"transfer {offer.transfer_id!r} aborted by the receiver"
+                    return f"transfer {tid!r} aborted by the receiver"
                 try:
-                    self._ops.copy(src, batch, after)
+                    times = self._ops.copy(src, batch, after, stamps is not None)
                 except DeviceError as e:
                     rec.token._fail(str(e))
                     return str(e)
+            if times is not None:
+                stamps(tid, "enqueued", times.enqueued_ns)
+                stamps(tid, "synced")
+                stamps.add_device(tid, times.device_s)
             after = None
         return None
+
+    def _confirm(self, conn: Conn, rec: Transfer, offer: Offer) -> bool:
+        ok = commit_round_trip(conn, rec, offer)
+        if self.stamps is not None:
+            self.stamps(offer.transfer_id, "commit_read")
+        return ok
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:
@@ -308,16 +332,22 @@ class CudaIpcTransferBackend:
             raise
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
-        tid = job.token.transfer_id
+        tid, stamps = job.token.transfer_id, self.stamps
         with self._marks_lock:
             mark = self._sent_marks.pop(tid, None)
         if mark is not None:
             self._ops.wait(mark)  # the forward that wrote the source has finished on the device
+        if stamps is not None:
+            stamps(tid, "marked")
         if not job.token._advance(TransferState.TRANSFERRING):
             return
         mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
         conn.send_all([memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack())])
+        if stamps is not None:
+            stamps(tid, "offered")
         reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        if stamps is not None:
+            stamps(tid, "copied")
         if not reply.ok:
             job.token._fail(f"refused by {address}: {reply.error}")
             if reply.bye:
@@ -326,8 +356,12 @@ class CudaIpcTransferBackend:
         with job.lock:
             ok = not job.token.finished()  # aborted while the peer copied: its copy is void
         conn.send_all([memoryview(Commit(tid, ok).pack())])
+        if stamps is not None:
+            stamps(tid, "committed")
         reply = Reply.parse(conn.read_frame(MAX_FRAME))
         if ok and reply.ok:
+            if stamps is not None:
+                stamps(tid, "done")
             job.token._advance(TransferState.DONE)
         elif ok:
             job.token._fail(f"refused by {address}: {reply.error}")

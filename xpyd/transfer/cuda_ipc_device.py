@@ -9,8 +9,11 @@
   ``DeviceError``);
 - ``mark()``: a point on the device's current stream (a CUDA event), recorded on the calling (engine)
   thread; ``wait(mark)``: the calling (transfer) thread waits until the device passed it;
-- ``copy(peer, pieces, after)``: one device copy per ``(src offset, dst offset, bytes)`` piece from the
-  peer's pool into ours, after ``after`` (a mark), then a fence: it returns once the bytes landed.
+- ``copy(peer, pieces, after, timed)``: the ``(src offset, dst offset, bytes)`` pieces from the peer's pool
+  into ours, after ``after`` (a mark), then a fence: it returns once the bytes landed (``timed``: with when
+  the copies were enqueued and how long the device took, ``CopyTimes``; else None). ``CudaOps`` makes one
+  ``copy_`` per piece for up to ``FEW_PIECES`` pieces (each a full-speed device memcpy), else one launch of
+  ``cuda_ipc_kernel.copy_runs`` for all of them (``torch._foreach_copy_`` where Triton is missing).
 
 Two implementations: ``CudaOps`` (torch's CUDA IPC: ``untyped_storage()._share_cuda_()`` on the sender,
 ``UntypedStorage._new_shared_cuda`` on the receiver, as ``torch.multiprocessing.reductions`` does; copies
@@ -23,14 +26,27 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 
+from xpyd.transfer import cuda_ipc_kernel
+
 MAX_HANDLE = 4096  # bytes of one handle field (a cudaIpcMemHandle is 64; expandable segments carry more)
 
 Piece = tuple[int, int, int]  # (src offset in the peer's pool, dst offset in ours, bytes)
+FEW_PIECES = 2  # up to this many pieces: one copy_ each; more: one launch for all
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTimes:
+    """Of one timed ``copy``: when its copies were all enqueued (``time.perf_counter_ns``) and the device time
+    from the first to the last (CUDA events around them; the host clock for ``HostOps``), in seconds."""
+
+    enqueued_ns: int
+    device_s: float
 
 
 class DeviceError(Exception):
@@ -76,7 +92,8 @@ class DeviceOps(Protocol):
     def open(self, export: Export) -> object: ...
     def mark(self) -> object: ...
     def wait(self, mark: object) -> None: ...
-    def copy(self, peer: object, pieces: Sequence[Piece], after: object | None) -> None: ...
+    def copy(self, peer: object, pieces: Sequence[Piece], after: object | None,
+             timed: bool = False) -> CopyTimes | None: ...
     def close(self) -> None: ...
 
 
@@ -97,6 +114,7 @@ class CudaOps:
         self._stream = None
         self._export: Export | None = None
         self._lock = threading.Lock()
+        self._runs = None  # copies many pieces in one launch (cuda_ipc_kernel)
 
     def attach(self, pool) -> int:
         torch = self._torch
@@ -108,6 +126,8 @@ class CudaOps:
         self._pool, self._device = pool, pool.device
         self._bytes = pool.view(-1).view(torch.uint8)
         self._stream = torch.cuda.Stream(device=pool.device)
+        unavailable = cuda_ipc_kernel.why_unavailable(pool.device)
+        self._runs = cuda_ipc_kernel.copy_runs if unavailable is None else cuda_ipc_kernel.copy_runs_foreach
         return self._bytes.numel()
 
     def uuid(self) -> str:
@@ -146,17 +166,27 @@ class CudaOps:
     def wait(self, mark) -> None:
         mark.synchronize()
 
-    def copy(self, peer, pieces: Sequence[Piece], after) -> None:
+    def copy(self, peer, pieces: Sequence[Piece], after, timed: bool = False) -> CopyTimes | None:
         torch = self._torch
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
                 if after is not None:
                     self._stream.wait_event(after)
-                for s, d, n in pieces:
-                    self._bytes[d: d + n].copy_(peer[s: s + n], non_blocking=True)
+                if timed:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(self._stream)
+                if len(pieces) <= FEW_PIECES:
+                    for s, d, n in pieces:
+                        self._bytes[d: d + n].copy_(peer[s: s + n], non_blocking=True)
+                else:
+                    self._runs(self._bytes, peer, pieces)
+                if timed:
+                    end.record(self._stream)
+                    enqueued = time.perf_counter_ns()
             self._stream.synchronize()
         except Exception as e:
             raise DeviceError(f"device copy failed: {e}") from None
+        return CopyTimes(enqueued, start.elapsed_time(end) / 1e3) if timed else None
 
     def close(self) -> None:
         self._pool = self._bytes = None
@@ -237,12 +267,15 @@ class HostOps:
         self.waiting.set()
         mark.wait()
 
-    def copy(self, peer: np.ndarray, pieces: Sequence[Piece], after) -> None:
+    def copy(self, peer: np.ndarray, pieces: Sequence[Piece], after, timed: bool = False) -> CopyTimes | None:
         if after is not None:
             after.wait()
+        start = time.perf_counter_ns()
         for s, d, n in pieces:
             self._array[d: d + n] = peer[s: s + n]
             self.copies += 1
+        end = time.perf_counter_ns()
+        return CopyTimes(end, (end - start) / 1e9) if timed else None
 
     def close(self) -> None:
         if self._array is not None:
