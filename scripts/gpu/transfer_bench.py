@@ -11,9 +11,16 @@ The baseline is a plain device-to-device copy of the same 512 MiB inside this pr
 events in the same run. Rates are counted as the issue counts a copy: bytes read + bytes written (2x the
 payload), for the copy and for the transfer alike; the payload rate (1x) is printed too.
 
+Scattered placements are copied three ways on the receiver, over the same placements: one launch of the
+Triton copy kernel over all pieces (``cuda_ipc_kernel.copy_runs``, what ``CudaOps`` does with more than
+``FEW_PIECES`` pieces), ``torch._foreach_copy_``, and one ``copy_`` per piece (what it did before). Each
+row reports the end-to-end time (send() to the sender's DONE, host clock) and the data path alone (the
+receiver's copies, CUDA events around them), and a breakdown of where the end-to-end time goes: both
+sides' ``Stamps`` (perf_counter_ns, one clock for both processes), stage by stage.
+
     python scripts/gpu/transfer_bench.py [--reps 10] [--pool-blocks 1024]
 
-CUDA only; about 20 s on an H200 (most of it the child's start).
+CUDA only; about 30 s on an H200 (most of it the child's start and Triton's first compile).
 """
 
 from __future__ import annotations
@@ -40,28 +47,44 @@ PROMPT = 4096
 RECEIVER = textwrap.dedent("""
     import json, sys
     import torch
-    from xpyd.transfer import make_backend
+    from xpyd.transfer import cuda_ipc_device, cuda_ipc_kernel, make_backend
     from xpyd.transfer.base import Region
+    from xpyd.transfer.cuda_ipc_stamps import Stamps
     nbytes = int(sys.argv[1])
     pool = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     backend = make_backend("cuda_ipc", io_timeout=60.0)
     print(json.dumps(backend.register(pool).to_dict()), flush=True)
+    backend.stamps = Stamps()
+    runs = backend._ops._runs  # (what CudaOps picked for many pieces: the kernel, or foreach without Triton)
     tokens = {}
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "expect":
+        if cmd["op"] == "mode":  # how the receiver copies many pieces
+            cuda_ipc_device.FEW_PIECES = 1 << 40 if cmd["mode"] == "copy_" else 2
+            backend._ops._runs = cuda_ipc_kernel.copy_runs_foreach if cmd["mode"] == "foreach" else runs
+            out = {"runs": backend._ops._runs.__name__}
+        elif cmd["op"] == "expect":
             tokens[cmd["id"]] = backend.expect(cmd["id"], [Region(*r) for r in cmd["dst"]],
                                                secret=bytes.fromhex(cmd["secret"]))
             out = {}
-        else:  # "check": the first and last bytes of each dst run, to prove the bytes landed
+        else:  # "check": the first and last bytes of each dst run, to prove the bytes landed; the stamps
             tok = tokens.pop(cmd["id"])
             tok.wait(60)
             flat = pool.view(torch.uint8)
-            out = {"state": tok.state().name, "error": tok.error,
+            stages, device_s = backend.stamps.take(cmd["id"])
+            out = {"state": tok.state().name, "error": tok.error, "stages": stages, "device_s": device_s,
                    "sample": [int(flat[o]) ^ int(flat[o + n - 1]) for o, n in cmd["dst"]]}
         print(json.dumps(out), flush=True)
     backend.close()
 """)
+
+# the stages of a transfer in causal order (each side's clock is CLOCK_MONOTONIC: one clock for both)
+ORDER = [("sender", "send", "send() called"), ("sender", "marked", "forward's event complete"),
+         ("sender", "offered", "Offer written"), ("receiver", "claimed", "offer read, MAC checked, claimed"),
+         ("receiver", "opened", "sender's handle open"), ("receiver", "enqueued", "copies enqueued"),
+         ("receiver", "synced", "copy stream synced"), ("sender", "copied", "Reply read (bytes landed)"),
+         ("sender", "committed", "Commit written"), ("receiver", "commit_read", "Commit read (receiver DONE)"),
+         ("sender", "done", "last Reply read (sender DONE)")]
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -91,6 +114,10 @@ def device_copy_seconds(torch, nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
+PATHS = [("contiguous", "runs"), ("scattered", "runs"), ("scattered", "foreach"), ("scattered", "copy_")]
+LABEL = {"runs": "", "foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
@@ -102,6 +129,8 @@ def main() -> None:
     from xpyd.transfer.auth import new_secret
     from xpyd.transfer.base import BackendDescriptor, Region
     from xpyd.transfer.cuda_ipc import pieces
+    from xpyd.transfer.cuda_ipc_device import FEW_PIECES
+    from xpyd.transfer.cuda_ipc_stamps import Stamps
 
     if not torch.cuda.is_available():
         raise SystemExit("transfer_bench needs a CUDA GPU")
@@ -112,7 +141,6 @@ def main() -> None:
     payload = prompt_blocks * BLOCK_BYTES
     pool = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     pool.view(torch.uint8).copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda"))
-    host = None  # the sender's bytes, for the receiver's check (first and last byte of each run)
 
     child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(nbytes)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -127,23 +155,24 @@ def main() -> None:
 
     sender = make_backend("cuda_ipc", io_timeout=60.0)
     sender.register(pool)
+    sender.stamps = Stamps()
     rng = np.random.default_rng(0)
-    rows = []
+    scattered = [(runs(rng.choice(args.pool_blocks, prompt_blocks, replace=False).tolist()),
+                  runs(rng.choice(args.pool_blocks, prompt_blocks, replace=False).tolist()))
+                 for _ in range(args.reps + 1)]  # the same placements for every way of copying them
+    contiguous = [(runs(list(range(prompt_blocks))), runs(list(range(prompt_blocks))))] * (args.reps + 1)
+    rows, breakdowns, first_open = [], {}, None
     try:
         line = child.stdout.readline()
         if not line:
             raise SystemExit(f"the receiver process exited ({child.poll()})")
         peer = BackendDescriptor.from_dict(json.loads(line))
-        host = pool.view(torch.uint8).cpu().numpy()
-        for placement in ("contiguous", "scattered"):
-            times, copies = [], 0
-            for rep in range(args.reps + 1):  # the first one opens the handle: not timed
-                if placement == "contiguous":
-                    src, dst = runs(list(range(prompt_blocks))), runs(list(range(prompt_blocks)))
-                else:
-                    src = runs(rng.choice(args.pool_blocks, prompt_blocks, replace=False).tolist())
-                    dst = runs(rng.choice(args.pool_blocks, prompt_blocks, replace=False).tolist())
-                tid, secret = f"{placement}-{rep}", new_secret()
+        host = pool.view(torch.uint8).cpu().numpy()  # the sender's bytes, for the receiver's check
+        for placement, mode in PATHS:
+            how = ask(op="mode", mode=mode)["runs"]
+            times, device, stages = [], [], []
+            for rep, (src, dst) in enumerate(scattered if placement == "scattered" else contiguous):
+                tid, secret = f"{placement}-{mode}-{rep}", new_secret()
                 ask(op="expect", id=tid, dst=dst, secret=secret.hex())
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -161,27 +190,52 @@ def main() -> None:
                 if check["state"] != "DONE" or check["sample"] != want:
                     raise SystemExit(f"transfer {tid}: the receiver saw {check['state']}, bytes "
                                      f"{'right' if check['sample'] == want else 'WRONG'}")
-                if rep:
+                both = {"sender": sender.stamps.take(tid)[0], "receiver": check["stages"]}
+                if first_open is None:  # the connection's first offer opens the sender's handle
+                    first_open = (both["receiver"]["opened"] - both["receiver"]["claimed"]) / 1e6
+                if rep:  # the first one (of each path) is not timed
                     times.append(elapsed)
-                copies = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
-            t = statistics.median(times)
-            rows.append((f"cuda_ipc, {placement} blocks ({copies} copies)", t, payload / t, 2 * payload / t))
+                    device.append(check["device_s"])
+                    stages.append({(side, stage): ns - both["sender"]["send"]
+                                   for side, row in both.items() for stage, ns in row.items()})
+            n = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
+            how = f"{n} copies" if n <= FEW_PIECES or mode == "copy_" else f"{n} pieces, {how}"
+            label = f"cuda_ipc, {placement}{LABEL[mode]} ({how})"
+            rows.append((label, statistics.median(times), statistics.median(device)))
+            breakdowns[label] = {key: statistics.median(s[key] for s in stages) / 1e6 for key in stages[0]}
         t = device_copy_seconds(torch, payload, args.reps)
-        rows.append(("device copy, one process (copy_)", t, payload / t, 2 * payload / t))
     finally:
         sender.close()
         child.stdin.close()
         child.wait(30)
+    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open)
 
-    name = torch.cuda.get_device_name()
+
+def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float) -> None:
     print(f"\n{name}: {PROMPT}-token prompt, Llama-3-8B KV shape ({TOKEN_BYTES // 1024} KiB/token), "
-          f"{payload >> 20} MiB; median of {args.reps}")
-    print(f"{'path':48} {'ms':>8} {'payload GB/s':>13} {'read+write GB/s':>16} {'vs copy':>8}")
-    copy_rw = rows[-1][3]
-    for label, t, one, rw in rows:
-        print(f"{label:48} {t * 1e3:8.3f} {one / 1e9:13.1f} {rw / 1e9:16.1f} {rw / copy_rw:8.0%}")
-    print("(read+write: bytes read + bytes written, 2x the payload, as a device copy's bandwidth is counted; "
-          "the transfer's time is send() to DONE on the sender, control round trips included)")
+          f"{payload >> 20} MiB; median of {reps}")
+    copy_rw = 2 * payload / copy_s
+    print(f"{'path':62} {'end-to-end':>22} {'data path alone':>22}")
+    print(f"{'':62} {'ms':>7} {'r+w GB/s':>9} {'vs':>5} {'ms':>7} {'r+w GB/s':>9} {'vs':>5}")
+    for label, t, dev in rows:
+        print(f"{label:62} {t * 1e3:7.3f} {2 * payload / t / 1e9:9.1f} {2 * payload / t / copy_rw:5.0%} "
+              f"{dev * 1e3:7.3f} {2 * payload / dev / 1e9:9.1f} {2 * payload / dev / copy_rw:5.0%}")
+    print(f"{'device copy, one process (copy_, CUDA events)':62} {'':7} {'':9} {'':5} "
+          f"{copy_s * 1e3:7.3f} {copy_rw / 1e9:9.1f} {1:5.0%}")
+    print("end-to-end: send() to the sender's DONE (host clock; the receiver's DONE is a step earlier, below),\n"
+          "control round trips included. data path alone: the receiver's copies, CUDA events around them.\n"
+          "r+w: bytes read + bytes written (2x the payload), as a device copy's bandwidth is counted; vs: / the "
+          "device copy.")
+    for label, stages in breakdowns.items():
+        print(f"\nwhere the time goes, {label} (ms since send(), median; step: since the previous stage)")
+        prev = 0.0
+        for side, stage, what in ORDER:
+            at = stages.get((side, stage))
+            if at is None:
+                continue
+            print(f"  {side:9} {stage:12} {what:36} {at:8.3f} {at - prev:+8.3f}")
+            prev = at
+    print(f"\nfirst offer of the connection: opening the sender's handle took {first_open:.3f} ms (not timed above)")
 
 
 if __name__ == "__main__":
