@@ -2,7 +2,8 @@
 receiver (decode), each with its own pool; KV moves through the real CUDA IPC handle, one device copy per run.
 
 Checks exact bytes (the receiver's whole pool hashed against the expected image: the dst regions hold the
-src bytes, nothing else changed), that a transfer sent right behind a kernel still writing its source waits
+src bytes, nothing else changed), through one copy_ per piece and through the copy kernel's one launch (many
+pieces, aligned or at odd bytes), the kernel itself in one process, the stamps of each stage, that a transfer sent right behind a kernel still writing its source waits
 for it, and the aborts that can be placed for sure on a device (sender before it offers, receiver).
 """
 
@@ -31,11 +32,13 @@ RECEIVER = textwrap.dedent("""
     import torch
     from xpyd.transfer import make_backend
     from xpyd.transfer.base import Region
+    from xpyd.transfer.cuda_ipc_stamps import Stamps
     size = int(sys.argv[1])
     pool = torch.full((size // 2,), 0, dtype=torch.bfloat16, device="cuda")
     pool.view(torch.uint8).fill_(0xAA)
     backend = make_backend("cuda_ipc", io_timeout=30.0)
     print(json.dumps(backend.register(pool).to_dict()), flush=True)
+    backend.stamps = Stamps()
     tokens = {}
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -50,7 +53,9 @@ RECEIVER = textwrap.dedent("""
             tok = tokens[tid]
             tok.wait(cmd["timeout"])
             host = pool.view(torch.uint8).cpu().numpy().tobytes()
-            out = {"state": tok.state().name, "error": tok.error, "sha": hashlib.sha256(host).hexdigest()}
+            stages, device_s = backend.stamps.take(tid)
+            out = {"state": tok.state().name, "error": tok.error, "sha": hashlib.sha256(host).hexdigest(),
+                   "stages": list(stages), "device_s": device_s}
         print(json.dumps(out), flush=True)
     backend.close()
 """)
@@ -185,3 +190,44 @@ def test_a_receiver_abort_refuses_the_offer(sides):
     answer = receiver.ask(op="state", id="r", timeout=0)
     assert answer["state"] == "FAILED"
     assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
+
+
+def test_pieces_at_odd_bytes_arrive_exactly_through_one_launch(sides):
+    sender, pool, receiver = sides
+    from xpyd.transfer.cuda_ipc_device import FEW_PIECES
+
+    rng = np.random.default_rng(5)
+    starts = np.sort(rng.choice(SIZE // 8192, size=40, replace=False)) * 8192
+    src = [(int(o) + 3, int(n)) for o, n in zip(starts, rng.integers(1, 8000, size=40))]  # 1-byte words
+    dst = [(int(o) + 5, n) for o, (_, n) in zip(starts[::-1], src)]
+    assert len(src) > FEW_PIECES
+    tok = _transfer(sender, pool, receiver, "odd", src, dst)
+    assert tok.wait(TIMEOUT) and tok.state().name == "DONE", tok.error
+    _land(receiver, pool, src, dst)
+    answer = receiver.ask(op="state", id="odd", timeout=TIMEOUT)
+    assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
+    from xpyd.transfer.cuda_ipc_stamps import RECEIVER_STAGES
+
+    assert answer["stages"] == list(RECEIVER_STAGES) and answer["device_s"] > 0
+
+
+@pytest.mark.parametrize("way", ["copy_runs", "copy_runs_foreach"])
+def test_the_copy_kernel_on_the_device_matches_a_copy_per_piece(way):
+    from xpyd.transfer import cuda_ipc_kernel
+
+    if way == "copy_runs" and cuda_ipc_kernel.why_unavailable(torch.device("cuda")):
+        pytest.skip(cuda_ipc_kernel.why_unavailable(torch.device("cuda")))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, device="cuda", generator=gen)
+    dst = torch.full((SIZE,), FILL, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(9)
+    for unit, shift in [(2 << 20, 0), (4096, 0), (4096, 8), (4096, 1)]:  # 16-byte vectors, 8-byte, 1-byte words
+        blocks = rng.choice(SIZE // unit - 1, size=min(64, SIZE // unit // 2), replace=False)
+        pieces = [(int(b) * unit + shift, int(b2) * unit + shift, unit - shift)
+                  for b, b2 in zip(blocks, rng.permutation(blocks))]
+        want = dst.clone()
+        for s, d, n in pieces:
+            want[d: d + n] = src[s: s + n]
+        getattr(cuda_ipc_kernel, way)(dst, src, pieces)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, want), (unit, shift)

@@ -1,4 +1,4 @@
-"""CUDA IPC transfer backend: KV moves device to device between two processes on one GPU, one copy per run.
+"""CUDA IPC transfer backend: KV moves device to device between two processes on one GPU, no host staging.
 
 Both workers' pools are CUDA tensors on the same GPU. A transfer is pulled, with the control channel of
 shm and nixl (``cuda_ipc_wire``; TCP loopback, length-prefixed msgpack): the sender connects to the
@@ -7,8 +7,8 @@ pool's CUDA IPC handle (exported once, ``cuda_ipc_device``); the receiver refuse
 or another GPU. Per transfer the sender offers its ``src`` regions with a MAC that proves it holds the
 transfer's secret (``auth``); the *receiver* checks it, claims the transfer it ``expect``ed, opens the
 sender's handle (at the connection's first offer that checks out: a stranger's handle is never opened),
-copies each (src run, dst run) piece with one device copy on a stream of its own, in batches of about
-``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more bytes
+copies the (src run, dst run) pieces on a stream of its own (one device copy each for a few, one kernel
+launch for many: ``cuda_ipc_kernel``), in batches of about ``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more bytes
 land), replies, and the sender commits (its source stayed valid: it did not abort meanwhile) before the
 receiver marks DONE (``pull.commit_round_trip``, as nixl). No byte passes through host memory.
 

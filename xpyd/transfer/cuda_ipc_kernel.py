@@ -10,8 +10,9 @@ far more than the 2 MiB takes to move, so the device sits idle between them. Her
 - ``word_bytes`` picks the widest word (8, 4, 2 or 1 bytes) that divides every offset, length and both
   tensors' addresses, and ``vector`` whether they are 16-byte aligned too (then each thread moves 16 bytes
   per load and store);
-- ``copy_runs(dst, src, pieces)`` sends the table to the device in one copy (on the current stream) and
-  launches one kernel, one program per chunk, that copies its chunk in ``BLOCK_BYTES`` steps.
+- ``copy_runs(dst, src, pieces)`` sends the table to the device in one copy (on the current stream, from
+  pinned memory: a copy from pageable memory would first wait for the stream on the host) and launches one
+  kernel, one program per chunk, that copies its chunk in ``BLOCK_BYTES`` steps.
 
 No host synchronisation: the caller fences (``CudaOps.copy`` synchronises its stream once per batch).
 ``copy_runs_foreach`` is the same copy through ``torch._foreach_copy_`` (multi-tensor apply: a few
@@ -98,7 +99,10 @@ def copy_runs(dst, src, pieces: Sequence[Piece], chunk: int = CHUNK_BYTES, block
     dtype = getattr(torch, _DTYPES[w])
     vec = 16 // w if w == 8 and vector(table, dst.data_ptr(), src.data_ptr()) else 1
     n = table.shape[1]
-    words = torch.from_numpy(table // w).reshape(-1).to(dst.device, non_blocking=True)
+    words = torch.from_numpy((table // w).reshape(-1))
+    if dst.device.type == "cuda":  # from pinned memory (torch's caching host allocator: reused, and not before
+        words = words.pin_memory()  # this copy is done), so that the upload waits for nothing on the host
+    words = words.to(dst.device, non_blocking=True)
     kernel = _kernel(_interpreting() or dst.device.type == "cpu")
     kernel[(n,)](_words(src, w, dtype), _words(dst, w, dtype), words, n, CHUNK=chunk // w,
                  BLOCK=block // w, VEC=vec, num_warps=NUM_WARPS)
