@@ -1,10 +1,11 @@
 """cuda_ipc on a real GPU: the test process is the sender (prefill), a child process on the same GPU the
-receiver (decode), each with its own pool; KV moves through the real CUDA IPC handle, one device copy per run.
+receiver (decode), each with its own pool; KV moves through the real CUDA IPC handle, device to device.
 
 Checks exact bytes (the receiver's whole pool hashed against the expected image: the dst regions hold the
 src bytes, nothing else changed), through one copy_ per piece and through the copy kernel's one launch (many
-pieces, aligned or at odd bytes), the kernel itself in one process, the stamps of each stage, that a transfer sent right behind a kernel still writing its source waits
-for it, and the aborts that can be placed for sure on a device (sender before it offers, receiver).
+pieces, aligned or at odd bytes), the kernel itself in one process, the stamps of each stage, that a
+transfer sent right behind a kernel still writing its source waits for it, and the aborts that can be placed
+for sure on a device (sender before it offers, receiver).
 """
 
 from __future__ import annotations

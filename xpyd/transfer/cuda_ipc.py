@@ -8,9 +8,10 @@ or another GPU. Per transfer the sender offers its ``src`` regions with a MAC th
 transfer's secret (``auth``); the *receiver* checks it, claims the transfer it ``expect``ed, opens the
 sender's handle (at the connection's first offer that checks out: a stranger's handle is never opened),
 copies the (src run, dst run) pieces on a stream of its own (one device copy each for a few, one kernel
-launch for many: ``cuda_ipc_kernel``), in batches of about ``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more bytes
-land), replies, and the sender commits (its source stayed valid: it did not abort meanwhile) before the
-receiver marks DONE (``pull.commit_round_trip``, as nixl). No byte passes through host memory.
+launch for many: ``cuda_ipc_kernel``), in batches of about ``COPY_BATCH`` bytes, each under the transfer's
+lock and fenced (so once ``abort()`` returns no more bytes land), replies, and the sender commits (its
+source stayed valid: it did not abort meanwhile) before the receiver marks DONE (``pull.commit_round_trip``,
+as nixl). No byte passes through host memory.
 
 Ordering with the engines: ``send()`` runs on the prefill engine's thread right after the forward that
 wrote the KV; it records a mark (a CUDA event) on the current stream there, and the sender thread waits

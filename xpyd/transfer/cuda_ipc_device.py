@@ -24,6 +24,7 @@ torch is imported only by ``CudaOps``.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -33,6 +34,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from xpyd.transfer import cuda_ipc_kernel
+
+log = logging.getLogger(__name__)
 
 MAX_HANDLE = 4096  # bytes of one handle field (a cudaIpcMemHandle is 64; expandable segments carry more)
 
@@ -126,9 +129,26 @@ class CudaOps:
         self._pool, self._device = pool, pool.device
         self._bytes = pool.view(-1).view(torch.uint8)
         self._stream = torch.cuda.Stream(device=pool.device)
-        unavailable = cuda_ipc_kernel.why_unavailable(pool.device)
-        self._runs = cuda_ipc_kernel.copy_runs if unavailable is None else cuda_ipc_kernel.copy_runs_foreach
+        self._runs = self._warm_runs(pool.device)
         return self._bytes.numel()
+
+    def _warm_runs(self, device):
+        """The copy of many pieces: the kernel, compiled now (not in the first transfer) for 16-byte-aligned
+        pieces, the common case, or ``_foreach_copy_`` where Triton is missing or cannot compile it."""
+        unavailable = cuda_ipc_kernel.why_unavailable(device)
+        if unavailable is None:
+            try:
+                with self._torch.cuda.device(device):
+                    scratch = self._torch.zeros(1024, dtype=self._torch.uint8, device=device)
+                    for n in (2, 16):  # (Triton compiles a count of 1, of a multiple of 16 and of others apart)
+                        pieces = [(16 * i, 16 * i, 16) for i in range(n)]
+                        cuda_ipc_kernel.copy_runs(scratch[512:], scratch[:512], pieces)
+                    self._torch.cuda.synchronize(device)
+                return cuda_ipc_kernel.copy_runs
+            except Exception as e:  # (a Triton that cannot build for this device)
+                unavailable = f"the copy kernel did not build: {e}"
+        log.warning("cuda_ipc: many pieces copy with torch._foreach_copy_ (%s)", unavailable)
+        return cuda_ipc_kernel.copy_runs_foreach
 
     def uuid(self) -> str:
         return str(self._torch.cuda.get_device_properties(self._device).uuid)

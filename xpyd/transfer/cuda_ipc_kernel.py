@@ -132,7 +132,8 @@ def _check(dst, src, table: np.ndarray) -> None:
             raise ValueError(f"{name} must be a flat contiguous uint8 tensor")
     if src.device != dst.device:
         raise ValueError(f"src on {src.device}, dst on {dst.device}: one device only")
-    if table.size and (int((table[0] + table[2]).max()) > src.numel() or int((table[1] + table[2]).max()) > dst.numel()):
+    ends = table[:2] + table[2]
+    if table.size and (int(ends[0].max()) > src.numel() or int(ends[1].max()) > dst.numel()):
         raise ValueError("a piece runs past the end of its pool")
 
 
