@@ -365,3 +365,27 @@ def test_the_copy_kernel_says_why_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="past the end"):
         cuda_ipc_kernel.copy_runs_foreach(torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8),
                                           [(0, 8, 9)])
+
+
+def test_the_kernel_moves_16_bytes_per_load_and_store_for_aligned_pieces():
+    """Compiled for an H100/H200 (sm_90) here, without a GPU: the PTX of 16-byte-aligned pieces (the
+    ``VEC`` hint) loads and stores the data in 16-byte vectors; without the hint, 8 bytes at a time."""
+    triton = pytest.importorskip("triton", reason="the copy kernel needs Triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def data_ops(vec: int) -> set[str]:
+        source = ASTSource(cuda_ipc_kernel._kernel(False),
+                           signature={"src": "*i64", "dst": "*i64", "table": "*i64", "n": "i32",
+                                      "CHUNK": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr"},
+                           constexprs={"CHUNK": 4096, "BLOCK": 2048, "VEC": vec},
+                           attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+        try:
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        except Exception as e:  # (a Triton build without the CUDA backend's tools)
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        ops = {line.split()[1] for line in ptx.splitlines() if line.strip().startswith("@")}
+        return {op for op in ops if op.startswith(("ld.global", "st.global"))}
+
+    assert data_ops(2) == {"ld.global.v2.b64", "st.global.v2.b64"}
+    assert data_ops(1) == {"ld.global.b64", "st.global.b64"}
