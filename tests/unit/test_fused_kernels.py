@@ -61,8 +61,10 @@ def determined(exact: torch.Tensor, rel: torch.Tensor | float, dtype: torch.dtyp
 
 def check_exact_where_determined(out, ref, mask):
     assert torch.equal(out[mask], ref[mask]), f"{int((out[mask] != ref[mask]).sum())} determined elements differ"
-    if out.dtype != torch.float32:  # half dtypes: nearly everything is determined, so the check is not vacuous
-        assert mask.float().mean() > 0.9
+    # not vacuous: in bf16/fp16 an interval of relative width 2 delta covers a rounding midpoint with
+    # probability about 2 delta / 2^-p; float32 (delta >> its spacing) relies on the bound alone
+    if out.dtype != torch.float32:
+        assert mask.float().mean() > 0.25
 
 
 def rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
