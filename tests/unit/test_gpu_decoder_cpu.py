@@ -32,10 +32,16 @@ def _prefilled(runner: ModelRunner, prompts: list[list[int]], room: int):
     return tables, tokens
 
 
-def test_paged_decoder_steps_match_the_lean_forward_and_padding_writes_nothing(tiny_model_dir, interpreter):
+@pytest.mark.parametrize("use_fused", [True, False], ids=["fused-kernels", "torch-ops"])
+def test_paged_decoder_steps_match_the_lean_forward_and_padding_writes_nothing(tiny_model_dir, interpreter, use_fused):
     runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=48, max_seq_len=128, block_size=4)
     fast, pool = runner.fast_path, runner.pool.tensor
-    decoder = PagedDecoder(fast, pool, runner.pool.layout.blocks_for(128), max_batch=4, graphs=False)
+    g = torch.Generator().manual_seed(3)
+    for weight in [w for layer in fast.layers for w in (layer.ln1, layer.ln2)] + [fast.norm]:
+        weight.copy_(torch.rand(weight.shape, generator=g) + 0.5)  # (transformers inits norm scales to 1: all alike)
+    decoder = PagedDecoder(fast, pool, runner.pool.layout.blocks_for(128), max_batch=4, graphs=False,
+                           use_fused=use_fused)
+    assert decoder.fused is use_fused
     assert decoder.sizes == (1, 2, 4) and decoder.graph_sizes == ()
     prompts = [[5, 9, 13, 2, 7, 7, 1], [4, 8, 15, 16, 23, 42, 3, 3, 9, 11, 30], [6, 6, 1]]
     tables, tokens = _prefilled(runner, prompts, room=8)
