@@ -197,6 +197,14 @@ def test_rope_split_is_fast_llamas_rope_bit_for_bit(dtype, t, heads, positions_d
     fused.rope_split(qkv, cos, sin, positions, q, k, v)
     check_rope_split(qkv, cos, sin, positions, q, k, v)
     assert torch.equal(qkv, before)
+    # positions as a strided view (every other element of a longer buffer)
+    spread = torch.zeros(2 * t, dtype=positions_dtype)
+    spread[::2] = positions
+    spread[1::2] = 10**6  # read instead of the real positions, these would give NaN rows
+    for out in (q, k, v):
+        out.fill_(float("nan"))
+    fused.rope_split(qkv, cos, sin, spread[::2], q, k, v)
+    check_rope_split(qkv, cos, sin, positions, q, k, v)
 
 
 def test_rope_split_head_dim_not_a_power_of_two_and_a_position_outside_the_tables():

@@ -119,7 +119,7 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, p
     kern = _kernels(qkv.device.type == "cpu")
     kern.rope_split[(rows, heads)](
         qkv, cos, sin_signed, positions, q_out, k_out, v_out,
-        qkv.stride(0), cos.stride(0), sin_signed.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
+        positions.stride(0), qkv.stride(0), cos.stride(0), sin_signed.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
         nh, nkv, head_dim, cos.shape[0],
         BLOCK_D=_pa._next_power_of_2(head_dim), num_warps=1, enable_fp_fusion=False)
 
@@ -224,7 +224,8 @@ if triton is not None:
         tl.store(out_ptr + row * so + cols, out, mask=mask)
 
     def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
-                           s_qkv, s_cos, s_sin, s_q, s_k, s_v, NH, NKV, HD, MAX_POS, BLOCK_D: tl.constexpr):
+                           s_pos, s_qkv, s_cos, s_sin, s_q, s_k, s_v, NH, NKV, HD, MAX_POS,
+                           BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
@@ -235,7 +236,7 @@ if triton is not None:
         is_v = head >= NH + NKV
         # q and k heads: rotate; v heads: copy (their cos/sin reads are masked off)
         rot = dmask & (head < NH + NKV)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
+        pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
         valid = (pos >= 0) & (pos < MAX_POS)
         p = tl.where(valid, pos, 0)
         cos = tl.load(cos_ptr + p * s_cos + d, mask=rot, other=0.0).to(tl.float32)
