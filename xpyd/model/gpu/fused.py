@@ -119,7 +119,8 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, p
     kern = _kernels(qkv.device.type == "cpu")
     kern.rope_split[(rows, heads)](
         qkv, cos, sin_signed, positions, q_out, k_out, v_out,
-        positions.stride(0), qkv.stride(0), cos.stride(0), sin_signed.stride(0), q_out.stride(0), k_out.stride(0), v_out.stride(0),
+        positions.stride(0), qkv.stride(0), cos.stride(0), sin_signed.stride(0),
+        q_out.stride(0), k_out.stride(0), v_out.stride(0),
         nh, nkv, head_dim, cos.shape[0],
         BLOCK_D=_pa._next_power_of_2(head_dim), num_warps=1, enable_fp_fusion=False)
 
