@@ -5,8 +5,13 @@ process receives (decode) and READs the bytes straight out of the sender's GPU p
 
 Checks exact bytes (the receiver's whole pool hashed against the expected image: the dst regions hold
 the src bytes, nothing else changed), that the handshake names both pools' memory (the sender's Hello as the
-receiver parsed it, and the memory types every READ named on both sides), and one host pool -> GPU pool.
-If UCX cannot move CUDA memory here, the transfer fails within its timeouts and the test says so.
+receiver parsed it, and the memory types every READ named on both sides), one host pool -> GPU pool, and
+that a send right behind a kernel still writing its source waits for it. If UCX cannot move CUDA memory
+here, the transfer fails within its timeouts and the test says so.
+
+On a CPU (NIXL installed, host pools): the stream ordering's protocol, with the CUDA events replaced by
+gates: the sender offers only once the mark ``send()`` took completed, the receiver READs only once the mark
+``expect()`` took completed, and no mark outlives its transfer.
 """
 
 from __future__ import annotations
@@ -38,10 +43,8 @@ def _nixl_missing() -> str | None:
     return None
 
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nixl READs GPU pool to GPU pool)"),
-    pytest.mark.skipif(_nixl_missing() is not None, reason=f"needs NIXL: {_nixl_missing()}"),
-]
+pytestmark = pytest.mark.skipif(_nixl_missing() is not None, reason=f"needs NIXL: {_nixl_missing()}")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nixl READs GPU pool to GPU pool)")
 
 SIZE = 64 << 20  # bytes of each pool
 FILL = 0xAA
@@ -207,6 +210,7 @@ def _move(sender, t, receiver, tid, src, dst) -> dict:
     return answer
 
 
+@gpu
 def test_gpu_pool_to_gpu_pool_random_regions_arrive_exactly_and_the_handshake_says_vram(receiver):
     from xpyd.transfer.base import DeviceMemory
 
@@ -229,6 +233,7 @@ def test_gpu_pool_to_gpu_pool_random_regions_arrive_exactly_and_the_handshake_sa
         sender.close()
 
 
+@gpu
 def test_host_pool_to_gpu_pool_arrives_exactly_and_the_handshake_says_dram_to_vram(receiver):
     sender, t, memory = _sender("cpu")
     try:
@@ -240,3 +245,60 @@ def test_host_pool_to_gpu_pool_arrives_exactly_and_the_handshake_says_dram_to_vr
         assert answer["reads"] == [[["DRAM", 0], ["VRAM", 0]]]
     finally:
         sender.close()
+
+
+@gpu
+def test_a_send_right_behind_a_kernel_still_writing_its_source_waits_for_it(receiver):
+    sender, t, _ = _sender("cuda")
+    try:
+        torch.cuda._sleep(200_000_000)  # keeps the current stream busy (~0.1 s) ...
+        t[: 8 << 20].fill_(0x3C)  # ... before this write lands; send() is called right after
+        answer = _move(sender, t, receiver, "late", [(0, 8 << 20)], [(0, 8 << 20)])
+        assert answer["state"] == "DONE"
+    finally:
+        sender.close()
+
+
+class Gate:
+    """Stands in for a GPU pool's CUDA events: ``mark()`` is ``open`` (complete once set); ``waiting`` is set
+    once a backend thread waits on it."""
+
+    def __init__(self) -> None:
+        self.open, self.waiting = threading.Event(), threading.Event()
+
+    def mark(self) -> threading.Event:
+        return self.open
+
+    def wait(self, mark: threading.Event) -> None:
+        self.waiting.set()
+        assert mark.wait(TIMEOUT)
+
+
+@pytest.mark.parametrize("side", ["send", "expect"])
+def test_a_transfer_waits_for_the_engine_stream_mark_of_each_side(side):
+    from xpyd.transfer.auth import new_secret
+    from xpyd.transfer.base import Region
+    from xpyd.transfer.selection import make_worker_backend
+
+    src_pool, dst_pool = bytearray(range(256)) * 256, bytearray(64 << 10)
+    sender = make_worker_backend("nixl", "127.0.0.1", 0, None)
+    receiver = make_worker_backend("nixl", "127.0.0.1", 0, None)
+    try:
+        sender.register(memoryview(src_pool))
+        desc = receiver.register(memoryview(dst_pool))
+        gate = Gate()
+        (sender if side == "send" else receiver)._marker = gate  # as register() sets it for a GPU pool
+        secret = new_secret()
+        got = receiver.expect("k", [Region(4096, 8192)], secret=secret)
+        sent = sender.send("k", [Region(100, 8192)], desc, [Region(4096, 8192)], secret=secret)
+        assert gate.waiting.wait(TIMEOUT), f"the {side} side never waited for its mark"
+        assert got.state().name == "PENDING" and not sent.finished()
+        assert dst_pool == bytearray(64 << 10)  # no byte moved before the mark completed
+        gate.open.set()
+        assert got.wait(TIMEOUT) and sent.wait(TIMEOUT)
+        assert got.state().name == "DONE" and sent.state().name == "DONE", (got.error, sent.error)
+        assert dst_pool[4096: 4096 + 8192] == src_pool[100: 100 + 8192]
+        assert sender._marks == {} and receiver._marks == {}  # no mark outlives its transfer
+    finally:
+        sender.close()
+        receiver.close()

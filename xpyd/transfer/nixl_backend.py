@@ -10,8 +10,12 @@ stranger's is never loaded) and posts NIXL READs from the sender's pool into its
 regions (16 MiB per request, each under the transfer's lock, so once ``abort()`` returns no more bytes
 land), replies, and the sender commits (its source stayed valid) before the receiver marks DONE.
 UCX moves the bytes: over shared memory (cma) on one host, RDMA or TCP between hosts. A pool on a GPU is
-registered as it is (``DeviceMemory`` -> NIXL ``VRAM``; never run on a GPU) and each side's Hello says where
-its pool lives, so READs name both sides' memory.
+registered as it is (``DeviceMemory`` -> NIXL ``VRAM``) and each side's Hello says where its pool lives, so
+READs name both sides' memory. Ordering with the engines' CUDA streams, as cuda_ipc's: ``send()`` (called on
+the prefill engine's thread right after the forward that wrote the KV) records a CUDA event on the current
+stream, and the sender offers only once it completed, so the receiver never READs KV still being written;
+``expect()`` records one on the decode engine's stream, and the receiver's first READ waits for it (the
+destination blocks' earlier users are done with them). A host pool has no marks.
 
 No NIXL progress thread (it spins a core). UCX progresses inside our own calls, and the engine's loop
 makes them: ``progress()`` (every engine iteration while a transfer is in flight; never waits) pumps
@@ -30,6 +34,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 from functools import partial
 from queue import SimpleQueue
 from typing import Sequence
@@ -110,6 +115,9 @@ class NixlTransferBackend:
         self._addr = 0  # address of the registered buffer
         self._memory: Memory = HOST  # where it lives, as NIXL names it
         self._descriptor: BackendDescriptor | None = None
+        self._marker: _CudaMarks | None = None  # a pool on a GPU: stream order with the engine (docstring)
+        self._marks: dict[tuple[str, str], object] = {}  # ("send"|"expect", transfer id) -> its CUDA event
+        self._marks_lock = threading.Lock()
 
     # -- public API -------------------------------------------------------
     # A pool in GPU memory is registered as it is (NIXL VRAM), not staged through host memory.
@@ -117,8 +125,10 @@ class NixlTransferBackend:
 
     def register(self, buffer: memoryview | DeviceMemory) -> BackendDescriptor:
         """Register the KV pool: host memory (a memoryview) or a CUDA pool (``DeviceMemory``; never run on a GPU)."""
+        marker = None
         if isinstance(buffer, DeviceMemory):
             addr, memory = buffer.address, memory_of(buffer.kind, buffer.device_index)
+            marker = _CudaMarks(buffer.device_index)
         else:
             buffer = check_buffer(buffer)
             addr, memory = np.frombuffer(buffer, dtype=np.uint8).ctypes.data, HOST
@@ -135,6 +145,7 @@ class NixlTransferBackend:
                 raise
             self._endpoint.listen(listener)
             self._agent, self._buffer, self._addr, self._memory = agent, buffer, addr, memory
+            self._marker = marker
             self._progress = Progress(agent, self.fallback_progress)
             address = format_address(self.advertise_host, listener.getsockname()[1])
             self._descriptor = BackendDescriptor(self.name, address, buffer.nbytes)
@@ -156,13 +167,27 @@ class NixlTransferBackend:
         buffer = self._require_buffer()
         src, dst, total = check_send_regions(src, buffer.nbytes, dst, peer.buffer_size)
         job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
-        self._endpoint.send(job, address, self._start_sender)
+        mark = self._mark("send", transfer_id)
+        try:
+            self._endpoint.send(job, address, self._start_sender)
+        except BaseException:
+            self._take_mark("send", transfer_id, mark)
+            raise
+        self._forget_mark_when_finished("send", job.token)
         return job.token
 
     def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
         key = auth.transfer_key(secret, self._cluster_token)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+        size = self._require_buffer().nbytes
+        mark = self._mark("expect", transfer_id)
+        try:
+            token = self._endpoint.expect(transfer_id, dst, size, key)
+        except BaseException:
+            self._take_mark("expect", transfer_id, mark)
+            raise
+        self._forget_mark_when_finished("expect", token)
+        return token
 
     @property
     def refused(self) -> int:
@@ -198,8 +223,37 @@ class NixlTransferBackend:
             self._agent.kick()
         if self._endpoint.close(join_timeout=self.connect_timeout + 5) and self._agent is not None:
             self._agent.close()
+        with self._marks_lock:
+            self._marks.clear()
 
     # -- internals --------------------------------------------------------
+    def _mark(self, side: str, transfer_id: str) -> object | None:
+        """A pool on a GPU: record where the calling thread's stream is now (see the module docstring)."""
+        if self._marker is None:
+            return None
+        mark = self._marker.mark()
+        with self._marks_lock:
+            self._marks[(side, transfer_id)] = mark
+        return mark
+
+    def _forget_mark_when_finished(self, side: str, token: CompletionToken) -> None:
+        """Drop the transfer's mark once ``token`` finished (DONE, FAILED, aborted) if it was never waited for."""
+        if self._marker is not None:
+            token.on_finish(partial(self._take_mark, side, token.transfer_id))
+
+    def _take_mark(self, side: str, transfer_id: str, mark: object | None = None) -> object | None:
+        """Forget the transfer's mark (only if it is ``mark``, when given); the mark forgotten, or None."""
+        with self._marks_lock:
+            if mark is None or self._marks.get((side, transfer_id)) is mark:
+                return self._marks.pop((side, transfer_id), None)
+            return None
+
+    def _wait_mark(self, side: str, transfer_id: str) -> None:
+        """Wait until the engine's work before ``send()``/``expect()`` of ``transfer_id`` finished on the device."""
+        mark = self._take_mark(side, transfer_id)
+        if mark is not None:
+            self._marker.wait(mark)
+
     def _require_buffer(self) -> memoryview | DeviceMemory:
         if self._buffer is None:
             raise TransferError("register() a buffer first")
@@ -244,6 +298,7 @@ class NixlTransferBackend:
                 error = f"cannot load the sender's NIXL metadata: {e or type(e).__name__}"
                 rec.token._fail(error)
                 return error
+        self._wait_mark("expect", offer.transfer_id)  # (the decode engine is done with the dst blocks)
         rec.token._advance(TransferState.TRANSFERRING)
         for pieces in plan(offer.src, rec.regions, READ_CHUNK):
             with rec.lock:
@@ -289,6 +344,7 @@ class NixlTransferBackend:
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
+        self._wait_mark("send", tid)  # (the forward that wrote the source finished on the device)
         if not job.token._advance(TransferState.TRANSFERRING):
             return
         mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
@@ -307,6 +363,23 @@ class NixlTransferBackend:
             job.token._advance(TransferState.DONE)
         elif ok:
             job.token._fail(f"refused by {address}: {reply.error}")
+
+
+class _CudaMarks:
+    """CUDA events on a device's current stream: ``mark()`` on the engine's thread, ``wait()`` on a backend thread."""
+
+    def __init__(self, device_index: int) -> None:
+        import torch
+
+        self._torch, self._device = torch, torch.device("cuda", device_index)
+
+    def mark(self) -> object:
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self._device))
+        return event
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
 
 
 class _PeerAgent:
