@@ -379,6 +379,8 @@ class _CudaMarks:
         return event
 
     def wait(self, mark) -> None:
+        # (on a backend thread: also makes the pool's device current there, where NIXL/UCX then touch its memory)
+        self._torch.cuda.set_device(self._device)
         mark.synchronize()
 
 
