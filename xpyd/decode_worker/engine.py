@@ -313,7 +313,7 @@ class DecodeEngine(WorkerEngine):
         """Prefill's first token: the client already has its text; we continue after it (the prompt was
         tokenized and checked once, by prefill)."""
         item: WorkItem = seq.payload
-        if item.sampling.temperature > 0:
+        if not item.sampling.greedy:  # (the same test as the sampler's: below GREEDY_BELOW nothing draws)
             self.runner.sampler.skip_draw(item.generator)  # prefill used this draw for the first token
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
