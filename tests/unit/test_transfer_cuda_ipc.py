@@ -4,6 +4,7 @@ tests/gpu/test_cuda_ipc_transfer.py."""
 
 from __future__ import annotations
 
+import math
 import threading
 from types import SimpleNamespace
 
@@ -319,12 +320,11 @@ RUNS = [[(0, 1000, 520), (1024, 2048, 16), (3001, 3, 77)],
         [(0, 1024, 512), (2048, 16, 256), (1536, 3072, 48), (512, 3584, 272)]]
 
 
-@pytest.mark.parametrize("pieces", RUNS)
-def test_one_launch_copies_every_run_exactly(pieces, monkeypatch):
-    pytest.importorskip("triton", reason="the copy kernel needs Triton")
-    import torch
+# each variant at a small geometry: several rows per piece, rows of several tiles, partial last tiles
+GEOMETRY = {"tiles": {"tile": 64, "sub": 256}, "flat": {"tile": 64}, "loop": {"chunk": 256, "block": 64}}
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+def _counting(monkeypatch) -> list:
     launches = []
     real = cuda_ipc_kernel._kernel
 
@@ -336,13 +336,55 @@ def test_one_launch_copies_every_run_exactly(pieces, monkeypatch):
             launches.append(grid)
             return self.kernel[grid]
 
-    monkeypatch.setattr(cuda_ipc_kernel, "_kernel", lambda interpret: Counting(real(interpret)))
+    monkeypatch.setattr(cuda_ipc_kernel, "_kernel", lambda name, interpret: Counting(real(name, interpret)))
+    return launches
+
+
+@pytest.mark.parametrize("variant", cuda_ipc_kernel.VARIANTS)
+@pytest.mark.parametrize("pieces", RUNS)
+def test_one_launch_copies_every_run_exactly(pieces, variant, monkeypatch):
+    pytest.importorskip("triton", reason="the copy kernel needs Triton")
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _counting(monkeypatch)
     src = (torch.arange(4096) * 7 % 251).to(torch.uint8)
     dst = torch.full((4096,), 0xAA, dtype=torch.uint8)
     want = _runs_reference(dst, src, pieces)
-    n = cuda_ipc_kernel.copy_runs(dst, src, pieces, chunk=256, block=64)
-    assert n == cuda_ipc_kernel.chunk_table(pieces, 256).shape[1] and launches == [(n,)]
+    runs = cuda_ipc_kernel.Runs(variant, **GEOMETRY[variant])
+    rows = runs.rows(pieces).shape[1]
+    longest = int(runs.rows(pieces)[2].max())
+    grid = {"tiles": (-(-longest // 64), rows), "flat": (rows, 1), "loop": (rows,)}[variant]
+    n = runs(dst, src, pieces)
+    assert launches == [grid] and n == math.prod(grid)
     assert torch.equal(dst, want)
+    dst[:] = 0xAA  # a second launch through the same Runs (its cached views) copies the same again
+    assert runs(dst, src, pieces) == n and torch.equal(dst, want)
+
+
+def test_the_tiles_variant_launches_once_per_65535_rows(monkeypatch):
+    pytest.importorskip("triton", reason="the copy kernel needs Triton")
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(cuda_ipc_kernel, "MAX_GRID_Y", 2)
+    launches = _counting(monkeypatch)
+    src = (torch.arange(4096) * 7 % 251).to(torch.uint8)
+    dst = torch.full((4096,), 0xAA, dtype=torch.uint8)
+    pieces = RUNS[1]
+    want = _runs_reference(dst, src, pieces)
+    assert cuda_ipc_kernel.copy_runs(dst, src, pieces, "tiles", tile=64, sub=256) == 4 * 6
+    assert launches == [(4, 2)] * 3  # rows: 512 -> 256 x2, 256, 48, 272 -> 256 + 16: 6 rows of <= 4 tiles
+    assert torch.equal(dst, want)
+
+
+def test_a_variant_and_its_geometry_are_checked():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        cuda_ipc_kernel.Runs("fast")
+    with pytest.raises(ValueError, match="power of two"):
+        cuda_ipc_kernel.Runs("tiles", tile=48)
+    with pytest.raises(ValueError, match="tile must divide sub"):
+        cuda_ipc_kernel.Runs("tiles", tile=512, sub=256)
 
 
 def test_the_foreach_fallback_copies_every_run_exactly():
@@ -367,25 +409,30 @@ def test_the_copy_kernel_says_why_it_cannot_run(monkeypatch):
                                           [(0, 8, 9)])
 
 
-def test_the_kernel_moves_16_bytes_per_load_and_store_for_aligned_pieces():
+@pytest.mark.parametrize("name", ["tiles", "chunks"])
+def test_the_kernel_moves_16_bytes_per_load_and_store_for_aligned_pieces(name):
     """Compiled for an H100/H200 (sm_90) here, without a GPU: the PTX of 16-byte-aligned pieces (the
     ``VEC`` hint) loads and stores the data in 16-byte vectors; without the hint, 8 bytes at a time."""
     triton = pytest.importorskip("triton", reason="the copy kernel needs Triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def data_ops(vec: int) -> set[str]:
-        source = ASTSource(cuda_ipc_kernel._kernel(False),
-                           signature={"src": "*i64", "dst": "*i64", "table": "*i64", "n": "i32",
-                                      "CHUNK": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr"},
-                           constexprs={"CHUNK": 4096, "BLOCK": 2048, "VEC": vec},
+    def data_ops(vec: int, **constexprs) -> set[str]:
+        if name == "tiles":
+            constexprs = {"TILE": 4096, "VEC": vec, **constexprs}
+        else:
+            constexprs = {"CHUNK": 4096, "BLOCK": 2048, "VEC": vec}
+        signature = {"src": "*i64", "dst": "*i64", "table": "*i64", **{k: "constexpr" for k in constexprs}}
+        source = ASTSource(cuda_ipc_kernel._kernel(name, False), signature=signature, constexprs=constexprs,
                            attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
         try:
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         except Exception as e:  # (a Triton build without the CUDA backend's tools)
             pytest.skip(f"cannot compile for sm_90 here: {e}")
-        ops = {line.split()[1] for line in ptx.splitlines() if line.strip().startswith("@")}
+        ops = {line.split()[1] for line in ptx.splitlines() if line.strip().startswith(("@", "ld.", "st."))}
         return {op for op in ops if op.startswith(("ld.global", "st.global"))}
 
-    assert data_ops(2) == {"ld.global.v2.b64", "st.global.v2.b64"}
-    assert data_ops(1) == {"ld.global.b64", "st.global.b64"}
+    for flat in ([False, True] if name == "tiles" else [None]):
+        extra = {} if flat is None else {"FLAT": flat}
+        assert data_ops(2, **extra) == {"ld.global.v2.b64", "st.global.v2.b64"}
+        assert data_ops(1, **extra) == {"ld.global.b64", "st.global.b64"}

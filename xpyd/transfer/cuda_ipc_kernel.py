@@ -1,24 +1,30 @@
-"""The cuda_ipc receiver's copy of many runs at once: one Triton launch over a table of chunks.
+"""The cuda_ipc receiver's copy of many runs at once: one Triton launch over a table of pieces.
 
 A transfer's pieces (``(src offset in the peer's pool, dst offset in ours, bytes)``, one per overlap of a
 source run and a destination run) are many when the pools are scattered: 242 for a 4,096-token prompt in
 2 MiB blocks picked at random. One ``copy_`` each costs a launch and ~15-20 us of Python and driver time,
-far more than the 2 MiB takes to move, so the device sits idle between them. Here instead:
+far more than the 2 MiB takes to move, so the device sits idle between them. Here instead one launch
+copies them all, with one of three launch geometries (``VARIANTS``; ``copy_runs(..., variant=)``):
 
-- ``chunk_table(pieces, chunk)`` cuts every piece into chunks of at most ``chunk`` bytes (host, numpy: a
-  few vector operations however many pieces) and returns one int64 table ``[3, n]`` (src, dst, length);
-- ``word_bytes`` picks the widest word (8, 4, 2 or 1 bytes) that divides every offset, length and both
-  tensors' addresses, and ``vector`` whether they are 16-byte aligned too (then each thread moves 16 bytes
-  per load and store);
-- ``copy_runs(dst, src, pieces)`` sends the table to the device in one copy (on the current stream, from
-  pinned memory: a copy from pageable memory would first wait for the stream on the host) and launches one
-  kernel, one program per chunk, that copies its chunk in ``BLOCK_BYTES`` steps.
+- ``tiles`` (the default): the pieces cut into rows of at most ``sub`` bytes (1 MiB), a 2-D grid
+  ``(tiles per row, rows)``; each program copies one ``tile`` (32 KiB) of its row in one step, unmasked
+  unless it is the row's last, partial tile (programs past a row's end return at once). The table is
+  small (one row per MiB) and each program reads its row once;
+- ``flat``: the pieces cut into rows of one ``tile`` each, a 1-D grid, one program per row, one step;
+- ``loop``: rows of ``chunk`` bytes (256 KiB), one program per row looping in ``block`` (16 KiB) steps.
+
+Every variant: ``chunk_table`` cuts pieces into rows on the host (numpy: a few vector operations however
+many pieces); ``word_bytes`` picks the widest word (8, 4, 2 or 1 bytes) dividing every offset, length and
+both tensors' addresses, and ``vector`` whether they are 16-byte aligned too (then each thread moves 16
+bytes per load and store). ``Runs`` (one per receiver) keeps what a launch needs between launches: a
+pinned host buffer and a device buffer for the table (uploaded in one copy on the current stream, from
+pinned memory, so the upload waits for nothing on the host), and the word views of both pools.
 
 No host synchronisation: the caller fences (``CudaOps.copy`` synchronises its stream once per batch).
 ``copy_runs_foreach`` is the same copy through ``torch._foreach_copy_`` (multi-tensor apply: a few
 launches for hundreds of runs) for a device without Triton. On a CPU the kernel runs only under Triton's
 interpreter (``TRITON_INTERPRET=1``), which is what the unit tests use; ``why_unavailable`` says why it
-cannot run. Triton is imported when the kernel is first built, never at import.
+cannot run. Triton is imported when a kernel is first built, never at import.
 """
 
 from __future__ import annotations
@@ -30,9 +36,14 @@ from typing import Sequence
 
 import numpy as np
 
-CHUNK_BYTES = 256 << 10  # bytes per program: 2,048 programs for 512 MiB, several waves on an H200's 132 SMs
-BLOCK_BYTES = 16 << 10  # bytes per step of a program (8 warps: 64 bytes, 4 x 16-byte vectors, per thread)
+VARIANTS = ("tiles", "flat", "loop")
+DEFAULT_VARIANT = "tiles"
+TILE_BYTES = 32 << 10  # tiles, flat: bytes per program, one step (8 warps: 128 bytes, 8 x 16-byte vectors, a thread)
+SUB_BYTES = 1 << 20  # tiles: bytes per table row (32 tiles); 512 MiB: 512 rows, 16,384 programs
+CHUNK_BYTES = 256 << 10  # loop: bytes per program: 2,048 programs for 512 MiB
+BLOCK_BYTES = 16 << 10  # loop: bytes per step of a program (8 warps: 64 bytes, 4 x 16-byte vectors, per thread)
 NUM_WARPS = 8
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (tiles: rows per launch)
 
 Piece = tuple[int, int, int]
 
@@ -85,28 +96,98 @@ def why_unavailable(device) -> str | None:
 _DTYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
 
 
-def copy_runs(dst, src, pieces: Sequence[Piece], chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> int:
-    """Copy each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device) in one launch, on the
-    current stream, without waiting for it; the number of chunks (programs) launched. ``chunk``: bytes per
-    program, a multiple of ``block`` (bytes per step), both powers of two >= 8."""
-    import torch
+def _power_of_two(name: str, v: int) -> None:
+    if type(v) is not int or v < 8 or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two >= 8, got {v!r}")
 
-    if block < 8 or block & (block - 1) or chunk % block:
-        raise ValueError(f"block must be a power of two >= 8 and divide chunk, got {block=}, {chunk=}")
-    table = chunk_table(pieces, chunk)
-    _check(dst, src, table)
-    w = word_bytes(table, dst.data_ptr(), src.data_ptr())
-    dtype = getattr(torch, _DTYPES[w])
-    vec = 16 // w if w == 8 and vector(table, dst.data_ptr(), src.data_ptr()) else 1
-    n = table.shape[1]
-    words = torch.from_numpy((table // w).reshape(-1))
-    if dst.device.type == "cuda":  # from pinned memory (torch's caching host allocator: reused, and not before
-        words = words.pin_memory()  # this copy is done), so that the upload waits for nothing on the host
-    words = words.to(dst.device, non_blocking=True)
-    kernel = _kernel(_interpreting() or dst.device.type == "cpu")
-    kernel[(n,)](_words(src, w, dtype), _words(dst, w, dtype), words, n, CHUNK=chunk // w,
-                 BLOCK=block // w, VEC=vec, num_warps=NUM_WARPS)
-    return n
+
+class Runs:
+    """``copy_runs`` with one launch geometry (``variant``, one of ``VARIANTS``), keeping between launches a
+    pinned host buffer and a device buffer for the table and the pools' word views (a receiver's pools stay
+    the same, so the per-transfer host work is the table and the launch). Not for two threads at once."""
+
+    def __init__(self, variant: str = DEFAULT_VARIANT, *, tile: int = TILE_BYTES, sub: int = SUB_BYTES,
+                 chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        for name, v in (("tile", tile), ("sub", sub), ("chunk", chunk), ("block", block)):
+            _power_of_two(name, v)
+        if sub % tile or chunk % block:
+            raise ValueError(f"tile must divide sub and block chunk, got {tile=}, {sub=}, {block=}, {chunk=}")
+        self.variant, self.tile, self.sub, self.chunk, self.block = variant, tile, sub, chunk, block
+        self.__name__ = f"copy_runs[{variant}]"
+        self._host = self._dev = self._done = None  # pinned table, device table, event after the last launch
+        self._views: dict[tuple, object] = {}
+
+    def rows(self, pieces: Sequence[Piece]) -> np.ndarray:
+        """The table ``[3, n]`` this variant launches over (``chunk_table`` at its row size)."""
+        return chunk_table(pieces, {"tiles": self.sub, "flat": self.tile, "loop": self.chunk}[self.variant])
+
+    def __call__(self, dst, src, pieces: Sequence[Piece]) -> int:
+        """Copy each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device) on the current
+        stream, without waiting for it; the number of programs launched."""
+        import torch
+
+        table = self.rows(pieces)
+        _check(dst, src, table)
+        w = word_bytes(table, dst.data_ptr(), src.data_ptr())
+        vec = 16 // w if w == 8 and vector(table, dst.data_ptr(), src.data_ptr()) else 1
+        rows = self._upload(torch, table, w, dst.device)
+        n = table.shape[1]
+        s, d = self._words(torch, src, w), self._words(torch, dst, w)
+        interpret = _interpreting() or dst.device.type == "cpu"
+        if self.variant == "loop":
+            _kernel("chunks", interpret)[(n,)](s, d, rows, CHUNK=self.chunk // w, BLOCK=self.block // w,
+                                               VEC=vec, num_warps=NUM_WARPS)
+            programs = n
+        elif self.variant == "flat":
+            _kernel("tiles", interpret)[(n, 1)](s, d, rows, TILE=self.tile // w, VEC=vec, FLAT=True,
+                                                num_warps=NUM_WARPS)
+            programs = n
+        else:
+            across = -(-int(table[2].max()) // self.tile)
+            kernel, programs = _kernel("tiles", interpret), 0
+            for at in range(0, n, MAX_GRID_Y):
+                m = min(MAX_GRID_Y, n - at)
+                kernel[(across, m)](s, d, rows[at:], TILE=self.tile // w, VEC=vec, FLAT=False, num_warps=NUM_WARPS)
+                programs += across * m
+        if dst.device.type == "cuda":
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            self._done.record()
+        return programs
+
+    def _upload(self, torch, table: np.ndarray, w: int, device):
+        """The table as words, ``[n, 3]`` row-major (a program reads its row's 24 bytes), on ``device``."""
+        n = table.shape[1]
+        if device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(table.T // w))
+        if self._done is not None:
+            self._done.synchronize()  # the last launch has read its table (at once: callers fence each batch)
+        if self._host is None or self._host.numel() < 3 * n or self._dev.device != device:
+            size = max(3 * n, 3 * 1024)
+            self._host = torch.empty(size, dtype=torch.int64).pin_memory()
+            self._dev = torch.empty(size, dtype=torch.int64, device=device)
+        np.floor_divide(table.T, w, out=self._host.numpy()[: 3 * n].reshape(n, 3))
+        rows = self._dev[: 3 * n]
+        rows.copy_(self._host[: 3 * n], non_blocking=True)
+        return rows.view(n, 3)
+
+    def _words(self, torch, t, w: int):
+        key = (t.data_ptr(), t.numel(), t.device, w)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 8:
+                self._views.clear()
+            view = self._views[key] = _words(t, w, getattr(torch, _DTYPES[w]))
+        return view
+
+
+def copy_runs(dst, src, pieces: Sequence[Piece], variant: str = DEFAULT_VARIANT, **geometry) -> int:
+    """Copy each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device) in one launch, on the
+    current stream, without waiting for it; the number of programs launched. ``geometry``: ``Runs``'
+    sizes (bytes: ``tile``, ``sub``, ``chunk``, ``block``; powers of two >= 8). A receiver keeps a ``Runs``."""
+    return Runs(variant, **geometry)(dst, src, pieces)
 
 
 def copy_runs_foreach(dst, src, pieces: Sequence[Piece]) -> int:
@@ -143,18 +224,36 @@ def _words(t, w: int, dtype):
     return t[: t.numel() - t.numel() % w].view(dtype)
 
 
-@lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The kernel, compiled for the GPU or wrapped for the interpreter: Triton picks the mode when a function
-    is decorated, so it is decorated here, once per mode."""
+@lru_cache(maxsize=4)
+def _kernel(name: str, interpret: bool):
+    """The kernel ``name`` ("tiles" or "chunks"), compiled for the GPU or wrapped for the interpreter:
+    Triton picks the mode when a function is decorated, so it is decorated here, once per mode. ``table``
+    holds one row ``(src, dst, length)`` in words per piece of a piece, row-major."""
     import triton
     import triton.language as tl
 
-    def copy_chunks(src, dst, table, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
-        pid = tl.program_id(0)
-        s = tl.multiple_of(tl.load(table + pid), VEC)
-        d = tl.multiple_of(tl.load(table + n + pid), VEC)
-        length = tl.multiple_of(tl.load(table + 2 * n + pid), VEC)
+    def copy_tiles(src, dst, table, TILE: tl.constexpr, VEC: tl.constexpr, FLAT: tl.constexpr):
+        if FLAT:  # one tile per row, rows along the grid's x
+            row, start = tl.program_id(0), 0
+        else:  # x: the tile within the row, y: the row
+            row, start = tl.program_id(1), tl.program_id(0) * TILE
+        row = row.to(tl.int64) * 3
+        length = tl.load(table + row + 2)
+        if start < length:
+            s = tl.multiple_of(tl.load(table + row), VEC)
+            d = tl.multiple_of(tl.load(table + row + 1), VEC)
+            offs = start + tl.arange(0, TILE)
+            if start + TILE <= length:  # a whole tile: no mask
+                tl.store(dst + d + offs, tl.load(src + s + offs))
+            else:
+                mask = offs < tl.multiple_of(length, VEC)
+                tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+    def copy_chunks(src, dst, table, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * 3
+        s = tl.multiple_of(tl.load(table + row), VEC)
+        d = tl.multiple_of(tl.load(table + row + 1), VEC)
+        length = tl.multiple_of(tl.load(table + row + 2), VEC)
         offs = tl.arange(0, BLOCK)
         for start in range(0, CHUNK, BLOCK):
             idx = start + offs
@@ -163,4 +262,4 @@ def _kernel(interpret: bool):
 
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = interpret
-        return triton.jit(copy_chunks)
+        return triton.jit({"tiles": copy_tiles, "chunks": copy_chunks}[name])
