@@ -11,12 +11,16 @@ The baseline is a plain device-to-device copy of the same 512 MiB inside this pr
 events in the same run. Rates are counted as the issue counts a copy: bytes read + bytes written (2x the
 payload), for the copy and for the transfer alike; the payload rate (1x) is printed too.
 
-Scattered placements are copied three ways on the receiver, over the same placements: one launch of the
-Triton copy kernel over all pieces (``cuda_ipc_kernel.copy_runs``, what ``CudaOps`` does with more than
-``FEW_PIECES`` pieces), ``torch._foreach_copy_``, and one ``copy_`` per piece (what it did before). Each
-row reports the end-to-end time (send() to the sender's DONE, host clock) and the data path alone (the
-receiver's copies, CUDA events around them), and a breakdown of where the end-to-end time goes: both
-sides' ``Stamps`` (perf_counter_ns, one clock for both processes), stage by stage.
+Scattered placements are copied several ways on the receiver, over the same placements: one launch of the
+Triton copy kernel over all pieces in each of its launch geometries (``cuda_ipc_kernel.VARIANTS``; what
+``CudaOps`` does with more than ``FEW_PIECES`` pieces, ``DEFAULT_VARIANT`` unless told), then
+``torch._foreach_copy_``, and one ``copy_`` per piece. Each row reports the end-to-end time (send() to
+the sender's DONE, host clock) and the data path alone (the receiver's copies, CUDA events around them:
+from the start event, enqueued before the copies, so the host's time to enqueue them counts when the
+device outruns it), and a breakdown of where the end-to-end time goes: both sides' ``Stamps``
+(perf_counter_ns, one clock for both processes), stage by stage. The "copy kernel alone" rows time each
+variant in this process over the same scattered placements, ``--reps`` launches back to back between two
+CUDA events (each launch's host work overlaps the previous launch's copy): the kernel's own rate.
 
     python scripts/gpu/transfer_bench.py [--reps 10] [--pool-blocks 1024]
 
@@ -56,12 +60,17 @@ RECEIVER = textwrap.dedent("""
     print(json.dumps(backend.register(pool).to_dict()), flush=True)
     backend.stamps = Stamps()
     runs = backend._ops._runs  # (what CudaOps picked for many pieces: the kernel, or foreach without Triton)
+    kernel = runs is not cuda_ipc_kernel.copy_runs_foreach
     tokens = {}
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "mode":  # how the receiver copies many pieces
-            cuda_ipc_device.FEW_PIECES = 1 << 40 if cmd["mode"] == "copy_" else 2
-            backend._ops._runs = cuda_ipc_kernel.copy_runs_foreach if cmd["mode"] == "foreach" else runs
+            mode = cmd["mode"]
+            cuda_ipc_device.FEW_PIECES = 1 << 40 if mode == "copy_" else 2
+            if mode == "foreach" or (mode in cuda_ipc_kernel.VARIANTS and not kernel):
+                backend._ops._runs = cuda_ipc_kernel.copy_runs_foreach
+            elif mode in cuda_ipc_kernel.VARIANTS:
+                backend._ops._runs = cuda_ipc_kernel.Runs(mode)
             out = {"runs": backend._ops._runs.__name__}
         elif cmd["op"] == "expect":
             tokens[cmd["id"]] = backend.expect(cmd["id"], [Region(*r) for r in cmd["dst"]],
@@ -81,7 +90,8 @@ RECEIVER = textwrap.dedent("""
 # the stages of a transfer in causal order (each side's clock is CLOCK_MONOTONIC: one clock for both)
 ORDER = [("sender", "send", "send() called"), ("sender", "marked", "forward's event complete"),
          ("sender", "offered", "Offer written"), ("receiver", "claimed", "offer read, MAC checked, claimed"),
-         ("receiver", "opened", "sender's handle open"), ("receiver", "enqueued", "copies enqueued"),
+         ("receiver", "opened", "sender's handle open"),
+         ("receiver", "launching", "stream set up (wait, start event)"), ("receiver", "enqueued", "copies enqueued"),
          ("receiver", "synced", "copy stream synced"), ("sender", "copied", "Reply read (bytes landed)"),
          ("sender", "committed", "Commit written"), ("receiver", "commit_read", "Commit read (receiver DONE)"),
          ("sender", "done", "last Reply read (sender DONE)")]
@@ -114,8 +124,43 @@ def device_copy_seconds(torch, nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
-PATHS = [("contiguous", "runs"), ("scattered", "runs"), ("scattered", "foreach"), ("scattered", "copy_")]
-LABEL = {"runs": "", "foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
+LABEL = {"foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
+
+
+def paths(variants: tuple[str, ...], default: str) -> list[tuple[str, str]]:
+    return ([("contiguous", default)] + [("scattered", v) for v in (default,) + tuple(v for v in variants if v != default)]
+            + [("scattered", "foreach"), ("scattered", "copy_")])
+
+
+def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, float, int]]:
+    """Each copy kernel variant over the scattered placements in this process: ``reps`` launches back to
+    back between two CUDA events; (label, seconds per launch, programs per launch)."""
+    from xpyd.transfer import cuda_ipc_kernel
+    from xpyd.transfer.base import Region
+    from xpyd.transfer.cuda_ipc import piece_table
+
+    if cuda_ipc_kernel.why_unavailable(torch.device("cuda")):
+        return []
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out = []
+    tables = [piece_table([Region(*r) for r in s], [Region(*r) for r in d]) for s, d in placements]
+    for variant in cuda_ipc_kernel.VARIANTS:
+        # one Runs per launch: a Runs waits for its last launch before it rewrites its table, which would
+        # leave the device idle while the host enqueues the next
+        each = [cuda_ipc_kernel.Runs(variant) for _ in tables]
+        programs = [runs(dst, src, table) for runs, table in zip(each, tables)][0]  # compile, buffers
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(reps):
+            each[i % len(each)](dst, src, tables[i % len(tables)])
+        end.record()
+        end.synchronize()
+        out.append((f"copy kernel alone, {variant} ({programs} programs, x{reps})",
+                    start.elapsed_time(end) / 1e3 / reps, programs))
+    del src, dst
+    return out
 
 
 def main() -> None:
@@ -124,6 +169,8 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each side's pool (2 MiB each)")
     args = ap.parse_args()
     import torch
+
+    from xpyd.transfer import cuda_ipc_kernel
 
     from xpyd.transfer import make_backend
     from xpyd.transfer.auth import new_secret
@@ -168,7 +215,7 @@ def main() -> None:
             raise SystemExit(f"the receiver process exited ({child.poll()})")
         peer = BackendDescriptor.from_dict(json.loads(line))
         host = pool.view(torch.uint8).cpu().numpy()  # the sender's bytes, for the receiver's check
-        for placement, mode in PATHS:
+        for placement, mode in paths(cuda_ipc_kernel.VARIANTS, cuda_ipc_kernel.DEFAULT_VARIANT):
             how = ask(op="mode", mode=mode)["runs"]
             times, device, stages = [], [], []
             for rep, (src, dst) in enumerate(scattered if placement == "scattered" else contiguous):
@@ -200,7 +247,7 @@ def main() -> None:
                                    for side, row in both.items() for stage, ns in row.items()})
             n = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
             how = f"{n} copies" if n <= FEW_PIECES or mode == "copy_" else f"{n} pieces, {how}"
-            label = f"cuda_ipc, {placement}{LABEL[mode]} ({how})"
+            label = f"cuda_ipc, {placement}{LABEL.get(mode, '')} ({how})"
             rows.append((label, statistics.median(times), statistics.median(device)))
             breakdowns[label] = {key: statistics.median(s[key] for s in stages) / 1e6 for key in stages[0]}
         t = device_copy_seconds(torch, payload, args.reps)
@@ -208,10 +255,12 @@ def main() -> None:
         sender.close()
         child.stdin.close()
         child.wait(30)
-    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open)
+    alone = kernel_alone(torch, nbytes, scattered[1:], args.reps)
+    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open, alone)
 
 
-def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float) -> None:
+def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float,
+           alone=()) -> None:
     print(f"\n{name}: {PROMPT}-token prompt, Llama-3-8B KV shape ({TOKEN_BYTES // 1024} KiB/token), "
           f"{payload >> 20} MiB; median of {reps}")
     copy_rw = 2 * payload / copy_s
@@ -222,10 +271,15 @@ def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, 
               f"{dev * 1e3:7.3f} {2 * payload / dev / 1e9:9.1f} {2 * payload / dev / copy_rw:5.0%}")
     print(f"{'device copy, one process (copy_, CUDA events)':62} {'':7} {'':9} {'':5} "
           f"{copy_s * 1e3:7.3f} {copy_rw / 1e9:9.1f} {1:5.0%}")
+    for label, dev, _ in alone:
+        print(f"{label:62} {'':7} {'':9} {'':5} "
+              f"{dev * 1e3:7.3f} {2 * payload / dev / 1e9:9.1f} {2 * payload / dev / copy_rw:5.0%}")
     print("end-to-end: send() to the sender's DONE (host clock; the receiver's DONE is a step earlier, below),\n"
           "control round trips included. data path alone: the receiver's copies, CUDA events around them.\n"
           "r+w: bytes read + bytes written (2x the payload), as a device copy's bandwidth is counted; vs: / the "
-          "device copy.")
+          "device copy.\n"
+          "data path alone counts from the start event, enqueued before the copies: the host's time to enqueue "
+          "them counts\nwhen the device outruns it (launching -> enqueued below); the kernel alone rows do not.")
     for label, stages in breakdowns.items():
         print(f"\nwhere the time goes, {label} (ms since send(), median; step: since the previous stage)")
         prev = 0.0

@@ -212,11 +212,11 @@ def test_pieces_at_odd_bytes_arrive_exactly_through_one_launch(sides):
     assert answer["stages"] == list(RECEIVER_STAGES) and answer["device_s"] > 0
 
 
-@pytest.mark.parametrize("way", ["copy_runs", "copy_runs_foreach"])
+@pytest.mark.parametrize("way", ["tiles", "flat", "loop", "copy_runs_foreach"])
 def test_the_copy_kernel_on_the_device_matches_a_copy_per_piece(way):
     from xpyd.transfer import cuda_ipc_kernel
 
-    if way == "copy_runs" and cuda_ipc_kernel.why_unavailable(torch.device("cuda")):
+    if way != "copy_runs_foreach" and cuda_ipc_kernel.why_unavailable(torch.device("cuda")):
         pytest.skip(cuda_ipc_kernel.why_unavailable(torch.device("cuda")))
     gen = torch.Generator(device="cuda").manual_seed(11)
     src = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, device="cuda", generator=gen)
@@ -229,6 +229,9 @@ def test_the_copy_kernel_on_the_device_matches_a_copy_per_piece(way):
         want = dst.clone()
         for s, d, n in pieces:
             want[d: d + n] = src[s: s + n]
-        getattr(cuda_ipc_kernel, way)(dst, src, pieces)
+        if way == "copy_runs_foreach":
+            cuda_ipc_kernel.copy_runs_foreach(dst, src, pieces)
+        else:
+            cuda_ipc_kernel.copy_runs(dst, src, pieces, way)
         torch.cuda.synchronize()
         assert torch.equal(dst, want), (unit, shift)

@@ -58,12 +58,31 @@ def _expected(receiver_before: np.ndarray, sender: np.ndarray, src, dst) -> np.n
     return out
 
 
+def test_the_piece_table_of_many_runs_is_the_walk_of_both_lists_in_step():
+    """Over 16 runs ``piece_table`` works on the runs' cumulative ends (numpy): the same rows as walking
+    both lists in step, including runs that end at the same point on both sides."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        total = int(rng.integers(40, 5000))
+
+        def cut() -> list[Region]:
+            ends = np.unique(np.concatenate((rng.integers(1, total, int(rng.integers(10, 30))), [total])))
+            lengths = np.diff(np.concatenate(([0], ends)))
+            return [Region(int(o), int(n)) for o, n in zip(np.cumsum(lengths + rng.integers(0, 9, len(lengths)))
+                                                            - lengths, lengths)]
+
+        src, dst = cut(), cut()
+        assert len(src) + len(dst) > cuda_ipc.FEW_RUNS
+        assert cuda_ipc.piece_table(src, dst).tolist() == [list(p) for p in cuda_ipc._walk(src, dst)]
+
+
 def test_pieces_pair_runs_and_batches_keep_them_whole():
     src = [Region(0, 10), Region(100, 30)]
     dst = [Region(1000, 25), Region(2000, 15)]
     assert list(pieces(src, dst)) == [(0, 1000, 10), (100, 1010, 15), (115, 2000, 15)]
-    assert list(batches(src, dst, 12)) == [[(0, 1000, 10), (100, 1010, 15)], [(115, 2000, 15)]]
-    assert list(batches(src, dst, 1 << 20)) == [[(0, 1000, 10), (100, 1010, 15), (115, 2000, 15)]]
+    assert [b.tolist() for b in batches(src, dst, 12)] == [[[0, 1000, 10], [100, 1010, 15]], [[115, 2000, 15]]]
+    assert [b.tolist() for b in batches(src, dst, 25)] == [[[0, 1000, 10], [100, 1010, 15]], [[115, 2000, 15]]]
+    assert [b.tolist() for b in batches(src, dst, 1 << 20)] == [[[0, 1000, 10], [100, 1010, 15], [115, 2000, 15]]]
     # a run of adjacent blocks on both sides is one piece, however long
     assert list(pieces([Region(0, 1 << 30)], [Region(4096, 1 << 30)])) == [(0, 4096, 1 << 30)]
 
@@ -279,9 +298,14 @@ def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair
     got, device = receiver.backend.stamps.take("t1")
     assert list(sent) == list(SENDER_STAGES) and sent_device is None
     assert list(got) == list(RECEIVER_STAGES) and device is not None and device >= 0
-    times = [sent["send"], sent["marked"], sent["offered"], got["claimed"], got["opened"], got["enqueued"],
-             got["synced"], sent["copied"], sent["committed"], got["commit_read"], sent["done"]]
-    assert times == sorted(times)  # one clock for both sides (perf_counter_ns: CLOCK_MONOTONIC)
+    # one clock for both sides (perf_counter_ns: CLOCK_MONOTONIC): each stage after what caused it. (A
+    # write's stamp follows the write, so the peer may read it first: "offered" and "committed" are
+    # ordered on the sender's own thread only.)
+    times = [sent["send"], sent["marked"], got["claimed"], got["opened"], got["launching"], got["enqueued"],
+             got["synced"], sent["copied"], got["commit_read"], sent["done"]]
+    assert times == sorted(times)
+    own = [sent["marked"], sent["offered"], sent["copied"], sent["committed"], sent["done"]]
+    assert own == sorted(own)
     assert receiver.backend.stamps.take("t1") == ({}, None)  # taken: forgotten
 
 

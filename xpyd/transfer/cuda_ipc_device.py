@@ -13,7 +13,12 @@
   into ours, after ``after`` (a mark), then a fence: it returns once the bytes landed (``timed``: with when
   the copies were enqueued and how long the device took, ``CopyTimes``; else None). ``CudaOps`` makes one
   ``copy_`` per piece for up to ``FEW_PIECES`` pieces (each a full-speed device memcpy), else one launch of
-  ``cuda_ipc_kernel.copy_runs`` for all of them (``torch._foreach_copy_`` where Triton is missing).
+  the copy kernel for all of them (``cuda_ipc_kernel.Runs``, its ``copy_variant`` geometry;
+  ``torch._foreach_copy_`` where Triton is missing).
+
+Host time on the copy's critical path is kept to what a launch needs: each copying thread makes the pool's
+device current once (not a device guard per copy), reuses its pair of timing events, and the kernel's
+``Runs`` reuses its pinned table buffer and the pools' word views.
 
 Two implementations: ``CudaOps`` (torch's CUDA IPC: ``untyped_storage()._share_cuda_()`` on the sender,
 ``UntypedStorage._new_shared_cuda`` on the receiver, as ``torch.multiprocessing.reductions`` does; copies
@@ -45,9 +50,11 @@ FEW_PIECES = 2  # up to this many pieces: one copy_ each; more: one launch for a
 
 @dataclass(frozen=True, slots=True)
 class CopyTimes:
-    """Of one timed ``copy``: when its copies were all enqueued (``time.perf_counter_ns``) and the device time
-    from the first to the last (CUDA events around them; the host clock for ``HostOps``), in seconds."""
+    """Of one timed ``copy``: when its copies started to be enqueued (the stream set up, its waits and the
+    start event enqueued) and when they all were (``time.perf_counter_ns``), and the device time from the
+    first to the last (CUDA events around them; the host clock for ``HostOps``), in seconds."""
 
+    launching_ns: int
     enqueued_ns: int
     device_s: float
 
@@ -105,9 +112,11 @@ class CudaOps:
 
     kind = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, copy_variant: str = cuda_ipc_kernel.DEFAULT_VARIANT) -> None:
         import torch
 
+        if copy_variant not in cuda_ipc_kernel.VARIANTS:
+            raise ValueError(f"copy_variant must be one of {cuda_ipc_kernel.VARIANTS}, got {copy_variant!r}")
         if not torch.cuda.is_available():
             raise DeviceError("cuda_ipc needs CUDA (torch.cuda.is_available() is False)")
         self._torch = torch
@@ -118,6 +127,8 @@ class CudaOps:
         self._export: Export | None = None
         self._lock = threading.Lock()
         self._runs = None  # copies many pieces in one launch (cuda_ipc_kernel)
+        self._variant = copy_variant
+        self._local = threading.local()  # per copying thread: device made current, timing events
 
     def attach(self, pool) -> int:
         torch = self._torch
@@ -138,13 +149,13 @@ class CudaOps:
         unavailable = cuda_ipc_kernel.why_unavailable(device)
         if unavailable is None:
             try:
+                runs = cuda_ipc_kernel.Runs(self._variant)
                 with self._torch.cuda.device(device):
-                    scratch = self._torch.zeros(1024, dtype=self._torch.uint8, device=device)
-                    for n in (2, 16):  # (Triton compiles a count of 1, of a multiple of 16 and of others apart)
-                        pieces = [(16 * i, 16 * i, 16) for i in range(n)]
-                        cuda_ipc_kernel.copy_runs(scratch[512:], scratch[:512], pieces)
+                    scratch = self._torch.zeros(1 << 20, dtype=self._torch.uint8, device=device)
+                    half = scratch.numel() // 2  # whole tiles and a partial one, 16-byte aligned
+                    runs(scratch[half:], scratch[:half], [(0, 0, half // 2), (half // 2, half // 2 + 16, 4096 + 16)])
                     self._torch.cuda.synchronize(device)
-                return cuda_ipc_kernel.copy_runs
+                return runs
             except Exception as e:  # (a Triton that cannot build for this device)
                 unavailable = f"the copy kernel did not build: {e}"
         log.warning("cuda_ipc: many pieces copy with torch._foreach_copy_ (%s)", unavailable)
@@ -184,29 +195,40 @@ class CudaOps:
         return event
 
     def wait(self, mark) -> None:
-        mark.synchronize()
+        if not mark.query():  # (done already, the common case: no synchronising call)
+            mark.synchronize()
+
+    def _thread(self):
+        """This thread's state: the pool's device made current (once per thread), its timing events."""
+        local = self._local
+        if getattr(local, "events", None) is None:
+            torch = self._torch
+            torch.cuda.set_device(self._device)
+            local.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        return local.events
 
     def copy(self, peer, pieces: Sequence[Piece], after, timed: bool = False) -> CopyTimes | None:
-        torch = self._torch
+        torch, stream = self._torch, self._stream
         try:
-            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            start, end = self._thread()
+            with torch.cuda.stream(stream):
                 if after is not None:
-                    self._stream.wait_event(after)
+                    stream.wait_event(after)
                 if timed:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(self._stream)
+                    start.record(stream)
+                    launching = time.perf_counter_ns()
                 if len(pieces) <= FEW_PIECES:
-                    for s, d, n in pieces:
+                    for s, d, n in (pieces.tolist() if isinstance(pieces, np.ndarray) else pieces):
                         self._bytes[d: d + n].copy_(peer[s: s + n], non_blocking=True)
                 else:
                     self._runs(self._bytes, peer, pieces)
                 if timed:
-                    end.record(self._stream)
+                    end.record(stream)
                     enqueued = time.perf_counter_ns()
-            self._stream.synchronize()
+            stream.synchronize()
         except Exception as e:
             raise DeviceError(f"device copy failed: {e}") from None
-        return CopyTimes(enqueued, start.elapsed_time(end) / 1e3) if timed else None
+        return CopyTimes(launching, enqueued, start.elapsed_time(end) / 1e3) if timed else None
 
     def close(self) -> None:
         self._pool = self._bytes = None
@@ -291,11 +313,11 @@ class HostOps:
         if after is not None:
             after.wait()
         start = time.perf_counter_ns()
-        for s, d, n in pieces:
+        for s, d, n in (pieces.tolist() if isinstance(pieces, np.ndarray) else pieces):
             self._array[d: d + n] = peer[s: s + n]
             self.copies += 1
         end = time.perf_counter_ns()
-        return CopyTimes(end, (end - start) / 1e9) if timed else None
+        return CopyTimes(start, end, (end - start) / 1e9) if timed else None
 
     def close(self) -> None:
         if self._array is not None:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 SENDER_STAGES = ("send", "marked", "offered", "copied", "committed", "done")  # in the order reached
-RECEIVER_STAGES = ("claimed", "opened", "enqueued", "synced", "commit_read")
+RECEIVER_STAGES = ("claimed", "opened", "launching", "enqueued", "synced", "commit_read")
 
 
 class Stamps:
@@ -23,7 +23,8 @@ class Stamps:
     Offer is written), ``copied`` (the receiver's Reply read: its bytes landed), ``committed`` (Commit
     written), ``done`` (the last Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC
     checked, transfer claimed), ``opened`` (the sender's handle open: slow the first time only),
-    ``enqueued`` (every copy of the last batch enqueued), ``synced`` (the copy stream fenced), ``commit_read``
+    ``launching`` (the last batch's stream set up: its wait for the decode engine's mark and its timing event
+    enqueued; the copies are enqueued next), ``enqueued`` (every copy of the last batch enqueued), ``synced`` (the copy stream fenced), ``commit_read``
     (the sender's Commit read; DONE follows). ``device_s``: seconds of device time of the copies (all batches).
     Bounded: the last ``keep`` transfers."""
 
