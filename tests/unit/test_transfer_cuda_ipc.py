@@ -384,6 +384,11 @@ def test_one_launch_copies_every_run_exactly(pieces, variant, monkeypatch):
     assert torch.equal(dst, want)
     dst[:] = 0xAA  # a second launch through the same Runs (its cached views) copies the same again
     assert runs(dst, src, pieces) == n and torch.equal(dst, want)
+    other = RUNS[1 - RUNS.index(pieces)]  # then pieces of another word size, same pools
+    dst[:] = 0xAA
+    want = _runs_reference(dst, src, other)
+    runs(dst, src, other)
+    assert torch.equal(dst, want)
 
 
 def test_the_tiles_variant_launches_once_per_65535_rows(monkeypatch):
