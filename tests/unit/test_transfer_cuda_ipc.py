@@ -391,6 +391,25 @@ def test_one_launch_copies_every_run_exactly(pieces, variant, monkeypatch):
     assert torch.equal(dst, want)
 
 
+def test_runs_lets_go_of_a_pool_once_its_owner_does(monkeypatch):
+    """A receiver's Runs caches each pool's word view; a peer's pool dropped by its connection must not be
+    kept alive by that cache (its memory is the peer's)."""
+    pytest.importorskip("triton", reason="the copy kernel needs Triton")
+    import weakref
+
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = cuda_ipc_kernel.Runs("tiles", tile=64, sub=256)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    peer = (torch.arange(4096) % 251).to(torch.uint8)
+    storage = weakref.ref(peer.untyped_storage())
+    runs(dst, peer, RUNS[1])
+    del peer
+    runs(dst, (torch.arange(4096) % 13).to(torch.uint8), RUNS[1])  # the next launch lets the old view go
+    assert storage() is None
+
+
 def test_the_tiles_variant_launches_once_per_65535_rows(monkeypatch):
     pytest.importorskip("triton", reason="the copy kernel needs Triton")
     import torch

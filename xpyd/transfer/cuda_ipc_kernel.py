@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import weakref
 from functools import lru_cache
 from typing import Sequence
 
@@ -104,7 +106,8 @@ def _power_of_two(name: str, v: int) -> None:
 class Runs:
     """``copy_runs`` with one launch geometry (``variant``, one of ``VARIANTS``), keeping between launches a
     pinned host buffer and a device buffer for the table and the pools' word views (a receiver's pools stay
-    the same, so the per-transfer host work is the table and the launch). Not for two threads at once."""
+    the same, so the per-transfer host work is the table and the launch). Thread-safe: a receiver's reader
+    threads (one per sending worker) share it, one launch at a time."""
 
     def __init__(self, variant: str = DEFAULT_VARIANT, *, tile: int = TILE_BYTES, sub: int = SUB_BYTES,
                  chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> None:
@@ -117,7 +120,8 @@ class Runs:
         self.variant, self.tile, self.sub, self.chunk, self.block = variant, tile, sub, chunk, block
         self.__name__ = f"copy_runs[{variant}]"
         self._host = self._dev = self._done = None  # pinned table, device table, event after the last launch
-        self._views: dict[tuple, object] = {}
+        self._views: dict[tuple[int, int], tuple] = {}  # (id(pool), word bytes) -> (weakref, view)
+        self._lock = threading.Lock()  # the table buffers and views: one launch at a time
 
     def rows(self, pieces: Sequence[Piece]) -> np.ndarray:
         """The table ``[3, n]`` this variant launches over (``chunk_table`` at its row size)."""
@@ -132,6 +136,10 @@ class Runs:
         _check(dst, src, table)
         w = word_bytes(table, dst.data_ptr(), src.data_ptr())
         vec = 16 // w if w == 8 and vector(table, dst.data_ptr(), src.data_ptr()) else 1
+        with self._lock:
+            return self._launch(torch, dst, src, table, w, vec)
+
+    def _launch(self, torch, dst, src, table: np.ndarray, w: int, vec: int) -> int:
         rows = self._upload(torch, table, w, dst.device)
         n = table.shape[1]
         s, d = self._words(torch, src, w), self._words(torch, dst, w)
@@ -174,13 +182,15 @@ class Runs:
         return rows.view(n, 3)
 
     def _words(self, torch, t, w: int):
-        key = (t.data_ptr(), t.numel(), t.device, w)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= 8:
-                self._views.clear()
-            view = self._views[key] = _words(t, w, getattr(torch, _DTYPES[w]))
-        return view
+        """``t``'s word view, made once per pool tensor (by identity): an entry lives only as long as its
+        tensor (a view holds the memory, and a peer's pool, opened from its handle, must be let go when
+        its connection drops it)."""
+        for key in [k for k, (ref, _) in self._views.items() if ref() is None]:
+            del self._views[key]
+        entry = self._views.get((id(t), w))
+        if entry is None or entry[0]() is not t:
+            entry = self._views[(id(t), w)] = (weakref.ref(t), _words(t, w, getattr(torch, _DTYPES[w])))
+        return entry[1]
 
 
 def copy_runs(dst, src, pieces: Sequence[Piece], variant: str = DEFAULT_VARIANT, **geometry) -> int:
