@@ -128,8 +128,9 @@ LABEL = {"foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
 
 
 def paths(variants: tuple[str, ...], default: str) -> list[tuple[str, str]]:
-    return ([("contiguous", default)] + [("scattered", v) for v in (default,) + tuple(v for v in variants if v != default)]
-            + [("scattered", "foreach"), ("scattered", "copy_")])
+    """Contiguous, then scattered through each kernel variant (the default first), foreach and copy_."""
+    kernels = (default,) + tuple(v for v in variants if v != default)
+    return [("contiguous", default)] + [("scattered", v) for v in kernels + ("foreach", "copy_")]
 
 
 def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, float, int]]:
@@ -170,9 +171,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from xpyd.transfer import cuda_ipc_kernel
-
-    from xpyd.transfer import make_backend
+    from xpyd.transfer import cuda_ipc_kernel, make_backend
     from xpyd.transfer.auth import new_secret
     from xpyd.transfer.base import BackendDescriptor, Region
     from xpyd.transfer.cuda_ipc import pieces

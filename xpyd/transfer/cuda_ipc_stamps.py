@@ -23,10 +23,10 @@ class Stamps:
     Offer is written), ``copied`` (the receiver's Reply read: its bytes landed), ``committed`` (Commit
     written), ``done`` (the last Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC
     checked, transfer claimed), ``opened`` (the sender's handle open: slow the first time only),
-    ``launching`` (the last batch's stream set up: its wait for the decode engine's mark and its timing event
-    enqueued; the copies are enqueued next), ``enqueued`` (every copy of the last batch enqueued), ``synced`` (the copy stream fenced), ``commit_read``
-    (the sender's Commit read; DONE follows). ``device_s``: seconds of device time of the copies (all batches).
-    Bounded: the last ``keep`` transfers."""
+    ``launching`` (the last batch's stream set up: its wait for the decode engine's mark and its timing
+    event enqueued; the copies are enqueued next), ``enqueued`` (every copy of the last batch enqueued),
+    ``synced`` (the copy stream fenced), ``commit_read`` (the sender's Commit read; DONE follows).
+    ``device_s``: seconds of device time of the copies (all batches). Bounded: the last ``keep`` transfers."""
 
     def __init__(self, keep: int = 1024) -> None:
         self._lock = threading.Lock()
