@@ -164,6 +164,74 @@ def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, f
     return out
 
 
+def host_costs(torch, nbytes: int, n: int = 200) -> list[tuple[str, float]]:
+    """What the steps a transfer chains cost on this host's CPU, in this process, median of ``n`` (seconds):
+    a hand-off between two threads (a SimpleQueue, as ``send()`` to the sender thread) and a message
+    between two threads over TCP loopback (as each control message), each one way (half a round trip);
+    a CUDA event recorded on an idle stream and waited for (as the sender's mark); the host time of the
+    call that enqueues one device copy of ``nbytes`` (as the receiver's contiguous copy)."""
+    import socket
+    import threading
+    from queue import SimpleQueue
+
+    out = []
+    there, back = SimpleQueue(), SimpleQueue()
+
+    def echo_queue() -> None:
+        while (item := there.get()) is not None:
+            back.put(item)
+
+    def timed(step) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            step()
+            times.append(time.perf_counter_ns() - t0)
+        return statistics.median(times) / 1e9
+
+    worker = threading.Thread(target=echo_queue, daemon=True)
+    worker.start()
+    out.append(("thread hand-off (SimpleQueue), one way", timed(lambda: (there.put(1), back.get())) / 2))
+    there.put(None)
+    worker.join()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        for sock in (client, peer):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def echo_socket() -> None:
+            while data := peer.recv(64):
+                peer.sendall(data)
+
+        worker = threading.Thread(target=echo_socket, daemon=True)
+        worker.start()
+        out.append(("TCP loopback message between threads, one way",
+                    timed(lambda: (client.sendall(b"x"), client.recv(64))) / 2))
+        client.close()
+        worker.join()
+        peer.close()
+    if torch.cuda.is_available():
+        def mark() -> None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            event.synchronize()
+
+        out.append(("CUDA event created, recorded, waited for (idle GPU)", timed(mark)))
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            dst.copy_(src, non_blocking=True)
+            times.append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize()
+        out.append((f"enqueue one copy_ of {nbytes >> 20} MiB (host time of the call)", statistics.median(times) / 1e9))
+        del src, dst
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
@@ -255,11 +323,12 @@ def main() -> None:
         child.stdin.close()
         child.wait(30)
     alone = kernel_alone(torch, nbytes, scattered[1:], args.reps)
-    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open, alone)
+    costs = host_costs(torch, payload)
+    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open, alone, costs)
 
 
 def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float,
-           alone=()) -> None:
+           alone=(), costs=()) -> None:
     print(f"\n{name}: {PROMPT}-token prompt, Llama-3-8B KV shape ({TOKEN_BYTES // 1024} KiB/token), "
           f"{payload >> 20} MiB; median of {reps}")
     copy_rw = 2 * payload / copy_s
@@ -289,6 +358,10 @@ def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, 
             print(f"  {side:9} {stage:12} {what:36} {at:8.3f} {at - prev:+8.3f}")
             prev = at
     print(f"\nfirst offer of the connection: opening the sender's handle took {first_open:.3f} ms (not timed above)")
+    if costs:
+        print("\nhost costs of the steps a transfer chains (this process, median):")
+        for what, seconds in costs:
+            print(f"  {what:62} {seconds * 1e6:8.1f} us")
 
 
 if __name__ == "__main__":
