@@ -88,7 +88,7 @@ RECEIVER = textwrap.dedent("""
 """)
 
 # the stages of a transfer in causal order (each side's clock is CLOCK_MONOTONIC: one clock for both)
-ORDER = [("sender", "send", "send() called"), ("sender", "marked", "forward's event complete"),
+ORDER = [("sender", "send", "send() called"), ("sender", "marked", "Offer built, forward's event done"),
          ("sender", "offered", "Offer written"), ("receiver", "claimed", "offer read, MAC checked, claimed"),
          ("receiver", "opened", "sender's handle open"),
          ("receiver", "launching", "stream set up (wait, start event)"), ("receiver", "enqueued", "copies enqueued"),

@@ -363,6 +363,9 @@ class CudaIpcTransferBackend:
 
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid, stamps = job.token.transfer_id, self.stamps
+        # the Offer is built (its MAC, its frame: ~0.1 ms per hundred runs) while the forward may still run
+        offer = memoryview(Offer(tid, job.regions, job.dst,
+                                 mac=auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)).pack())
         with self._marks_lock:
             mark = self._sent_marks.pop(tid, None)
         if mark is not None:
@@ -371,8 +374,7 @@ class CudaIpcTransferBackend:
             stamps(tid, "marked")
         if not job.token._advance(TransferState.TRANSFERRING):
             return
-        mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
-        conn.send_all([memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack())])
+        conn.send_all([offer])
         if stamps is not None:
             stamps(tid, "offered")
         reply = Reply.parse(conn.read_frame(MAX_FRAME))
