@@ -248,10 +248,12 @@ def _kernel(name: str, interpret: bool):
         else:  # x: the tile within the row, y: the row
             row, start = tl.program_id(1), tl.program_id(0) * TILE
         row = row.to(tl.int64) * 3
+        s = tl.load(table + row)  # the row's three loads together: one memory latency, not two in a row
+        d = tl.load(table + row + 1)
         length = tl.load(table + row + 2)
         if start < length:
-            s = tl.multiple_of(tl.load(table + row), VEC)
-            d = tl.multiple_of(tl.load(table + row + 1), VEC)
+            s = tl.multiple_of(s, VEC)
+            d = tl.multiple_of(d, VEC)
             offs = start + tl.arange(0, TILE)
             if start + TILE <= length:  # a whole tile: no mask
                 tl.store(dst + d + offs, tl.load(src + s + offs))
