@@ -238,7 +238,7 @@ def _words(t, w: int, dtype):
 def _kernel(name: str, interpret: bool):
     """The kernel ``name`` ("tiles" or "chunks"), compiled for the GPU or wrapped for the interpreter:
     Triton picks the mode when a function is decorated, so it is decorated here, once per mode. ``table``
-    holds one row ``(src, dst, length)`` in words per piece of a piece, row-major."""
+    holds one row ``(src, dst, length)`` in words per table row (``chunk_table``), row-major."""
     import triton
     import triton.language as tl
 
