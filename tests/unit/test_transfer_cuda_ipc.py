@@ -72,8 +72,8 @@ def test_the_piece_table_of_many_runs_is_the_walk_of_both_lists_in_step():
                                                             - lengths, lengths)]
 
         src, dst = cut(), cut()
-        assert len(src) + len(dst) > cuda_ipc.FEW_RUNS
-        assert cuda_ipc.piece_table(src, dst).tolist() == [list(p) for p in cuda_ipc._walk(src, dst)]
+        assert len(src) + len(dst) > cuda_ipc_kernel.FEW_RUNS
+        assert cuda_ipc_kernel.piece_table(src, dst).tolist() == [list(p) for p in cuda_ipc_kernel._walk(src, dst)]
 
 
 def test_pieces_pair_runs_and_batches_keep_them_whole():

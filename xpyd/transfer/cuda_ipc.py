@@ -34,9 +34,7 @@ import logging
 import socket
 import threading
 from queue import SimpleQueue
-from typing import Iterator, Sequence
-
-import numpy as np
+from typing import Sequence
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.netaddr import listen_tcp
@@ -50,7 +48,8 @@ from xpyd.transfer.base import (
     check_send_regions,
     check_transfer_id,
 )
-from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps, Piece
+from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
+from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
 from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Commit, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
@@ -66,61 +65,6 @@ HOST_OFFER = "cuda_ipc-host"  # descriptor offers: the host key ...
 GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on another GPU before connecting)
 COPY_BATCH = 1 << 30  # bytes copied per lock hold and fence (abort latency vs. fences: ~0.5 ms on an H200)
 MAX_INBOUND = 256
-FEW_RUNS = 16  # src + dst runs up to which ``piece_table`` walks them in Python
-
-
-def piece_table(src: Sequence[Region], dst: Sequence[Region]) -> np.ndarray:
-    """``[n, 3]`` int64, one row ``(src offset, dst offset, bytes)`` per overlap of a src run and a dst run
-    (equal totals), in order: numpy over the runs' cumulative ends (tens of microseconds for hundreds of
-    runs, where a Python walk took hundreds); a few runs are walked in Python (numpy's call overhead)."""
-    if len(src) + len(dst) <= FEW_RUNS:
-        return np.array(list(_walk(src, dst)), dtype=np.int64).reshape(-1, 3)
-    s_off = np.array([r.offset for r in src], dtype=np.int64)
-    d_off = np.array([r.offset for r in dst], dtype=np.int64)
-    s_end = np.cumsum(np.array([r.length for r in src], dtype=np.int64))
-    d_end = np.cumsum(np.array([r.length for r in dst], dtype=np.int64))
-    ends = np.sort(np.concatenate((s_end, d_end)))  # both strictly increasing: drop the ends they share
-    ends = ends[np.concatenate(((True,), ends[1:] != ends[:-1]))]
-    starts = np.concatenate(((0,), ends[:-1]))
-    si = np.searchsorted(s_end, starts, side="right")  # the runs each piece starts in
-    di = np.searchsorted(d_end, starts, side="right")
-    s_start, d_start = np.concatenate(((0,), s_end[:-1])), np.concatenate(((0,), d_end[:-1]))
-    out = np.empty((len(ends), 3), dtype=np.int64)
-    out[:, 0] = s_off[si] + starts - s_start[si]
-    out[:, 1] = d_off[di] + starts - d_start[di]
-    out[:, 2] = ends - starts
-    return out
-
-
-def _walk(src: Sequence[Region], dst: Sequence[Region]) -> Iterator[Piece]:
-    si = di = s_off = d_off = 0
-    while si < len(src):
-        s, d = src[si], dst[di]
-        n = min(s.length - s_off, d.length - d_off)
-        yield s.offset + s_off, d.offset + d_off, n
-        s_off += n
-        d_off += n
-        if s_off == s.length:
-            si, s_off = si + 1, 0
-        if d_off == d.length:
-            di, d_off = di + 1, 0
-
-
-def pieces(src: Sequence[Region], dst: Sequence[Region]) -> Iterator[Piece]:
-    """Walk both region lists (equal totals) in step: one piece per overlap of a src run and a dst run."""
-    return map(tuple, piece_table(src, dst).tolist())
-
-
-def batches(src: Sequence[Region], dst: Sequence[Region], limit: int = COPY_BATCH) -> Iterator[np.ndarray]:
-    """The pieces (``piece_table`` rows) grouped, whole, into batches of at least ``limit`` bytes (the last
-    may hold fewer)."""
-    table = piece_table(src, dst)
-    ends = np.cumsum(table[:, 2])
-    first, base = 0, 0
-    while first < len(table):
-        last = min(int(np.searchsorted(ends, base + limit, side="left")), len(table) - 1)
-        yield table[first: last + 1]
-        first, base = last + 1, int(ends[last])
 
 
 def _setup(sock: socket.socket) -> None:

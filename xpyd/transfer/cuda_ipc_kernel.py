@@ -13,6 +13,7 @@ copies them all, with one of three launch geometries (``VARIANTS``; ``copy_runs(
 - ``flat``: the pieces cut into rows of one ``tile`` each, a 1-D grid, one program per row, one step;
 - ``loop``: rows of ``chunk`` bytes (256 KiB), one program per row looping in ``block`` (16 KiB) steps.
 
+``piece_table`` pairs a transfer's src and dst runs into its pieces (numpy; ``batches`` groups them).
 Every variant: ``chunk_table`` cuts pieces into rows on the host (numpy: a few vector operations however
 many pieces); ``word_bytes`` picks the widest word (8, 4, 2 or 1 bytes) dividing every offset, length and
 both tensors' addresses, and ``vector`` whether they are 16-byte aligned too (then each thread moves 16
@@ -34,7 +35,7 @@ import os
 import threading
 import weakref
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -48,6 +49,68 @@ NUM_WARPS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (tiles: rows per launch)
 
 Piece = tuple[int, int, int]
+FEW_RUNS = 16  # src + dst runs up to which ``piece_table`` walks them in Python
+
+
+class Run(Protocol):
+    """A run of bytes in a pool (``transfer.base.Region``)."""
+
+    offset: int
+    length: int
+
+
+def piece_table(src: Sequence[Run], dst: Sequence[Run]) -> np.ndarray:
+    """``[n, 3]`` int64, one row ``(src offset, dst offset, bytes)`` per overlap of a src run and a dst run
+    (equal totals), in order: numpy over the runs' cumulative ends (tens of microseconds for hundreds of
+    runs, where a Python walk took hundreds); a few runs are walked in Python (numpy's call overhead)."""
+    if len(src) + len(dst) <= FEW_RUNS:
+        return np.array(list(_walk(src, dst)), dtype=np.int64).reshape(-1, 3)
+    s_off = np.array([r.offset for r in src], dtype=np.int64)
+    d_off = np.array([r.offset for r in dst], dtype=np.int64)
+    s_end = np.cumsum(np.array([r.length for r in src], dtype=np.int64))
+    d_end = np.cumsum(np.array([r.length for r in dst], dtype=np.int64))
+    ends = np.sort(np.concatenate((s_end, d_end)))  # both strictly increasing: drop the ends they share
+    ends = ends[np.concatenate(((True,), ends[1:] != ends[:-1]))]
+    starts = np.concatenate(((0,), ends[:-1]))
+    si = np.searchsorted(s_end, starts, side="right")  # the runs each piece starts in
+    di = np.searchsorted(d_end, starts, side="right")
+    s_start, d_start = np.concatenate(((0,), s_end[:-1])), np.concatenate(((0,), d_end[:-1]))
+    out = np.empty((len(ends), 3), dtype=np.int64)
+    out[:, 0] = s_off[si] + starts - s_start[si]
+    out[:, 1] = d_off[di] + starts - d_start[di]
+    out[:, 2] = ends - starts
+    return out
+
+
+def _walk(src: Sequence[Run], dst: Sequence[Run]) -> Iterator[Piece]:
+    si = di = s_off = d_off = 0
+    while si < len(src):
+        s, d = src[si], dst[di]
+        n = min(s.length - s_off, d.length - d_off)
+        yield s.offset + s_off, d.offset + d_off, n
+        s_off += n
+        d_off += n
+        if s_off == s.length:
+            si, s_off = si + 1, 0
+        if d_off == d.length:
+            di, d_off = di + 1, 0
+
+
+def pieces(src: Sequence[Run], dst: Sequence[Run]) -> Iterator[Piece]:
+    """Walk both region lists (equal totals) in step: one piece per overlap of a src run and a dst run."""
+    return map(tuple, piece_table(src, dst).tolist())
+
+
+def batches(src: Sequence[Run], dst: Sequence[Run], limit: int) -> Iterator[np.ndarray]:
+    """The pieces (``piece_table`` rows) grouped, whole, into batches of at least ``limit`` bytes (the last
+    may hold fewer)."""
+    table = piece_table(src, dst)
+    ends = np.cumsum(table[:, 2])
+    first, base = 0, 0
+    while first < len(table):
+        last = min(int(np.searchsorted(ends, base + limit, side="left")), len(table) - 1)
+        yield table[first: last + 1]
+        first, base = last + 1, int(ends[last])
 
 
 def chunk_table(pieces: Sequence[Piece], chunk: int = CHUNK_BYTES) -> np.ndarray:

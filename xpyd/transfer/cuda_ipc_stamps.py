@@ -20,8 +20,9 @@ class Stamps:
     """Per transfer, when each stage was reached (``time.perf_counter_ns``), and the receiver's device time:
 
     sender: ``send`` (``send()`` called), ``marked`` (the Offer built and the forward's event completed:
-    the Offer's MAC and frame are made while the forward may still run), ``offered`` (the Offer is written), ``copied`` (the receiver's Reply read: its bytes landed), ``committed`` (Commit
-    written), ``done`` (the last Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC
+    the Offer's MAC and frame are made while the forward may still run), ``offered`` (the Offer is
+    written), ``copied`` (the receiver's Reply read: its bytes landed), ``committed`` (Commit written),
+    ``done`` (the last Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC
     checked, transfer claimed), ``opened`` (the sender's handle open: slow the first time only),
     ``launching`` (the last batch's stream set up: its wait for the decode engine's mark and its timing
     event enqueued; the copies are enqueued next), ``enqueued`` (every copy of the last batch enqueued),
