@@ -105,6 +105,9 @@ def batches(src: Sequence[Run], dst: Sequence[Run], limit: int) -> Iterator[np.n
     """The pieces (``piece_table`` rows) grouped, whole, into batches of at least ``limit`` bytes (the last
     may hold fewer)."""
     table = piece_table(src, dst)
+    if len(table) == 1:  # (one piece, the contiguous case: no numpy calls)
+        yield table
+        return
     ends = np.cumsum(table[:, 2])
     first, base = 0, 0
     while first < len(table):
