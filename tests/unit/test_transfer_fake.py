@@ -94,7 +94,7 @@ def test_make_backend_is_lazy_and_checks_names():
     assert tcp.name == "tcp" and isinstance(tcp, TransferBackend)
     assert not [t for t in threading.enumerate() if t.name.startswith("xpyd-")]  # no threads in __init__
     tcp.close()
-    with pytest.raises(ValueError, match="known: auto, fake, neuron, nixl, shm, tcp"):
+    with pytest.raises(ValueError, match="known: auto, cuda_ipc, fake, neuron, nixl, shm, tcp"):
         make_backend("rdma")
 
 
