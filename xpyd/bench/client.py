@@ -5,8 +5,9 @@ caller, >= the concurrency) and turns each ``RequestSpec`` into a ``RequestResul
 the arrival time of every content chunk (a chunk carries one or more tokens, so gaps are per chunk),
 the end time, the generated text, the token counts from the trailing ``usage`` chunk (with
 ``usage.prompt_tokens_details.cached_tokens``, the prompt tokens the server's prefix cache had,
-when the server reports it), or an error kind. Errors are returned, never raised: a benchmark counts
-them.
+when the server reports it), the workers that served it when the server names them (an xpyd proxy
+with ``--expose-worker-names``: ``x-xpyd-workers: prefill=NAME, decode=NAME``, see ``parse_workers``), or
+an error kind. Errors are returned, never raised: a benchmark counts them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ class ErrorKind(str, Enum):
     EMPTY = "empty"  # the stream ended without any content chunk
 
 
+WORKERS_HEADER = "x-xpyd-workers"  # xpyd.proxy.worker_names: the proxy's side of it
+WORKER_ROLES = ("prefill", "decode", "colocated")
+_MAX_WORKER_NAME = 64
+
+
+def parse_workers(value: str | None) -> dict[str, str] | None:
+    """``x-xpyd-workers``'s value -> {role: name} for the roles xpyd names (prefill, decode, colocated);
+    None without the header or with nothing usable in it (items that are not ROLE=NAME are skipped)."""
+    if not value:
+        return None
+    out: dict[str, str] = {}
+    for item in value.split(","):
+        role, sep, name = item.partition("=")
+        role, name = role.strip(), name.strip()
+        if sep and role in WORKER_ROLES and name and len(name) <= _MAX_WORKER_NAME and name.isprintable():
+            out[role] = name
+    return out or None
+
+
 class EndpointUnreachable(Exception):
     """The server could not be reached at all (connection refused, DNS, timeout)."""
 
@@ -66,6 +86,7 @@ class RequestResult:
     text: str = ""  # the generated text (multi-turn builds the next turn from it)
     turn: int | None = None  # the spec's turn (multi-turn)
     trace_line: int | None = None  # the spec's line in the trace file (trace replay)
+    workers: dict[str, str] | None = None  # {role: name} from x-xpyd-workers (None: the server did not say)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -162,6 +183,7 @@ class StreamingClient:
                                trace_line=spec.trace_line)
         try:
             async with self._session.post(self._url, json=body) as resp:
+                result.workers = parse_workers(resp.headers.get(WORKERS_HEADER))
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     raise _StreamFailure(f"{ErrorKind.HTTP.value}_{resp.status}", text)

@@ -27,7 +27,7 @@ from xpyd.bench.client import (Endpoint, EndpointUnreachable, NotOpenAI, Request
                                fetch_model_names)
 from xpyd.bench.config import BenchConfig, SharedPrefixConfig, StallConfig, Workload, config_from_args
 from xpyd.bench.conversation import Conversation, MultiTurnConfig, build_conversations
-from xpyd.bench.metrics import summarize, summarize_turns
+from xpyd.bench.metrics import summarize, summarize_turns, summarize_workers
 from xpyd.bench.report import build_report, format_table, request_records, write_json
 from xpyd.bench.runner import Timed, closed_loop, conversations, open_loop, prefill_stall, timed
 from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRequests, load_trace, send_offsets, trace_stats
@@ -57,6 +57,12 @@ examples:
 
 The prefix-cache hit rate (sum of usage.prompt_tokens_details.cached_tokens / sum of prompt_tokens) is
 reported when the server sends cached_tokens (vLLM: --enable-prompt-tokens-details), else "n/a".
+
+Per worker: against an xpyd proxy started with --expose-worker-names (`xpyd up --expose-worker-names`),
+each answer names its workers (x-xpyd-workers: opaque names, never addresses) and the report adds, per
+prefill, decode or colocated worker, its requests, completed/failed, goodput (requests/s and output
+tokens/s), SLO attainment under --slo and TTFT/TPOT p50/p99 (text, and "workers" in --json). Trace replay
+too. Without the header (any other server) there is no per-worker section.
 
 Exit status: 0 when the run completed (failed requests are reported, not fatal), 2 for bad
 arguments, 1 when the endpoint cannot be reached at all."""
@@ -342,9 +348,10 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
                 for lab in (LABEL_SHORT, LABEL_LONG)} if config.workload is Workload.PREFILL_STALL else {})
     turns = (summarize_turns(results, config.num_requests) if config.workload is Workload.MULTI_TURN
              else None)
+    workers = summarize_workers(results, measured.duration_s, config.slo)  # None unless the server names them
     described = config.describe() | {"model": model}
-    print(format_table(overall, classes, described, model, turns, trace))
-    report = build_report(overall, classes, described, model, warmup_failed, turns, trace)
+    print(format_table(overall, classes, described, model, turns, trace, workers))
+    report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
     if config.json_path is not None:

@@ -22,6 +22,9 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
 - Prefix-cache hit rate: sum(cached_tokens) / sum(prompt_tokens) over the completed requests whose
   usage reports ``prompt_tokens_details.cached_tokens`` (as vLLM and OpenAI do); None ("n/a") when
   none of them does. Multi-turn runs also get it, with the TTFT distribution, per turn index.
+- Per worker (when the server names the workers of each request, as an xpyd proxy does with
+  ``--expose-worker-names``): the same metrics over the requests each worker served, per role, with the
+  run's duration and SLO; a request served by prefill worker P and decode worker D counts under both.
 """
 
 from __future__ import annotations
@@ -275,3 +278,31 @@ def summarize_turns(results: Iterable[RequestResult], expected: int) -> TurnSumm
                                CacheHits.of(done)))
     return TurnSummary(stats, CacheHits.of(r for r in results if r.turn == 1),
                        CacheHits.of(r for r in results if r.turn > 1), max(expected - len(results), 0))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSummaries:
+    """Per worker, from the names an xpyd proxy gives with ``--expose-worker-names`` (``RequestResult.workers``):
+    for each role (prefill, decode, colocated) each worker's requests, summarized over the whole run's duration
+    with the run's SLO. A request counts once under each of its workers (once per role)."""
+
+    roles: dict[str, dict[str, Summary]]  # role -> worker name -> its requests' summary; names sorted
+    unattributed: int  # requests the server named no worker for (e.g. refused before any response)
+
+
+def summarize_workers(results: Iterable[RequestResult], duration_s: float,
+                      slo: SLO | None = None) -> WorkerSummaries | None:
+    """None when no request was named any worker (a server that does not say, e.g. vLLM)."""
+    results = list(results)
+    if not any(r.workers for r in results):
+        return None
+    groups: dict[str, dict[str, list[RequestResult]]] = {}
+    for r in results:
+        for role, name in (r.workers or {}).items():
+            groups.setdefault(role, {}).setdefault(name, []).append(r)
+    roles = {role: {name: summarize(rs, duration_s, slo) for name, rs in sorted(by_name.items())}
+             for role, by_name in sorted(groups.items(), key=lambda kv: _ROLE_ORDER.get(kv[0], len(_ROLE_ORDER)))}
+    return WorkerSummaries(roles, sum(not r.workers for r in results))
+
+
+_ROLE_ORDER = {"prefill": 0, "decode": 1, "colocated": 2}

@@ -12,8 +12,13 @@ index with ``completed``, ``failed``, ``ttft_ms``, ``prefix_cache``; ``first_tur
 ``later_turns`` prefix caches; ``turns_not_sent``), ``trace`` (trace replay: the trace's own
 ``requests``, ``mean_input_tokens``, ``mean_output_tokens``, ``total_input_tokens``,
 ``shared_prefix_tokens``, ``prefix_sharing_ratio`` (the upper bound of ``prefix_cache.hit_rate``),
-``block_size``, ``span_s``, ``time_scale``, ``replay_span_s``), and with ``--include-requests``
-every request's timeline (``requests``; a trace's carry their ``trace_line``).
+``block_size``, ``span_s``, ``time_scale``, ``replay_span_s``), ``workers`` (only when the server named
+the workers of its answers: an xpyd proxy with ``--expose-worker-names``; ``prefill``, ``decode`` and/or
+``colocated``, each {worker name: ``requests``, ``completed``, ``failed``, ``good``, ``slo_attainment``,
+``requests_per_s``, ``output_tokens_per_s``, ``goodput_requests_per_s``, ``goodput_output_tokens_per_s``,
+``ttft_ms``, ``tpot_ms``, ``errors``}, and ``unattributed``: requests no worker was named for), and with
+``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
+each its ``workers`` when named).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 from pathlib import Path
 
 from xpyd.bench.client import RequestResult
-from xpyd.bench.metrics import CacheHits, Distribution, Summary, TurnSummary
+from xpyd.bench.metrics import CacheHits, Distribution, Summary, TurnSummary, WorkerSummaries
 
 SCHEMA_VERSION = 1
 
@@ -40,6 +45,9 @@ DEFINITIONS = {
                             "all input tokens: the hit rate of an unbounded prefix cache, an upper bound for "
                             "prefix_cache.hit_rate",
     "failed": "excluded from latencies and token counts",
+    "workers": "per worker the server named (x-xpyd-workers), per role: the metrics above over the requests it "
+               "served, over the run's duration_s and with the run's SLO; a request counts under its prefill "
+               "and its decode worker",
     "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
                     "the completed requests reporting cached_tokens; null when none does",
 }
@@ -91,6 +99,25 @@ def summary_dict(s: Summary) -> dict:
     }
 
 
+def workers_dict(w: WorkerSummaries) -> dict:
+    out: dict = {role: {name: {
+        "requests": s.completed + s.failed,
+        "completed": s.completed,
+        "failed": s.failed,
+        "good": s.good,
+        "slo_attainment": s.slo_attainment,
+        "requests_per_s": s.requests_per_s,
+        "output_tokens_per_s": s.output_tokens_per_s,
+        "goodput_requests_per_s": s.goodput_requests_per_s,
+        "goodput_output_tokens_per_s": s.goodput_output_tokens_per_s,
+        "ttft_ms": _dist(s.ttft),
+        "tpot_ms": _dist(s.tpot),
+        "errors": s.errors,
+    } for name, s in by_name.items()} for role, by_name in w.roles.items()}
+    out["unattributed"] = w.unattributed
+    return out
+
+
 def request_records(results: list[RequestResult], start: float) -> list[dict]:
     """Every request's timeline, seconds relative to the run start."""
     return [{
@@ -103,12 +130,14 @@ def request_records(results: list[RequestResult], start: float) -> list[dict]:
         "cached_tokens": r.cached_tokens,
         "turn": r.turn,
         "trace_line": r.trace_line,
+        "workers": r.workers,
         "error": r.error,
     } for r in results]
 
 
 def build_report(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
-                 warmup_failed: int = 0, turns: TurnSummary | None = None, trace: dict | None = None) -> dict:
+                 warmup_failed: int = 0, turns: TurnSummary | None = None, trace: dict | None = None,
+                 workers: WorkerSummaries | None = None) -> dict:
     out = summary_dict(overall)
     out.update({
         "schema_version": SCHEMA_VERSION,
@@ -124,6 +153,8 @@ def build_report(overall: Summary, classes: dict[str, Summary], config: dict, mo
         out["multi_turn"] = turns_dict(turns)
     if trace is not None:
         out["trace"] = trace
+    if workers is not None:
+        out["workers"] = workers_dict(workers)
     return out
 
 
@@ -188,8 +219,26 @@ def _trace_section(t: dict, cache: CacheHits) -> list[str]:
             f"{'server prefix cache hits':<28}{_hit_rate(cache)} (the ratio above is its upper bound)"]
 
 
+def _workers_section(w: WorkerSummaries) -> list[str]:
+    lines = ["--- per worker (x-xpyd-workers) ".ljust(62, "-"),
+             f"{'worker':<12}{'requests':>9}{'ok/failed':>11}{'good req/s':>11}{'good tok/s':>11}{'SLO att.':>9}"
+             f"{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"]
+    for role, by_name in w.roles.items():
+        lines.append(f"{role}:")
+        for name, s in by_name.items():
+            attained = "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.1f}%"
+            lines.append(f"{name:<12}{s.completed + s.failed:>9}{f'{s.completed}/{s.failed}':>11}"
+                         f"{s.goodput_requests_per_s:>11.3f}{s.goodput_output_tokens_per_s:>11.2f}{attained:>9}"
+                         f"{_fmt(s.ttft.p50)}{_fmt(s.ttft.p99, 9)}{_fmt(s.tpot.p50)}{_fmt(s.tpot.p99, 9)}")
+    if w.unattributed:
+        lines.append(f"requests no worker was named for: {w.unattributed}")
+    lines.append("(latencies in ms; good: meeting every SLO, over the run's duration)")
+    return lines
+
+
 def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
-                 turns: TurnSummary | None = None, trace: dict | None = None) -> str:
+                 turns: TurnSummary | None = None, trace: dict | None = None,
+                 workers: WorkerSummaries | None = None) -> str:
     if tc := config.get("trace"):
         load = f"trace {tc['path']} at {tc['time_scale']:g}x"
     elif config.get("rate") is not None:
@@ -214,6 +263,8 @@ def format_table(overall: Summary, classes: dict[str, Summary], config: dict, mo
         lines += _turns_section(turns)
     if trace is not None:
         lines += _trace_section(trace, overall.cache)
+    if workers is not None:
+        lines += _workers_section(workers)
     lines.append("ITL is per streamed chunk; TPOT uses usage.completion_tokens.")
     if overall.cache.hit_rate is None:
         lines.append("prefix cache n/a: no usage.prompt_tokens_details.cached_tokens "

@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"longest wait before a restart (default {_RESTART.max_backoff:g})")
     p.add_argument("--log-requests", action="store_true",
                    help="proxy: log each request's response id with the workers' request id and both workers")
+    p.add_argument("--expose-worker-names", action="store_true",
+                   help="proxy: name the workers that served each answer in an x-xpyd-workers header (opaque "
+                        "names, never addresses) for per-worker benchmark reports")
 
 
 
@@ -184,7 +187,8 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
     for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return out + (["--log-requests"] if args.log_requests else [])
+    return (out + (["--log-requests"] if args.log_requests else [])
+            + (["--expose-worker-names"] if args.expose_worker_names else []))
 
 
 def cluster_token(args: argparse.Namespace) -> str | None:

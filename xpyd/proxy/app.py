@@ -29,7 +29,9 @@ To the client it looks like a single OpenAI/vLLM server: one response id and
 As vLLM does, a client's ``X-Request-Id`` names the response (``cmpl-<it>``; checked:
 ``client_request_id``) and comes back in the ``X-Request-Id`` of every answer; without one,
 a generation's ``X-Request-Id`` is its response id. Nothing the client reads names a
-worker's address or the workers' request id (errors go through ``http_errors.Redactor``).
+worker's address or the workers' request id (errors go through ``http_errors.Redactor``); with
+``expose_worker_names`` every answer of a dispatched request (errors too) says which pair served it in
+``x-xpyd-workers``, by opaque names (``worker_names``), set before the first byte of a stream.
 ``GET /cluster`` shows every worker with its health and load; ``GET /metrics``
 the proxy's Prometheus metrics (``xpyd.proxy.metrics``). With an API key set,
 everything but ``GET /health`` needs ``Authorization: Bearer KEY`` (``/cluster``
@@ -45,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from quart import Quart, Response, request
+from quart import Quart, Response, g, request
 
 from xpyd.api.identity import ResponseIdentity, client_request_id
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
@@ -67,6 +69,7 @@ from xpyd.proxy.relay import complete_body, stream_response
 from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
 from xpyd.proxy.upstream import Fault, UpstreamError
 from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES
+from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.proxy.workers import Health, WorkerTable
 from xpyd.signal.request_id import RequestId
 
@@ -92,6 +95,7 @@ class Proxy:
         self.pairs = PairHealth(base=config.pair_cooldown)
         self.redactor = Redactor(lambda: [w for role in Role for w in self.registry.workers(role)])
         self.inflight = InFlight(self.router, self.pairs, on_end=self.queue.wake)
+        self.names = WorkerNames(config.cluster_token) if config.expose_worker_names else None
         self.table.on_down(self.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
             self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))
@@ -147,6 +151,8 @@ class Proxy:
             for state in self.table.sync(role, self.registry.workers(role)):
                 view = state.to_dict()
                 view["cache"]["indexed_blocks"] = self.index.blocks(state.info) if self.index is not None else None
+                if self.names is not None:  # which worker an x-xpyd-workers name stands for
+                    view["name"] = self.names.of(state.info)
                 workers.append(view)
         queue = {"waiting": self.queue.waiting, "max": self.config.max_queue,
                  "active_requests": self.limit.active}
@@ -191,6 +197,14 @@ class Proxy:
                 rid = None
             if rid is not None:
                 response.headers[REQUEST_ID_HEADER] = rid
+        return response
+
+    def name_workers(self, response: Response) -> Response:
+        """After every route, with ``expose_worker_names``: the pair the request was last dispatched to
+        (``_start``), by opaque names; nothing for a request that reached no worker."""
+        workers = g.get("xpyd_workers")
+        if workers is not None:
+            response.headers[WORKERS_HEADER] = workers
         return response
 
     async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity, str]:
@@ -281,6 +295,8 @@ class Proxy:
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
         if self.config.log_requests:
             log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
+        if self.names is not None:  # (a retry on another pair names that one)
+            g.xpyd_workers = self.names.pair(prefill, decode)
         return self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
 
     def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:
@@ -319,6 +335,7 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     app.after_serving(proxy.close)
     app.before_request(proxy.check_api_key)
     app.after_request(proxy.echo_request_id)
+    app.after_request(proxy.name_workers)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

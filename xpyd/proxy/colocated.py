@@ -4,7 +4,8 @@ This is the traditional setup disaggregation is compared against (``xpyd up
 --colocated``): requests are validated the same way, then forwarded as they are
 and the worker's answer (JSON or SSE) is passed back unchanged, but for its errors: as with the P/D proxy,
 no internal address or request id reaches the client (``http_errors.Redactor``), and ``X-Request-Id`` is
-the client's own or the response id.
+the client's own or the response id. With ``expose_worker_names`` every answer the worker gave carries
+``x-xpyd-workers: colocated=<name>`` (an opaque name: ``worker_names``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
 from xpyd.proxy.http_errors import Redactor
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
+from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ def create_colocated_app(config, url: str) -> Quart:
     api_key = ApiKey(config.api_key) if config.api_key is not None else None
     limit = ConcurrencyLimit(config.max_concurrent_requests)  # as the P/D proxy: 429 beyond it
     redactor = Redactor(lambda: [state["info"]] if "info" in state else [])
+    worker_name = WorkerNames(config.cluster_token).colocated(url) if config.expose_worker_names else None
 
     @app.before_request
     async def check_api_key() -> None:  # as the P/D proxy: all but /health need the key when set
@@ -161,6 +164,8 @@ def create_colocated_app(config, url: str) -> Quart:
             raise APIError(502, "colocated worker unreachable", type="server_error") from None
         # (the worker names an answer it was not given a name for by the id's random part)
         headers = {"X-Request-Id": client_id or new_response_id(kind, rid.uid)}
+        if worker_name is not None:
+            headers[WORKERS_HEADER] = worker_name
         if resp.status != 200 or not req.stream:
             data = await resp.read()
             resp.release()

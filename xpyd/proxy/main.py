@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log one line per dispatched request (and per retry): the client's response id, "
                              "the request id the workers know it by and both workers' URLs, to follow a "
                              "request into the workers' logs (clients never see the internal id)")
+    parser.add_argument("--expose-worker-names", action="store_true",
+                        help="add 'x-xpyd-workers: prefill=NAME, decode=NAME' (colocated: 'colocated=NAME') to "
+                             "every completions/chat answer: opaque names (a role letter and 8 hex digits, never "
+                             "an address) of the workers that served it, the same for a worker as long as the "
+                             "proxy runs (with a cluster token: in every proxy holding it), so that a benchmark "
+                             "can report per worker (`xpyd bench` does); /cluster shows which worker has which "
+                             "name (default: off, no header)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -134,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         pair_cooldown=args.pair_cooldown,
         log_requests=args.log_requests,
+        expose_worker_names=args.expose_worker_names,
     )
 
 
