@@ -52,7 +52,7 @@ examples:
       --input-len 64 --output-len 32 --num-requests 64 --concurrency 4 --tokenizer PATH
   xpyd bench --url http://127.0.0.1:8000 --endpoint chat --workload multi-turn --conversations 8 \\
       --turns 4 --prefix-len 512 --input-len 64 --output-len 32 --think-time 1 --concurrency 4
-  xpyd bench --url http://127.0.0.1:8000 --trace conversation_trace.jsonl --max-requests 200 \
+  xpyd bench --url http://127.0.0.1:8000 --trace conversation_trace.jsonl --max-requests 200 \\
       --time-scale 10 --tokenizer PATH --slo ttft=2s,tpot=100ms --json trace.json
 
 The prefix-cache hit rate (sum of usage.prompt_tokens_details.cached_tokens / sum of prompt_tokens) is
@@ -194,13 +194,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("output")
     g.add_argument("--slo", metavar="K=V,...",
-                   help="SLOs for goodput: ttft, tpot, itl (every gap), e2e; units us/ms/s, bare = ms "
+                   help="SLOs for goodput and SLO attainment (per worker too, against an xpyd proxy with "
+                        "--expose-worker-names): ttft, tpot, itl (every gap), e2e; units us/ms/s, bare = ms "
                         "(e.g. ttft=500ms,itl=50ms,e2e=2s)")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON")
     g.add_argument("--plot", metavar="DIR",
                    help="write latency CDFs and ITL over time as PNGs (needs matplotlib: pip install 'xpyd[plot]')")
     g.add_argument("--include-requests", action="store_true",
-                   help="put every request's timeline into the JSON")
+                   help="put every request's timeline into the JSON (with the workers that served it, when "
+                        "the server names them)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
