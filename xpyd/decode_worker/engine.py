@@ -35,6 +35,7 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.lookups import Lookups
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.model.sampling_params import GREEDY_BELOW
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_staging import pool_memory
 from xpyd.worker.loop import IDLE_SLEEP
@@ -313,7 +314,7 @@ class DecodeEngine(WorkerEngine):
         """Prefill's first token: the client already has its text; we continue after it (the prompt was
         tokenized and checked once, by prefill)."""
         item: WorkItem = seq.payload
-        if not item.sampling.greedy:  # (the same test as the sampler's: below GREEDY_BELOW nothing draws)
+        if item.sampling.temperature >= GREEDY_BELOW:  # (the sampler's test: below it, greedy, nothing drawn)
             self.runner.sampler.skip_draw(item.generator)  # prefill used this draw for the first token
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
