@@ -51,10 +51,10 @@ from xpyd.transfer.base import (
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
 from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
-from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.pull import commit_round_trip, serve_offers
+from xpyd.transfer.pull import commit_round_trip, offer_and_commit, serve_offers
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, Unproven, format_address, parse_address
@@ -318,29 +318,16 @@ class CudaIpcTransferBackend:
             stamps(tid, "marked")
         if not job.token._advance(TransferState.TRANSFERRING):
             return
-        conn.send_all([offer])
-        if stamps is not None:
-            stamps(tid, "offered")
-        reply = Reply.parse(conn.read_frame(MAX_FRAME))
-        if stamps is not None:
-            stamps(tid, "copied")
-        if not reply.ok:
-            job.token._fail(f"refused by {address}: {reply.error}")
-            if reply.bye:
-                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
-            return
-        with job.lock:
-            ok = not job.token.finished()  # aborted while the peer copied: its copy is void
-        conn.send_all([memoryview(Commit(tid, ok).pack())])
-        if stamps is not None:
-            stamps(tid, "committed")
-        reply = Reply.parse(conn.read_frame(MAX_FRAME))
-        if ok and reply.ok:
-            if stamps is not None:
-                stamps(tid, "done")
-            job.token._advance(TransferState.DONE)
-        elif ok:
-            job.token._fail(f"refused by {address}: {reply.error}")
+        offer_and_commit(conn, job, offer, address, _read_reply,
+                         _no_stamps if stamps is None else lambda stage: stamps(tid, stage))
+
+
+def _read_reply(conn: Conn) -> Reply:
+    return Reply.parse(conn.read_frame(MAX_FRAME))
+
+
+def _no_stamps(stage: str) -> None:
+    pass
 
 
 class _PeerPool:

@@ -57,10 +57,10 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.pull import commit_round_trip, serve_offers
+from xpyd.transfer.pull import commit_round_trip, offer_and_commit, serve_offers
 from xpyd.transfer.nixl_agent import HOST, Agent, Memory, load, memory_of, plan
 from xpyd.transfer.nixl_progress import FALLBACK, Progress
-from xpyd.transfer.nixl_wire import MAX_FRAME, Commit, Hello, Offer, Reply
+from xpyd.transfer.nixl_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp import STALL_TIMEOUT, fail_when_stalled
@@ -348,21 +348,8 @@ class NixlTransferBackend:
         if not job.token._advance(TransferState.TRANSFERRING):
             return
         mac = auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)
-        conn.send_all([memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack())])
-        reply = self._reply(conn)
-        if not reply.ok:
-            job.token._fail(f"refused by {address}: {reply.error}")
-            if reply.bye:
-                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
-            return
-        with job.lock:
-            ok = not job.token.finished()  # aborted while the peer read: its copy is void
-        conn.send_all([memoryview(Commit(tid, ok).pack())])
-        reply = self._reply(conn)
-        if ok and reply.ok:
-            job.token._advance(TransferState.DONE)
-        elif ok:
-            job.token._fail(f"refused by {address}: {reply.error}")
+        offer_and_commit(conn, job, memoryview(Offer(tid, job.regions, job.dst, mac=mac).pack()), address,
+                         self._reply)
 
 
 class _CudaMarks:

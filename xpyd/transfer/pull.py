@@ -38,6 +38,38 @@ Pull = Callable[[Transfer, Offer], "str | None"]
 Confirm = Callable[[Conn, Transfer, Offer], bool]  # True: the sender still stands by the offer's source
 
 
+def _no_stamp(stage: str) -> None:
+    pass
+
+
+def offer_and_commit(conn: Conn, job: Transfer, offer: memoryview, address: str, read_reply: Callable[[Conn], Reply],
+                     stamp: Callable[[str], None] = _no_stamp) -> None:
+    """The sender's side of a transfer confirmed by `commit_round_trip` (nixl, cuda_ipc): send the packed Offer,
+    read the receiver's Reply (its bytes landed), answer Commit {ok: not aborted meanwhile}, read the last Reply;
+    the token ends DONE or FAILED. A refusal that says ``bye`` raises ConnectionError (reconnect for the next).
+    ``stamp(stage)``: "offered", "copied", "committed", "done" as each happens (a backend's timing hook)."""
+    tid = job.token.transfer_id
+    conn.send_all([offer])
+    stamp("offered")
+    reply = read_reply(conn)
+    stamp("copied")
+    if not reply.ok:
+        job.token._fail(f"refused by {address}: {reply.error}")
+        if reply.bye:
+            raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
+        return
+    with job.lock:
+        ok = not job.token.finished()  # aborted while the peer copied: its copy is void
+    conn.send_all([memoryview(Commit(tid, ok).pack())])
+    stamp("committed")
+    reply = read_reply(conn)
+    if ok and reply.ok:
+        stamp("done")
+        job.token._advance(TransferState.DONE)
+    elif ok:
+        job.token._fail(f"refused by {address}: {reply.error}")
+
+
 def commit_round_trip(conn: Conn, rec: Transfer, offer: Offer) -> bool:
     """Confirm by asking: tell the sender the bytes landed, read its Commit."""
     conn.send_all([memoryview(Reply(True).pack())])
