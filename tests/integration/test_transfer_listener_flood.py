@@ -9,6 +9,11 @@ transfers (each on a fresh connection) land byte for byte; the listener never ho
 connections than its caps; and every flood connection is closed (after the flood stops: each within a
 few seconds, none before ``OPEN_TIMEOUT`` unless evicted) and counted (``unproven``). An idle connection
 that nobody evicts is closed at the deadline, not after the 30 s ``io_timeout``.
+
+The nixl cases keep UCX on loopback (``UCX_NET_DEVICES=lo``): the test bed of tests/multihost adds and
+removes an interface in this network namespace while these tests run in a parallel pytest worker, and a
+sender whose NIXL agent started while it existed cannot be reached once it is gone
+(test_transfer_nixl_stale_interface.py). Which interfaces UCX uses is not what these tests are about.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ CLOSE_BOUND = 10.0  # an unevicted idle connection is closed well within this (O
 
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                                      reason="NIXL is not installed (pip install --no-deps nixl nixl-cu13)"))
+
+
+@pytest.fixture(autouse=True)
+def _ucx_on_loopback(monkeypatch):
+    """UCX reads it when each NIXL agent starts (``register``); see the module docstring."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
 
 def _idle_opening(backend: str, n: int) -> bytes:

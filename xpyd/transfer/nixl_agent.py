@@ -15,6 +15,13 @@ until ``release``, so that whoever makes progress also checks it and wakes the t
 
 ``plan`` splits a transfer's ``src``/``dst`` regions into READ requests of at most ``chunk`` bytes,
 each a list of ``(src offset, dst offset, length)`` pieces (pure; unit-tested without NIXL).
+
+Loading a remote agent's metadata (``add_peer``) makes UCX endpoints to addresses its worker listed
+when that agent started: one per network interface it had then (the list never changes). If UCX picks
+one whose interface is gone since (UCX prefers the fastest, e.g. a 10 Gbit/s veth) and cannot connect,
+the load fails with NIXL_ERR_BACKEND, and fails again at every attempt until that agent is remade
+(``PeerUnreachable`` says so; retrying does not help). ``UCX_NET_DEVICES`` limits the interfaces UCX
+uses, and so lists.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ Memory = tuple[str, int]
 HOST: Memory = ("DRAM", 0)
 MEM_TYPES = ("DRAM", "VRAM")
 PROC, DONE = "PROC", "DONE"  # NIXL's transfer states; anything else is "ERR ..." (ours) or NIXL's error
+
+
+class PeerUnreachable(RuntimeError):
+    """UCX could make no endpoint to a remote agent from its metadata (NIXL_ERR_BACKEND; see the module docstring)."""
 
 
 def load():
@@ -130,6 +141,8 @@ class Agent:
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend plugin here; the nixl KV backend needs it")
         self.name = name
+        # NIXL's error when its backend (UCX) fails, e.g. cannot connect to the address it chose
+        self._backend_error = getattr(getattr(api, "nixlBind", None), "nixlBackendError", ())
         self._reg = None
         self._peers: dict[str, int] = {}  # loaded remote agent -> connections using it
 
@@ -149,9 +162,16 @@ class Agent:
             return self._live().get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a remote agent's metadata (once per agent, counted per connection); its name."""
+        """Load a remote agent's metadata (once per agent, counted per connection); its name. Raises
+        ``PeerUnreachable`` if UCX can make no endpoint to it, NIXL's error if NIXL refuses the metadata."""
         with self._lock:
-            name = self._live().add_remote_agent(metadata)
+            try:
+                name = self._live().add_remote_agent(metadata)
+            except self._backend_error as e:
+                raise PeerUnreachable(
+                    f"{e}: UCX could not connect to the agent; an address its metadata lists (one per network "
+                    f"interface it had when it started) may be gone (UCX_NET_DEVICES limits the interfaces "
+                    f"UCX uses)") from e
             name = name.decode() if isinstance(name, bytes) else name
             self._peers[name] = self._peers.get(name, 0) + 1
             return name

@@ -294,7 +294,7 @@ class NixlTransferBackend:
         if peer.name is None:
             try:
                 peer.name = self._agent.add_peer(peer.hello.metadata)
-            except Exception as e:  # NIXL rejects the metadata
+            except Exception as e:  # NIXL rejects it, or UCX cannot reach the sender (PeerUnreachable)
                 error = f"cannot load the sender's NIXL metadata: {e or type(e).__name__}"
                 rec.token._fail(error)
                 return error
