@@ -3,26 +3,29 @@
 Two processes on one GPU (this one sends, a child receives), each with a Llama-3-8B-shaped KV pool
 (32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks: 128 KiB of KV per token, 2 MiB per block).
 A 4,096-token prompt's 256 blocks (512 MiB) move through the real backend objects (``make_backend``),
-timed on the sender from ``send()`` to its token's DONE (which implies the receiver's: the bytes landed
-and were fenced, and the commit round trip ran), median of ``--reps`` transfers, for two placements:
-both sides' blocks contiguous (one run, one copy) and scattered (random blocks, coalesced runs).
+as a prefill worker sends them: ``send()`` is called right after the forward that writes the KV was
+enqueued, here a ``--forward-ms`` kernel (``torch.cuda._sleep``) on the sender's stream. The time that
+counts is from the moment the KV is ready (the device passed the end of that forward: an event recorded
+behind it, waited for by this process) to the receiver's DONE (its token final: bytes landed and fenced,
+the sender's abort board checked) and to the sender's DONE (the Reply read); median of ``--reps``
+transfers, for two placements: both sides' blocks contiguous (one run, one copy) and scattered (random
+blocks, coalesced runs). One more row sends with an idle GPU (no forward to hide behind): ``send()`` to
+DONE, the whole control plane exposed.
 
 The baseline is a plain device-to-device copy of the same 512 MiB inside this process, timed with CUDA
 events in the same run. Rates are counted as the issue counts a copy: bytes read + bytes written (2x the
-payload), for the copy and for the transfer alike; the payload rate (1x) is printed too.
+payload), for the copy and for the transfer alike.
 
 Scattered placements are copied several ways on the receiver, over the same placements: one launch of the
 Triton copy kernel over all pieces in each of its launch geometries (``cuda_ipc_kernel.VARIANTS``; what
 ``CudaOps`` does with more than ``FEW_PIECES`` pieces, ``DEFAULT_VARIANT`` unless told), then
-``torch._foreach_copy_``, and one ``copy_`` per piece. Each row reports the end-to-end time (send() to
-the sender's DONE, host clock) and the data path alone (the receiver's copies, CUDA events around them:
-from the start event, enqueued before the copies, so the host's time to enqueue them counts when the
-device outruns it), and a breakdown of where the end-to-end time goes: both sides' ``Stamps``
-(perf_counter_ns, one clock for both processes), stage by stage. The "copy kernel alone" rows time each
-variant in this process over the same scattered placements, ``--reps`` launches back to back between two
-CUDA events (each launch's host work overlaps the previous launch's copy): the kernel's own rate.
+``torch._foreach_copy_``, and one ``copy_`` per piece. Each row reports the times above and the data path
+alone (the receiver's copies, CUDA events around them), and a breakdown of where the time goes: both sides'
+``Stamps`` (perf_counter_ns, one clock for both processes), stage by stage, from the KV being ready. The
+"copy kernel alone" rows time each variant in this process over the same scattered placements, ``--reps``
+prepared launches back to back between two CUDA events: the kernel's own rate.
 
-    python scripts/gpu/transfer_bench.py [--reps 10] [--pool-blocks 1024]
+    python scripts/gpu/transfer_bench.py [--reps 10] [--pool-blocks 1024] [--forward-ms 5]
 
 CUDA only; about 30 s on an H200 (most of it the child's start and Triton's first compile).
 """
@@ -88,13 +91,13 @@ RECEIVER = textwrap.dedent("""
 """)
 
 # the stages of a transfer in causal order (each side's clock is CLOCK_MONOTONIC: one clock for both)
-ORDER = [("sender", "send", "send() called"), ("sender", "marked", "Offer built, forward's event done"),
-         ("sender", "offered", "Offer written"), ("receiver", "claimed", "offer read, MAC checked, claimed"),
-         ("receiver", "opened", "sender's handle open"),
+ORDER = [("sender", "send", "send() called (forward enqueued)"), ("sender", "offered", "Offer written"),
+         ("receiver", "claimed", "offer read, MAC checked, claimed"),
+         ("receiver", "opened", "handles open, board mapped"), ("receiver", "prepared", "copy prepared"),
+         ("bench", "ready", "the forward done: KV ready"), ("receiver", "ready", "receiver woke (sender's event)"),
          ("receiver", "launching", "stream set up (wait, start event)"), ("receiver", "enqueued", "copies enqueued"),
-         ("receiver", "synced", "copy stream synced"), ("sender", "copied", "Reply read (bytes landed)"),
-         ("sender", "committed", "Commit written"), ("receiver", "commit_read", "Commit read (receiver DONE)"),
-         ("sender", "done", "last Reply read (sender DONE)")]
+         ("receiver", "synced", "copy stream synced"), ("receiver", "done", "board checked: receiver DONE"),
+         ("sender", "done", "Reply read: sender DONE")]
 
 
 def runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -106,6 +109,19 @@ def runs(blocks: list[int]) -> list[tuple[int, int]]:
         else:
             out.append([b * BLOCK_BYTES, BLOCK_BYTES])
     return [(o, n) for o, n in out]
+
+
+def sleep_cycles(torch, ms: float) -> int:
+    """The ``torch.cuda._sleep`` argument that keeps the device busy for about ``ms`` milliseconds."""
+    if ms <= 0:
+        return 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # (warm)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return max(1, int(10_000_000 * ms / start.elapsed_time(end)))
 
 
 def device_copy_seconds(torch, nbytes: int, reps: int) -> float:
@@ -147,15 +163,14 @@ def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, f
     out = []
     tables = [piece_table([Region(*r) for r in s], [Region(*r) for r in d]) for s, d in placements]
     for variant in cuda_ipc_kernel.VARIANTS:
-        # one Runs per launch: a Runs waits for its last launch before it rewrites its table, which would
-        # leave the device idle while the host enqueues the next
-        each = [cuda_ipc_kernel.Runs(variant) for _ in tables]
-        programs = [runs(dst, src, table) for runs, table in zip(each, tables)][0]  # compile, buffers
+        runs = cuda_ipc_kernel.Runs(variant)
+        launches = [runs.prepare(dst, src, table) for table in tables]  # (tables uploaded before timing)
+        programs = launches[0]()  # compile
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(reps):
-            each[i % len(each)](dst, src, tables[i % len(tables)])
+            launches[i % len(launches)]()
         end.record()
         end.synchronize()
         out.append((f"copy kernel alone, {variant} ({programs} programs, x{reps})",
@@ -236,6 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each side's pool (2 MiB each)")
+    ap.add_argument("--forward-ms", type=float, default=5.0, help="the forward send() follows (a sleep kernel)")
     args = ap.parse_args()
     import torch
 
@@ -282,17 +298,24 @@ def main() -> None:
             raise SystemExit(f"the receiver process exited ({child.poll()})")
         peer = BackendDescriptor.from_dict(json.loads(line))
         host = pool.view(torch.uint8).cpu().numpy()  # the sender's bytes, for the receiver's check
-        for placement, mode in paths(cuda_ipc_kernel.VARIANTS, cuda_ipc_kernel.DEFAULT_VARIANT):
+        cycles = sleep_cycles(torch, args.forward_ms)
+        for placement, mode, forward in [(p, m, cycles) for p, m in paths(cuda_ipc_kernel.VARIANTS,
+                                                                           cuda_ipc_kernel.DEFAULT_VARIANT)] + \
+                [("contiguous", cuda_ipc_kernel.DEFAULT_VARIANT, 0)]:
             how = ask(op="mode", mode=mode)["runs"]
             times, device, stages = [], [], []
             for rep, (src, dst) in enumerate(scattered if placement == "scattered" else contiguous):
-                tid, secret = f"{placement}-{mode}-{rep}", new_secret()
+                tid, secret = f"{placement}-{mode}-{forward}-{rep}", new_secret()
                 ask(op="expect", id=tid, dst=dst, secret=secret.hex())
                 torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                if forward:
+                    torch.cuda._sleep(forward)  # the forward that writes the KV ...
+                ready = torch.cuda.Event(blocking=True)  # (its waiter sleeps: the sender's threads keep the GIL)
+                ready.record()
                 tok = sender.send(tid, [Region(*r) for r in src], peer, [Region(*r) for r in dst], secret=secret)
+                ready.synchronize()  # ... has finished on the device: the KV is ready
+                t_ready = time.perf_counter_ns()
                 tok.wait(60)
-                elapsed = time.perf_counter() - t0
                 if tok.state().name != "DONE":
                     raise SystemExit(f"transfer {tid} {tok.state().name}: {tok.error}")
                 check = ask(op="check", id=tid, dst=dst)
@@ -304,18 +327,22 @@ def main() -> None:
                 if check["state"] != "DONE" or check["sample"] != want:
                     raise SystemExit(f"transfer {tid}: the receiver saw {check['state']}, bytes "
                                      f"{'right' if check['sample'] == want else 'WRONG'}")
-                both = {"sender": sender.stamps.take(tid)[0], "receiver": check["stages"]}
+                both = {"sender": sender.stamps.take(tid)[0], "receiver": check["stages"],
+                        "bench": {"ready": t_ready}}
                 if first_open is None:  # the connection's first offer opens the sender's handle
                     first_open = (both["receiver"]["opened"] - both["receiver"]["claimed"]) / 1e6
                 if rep:  # the first one (of each path) is not timed
-                    times.append(elapsed)
+                    start = t_ready if forward else both["sender"]["send"]
+                    times.append(((both["receiver"]["done"] - start) / 1e9, (both["sender"]["done"] - start) / 1e9))
                     device.append(check["device_s"])
-                    stages.append({(side, stage): ns - both["sender"]["send"]
-                                   for side, row in both.items() for stage, ns in row.items()})
+                    stages.append({(side, stage): ns - start for side, row in both.items() for stage, ns in row.items()})
             n = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
             how = f"{n} copies" if n <= FEW_PIECES or mode == "copy_" else f"{n} pieces, {how}"
             label = f"cuda_ipc, {placement}{LABEL.get(mode, '')} ({how})"
-            rows.append((label, statistics.median(times), statistics.median(device)))
+            if not forward:
+                label = f"cuda_ipc, {placement}, idle GPU: send() to DONE ({how})"
+            rows.append((label, statistics.median(t[0] for t in times), statistics.median(t[1] for t in times),
+                         statistics.median(device)))
             breakdowns[label] = {key: statistics.median(s[key] for s in stages) / 1e6 for key in stages[0]}
         t = device_copy_seconds(torch, payload, args.reps)
     finally:
@@ -324,38 +351,40 @@ def main() -> None:
         child.wait(30)
     alone = kernel_alone(torch, nbytes, scattered[1:], args.reps)
     costs = host_costs(torch, payload)
-    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open, alone, costs)
+    report(torch.cuda.get_device_name(), args.reps, payload, rows, t, breakdowns, first_open, alone, costs,
+           args.forward_ms)
 
 
 def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float,
-           alone=(), costs=()) -> None:
+           alone=(), costs=(), forward_ms: float = 0.0) -> None:
     print(f"\n{name}: {PROMPT}-token prompt, Llama-3-8B KV shape ({TOKEN_BYTES // 1024} KiB/token), "
-          f"{payload >> 20} MiB; median of {reps}")
+          f"{payload >> 20} MiB; median of {reps}; send() right behind a {forward_ms:g} ms forward")
     copy_rw = 2 * payload / copy_s
-    print(f"{'path':62} {'end-to-end':>22} {'data path alone':>22}")
-    print(f"{'':62} {'ms':>7} {'r+w GB/s':>9} {'vs':>5} {'ms':>7} {'r+w GB/s':>9} {'vs':>5}")
-    for label, t, dev in rows:
-        print(f"{label:62} {t * 1e3:7.3f} {2 * payload / t / 1e9:9.1f} {2 * payload / t / copy_rw:5.0%} "
-              f"{dev * 1e3:7.3f} {2 * payload / dev / 1e9:9.1f} {2 * payload / dev / copy_rw:5.0%}")
-    print(f"{'device copy, one process (copy_, CUDA events)':62} {'':7} {'':9} {'':5} "
-          f"{copy_s * 1e3:7.3f} {copy_rw / 1e9:9.1f} {1:5.0%}")
+
+    def rate(t: float) -> str:
+        return f"{t * 1e3:7.3f} {2 * payload / t / 1e9:7.0f} {2 * payload / t / copy_rw:5.0%}"
+
+    print(f"{'path':66} {'KV ready -> receiver DONE':>21} {'-> sender DONE':>21} {'data path alone':>21}")
+    print(f"{'':66} {'ms  r+w GB/s    vs':>21} {'ms  r+w GB/s    vs':>21} {'ms  r+w GB/s    vs':>21}")
+    for label, recv_t, send_t, dev in rows:
+        print(f"{label:66} {rate(recv_t)} {rate(send_t)} {rate(dev)}")
+    print(f"{'device copy, one process (copy_, CUDA events)':66} {'':21} {'':21} {rate(copy_s)}")
     for label, dev, _ in alone:
-        print(f"{label:62} {'':7} {'':9} {'':5} "
-              f"{dev * 1e3:7.3f} {2 * payload / dev / 1e9:9.1f} {2 * payload / dev / copy_rw:5.0%}")
-    print("end-to-end: send() to the sender's DONE (host clock; the receiver's DONE is a step earlier, below),\n"
-          "control round trips included. data path alone: the receiver's copies, CUDA events around them.\n"
-          "r+w: bytes read + bytes written (2x the payload), as a device copy's bandwidth is counted; vs: / the "
-          "device copy.\n"
-          "data path alone counts from the start event, enqueued before the copies: the host's time to enqueue "
-          "them counts\nwhen the device outruns it (launching -> enqueued below); the kernel alone rows do not.")
+        print(f"{label:66} {'':21} {'':21} {rate(dev)}")
+    print("KV ready: the forward send() follows has finished on the device (an event behind it, waited for on the\n"
+          "host); receiver DONE: its token final (bytes landed and fenced, the sender's board checked); sender\n"
+          "DONE: the Reply read. The idle-GPU row counts from send() instead (no forward: the control plane is\n"
+          "exposed). data path alone: the receiver's copies, CUDA events around them. r+w: bytes read + written\n"
+          "(2x the payload), as a device copy's bandwidth is counted; vs: / the device copy.")
     for label, stages in breakdowns.items():
-        print(f"\nwhere the time goes, {label} (ms since send(), median; step: since the previous stage)")
-        prev = 0.0
+        print(f"\nwhere the time goes, {label} (ms since the KV was ready, or since send() when idle; median)")
+        prev = None
         for side, stage, what in ORDER:
             at = stages.get((side, stage))
             if at is None:
                 continue
-            print(f"  {side:9} {stage:12} {what:36} {at:8.3f} {at - prev:+8.3f}")
+            step = "" if prev is None else f"{at - prev:+8.3f}"
+            print(f"  {side:9} {stage:10} {what:36} {at:8.3f} {step}")
             prev = at
     print(f"\nfirst offer of the connection: opening the sender's handle took {first_open:.3f} ms (not timed above)")
     if costs:

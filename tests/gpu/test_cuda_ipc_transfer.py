@@ -4,8 +4,9 @@ receiver (decode), each with its own pool; KV moves through the real CUDA IPC ha
 Checks exact bytes (the receiver's whole pool hashed against the expected image: the dst regions hold the
 src bytes, nothing else changed), through one copy_ per piece and through the copy kernel's one launch (many
 pieces, aligned or at odd bytes), the kernel itself in one process, the stamps of each stage, that a
-transfer sent right behind a kernel still writing its source waits for it, and the aborts that can be placed
-for sure on a device (sender before it offers, receiver).
+transfer sent right behind a kernel still writing its source waits for it (offered at once, the receiver
+waits on the sender's event), and aborts while the receiver waits for that kernel (the sender's: nothing
+copied; the receiver's: it returns while the kernel still runs) or before the offer (the receiver's).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -50,6 +52,9 @@ RECEIVER = textwrap.dedent("""
         elif cmd["op"] == "abort":
             backend.abort(tid)
             out = {}
+        elif cmd["op"] == "stages":  # the stages reached so far (cuda_ipc_stamps), left in place
+            with backend.stamps._lock:
+                out = {"stages": list(backend.stamps.stages.get(tid, {}))}
         else:  # "state": wait for the token, then the whole pool's hash
             tok = tokens[tid]
             tok.wait(cmd["timeout"])
@@ -161,19 +166,43 @@ def test_the_copy_waits_for_the_kernel_that_writes_the_source(sides):
     assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
 
 
+def _reached(receiver, tid: str, stage: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while stage not in receiver.ask(op="stages", id=tid)["stages"]:
+        assert time.monotonic() < deadline, f"the receiver never reached {stage!r} for {tid!r}"
+        time.sleep(0.005)
+
+
 def test_a_sender_abort_before_its_source_is_written_fails_it_and_nothing_lands(sides):
     sender, pool, receiver = sides
-    torch.cuda._sleep(2_000_000_000)  # the "forward" still runs (~1 s): the sender thread waits on its mark
+    torch.cuda._sleep(2_000_000_000)  # the "forward" still runs (~1 s): the receiver waits on its event
     tok = _transfer(sender, pool, receiver, "gone", [(0, 1 << 20)], [(0, 1 << 20)])
-    sender.abort("gone")
+    _reached(receiver, "gone", "prepared")  # offered at once, prepared, waiting for the forward
+    sender.abort("gone")  # (revokes its board entry)
     assert tok.state().name == "FAILED" and tok.error == "aborted"
-    answer = receiver.ask(op="state", id="gone", timeout=0.5)  # (not offered: it stays pending)
-    assert answer["state"] == "PENDING"
+    answer = receiver.ask(op="state", id="gone", timeout=TIMEOUT)  # woken when the forward ended: revoked
+    assert answer["state"] == "FAILED" and "aborted by the sender" in answer["error"]
+    assert "launching" not in answer["stages"]  # no copy at all
     assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
-    receiver.ask(op="abort", id="gone")
-    torch.cuda.synchronize()
     # the connection stays usable
     tok = _transfer(sender, pool, receiver, "next", [(1 << 20, 1 << 20)], [(0, 1 << 20)])
+    assert tok.wait(TIMEOUT) and tok.state().name == "DONE", tok.error
+
+
+def test_a_receiver_abort_while_the_forward_runs_is_prompt_and_nothing_lands(sides):
+    sender, pool, receiver = sides
+    torch.cuda._sleep(4_000_000_000)  # ~2 s of "forward"
+    tok = _transfer(sender, pool, receiver, "quit", [(0, 1 << 20)], [(0, 1 << 20)])
+    _reached(receiver, "quit", "prepared")
+    assert receiver.ask(op="abort", id="quit") == {}
+    answer = receiver.ask(op="state", id="quit", timeout=0)
+    assert answer["state"] == "FAILED"
+    assert torch.cuda.current_stream().query() is False  # (the forward still ran when the abort returned)
+    assert tok.wait(TIMEOUT) and tok.state().name == "FAILED" and "aborted by the receiver" in tok.error
+    torch.cuda.synchronize()
+    answer = receiver.ask(op="state", id="quit", timeout=0)
+    assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
+    tok = _transfer(sender, pool, receiver, "after", [(1 << 20, 1 << 20)], [(0, 1 << 20)])
     assert tok.wait(TIMEOUT) and tok.state().name == "DONE", tok.error
 
 

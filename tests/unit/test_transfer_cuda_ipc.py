@@ -14,7 +14,7 @@ import pytest
 
 from tests import door
 from xpyd import PROTOCOL_VERSION
-from xpyd.transfer import cuda_ipc, cuda_ipc_kernel, make_backend
+from xpyd.transfer import cuda_ipc, cuda_ipc_kernel, make_backend, shm_board
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.base import BackendDescriptor, Region, TransferState
 from xpyd.transfer.cuda_ipc import GPU_OFFER, HOST_OFFER, CudaIpcTransferBackend, batches, pieces
@@ -114,36 +114,77 @@ def test_a_wrong_mac_leaves_the_expected_transfer_pending_and_opens_nothing(pair
     receiver.backend.abort("t1")
 
 
-def test_the_sender_offers_only_after_the_forward_that_wrote_the_kv(pair):
+def test_the_offer_goes_out_at_once_and_the_receiver_copies_after_the_forward(pair):
+    """The sender offers while its forward still runs; the receiver prepares the copy, then waits on the
+    sender's mark (opened from the Offer's handle) and copies only once the forward finished."""
     sender, receiver = pair
     sender.ops.gate.clear()  # the forward is still running on the device
     secret = new_secret()
     rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
     stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
-    assert sender.ops.waiting.wait(TIMEOUT)  # the sender thread waits on the mark; send() returned at once
-    assert rtok.state() is TransferState.PENDING and (receiver.pool == 0xAA).all()
+    assert receiver.ops.waiting.wait(TIMEOUT)  # the receiver waits on the sender's mark; send() returned at once
+    assert not sender.ops.waiting.is_set()  # (the sender's thread never waits on its own forward)
+    assert receiver.ops.prepared == 1 and receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()
+    assert rtok.state() is TransferState.TRANSFERRING and not stok.finished()
     sender.ops.gate.set()
     assert stok.wait(TIMEOUT) and stok.state() is TransferState.DONE
+    assert rtok.state() is TransferState.DONE
     assert np.array_equal(receiver.pool[:4096], sender.pool[:4096])
 
 
-def test_a_sender_abort_before_the_offer_fails_it_and_nothing_lands(pair):
+def test_a_sender_abort_before_its_forward_finished_fails_both_and_nothing_lands(pair):
     sender, receiver = pair
     sender.ops.gate.clear()
     secret = new_secret()
     rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
     stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
-    assert sender.ops.waiting.wait(TIMEOUT)
-    sender.backend.abort("t1")
+    assert receiver.ops.waiting.wait(TIMEOUT)
+    sender.backend.abort("t1")  # its board entry is revoked: the receiver must not count this copy
     sender.ops.gate.set()
+    assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED
+    assert rtok.error == "transfer 't1' aborted by the sender"
     assert stok.state() is TransferState.FAILED and stok.error == "aborted"
-    # the sender thread goes on to the next transfer: this one was never offered
+    assert receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()  # (the board is read before copying too)
+    # the connection goes on to the next transfer
     tok2 = receiver.backend.expect("t2", [Region(4096, 4096)], secret=secret)
     assert sender.backend.send("t2", [Region(0, 4096)], receiver.desc, [Region(4096, 4096)],
                                secret=secret).wait(TIMEOUT)
-    assert tok2.state() is TransferState.DONE and rtok.state() is TransferState.PENDING
-    assert (receiver.pool[:4096] == 0xAA).all()
-    receiver.backend.abort("t1")
+    assert tok2.state() is TransferState.DONE
+    assert np.array_equal(receiver.pool[4096:8192], sender.pool[:4096])
+
+
+def test_a_receiver_abort_while_the_forward_runs_returns_at_once_and_nothing_lands(pair):
+    sender, receiver = pair
+    sender.ops.gate.clear()  # (stays clear until the abort has returned)
+    secret = new_secret()
+    rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+    stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+    assert receiver.ops.waiting.wait(TIMEOUT)
+    aborter = threading.Thread(target=receiver.backend.abort, args=("t1",))
+    aborter.start()
+    aborter.join(3.0)
+    alive = aborter.is_alive()
+    sender.ops.gate.set()  # (before asserting: a stuck receiver thread must not hang the teardown)
+    assert not alive  # the receiver's wait for the forward holds no lock
+    assert rtok.state() is TransferState.FAILED
+    assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED
+    assert "aborted by the receiver" in stok.error
+    assert receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()
+
+
+def test_the_board_lives_in_a_segment_of_its_own_until_close(pair):
+    import os
+
+    sender, receiver = pair
+    secret = new_secret()
+    receiver.backend.expect("t1", [Region(0, 16)], secret=secret)
+    assert sender.backend.send("t1", [Region(0, 16)], receiver.desc, [Region(0, 16)], secret=secret).wait(TIMEOUT)
+    seg = sender.backend._board_seg
+    assert os.path.exists(seg.path) and os.path.getsize(seg.path) == shm_board.BYTES
+    assert receiver.backend._board_seg is None  # (a worker that never sent has none)
+    assert sender.backend._board.in_use() == 0  # retired with the reply
+    sender.backend.close()
+    assert not os.path.exists(seg.path)
 
 
 class BlockingOps(HostOps):
@@ -153,10 +194,10 @@ class BlockingOps(HostOps):
         super().__init__(registry, uuid)
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def copy(self, peer, pieces, after, timed=False):
+    def copy(self, prepared, after, timed=False):
         self.entered.set()
         assert self.release.wait(TIMEOUT)
-        return super().copy(peer, pieces, after, timed)
+        return super().copy(prepared, after, timed)
 
 
 def test_a_sender_abort_while_the_receiver_copies_fails_both(pair):
@@ -221,7 +262,7 @@ def test_a_peer_on_another_gpu_or_host_is_refused_by_both_sides(pair):
         assert "sender's pool is on GPU GPU-0, ours on GPU-1" in stok.error
         assert rtok.state() is TransferState.PENDING and other_gpu.ops.registry.opened == 0
         # a Hello from another host
-        hello = Hello(PROTOCOL_VERSION, "another-host", "GPU-0", sender.ops.export()).pack()
+        hello = Hello(PROTOCOL_VERSION, "another-host", "GPU-0", sender.ops.export(), "xpyd-kv-1-b").pack()
         answer = door.knock_pull(receiver.desc.address, hello, b"")
         assert answer.replies[0]["ok"] is False and "not on this host" in answer.replies[0]["error"]
         assert answer.hung_up
@@ -247,16 +288,48 @@ def test_a_handle_that_does_not_open_fails_the_transfer_not_the_backend(pair):
 
 def test_hello_round_trips_and_bounds_every_field():
     export = Export(0, b"h" * 64, 1 << 20, 0, b"ref", 8, b"e" * 64, True, 4096, 8192)
-    hello = Hello(PROTOCOL_VERSION, "host", "GPU-0", export)
+    hello = Hello(PROTOCOL_VERSION, "host", "GPU-0", export, "xpyd-kv-12-cuda_ipc-board-0")
     assert Hello.parse(msgpack.unpackb(hello.pack()[4:], raw=False)) == hello
     good = msgpack.unpackb(hello.pack()[4:], raw=False)
     for key, bad in [("h", b""), ("h", "text"), ("h", b"x" * (MAX_HANDLE + 1)), ("ev", b"x" * (MAX_HANDLE + 1)),
                      ("ref", None), ("host", ""), ("gpu", "g" * 513), ("size", -1), ("n", 0), ("base", 1 << 20),
-                     ("dev", "0"), ("sync", 1), ("v", "1"), ("t", "offer")]:
+                     ("dev", "0"), ("sync", 1), ("v", "1"), ("t", "offer"), ("bseg", None),
+                     ("bseg", "../../etc/passwd"), ("bseg", "xpyd-kv-1-a/b")]:
         with pytest.raises(ProtocolError):
             Hello.parse({**good, key: bad})
     with pytest.raises(ValueError, match="at most"):  # (what the sender itself would export)
         Export(0, b"h" * (MAX_HANDLE + 1), 1 << 20, 0, b"", 0, b"", False, 0, 8192)
+
+
+def test_an_offer_carries_its_event_handle_bounded():
+    from xpyd.transfer.shm_wire import MAX_EVENT, Offer
+
+    offer = Offer("t1", (Region(0, 16),), (Region(32, 16),), (3, 7), b"m" * 32, b"e" * 64)
+    frame = msgpack.unpackb(offer.pack()[4:], raw=False)
+    assert Offer.parse(frame, 64, 64) == offer
+    assert Offer.parse({k: v for k, v in frame.items() if k != "ev"}, 64, 64).event is None  # (shm, nixl)
+    for bad in (b"", b"x" * (MAX_EVENT + 1), "text", 5):
+        with pytest.raises(ProtocolError, match="event handle"):
+            Offer.parse({**frame, "ev": bad}, 64, 64)
+
+
+def test_an_offer_without_an_event_or_board_entry_is_refused_and_nothing_lands(pair):
+    """What an older sender (or a stranger with the secret) would send: refused with a reason, no copy."""
+    from xpyd.transfer.shm_wire import Offer
+
+    sender, receiver = pair
+    secret = new_secret()
+    key = cuda_ipc.auth.transfer_key(secret, None)
+    for board, event in ((None, b"e" * 64), ((0, 1), None)):
+        tid = f"old-{board is None}"
+        rtok = receiver.backend.expect(tid, [Region(0, 16)], secret=secret)
+        src, dst = (Region(0, 16),), (Region(0, 16),)
+        offer = Offer(tid, src, dst, board, cuda_ipc.auth.transfer_mac(key, "cuda_ipc", tid, dst, src), event)
+        hello = Hello(PROTOCOL_VERSION, sender.backend.host_key, "GPU-0", sender.ops.export(), "xpyd-kv-1-b").pack()
+        answer = door.knock_pull(receiver.desc.address, hello, offer.pack())
+        assert answer.replies[1]["ok"] is False and "no abort board entry or event handle" in answer.replies[1]["error"]
+        assert rtok.state() is TransferState.FAILED and receiver.ops.copies == 0
+    assert (receiver.pool == 0xAA).all()
 
 
 def test_the_worker_refuses_cuda_ipc_on_a_cpu_pool_and_without_cuda():
@@ -299,13 +372,12 @@ def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair
     assert list(sent) == list(SENDER_STAGES) and sent_device is None
     assert list(got) == list(RECEIVER_STAGES) and device is not None and device >= 0
     # one clock for both sides (perf_counter_ns: CLOCK_MONOTONIC): each stage after what caused it. (A
-    # write's stamp follows the write, so the peer may read it first: "offered" and "committed" are
-    # ordered on the sender's own thread only.)
-    times = [sent["send"], sent["marked"], got["claimed"], got["opened"], got["launching"], got["enqueued"],
-             got["synced"], sent["copied"], got["commit_read"], sent["done"]]
+    # write's stamp follows the write, so the peer may read it first: "offered" is ordered on the sender's
+    # own thread only.)
+    times = [sent["send"], got["claimed"], got["opened"], got["prepared"], got["ready"], got["launching"],
+             got["enqueued"], got["synced"], got["done"], sent["done"]]
     assert times == sorted(times)
-    own = [sent["marked"], sent["offered"], sent["copied"], sent["committed"], sent["done"]]
-    assert own == sorted(own)
+    assert sent["send"] <= sent["offered"] <= sent["done"]
     assert receiver.backend.stamps.take("t1") == ({}, None)  # taken: forgotten
 
 

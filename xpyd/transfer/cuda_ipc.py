@@ -2,22 +2,30 @@
 
 Both workers' pools are CUDA tensors on the same GPU. A transfer is pulled, with the control channel of
 shm and nixl (``cuda_ipc_wire``; TCP loopback, length-prefixed msgpack): the sender connects to the
-receiver's listener (the descriptor's address) and says Hello with its host key, its GPU's UUID and its
-pool's CUDA IPC handle (exported once, ``cuda_ipc_device``); the receiver refuses a sender on another host
-or another GPU. Per transfer the sender offers its ``src`` regions with a MAC that proves it holds the
-transfer's secret (``auth``); the *receiver* checks it, claims the transfer it ``expect``ed, opens the
-sender's handle (at the connection's first offer that checks out: a stranger's handle is never opened),
-copies the (src run, dst run) pieces on a stream of its own (one device copy each for a few, one kernel
-launch for many: ``cuda_ipc_kernel``), in batches of about ``COPY_BATCH`` bytes, each under the transfer's
-lock and fenced (so once ``abort()`` returns no more bytes land), replies, and the sender commits (its
-source stayed valid: it did not abort meanwhile) before the receiver marks DONE (``pull.commit_round_trip``,
-as nixl). No byte passes through host memory.
+receiver's listener (the descriptor's address) and says Hello with its host key, its GPU's UUID, its
+pool's CUDA IPC handle (exported once, ``cuda_ipc_device``) and the name of its abort board (``shm_board``:
+a small shm segment of its own); the receiver refuses a sender on another host or another GPU. Per transfer
+the sender offers its ``src`` regions with a MAC that proves it holds the transfer's secret (``auth``), an
+entry of its abort board, and the handle of an interprocess CUDA event it recorded behind the forward that
+wrote ``src``; the *receiver* checks the MAC, claims the transfer it ``expect``ed, opens the sender's pool
+handle and maps its board (at the connection's first offer that checks out: a stranger's handle is never
+opened), opens the event, prepares the copy (the pieces paired, the copy kernel's table on the device),
+waits for the event (the forward has finished), then copies the (src run, dst run) pieces on a stream of
+its own (one device copy each for a few, one kernel launch for many: ``cuda_ipc_kernel``), in batches of
+about ``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more
+bytes land), checks the board entry (the sender did not abort meanwhile, so its source stayed valid: as
+shm), marks DONE and replies: one round trip. No byte passes through host memory.
 
 Ordering with the engines: ``send()`` runs on the prefill engine's thread right after the forward that
-wrote the KV; it records a mark (a CUDA event) on the current stream there, and the sender thread waits
-for it before it offers, so the receiver never reads KV still being written, and the engine never blocks.
-``expect()`` likewise records a mark on the decode engine's stream, after which the copy starts (the
-destination blocks' earlier users are done with them).
+wrote the KV was enqueued; it records the interprocess event on the current stream there, and the sender
+thread offers at once, so that everything but the copy itself (the offer's trip, its MAC check, opening
+handles, building the copy's table) happens while the forward still runs on the device; the receiver's
+thread sleeps on the event (a blocking event: it wakes ~3 us after the device passed it, measured on an
+H200) and launches. Its wait holds no lock, so a receiver ``abort()`` meanwhile returns at once, and no
+copy follows. ``expect()`` likewise records a mark on the decode engine's stream, after which the copy
+starts (the destination blocks' earlier users are done with them). The sender keeps an offered event alive
+until the receiver has replied (a receiver may wait on it until then); one whose reply never came is kept
+until ``close``.
 
 Where the time goes: ``backend.stamps = Stamps()`` makes both sides note, per transfer, the
 ``time.perf_counter_ns()`` of each stage (``cuda_ipc_stamps``; one clock for every process
@@ -30,15 +38,17 @@ through ``endpoint``): an acceptor, one reader per inbound connection (it copies
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
+from collections import deque
 from queue import SimpleQueue
 from typing import Sequence
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.netaddr import listen_tcp
-from xpyd.transfer import auth, shm_segment
+from xpyd.transfer import auth, shm_board, shm_segment
 from xpyd.transfer.base import (
     BackendDescriptor,
     CompletionToken,
@@ -54,7 +64,8 @@ from xpyd.transfer.cuda_ipc_stamps import Stamps
 from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.pull import commit_round_trip, offer_and_commit, serve_offers
+from xpyd.transfer.pull import serve_offers
+from xpyd.transfer.shm_board import Board, BoardView
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, Unproven, format_address, parse_address
@@ -65,6 +76,8 @@ HOST_OFFER = "cuda_ipc-host"  # descriptor offers: the host key ...
 GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on another GPU before connecting)
 COPY_BATCH = 1 << 30  # bytes copied per lock hold and fence (abort latency vs. fences: ~0.5 ms on an H200)
 MAX_INBOUND = 256
+HELD_MARKS = 1024  # offered events whose reply never came, kept alive (a receiver may still wait on them)
+_boards = itertools.count()
 
 
 def _setup(sock: socket.socket) -> None:
@@ -100,8 +113,11 @@ class CudaIpcTransferBackend:
         self._nbytes = 0  # of the registered pool; 0 until register()
         self._gpu = ""
         self._marks: dict[str, object] = {}  # expected transfer id -> the decode engine's mark at expect()
-        self._sent_marks: dict[str, object] = {}  # transfer id being sent -> the prefill forward's mark at send()
+        self._sent_marks: dict[str, tuple] = {}  # transfer id being sent -> (the forward's shared mark, handle)
+        self._held: deque = deque(maxlen=HELD_MARKS)  # offered marks whose reply never came
         self._marks_lock = threading.Lock()
+        self._board_seg: shm_segment.Segment | None = None  # (sender) made at the first connection
+        self._board: Board | None = None
         self._descriptor: BackendDescriptor | None = None
         self.stamps: Stamps | None = None  # where each transfer's time goes (``Stamps``), when set
 
@@ -153,7 +169,7 @@ class CudaIpcTransferBackend:
         parse_address(address)
         src, dst, total = check_send_regions(src, nbytes, dst, peer.buffer_size)
         job = Transfer(CompletionToken(transfer_id), src, total, dst, key=key)
-        mark = self._ops.mark()
+        mark = self._ops.shared_mark()
         with self._marks_lock:
             self._sent_marks[transfer_id] = mark
         try:
@@ -188,6 +204,8 @@ class CudaIpcTransferBackend:
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress copy batch; none follows)
+        if self._board is not None:  # after its token failed: a receiver that has not confirmed yet fails
+            self._board.revoke(transfer_id)
         self._drop_mark(transfer_id)
         with self._marks_lock:
             self._sent_marks.pop(transfer_id, None)
@@ -208,7 +226,10 @@ class CudaIpcTransferBackend:
             with self._marks_lock:
                 self._marks.clear()
                 self._sent_marks.clear()
+                self._held.clear()
             self._ops.close()
+        if self._board_seg is not None:
+            self._board_seg.unlink()  # (its mapping stays valid until the process exits)
 
     # -- internals --------------------------------------------------------
     def _require_pool(self) -> int:
@@ -240,7 +261,8 @@ class CudaIpcTransferBackend:
                 return
             peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
-                         lambda rec, offer: self._copy(rec, peer, offer), self._confirm, log, addr)
+                         lambda rec, offer: self._copy(rec, peer, offer),
+                         lambda conn, rec, offer: self._confirm(peer, rec, offer), log, addr)
         except (Closing, Unproven):
             return
         except (ProtocolError, OSError) as e:
@@ -251,25 +273,40 @@ class CudaIpcTransferBackend:
             conn.close()
 
     def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer) -> str | None:
-        """Copy the offer's src into the claimed transfer's dst, batch by batch; None or why it failed."""
+        """Prepare the copy of the offer's src into the claimed transfer's dst, wait for the sender's forward,
+        copy batch by batch; None or why it failed."""
         tid, stamps = offer.transfer_id, self.stamps
         if stamps is not None:
             stamps(tid, "claimed")
         after = self._drop_mark(tid)
+        if offer.board is None or offer.event is None:
+            error = f"offer of {tid!r} has no abort board entry or event handle (an older cuda_ipc sender?)"
+            rec.token._fail(error)
+            return error
         try:
             src = peer.open(self._ops)
-        except DeviceError as e:
+            ready = self._ops.open_mark(offer.event)
+            if stamps is not None:
+                stamps(tid, "opened")
+            prepared = [self._ops.prepare(src, batch) for batch in batches(offer.src, rec.regions, COPY_BATCH)]
+        except (DeviceError, shm_segment.SegmentError) as e:
             rec.token._fail(str(e))
             return str(e)
         if stamps is not None:
-            stamps(tid, "opened")
+            stamps(tid, "prepared")
         rec.token._advance(TransferState.TRANSFERRING)
-        for batch in batches(offer.src, rec.regions, COPY_BATCH):
+        self._ops.wait(ready)  # the sender's forward has finished (no lock held: an abort meanwhile is prompt)
+        if stamps is not None:
+            stamps(tid, "ready")
+        if not peer.board.valid(*offer.board):  # (the sender aborted meanwhile: no copy at all)
+            rec.token._fail(f"transfer {tid!r} aborted by the sender")
+            return f"transfer {tid!r} aborted by the sender"
+        for batch in prepared:
             with rec.lock:
                 if rec.token.finished():
                     return f"transfer {tid!r} aborted by the receiver"
                 try:
-                    times = self._ops.copy(src, batch, after, stamps is not None)
+                    times = self._ops.copy(batch, after, stamps is not None)
                 except DeviceError as e:
                     rec.token._fail(str(e))
                     return str(e)
@@ -281,10 +318,13 @@ class CudaIpcTransferBackend:
             after = None
         return None
 
-    def _confirm(self, conn: Conn, rec: Transfer, offer: Offer) -> bool:
-        ok = commit_round_trip(conn, rec, offer)
+    def _confirm(self, peer: "_PeerPool", rec: Transfer, offer: Offer) -> bool:
+        """After the copy: is the sender's ticket still on its board? (Read under the transfer's lock, after
+        the last batch released it, so the read follows the fenced copy; see ``shm_board``.)"""
+        with rec.lock:
+            ok = peer.board.valid(*offer.board)
         if self.stamps is not None:
-            self.stamps(offer.transfer_id, "commit_read")
+            self.stamps(offer.transfer_id, "done")
         return ok
 
     # -- sender -----------------------------------------------------------
@@ -293,9 +333,11 @@ class CudaIpcTransferBackend:
                                      self._push, self._endpoint.sending, log)
 
     def _connect(self, address: str) -> Conn:
+        board = self._board_name()
         conn = connect(address, self._endpoint.wake[0], _setup, self.connect_timeout, self.io_timeout)
         try:
-            conn.send_all([memoryview(Hello(PROTOCOL_VERSION, self.host_key, self._gpu, self._ops.export()).pack())])
+            hello = Hello(PROTOCOL_VERSION, self.host_key, self._gpu, self._ops.export(), board)
+            conn.send_all([memoryview(hello.pack())])
             reply = Reply.parse(conn.read_frame(MAX_FRAME))
             if not reply.ok:
                 raise ConnectionError(f"refused: {reply.error}")
@@ -305,43 +347,63 @@ class CudaIpcTransferBackend:
             conn.sock.close()
             raise
 
+    def _board_name(self) -> str:
+        """The abort board's segment, made at the first connection (a worker that never sends has none)."""
+        with self._marks_lock:
+            if self._board_seg is None:
+                seg = shm_segment.create(shm_board.BYTES, f"cuda_ipc-board-{next(_boards)}")
+                self._board, self._board_seg = Board(seg.mapping, 0), seg
+            return self._board_seg.name
+
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid, stamps = job.token.transfer_id, self.stamps
-        # the Offer is built (its MAC, its frame: ~0.1 ms per hundred runs) while the forward may still run
-        offer = memoryview(Offer(tid, job.regions, job.dst,
-                                 mac=auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions)).pack())
         with self._marks_lock:
-            mark = self._sent_marks.pop(tid, None)
-        if mark is not None:
-            self._ops.wait(mark)  # the forward that wrote the source has finished on the device
-        if stamps is not None:
-            stamps(tid, "marked")
-        if not job.token._advance(TransferState.TRANSFERRING):
+            mark, handle = self._sent_marks.pop(tid, (None, None))  # (gone: aborted meanwhile)
+        with job.lock:  # (abort() fails the token under this lock, then revokes what was published)
+            if handle is None or not job.token._advance(TransferState.TRANSFERRING):
+                return
+            entry = self._board.publish(tid)
+        if entry is None:
+            job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
             return
-        offer_and_commit(conn, job, offer, address, _read_reply,
-                         _no_stamps if stamps is None else lambda stage: stamps(tid, stage))
-
-
-def _read_reply(conn: Conn) -> Reply:
-    return Reply.parse(conn.read_frame(MAX_FRAME))
-
-
-def _no_stamps(stage: str) -> None:
-    pass
+        offer = Offer(tid, job.regions, job.dst, entry, auth.transfer_mac(job.key, self.name, tid, job.dst,
+                                                                          job.regions), handle)
+        replied = False
+        try:
+            conn.send_all([memoryview(offer.pack())])  # at once: the receiver waits for the forward's event
+            if stamps is not None:
+                stamps(tid, "offered")
+            reply = Reply.parse(conn.read_frame(MAX_FRAME))
+            replied = True
+        finally:
+            self._board.retire(tid)  # (a receiver still copying after a failure here sees it revoked)
+            if not replied:
+                self._held.append(mark)  # the receiver may still wait on its event: keep it alive
+        if reply.ok:
+            if stamps is not None:
+                stamps(tid, "done")
+            job.token._advance(TransferState.DONE)
+        else:
+            job.token._fail(f"refused by {address}: {reply.error}")
+            if reply.bye:
+                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
 
 
 class _PeerPool:
-    """The sender's pool as its Hello describes it; opened when the first offer that checks out needs it."""
+    """The sender's pool and abort board as its Hello names them; opened when the first offer that checks out
+    needs them."""
 
-    __slots__ = ("hello", "pool")
+    __slots__ = ("hello", "pool", "board")
 
     def __init__(self, hello: Hello) -> None:
         self.hello = hello
         self.pool = None
+        self.board: BoardView | None = None
 
     def open(self, ops: DeviceOps):
         if self.pool is None:
-            self.pool = ops.open(self.hello.export)
+            board = BoardView(shm_segment.map_peer(self.hello.board, shm_board.BYTES), 0)
+            self.pool, self.board = ops.open(self.hello.export), board
         return self.pool
 
 

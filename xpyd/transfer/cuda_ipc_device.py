@@ -8,13 +8,18 @@
 - ``open(export)``: the peer's pool, opened from its handle (once per connection; a bad handle raises
   ``DeviceError``);
 - ``mark()``: a point on the device's current stream (a CUDA event), recorded on the calling (engine)
-  thread; ``wait(mark)``: the calling (transfer) thread waits until the device passed it;
-- ``copy(peer, pieces, after, timed)``: the ``(src offset, dst offset, bytes)`` pieces from the peer's pool
-  into ours, after ``after`` (a mark), then a fence: it returns once the bytes landed (``timed``: with when
-  the copies were enqueued and how long the device took, ``CopyTimes``; else None). ``CudaOps`` makes one
-  ``copy_`` per piece for up to ``FEW_PIECES`` pieces (each a full-speed device memcpy), else one launch of
-  the copy kernel for all of them (``cuda_ipc_kernel.Runs``, its ``copy_variant`` geometry;
-  ``torch._foreach_copy_`` where Triton is missing).
+  thread; ``shared_mark()``: the same as an event another process can wait on (an interprocess CUDA event,
+  blocking: its waiter sleeps), with its handle (what the sender's Offer carries); ``open_mark(handle)``:
+  the peer's mark, opened (a bad handle raises ``DeviceError``); ``wait(mark)``: the calling (transfer)
+  thread waits until the device passed it (an opened mark: ~3 us after, measured on an H200);
+- ``prepare(peer, pieces)``: the host work of copying the ``(src offset, dst offset, bytes)`` pieces from
+  the peer's pool into ours, done ahead (the kernel's table built and uploaded) while the sender's forward
+  may still run; ``copy(prepared, after, timed)``: launch it after ``after`` (a mark), then a fence: it
+  returns once the bytes landed (``timed``: with when the copies were enqueued and how long the device
+  took, ``CopyTimes``; else None). ``CudaOps`` makes one ``copy_`` per piece for up to ``FEW_PIECES``
+  pieces (each a full-speed device memcpy), else one launch of the copy kernel for all of them
+  (``cuda_ipc_kernel.Runs``, its ``copy_variant`` geometry; ``torch._foreach_copy_`` where Triton is
+  missing).
 
 Host time on the copy's critical path is kept to what a launch needs: each copying thread makes the pool's
 device current once (not a device guard per copy), reuses its pair of timing events, and the kernel's
@@ -43,6 +48,7 @@ from xpyd.transfer import cuda_ipc_kernel
 log = logging.getLogger(__name__)
 
 MAX_HANDLE = 4096  # bytes of one handle field (a cudaIpcMemHandle is 64; expandable segments carry more)
+MAX_MARK_HANDLE = 128  # bytes of a mark's handle (a cudaIpcEventHandle is 64)
 
 Piece = tuple[int, int, int]  # (src offset in the peer's pool, dst offset in ours, bytes)
 FEW_PIECES = 2  # up to this many pieces: one copy_ each; more: one launch for all
@@ -101,9 +107,11 @@ class DeviceOps(Protocol):
     def export(self) -> Export: ...
     def open(self, export: Export) -> object: ...
     def mark(self) -> object: ...
+    def shared_mark(self) -> tuple[object, bytes]: ...
+    def open_mark(self, handle: bytes) -> object: ...
     def wait(self, mark: object) -> None: ...
-    def copy(self, peer: object, pieces: Sequence[Piece], after: object | None,
-             timed: bool = False) -> CopyTimes | None: ...
+    def prepare(self, peer: object, pieces: Sequence[Piece]) -> object: ...
+    def copy(self, prepared: object, after: object | None, timed: bool = False) -> CopyTimes | None: ...
     def close(self) -> None: ...
 
 
@@ -194,9 +202,23 @@ class CudaOps:
         event.record(self._torch.cuda.current_stream(self._device))
         return event
 
+    def shared_mark(self):
+        torch = self._torch
+        event = torch.cuda.Event(blocking=True, interprocess=True)  # (blocking: a waiter sleeps, ~3 us late)
+        event.record(torch.cuda.current_stream(self._device))
+        return event, bytes(event.ipc_handle())
+
+    def open_mark(self, handle: bytes):
+        torch = self._torch
+        try:
+            with torch.cuda.device(self._device):
+                return torch.cuda.Event.from_ipc_handle(self._device, handle)
+        except Exception as e:  # (RuntimeError from the driver: not an event handle)
+            raise DeviceError(f"cannot open the sender's event handle: {e}") from None
+
     def wait(self, mark) -> None:
-        if not mark.query():  # (done already, the common case: no synchronising call)
-            mark.synchronize()
+        if not mark.query():  # (done already, the common case for local marks: no synchronising call)
+            mark.synchronize()  # (the GIL is released meanwhile)
 
     def _thread(self):
         """This thread's state: the pool's device made current (once per thread), its timing events."""
@@ -207,7 +229,19 @@ class CudaOps:
             local.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         return local.events
 
-    def copy(self, peer, pieces: Sequence[Piece], after, timed: bool = False) -> CopyTimes | None:
+    def prepare(self, peer, pieces: Sequence[Piece]):
+        try:
+            self._thread()
+            if len(pieces) <= FEW_PIECES:
+                return _Few(peer, pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces))
+            if self._runs is cuda_ipc_kernel.copy_runs_foreach:
+                return _Foreach(peer, pieces)
+            with self._torch.cuda.stream(self._stream):  # (the table's upload, on the stream the copy runs on)
+                return self._runs.prepare(self._bytes, peer, pieces)
+        except Exception as e:
+            raise DeviceError(f"device copy failed: {e}") from None
+
+    def copy(self, prepared, after, timed: bool = False) -> CopyTimes | None:
         torch, stream = self._torch, self._stream
         try:
             start, end = self._thread()
@@ -217,11 +251,13 @@ class CudaOps:
                 if timed:
                     start.record(stream)
                     launching = time.perf_counter_ns()
-                if len(pieces) <= FEW_PIECES:
-                    for s, d, n in (pieces.tolist() if isinstance(pieces, np.ndarray) else pieces):
-                        self._bytes[d: d + n].copy_(peer[s: s + n], non_blocking=True)
+                if type(prepared) is _Few:
+                    for s, d, n in prepared.pieces:
+                        self._bytes[d: d + n].copy_(prepared.peer[s: s + n], non_blocking=True)
+                elif type(prepared) is _Foreach:
+                    cuda_ipc_kernel.copy_runs_foreach(self._bytes, prepared.peer, prepared.pieces)
                 else:
-                    self._runs(self._bytes, peer, pieces)
+                    prepared()
                 if timed:
                     end.record(stream)
                     enqueued = time.perf_counter_ns()
@@ -234,12 +270,28 @@ class CudaOps:
         self._pool = self._bytes = None
 
 
+class _Few:
+    """A prepared copy of a few pieces: one ``copy_`` each."""
+
+    __slots__ = ("peer", "pieces")
+
+    def __init__(self, peer, pieces: list) -> None:
+        self.peer, self.pieces = peer, pieces
+
+
+class _Foreach(_Few):
+    """A prepared copy through ``torch._foreach_copy_`` (no Triton)."""
+
+    __slots__ = ()
+
+
 class HostRegistry:
     """The stand-in for the driver: what ``HostOps`` exported, by handle (share one between both sides)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pools: dict[bytes, np.ndarray] = {}
+        self._marks: dict[bytes, threading.Event] = {}
         self.opened = 0  # handles opened so far (tests check that strangers open nothing)
 
     def add(self, array: np.ndarray) -> bytes:
@@ -256,6 +308,19 @@ class HostRegistry:
             self.opened += 1
             return array
 
+    def add_mark(self, gate: threading.Event) -> bytes:
+        handle = secrets.token_bytes(64)
+        with self._lock:
+            self._marks[handle] = gate
+        return handle
+
+    def get_mark(self, handle: bytes) -> threading.Event:
+        with self._lock:
+            gate = self._marks.pop(handle, None)  # (each shared mark is opened once)
+        if gate is None:
+            raise DeviceError("cannot open the sender's event handle: no such event")
+        return gate
+
     def drop(self, array: np.ndarray) -> None:
         with self._lock:
             self._pools = {h: a for h, a in self._pools.items() if a is not array}
@@ -264,8 +329,10 @@ class HostRegistry:
 class HostOps:
     """``DeviceOps`` over host memory (a writable buffer), for the protocol's tests on a CPU.
 
-    ``gate``: what ``mark()`` returns and ``wait()`` waits on; set (the forward has finished) unless a test
-    clears it. ``waiting`` is set once a ``wait()`` started. ``copies`` counts the device copies made."""
+    ``gate``: what ``mark()`` and ``shared_mark()`` return and ``wait()`` waits on; set (the forward has
+    finished) unless a test clears it (a receiver waits on the gate of the sender's ``HostOps``, opened
+    through the registry). ``waiting`` is set once a ``wait()`` started. ``copies`` counts the device
+    copies made, ``prepared`` the copies prepared."""
 
     kind = "host"
 
@@ -276,6 +343,7 @@ class HostOps:
         self.gate.set()
         self.waiting = threading.Event()
         self.copies = 0
+        self.prepared = 0
         self._array: np.ndarray | None = None
         self._export: Export | None = None
 
@@ -305,15 +373,26 @@ class HostOps:
     def mark(self) -> threading.Event:
         return self.gate
 
+    def shared_mark(self) -> tuple[threading.Event, bytes]:
+        return self.gate, self.registry.add_mark(self.gate)
+
+    def open_mark(self, handle: bytes) -> threading.Event:
+        return self.registry.get_mark(handle)
+
     def wait(self, mark: threading.Event) -> None:
         self.waiting.set()
         mark.wait()
 
-    def copy(self, peer: np.ndarray, pieces: Sequence[Piece], after, timed: bool = False) -> CopyTimes | None:
+    def prepare(self, peer: np.ndarray, pieces: Sequence[Piece]):
+        self.prepared += 1
+        return peer, (pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces))
+
+    def copy(self, prepared, after, timed: bool = False) -> CopyTimes | None:
+        peer, pieces = prepared
         if after is not None:
             after.wait()
         start = time.perf_counter_ns()
-        for s, d, n in (pieces.tolist() if isinstance(pieces, np.ndarray) else pieces):
+        for s, d, n in pieces:
             self._array[d: d + n] = peer[s: s + n]
             self.copies += 1
         end = time.perf_counter_ns()

@@ -17,9 +17,9 @@ copies them all, with one of three launch geometries (``VARIANTS``; ``copy_runs(
 Every variant: ``chunk_table`` cuts pieces into rows on the host (numpy: a few vector operations however
 many pieces); ``word_bytes`` picks the widest word (8, 4, 2 or 1 bytes) dividing every offset, length and
 both tensors' addresses, and ``vector`` whether they are 16-byte aligned too (then each thread moves 16
-bytes per load and store). ``Runs`` (one per receiver) keeps what a launch needs between launches: a
-pinned host buffer and a device buffer for the table (uploaded in one copy on the current stream, from
-pinned memory, so the upload waits for nothing on the host), and the word views of both pools.
+bytes per load and store). ``Runs`` (one per receiver) keeps between launches
+the word views of both pools; ``Runs.prepare`` makes a transfer's table and uploads it ahead of time (while
+the sender's forward still runs), leaving the launch alone (``Launch``) for when the source is ready.
 
 No host synchronisation: the caller fences (``CudaOps.copy`` synchronises its stream once per batch).
 ``copy_runs_foreach`` is the same copy through ``torch._foreach_copy_`` (multi-tensor apply: a few
@@ -169,11 +169,42 @@ def _power_of_two(name: str, v: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 8, got {v!r}")
 
 
+class Launch:
+    """One prepared copy (``Runs.prepare``): the table checked and on the device, the word views made; calling
+    it launches the kernel on the current stream (the host work left for when the source is ready)."""
+
+    __slots__ = ("runs", "src", "dst", "rows", "n", "w", "vec", "across", "table")
+
+    def __init__(self, runs: "Runs", src, dst, rows, table: np.ndarray, w: int, vec: int) -> None:
+        self.runs, self.src, self.dst, self.rows, self.table = runs, src, dst, rows, table
+        self.n, self.w, self.vec = table.shape[1], w, vec
+        self.across = -(-int(table[2].max()) // runs.tile) if self.n else 0
+
+    def __call__(self) -> int:
+        """Launch on the current stream, without waiting; the number of programs launched."""
+        r, s, d, rows, n, w, vec = self.runs, self.src, self.dst, self.rows, self.n, self.w, self.vec
+        interpret = _interpreting() or d.device.type == "cpu"
+        if r.variant == "loop":
+            _kernel("chunks", interpret)[(n,)](s, d, rows, CHUNK=r.chunk // w, BLOCK=r.block // w, VEC=vec,
+                                               num_warps=NUM_WARPS)
+            return n
+        if r.variant == "flat":
+            _kernel("tiles", interpret)[(n, 1)](s, d, rows, TILE=r.tile // w, VEC=vec, FLAT=True, num_warps=NUM_WARPS)
+            return n
+        kernel, programs = _kernel("tiles", interpret), 0
+        for at in range(0, n, MAX_GRID_Y):
+            m = min(MAX_GRID_Y, n - at)
+            kernel[(self.across, m)](s, d, rows[at:], TILE=r.tile // w, VEC=vec, FLAT=False, num_warps=NUM_WARPS)
+            programs += self.across * m
+        return programs
+
+
 class Runs:
-    """``copy_runs`` with one launch geometry (``variant``, one of ``VARIANTS``), keeping between launches a
-    pinned host buffer and a device buffer for the table and the pools' word views (a receiver's pools stay
-    the same, so the per-transfer host work is the table and the launch). Thread-safe: a receiver's reader
-    threads (one per sending worker) share it, one launch at a time."""
+    """``copy_runs`` with one launch geometry (``variant``, one of ``VARIANTS``), keeping the pools' word views
+    between launches (a receiver's pools stay the same, so the per-transfer host work is the table and the
+    launch). ``prepare`` does the table (checked, cut into rows, uploaded to the device on the current stream)
+    ahead of time, so that what is left once the source is ready is the launch alone. Thread-safe: a
+    receiver's reader threads (one per sending worker) share it; each prepared launch has a table of its own."""
 
     def __init__(self, variant: str = DEFAULT_VARIANT, *, tile: int = TILE_BYTES, sub: int = SUB_BYTES,
                  chunk: int = CHUNK_BYTES, block: int = BLOCK_BYTES) -> None:
@@ -185,67 +216,35 @@ class Runs:
             raise ValueError(f"tile must divide sub and block chunk, got {tile=}, {sub=}, {block=}, {chunk=}")
         self.variant, self.tile, self.sub, self.chunk, self.block = variant, tile, sub, chunk, block
         self.__name__ = f"copy_runs[{variant}]"
-        self._host = self._dev = self._done = None  # pinned table, device table, event after the last launch
         self._views: dict[tuple[int, int], tuple] = {}  # (id(pool), word bytes) -> (weakref, view)
-        self._lock = threading.Lock()  # the table buffers and views: one launch at a time
+        self._lock = threading.Lock()  # the views
 
     def rows(self, pieces: Sequence[Piece]) -> np.ndarray:
         """The table ``[3, n]`` this variant launches over (``chunk_table`` at its row size)."""
         return chunk_table(pieces, {"tiles": self.sub, "flat": self.tile, "loop": self.chunk}[self.variant])
 
-    def __call__(self, dst, src, pieces: Sequence[Piece]) -> int:
-        """Copy each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device) on the current
-        stream, without waiting for it; the number of programs launched."""
+    def prepare(self, dst, src, pieces: Sequence[Piece]) -> Launch:
+        """Everything the copy of each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device)
+        needs but the launch: its table on the device (uploaded on the current stream, which the launch must
+        use too, or follow)."""
         import torch
 
         table = self.rows(pieces)
         _check(dst, src, table)
         w = word_bytes(table, dst.data_ptr(), src.data_ptr())
         vec = 16 // w if w == 8 and vector(table, dst.data_ptr(), src.data_ptr()) else 1
-        with self._lock:
-            return self._launch(torch, dst, src, table, w, vec)
-
-    def _launch(self, torch, dst, src, table: np.ndarray, w: int, vec: int) -> int:
-        rows = self._upload(torch, table, w, dst.device)
-        n = table.shape[1]
-        s, d = self._words(torch, src, w), self._words(torch, dst, w)
-        interpret = _interpreting() or dst.device.type == "cpu"
-        if self.variant == "loop":
-            _kernel("chunks", interpret)[(n,)](s, d, rows, CHUNK=self.chunk // w, BLOCK=self.block // w,
-                                               VEC=vec, num_warps=NUM_WARPS)
-            programs = n
-        elif self.variant == "flat":
-            _kernel("tiles", interpret)[(n, 1)](s, d, rows, TILE=self.tile // w, VEC=vec, FLAT=True,
-                                                num_warps=NUM_WARPS)
-            programs = n
-        else:
-            across = -(-int(table[2].max()) // self.tile)
-            kernel, programs = _kernel("tiles", interpret), 0
-            for at in range(0, n, MAX_GRID_Y):
-                m = min(MAX_GRID_Y, n - at)
-                kernel[(across, m)](s, d, rows[at:], TILE=self.tile // w, VEC=vec, FLAT=False, num_warps=NUM_WARPS)
-                programs += across * m
+        words = np.ascontiguousarray(table.T // w)  # [n, 3] row-major: a program reads its row's 24 bytes
+        rows = torch.from_numpy(words)
         if dst.device.type == "cuda":
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            self._done.record()
-        return programs
+            rows = rows.to(dst.device, non_blocking=True)  # (pageable: staged before this returns)
+        with self._lock:
+            s, d = self._words(torch, src, w), self._words(torch, dst, w)
+        return Launch(self, s, d, rows, table, w, vec)
 
-    def _upload(self, torch, table: np.ndarray, w: int, device):
-        """The table as words, ``[n, 3]`` row-major (a program reads its row's 24 bytes), on ``device``."""
-        n = table.shape[1]
-        if device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(table.T // w))
-        if self._done is not None:
-            self._done.synchronize()  # the last launch has read its table (at once: callers fence each batch)
-        if self._host is None or self._host.numel() < 3 * n or self._dev.device != device:
-            size = max(3 * n, 3 * 1024)
-            self._host = torch.empty(size, dtype=torch.int64).pin_memory()
-            self._dev = torch.empty(size, dtype=torch.int64, device=device)
-        np.floor_divide(table.T, w, out=self._host.numpy()[: 3 * n].reshape(n, 3))
-        rows = self._dev[: 3 * n]
-        rows.copy_(self._host[: 3 * n], non_blocking=True)
-        return rows.view(n, 3)
+    def __call__(self, dst, src, pieces: Sequence[Piece]) -> int:
+        """Copy each piece ``src[s:s+n] -> dst[d:d+n]`` (flat uint8 tensors on one device) on the current
+        stream, without waiting for it; the number of programs launched."""
+        return self.prepare(dst, src, pieces)()
 
     def _words(self, torch, t, w: int):
         """``t``'s word view, made once per pool tensor (by identity): an entry lives only as long as its

@@ -12,22 +12,23 @@ import threading
 import time
 from collections import deque
 
-SENDER_STAGES = ("send", "marked", "offered", "copied", "committed", "done")  # in the order reached
-RECEIVER_STAGES = ("claimed", "opened", "launching", "enqueued", "synced", "commit_read")
+SENDER_STAGES = ("send", "offered", "done")  # in the order reached
+RECEIVER_STAGES = ("claimed", "opened", "prepared", "ready", "launching", "enqueued", "synced", "done")
 
 
 class Stamps:
     """Per transfer, when each stage was reached (``time.perf_counter_ns``), and the receiver's device time:
 
-    sender: ``send`` (``send()`` called), ``marked`` (the Offer built and the forward's event completed:
-    the Offer's MAC and frame are made while the forward may still run), ``offered`` (the Offer is
-    written), ``copied`` (the receiver's Reply read: its bytes landed), ``committed`` (Commit written),
-    ``done`` (the last Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC
-    checked, transfer claimed), ``opened`` (the sender's handle open: slow the first time only),
-    ``launching`` (the last batch's stream set up: its wait for the decode engine's mark and its timing
-    event enqueued; the copies are enqueued next), ``enqueued`` (every copy of the last batch enqueued),
-    ``synced`` (the copy stream fenced), ``commit_read`` (the sender's Commit read; DONE follows).
-    ``device_s``: seconds of device time of the copies (all batches). Bounded: the last ``keep`` transfers."""
+    sender: ``send`` (``send()`` called: the forward that wrote the KV is enqueued, maybe still running),
+    ``offered`` (the Offer is written, with the handle of the event behind that forward), ``done`` (the
+    receiver's Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC checked, transfer
+    claimed), ``opened`` (the sender's pool handle open: slow the first time only; its board mapped; the
+    event's handle open), ``prepared`` (the copies' host work done: the kernel's table on the device),
+    ``ready`` (the sender's event passed: the forward finished), ``launching`` (the last batch's stream set
+    up: its wait for the decode engine's mark and its timing event enqueued; the copies are enqueued next),
+    ``enqueued`` (every copy of the last batch enqueued), ``synced`` (the copy stream fenced), ``done``
+    (the sender's board entry checked: the token is DONE, the Reply goes out next). ``device_s``: seconds
+    of device time of the copies (all batches). Bounded: the last ``keep`` transfers."""
 
     def __init__(self, keep: int = 1024) -> None:
         self._lock = threading.Lock()

@@ -21,7 +21,9 @@ sender's abort board (``shm_board``) tells it whether the source was still valid
 Every frame is bounded (``MAX_FRAME``) and validated; anything malformed raises ``ProtocolError``.
 
 The nixl backend uses Offer (without ``board``; with ``mac``), Reply and ``Commit {id, ok}``: it confirms by a
-second round trip instead (``pull.commit_round_trip``).
+second round trip instead (``pull.commit_round_trip``). cuda_ipc uses Offer with ``board`` (its sender's
+board is a small segment of its own) and ``ev``, the handle of an interprocess CUDA event recorded behind
+the forward that wrote ``src``: the Offer goes out at once and the receiver waits on the device's progress.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from xpyd.transfer.tcp_wire import ProtocolError, pack_frame
 
 MAX_FRAME = 1 << 20
 MAX_ERROR_LEN = 1000
+MAX_EVENT = 128  # bytes of an Offer's event handle (cuda_ipc: a cudaIpcEventHandle, 64)
 
 
 def _regions(pairs: object, limit: int, what: str) -> tuple[Region, ...]:
@@ -84,8 +87,9 @@ class Offer:
     transfer_id: str
     src: tuple[Region, ...]
     dst: tuple[Region, ...]
-    board: tuple[int, int] | None = None  # shm: (slot, ticket) of the sender's abort board entry
+    board: tuple[int, int] | None = None  # shm, cuda_ipc: (slot, ticket) of the sender's abort board entry
     mac: bytes | None = None  # auth.transfer_mac over the id, dst and src: None only from a stranger
+    event: bytes | None = None  # cuda_ipc: the handle of the event behind the forward that wrote src
 
     def pack(self) -> bytes:
         d = {"t": "offer", "id": self.transfer_id, "src": [[r.offset, r.length] for r in self.src],
@@ -94,6 +98,8 @@ class Offer:
             d["board"] = list(self.board)
         if self.mac is not None:
             d["mac"] = self.mac
+        if self.event is not None:
+            d["ev"] = self.event
         return pack_frame(d)
 
     @classmethod
@@ -116,7 +122,10 @@ class Offer:
         mac = d.get("mac")
         if mac is not None and (type(mac) is not bytes or len(mac) != MAC_BYTES):
             raise ProtocolError(f"offer mac must be {MAC_BYTES} bytes")
-        return cls(tid, src, dst, board, mac)
+        event = d.get("ev")
+        if event is not None and (type(event) is not bytes or not 0 < len(event) <= MAX_EVENT):
+            raise ProtocolError(f"offer event handle must be 1..{MAX_EVENT} bytes")
+        return cls(tid, src, dst, board, mac, event)
 
 
 @dataclass(frozen=True, slots=True)
