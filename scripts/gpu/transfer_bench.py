@@ -332,7 +332,9 @@ def main() -> None:
                 if first_open is None:  # the connection's first offer opens the sender's handle
                     first_open = (both["receiver"]["opened"] - both["receiver"]["claimed"]) / 1e6
                 if rep:  # the first one (of each path) is not timed
-                    start = t_ready if forward else both["sender"]["send"]
+                    # the KV is ready when the device passed the forward: the earlier of the two processes'
+                    # wake-ups says so (each wakes a few microseconds after, when its thread is free to)
+                    start = min(t_ready, both["receiver"]["ready"]) if forward else both["sender"]["send"]
                     times.append(((both["receiver"]["done"] - start) / 1e9, (both["sender"]["done"] - start) / 1e9))
                     device.append(check["device_s"])
                     stages.append({(side, stage): ns - start for side, row in both.items() for stage, ns in row.items()})
@@ -371,20 +373,21 @@ def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, 
     print(f"{'device copy, one process (copy_, CUDA events)':66} {'':21} {'':21} {rate(copy_s)}")
     for label, dev, _ in alone:
         print(f"{label:66} {'':21} {'':21} {rate(dev)}")
-    print("KV ready: the forward send() follows has finished on the device (an event behind it, waited for on the\n"
-          "host); receiver DONE: its token final (bytes landed and fenced, the sender's board checked); sender\n"
+    print("KV ready: the forward send() follows has finished on the device (the earlier of this process's and the\n"
+          "receiver's wake-up on an event behind it); receiver DONE: its token final (bytes landed and fenced, the sender's board checked); sender\n"
           "DONE: the Reply read. The idle-GPU row counts from send() instead (no forward: the control plane is\n"
           "exposed). data path alone: the receiver's copies, CUDA events around them. r+w: bytes read + written\n"
           "(2x the payload), as a device copy's bandwidth is counted; vs: / the device copy.")
     for label, stages in breakdowns.items():
         print(f"\nwhere the time goes, {label} (ms since the KV was ready, or since send() when idle; median)")
         prev = None
-        for side, stage, what in ORDER:
-            at = stages.get((side, stage))
-            if at is None:
-                continue
+        listed = {(side, stage) for side, stage, _ in ORDER}
+        extra = [(side, stage, "(a finer step of the copy)") for side, stage in stages if (side, stage) not in listed]
+        known = [row for row in ORDER if (row[0], row[1]) in stages]
+        for side, stage, what in sorted(known + extra, key=lambda row: stages[(row[0], row[1])]):
+            at = stages[(side, stage)]
             step = "" if prev is None else f"{at - prev:+8.3f}"
-            print(f"  {side:9} {stage:10} {what:36} {at:8.3f} {step}")
+            print(f"  {side:9} {stage:15} {what:36} {at:8.3f} {step}")
             prev = at
     print(f"\nfirst offer of the connection: opening the sender's handle took {first_open:.3f} ms (not timed above)")
     if costs:

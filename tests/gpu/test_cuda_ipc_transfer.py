@@ -195,9 +195,11 @@ def test_a_receiver_abort_while_the_forward_runs_is_prompt_and_nothing_lands(sid
     tok = _transfer(sender, pool, receiver, "quit", [(0, 1 << 20)], [(0, 1 << 20)])
     _reached(receiver, "quit", "prepared")
     assert receiver.ask(op="abort", id="quit") == {}
+    assert torch.cuda.current_stream().query() is False  # (the forward still ran when the abort returned)
+    # ("state" hashes the pool: its device-to-host copy waits behind the sender's forward, since opening the
+    # sender's pool made the receiver's default stream wait for the event torch exported with it)
     answer = receiver.ask(op="state", id="quit", timeout=0)
     assert answer["state"] == "FAILED"
-    assert torch.cuda.current_stream().query() is False  # (the forward still ran when the abort returned)
     assert tok.wait(TIMEOUT) and tok.state().name == "FAILED" and "aborted by the receiver" in tok.error
     torch.cuda.synchronize()
     answer = receiver.ask(op="state", id="quit", timeout=0)

@@ -172,6 +172,46 @@ def test_a_receiver_abort_while_the_forward_runs_returns_at_once_and_nothing_lan
     assert receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()
 
 
+def test_a_sender_that_hangs_up_while_its_forward_runs_fails_the_transfer_not_the_receiver(pair):
+    """A wait on the event of a process that died never ends (measured on an H200): the receiver waits in a
+    thread of its own and gives up when the sender's connection closes; it keeps serving others."""
+    sender, receiver = pair
+    registry = sender.ops.registry
+    dying = Side(registry, 0x11)
+    dying.ops.gate.clear()  # its forward never finishes
+    try:
+        secret = new_secret()
+        rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+        dying.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+        assert receiver.ops.waiting.wait(TIMEOUT)
+        dying.backend.close()  # (its connection closes: the process is gone, for the receiver)
+        assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED
+        assert rtok.error == "the sender hung up while the forward of 't1' ran"
+        assert receiver.backend.stuck_waits == 1 and receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()
+        tok = receiver.backend.expect("t2", [Region(0, 16)], secret=secret)
+        assert sender.backend.send("t2", [Region(0, 16)], receiver.desc, [Region(0, 16)], secret=secret).wait(TIMEOUT)
+        assert tok.state() is TransferState.DONE
+    finally:
+        dying.ops.gate.set()  # (lets the waiting thread go)
+        dying.backend.close()
+
+
+def test_a_forward_that_never_finishes_fails_at_the_io_timeout(pair):
+    sender, receiver = pair
+    receiver.backend.io_timeout = 0.3
+    sender.ops.gate.clear()
+    try:
+        secret = new_secret()
+        rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
+        stok = sender.backend.send("t1", [Region(0, 4096)], receiver.desc, [Region(0, 4096)], secret=secret)
+        assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED
+        assert rtok.error == "the sender's forward for 't1' did not finish within 0.3 s"
+        assert stok.wait(TIMEOUT) and stok.state() is TransferState.FAILED and "did not finish" in stok.error
+        assert receiver.ops.copies == 0
+    finally:
+        sender.ops.gate.set()
+
+
 def test_the_board_lives_in_a_segment_of_its_own_until_close(pair):
     import os
 

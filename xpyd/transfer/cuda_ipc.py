@@ -42,6 +42,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from queue import SimpleQueue
 from typing import Sequence
@@ -77,6 +78,7 @@ GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on
 COPY_BATCH = 1 << 30  # bytes copied per lock hold and fence (abort latency vs. fences: ~0.5 ms on an H200)
 MAX_INBOUND = 256
 HELD_MARKS = 1024  # offered events whose reply never came, kept alive (a receiver may still wait on them)
+WAIT_POLL = 0.05  # seconds between the receiver's checks while a sender's forward runs (abort, hang-up)
 _boards = itertools.count()
 
 
@@ -120,6 +122,7 @@ class CudaIpcTransferBackend:
         self._board: Board | None = None
         self._descriptor: BackendDescriptor | None = None
         self.stamps: Stamps | None = None  # where each transfer's time goes (``Stamps``), when set
+        self.stuck_waits = 0  # waits on a sender's event given up while still waiting (a dead sender)
 
     # -- public API -------------------------------------------------------
     def register(self, pool) -> BackendDescriptor:
@@ -261,7 +264,7 @@ class CudaIpcTransferBackend:
                 return
             peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
-                         lambda rec, offer: self._copy(rec, peer, offer),
+                         lambda rec, offer: self._copy(rec, peer, offer, conn),
                          lambda conn, rec, offer: self._confirm(peer, rec, offer), log, addr)
         except (Closing, Unproven):
             return
@@ -272,7 +275,7 @@ class CudaIpcTransferBackend:
         finally:
             conn.close()
 
-    def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer) -> str | None:
+    def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer, conn: Conn) -> str | None:
         """Prepare the copy of the offer's src into the claimed transfer's dst, wait for the sender's forward,
         copy batch by batch; None or why it failed."""
         tid, stamps = offer.transfer_id, self.stamps
@@ -295,7 +298,11 @@ class CudaIpcTransferBackend:
         if stamps is not None:
             stamps(tid, "prepared")
         rec.token._advance(TransferState.TRANSFERRING)
-        self._ops.wait(ready)  # the sender's forward has finished (no lock held: an abort meanwhile is prompt)
+        if not self._ops.passed(ready):  # the sender's forward still runs: wait (no lock held)
+            error = self._await(ready, rec, conn)
+            if error is not None:
+                rec.token._fail(error)
+                return error
         if stamps is not None:
             stamps(tid, "ready")
         if not peer.board.valid(*offer.board):  # (the sender aborted meanwhile: no copy at all)
@@ -311,11 +318,45 @@ class CudaIpcTransferBackend:
                     rec.token._fail(str(e))
                     return str(e)
             if times is not None:
+                for step, ns in times.steps:
+                    stamps(tid, f"copy:{step}", ns)
                 stamps(tid, "launching", times.launching_ns)
                 stamps(tid, "enqueued", times.enqueued_ns)
                 stamps(tid, "synced")
                 stamps.add_device(tid, times.device_s)
             after = None
+        return None
+
+    def _await(self, ready, rec: Transfer, conn: Conn) -> str | None:
+        """Wait until the device passed the sender's event, in a thread of its own (a wait on the event of a
+        process that died never ends): None, or why this gave up: the receiver aborted, the sender hung up
+        (or spoke out of turn), or ``io_timeout`` passed."""
+        passed = threading.Event()
+
+        def wait() -> None:
+            try:
+                self._ops.wait(ready)
+            except Exception:  # (a driver error: the copy that follows reports it)
+                pass
+            passed.set()
+
+        waiter = threading.Thread(target=wait, name="xpyd-cuda_ipc-event", daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + self.io_timeout
+        tid = rec.token.transfer_id
+        while not passed.wait(WAIT_POLL):
+            if rec.token.finished():
+                error = f"transfer {tid!r} aborted by the receiver"
+            elif conn.stale():
+                error = f"the sender hung up while the forward of {tid!r} ran"
+            elif time.monotonic() > deadline:
+                error = f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
+            else:
+                continue
+            if not passed.is_set():
+                self.stuck_waits += 1  # (the thread stays, asleep in the driver, if the event never passes)
+                log.warning("cuda_ipc: gave up waiting on the sender's event: %s", error)
+            return error
         return None
 
     def _confirm(self, peer: "_PeerPool", rec: Transfer, offer: Offer) -> bool:

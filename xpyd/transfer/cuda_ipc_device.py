@@ -63,6 +63,7 @@ class CopyTimes:
     launching_ns: int
     enqueued_ns: int
     device_s: float
+    steps: tuple[tuple[str, int], ...] = ()  # finer host stamps (name, perf_counter_ns), in order
 
 
 class DeviceError(Exception):
@@ -109,6 +110,7 @@ class DeviceOps(Protocol):
     def mark(self) -> object: ...
     def shared_mark(self) -> tuple[object, bytes]: ...
     def open_mark(self, handle: bytes) -> object: ...
+    def passed(self, mark: object) -> bool: ...
     def wait(self, mark: object) -> None: ...
     def prepare(self, peer: object, pieces: Sequence[Piece]) -> object: ...
     def copy(self, prepared: object, after: object | None, timed: bool = False) -> CopyTimes | None: ...
@@ -216,8 +218,13 @@ class CudaOps:
         except Exception as e:  # (RuntimeError from the driver: not an event handle)
             raise DeviceError(f"cannot open the sender's event handle: {e}") from None
 
+    def passed(self, mark) -> bool:
+        return mark.query()
+
     def wait(self, mark) -> None:
-        if not mark.query():  # (done already, the common case for local marks: no synchronising call)
+        """Until the device passed ``mark``; unbounded (an opened mark whose recording process died is never
+        passed: measured on an H200), so a caller that cannot trust the peer waits in a thread of its own."""
+        if not mark.query():
             mark.synchronize()  # (the GIL is released meanwhile)
 
     def _thread(self):
@@ -232,8 +239,9 @@ class CudaOps:
     def prepare(self, peer, pieces: Sequence[Piece]):
         try:
             self._thread()
-            if len(pieces) <= FEW_PIECES:
-                return _Few(peer, pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces))
+            if len(pieces) <= FEW_PIECES:  # (the views made now: the launch is the copy_ calls alone)
+                rows = pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces)
+                return _Few(peer, [(self._bytes[d: d + n], peer[s: s + n]) for s, d, n in rows])
             if self._runs is cuda_ipc_kernel.copy_runs_foreach:
                 return _Foreach(peer, pieces)
             with self._torch.cuda.stream(self._stream):  # (the table's upload, on the stream the copy runs on)
@@ -243,35 +251,42 @@ class CudaOps:
 
     def copy(self, prepared, after, timed: bool = False) -> CopyTimes | None:
         torch, stream = self._torch, self._stream
+        steps = [] if timed else None
         try:
             start, end = self._thread()
             with torch.cuda.stream(stream):
+                if timed:
+                    steps.append(("stream", time.perf_counter_ns()))
                 if after is not None:
                     stream.wait_event(after)
                 if timed:
+                    steps.append(("waits", time.perf_counter_ns()))
                     start.record(stream)
                     launching = time.perf_counter_ns()
                 if type(prepared) is _Few:
-                    for s, d, n in prepared.pieces:
-                        self._bytes[d: d + n].copy_(prepared.peer[s: s + n], non_blocking=True)
+                    for dst, src in prepared.pieces:
+                        dst.copy_(src, non_blocking=True)
                 elif type(prepared) is _Foreach:
                     cuda_ipc_kernel.copy_runs_foreach(self._bytes, prepared.peer, prepared.pieces)
                 else:
                     prepared()
                 if timed:
+                    steps.append(("launched", time.perf_counter_ns()))
                     end.record(stream)
                     enqueued = time.perf_counter_ns()
             stream.synchronize()
         except Exception as e:
             raise DeviceError(f"device copy failed: {e}") from None
-        return CopyTimes(launching, enqueued, start.elapsed_time(end) / 1e3) if timed else None
+        if not timed:
+            return None
+        return CopyTimes(launching, enqueued, start.elapsed_time(end) / 1e3, tuple(steps))
 
     def close(self) -> None:
         self._pool = self._bytes = None
 
 
 class _Few:
-    """A prepared copy of a few pieces: one ``copy_`` each."""
+    """A prepared copy of a few pieces: one ``copy_`` each (``pieces``: (dst view, src view) pairs)."""
 
     __slots__ = ("peer", "pieces")
 
@@ -280,7 +295,7 @@ class _Few:
 
 
 class _Foreach(_Few):
-    """A prepared copy through ``torch._foreach_copy_`` (no Triton)."""
+    """A prepared copy through ``torch._foreach_copy_`` (no Triton; ``pieces``: the piece table)."""
 
     __slots__ = ()
 
@@ -378,6 +393,9 @@ class HostOps:
 
     def open_mark(self, handle: bytes) -> threading.Event:
         return self.registry.get_mark(handle)
+
+    def passed(self, mark: threading.Event) -> bool:
+        return mark.is_set()
 
     def wait(self, mark: threading.Event) -> None:
         self.waiting.set()
