@@ -240,7 +240,8 @@ def test_pieces_at_odd_bytes_arrive_exactly_through_one_launch(sides):
     assert answer["sha"] == hashlib.sha256(receiver.image.tobytes()).hexdigest()
     from xpyd.transfer.cuda_ipc_stamps import RECEIVER_STAGES
 
-    assert answer["stages"] == list(RECEIVER_STAGES) and answer["device_s"] > 0
+    stages = [stage for stage in answer["stages"] if not stage.startswith("copy:")]  # (finer steps of the copy)
+    assert stages == list(RECEIVER_STAGES) and answer["device_s"] > 0
 
 
 @pytest.mark.parametrize("way", ["tiles", "flat", "loop", "copy_runs_foreach"])

@@ -298,11 +298,13 @@ class CudaIpcTransferBackend:
         if stamps is not None:
             stamps(tid, "prepared")
         rec.token._advance(TransferState.TRANSFERRING)
-        if not self._ops.passed(ready):  # the sender's forward still runs: wait (no lock held)
-            error = self._await(ready, rec, conn)
-            if error is not None:
-                rec.token._fail(error)
-                return error
+        if self._ops.passed(ready):
+            return self._copy_now(rec, peer, offer, prepared, after)
+        return self._copy_when_ready(ready, rec, conn, lambda: self._copy_now(rec, peer, offer, prepared, after))
+
+    def _copy_now(self, rec: Transfer, peer: "_PeerPool", offer: Offer, prepared: list, after) -> str | None:
+        """The sender's forward has finished: check its board entry, then copy batch by batch."""
+        tid, stamps = offer.transfer_id, self.stamps
         if stamps is not None:
             stamps(tid, "ready")
         if not peer.board.valid(*offer.board):  # (the sender aborted meanwhile: no copy at all)
@@ -327,24 +329,27 @@ class CudaIpcTransferBackend:
             after = None
         return None
 
-    def _await(self, ready, rec: Transfer, conn: Conn) -> str | None:
-        """Wait until the device passed the sender's event, in a thread of its own (a wait on the event of a
-        process that died never ends): None, or why this gave up: the receiver aborted, the sender hung up
-        (or spoke out of turn), or ``io_timeout`` passed."""
-        passed = threading.Event()
+    def _copy_when_ready(self, ready, rec: Transfer, conn: Conn, copy) -> str | None:
+        """Wait until the device passed the sender's event, then ``copy``, in a thread of its own (it launches
+        the moment it wakes; a wait on the event of a process that died never ends): the copy's outcome, or
+        why this gave up: the receiver aborted, the sender hung up (or spoke out of turn), or ``io_timeout``
+        passed. Giving up fails the token under the transfer's lock, so no batch starts after it."""
+        outcome: list = []
+        finished = threading.Event()
 
-        def wait() -> None:
+        def run() -> None:
             try:
                 self._ops.wait(ready)
-            except Exception:  # (a driver error: the copy that follows reports it)
-                pass
-            passed.set()
+                outcome.append(copy())
+            except Exception as e:  # (a driver error)
+                outcome.append(f"device error: {e}")
+            finally:
+                finished.set()
 
-        waiter = threading.Thread(target=wait, name="xpyd-cuda_ipc-event", daemon=True)
-        waiter.start()
+        threading.Thread(target=run, name="xpyd-cuda_ipc-copy", daemon=True).start()
         deadline = time.monotonic() + self.io_timeout
         tid = rec.token.transfer_id
-        while not passed.wait(WAIT_POLL):
+        while not finished.wait(WAIT_POLL):
             if rec.token.finished():
                 error = f"transfer {tid!r} aborted by the receiver"
             elif conn.stale():
@@ -353,11 +358,13 @@ class CudaIpcTransferBackend:
                 error = f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
             else:
                 continue
-            if not passed.is_set():
+            with rec.lock:  # (a batch under way ends first; none starts after)
+                rec.token._fail(error)
+            if not finished.is_set():
                 self.stuck_waits += 1  # (the thread stays, asleep in the driver, if the event never passes)
                 log.warning("cuda_ipc: gave up waiting on the sender's event: %s", error)
             return error
-        return None
+        return outcome[0] if outcome else f"transfer {tid!r}: the copy thread ended without an outcome"
 
     def _confirm(self, peer: "_PeerPool", rec: Transfer, offer: Offer) -> bool:
         """After the copy: is the sender's ticket still on its board? (Read under the transfer's lock, after

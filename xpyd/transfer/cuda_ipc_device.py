@@ -224,6 +224,7 @@ class CudaOps:
     def wait(self, mark) -> None:
         """Until the device passed ``mark``; unbounded (an opened mark whose recording process died is never
         passed: measured on an H200), so a caller that cannot trust the peer waits in a thread of its own."""
+        self._thread()  # (this thread launches the copy next: its device and events set up first)
         if not mark.query():
             mark.synchronize()  # (the GIL is released meanwhile)
 
