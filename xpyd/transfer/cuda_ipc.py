@@ -44,6 +44,7 @@ import socket
 import threading
 import time
 from collections import deque
+from functools import partial
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -59,6 +60,7 @@ from xpyd.transfer.base import (
     check_send_regions,
     check_transfer_id,
 )
+from xpyd.transfer.cuda_ipc_copier import Copier
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
 from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
@@ -249,6 +251,7 @@ class CudaIpcTransferBackend:
     # -- receiver ---------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
         conn = self._door.enter(sock, addr, self._endpoint.wake[0], self.io_timeout, 2, log)
+        peer = None
         try:
             hello = Hello.parse(conn.read_frame(MAX_FRAME, first_byte_timeout=self.io_timeout) or {})
             error = None
@@ -265,7 +268,7 @@ class CudaIpcTransferBackend:
             peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
                          lambda rec, offer: self._copy(rec, peer, offer, conn),
-                         lambda conn, rec, offer: self._confirm(peer, rec, offer), log, addr)
+                         _confirmed, log, addr)
         except (Closing, Unproven):
             return
         except (ProtocolError, OSError) as e:
@@ -273,6 +276,8 @@ class CudaIpcTransferBackend:
         except Exception:
             log.exception("dropping cuda_ipc connection from %s", addr)
         finally:
+            if peer is not None and peer.copier is not None:
+                peer.copier.close()
             conn.close()
 
     def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer, conn: Conn) -> str | None:
@@ -298,13 +303,38 @@ class CudaIpcTransferBackend:
         if stamps is not None:
             stamps(tid, "prepared")
         rec.token._advance(TransferState.TRANSFERRING)
+        work = partial(self._copy_now, rec, peer, offer, prepared, after, ready)
         if self._ops.passed(ready):
-            return self._copy_now(rec, peer, offer, prepared, after)
-        return self._copy_when_ready(ready, rec, conn, lambda: self._copy_now(rec, peer, offer, prepared, after))
+            return work()
+        if peer.copier is None:
+            peer.copier = Copier(f"xpyd-cuda_ipc-copy-{tid}")
+        deadline = time.monotonic() + self.io_timeout
+        done, outcome = peer.copier.run(work, partial(self._give_up, rec, conn, deadline), WAIT_POLL)
+        if done:
+            return outcome
+        with rec.lock:  # (a batch under way ends first; none starts after)
+            rec.token._fail(outcome)
+        self.stuck_waits += 1  # (its copier may sleep in the driver for good: the next transfer gets a new one)
+        peer.copier.close()
+        peer.copier = None
+        log.warning("cuda_ipc: gave up waiting on the sender's event: %s", outcome)
+        return outcome
 
-    def _copy_now(self, rec: Transfer, peer: "_PeerPool", offer: Offer, prepared: list, after) -> str | None:
-        """The sender's forward has finished: check its board entry, then copy batch by batch."""
+    def _give_up(self, rec: Transfer, conn: Conn, deadline: float) -> str | None:
+        tid = rec.token.transfer_id
+        if rec.token.finished():
+            return f"transfer {tid!r} aborted by the receiver"
+        if conn.stale():
+            return f"the sender hung up while the forward of {tid!r} ran"
+        if time.monotonic() > deadline:
+            return f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
+        return None
+
+    def _copy_now(self, rec: Transfer, peer: "_PeerPool", offer: Offer, prepared: list, after, ready) -> str | None:
+        """Wait until the device passed the sender's event, check its board entry, copy batch by batch, check
+        the board again and mark the token DONE (the moment the copy is fenced); None or why it failed."""
         tid, stamps = offer.transfer_id, self.stamps
+        self._ops.wait(ready)
         if stamps is not None:
             stamps(tid, "ready")
         if not peer.board.valid(*offer.board):  # (the sender aborted meanwhile: no copy at all)
@@ -327,53 +357,18 @@ class CudaIpcTransferBackend:
                 stamps(tid, "synced")
                 stamps.add_device(tid, times.device_s)
             after = None
-        return None
-
-    def _copy_when_ready(self, ready, rec: Transfer, conn: Conn, copy) -> str | None:
-        """Wait until the device passed the sender's event, then ``copy``, in a thread of its own (it launches
-        the moment it wakes; a wait on the event of a process that died never ends): the copy's outcome, or
-        why this gave up: the receiver aborted, the sender hung up (or spoke out of turn), or ``io_timeout``
-        passed. Giving up fails the token under the transfer's lock, so no batch starts after it."""
-        outcome: list = []
-        finished = threading.Event()
-
-        def run() -> None:
-            try:
-                self._ops.wait(ready)
-                outcome.append(copy())
-            except Exception as e:  # (a driver error)
-                outcome.append(f"device error: {e}")
-            finally:
-                finished.set()
-
-        threading.Thread(target=run, name="xpyd-cuda_ipc-copy", daemon=True).start()
-        deadline = time.monotonic() + self.io_timeout
-        tid = rec.token.transfer_id
-        while not finished.wait(WAIT_POLL):
-            if rec.token.finished():
-                error = f"transfer {tid!r} aborted by the receiver"
-            elif conn.stale():
-                error = f"the sender hung up while the forward of {tid!r} ran"
-            elif time.monotonic() > deadline:
-                error = f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
-            else:
-                continue
-            with rec.lock:  # (a batch under way ends first; none starts after)
-                rec.token._fail(error)
-            if not finished.is_set():
-                self.stuck_waits += 1  # (the thread stays, asleep in the driver, if the event never passes)
-                log.warning("cuda_ipc: gave up waiting on the sender's event: %s", error)
-            return error
-        return outcome[0] if outcome else f"transfer {tid!r}: the copy thread ended without an outcome"
-
-    def _confirm(self, peer: "_PeerPool", rec: Transfer, offer: Offer) -> bool:
-        """After the copy: is the sender's ticket still on its board? (Read under the transfer's lock, after
-        the last batch released it, so the read follows the fenced copy; see ``shm_board``.)"""
+        # the board read under the transfer's lock, after the last batch released it, so it follows the fenced
+        # copy (``shm_board``): the ticket still there means the source was valid for the whole copy
         with rec.lock:
-            ok = peer.board.valid(*offer.board)
-        if self.stamps is not None:
-            self.stamps(offer.transfer_id, "done")
-        return ok
+            valid = peer.board.valid(*offer.board)
+        if not valid:
+            rec.token._fail(f"transfer {tid!r} aborted by the sender")
+            return f"transfer {tid!r} aborted by the sender"
+        if not rec.token._advance(TransferState.DONE):
+            return f"transfer {tid!r} aborted by the receiver"
+        if stamps is not None:
+            stamps(tid, "done")
+        return None
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:
@@ -438,21 +433,27 @@ class CudaIpcTransferBackend:
 
 
 class _PeerPool:
-    """The sender's pool and abort board as its Hello names them; opened when the first offer that checks out
-    needs them."""
+    """The sender's pool and abort board as its Hello names them (opened when the first offer that checks out
+    needs them), and the connection's copier (``cuda_ipc_copier``; made when a transfer first waits)."""
 
-    __slots__ = ("hello", "pool", "board")
+    __slots__ = ("hello", "pool", "board", "copier")
 
     def __init__(self, hello: Hello) -> None:
         self.hello = hello
         self.pool = None
         self.board: BoardView | None = None
+        self.copier: Copier | None = None
 
     def open(self, ops: DeviceOps):
         if self.pool is None:
             board = BoardView(shm_segment.map_peer(self.hello.board, shm_board.BYTES), 0)
             self.pool, self.board = ops.open(self.hello.export), board
         return self.pool
+
+
+def _confirmed(conn: Conn, rec: Transfer, offer: Offer) -> bool:
+    """``serve_offers``' confirm: the copying thread checked the board and finished the token already."""
+    return True
 
 
 def _cuda_ops() -> DeviceOps:

@@ -15,7 +15,9 @@ DONE implies the receiver's. Confirming:
 
 - shm reads the sender's abort board in the sender's segment (``shm_board``): no message at all;
 - nixl asks the sender (``commit_round_trip``): Reply {ok} to the offer, then the sender's
-  Commit {id, ok} (ok=False: it aborted meanwhile) — one more round trip.
+  Commit {id, ok} (ok=False: it aborted meanwhile) — one more round trip;
+- cuda_ipc's pull confirms (its sender's abort board, as shm) and marks the token DONE itself, the moment
+  its copy is fenced, on the thread that copied; its ``confirm`` only says so.
 
 Frames are those of ``shm_wire``.
 """
@@ -104,7 +106,7 @@ def serve_offers(conn: Conn, endpoint: Endpoint, name: str, src_size: int, dst_s
                 if not confirm(conn, rec, offer):
                     error = f"transfer {tid!r} aborted by the sender"
                     rec.token._fail(error)
-                elif not rec.token._advance(TransferState.DONE):
+                elif rec.token.state() is not TransferState.DONE and not rec.token._advance(TransferState.DONE):
                     error = f"transfer {tid!r} aborted by the receiver"
             endpoint.expected.finish(rec)
             rec = None
