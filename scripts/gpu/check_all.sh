@@ -37,6 +37,7 @@ for stage in "$@"; do
     exact) run exact 180 python3 scripts/gpu/exactness.py --model $M/small --dtype float32 --tokens 48 --json "$OUT/exact.json" ;;
     attention) run attention 120 python3 scripts/gpu/attention_bench.py ;;
     transfer) run transfer 150 python3 scripts/gpu/transfer_bench.py ;;
+    transfer-spin) run transfer-spin 150 python3 scripts/gpu/transfer_bench.py --spin ;;
     transfer-mps) run transfer-mps 150 bash scripts/gpu/with_mps.sh python3 scripts/gpu/transfer_bench.py ;;
     tests-ipc) run tests-ipc 180 python3 -m pytest -q -x -p no:cacheprovider -o addopts= tests/gpu/test_cuda_ipc_transfer.py ;;
     events) run events 90 bash -c "python3 scripts/gpu/event_probe.py --reps 20 && python3 scripts/gpu/event_probe.py --orphan" ;;

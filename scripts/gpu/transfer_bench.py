@@ -252,8 +252,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--pool-blocks", type=int, default=1024, help="blocks in each side's pool (2 MiB each)")
     ap.add_argument("--forward-ms", type=float, default=5.0, help="the forward send() follows (a sleep kernel)")
+    ap.add_argument("--spin", action="store_true", help="the sender's events make their waiter spin, not sleep")
     args = ap.parse_args()
     import torch
+
+    from xpyd.transfer import cuda_ipc_device
+
+    cuda_ipc_device.BLOCKING_MARKS = not args.spin
 
     from xpyd.transfer import cuda_ipc_kernel, make_backend
     from xpyd.transfer.auth import new_secret
@@ -360,7 +365,8 @@ def main() -> None:
 def report(name: str, reps: int, payload: int, rows, copy_s: float, breakdowns, first_open: float,
            alone=(), costs=(), forward_ms: float = 0.0) -> None:
     print(f"\n{name}: {PROMPT}-token prompt, Llama-3-8B KV shape ({TOKEN_BYTES // 1024} KiB/token), "
-          f"{payload >> 20} MiB; median of {reps}; send() right behind a {forward_ms:g} ms forward")
+          f"{payload >> 20} MiB; median of {reps}; send() right behind a {forward_ms:g} ms forward; the "
+          f"receiver {'sleeps' if __import__('xpyd.transfer.cuda_ipc_device').transfer.cuda_ipc_device.BLOCKING_MARKS else 'spins'} on the sender's event")
     copy_rw = 2 * payload / copy_s
 
     def rate(t: float) -> str:

@@ -52,6 +52,7 @@ MAX_MARK_HANDLE = 128  # bytes of a mark's handle (a cudaIpcEventHandle is 64)
 
 Piece = tuple[int, int, int]  # (src offset in the peer's pool, dst offset in ours, bytes)
 FEW_PIECES = 2  # up to this many pieces: one copy_ each; more: one launch for all
+BLOCKING_MARKS = True  # shared marks' waiters sleep (False: they spin a core in the driver, the GIL released)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +207,7 @@ class CudaOps:
 
     def shared_mark(self):
         torch = self._torch
-        event = torch.cuda.Event(blocking=True, interprocess=True)  # (blocking: a waiter sleeps, ~3 us late)
+        event = torch.cuda.Event(blocking=BLOCKING_MARKS, interprocess=True)
         event.record(torch.cuda.current_stream(self._device))
         return event, bytes(event.ipc_handle())
 
