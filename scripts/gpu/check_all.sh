@@ -45,6 +45,7 @@ for stage in "$@"; do
     engine) run engine 240 python3 scripts/gpu/engine_bench.py --model $M/llama3-8b --json "$OUT/engine.json" ;;
     serve-exact) run serve-exact 300 python3 scripts/gpu/serve_check.py exact --model $M/small --out "$OUT" ;;
     serve-bench) run serve-bench 480 python3 scripts/gpu/serve_check.py bench --model $M/llama3-8b --out "$OUT" ;;
+    serve-gap) run serve-gap 300 python3 scripts/gpu/serve_check.py bench --gap-only --model $M/llama3-8b --out "$OUT" ;;
     serve-bench-pd) run serve-bench-pd 400 python3 scripts/gpu/serve_check.py bench --only pd --model $M/llama3-8b --out "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -277,7 +277,7 @@ class CudaIpcTransferBackend:
             log.exception("dropping cuda_ipc connection from %s", addr)
         finally:
             if peer is not None and peer.copier is not None:
-                peer.copier.close()
+                peer.copier.close(join_timeout=1.0)  # (before the process may exit with it mid-CUDA-call)
             conn.close()
 
     def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer, conn: Conn) -> str | None:

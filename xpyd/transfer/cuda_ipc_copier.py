@@ -53,6 +53,9 @@ class Copier:
                 return False, why
         return True, outcome[0]
 
-    def close(self) -> None:
-        """Let the thread end after the jobs it has (at once if it is idle)."""
+    def close(self, join_timeout: float = 0.0) -> None:
+        """Let the thread end after the jobs it has (at once if it is idle); wait up to ``join_timeout`` for
+        it (one asleep in the driver for good is left behind)."""
         self._jobs.put(None)
+        if join_timeout > 0:
+            self._thread.join(join_timeout)
