@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported: 2 shared cores
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as xpyd.discovery does, before any grpc import
+# NIXL agents made by tests (and the workers they start) reach each other over loopback: tests/multihost adds
+# and removes a veth in this namespace while other test files run, and an agent whose metadata names an
+# interface gone since cannot be connected to (tests/integration/test_transfer_nixl_stale_interface.py)
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from pathlib import Path
 
