@@ -1,39 +1,25 @@
 """CUDA IPC transfer backend: KV moves device to device between two processes on one GPU, no host staging.
 
-Both workers' pools are CUDA tensors on the same GPU. A transfer is pulled, with the control channel of
-shm and nixl (``cuda_ipc_wire``; TCP loopback, length-prefixed msgpack): the sender connects to the
-receiver's listener (the descriptor's address) and says Hello with its host key, its GPU's UUID, its
-pool's CUDA IPC handle (exported once, ``cuda_ipc_device``) and the name of its abort board (``shm_board``:
-a small shm segment of its own); the receiver refuses a sender on another host or another GPU. Per transfer
-the sender offers its ``src`` regions with a MAC that proves it holds the transfer's secret (``auth``), an
-entry of its abort board, and the handle of an interprocess CUDA event it recorded behind the forward that
-wrote ``src``; the *receiver* checks the MAC, claims the transfer it ``expect``ed, opens the sender's pool
-handle and maps its board (at the connection's first offer that checks out: a stranger's handle is never
-opened), opens the event, prepares the copy (the pieces paired, the copy kernel's table on the device),
-waits for the event (the forward has finished), then copies the (src run, dst run) pieces on a stream of
-its own (one device copy each for a few, one kernel launch for many: ``cuda_ipc_kernel``), in batches of
-about ``COPY_BATCH`` bytes, each under the transfer's lock and fenced (so once ``abort()`` returns no more
-bytes land), checks the board entry (the sender did not abort meanwhile, so its source stayed valid: as
-shm), marks DONE and replies: one round trip. No byte passes through host memory.
+Both pools are CUDA tensors on one GPU. The sender connects to the receiver's listener (TCP loopback,
+``cuda_ipc_wire``) and says Hello: host key, GPU UUID, its pool's CUDA IPC handle (``cuda_ipc_device``) and
+its abort board's segment (``shm_board``); a sender on another host or GPU is refused. ``send()`` (on the
+prefill engine's thread, right after the forward that writes ``src`` was enqueued) records an interprocess
+event behind that forward, and the sender thread offers at once: ``src``, the MAC (``auth``), a board entry,
+the event's handle. The receiver checks the MAC, claims what it ``expect``ed, opens the pool handle and maps
+the board (at the connection's first offer that checks out: a stranger's handle is never opened), opens the
+event and prepares the copy, all while the forward runs; then its connection's copier (``cuda_ipc_copier``)
+sleeps on the event, copies the pieces on a stream of its own (after a mark ``expect()`` recorded on the
+decode engine's stream), in batches of about ``COPY_BATCH`` bytes, each under the transfer's lock and fenced
+(once ``abort()`` returns no more bytes land), checks the board (the sender had not aborted: its source was
+valid) and marks DONE; the Reply tells the sender. One round trip, no byte through host memory. The reader
+thread gives up on a wait that outlives the receiver's interest, the sender's connection or ``io_timeout``
+(a wait on the event of a dead process never ends). The sender keeps an offered event alive until its
+reply (one that never came: until ``close``). docs/transfer.md "cuda_ipc" has the whole story.
 
-Ordering with the engines: ``send()`` runs on the prefill engine's thread right after the forward that
-wrote the KV was enqueued; it records the interprocess event on the current stream there, and the sender
-thread offers at once, so that everything but the copy itself (the offer's trip, its MAC check, opening
-handles, building the copy's table) happens while the forward still runs on the device; the receiver's
-thread sleeps on the event (a blocking event: it wakes ~3 us after the device passed it, measured on an
-H200) and launches. Its wait holds no lock, so a receiver ``abort()`` meanwhile returns at once, and no
-copy follows. ``expect()`` likewise records a mark on the decode engine's stream, after which the copy
-starts (the destination blocks' earlier users are done with them). The sender keeps an offered event alive
-until the receiver has replied (a receiver may wait on it until then); one whose reply never came is kept
-until ``close``.
-
-Where the time goes: ``backend.stamps = Stamps()`` makes both sides note, per transfer, the
-``time.perf_counter_ns()`` of each stage (``cuda_ipc_stamps``; one clock for every process
-of a host) and the device time of the receiver's copies (CUDA events around them); ``scripts/gpu/
-transfer_bench.py`` prints them. Off by default (None): the hot path then pays one attribute test per stage.
-
-Threads (daemon, started by ``register``/first ``send``, joined by ``close``; shared with shm and nixl
-through ``endpoint``): an acceptor, one reader per inbound connection (it copies), one sender per peer.
+``backend.stamps = Stamps()`` notes each stage's ``time.perf_counter_ns()`` on both sides
+(``cuda_ipc_stamps``; ``scripts/gpu/transfer_bench.py`` prints them); off by default.
+Threads (daemon; shared with shm and nixl through ``endpoint``): an acceptor, one reader per inbound
+connection and its copier, one sender per peer.
 """
 
 from __future__ import annotations
@@ -60,7 +46,7 @@ from xpyd.transfer.base import (
     check_send_regions,
     check_transfer_id,
 )
-from xpyd.transfer.cuda_ipc_copier import Copier
+from xpyd.transfer.cuda_ipc_copier import Copier, PeerPool
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
 from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
@@ -68,7 +54,7 @@ from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
 from xpyd.transfer.pull import serve_offers
-from xpyd.transfer.shm_board import Board, BoardView
+from xpyd.transfer.shm_board import Board
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import Closing, Conn, ProtocolError, Unproven, format_address, parse_address
@@ -265,7 +251,7 @@ class CudaIpcTransferBackend:
             if error is not None:
                 log.warning("refused cuda_ipc peer %s: %s", addr, error)
                 return
-            peer = _PeerPool(hello)  # opened at the first offer whose MAC checks out
+            peer = PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
                          lambda rec, offer: self._copy(rec, peer, offer, conn),
                          _confirmed, log, addr)
@@ -280,7 +266,7 @@ class CudaIpcTransferBackend:
                 peer.copier.close(join_timeout=1.0)  # (before the process may exit with it mid-CUDA-call)
             conn.close()
 
-    def _copy(self, rec: Transfer, peer: "_PeerPool", offer: Offer, conn: Conn) -> str | None:
+    def _copy(self, rec: Transfer, peer: "PeerPool", offer: Offer, conn: Conn) -> str | None:
         """Prepare the copy of the offer's src into the claimed transfer's dst, wait for the sender's forward,
         copy batch by batch; None or why it failed."""
         tid, stamps = offer.transfer_id, self.stamps
@@ -330,7 +316,7 @@ class CudaIpcTransferBackend:
             return f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
         return None
 
-    def _copy_now(self, rec: Transfer, peer: "_PeerPool", offer: Offer, prepared: list, after, ready) -> str | None:
+    def _copy_now(self, rec: Transfer, peer: "PeerPool", offer: Offer, prepared: list, after, ready) -> str | None:
         """Wait until the device passed the sender's event, check its board entry, copy batch by batch, check
         the board again and mark the token DONE (the moment the copy is fenced); None or why it failed."""
         tid, stamps = offer.transfer_id, self.stamps
@@ -430,25 +416,6 @@ class CudaIpcTransferBackend:
             job.token._fail(f"refused by {address}: {reply.error}")
             if reply.bye:
                 raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
-
-
-class _PeerPool:
-    """The sender's pool and abort board as its Hello names them (opened when the first offer that checks out
-    needs them), and the connection's copier (``cuda_ipc_copier``; made when a transfer first waits)."""
-
-    __slots__ = ("hello", "pool", "board", "copier")
-
-    def __init__(self, hello: Hello) -> None:
-        self.hello = hello
-        self.pool = None
-        self.board: BoardView | None = None
-        self.copier: Copier | None = None
-
-    def open(self, ops: DeviceOps):
-        if self.pool is None:
-            board = BoardView(shm_segment.map_peer(self.hello.board, shm_board.BYTES), 0)
-            self.pool, self.board = ops.open(self.hello.export), board
-        return self.pool
 
 
 def _confirmed(conn: Conn, rec: Transfer, offer: Offer) -> bool:

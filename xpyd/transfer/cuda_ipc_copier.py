@@ -1,4 +1,5 @@
-"""The cuda_ipc receiver's copying thread: one per connection, so that the copy is launched by the thread that
+"""The cuda_ipc receiver's state per connection: the sender's pool and board (``PeerPool``) and its copying
+thread, one per connection, so that the copy is launched by the thread that
 woke when the sender's forward ended, and the transfer is confirmed and DONE right after the copy's fence.
 
 A receiver's reader thread claims an offer and prepares its copy while the sender's forward still runs; it
@@ -15,6 +16,11 @@ from __future__ import annotations
 import threading
 from queue import SimpleQueue
 from typing import Callable
+
+from xpyd.transfer import shm_board, shm_segment
+from xpyd.transfer.cuda_ipc_device import DeviceOps
+from xpyd.transfer.cuda_ipc_wire import Hello
+from xpyd.transfer.shm_board import BoardView
 
 
 class Copier:
@@ -59,3 +65,22 @@ class Copier:
         self._jobs.put(None)
         if join_timeout > 0:
             self._thread.join(join_timeout)
+
+
+class PeerPool:
+    """The sender's pool and abort board as its Hello names them (opened when the first offer that checks out
+    needs them), and the connection's copier (``cuda_ipc_copier``; made when a transfer first waits)."""
+
+    __slots__ = ("hello", "pool", "board", "copier")
+
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.pool = None
+        self.board: BoardView | None = None
+        self.copier: Copier | None = None
+
+    def open(self, ops: DeviceOps):
+        if self.pool is None:
+            board = BoardView(shm_segment.map_peer(self.hello.board, shm_board.BYTES), 0)
+            self.pool, self.board = ops.open(self.hello.export), board
+        return self.pool
