@@ -52,7 +52,7 @@ BLOCK_BYTES = TOKEN_BYTES * BLOCK  # 2 MiB
 PROMPT = 4096
 
 RECEIVER = textwrap.dedent("""
-    import json, sys
+    import json, sys, threading, time
     import torch
     from xpyd.transfer import cuda_ipc_device, cuda_ipc_kernel, make_backend
     from xpyd.transfer.base import Region
@@ -64,17 +64,25 @@ RECEIVER = textwrap.dedent("""
     backend.stamps = Stamps()
     runs = backend._ops._runs  # (what CudaOps picked for many pieces: the kernel, or foreach without Triton)
     kernel = runs is not cuda_ipc_kernel.copy_runs_foreach
-    tokens = {}
+    tokens, watched = {}, {}
+
+    def watch(tid, event):  # when this process learns that the sender's forward ended (a thread asleep on it)
+        event.synchronize()
+        watched[tid] = time.perf_counter_ns()
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "mode":  # how the receiver copies many pieces
             mode = cmd["mode"]
             cuda_ipc_device.FEW_PIECES = 1 << 40 if mode == "copy_" else 2
-            if mode == "foreach" or (mode in cuda_ipc_kernel.VARIANTS and not kernel):
+            if mode in ("foreach", "copy_") or (mode in cuda_ipc_kernel.VARIANTS and not kernel):  # (host wait)
                 backend._ops._runs = cuda_ipc_kernel.copy_runs_foreach
             elif mode in cuda_ipc_kernel.VARIANTS:
                 backend._ops._runs = cuda_ipc_kernel.Runs(mode)
             out = {"runs": backend._ops._runs.__name__}
+        elif cmd["op"] == "watch":
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), bytes.fromhex(cmd["h"]))
+            threading.Thread(target=watch, args=(cmd["id"], event), daemon=True).start()
+            out = {}
         elif cmd["op"] == "expect":
             tokens[cmd["id"]] = backend.expect(cmd["id"], [Region(*r) for r in cmd["dst"]],
                                                secret=bytes.fromhex(cmd["secret"]))
@@ -85,6 +93,7 @@ RECEIVER = textwrap.dedent("""
             flat = pool.view(torch.uint8)
             stages, device_s = backend.stamps.take(cmd["id"])
             out = {"state": tok.state().name, "error": tok.error, "stages": stages, "device_s": device_s,
+                   "watched": watched.pop(cmd["id"], None),
                    "sample": [int(flat[o]) ^ int(flat[o + n - 1]) for o, n in cmd["dst"]]}
         print(json.dumps(out), flush=True)
     backend.close()
@@ -94,7 +103,7 @@ RECEIVER = textwrap.dedent("""
 ORDER = [("sender", "send", "send() called (forward enqueued)"), ("sender", "offered", "Offer written"),
          ("receiver", "claimed", "offer read, MAC checked, claimed"),
          ("receiver", "opened", "handles open, board mapped"), ("receiver", "prepared", "copy prepared"),
-         ("bench", "ready", "the forward done: KV ready"), ("receiver", "ready", "receiver woke (sender's event)"),
+         ("bench", "ready", "the forward done: KV ready (watchers)"), ("receiver", "ready", "receiver woke (sender's event)"),
          ("receiver", "launching", "stream set up (wait, start event)"), ("receiver", "enqueued", "copies enqueued"),
          ("receiver", "synced", "copy stream synced"), ("receiver", "done", "board checked: receiver DONE"),
          ("sender", "done", "Reply read: sender DONE")]
@@ -140,13 +149,13 @@ def device_copy_seconds(torch, nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
-LABEL = {"foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
+LABEL = {"foreach": ", host wait, _foreach_copy_", "copy_": ", host wait, one copy_ per piece"}
 
 
 def paths(variants: tuple[str, ...], default: str) -> list[tuple[str, str]]:
     """Contiguous, then scattered through each kernel variant (the default first), foreach and copy_."""
     kernels = (default,) + tuple(v for v in variants if v != default)
-    return [("contiguous", default)] + [("scattered", v) for v in kernels + ("foreach", "copy_")]
+    return [("contiguous", default), ("contiguous", "copy_")] + [("scattered", v) for v in kernels + ("foreach", "copy_")]
 
 
 def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, float, int]]:
@@ -264,7 +273,6 @@ def main() -> None:
     from xpyd.transfer.auth import new_secret
     from xpyd.transfer.base import BackendDescriptor, Region
     from xpyd.transfer.cuda_ipc import pieces
-    from xpyd.transfer.cuda_ipc_device import FEW_PIECES
     from xpyd.transfer.cuda_ipc_stamps import Stamps
 
     if not torch.cuda.is_available():
@@ -315,9 +323,10 @@ def main() -> None:
                 torch.cuda.synchronize()
                 if forward:
                     torch.cuda._sleep(forward)  # the forward that writes the KV ...
-                ready = torch.cuda.Event(blocking=True)  # (its waiter sleeps: the sender's threads keep the GIL)
+                ready = torch.cuda.Event(blocking=True, interprocess=True)  # (a waiter sleeps)
                 ready.record()
                 tok = sender.send(tid, [Region(*r) for r in src], peer, [Region(*r) for r in dst], secret=secret)
+                ask(op="watch", id=tid, h=bytes(ready.ipc_handle()).hex())  # (the receiver's process watches too)
                 ready.synchronize()  # ... has finished on the device: the KV is ready
                 t_ready = time.perf_counter_ns()
                 tok.wait(60)
@@ -333,18 +342,18 @@ def main() -> None:
                     raise SystemExit(f"transfer {tid}: the receiver saw {check['state']}, bytes "
                                      f"{'right' if check['sample'] == want else 'WRONG'}")
                 both = {"sender": sender.stamps.take(tid)[0], "receiver": check["stages"],
-                        "bench": {"ready": t_ready}}
+                        "bench": {"ready": min(t_ready, check["watched"] or t_ready)}}
                 if first_open is None:  # the connection's first offer opens the sender's handle
                     first_open = (both["receiver"]["opened"] - both["receiver"]["claimed"]) / 1e6
                 if rep:  # the first one (of each path) is not timed
                     # the KV is ready when the device passed the forward: the earlier of the two processes'
-                    # wake-ups says so (each wakes a few microseconds after, when its thread is free to)
-                    start = min(t_ready, both["receiver"]["ready"]) if forward else both["sender"]["send"]
+                    # wake-ups on an event behind it says so (each ~1 us late, when its thread is free to)
+                    start = both["bench"]["ready"] if forward else both["sender"]["send"]
                     times.append(((both["receiver"]["done"] - start) / 1e9, (both["sender"]["done"] - start) / 1e9))
                     device.append(check["device_s"])
                     stages.append({(side, stage): ns - start for side, row in both.items() for stage, ns in row.items()})
             n = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
-            how = f"{n} copies" if n <= FEW_PIECES or mode == "copy_" else f"{n} pieces, {how}"
+            how = f"{n} copies" if mode == "copy_" else f"{n} pieces, {how}"
             label = f"cuda_ipc, {placement}{LABEL.get(mode, '')} ({how})"
             if not forward:
                 label = f"cuda_ipc, {placement}, idle GPU: send() to DONE ({how})"

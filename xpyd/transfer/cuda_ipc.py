@@ -28,9 +28,7 @@ import itertools
 import logging
 import socket
 import threading
-import time
 from collections import deque
-from functools import partial
 from queue import SimpleQueue
 from typing import Sequence
 
@@ -46,7 +44,8 @@ from xpyd.transfer.base import (
     check_send_regions,
     check_transfer_id,
 )
-from xpyd.transfer.cuda_ipc_copier import Copier, PeerPool
+from xpyd.transfer.cuda_ipc_copier import PeerPool
+from xpyd.transfer.cuda_ipc_receive import COPY_BATCH, Receive  # noqa: F401  (COPY_BATCH re-exported)
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
 from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
@@ -63,10 +62,8 @@ log = logging.getLogger(__name__)
 
 HOST_OFFER = "cuda_ipc-host"  # descriptor offers: the host key ...
 GPU_OFFER = "cuda_ipc-gpu"  # ... and the GPU's UUID (a sender refuses a peer on another GPU before connecting)
-COPY_BATCH = 1 << 30  # bytes copied per lock hold and fence (abort latency vs. fences: ~0.5 ms on an H200)
 MAX_INBOUND = 256
 HELD_MARKS = 1024  # offered events whose reply never came, kept alive (a receiver may still wait on them)
-WAIT_POLL = 0.05  # seconds between the receiver's checks while a sender's forward runs (abort, hang-up)
 _boards = itertools.count()
 
 
@@ -110,7 +107,7 @@ class CudaIpcTransferBackend:
         self._board: Board | None = None
         self._descriptor: BackendDescriptor | None = None
         self.stamps: Stamps | None = None  # where each transfer's time goes (``Stamps``), when set
-        self.stuck_waits = 0  # waits on a sender's event given up while still waiting (a dead sender)
+        self._receive = Receive(self._ops, self, self._drop_mark)
 
     # -- public API -------------------------------------------------------
     def register(self, pool) -> BackendDescriptor:
@@ -193,8 +190,14 @@ class CudaIpcTransferBackend:
         """Inbound connections closed before they opened a transfer (``listener.Door``)."""
         return self._door.dropped
 
+    @property
+    def stuck_waits(self) -> int:
+        """Waits on a sender's event given up before it passed (its process died, or a forward too long)."""
+        return self._receive.stuck_waits
+
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress copy batch; none follows)
+        self._receive.abort(transfer_id)  # (armed copies called off: none lands after)
         if self._board is not None:  # after its token failed: a receiver that has not confirmed yet fails
             self._board.revoke(transfer_id)
         self._drop_mark(transfer_id)
@@ -213,6 +216,7 @@ class CudaIpcTransferBackend:
         self._endpoint.forget_peer(address)
 
     def close(self) -> None:
+        self._receive.close()
         if self._endpoint.close(join_timeout=self.connect_timeout + 5):
             with self._marks_lock:
                 self._marks.clear()
@@ -253,7 +257,7 @@ class CudaIpcTransferBackend:
                 return
             peer = PeerPool(hello)  # opened at the first offer whose MAC checks out
             serve_offers(conn, self._endpoint, self.name, hello.export.nbytes, self._nbytes,
-                         lambda rec, offer: self._copy(rec, peer, offer, conn),
+                         lambda rec, offer: self._receive.copy(rec, peer, offer, conn),
                          _confirmed, log, addr)
         except (Closing, Unproven):
             return
@@ -265,96 +269,6 @@ class CudaIpcTransferBackend:
             if peer is not None and peer.copier is not None:
                 peer.copier.close(join_timeout=1.0)  # (before the process may exit with it mid-CUDA-call)
             conn.close()
-
-    def _copy(self, rec: Transfer, peer: "PeerPool", offer: Offer, conn: Conn) -> str | None:
-        """Prepare the copy of the offer's src into the claimed transfer's dst, wait for the sender's forward,
-        copy batch by batch; None or why it failed."""
-        tid, stamps = offer.transfer_id, self.stamps
-        if stamps is not None:
-            stamps(tid, "claimed")
-        after = self._drop_mark(tid)
-        if offer.board is None or offer.event is None:
-            error = f"offer of {tid!r} has no abort board entry or event handle (an older cuda_ipc sender?)"
-            rec.token._fail(error)
-            return error
-        try:
-            src = peer.open(self._ops)
-            ready = self._ops.open_mark(offer.event)
-            if stamps is not None:
-                stamps(tid, "opened")
-            prepared = [self._ops.prepare(src, batch) for batch in batches(offer.src, rec.regions, COPY_BATCH)]
-        except (DeviceError, shm_segment.SegmentError) as e:
-            rec.token._fail(str(e))
-            return str(e)
-        if stamps is not None:
-            stamps(tid, "prepared")
-        rec.token._advance(TransferState.TRANSFERRING)
-        work = partial(self._copy_now, rec, peer, offer, prepared, after, ready)
-        if self._ops.passed(ready):
-            return work()
-        if peer.copier is None:
-            peer.copier = Copier(f"xpyd-cuda_ipc-copy-{tid}")
-        deadline = time.monotonic() + self.io_timeout
-        done, outcome = peer.copier.run(work, partial(self._give_up, rec, conn, deadline), WAIT_POLL)
-        if done:
-            return outcome
-        with rec.lock:  # (a batch under way ends first; none starts after)
-            rec.token._fail(outcome)
-        self.stuck_waits += 1  # (its copier may sleep in the driver for good: the next transfer gets a new one)
-        peer.copier.close()
-        peer.copier = None
-        log.warning("cuda_ipc: gave up waiting on the sender's event: %s", outcome)
-        return outcome
-
-    def _give_up(self, rec: Transfer, conn: Conn, deadline: float) -> str | None:
-        tid = rec.token.transfer_id
-        if rec.token.finished():
-            return f"transfer {tid!r} aborted by the receiver"
-        if conn.stale():
-            return f"the sender hung up while the forward of {tid!r} ran"
-        if time.monotonic() > deadline:
-            return f"the sender's forward for {tid!r} did not finish within {self.io_timeout:g} s"
-        return None
-
-    def _copy_now(self, rec: Transfer, peer: "PeerPool", offer: Offer, prepared: list, after, ready) -> str | None:
-        """Wait until the device passed the sender's event, check its board entry, copy batch by batch, check
-        the board again and mark the token DONE (the moment the copy is fenced); None or why it failed."""
-        tid, stamps = offer.transfer_id, self.stamps
-        self._ops.wait(ready)
-        if stamps is not None:
-            stamps(tid, "ready")
-        if not peer.board.valid(*offer.board):  # (the sender aborted meanwhile: no copy at all)
-            rec.token._fail(f"transfer {tid!r} aborted by the sender")
-            return f"transfer {tid!r} aborted by the sender"
-        for batch in prepared:
-            with rec.lock:
-                if rec.token.finished():
-                    return f"transfer {tid!r} aborted by the receiver"
-                try:
-                    times = self._ops.copy(batch, after, stamps is not None)
-                except DeviceError as e:
-                    rec.token._fail(str(e))
-                    return str(e)
-            if times is not None:
-                for step, ns in times.steps:
-                    stamps(tid, f"copy:{step}", ns)
-                stamps(tid, "launching", times.launching_ns)
-                stamps(tid, "enqueued", times.enqueued_ns)
-                stamps(tid, "synced")
-                stamps.add_device(tid, times.device_s)
-            after = None
-        # the board read under the transfer's lock, after the last batch released it, so it follows the fenced
-        # copy (``shm_board``): the ticket still there means the source was valid for the whole copy
-        with rec.lock:
-            valid = peer.board.valid(*offer.board)
-        if not valid:
-            rec.token._fail(f"transfer {tid!r} aborted by the sender")
-            return f"transfer {tid!r} aborted by the sender"
-        if not rec.token._advance(TransferState.DONE):
-            return f"transfer {tid!r} aborted by the receiver"
-        if stamps is not None:
-            stamps(tid, "done")
-        return None
 
     # -- sender -----------------------------------------------------------
     def _start_sender(self, address: str, queue: SimpleQueue) -> None:

@@ -23,19 +23,17 @@
 
 Host time on the copy's critical path is kept to what a launch needs: each copying thread makes the pool's
 device current once (not a device guard per copy), reuses its pair of timing events, and the kernel's
-``Runs`` reuses its pinned table buffer and the pools' word views.
+``Runs`` reuses the pools' word views.
 
 Two implementations: ``CudaOps`` (torch's CUDA IPC: ``untyped_storage()._share_cuda_()`` on the sender,
 ``UntypedStorage._new_shared_cuda`` on the receiver, as ``torch.multiprocessing.reductions`` does; copies
-on a stream of their own) and ``HostOps``, host memory standing in for the device so that the protocol
-is tested for real on a CPU (a shared ``HostRegistry`` plays the driver's table of exported handles).
-torch is imported only by ``CudaOps``.
+on a stream of their own) and ``cuda_ipc_hostops.HostOps``, host memory standing in for the device so that
+the protocol is tested for real on a CPU. torch is imported only by ``CudaOps``.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -113,8 +111,13 @@ class DeviceOps(Protocol):
     def open_mark(self, handle: bytes) -> object: ...
     def passed(self, mark: object) -> bool: ...
     def wait(self, mark: object) -> None: ...
-    def prepare(self, peer: object, pieces: Sequence[Piece]) -> object: ...
+    def prepare(self, peer: object, pieces: Sequence[Piece], armable: bool = False) -> object: ...
     def copy(self, prepared: object, after: object | None, timed: bool = False) -> CopyTimes | None: ...
+    can_arm: bool
+    def new_stream(self) -> object: ...
+    def arm(self, prepared: list, after: object | None, ready: object, stream: object, timed: bool = False) -> object: ...
+    def land(self, armed: object) -> CopyTimes | None: ...
+    def disarm(self, armed: object) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -238,9 +241,22 @@ class CudaOps:
             local.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         return local.events
 
-    def prepare(self, peer, pieces: Sequence[Piece]):
+    @property
+    def can_arm(self) -> bool:
+        """Can a copy be enqueued behind the sender's event before it passed (``arm``)? With the copy kernel
+        (its programs read a cancel flag first); not with ``copy_`` or ``_foreach_copy_``."""
+        return isinstance(self._runs, cuda_ipc_kernel.Runs)
+
+    def new_stream(self):
+        return self._torch.cuda.Stream(device=self._device)
+
+    def prepare(self, peer, pieces: Sequence[Piece], armable: bool = False, stream=None):
+        """``armable``: for ``arm`` (the kernel, however few the pieces; its table uploaded on ``stream``)."""
         try:
             self._thread()
+            if armable:
+                with self._torch.cuda.stream(stream):
+                    return self._runs.prepare(self._bytes, peer, pieces)
             if len(pieces) <= FEW_PIECES:  # (the views made now: the launch is the copy_ calls alone)
                 rows = pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces)
                 return _Few(peer, [(self._bytes[d: d + n], peer[s: s + n]) for s, d, n in rows])
@@ -283,8 +299,79 @@ class CudaOps:
             return None
         return CopyTimes(launching, enqueued, start.elapsed_time(end) / 1e3, tuple(steps))
 
+    def arm(self, prepared: list, after, ready, stream, timed: bool = False) -> "_Armed":
+        """Enqueue the prepared copies (``prepare(armable=True)``) on ``stream`` behind ``after`` and the
+        sender's event ``ready``, now, before it passed: the device starts them the moment the forward ends,
+        with no host step between. Each program reads a cancel flag first (``disarm``). ``stream`` waits
+        for good if ``ready`` never passes (its process died): give each connection its own."""
+        torch = self._torch
+        try:
+            self._thread()
+            with torch.cuda.stream(stream):
+                cancel = torch.zeros(1, dtype=torch.int32, device=self._device)  # (zeroed on this stream, first)
+                zeroed = torch.cuda.Event()
+                zeroed.record(stream)
+                if after is not None:
+                    stream.wait_event(after)
+                stream.wait_event(ready)
+                go = torch.cuda.Event()
+                go.record(stream)
+                start = torch.cuda.Event(enable_timing=True) if timed else None
+                if timed:
+                    start.record(stream)
+                launching = time.perf_counter_ns()
+                for launch in prepared:
+                    launch(cancel)
+                enqueued = time.perf_counter_ns()
+                end = torch.cuda.Event(enable_timing=timed, blocking=True)  # (its waiter sleeps)
+                end.record(stream)
+        except Exception as e:
+            raise DeviceError(f"device copy failed: {e}") from None
+        return _Armed(cancel, zeroed, go, start, end, launching, enqueued, prepared)
+
+    def land(self, armed: "_Armed") -> CopyTimes | None:
+        """Wait until the armed copies have run (unbounded: their stream waits on the sender's event)."""
+        try:
+            armed.end.synchronize()
+        except Exception as e:
+            raise DeviceError(f"device copy failed: {e}") from None
+        if armed.start is None:
+            return None
+        return CopyTimes(armed.launching_ns, armed.enqueued_ns, armed.start.elapsed_time(armed.end) / 1e3)
+
+    def disarm(self, armed: "_Armed") -> bool:
+        """Call the armed copies off; once this returns no byte of them lands: their cancel flag is set (on a
+        stream of its own, after it was zeroed), then either they had not started (each program will read
+        the flag) or they are waited for (a copy's time, ~0.3 ms for 512 MiB). True if they had started."""
+        torch = self._torch
+        side = self._side_stream()
+        with torch.cuda.stream(side):
+            side.wait_event(armed.zeroed)
+            armed.cancel.fill_(1)
+        side.synchronize()
+        if not armed.go.query():
+            return False
+        armed.end.synchronize()
+        return True
+
+    def _side_stream(self):
+        local = self._local
+        if getattr(local, "side", None) is None:
+            local.side = self._torch.cuda.Stream(device=self._device)
+        return local.side
+
     def close(self) -> None:
         self._pool = self._bytes = None
+
+
+class _Armed:
+    """Copies enqueued behind the sender's event (``CudaOps.arm``)."""
+
+    __slots__ = ("cancel", "zeroed", "go", "start", "end", "launching_ns", "enqueued_ns", "prepared")
+
+    def __init__(self, cancel, zeroed, go, start, end, launching_ns: int, enqueued_ns: int, prepared) -> None:
+        self.cancel, self.zeroed, self.go, self.start, self.end = cancel, zeroed, go, start, end
+        self.launching_ns, self.enqueued_ns, self.prepared = launching_ns, enqueued_ns, prepared
 
 
 class _Few:
@@ -300,124 +387,3 @@ class _Foreach(_Few):
     """A prepared copy through ``torch._foreach_copy_`` (no Triton; ``pieces``: the piece table)."""
 
     __slots__ = ()
-
-
-class HostRegistry:
-    """The stand-in for the driver: what ``HostOps`` exported, by handle (share one between both sides)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pools: dict[bytes, np.ndarray] = {}
-        self._marks: dict[bytes, threading.Event] = {}
-        self.opened = 0  # handles opened so far (tests check that strangers open nothing)
-
-    def add(self, array: np.ndarray) -> bytes:
-        handle = secrets.token_bytes(16)
-        with self._lock:
-            self._pools[handle] = array
-        return handle
-
-    def get(self, handle: bytes) -> np.ndarray:
-        with self._lock:
-            array = self._pools.get(handle)
-            if array is None:
-                raise DeviceError("cannot open the sender's handle: no such exported memory")
-            self.opened += 1
-            return array
-
-    def add_mark(self, gate: threading.Event) -> bytes:
-        handle = secrets.token_bytes(64)
-        with self._lock:
-            self._marks[handle] = gate
-        return handle
-
-    def get_mark(self, handle: bytes) -> threading.Event:
-        with self._lock:
-            gate = self._marks.pop(handle, None)  # (each shared mark is opened once)
-        if gate is None:
-            raise DeviceError("cannot open the sender's event handle: no such event")
-        return gate
-
-    def drop(self, array: np.ndarray) -> None:
-        with self._lock:
-            self._pools = {h: a for h, a in self._pools.items() if a is not array}
-
-
-class HostOps:
-    """``DeviceOps`` over host memory (a writable buffer), for the protocol's tests on a CPU.
-
-    ``gate``: what ``mark()`` and ``shared_mark()`` return and ``wait()`` waits on; set (the forward has
-    finished) unless a test clears it (a receiver waits on the gate of the sender's ``HostOps``, opened
-    through the registry). ``waiting`` is set once a ``wait()`` started. ``copies`` counts the device
-    copies made, ``prepared`` the copies prepared."""
-
-    kind = "host"
-
-    def __init__(self, registry: HostRegistry, device_uuid: str = "GPU-host-stand-in") -> None:
-        self.registry = registry
-        self.device_uuid = device_uuid
-        self.gate = threading.Event()
-        self.gate.set()
-        self.waiting = threading.Event()
-        self.copies = 0
-        self.prepared = 0
-        self._array: np.ndarray | None = None
-        self._export: Export | None = None
-
-    def attach(self, pool) -> int:
-        if not isinstance(pool, (memoryview, bytearray, np.ndarray)):
-            raise ValueError(f"cuda_ipc needs the KV pool on a CUDA device (--device cuda), got {type(pool).__name__}")
-        self._array = np.frombuffer(pool, dtype=np.uint8) if not isinstance(pool, np.ndarray) else pool.view(np.uint8)
-        if not self._array.size:
-            raise ValueError("cuda_ipc needs a non-empty pool")
-        return self._array.size
-
-    def uuid(self) -> str:
-        return self.device_uuid
-
-    def export(self) -> Export:
-        if self._export is None:
-            n = self._array.size
-            self._export = Export(0, self.registry.add(self._array), n, 0, b"", 0, b"", False, 0, n)
-        return self._export
-
-    def open(self, export: Export) -> np.ndarray:
-        array = self.registry.get(export.handle)
-        if export.base + export.nbytes > array.size:
-            raise DeviceError("cannot open the sender's handle: the pool it names is larger than its memory")
-        return array[export.base: export.base + export.nbytes]
-
-    def mark(self) -> threading.Event:
-        return self.gate
-
-    def shared_mark(self) -> tuple[threading.Event, bytes]:
-        return self.gate, self.registry.add_mark(self.gate)
-
-    def open_mark(self, handle: bytes) -> threading.Event:
-        return self.registry.get_mark(handle)
-
-    def passed(self, mark: threading.Event) -> bool:
-        return mark.is_set()
-
-    def wait(self, mark: threading.Event) -> None:
-        self.waiting.set()
-        mark.wait()
-
-    def prepare(self, peer: np.ndarray, pieces: Sequence[Piece]):
-        self.prepared += 1
-        return peer, (pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces))
-
-    def copy(self, prepared, after, timed: bool = False) -> CopyTimes | None:
-        peer, pieces = prepared
-        if after is not None:
-            after.wait()
-        start = time.perf_counter_ns()
-        for s, d, n in pieces:
-            self._array[d: d + n] = peer[s: s + n]
-            self.copies += 1
-        end = time.perf_counter_ns()
-        return CopyTimes(start, end, (end - start) / 1e9) if timed else None
-
-    def close(self) -> None:
-        if self._array is not None:
-            self.registry.drop(self._array)
