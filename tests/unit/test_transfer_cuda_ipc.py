@@ -533,9 +533,11 @@ def test_an_armed_launch_copies_nothing_once_its_cancel_flag_is_up(monkeypatch, 
     pieces = RUNS[1]
     want = _runs_reference(dst, src, pieces)
     launch = cuda_ipc_kernel.Runs(variant, **GEOMETRY[variant]).prepare(dst, src, pieces)
-    launch(torch.ones(1, dtype=torch.int32))  # called off: every program returns at once
+    flag = torch.ones(1, dtype=torch.int32)  # (on a GPU: pinned host memory; here the interpreter's host)
+    launch(flag.data_ptr())  # called off: every program returns at once
     assert (dst == 0xAA).all()
-    launch(torch.zeros(1, dtype=torch.int32))
+    flag[0] = 0
+    launch(flag.data_ptr())
     assert torch.equal(dst, want)
 
 

@@ -180,12 +180,13 @@ class Launch:
         self.n, self.w, self.vec = table.shape[1], w, vec
         self.across = -(-int(table[2].max()) // runs.tile) if self.n else 0
 
-    def __call__(self, cancel=None) -> int:
-        """Launch on the current stream, without waiting; the number of programs launched. ``cancel``: an int32
-        device tensor each program reads first: not 0, and it copies nothing (``CudaOps.arm``)."""
+    def __call__(self, cancel: int | None = None) -> int:
+        """Launch on the current stream, without waiting; the number of programs launched. ``cancel``: the
+        address of an int32 the device can read (pinned host memory) each program reads first: not 0, and it
+        copies nothing (``CudaOps.arm``)."""
         r, s, d, rows, n, w, vec = self.runs, self.src, self.dst, self.rows, self.n, self.w, self.vec
         interpret = _interpreting() or d.device.type == "cpu"
-        flag, armed = (rows, False) if cancel is None else (cancel, True)  # (an unused pointer when not armed)
+        flag, armed = (0, False) if cancel is None else (cancel, True)
         if r.variant == "loop":
             _kernel("chunks", interpret)[(n,)](s, d, rows, flag, CHUNK=r.chunk // w, BLOCK=r.block // w, VEC=vec,
                                                CANCEL=armed, num_warps=NUM_WARPS)
@@ -313,8 +314,9 @@ def _kernel(name: str, interpret: bool):
 
     def copy_tiles(src, dst, table, cancel, TILE: tl.constexpr, VEC: tl.constexpr, FLAT: tl.constexpr,
                    CANCEL: tl.constexpr):
-        if CANCEL:  # (an armed copy: a program that starts after the receiver called it off copies nothing)
-            if tl.load(cancel, volatile=True) != 0:
+        if CANCEL:  # (an armed copy: a program that starts after the receiver called it off copies nothing;
+            # ``cancel`` is the address of an int32 in pinned host memory, read over the bus, never cached)
+            if tl.load(cancel.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
                 return
         if FLAT:  # one tile per row, rows along the grid's x
             row, start = tl.program_id(0), 0
@@ -337,7 +339,7 @@ def _kernel(name: str, interpret: bool):
     def copy_chunks(src, dst, table, cancel, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                     CANCEL: tl.constexpr):
         if CANCEL:
-            if tl.load(cancel, volatile=True) != 0:
+            if tl.load(cancel.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
                 return
         row = tl.program_id(0).to(tl.int64) * 3
         s = tl.multiple_of(tl.load(table + row), VEC)
@@ -351,4 +353,4 @@ def _kernel(name: str, interpret: bool):
 
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = interpret
-        return triton.jit({"tiles": copy_tiles, "chunks": copy_chunks}[name])
+        return triton.jit({"tiles": copy_tiles, "chunks": copy_chunks}[name], do_not_specialize=["cancel"])
