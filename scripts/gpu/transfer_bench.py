@@ -74,7 +74,7 @@ RECEIVER = textwrap.dedent("""
         if cmd["op"] == "mode":  # how the receiver copies many pieces
             mode = cmd["mode"]
             cuda_ipc_device.FEW_PIECES = 1 << 40 if mode == "copy_" else 2
-            if mode in ("foreach", "copy_") or (mode in cuda_ipc_kernel.VARIANTS and not kernel):  # (host wait)
+            if mode == "foreach" or (mode in cuda_ipc_kernel.VARIANTS and not kernel):
                 backend._ops._runs = cuda_ipc_kernel.copy_runs_foreach
             elif mode in cuda_ipc_kernel.VARIANTS:
                 backend._ops._runs = cuda_ipc_kernel.Runs(mode)
@@ -149,13 +149,13 @@ def device_copy_seconds(torch, nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
-LABEL = {"foreach": ", host wait, _foreach_copy_", "copy_": ", host wait, one copy_ per piece"}
+LABEL = {"foreach": ", _foreach_copy_", "copy_": ", one copy_ per piece"}
 
 
 def paths(variants: tuple[str, ...], default: str) -> list[tuple[str, str]]:
     """Contiguous, then scattered through each kernel variant (the default first), foreach and copy_."""
     kernels = (default,) + tuple(v for v in variants if v != default)
-    return [("contiguous", default), ("contiguous", "copy_")] + [("scattered", v) for v in kernels + ("foreach", "copy_")]
+    return [("contiguous", default)] + [("scattered", v) for v in kernels + ("foreach", "copy_")]
 
 
 def kernel_alone(torch, nbytes: int, placements, reps: int) -> list[tuple[str, float, int]]:
@@ -273,6 +273,7 @@ def main() -> None:
     from xpyd.transfer.auth import new_secret
     from xpyd.transfer.base import BackendDescriptor, Region
     from xpyd.transfer.cuda_ipc import pieces
+    from xpyd.transfer.cuda_ipc_device import FEW_PIECES
     from xpyd.transfer.cuda_ipc_stamps import Stamps
 
     if not torch.cuda.is_available():
@@ -353,7 +354,7 @@ def main() -> None:
                     device.append(check["device_s"])
                     stages.append({(side, stage): ns - start for side, row in both.items() for stage, ns in row.items()})
             n = len(list(pieces([Region(*r) for r in src], [Region(*r) for r in dst])))
-            how = f"{n} copies" if mode == "copy_" else f"{n} pieces, {how}"
+            how = f"{n} copies" if n <= FEW_PIECES or mode == "copy_" else f"{n} pieces, {how}"
             label = f"cuda_ipc, {placement}{LABEL.get(mode, '')} ({how})"
             if not forward:
                 label = f"cuda_ipc, {placement}, idle GPU: send() to DONE ({how})"

@@ -20,7 +20,7 @@ from xpyd.transfer.base import BackendDescriptor, Region, TransferState
 from xpyd.transfer.cuda_ipc import GPU_OFFER, HOST_OFFER, CudaIpcTransferBackend, batches, pieces
 from xpyd.transfer.cuda_ipc_device import MAX_HANDLE, Export
 from xpyd.transfer.cuda_ipc_hostops import HostOps, HostRegistry
-from xpyd.transfer.cuda_ipc_stamps import HOST_WAIT_STAGES, RECEIVER_STAGES, SENDER_STAGES, Stamps
+from xpyd.transfer.cuda_ipc_stamps import RECEIVER_STAGES, SENDER_STAGES, Stamps
 from xpyd.transfer.cuda_ipc_wire import Hello
 from xpyd.transfer.selection import make_worker_backend
 from xpyd.transfer.tcp_wire import ProtocolError
@@ -38,18 +38,10 @@ class Side:
         self.desc = self.backend.register(self.pool)
 
 
-@pytest.fixture(params=["armed", "host-wait"])
-def mode(request) -> str:
-    """How the receiver copies: armed (enqueued behind the sender's event, as with the copy kernel) or
-    waiting for the event on the host first (as with ``copy_`` / ``_foreach_copy_``)."""
-    return request.param
-
-
 @pytest.fixture
-def pair(mode):
+def pair():
     registry = HostRegistry()
-    sender = Side(registry, 0)
-    receiver = Side(registry, 0xAA, ops=HostOps(registry, "GPU-0", can_arm=mode == "armed"))
+    sender, receiver = Side(registry, 0), Side(registry, 0xAA)
     sender.pool[:] = np.arange(SIZE, dtype=np.uint64).astype(np.uint8) ^ 0x5C
     yield sender, receiver
     sender.backend.close()
@@ -141,7 +133,7 @@ def test_the_offer_goes_out_at_once_and_the_receiver_copies_after_the_forward(pa
     assert np.array_equal(receiver.pool[:4096], sender.pool[:4096])
 
 
-def test_a_sender_abort_before_its_forward_finished_fails_both_and_the_copy_is_void(pair, mode):
+def test_a_sender_abort_before_its_forward_finished_fails_both_and_nothing_lands(pair):
     sender, receiver = pair
     sender.ops.gate.clear()
     secret = new_secret()
@@ -153,10 +145,7 @@ def test_a_sender_abort_before_its_forward_finished_fails_both_and_the_copy_is_v
     assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED
     assert rtok.error == "transfer 't1' aborted by the sender"
     assert stok.state() is TransferState.FAILED and stok.error == "aborted"
-    if mode == "host-wait":  # (the board is read before copying too: no copy at all)
-        assert receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()
-    else:  # (armed before the abort: the device copies when the forward ends; the board read after voids it)
-        assert receiver.ops.copies == 1
+    assert receiver.ops.copies == 0 and (receiver.pool == 0xAA).all()  # (the board is read before copying too)
     # the connection goes on to the next transfer
     tok2 = receiver.backend.expect("t2", [Region(4096, 4096)], secret=secret)
     assert sender.backend.send("t2", [Region(0, 4096)], receiver.desc, [Region(4096, 4096)],
@@ -242,14 +231,9 @@ def test_the_board_lives_in_a_segment_of_its_own_until_close(pair):
 class BlockingOps(HostOps):
     """Holds the first copy until the test releases it (``entered`` once it is inside)."""
 
-    def __init__(self, registry: HostRegistry, uuid: str = "GPU-0", can_arm: bool = True) -> None:
-        super().__init__(registry, uuid, can_arm)
-        self.entered, self.release, self.disarming = threading.Event(), threading.Event(), threading.Event()
-
-    def disarm(self, armed):
-        armed.cancel.set()  # (as the device sees the flag: before the wait for the copy under way)
-        self.disarming.set()
-        return super().disarm(armed)
+    def __init__(self, registry: HostRegistry, uuid: str = "GPU-0") -> None:
+        super().__init__(registry, uuid)
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def copy(self, prepared, after, timed=False):
         self.entered.set()
@@ -257,9 +241,9 @@ class BlockingOps(HostOps):
         return super().copy(prepared, after, timed)
 
 
-def test_a_sender_abort_while_the_receiver_copies_fails_both(pair, mode):
+def test_a_sender_abort_while_the_receiver_copies_fails_both(pair):
     sender, _ = pair
-    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry, can_arm=mode == "armed"))
+    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry))
     try:
         secret = new_secret()
         rtok = receiver.backend.expect("t1", [Region(0, 4096)], secret=secret)
@@ -275,10 +259,10 @@ def test_a_sender_abort_while_the_receiver_copies_fails_both(pair, mode):
         receiver.backend.close()
 
 
-def test_a_receiver_abort_while_copying_stops_before_the_next_batch(pair, mode, monkeypatch):
+def test_a_receiver_abort_while_copying_stops_before_the_next_batch(pair, monkeypatch):
     monkeypatch.setattr(cuda_ipc_receive, "COPY_BATCH", 4096)
     sender, _ = pair
-    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry, can_arm=mode == "armed"))
+    receiver = Side(sender.ops.registry, 0xAA, ops=BlockingOps(sender.ops.registry))
     try:
         secret = new_secret()
         dst = [Region(0, 4096), Region(8192, 4096)]  # two batches
@@ -288,8 +272,6 @@ def test_a_receiver_abort_while_copying_stops_before_the_next_batch(pair, mode, 
         aborter = threading.Thread(target=receiver.backend.abort, args=("t1",))
         aborter.start()  # (it waits out the batch in progress)
         assert rtok.wait(TIMEOUT) and rtok.state() is TransferState.FAILED  # failed before the batch ends
-        if mode == "armed":  # (the abort calls the armed copies off, then waits for the one under way)
-            assert receiver.ops.disarming.wait(TIMEOUT)
         receiver.ops.release.set()
         aborter.join(TIMEOUT)
         assert not aborter.is_alive()
@@ -418,7 +400,7 @@ def test_the_worker_hands_cuda_ipc_its_pool_tensor_unstaged():
     backend.close()
 
 
-def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair, mode):
+def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair):
     sender, receiver = pair
     assert sender.backend.stamps is None  # off by default
     sender.backend.stamps, receiver.backend.stamps = Stamps(), Stamps()
@@ -429,12 +411,12 @@ def test_stamps_note_every_stage_of_both_sides_in_order_and_the_device_time(pair
     sent, sent_device = sender.backend.stamps.take("t1")
     got, device = receiver.backend.stamps.take("t1")
     assert list(sent) == list(SENDER_STAGES) and sent_device is None
-    stages = RECEIVER_STAGES if mode == "armed" else HOST_WAIT_STAGES
-    assert list(got) == list(stages) and device is not None and device >= 0
+    assert list(got) == list(RECEIVER_STAGES) and device is not None and device >= 0
     # one clock for both sides (perf_counter_ns: CLOCK_MONOTONIC): each stage after what caused it. (A
     # write's stamp follows the write, so the peer may read it first: "offered" is ordered on the sender's
     # own thread only.)
-    times = [sent["send"]] + [got[stage] for stage in stages] + [sent["done"]]
+    times = [sent["send"], got["claimed"], got["opened"], got["prepared"], got["ready"], got["launching"],
+             got["enqueued"], got["synced"], got["done"], sent["done"]]
     assert times == sorted(times)
     assert sent["send"] <= sent["offered"] <= sent["done"]
     assert receiver.backend.stamps.take("t1") == ({}, None)  # taken: forgotten
@@ -519,25 +501,6 @@ def test_one_launch_copies_every_run_exactly(pieces, variant, monkeypatch):
     dst[:] = 0xAA
     want = _runs_reference(dst, src, other)
     runs(dst, src, other)
-    assert torch.equal(dst, want)
-
-
-@pytest.mark.parametrize("variant", cuda_ipc_kernel.VARIANTS)
-def test_an_armed_launch_copies_nothing_once_its_cancel_flag_is_up(monkeypatch, variant):
-    pytest.importorskip("triton", reason="the copy kernel needs Triton")
-    import torch
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    src = (torch.arange(4096) * 7 % 251).to(torch.uint8)
-    dst = torch.full((4096,), 0xAA, dtype=torch.uint8)
-    pieces = RUNS[1]
-    want = _runs_reference(dst, src, pieces)
-    launch = cuda_ipc_kernel.Runs(variant, **GEOMETRY[variant]).prepare(dst, src, pieces)
-    flag = torch.ones(1, dtype=torch.int32)  # (on a GPU: pinned host memory; here the interpreter's host)
-    launch(flag.data_ptr())  # called off: every program returns at once
-    assert (dst == 0xAA).all()
-    flag[0] = 0
-    launch(flag.data_ptr())
     assert torch.equal(dst, want)
 
 

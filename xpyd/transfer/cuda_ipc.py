@@ -45,9 +45,9 @@ from xpyd.transfer.base import (
     check_transfer_id,
 )
 from xpyd.transfer.cuda_ipc_copier import PeerPool
-from xpyd.transfer.cuda_ipc_receive import COPY_BATCH, Receive  # noqa: F401  (COPY_BATCH re-exported)
 from xpyd.transfer.cuda_ipc_device import CudaOps, DeviceError, DeviceOps
 from xpyd.transfer.cuda_ipc_kernel import FEW_RUNS, batches, piece_table, pieces  # noqa: F401  (re-exported)
+from xpyd.transfer.cuda_ipc_receive import COPY_BATCH, Receive  # noqa: F401  (COPY_BATCH re-exported)
 from xpyd.transfer.cuda_ipc_stamps import Stamps
 from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
@@ -197,7 +197,6 @@ class CudaIpcTransferBackend:
 
     def abort(self, transfer_id: str) -> None:
         self._endpoint.abort(transfer_id)  # (waits out an in-progress copy batch; none follows)
-        self._receive.abort(transfer_id)  # (armed copies called off: none lands after)
         if self._board is not None:  # after its token failed: a receiver that has not confirmed yet fails
             self._board.revoke(transfer_id)
         self._drop_mark(transfer_id)
@@ -216,7 +215,6 @@ class CudaIpcTransferBackend:
         self._endpoint.forget_peer(address)
 
     def close(self) -> None:
-        self._receive.close()
         if self._endpoint.close(join_timeout=self.connect_timeout + 5):
             with self._marks_lock:
                 self._marks.clear()

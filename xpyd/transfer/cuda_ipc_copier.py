@@ -71,14 +71,13 @@ class PeerPool:
     """The sender's pool and abort board as its Hello names them (opened when the first offer that checks out
     needs them), and the connection's copier (``cuda_ipc_copier``; made when a transfer first waits)."""
 
-    __slots__ = ("hello", "pool", "board", "copier", "stream")
+    __slots__ = ("hello", "pool", "board", "copier")
 
     def __init__(self, hello: Hello) -> None:
         self.hello = hello
         self.pool = None
         self.board: BoardView | None = None
         self.copier: Copier | None = None
-        self.stream = None  # the connection's own copy stream (armed copies wait on the sender's events there)
 
     def open(self, ops: DeviceOps):
         if self.pool is None:

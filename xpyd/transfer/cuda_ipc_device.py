@@ -50,7 +50,6 @@ MAX_MARK_HANDLE = 128  # bytes of a mark's handle (a cudaIpcEventHandle is 64)
 
 Piece = tuple[int, int, int]  # (src offset in the peer's pool, dst offset in ours, bytes)
 FEW_PIECES = 2  # up to this many pieces: one copy_ each; more: one launch for all
-CANCEL_FLAGS = 1 << 16  # armed copies at once per receiver (pinned int32 flags: 256 KiB)
 BLOCKING_MARKS = True  # shared marks' waiters sleep (False: they spin a core in the driver, the GIL released)
 
 
@@ -112,13 +111,8 @@ class DeviceOps(Protocol):
     def open_mark(self, handle: bytes) -> object: ...
     def passed(self, mark: object) -> bool: ...
     def wait(self, mark: object) -> None: ...
-    def prepare(self, peer: object, pieces: Sequence[Piece], armable: bool = False) -> object: ...
+    def prepare(self, peer: object, pieces: Sequence[Piece]) -> object: ...
     def copy(self, prepared: object, after: object | None, timed: bool = False) -> CopyTimes | None: ...
-    can_arm: bool
-    def new_stream(self) -> object: ...
-    def arm(self, prepared: list, after: object | None, ready: object, stream: object, timed: bool = False) -> object: ...
-    def land(self, armed: object) -> CopyTimes | None: ...
-    def disarm(self, armed: object) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -156,11 +150,6 @@ class CudaOps:
         self._bytes = pool.view(-1).view(torch.uint8)
         self._stream = torch.cuda.Stream(device=pool.device)
         self._runs = self._warm_runs(pool.device)
-        # armed copies' cancel flags: pinned host memory (the device reads it, unified addressing), so that
-        # calling a copy off is a host store, whatever the device is busy with (another process's kernels)
-        self._flags = torch.zeros(CANCEL_FLAGS, dtype=torch.int32).pin_memory()
-        self._flag_view = self._flags.numpy()
-        self._free_flags = list(range(CANCEL_FLAGS - 1, -1, -1))
         return self._bytes.numel()
 
     def _warm_runs(self, device):
@@ -173,10 +162,7 @@ class CudaOps:
                 with self._torch.cuda.device(device):
                     scratch = self._torch.zeros(1 << 20, dtype=self._torch.uint8, device=device)
                     half = scratch.numel() // 2  # whole tiles and a partial one, 16-byte aligned
-                    pieces = [(0, 0, half // 2), (half // 2, half // 2 + 16, 4096 + 16)]
-                    runs(scratch[half:], scratch[:half], pieces)
-                    flag = self._torch.zeros(1, dtype=self._torch.int32).pin_memory()  # (and armed, ``arm``)
-                    runs.prepare(scratch[half:], scratch[:half], pieces)(flag.data_ptr())
+                    runs(scratch[half:], scratch[:half], [(0, 0, half // 2), (half // 2, half // 2 + 16, 4096 + 16)])
                     self._torch.cuda.synchronize(device)
                 return runs
             except Exception as e:  # (a Triton that cannot build for this device)
@@ -250,22 +236,9 @@ class CudaOps:
             local.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         return local.events
 
-    @property
-    def can_arm(self) -> bool:
-        """Can a copy be enqueued behind the sender's event before it passed (``arm``)? With the copy kernel
-        (its programs read a cancel flag first); not with ``copy_`` or ``_foreach_copy_``."""
-        return isinstance(self._runs, cuda_ipc_kernel.Runs)
-
-    def new_stream(self):
-        return self._torch.cuda.Stream(device=self._device)
-
-    def prepare(self, peer, pieces: Sequence[Piece], armable: bool = False, stream=None):
-        """``armable``: for ``arm`` (the kernel, however few the pieces; its table uploaded on ``stream``)."""
+    def prepare(self, peer, pieces: Sequence[Piece]):
         try:
             self._thread()
-            if armable:
-                with self._torch.cuda.stream(stream):
-                    return self._runs.prepare(self._bytes, peer, pieces)
             if len(pieces) <= FEW_PIECES:  # (the views made now: the launch is the copy_ calls alone)
                 rows = pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces)
                 return _Few(peer, [(self._bytes[d: d + n], peer[s: s + n]) for s, d, n in rows])
@@ -308,80 +281,8 @@ class CudaOps:
             return None
         return CopyTimes(launching, enqueued, start.elapsed_time(end) / 1e3, tuple(steps))
 
-    def arm(self, prepared: list, after, ready, stream, timed: bool = False) -> "_Armed":
-        """Enqueue the prepared copies (``prepare(armable=True)``) on ``stream`` behind ``after`` and the
-        sender's event ``ready``, now, before it passed: the device starts them the moment the forward ends,
-        with no host step between. Each program reads a cancel flag first (``disarm``). ``stream`` waits
-        for good if ``ready`` never passes (its process died): give each connection its own."""
-        torch = self._torch
-        with self._lock:
-            if not self._free_flags:
-                raise DeviceError(f"all {CANCEL_FLAGS} cancel flags are in use (armed copies in flight)")
-            slot = self._free_flags.pop()
-        self._flag_view[slot] = 0
-        cancel = self._flags.data_ptr() + 4 * slot
-        try:
-            self._thread()
-            with torch.cuda.stream(stream):
-                if after is not None:
-                    stream.wait_event(after)
-                stream.wait_event(ready)
-                go = torch.cuda.Event()
-                go.record(stream)
-                start = torch.cuda.Event(enable_timing=True) if timed else None
-                if timed:
-                    start.record(stream)
-                launching = time.perf_counter_ns()
-                for launch in prepared:
-                    launch(cancel)
-                enqueued = time.perf_counter_ns()
-                end = torch.cuda.Event(enable_timing=timed, blocking=True)  # (its waiter sleeps)
-                end.record(stream)
-        except Exception as e:
-            with self._lock:
-                self._free_flags.append(slot)  # (nothing enqueued reads it: a launch that failed launched nothing)
-            raise DeviceError(f"device copy failed: {e}") from None
-        return _Armed(slot, go, start, end, launching, enqueued, prepared)
-
-    def land(self, armed: "_Armed") -> CopyTimes | None:
-        """Wait until the armed copies have run (unbounded: their stream waits on the sender's event)."""
-        try:
-            armed.end.synchronize()
-        except Exception as e:
-            raise DeviceError(f"device copy failed: {e}") from None
-        with self._lock:  # (the copies ran: nothing reads the flag any more)
-            if armed.slot is not None:
-                self._free_flags.append(armed.slot)
-                armed.slot = None
-        if armed.start is None:
-            return None
-        return CopyTimes(armed.launching_ns, armed.enqueued_ns, armed.start.elapsed_time(armed.end) / 1e3)
-
-    def disarm(self, armed: "_Armed") -> bool:
-        """Call the armed copies off; once this returns no byte of them lands: their cancel flag is set (a host
-        store the device reads over the bus), then either they had not started (each program will read the
-        flag) or they are waited for (a copy's time, ~0.3 ms for 512 MiB). True if they had started."""
-        with self._lock:
-            if armed.slot is None:  # (they ran already)
-                return True
-            self._flag_view[armed.slot] = 1
-        if not armed.go.query():  # (a driver call: the store above is out of the CPU's buffers by now)
-            return False
-        armed.end.synchronize()
-        return True
-
     def close(self) -> None:
         self._pool = self._bytes = None
-
-
-class _Armed:
-    """Copies enqueued behind the sender's event (``CudaOps.arm``); ``slot``: their cancel flag's, until they ran."""
-
-    __slots__ = ("slot", "go", "start", "end", "launching_ns", "enqueued_ns", "prepared")
-
-    def __init__(self, slot: int, go, start, end, launching_ns: int, enqueued_ns: int, prepared) -> None:
-        self.slot, self.go, self.start, self.end = slot, go, start, end
-        self.launching_ns, self.enqueued_ns, self.prepared = launching_ns, enqueued_ns, prepared
 
 
 class _Few:

@@ -1,8 +1,8 @@
 """``HostOps``: the cuda_ipc device operations over host memory, the one fake of ``cuda_ipc_device.DeviceOps``.
 
 Host memory stands in for the device so that the cuda_ipc protocol is tested for real on a CPU (real sockets,
-threads, board and copies): a shared ``HostRegistry`` plays the driver's table of exported handles, a
-``threading.Event`` a CUDA event (set: the device passed it), and a thread the device's part of an armed copy.
+threads, board and copies): a shared ``HostRegistry`` plays the driver's table of exported handles, and a
+``threading.Event`` a CUDA event (set: the device passed it).
 """
 
 from __future__ import annotations
@@ -58,14 +58,6 @@ class HostRegistry:
             self._pools = {h: a for h, a in self._pools.items() if a is not array}
 
 
-class _HostArmed:
-    __slots__ = ("go", "end", "cancel", "times")
-
-    def __init__(self) -> None:
-        self.go, self.end, self.cancel = threading.Event(), threading.Event(), threading.Event()
-        self.times: CopyTimes | None = None
-
-
 class HostOps:
     """``DeviceOps`` over host memory (a writable buffer), for the protocol's tests on a CPU.
 
@@ -76,7 +68,7 @@ class HostOps:
 
     kind = "host"
 
-    def __init__(self, registry: HostRegistry, device_uuid: str = "GPU-host-stand-in", can_arm: bool = True) -> None:
+    def __init__(self, registry: HostRegistry, device_uuid: str = "GPU-host-stand-in") -> None:
         self.registry = registry
         self.device_uuid = device_uuid
         self.gate = threading.Event()
@@ -84,7 +76,6 @@ class HostOps:
         self.waiting = threading.Event()
         self.copies = 0
         self.prepared = 0
-        self.can_arm = can_arm
         self._array: np.ndarray | None = None
         self._export: Export | None = None
 
@@ -127,45 +118,9 @@ class HostOps:
         self.waiting.set()
         mark.wait()
 
-    def prepare(self, peer: np.ndarray, pieces: Sequence[Piece], armable: bool = False, stream=None):
+    def prepare(self, peer: np.ndarray, pieces: Sequence[Piece]):
         self.prepared += 1
         return peer, (pieces.tolist() if isinstance(pieces, np.ndarray) else list(pieces))
-
-    def new_stream(self) -> None:
-        return None
-
-    def arm(self, prepared: list, after, ready: threading.Event, stream, timed: bool = False) -> "_HostArmed":
-        """The device's part of ``CudaOps.arm`` played by a thread: it waits for ``after`` and ``ready``, then
-        copies batch by batch (``copy``), each only if the flag is still down (as each program reads it)."""
-        armed = _HostArmed()
-
-        def run() -> None:
-            for mark in (after, ready):
-                if mark is not None:
-                    self.waiting.set()
-                    mark.wait()
-            armed.go.set()
-            try:
-                for batch in prepared:
-                    if armed.cancel.is_set():
-                        break
-                    armed.times = self.copy(batch, None, timed)
-            finally:
-                armed.end.set()
-
-        threading.Thread(target=run, name="xpyd-host-device", daemon=True).start()
-        return armed
-
-    def land(self, armed: "_HostArmed") -> CopyTimes | None:
-        armed.end.wait()
-        return armed.times
-
-    def disarm(self, armed: "_HostArmed") -> bool:
-        armed.cancel.set()
-        if not armed.go.is_set():
-            return False
-        armed.end.wait()
-        return True
 
     def copy(self, prepared, after, timed: bool = False) -> CopyTimes | None:
         peer, pieces = prepared

@@ -180,26 +180,21 @@ class Launch:
         self.n, self.w, self.vec = table.shape[1], w, vec
         self.across = -(-int(table[2].max()) // runs.tile) if self.n else 0
 
-    def __call__(self, cancel: int | None = None) -> int:
-        """Launch on the current stream, without waiting; the number of programs launched. ``cancel``: the
-        address of an int32 the device can read (pinned host memory) each program reads first: not 0, and it
-        copies nothing (``CudaOps.arm``)."""
+    def __call__(self) -> int:
+        """Launch on the current stream, without waiting; the number of programs launched."""
         r, s, d, rows, n, w, vec = self.runs, self.src, self.dst, self.rows, self.n, self.w, self.vec
         interpret = _interpreting() or d.device.type == "cpu"
-        flag, armed = (0, False) if cancel is None else (cancel, True)
         if r.variant == "loop":
-            _kernel("chunks", interpret)[(n,)](s, d, rows, flag, CHUNK=r.chunk // w, BLOCK=r.block // w, VEC=vec,
-                                               CANCEL=armed, num_warps=NUM_WARPS)
+            _kernel("chunks", interpret)[(n,)](s, d, rows, CHUNK=r.chunk // w, BLOCK=r.block // w, VEC=vec,
+                                               num_warps=NUM_WARPS)
             return n
         if r.variant == "flat":
-            _kernel("tiles", interpret)[(n, 1)](s, d, rows, flag, TILE=r.tile // w, VEC=vec, FLAT=True, CANCEL=armed,
-                                                num_warps=NUM_WARPS)
+            _kernel("tiles", interpret)[(n, 1)](s, d, rows, TILE=r.tile // w, VEC=vec, FLAT=True, num_warps=NUM_WARPS)
             return n
         kernel, programs = _kernel("tiles", interpret), 0
         for at in range(0, n, MAX_GRID_Y):
             m = min(MAX_GRID_Y, n - at)
-            kernel[(self.across, m)](s, d, rows[at:], flag, TILE=r.tile // w, VEC=vec, FLAT=False, CANCEL=armed,
-                                     num_warps=NUM_WARPS)
+            kernel[(self.across, m)](s, d, rows[at:], TILE=r.tile // w, VEC=vec, FLAT=False, num_warps=NUM_WARPS)
             programs += self.across * m
         return programs
 
@@ -312,12 +307,7 @@ def _kernel(name: str, interpret: bool):
     import triton
     import triton.language as tl
 
-    def copy_tiles(src, dst, table, cancel, TILE: tl.constexpr, VEC: tl.constexpr, FLAT: tl.constexpr,
-                   CANCEL: tl.constexpr):
-        if CANCEL:  # (an armed copy: a program that starts after the receiver called it off copies nothing;
-            # ``cancel`` is the address of an int32 in pinned host memory, read over the bus, never cached)
-            if tl.load(cancel.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
-                return
+    def copy_tiles(src, dst, table, TILE: tl.constexpr, VEC: tl.constexpr, FLAT: tl.constexpr):
         if FLAT:  # one tile per row, rows along the grid's x
             row, start = tl.program_id(0), 0
         else:  # x: the tile within the row, y: the row
@@ -336,11 +326,7 @@ def _kernel(name: str, interpret: bool):
                 mask = offs < tl.multiple_of(length, VEC)
                 tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
 
-    def copy_chunks(src, dst, table, cancel, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                    CANCEL: tl.constexpr):
-        if CANCEL:
-            if tl.load(cancel.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
-                return
+    def copy_chunks(src, dst, table, CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64) * 3
         s = tl.multiple_of(tl.load(table + row), VEC)
         d = tl.multiple_of(tl.load(table + row + 1), VEC)
@@ -353,4 +339,4 @@ def _kernel(name: str, interpret: bool):
 
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = interpret
-        return triton.jit({"tiles": copy_tiles, "chunks": copy_chunks}[name], do_not_specialize=["cancel"])
+        return triton.jit({"tiles": copy_tiles, "chunks": copy_chunks}[name])

@@ -13,8 +13,7 @@ import time
 from collections import deque
 
 SENDER_STAGES = ("send", "offered", "done")  # in the order reached
-RECEIVER_STAGES = ("claimed", "opened", "prepared", "launching", "enqueued", "synced", "done")  # armed copies
-HOST_WAIT_STAGES = ("claimed", "opened", "prepared", "ready", "launching", "enqueued", "synced", "done")
+RECEIVER_STAGES = ("claimed", "opened", "prepared", "ready", "launching", "enqueued", "synced", "done")
 
 
 class Stamps:
@@ -24,12 +23,11 @@ class Stamps:
     ``offered`` (the Offer is written, with the handle of the event behind that forward), ``done`` (the
     receiver's Reply read; the token is DONE). Receiver: ``claimed`` (offer read, MAC checked, transfer
     claimed), ``opened`` (the sender's pool handle open: slow the first time only; its board mapped; the
-    event's handle open), ``prepared`` (the copies' host work done: the kernel's table on the device);
-    armed copies (``cuda_ipc_receive``): ``launching`` / ``enqueued`` (the copies being / all enqueued
-    behind the sender's event, while its forward may still run), ``synced`` (the host learnt they ran);
-    host wait: ``ready`` (the sender's event passed: the forward finished), ``launching`` (the last batch's
-    stream set up), ``enqueued``, ``synced`` (the copy stream fenced); then ``done`` (the sender's board
-    entry checked: the token is DONE, the Reply goes out next). ``device_s``: seconds of device time of
+    event's handle open), ``prepared`` (the copies' host work done: the kernel's table on the device),
+    ``ready`` (the sender's event passed: the forward finished), ``launching`` (the last batch's stream set
+    up: its wait for the decode engine's mark and its timing event enqueued; the copies are enqueued next),
+    ``enqueued`` (every copy of the last batch enqueued), ``synced`` (the copy stream fenced), ``done``
+    (the sender's board entry checked: the token is DONE, the Reply goes out next). ``device_s``: seconds of device time of
     the copies (all batches). Bounded: the last ``keep`` transfers."""
 
     def __init__(self, keep: int = 1024) -> None:
