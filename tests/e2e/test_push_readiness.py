@@ -6,7 +6,7 @@
   (the safety re-ask comes only after seconds without news).
 - Requests queued on a full decode worker longer than kv_ttl are not expired: their KV is claimed.
 - 1P2D with one decode worker stopped (SIGSTOP): requests keep completing on the other, and the KV the
-  stopped one claimed is freed once it has been silent for --peer-timeout.
+  stopped one claimed is freed once its connection has answered no heartbeat for --peer-timeout.
 """
 
 from __future__ import annotations
@@ -177,13 +177,13 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=30) as r:
                     assert json.loads(r.read())["usage"]["completion_tokens"] == 8
-            # d1's claimed KV is freed once it has been silent for --peer-timeout...
+            # d1's claimed KV is freed once its connection answered no ZMTP ping for --peer-timeout...
             wait_until(lambda: samples and samples[-1][1] == 2, 15, "the stopped worker's claimed KV freed")
             sampling.set()
             sampler.join(5)
-            # ...and not before: d1 last spoke at most one heartbeat (1 s) before it was stopped, so its
-            # claims live at least peer_timeout - 1 s after the stop (a prefill worker that freed them at
-            # once, or on the proxy's mark-down, fails here).
+            # ...and not before: d1's connection answered the last ping at most one interval (1 s) before it
+            # was stopped, so its claims live at least peer_timeout - 1 s after the stop (a prefill worker that
+            # freed them at once, or on the proxy's mark-down, fails here).
             freed_at = next(t for t, expired in samples if expired > 0)
             assert freed_at >= PEER_TIMEOUT - HEARTBEAT - 0.1, samples[:5]
             assert all(expired == 0 for t, expired in samples if t < PEER_TIMEOUT - HEARTBEAT - 0.1)

@@ -8,23 +8,24 @@ from xpyd.transfer.base import BackendDescriptor
 DESC = BackendDescriptor("tcp", "127.0.0.1:9", 4096)
 
 
-def test_only_handshaken_peers_are_heard_from_and_live_counts_recent_ones_still_in_the_cluster():
+def test_only_handshaken_peers_are_heard_from_and_live_counts_open_sessions_still_in_the_cluster():
     peers = DecodePeers()
     assert not peers.heard_from("a", 1.0)  # no handshake yet
     peers.accept("a", 0.0)
     peers.accept("b", 0.0)
     assert peers.heard_from("a", 8.0) and peers.last_heard("a") == 8.0
-    assert peers.live(now=11.0, silent=10.0) == 1  # b silent for 11 s
+    assert peers.live() == 2  # (b said nothing since its handshake: its session is open, it is live)
     peers.leave("a", 12.0)
-    assert peers.live(now=12.0, silent=10.0) == 0 and peers.left_at("a") == 12.0
+    assert peers.live() == 1 and peers.left_at("a") == 12.0
     peers.forget_left(before=13.0)
     assert peers.left_at("a") is None
     peers.leave("b", 14.0)
     peers.accept("b", 15.0)  # restarted on the same address: back
-    assert peers.left_at("b") is None and peers.live(19.0, 10.0) == 1  # (a: silent for 11 s)
+    assert peers.left_at("b") is None and peers.live() == 2
     peers.leave("b", 20.0)
     peers.joined("b")  # listed again without a new handshake (its etcd lease was lost, then it registered again)
-    assert peers.left_at("b") is None and peers.live(21.0, 10.0) == 1
+    assert peers.left_at("b") is None and peers.live() == 2
+    assert peers.close("b") and peers.live() == 1  # its session ended
 
 
 def test_the_least_recently_heard_from_is_forgotten_beyond_the_limit_with_its_pool():

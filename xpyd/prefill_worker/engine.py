@@ -11,10 +11,10 @@ it; the moment the prefill ends (or the request fails or expires here), the serv
 ``notify`` to the claimant.
 
 Faults: KV that is not claimed and that no decode worker pulls within ``kv_ttl`` is freed, and a later
-lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, until its
-decode worker has sent nothing (heartbeats included) for ``peer_timeout``, until the signal session that
-claimed it ends, or at most ``expiry.claim_ttl`` (10 minutes by default); a send to a decode worker silent
-that long, or whose session ended, is aborted. Requests that ended here
+lookup for it is answered ``expired``; claimed KV is kept until it is pulled or released, until the
+signal session that claimed it ends (its connection closes, or answers no ZMTP heartbeat for
+``peer_timeout``), or at most ``expiry.claim_ttl`` (10 minutes by default); a send to a decode worker whose
+session ended is aborted. Requests that ended here
 unpulled (aborted, failed) or sent are remembered for a while so lookups get a clear answer (a sent one:
 its first token, for a decode worker whose READY push was lost; ``recent.RequestMemory``); a release that
 arrives before its request drops the request on arrival.
@@ -44,7 +44,7 @@ from xpyd.worker.request import RequestState
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
-from xpyd.prefill_worker.expiry import claim_ttl, late_kv, stalled_sends
+from xpyd.prefill_worker.expiry import claim_ttl, late_kv
 from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.prefill_worker.signal_plane import PrefillSignalPlane
@@ -142,7 +142,7 @@ class PrefillEngine(WorkerEngine):
             for seq in ended:
                 self.held.ended(seq)
             self._expire(time.monotonic())
-            chunks = self.sched.plan(self._peers.live(time.monotonic(), self.config.peer_timeout))
+            chunks = self.sched.plan(self._peers.live())
             for chunk in chunks:
                 if chunk.start == chunk.seq.kv.cached_tokens and chunk.seq.claimed:  # it just started
                     self._announce(chunk.seq)
@@ -182,22 +182,16 @@ class PrefillEngine(WorkerEngine):
                 self.held.claim(seq)
 
     def _expire(self, now: float) -> None:
-        """Free KV that waits for a pull in vain, abort sends to silent decode workers (``expiry``); later
-        lookups are answered 'expired' / 'failed'."""
-        ttl, silent = self.config.kv_ttl, self.config.peer_timeout
+        """Free KV that waits for a pull in vain (``expiry``); later lookups are answered 'expired'."""
+        ttl = self.config.kv_ttl
         self._peers.forget_left(before=now - ttl)  # whatever they held has expired by now
-        for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, silent, min(ttl, LEFT_PEER_GRACE),
+        for seq, why in late_kv(self.sched.held(), self._peers, now, ttl, min(ttl, LEFT_PEER_GRACE),
                                 claim_ttl(ttl)):
             self.sched.release(seq.request_id, RequestState.FAILED)
             self.held.ended(seq)
             self.held.counts["expired"] += 1
             self.held.record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV expired: {why}, freed", seq.claimed)
             log.info("request %s: KV %s, freed", seq.request_id, why)
-        for seq, why in stalled_sends(self.sched.sending(), self._peers, now, silent):
-            self.sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
-            abort_sends(self.transfer, seq)
-            self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {why}", seq.claimed)
-            log.warning("request %s: KV send aborted: %s", seq.request_id, why)
         self.held.memory.expire()
 
     def _update_metrics(self) -> None:

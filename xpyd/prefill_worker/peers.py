@@ -81,9 +81,11 @@ class DecodePeers:
         """Stop remembering departures older than ``before``."""
         self._left = {a: t for a, t in self._left.items() if t > before}
 
-    def live(self, now: float, silent: float) -> int:
-        """Decode workers heard from within ``silent`` seconds and not gone from the cluster."""
-        return sum(1 for a, t in self._seen.items() if now - t < silent and a not in self._left)
+    def live(self) -> int:
+        """Decode workers with an open signal session and not gone from the cluster. (A session stays open while
+        its connection answers the server's ZMTP heartbeats, which the decode worker's libzmq I/O thread does
+        however busy its engine thread is: how recently it last spoke says nothing more.)"""
+        return sum(1 for a in self._seen if a not in self._left)
 
     @property
     def num_handshaken(self) -> int:

@@ -98,8 +98,8 @@ class WorkerConfig:
         if not 1.0 <= self.signal_timeout <= 3600:
             raise ValueError("--signal-timeout must be in [1, 3600] seconds (heartbeats go every second)")
         if not 3.0 <= self.peer_timeout <= 3600:
-            raise ValueError("--peer-timeout must be in [3, 3600] seconds (decode workers send a heartbeat "
-                             "every second)")
+            raise ValueError("--peer-timeout must be in [3, 3600] seconds (the signal plane pings each "
+                             "connection every second)")
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
         if self.prefill_peers and self.role != "decode":
@@ -265,8 +265,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                                  "chunked prompt's KV streams to its decode worker while later chunks compute)")
         parser.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                             help="KV claimed by a decode worker is kept until it is pulled or released, or until "
-                                 "that worker has sent nothing (it sends a heartbeat every second) for this many "
-                                 "seconds")
+                                 "that worker's signal-plane connection has answered no heartbeat (a ZMTP ping every "
+                                 "second) for this many seconds")
     if role == "decode":
         parser.add_argument("--prefill-wait-timeout", type=float, default=d.prefill_wait_timeout,
                             help="seconds a request waits for its prefill to be ready before it fails")
