@@ -108,7 +108,7 @@ async def test_a_worker_refusing_the_proxy_is_a_502_to_the_client(aiohttp_server
     url = await rec.serve(aiohttp_server)
     worker = WorkerInfo(role, url, "127.0.0.1:1", "m", 1, 8)
     async with aiohttp.ClientSession() as session:
-        client = WorkerClient(WorkerSessions(session, session, session), 5)
+        client = WorkerClient(WorkerSessions(session, session, session, session), 5)
         with pytest.raises(UpstreamError) as caught:
             if role is Role.DECODE:
                 await client.open_decode(worker, RequestKind.COMPLETION, {}, "xpyd-x")
