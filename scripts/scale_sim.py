@@ -123,6 +123,9 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32, help="per worker")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prefill-wait-timeout", type=float, default=None,
+                    help="the decode workers' --prefill-wait-timeout (default: theirs, 30 s; a queue of N prompts "
+                         "on X prefill workers is deeper than that at speed-up 1)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -139,10 +142,13 @@ def main() -> int:
            "--max-concurrent-requests", str(max(1024, 2 * args.streams))]
     if args.profile:
         cmd += ["--sim-profile", args.profile]
+    if args.prefill_wait_timeout is not None:
+        cmd += ["--prefill-wait-timeout", str(args.prefill_wait_timeout)]
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     up = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     result: dict = {"prefill": x, "decode": y, "streams": args.streams, "speedup": args.speedup,
+                    "prefill_wait_timeout": args.prefill_wait_timeout,
                     "kv_token_bytes": args.kv_token_bytes, "batch_size": args.batch_size,
                     "input_len": args.input_len, "output_len": args.output_len}
     try:
@@ -169,7 +175,7 @@ def main() -> int:
             raise RuntimeError(f"xpyd bench failed ({bench.returncode}):\n{bench.stdout[-2000:]}\n{bench.stderr[-2000:]}")
         cpu = _cpu_seconds(proxy) - cpu0
         rep = json.loads(report.read_text())
-        result["bench"] = {k: rep.get(k) for k in ("completed", "failed", "duration_s", "requests_per_s",
+        result["bench"] = {k: rep.get(k) for k in ("completed", "failed", "errors", "duration_s", "requests_per_s",
                                                     "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms")}
         done = (rep.get("completed") or 0) + (rep.get("failed") or 0) + 4
         result["proxy_cpu_ms_per_request"] = round(1000 * cpu / max(1, done), 3)
