@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from tests.waiting import until
 from xpyd.api.openai import RequestKind
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient, worker_sessions
@@ -24,12 +25,16 @@ ANSWER = json.dumps({"choices": [{"text": "hi", "finish_reason": None}],
 
 
 class CuttingWorker:
-    """Answers the first request of a connection; cuts the connection on its second."""
+    """Answers the first request of a connection; cuts the connection on its second (``took``: after taking it,
+    as a worker that read the request and lost the connection; a request id it has taken is a 409 after)."""
 
-    def __init__(self) -> None:
+    def __init__(self, took: bool = False) -> None:
         self.connections = 0
         self.answered = 0
         self.cut = 0
+        self.took = took
+        self.ids: list[str] = []  # request ids taken, in order
+        self.aborts: list[str] = []
         self.server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -42,13 +47,26 @@ class CuttingWorker:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
+                lines = head.split(b"\r\n")
+                field = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:] if line)}
+                await reader.readexactly(int(field.get(b"content-length", b"0")))
+                rid = field.get(b"x-request-id", b"").decode()
+                if lines[0].startswith(b"POST /xpyd/abort"):
+                    self.aborts.append(rid)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                    await writer.drain()
+                    continue
                 if served:  # (its keep-alive ran out as this request came in)
                     self.cut += 1
+                    if self.took:
+                        self.ids.append(rid)
                     return
                 served += 1
+                if rid in self.ids:
+                    writer.write(b"HTTP/1.1 409 Conflict\r\nContent-Length: 2\r\n\r\n{}")
+                    await writer.drain()
+                    continue
+                self.ids.append(rid)
                 self.answered += 1
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER))
@@ -78,6 +96,27 @@ async def test_a_post_on_a_connection_the_worker_cut_goes_again_on_a_new_one():
         second = await client.prefill(_worker(url), RequestKind.COMPLETION, body, "r2")  # (the pooled one: cut)
         assert first.text == second.text == "hi"
         assert worker.cut == 1 and worker.answered == 2 and worker.connections == 2
+    finally:
+        await sessions.close()
+        await worker.stop()
+
+
+async def test_a_second_try_the_worker_calls_a_duplicate_is_unreachable_and_the_first_is_released():
+    """The worker had taken the first request before the connection broke (then lost its answer): the second
+    try is a duplicate (409). The request goes on to another pair (fault: unreachable), and the first one,
+    which nobody waits for, is released at the worker."""
+    worker = CuttingWorker(took=True)
+    url = await worker.start()
+    sessions = worker_sessions(5, 5, 4)
+    client = WorkerClient(sessions, 5)
+    try:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+        await client.prefill(_worker(url), RequestKind.COMPLETION, body, "r1")
+        with pytest.raises(UpstreamError) as e:
+            await client.prefill(_worker(url), RequestKind.COMPLETION, body, "r2")
+        assert e.value.fault is Fault.UNREACHABLE and "duplicate" in e.value.message
+        await until(lambda: worker.aborts, "the first request released")
+        assert worker.ids == ["r1", "r2"] and worker.aborts == ["r2"]
     finally:
         await sessions.close()
         await worker.stop()

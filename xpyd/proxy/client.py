@@ -35,7 +35,7 @@ from xpyd.api.responses import dumps
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.decode_stream import DecodeStream
-from xpyd.proxy.upstream import Fault, UpstreamError, raise_for_status, upstream_errors
+from xpyd.proxy.upstream import Fault, UpstreamError, raise_for_status, upstream_errors, who
 from xpyd.proxy.worker_api import ABORT_PATH, REQUEST_ID_HEADER, ROUTES, FirstToken, parse_first_token
 from xpyd.signal.request_id import ClusterKeys
 
@@ -151,7 +151,13 @@ class WorkerClient:
                 raise
             log.info("%s: %s cut its pooled connection before answering (%s); once more on a new one",
                      request_id, worker.http_url, type(e).__name__)
-            return await self._post(self._sessions.fresh, worker, kind, body, request_id, sent)
+            resp = await self._post(self._sessions.fresh, worker, kind, body, request_id, sent)
+            if resp.status == 409:  # it had taken the first one after all (then lost its answer): a duplicate
+                resp.close()
+                self.release_later(worker, request_id)  # (the first one, which nobody waits for)
+                raise UpstreamError(502, f"{who(worker)} cut the connection of a request it had taken (its second "
+                                    "try was a duplicate)", worker=worker, fault=Fault.UNREACHABLE) from e
+            return resp
 
     def _post(self, session: aiohttp.ClientSession, worker: WorkerInfo, kind: RequestKind, body: dict,
               request_id: str, sent: asyncio.Event | None = None):
