@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import socket
 
-# HTTP keep-alive between the proxy and its workers: the proxy lets an idle pooled connection go before the
-# worker would close it, so it never sends a request on a connection the worker is closing (aiohttp does not
-# retry a POST: it failed as "Server disconnected" when aiohttp's 15 s outlived hypercorn's 5 s). The workers
-# keep hypercorn's 5 s: a longer one would let strangers hold idle connections longer.
-WORKER_KEEP_ALIVE = 5.0  # seconds a worker keeps an idle HTTP connection open
+# HTTP keep-alive between the proxy and its workers: the proxy lets an idle pooled connection go well before
+# the worker would close it, so it does not send a request on a connection the worker is closing (aiohttp does
+# not retry a POST: it failed as "Server disconnected" when aiohttp's 15 s outlived hypercorn's 5 s). The margin
+# is wide because both clocks are event-loop timers: with 64 workers on 2 cores a loop ran seconds late and a
+# 3 s / 5 s pair still raced (the proxy then tries once more on a new connection: ``proxy.client``). 30 s of
+# idle hold is no new exposure: a stranger who can reach a worker can open connections faster than 5 s lets go.
+WORKER_KEEP_ALIVE = 30.0  # seconds a worker keeps an idle HTTP connection open
 PROXY_KEEP_ALIVE = 3.0  # seconds the proxy keeps an idle pooled connection to a worker
 
 
