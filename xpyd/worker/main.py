@@ -156,7 +156,10 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
         nonlocal resolved
         resolved = ensure_converted(config.model)  # (the first start converts a GGUF: torch work too)
         if config.gpu_memory_utilization is not None:
-            num_blocks = gpu_share_blocks(config)
+            from xpyd.model.gpu.memory import share_blocks
+
+            num_blocks = share_blocks(config.gpu_memory_utilization, config.batch_size, config.prefill_chunk,
+                                      config.max_model_len, config.role)
             size = f"KV cache from {config.gpu_memory_utilization:g} of the device"
         else:
             num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
@@ -181,32 +184,6 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
     if transfer is not None and needs_staging(transfer, device):  # a device pool under tcp/shm: transfers
         transfer = stage_transfer(transfer, runner.pool, sender=config.role == "prefill")  # stage via host memory
     return runner, resolved, transfer
-
-
-def gpu_share_blocks(config: WorkerConfig):
-    """``num_blocks`` for `ModelRunner` under ``--gpu-memory-utilization``: a function of the loaded runner that
-    measures its largest prefill's activations and sizes the pool from what is left of the share."""
-
-    def blocks(runner) -> int:
-        from xpyd.model.gpu import memory
-
-        layout = runner.layout_template
-        tokens = min(runner.max_model_len, config.prefill_chunk or runner.max_model_len)
-        peak = memory.prefill_peak_bytes(runner.fast_path, layout, tokens, runner.device)
-        cfg = runner.config
-        elem = layout.token_bytes // (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim)
-        graphs = memory.graph_reserve_bytes(config.batch_size, runner.vocab_size, cfg.hidden_size,
-                                            cfg.intermediate_size, elem)
-        budget = memory.kv_budget_bytes(runner.device, config.gpu_memory_utilization, peak, graphs)
-        count = budget // layout.block_bytes
-        if count * layout.block_size < config.max_model_len:
-            raise ValueError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: {budget >> 20} MiB hold "
-                             f"{count} blocks, not one request of --max-model-len {config.max_model_len}")
-        log.info("%s: KV cache of %d blocks (%d MiB; prefill of %d tokens peaks at %d MiB)", config.role, count,
-                 budget >> 20, tokens, peak >> 20)
-        return count
-
-    return blocks
 
 
 def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, ResolvedModel]:

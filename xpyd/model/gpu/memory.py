@@ -11,9 +11,13 @@ holds it) is refused with both numbers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from xpyd.model.kv_pool import KVLayout, KVPool
+
+log = logging.getLogger(__name__)
 
 CONTEXT_RESERVE = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, Triton's modules: outside torch's count
 MIB = 1 << 20
@@ -69,3 +73,26 @@ def kv_budget_bytes(device: torch.device, fraction: float, activation_peak: int,
                          f"worker needs (other processes hold {(total - free - held) / MIB:.0f} MiB): lower "
                          f"the fraction")
     return budget
+
+
+def share_blocks(utilization: float, batch_size: int, prefill_chunk: int, max_model_len: int, role: str):
+    """``num_blocks`` for `ModelRunner` under ``--gpu-memory-utilization``: a function of the loaded runner that
+    measures its largest prefill's activations and sizes the pool from what is left of the share."""
+
+    def blocks(runner) -> int:
+        layout = runner.layout_template
+        tokens = min(runner.max_model_len, prefill_chunk or runner.max_model_len)
+        peak = prefill_peak_bytes(runner.fast_path, layout, tokens, runner.device)
+        cfg = runner.config
+        elem = layout.token_bytes // (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim)
+        graphs = graph_reserve_bytes(batch_size, runner.vocab_size, cfg.hidden_size, cfg.intermediate_size, elem)
+        budget = kv_budget_bytes(runner.device, utilization, peak, graphs)
+        count = budget // layout.block_bytes
+        if count * layout.block_size < max_model_len:
+            raise ValueError(f"--gpu-memory-utilization {utilization}: {budget >> 20} MiB hold "
+                             f"{count} blocks, not one request of --max-model-len {max_model_len}")
+        log.info("%s: KV cache of %d blocks (%d MiB; prefill of %d tokens peaks at %d MiB)", role, count,
+                 budget >> 20, tokens, peak >> 20)
+        return count
+
+    return blocks

@@ -1,0 +1,36 @@
+"""``--gpu-memory-utilization`` turned into a block count (``xpyd.model.gpu.memory.share_blocks``): what is left
+of the share after the measured prefill peak and the graphs' reserve, in whole blocks; a share that cannot hold
+one request of ``--max-model-len`` is refused. The device's own numbers are faked (no CUDA here); their
+arithmetic is tested with them in tests/gpu."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from xpyd.model.gpu import memory
+from xpyd.model.kv_pool import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=1, block_size=16)
+
+
+def _runner() -> SimpleNamespace:
+    return SimpleNamespace(layout_template=LAYOUT, max_model_len=256, fast_path=None, device="cpu",
+                           config=SimpleNamespace(hidden_size=64, intermediate_size=128), vocab_size=1000)
+
+
+def test_the_share_left_after_the_peaks_is_whole_blocks_and_one_request_must_fit(monkeypatch):
+    seen = {}
+
+    def budget(device, fraction, peak, graphs):
+        seen.update(fraction=fraction, peak=peak, graphs=graphs)
+        return 10 * LAYOUT.block_bytes + 7  # (a part block is no block)
+
+    monkeypatch.setattr(memory, "prefill_peak_bytes", lambda fast, layout, tokens, device: tokens * 1000)
+    monkeypatch.setattr(memory, "kv_budget_bytes", budget)
+    assert memory.share_blocks(0.4, 8, 64, 160, "decode")(_runner()) == 10
+    assert seen["fraction"] == 0.4 and seen["peak"] == 64 * 1000  # (the prefill chunk, not the whole context)
+    assert seen["graphs"] == memory.graph_reserve_bytes(8, 1000, 64, 128, 4)
+    with pytest.raises(ValueError, match="not one request of --max-model-len 161"):
+        memory.share_blocks(0.4, 8, 64, 161, "decode")(_runner())
