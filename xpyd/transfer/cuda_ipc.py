@@ -40,7 +40,6 @@ from xpyd.transfer.base import (
     CompletionToken,
     Region,
     TransferError,
-    TransferState,
     check_send_regions,
     check_transfer_id,
 )
@@ -52,7 +51,7 @@ from xpyd.transfer.cuda_ipc_stamps import Stamps
 from xpyd.transfer.cuda_ipc_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.pull import serve_offers
+from xpyd.transfer.pull import offer_on_board, serve_offers
 from xpyd.transfer.shm_board import Board
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
@@ -299,35 +298,18 @@ class CudaIpcTransferBackend:
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid, stamps = job.token.transfer_id, self.stamps
         with self._marks_lock:
-            mark, handle = self._sent_marks.pop(tid, (None, None))  # (gone: aborted meanwhile)
-        with job.lock:  # (abort() fails the token under this lock, then revokes what was published)
-            if handle is None or not job.token._advance(TransferState.TRANSFERRING):
-                return
-            entry = self._board.publish(tid)
-        if entry is None:
-            job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
+            mark, handle = self._sent_marks.pop(tid, (None, None))  # (gone: aborted before it was offered)
+        if handle is None:
             return
-        offer = Offer(tid, job.regions, job.dst, entry, auth.transfer_mac(job.key, self.name, tid, job.dst,
-                                                                          job.regions), handle)
-        replied = False
-        try:
-            conn.send_all([memoryview(offer.pack())])  # at once: the receiver waits for the forward's event
-            if stamps is not None:
-                stamps(tid, "offered")
-            reply = Reply.parse(conn.read_frame(MAX_FRAME))
-            replied = True
-        finally:
-            self._board.retire(tid)  # (a receiver still copying after a failure here sees it revoked)
-            if not replied:
-                self._held.append(mark)  # the receiver may still wait on its event: keep it alive
-        if reply.ok:
-            if stamps is not None:
-                stamps(tid, "done")
-            job.token._advance(TransferState.DONE)
-        else:
-            job.token._fail(f"refused by {address}: {reply.error}")
-            if reply.bye:
-                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
+        # offered at once, the forward maybe still running: the receiver waits for its event
+        offer_on_board(conn, job, self._board, lambda entry: Offer(
+            tid, job.regions, job.dst, entry, auth.transfer_mac(job.key, self.name, tid, job.dst, job.regions),
+            handle), address, _no_stamp if stamps is None else lambda stage: stamps(tid, stage),
+            lambda: self._held.append(mark))  # (no reply: the receiver may still wait on its event)
+
+
+def _no_stamp(stage: str) -> None:
+    pass
 
 
 def _confirmed(conn: Conn, rec: Transfer, offer: Offer) -> bool:

@@ -19,6 +19,7 @@ DONE implies the receiver's. Confirming:
 - cuda_ipc's pull confirms (its sender's abort board, as shm) and marks the token DONE itself, the moment
   its copy is fenced, on the thread that copied; its ``confirm`` only says so.
 
+The sender's side: ``offer_on_board`` (shm, cuda_ipc: one round trip) and ``offer_and_commit`` (nixl).
 Frames are those of ``shm_wire``.
 """
 
@@ -27,9 +28,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from xpyd.transfer import auth
+from xpyd.transfer import auth, shm_board
 from xpyd.transfer.base import TransferState
 from xpyd.transfer.endpoint import Endpoint
+from xpyd.transfer.shm_board import Board
 from xpyd.transfer.shm_wire import MAX_FRAME, Commit, Offer, Reply
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import Conn
@@ -70,6 +72,41 @@ def offer_and_commit(conn: Conn, job: Transfer, offer: memoryview, address: str,
         job.token._advance(TransferState.DONE)
     elif ok:
         job.token._fail(f"refused by {address}: {reply.error}")
+
+
+def offer_on_board(conn: Conn, job: Transfer, board: Board, make_offer: Callable[[tuple[int, int]], Offer],
+                   address: str, stamp: Callable[[str], None] = _no_stamp,
+                   on_unanswered: Callable[[], None] | None = None) -> None:
+    """The sender's side of a transfer confirmed on its abort board (shm, cuda_ipc): publish a board entry
+    (under the transfer's lock, unless it was aborted), send ``make_offer(entry)``, read the Reply, retire the
+    entry (also when the connection failed: a receiver still copying then sees it revoked); the token ends
+    DONE or FAILED. ``on_unanswered``: called when no Reply came. A refusal that says ``bye`` raises
+    ConnectionError (reconnect for the next). ``stamp``: "offered", "done" as each happens."""
+    tid = job.token.transfer_id
+    with job.lock:  # (abort() fails the token under this lock, then revokes what was published)
+        if not job.token._advance(TransferState.TRANSFERRING):
+            return
+        entry = board.publish(tid)
+    if entry is None:
+        job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
+        return
+    replied = False
+    try:
+        conn.send_all([memoryview(make_offer(entry).pack())])
+        stamp("offered")
+        reply = Reply.parse(conn.read_frame(MAX_FRAME))
+        replied = True
+    finally:
+        board.retire(tid)
+        if not replied and on_unanswered is not None:
+            on_unanswered()
+    if reply.ok:
+        stamp("done")
+        job.token._advance(TransferState.DONE)
+    else:
+        job.token._fail(f"refused by {address}: {reply.error}")
+        if reply.bye:
+            raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
 
 
 def commit_round_trip(conn: Conn, rec: Transfer, offer: Offer) -> bool:

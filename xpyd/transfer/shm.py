@@ -50,7 +50,7 @@ from xpyd.transfer.base import (
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
 from xpyd.transfer.parallel_copy import ParallelCopy, default_threads
-from xpyd.transfer.pull import serve_offers
+from xpyd.transfer.pull import offer_on_board, serve_offers
 from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_board import Board, BoardView
 from xpyd.transfer.shm_wire import MAX_FRAME, Hello, Offer, Reply
@@ -320,25 +320,8 @@ class ShmTransferBackend:
     def _push(self, conn: Conn, job: Transfer, address: str) -> None:
         tid = job.token.transfer_id
         src = tuple(Region(r.offset + self._base, r.length) for r in job.regions)
-        with job.lock:  # (abort() fails the token under this lock, then revokes what was published)
-            if not job.token._advance(TransferState.TRANSFERRING):
-                return
-            entry = self._board.publish(tid)
-        if entry is None:
-            job.token._fail(f"all {shm_board.SLOTS} abort board entries are in use (offers in flight)")
-            return
-        mac = auth.transfer_mac(job.key, self.name, tid, job.dst, src)
-        try:
-            conn.send_all([memoryview(Offer(tid, src, job.dst, entry, mac).pack())])
-            reply = Reply.parse(conn.read_frame(MAX_FRAME))
-        finally:
-            self._board.retire(tid)  # (a receiver still copying after a failure here sees it revoked)
-        if reply.ok:
-            job.token._advance(TransferState.DONE)
-        else:
-            job.token._fail(f"refused by {address}: {reply.error}")
-            if reply.bye:
-                raise ConnectionError("refused")  # the receiver hangs up: reconnect for the next
+        offer_on_board(conn, job, self._board, lambda entry: Offer(
+            tid, src, job.dst, entry, auth.transfer_mac(job.key, self.name, tid, job.dst, src)), address)
 
 
 class _PeerSegment:
