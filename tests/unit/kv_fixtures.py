@@ -10,8 +10,8 @@ def kv_cache(num_blocks: int, block_size: int = BLOCK, caching: bool = True) -> 
     return KVCache(BlockAllocator(num_blocks, caching=caching), block_size, seed=0)
 
 
-def next_prefill(sched, live_peers: int = 1):
+def next_prefill(sched):
     """An unchunked prefill scheduler's next step (one whole prompt): its request, or None."""
-    chunks = sched.plan(live_peers)
+    chunks = sched.plan()
     assert len(chunks) <= 1 and all(c.last for c in chunks)
     return chunks[0].seq if chunks else None

@@ -21,9 +21,9 @@ def seq(rid: str, n: int, peer: str = "D") -> PrefillSeq:
     return PrefillSeq(rid, list(range(1, n + 1)), peer=peer)
 
 
-def step(sched: PrefillScheduler, live_peers: int = 1) -> list[tuple[str, int, int]]:
+def step(sched: PrefillScheduler) -> list[tuple[str, int, int]]:
     """Plan one step, report it back (first token 7 for prompts it ends); what it computed."""
-    chunks = sched.plan(live_peers)
+    chunks = sched.plan()
     for c in chunks:
         if c.last:
             sched.prefilled(c.seq, 7)
@@ -171,7 +171,7 @@ def test_random_lifecycles_keep_invariants_finish_everything_and_starve_nobody(s
             if rng.random() < 0.4:
                 sched.release(s.request_id, S.FINISHED)
         before = {s.request_id: s.computed for s in sched.running()}
-        chunks = sched.plan(live_peers=2)
+        chunks = sched.plan()
         assert sum(c.end - c.start for c in chunks) <= sched.chunk
         for c in chunks:
             (sched.prefilled(c.seq, 1) if c.last else sched.chunk_done(c))
@@ -183,7 +183,7 @@ def test_random_lifecycles_keep_invariants_finish_everything_and_starve_nobody(s
     for _ in range(400):
         for s in sched.transferring():
             sched.release(s.request_id, S.FINISHED)
-        step(sched, live_peers=2)
+        step(sched)
         if not sched.has_work():
             break
     assert not sched.has_work() and all(s.state.is_final for s in seqs)

@@ -142,7 +142,7 @@ class PrefillEngine(WorkerEngine):
             for seq in ended:
                 self.held.ended(seq)
             self._expire(time.monotonic())
-            chunks = self.sched.plan(self._peers.live())
+            chunks = self.sched.plan()
             for chunk in chunks:
                 if chunk.start == chunk.seq.kv.cached_tokens and chunk.seq.claimed:  # it just started
                     self._announce(chunk.seq)

@@ -26,25 +26,23 @@ requests, the rest its own); a waiting request holds none. A request starts only
 blocks it still needs (`KVCache.admit`); an aged request that cannot get them holds back every waiting
 request behind it rather than being overtaken.
 
-Admission per decode worker: KV waits here for the decode worker named in the request id,
-so one slow or full decode worker must not take every place from the others. A decode worker
-may hold at most ``batch_size`` minus one place for each other live decode worker, and while
-requests for other decode workers wait, at most its fair share (``batch_size`` over the decode
-workers that have work here). The same share holds for KV blocks: a decode worker's requests may hold
-at most its places' share of the pool (``num_blocks * cap // batch_size``), so a few long prompts for
-one decode worker cannot fill the pool while its place count is low; a decode worker holding nothing may
-always start one request (a prompt larger than its share runs alone). Requests whose decode worker is
-at its cap wait.
+Admission per decode worker (``admission``): KV waits here for the decode worker named in the request id.
+Places go only to decode workers with requests waiting or held here, however many others are live: one
+decode worker alone may take the whole batch. While several have requests waiting, each may hold at most
+its fair share of the places and of the KV blocks, so one slow or full decode worker cannot keep every
+place from the others, and one with new demand takes the next place that frees. Requests whose decode
+worker is at its share wait.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from xpyd.worker.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
+from xpyd.prefill_worker.admission import admissible
 from xpyd.transfer.base import CompletionToken
 
 S = RequestState
@@ -198,18 +196,17 @@ class PrefillScheduler:
         self._live[seq.request_id] = seq
         self._waiting.append(seq)
 
-    def plan(self, live_peers: int = 1) -> list[Chunk]:
-        """The next step's work (empty: nothing can run now); ``live_peers``: decode workers alive.
-        Planned requests are ``in_step`` until ``chunk_done``/``prefilled``/``fail_running`` report them."""
+    def plan(self) -> list[Chunk]:
+        """The next step's work (empty: nothing can run now). Planned requests are ``in_step`` until ``chunk_done``/``prefilled``/``fail_running`` report them."""
         if any(s.in_step for s in self._running.values()):
             raise ValueError("the previous step has not been reported back")
         if self.chunk == 0:
             if self._running:
                 return []  # (cannot happen: an unchunked step computes a whole prompt)
-            seq = next(iter(self._admissible(live_peers)), None)
+            seq = next(iter(self._admissible()), None)
             return [self._take(seq, seq.remaining)] if seq is not None and self._admit(seq) else []
         budget, aged = self.chunk, self.age_steps
-        candidates = [s for s in self._running.values() if not s.cancel_requested] + self._admissible(live_peers)
+        candidates = [s for s in self._running.values() if not s.cancel_requested] + self._admissible()
         candidates.sort(key=lambda s: (s.starved < aged, s.remaining if s.kv else s.prompt_len, s.order))
         steps: list[Chunk] = []
         blocked = False  # an aged request waits for KV blocks: no waiting request overtakes it
@@ -315,31 +312,12 @@ class PrefillScheduler:
         return seq
 
     # --- internals ---------------------------------------------------------
-    def _admissible(self, live_peers: int) -> list[PrefillSeq]:
-        """Waiting requests that may start now as far as places go (oldest first): room in the batch for
-        each of them in turn, and their decode worker under its cap, in places and in KV blocks."""
+    def _admissible(self) -> list[PrefillSeq]:
+        """Waiting requests that may start now as far as places go (oldest first; ``admission``)."""
+        holding = ((s.peer, len(s.kv.blocks)) for s in (*self._running.values(), *self._transferring.values()))
         room = self.batch_size - self.num_running - self.num_transferring
-        if room <= 0 or not self._waiting:
-            return []
-        held, held_blocks = Counter[str](), Counter[str]()
-        for s in (*self._running.values(), *self._transferring.values()):
-            held[s.peer] += 1
-            held_blocks[s.peer] += len(s.kv.blocks)
-        demand = {s.peer for s in self._waiting}
-        peers = max(live_peers, len(demand | set(held)))
-        pool = self.kv.allocator.num_blocks
-        out = []
-        for seq in self._waiting:
-            if len(out) == room:
-                break
-            cap = self._cap(seq.peer, peers, demand)
-            need = self.kv.blocks_for(seq.prompt_len)
-            if held[seq.peer] < cap and (held_blocks[seq.peer] == 0
-                                         or held_blocks[seq.peer] + need <= pool * cap // self.batch_size):
-                out.append(seq)
-                held[seq.peer] += 1
-                held_blocks[seq.peer] += need
-        return out
+        return admissible(self._waiting, holding, room, self.batch_size, self.kv.allocator.num_blocks,
+                          self.kv.blocks_for)
 
     def _admit(self, seq: PrefillSeq) -> bool:
         """Give ``seq`` the KV blocks of its whole prompt (its cached prefix shared): True if it starts."""
@@ -370,13 +348,6 @@ class PrefillScheduler:
             return False
         self._end(seq, seq.end_state)
         return True
-
-    def _cap(self, peer: str, peers: int, demand: set[str]) -> int:
-        """How many requests' KV for ``peer`` may be held (see the module docstring)."""
-        cap = self.batch_size - min(self.batch_size - 1, peers - 1)
-        if demand - {peer}:
-            cap = min(cap, -(-self.batch_size // len(demand | {peer})))
-        return max(1, cap)
 
     def _expect_in_step(self, seq: PrefillSeq) -> None:
         if not seq.in_step or self._running.get(seq.request_id) is not seq:
