@@ -86,6 +86,7 @@ class DecodeEngine(WorkerEngine):
             m.KVMapInit(identity, desc.to_dict(), layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
             cluster_token=self.config.cluster_token,  # proven at each connection, never sent
+            counts=self.metrics.signal,
         )
         self.signal.register_fd(self.wake_fd)
         self.info = WorkerInfo(Role.DECODE, http_url(self.config.public_host, self.config.port), identity,

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import aetcd
 
 from xpyd.discovery.base import RegistryError
+from xpyd.discovery.counts import EtcdOps
 from xpyd.discovery.etcd_common import (
     EXPECTED_ERRORS,
     OP_TIMEOUT,
@@ -52,7 +53,9 @@ class EtcdRegistry:
         model_id: str | None = None,
         *,
         start_timeout: float = START_TIMEOUT,
+        ops: EtcdOps | None = None,
     ) -> None:
+        """``ops``: where its etcd operations are counted (the owner's metrics; else a counter of its own)."""
         if not prefix.endswith("/"):
             raise ValueError(f"prefix must end with '/', got {prefix!r}")
         if start_timeout <= 0:
@@ -70,6 +73,7 @@ class EtcdRegistry:
         self._task: asyncio.Task | None = None
         self._healthy = False
         self._closed = False
+        self.ops = ops if ops is not None else EtcdOps()
 
     @property
     def healthy(self) -> bool:
@@ -143,12 +147,14 @@ class EtcdRegistry:
         """List the prefix, replace the map, and watch from the snapshot revision + 1."""
         self._client = self._client or connect(self._endpoint)
         prefix = self._prefix.encode()
+        self.ops.count("get_prefix")
         listing = await asyncio.wait_for(self._client.get_prefix(prefix), OP_TIMEOUT)
         entries = {}
         for kv in listing:
             info = self._parse(kv.key, kv.value)
             if info is not None:
                 entries[kv.key.decode()] = info
+        self.ops.count("watch_start")
         self._watch = await asyncio.wait_for(
             self._client.watch_prefix(prefix, start_revision=listing.header.revision + 1), OP_TIMEOUT
         )
@@ -156,6 +162,7 @@ class EtcdRegistry:
         self._replace(entries)
 
     def _apply(self, event: aetcd.Event) -> None:
+        self.ops.count("watch_event")
         key = event.kv.key.decode()
         if event.kind == aetcd.EventKind.PUT:
             info = self._parse(event.kv.key, event.kv.value)

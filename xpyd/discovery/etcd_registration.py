@@ -20,6 +20,7 @@ import time
 import aetcd
 
 from xpyd.discovery.base import RegistryError
+from xpyd.discovery.counts import EtcdOps
 from xpyd.discovery.etcd_common import (
     EXPECTED_ERRORS,
     OP_TIMEOUT,
@@ -40,8 +41,10 @@ START_TIMEOUT = 10.0  # seconds start() keeps trying before it raises
 
 class EtcdRegistration:
     def __init__(
-        self, endpoint: str, info: WorkerInfo, ttl: int = 5, *, start_timeout: float = START_TIMEOUT
+        self, endpoint: str, info: WorkerInfo, ttl: int = 5, *, start_timeout: float = START_TIMEOUT,
+        ops: EtcdOps | None = None,
     ) -> None:
+        """``ops``: where its etcd operations are counted (the worker's metrics; else a counter of its own)."""
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < MIN_TTL:
             raise ValueError(f"lease ttl must be an int >= {MIN_TTL} seconds (etcd's minimum), got {ttl!r}")
         if start_timeout <= 0:
@@ -57,6 +60,7 @@ class EtcdRegistration:
         self._task: asyncio.Task | None = None
         self._registered = False
         self._closed = False
+        self.ops = ops if ops is not None else EtcdOps()
 
     @property
     def key(self) -> str:
@@ -101,6 +105,7 @@ class EtcdRegistration:
             try:
                 client = self._client or connect(self._endpoint)
                 self._client = client
+                self.ops.count("lease_revoke")
                 await asyncio.wait_for(client.revoke_lease(self._lease_id), OP_TIMEOUT)
                 log.info("unregistered %s from etcd %s", self.key, self._endpoint)
             except Exception as e:  # noqa: BLE001 - shutting down: the lease will expire anyway
@@ -114,24 +119,29 @@ class EtcdRegistration:
     async def _register(self) -> None:
         """Grant a fresh lease and put the key under it."""
         self._client = self._client or connect(self._endpoint)
+        self.ops.count("lease_grant")
         lease = await asyncio.wait_for(self._client.lease(self._ttl), OP_TIMEOUT)
         self._lease_id = lease.id
+        self.ops.count("put")
         await asyncio.wait_for(self._client.put(self._key, self._value, lease=lease.id), OP_TIMEOUT)
         self._registered = True
 
     async def _check(self) -> None:
         """Refresh the lease; register again if it is gone, rewrite the key if it is not ours."""
         self._client = self._client or connect(self._endpoint)
+        self.ops.count("lease_refresh")
         reply = await asyncio.wait_for(self._client.refresh_lease(self._lease_id), OP_TIMEOUT)
         if reply is None or reply.TTL <= 0:
             log.warning("etcd lease of %s is gone (expired or revoked); registering again", self.key)
             self._registered = False
             await self._register()
             return
+        self.ops.count("get")
         kv = await asyncio.wait_for(self._client.get(self._key), OP_TIMEOUT)
         if kv is None or kv.lease != self._lease_id or kv.value != self._value:
             log.warning("etcd key %s is %s; writing it again", self.key,
                         "missing" if kv is None else "not ours")
+            self.ops.count("put")
             await asyncio.wait_for(
                 self._client.put(self._key, self._value, lease=self._lease_id), OP_TIMEOUT
             )

@@ -16,7 +16,8 @@ from xpyd.worker.main import EngineParts, run_worker
 def start_engine(parts: EngineParts) -> tuple[PrefillEngine, Callable[[], None]]:
     config = parts.config
     engine = PrefillEngine(parts.runner, parts.tokenizer, config, parts.transfer, parts.served)
-    server = SignalServer(config.host, config.signal_port, engine.signal_plane, peer_timeout=config.peer_timeout)
+    server = SignalServer(config.host, config.signal_port, engine.signal_plane, peer_timeout=config.peer_timeout,
+                          counts=engine.metrics.signal)
     engine.notify = server.push  # "ready" goes to the decode worker that claimed the request
     server.start()
     engine.start(host_port(config.public_host, server.port))

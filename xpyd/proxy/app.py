@@ -88,7 +88,7 @@ class Proxy:
         # cache_aware: which blocks each worker caches, fed by the poller through the CacheFeed (open()).
         self.index = PrefixIndex() if config.policy is Policy.CACHE_AWARE else None
         self.router: Router = make_router(config.policy, self.table, self.index)
-        self.metrics = ProxyMetrics()
+        self.metrics = ProxyMetrics(etcd=getattr(registry, "ops", None))  # (an etcd registry counts its calls)
         self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
         self.limit = ConcurrencyLimit(config.max_concurrent_requests)
         self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
@@ -282,6 +282,7 @@ class Proxy:
 
     def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
                failed: UpstreamError | None, keys: PromptKeys | None) -> TrackedCall:
+        began = time.perf_counter()
         try:
             # (pairs whose path failed lately are avoided while the workers have others)
             decodes = self.registry.workers(Role.DECODE)
@@ -297,7 +298,9 @@ class Proxy:
             log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
         if self.names is not None:  # (a retry on another pair names that one)
             g.xpyd_workers = self.names.pair(prefill, decode)
-        return self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
+        call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
+        self.metrics.routed(time.perf_counter() - began)
+        return call
 
     def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:
         """What the client may read of an error of ``call``: its request id named by the response's."""

@@ -12,6 +12,10 @@ xpyd_proxy_workers                         gauge      role, health=up|down: work
 xpyd_proxy_queue_waiting                   gauge      requests waiting for room on a decode worker
 xpyd_proxy_pair_failures_total             counter    requests that failed between their two workers
                                                       (the pair is then avoided: ``pairs.PairHealth``)
+xpyd_proxy_routing_seconds                 histogram  picking a request's pair and starting its calls
+                                                      (sub-millisecond buckets: ``ROUTING_BUCKETS``)
+xpyd_etcd_operations_total                 counter    role="proxy", op: the etcd registry's calls and
+                                                      watch events (``xpyd.discovery.counts``)
 =========================================  =========  ================================================
 
 One ``ProxyMetrics`` per app, with its own registry. Everything runs on the
@@ -25,13 +29,19 @@ import time
 from enum import Enum
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from werkzeug.exceptions import HTTPException
 
 from xpyd.api.openai import APIError
+from xpyd.discovery.counts import EtcdOps
 from xpyd.histograms import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
 from xpyd.proxy.upstream import UpstreamError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# A pick takes microseconds to a millisecond (cache-aware with many workers): 1-2-5 steps from 5 us to 1 s.
+ROUTING_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2,
+                   0.5, 1.0)
 
 
 class Outcome(str, Enum):
@@ -93,10 +103,25 @@ class RequestTimer:
             m._e2e.observe(time.monotonic() - self._start)
 
 
+class _EtcdCounts(Collector):
+    def __init__(self, ops: EtcdOps) -> None:
+        self._ops = ops
+
+    def collect(self):
+        family = CounterMetricFamily("xpyd_etcd_operations", "etcd operations (calls made and watch events "
+                                     "received), by kind", labels=("role", "op"))
+        for op, n in self._ops.snapshot().items():
+            family.add_metric(("proxy", op), n)
+        return [family]
+
+
 class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, etcd: EtcdOps | None = None) -> None:
+        """``etcd``: the etcd registry's operation counts (none with static workers)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        if etcd is not None:
+            r.register(_EtcdCounts(etcd))
         requests = Counter("xpyd_proxy_requests", "Client requests that ended, by endpoint and outcome",
                            ("endpoint", "outcome"), registry=r)
         self._requests = {(e, o): requests.labels(e, o.value) for e in ENDPOINTS for o in Outcome}
@@ -117,6 +142,11 @@ class ProxyMetrics:
         self._pair_failures = Counter("xpyd_proxy_pair_failures", "Requests that failed on the path between "
                                       "their prefill and decode worker (the pair is avoided for a while)",
                                       registry=r)
+        self._routing = Histogram("xpyd_proxy_routing_seconds", "Picking a request's prefill and decode worker "
+                                  "and starting its calls", buckets=ROUTING_BUCKETS, registry=r)
+
+    def routed(self, seconds: float) -> None:
+        self._routing.observe(seconds)
 
     def request(self, endpoint: str) -> RequestTimer:
         if endpoint not in ENDPOINTS:

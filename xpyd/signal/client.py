@@ -33,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from xpyd.signal import auth
 from xpyd.signal import messages as m
+from xpyd.signal.counts import INVALID, MessageCounts
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,11 @@ class PrefillPeer:
 
 class SignalClient:
     def __init__(self, identity: str, handshake: m.Handshake, kv_map: m.KVMapInit,
-                 timeout: float = 5.0, cluster_token: str | None = None) -> None:
+                 timeout: float = 5.0, cluster_token: str | None = None,
+                 counts: MessageCounts | None = None) -> None:
         """``identity``: this worker's signal address (named in its hello); ``cluster_token``: what it
-        proves, and expects each prefill worker to prove (None: neither)."""
+        proves, and expects each prefill worker to prove (None: neither); ``counts``: where the messages
+        sent and received are counted (the worker's metrics; else a counter of its own)."""
         self.identity = identity
         self.instance = auth.new_instance()  # this process (a restarted worker is a new instance)
         self._token = cluster_token
@@ -81,6 +84,7 @@ class SignalClient:
         self._by_monitor: dict[zmq.Socket, PrefillPeer] = {}
         self._failed: list[PrefillPeer] = []  # failed since the last poll()
         self._seq = itertools.count(1)
+        self.counts = counts if counts is not None else MessageCounts()
 
     # --- peers -------------------------------------------------------------
     def peer(self, addr: str) -> PrefillPeer:
@@ -157,6 +161,7 @@ class SignalClient:
         except zmq.Again:
             self._fail(p, "peer not reachable (send queue full)")
             return
+        self.counts.sent(kind)
         p.last_sent = time.monotonic()
         p.pending[seq] = (kind, p.last_sent + self._timeout)
 
@@ -229,8 +234,10 @@ class SignalClient:
         try:
             env = m.decode(frame)
         except m.MessageError as e:
+            self.counts.received(INVALID)
             self._fail(p, f"bad reply from {p.addr}: {e}")
             return
+        self.counts.received(env.msg.TYPE)
         if env.seq == 0 and isinstance(env.msg, m.Notify):  # pushed, not a reply
             replies.append((p.addr, env.msg))
             return

@@ -36,6 +36,7 @@ prompt's tokens after them (``tail``), so decode can find and extend the prefix 
 from __future__ import annotations
 
 import struct
+import typing
 from enum import Enum
 from typing import Annotated, Any
 
@@ -200,6 +201,7 @@ class ErrorReply(_Message, frozen=True, tag="error"):
 
 Message = (Hello | Challenge | Proof | AuthReply | Handshake | HandshakeReply | KVMapInit | KVMapReply | LookupAll | LookupReply | Release
            | ReleaseReply | Heartbeat | HeartbeatReply | Notify | ErrorReply)
+_TAGS = frozenset(t.__struct_config__.tag for t in typing.get_args(Message))
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -224,6 +226,17 @@ _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 _head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+class _Kind(msgspec.Struct):
+    type: Any = None
+
+
+class _KindHead(msgspec.Struct):
+    msg: _Kind = msgspec.field(default_factory=_Kind)
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_KindHead)
 
 
 def pack_hashes(hashes: list[int]) -> bytes:
@@ -291,6 +304,15 @@ def seq_of(frame: bytes) -> int:
     """Best effort: the seq of a frame that does not decode, so its refusal can be matched (else 0)."""
     seq = _peek(frame).seq
     return seq if type(seq) is int and seq >= 0 else 0
+
+
+def kind_of(frame: bytes) -> str:
+    """The wire tag of an encoded frame, for counting what was sent (``"invalid"`` if it has none)."""
+    try:
+        kind = _kind_decoder.decode(frame).msg.type
+    except (*_UNDECODABLE, msgspec.ValidationError):
+        return "invalid"
+    return kind if type(kind) is str and kind in _TAGS else "invalid"
 
 
 def _peek(frame: bytes) -> _Head:

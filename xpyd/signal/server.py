@@ -49,6 +49,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from xpyd.netaddr import bracketed, host_port, is_ipv6
 from xpyd.signal import messages as m
+from xpyd.signal.counts import INVALID, MessageCounts
 from xpyd.signal.sessions import Session, Sessions
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,11 @@ SEND_HWM = 1000  # messages queued for one decode worker's connection; a push be
 
 
 class SignalServer:
-    def __init__(self, bind_host: str, port: int, handler: SignalHandler, peer_timeout: float = 10.0) -> None:
+    def __init__(self, bind_host: str, port: int, handler: SignalHandler, peer_timeout: float = 10.0,
+                 counts: MessageCounts | None = None) -> None:
         """``peer_timeout``: a decode worker's connection that answers no ZMTP PING for this long is closed
-        (a cut link leaves it open otherwise), and with it its session."""
+        (a cut link leaves it open otherwise), and with it its session. ``counts``: where the messages sent
+        and received are counted (the worker's metrics; else a counter of its own)."""
         self._host = bind_host
         self._handler = handler
         self._token = handler.cluster_token
@@ -95,6 +98,7 @@ class SignalServer:
         os.set_blocking(self._wake_w, False)
         self.port = port
         self.undelivered = 0  # pushes that could not be sent
+        self.counts = counts if counts is not None else MessageCounts()
 
     def push(self, identity: str, msg: m.Message) -> None:
         """Send ``msg`` unsolicited (seq 0) to decode worker ``identity``'s open session; from any thread."""
@@ -183,6 +187,7 @@ class SignalServer:
         ends its session."""
         try:
             self._sock.send_multipart([routing_id, frame], zmq.NOBLOCK)
+            self.counts.sent(m.kind_of(frame))
             return None
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
@@ -233,6 +238,7 @@ class SignalServer:
         routing_id = parts[0].bytes
         if len(parts) != 2:
             log.warning("signal message with %d frames", len(parts) - 1)
+            self.counts.received(INVALID)
             replies = [m.encode(0, m.ErrorReply(f"expected one frame per message, got {len(parts) - 1}"))]
         else:
             try:
@@ -255,8 +261,10 @@ class SignalServer:
         try:
             env = m.decode(frame)
         except m.MessageError as e:
+            self.counts.received(INVALID)
             return [m.encode(m.seq_of(frame), m.ErrorReply(str(e)[:1000]))]
         msg = env.msg
+        self.counts.received(msg.TYPE)
         if isinstance(msg, m.Hello):
             return [m.encode(env.seq, self._sessions.hello(routing_id, fd, msg, frame, self._token))]
         if isinstance(msg, m.Proof):

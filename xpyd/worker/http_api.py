@@ -179,6 +179,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
     @app.before_request
     async def authenticate() -> Response | None:
         """With a cluster token: 401 on /v1/* and /xpyd/* without the cluster's bearer (nothing read yet)."""
+        engine.metrics.http_request(request.url_rule.rule if request.url_rule is not None else "unmatched")
         if gate.guards(request.path) and not gate.authorized(request.headers.get("Authorization")):
             resp = _error(APIError(401, "this worker's API needs the cluster's credential (the proxy sends it)",
                                    "authentication_error"))

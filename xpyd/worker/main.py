@@ -341,14 +341,14 @@ async def _leave_failed(config: WorkerConfig, registration, watcher, serving: as
 async def _join(config: WorkerConfig, engine, peers: PrefillPeers | None = None):
     """Watch the other role's workers, then register in etcd (we accept connections now): a decode worker
     knows the prefill workers registered before the proxy can send it a request naming one (``peers``)."""
-    watcher = EtcdRegistry(config.etcd, model_id=engine.info.model_id)
+    watcher = EtcdRegistry(config.etcd, model_id=engine.info.model_id, ops=engine.metrics.etcd)
     await watcher.start()
     peer_role = Role.DECODE if config.role == "prefill" else Role.PREFILL
     seen = {w.signal_addr for w in watcher.workers(peer_role)}
     if peers is not None and peer_role is Role.PREFILL:
         peers.update(seen)
     try:
-        registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl)
+        registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl, ops=engine.metrics.etcd)
         await registration.start()
     except BaseException:
         await watcher.close()

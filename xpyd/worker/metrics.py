@@ -26,14 +26,28 @@ xpyd_kv_blocks                             gauge      state=used|cached|free: KV
 xpyd_prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
 xpyd_prefix_cache_hits_total               counter    ... and found there (not computed / not moved)
 xpyd_kv_reuse_saved_bytes_total            counter    decode: KV bytes not transferred (prefix blocks held)
+xpyd_signal_messages_total                 counter    direction=sent|received, kind (the message's tag:
+                                                      heartbeat, lookup_all...; ``xpyd.signal.counts``)
+xpyd_etcd_operations_total                 counter    op (lease_refresh, watch_event...;
+                                                      ``xpyd.discovery.counts``)
+xpyd_http_requests_total                   counter    route: HTTP requests received (the proxy's probes,
+                                                      KV-events polls, POSTs; ``unmatched``: no route)
 =========================================  =========  ================================================
+
+The signal plane and discovery count in plain ``MessageCounts`` and ``EtcdOps`` (they know no Prometheus);
+``signal`` and ``etcd`` here are the ones the worker's signal server or client and its etcd registration and
+watcher are given, read when ``/metrics`` is rendered.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from xpyd.discovery.counts import EtcdOps
 from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
+from xpyd.signal.counts import MessageCounts
 
 QUEUE_STATES = ("waiting", "running", "transferring")
 OUTCOMES = ("finished", "failed", "aborted", "rejected")
@@ -52,6 +66,24 @@ def _pick(children: dict, value: str, what: str):
         return children[value]
     except KeyError:
         raise ValueError(f"unknown {what} {value!r}; expected one of {sorted(children)}") from None
+
+
+class _PlaneCounts(Collector):
+    """Exports the signal plane's and discovery's plain counters at each scrape."""
+
+    def __init__(self, role: str, signal: MessageCounts, etcd: EtcdOps) -> None:
+        self._role, self._signal, self._etcd = role, signal, etcd
+
+    def collect(self):
+        messages = CounterMetricFamily("xpyd_signal_messages", "Signal-plane messages sent and received, by kind",
+                                       labels=("role", "direction", "kind"))
+        for (direction, kind), n in sorted(self._signal.snapshot().items()):
+            messages.add_metric((self._role, direction, kind), n)
+        ops = CounterMetricFamily("xpyd_etcd_operations", "etcd operations (calls made and watch events "
+                                  "received), by kind", labels=("role", "op"))
+        for op, n in self._etcd.snapshot().items():
+            ops.add_metric((self._role, op), n)
+        return [messages, ops]
 
 
 class WorkerMetrics:
@@ -102,6 +134,15 @@ class WorkerMetrics:
         self._saved = Counter("xpyd_kv_reuse_saved_bytes", "KV bytes not transferred because this worker's prefix "
                               "cache held them", ("role",), registry=r).labels(role)
         self._counted = (0, 0)  # prefix-cache queries and hits already counted
+        self.signal = MessageCounts()  # given to the signal server (prefill) or client (decode)
+        self.etcd = EtcdOps()  # given to the etcd registration and watcher
+        r.register(_PlaneCounts(role, self.signal, self.etcd))
+        self._http = Counter("xpyd_http_requests", "HTTP requests received, by route", ("role", "route"),
+                             registry=r)
+
+    def http_request(self, route: str) -> None:
+        """One HTTP request received on ``route`` (the matched rule: a bounded set)."""
+        self._http.labels(self.role, route).inc()
 
     def set_queue(self, waiting: int, running: int, transferring: int) -> None:
         for state, n in zip(QUEUE_STATES, (waiting, running, transferring)):
