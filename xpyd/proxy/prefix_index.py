@@ -1,25 +1,28 @@
 """Which KV blocks each worker caches, as far as the proxy knows: the cache-aware router's map.
 
-A worker's entry is the set of block hashes it reported, plus blocks the proxy expects it to hold::
+A worker's entry is the blocks it reported, plus blocks the proxy expects it to hold::
 
     GET /xpyd/kv_events (each poll)  -> KVUpdate -> apply():
         events   ["stored", h] adds h, ["removed", h] drops it (also from the expected ones)
-        snapshot replaces the set (first poll, a restarted worker, or events it no longer has)
+        snapshot replaces its blocks (first poll, a restarted worker, or events it no longer has)
     the proxy routes a request there -> expect(): the request's blocks count as held for
                                        ``expect_seconds``, until its events confirm them
     the worker goes down or leaves   -> drop() / retain(): forgotten, and its next poll starts afresh
-    routing                          -> match(): how many leading blocks of a request's chain it holds
+    routing                          -> match_all(): how many leading blocks of a request's chain each
+                                        worker holds, in one walk down the chain (match(): one worker)
 
 Hashes are chained (``xpyd.prefix_hash``): block i's hash names every token up to its end, so a run of
-leading hits is a cached prefix. Everything runs on the proxy's event loop: no locks. Memory: about
-80 bytes per cached block per worker (a set of ints); a 100,000-block worker costs ~8 MB.
+leading hits is a cached prefix. The blocks live in ``BlockHolders`` (block hash -> bitmask of workers):
+a request costs two dict reads per block it walks, whatever the number of workers, and memory goes with
+the distinct blocks (~78 bytes each held by one worker, ~110 by several), not with (worker, block) pairs.
+Everything runs on the proxy's event loop: no locks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -27,6 +30,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.block_holders import BlockHolders
 
 EXPECT_SECONDS = 10.0  # routed blocks count as cached this long unless the worker's events confirm them
 MAX_EPOCH_CHARS = 64
@@ -84,18 +88,17 @@ class Cursor:
 
 @dataclass(eq=False, slots=True)
 class WorkerBlocks:
-    """One worker's entry."""
+    """One worker's entry: its slot in the index's block masks and what it has told the proxy."""
 
+    slot: int
     cursor: Cursor | None = None  # None: nothing heard yet (its next poll asks for a snapshot)
-    cached: set[int] = field(default_factory=set)  # as the worker reported
-    # hash -> until when it counts as held, soonest first (one TTL for all: the latest goes last)
-    expected: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    reported: int = 0  # blocks it reported it holds
+    # hash -> until when it counts as held (routed here, not confirmed yet), the latest last
+    expected: dict[int, float] = field(default_factory=dict)
 
-    def holds(self, h: int, now: float) -> bool:
-        if h in self.cached:
-            return True
-        until = self.expected.get(h)
-        return until is not None and until > now
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
 
 
 def _key(worker: WorkerInfo) -> tuple[Role, str]:
@@ -108,13 +111,19 @@ class PrefixIndex:
         if not expect_seconds >= 0:
             raise ValueError(f"expect_seconds must be >= 0, got {expect_seconds}")
         self._workers: dict[tuple[Role, str], WorkerBlocks] = {}
+        self._blocks = BlockHolders()
+        self._lapses: deque[tuple[float, WorkerBlocks, int]] = deque()  # expectations, soonest lapse first
         self._expect_seconds = expect_seconds
         self._clock = clock
 
     def entry(self, worker: WorkerInfo) -> WorkerBlocks:
         """``worker``'s entry, created empty if it has none. A poll holds on to it: ``apply`` with it
         changes nothing once the worker was dropped meanwhile."""
-        return self._workers.setdefault(_key(worker), WorkerBlocks())
+        key = _key(worker)
+        entry = self._workers.get(key)
+        if entry is None:
+            entry = self._workers[key] = WorkerBlocks(self._blocks.take(len(self._workers)))
+        return entry
 
     def get(self, worker: WorkerInfo) -> WorkerBlocks | None:
         return self._workers.get(_key(worker))
@@ -124,23 +133,41 @@ class PrefixIndex:
         (the entry is then reset, so the next poll asks for a snapshot) or the entry was dropped."""
         if self._workers.get(_key(worker)) is not entry:
             return False
+        blocks = self._blocks
         if update.snapshot is not None:
-            entry.cached = update.snapshot
-            for h in [h for h in entry.expected if h in entry.cached]:
-                del entry.expected[h]
+            self._clear(entry)
+            bit, expected = entry.bit, entry.expected
+            for h in update.snapshot:
+                blocks.add(bit, h)
+                if expected.pop(h, None) is not None:
+                    blocks.unexpect(bit, h)
+            entry.reported = len(update.snapshot)
         elif entry.cursor is None or entry.cursor.epoch != update.epoch or update.seq < entry.cursor.seq:
-            entry.cursor, entry.cached = None, set()  # events for another life of the cache, or going back
+            self._clear(entry)  # events for another life of the cache, or going back
+            entry.cursor = None
             return False
         else:
-            cached, expected = entry.cached, entry.expected
+            bit, expected = entry.bit, entry.expected
             for kind, h in update.events or ():
                 if kind == "stored":
-                    cached.add(h)
+                    entry.reported += blocks.add(bit, h)
                 else:
-                    cached.discard(h)
-                expected.pop(h, None)
+                    entry.reported -= blocks.remove(bit, h)
+                if expected.pop(h, None) is not None:
+                    blocks.unexpect(bit, h)
         entry.cursor = Cursor(update.epoch, update.seq)
         return True
+
+    def _clear(self, entry: WorkerBlocks) -> None:
+        """Forget the blocks ``entry``'s worker reported (its expected ones stay): a fresh slot."""
+        if not entry.reported:
+            return  # no block under its slot
+        blocks = self._blocks
+        blocks.retire(entry.slot, entry.expected)
+        entry.slot, entry.reported = blocks.take(len(self._workers)), 0
+        bit = entry.bit
+        for h in entry.expected:
+            blocks.expect(bit, h)
 
     def reset(self, worker: WorkerInfo) -> None:
         """Forget where ``worker``'s events were read up to: its next poll asks for a snapshot."""
@@ -154,41 +181,64 @@ class PrefixIndex:
             return
         entry = self.entry(worker)
         now = self._clock()
-        expected = entry.expected
-        while expected and next(iter(expected.values())) <= now:  # lapsed: the worker never confirmed them
-            expected.popitem(last=False)
+        self._lapse(now)
         until = now + self._expect_seconds
-        cached = entry.cached
+        blocks, bit, expected, lapses = self._blocks, entry.bit, entry.expected, self._lapses
+        held = blocks.held
         for h in hashes:
-            if h not in cached:
-                expected[h] = until
-                expected.move_to_end(h)
+            if held.get(h, 0) & bit:
+                continue
+            if expected.pop(h, None) is None:
+                blocks.expect(bit, h)
+            expected[h] = until
+            lapses.append((until, entry, h))
+
+    def _lapse(self, now: float) -> None:
+        """Expectations whose time is up no longer count (one TTL for all: the queue is in time order)."""
+        lapses, blocks = self._lapses, self._blocks
+        while lapses and lapses[0][0] <= now:
+            until, entry, h = lapses.popleft()
+            if entry.expected.get(h) == until:  # not confirmed, renewed or dropped since
+                del entry.expected[h]
+                blocks.unexpect(entry.bit, h)
+
+    def match_all(self, hashes: Sequence[int], workers: Sequence[WorkerInfo]) -> list[int]:
+        """For each of ``workers``, how many leading blocks of ``hashes`` (one request's chain) it holds:
+        one walk down the chain for all of them."""
+        self._lapse(self._clock())
+        entries = self._workers
+        bits = []
+        for w in workers:
+            entry = entries.get(_key(w))
+            bits.append(entry.bit if entry is not None else 0)
+        return self._blocks.walk(hashes, bits)
 
     def match(self, worker: WorkerInfo, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` (one request's chain) ``worker`` holds."""
-        entry = self._workers.get(_key(worker))
-        if entry is None:
-            return 0
-        now = self._clock()
-        n = 0
-        for h in hashes:
-            if not entry.holds(h, now):
-                break
-            n += 1
-        return n
+        return self.match_all(hashes, (worker,))[0]
 
     def blocks(self, worker: WorkerInfo) -> int | None:
         """Blocks ``worker`` reported it caches; None if it reported nothing yet."""
         entry = self._workers.get(_key(worker))
         if entry is None or entry.cursor is None:
             return None
-        return len(entry.cached)
+        return entry.reported
 
     def drop(self, worker: WorkerInfo) -> None:
-        self._workers.pop(_key(worker), None)
+        self._drop(_key(worker))
+
+    def _drop(self, key: tuple[Role, str]) -> None:
+        entry = self._workers.pop(key, None)
+        if entry is not None:
+            self._blocks.retire(entry.slot, entry.expected)
+            entry.expected.clear()  # (its queued lapses find nothing)
 
     def retain(self, workers: Iterable[WorkerInfo]) -> None:
         """Drop every worker not in ``workers`` (the registry's current list)."""
         keep = {_key(w) for w in workers}
         for key in [k for k in self._workers if k not in keep]:
-            del self._workers[key]
+            self._drop(key)
+
+    def nbytes(self) -> int:
+        """Bytes the block tables take (for benchmarks: walks every block)."""
+        return self._blocks.nbytes()

@@ -172,12 +172,14 @@ class CacheAwareRouter:
         loads = [max(s.load, s.in_flight) for s in up]
         least = min(loads)
         candidates = [s for s, n in zip(up, loads) if n - least <= max(s.info.capacity, 1)]  # never a hot spot
-        costs = [self.cost(s, keys) for s in candidates]
+        matched = self._index.match_all(keys.hashes, [s.info for s in candidates])  # one walk for all
+        costs = [keys.num_blocks - m + self._backlog(s, keys.block_size) for s, m in zip(candidates, matched)]
         low = min(costs)
         return self._turns.least_loaded(role, up, [s for s, c in zip(candidates, costs) if c == low])
 
     def cost(self, state: WorkerState, keys: PromptKeys) -> float:
-        """The request's cost on ``state``'s worker, in blocks: the blocks it lacks + its backlog."""
+        """The request's cost on ``state``'s worker, in blocks: the blocks it lacks + its backlog (what
+        ``pick`` weighs for each candidate)."""
         return self._missing(state.info, keys) + self._backlog(state, keys.block_size)
 
     def started(self, worker: WorkerInfo, keys: PromptKeys | None = None) -> int:
