@@ -1,21 +1,25 @@
-"""What the cache-aware router learns from the workers, at the health poller's cadence::
+"""What the cache-aware router learns from the workers, driven by the health poller::
 
-    each poller tick         -> tick(listed, up): workers that left the registry leave the index; with no
-                                tokenizer yet (or the worker it came from is gone): GET /xpyd/tokenizer
-                                from an UP worker, in the background -> PromptTokenizer (built in a thread)
-    each UP worker's probe,  -> poll(worker): GET /xpyd/kv_events?epoch=E&since=N
-    after its stats             -> events since N, or a snapshot (first poll, a new epoch, N too old)
-                                -> PrefixIndex.apply
+    each poller tick         -> tick(listed, up): workers that left the registry leave the index; every UP
+                                worker's KV event stream is followed (``kv_follow.KVStreams``), the others'
+                                streams are closed; with no tokenizer yet (or the worker it came from is
+                                gone): GET /xpyd/tokenizer from an UP worker, in the background
+                                -> PromptTokenizer (built in a thread)
+    each worker's stream     -> a snapshot or the events since the entry's cursor, then each batch of events
+                                as the worker records them -> PrefixIndex.apply (no request per interval)
+    each UP worker's probe,  -> poll(worker), only for a worker without a stream (older versions: 404; or
+    after its stats             all its streams taken: 503): GET /xpyd/kv_events?epoch=E&since=N
+                                -> events since N, or a snapshot (first poll, a new epoch, N too old)
 
-One request per UP worker per poll interval (200 ms) on top of its stats, answered with the blocks it
-stored and evicted since the last one. Measured on the proxy (2-vCPU EPYC, worker on the same host):
-0.21 ms of CPU per poll with no events (as much as the stats poll), 0.44 ms with 1,000 events (~30 KB);
-a 100,000-block snapshot (2.1 MB) 31 ms, decoded in a thread, though the decoder holds the GIL (the event
-loop waited up to 31 ms): once per worker start or resync.
+The poll, where it is used, is one request per UP worker per poll interval (200 ms) on top of its stats.
+Measured on the proxy (2-vCPU EPYC, worker on the same host): 0.21 ms of CPU per poll with no events (as much
+as the stats poll), 0.44 ms with 1,000 events (~30 KB); a 100,000-block snapshot (2.1 MB) 31 ms, decoded in a
+thread, though the decoder holds the GIL (the event loop waited up to 31 ms): once per worker start or resync.
+A stream costs nothing while its worker's cache does not change (a keep-alive line every 5 s).
 
 A failed or malformed answer never touches the worker's health (its stats do that): the worker's index
-entry waits for the next poll, which asks for a snapshot after a malformed one. Workers without these
-endpoints (older versions) answer 404: requests are then routed by load.
+entry waits for the next line or poll, which asks for a snapshot after a malformed one. Workers without these
+endpoints (older versions) answer 404 to both: requests are then routed by load.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.kv_follow import KVStreams
 from xpyd.proxy.prefix_index import KVUpdate, PrefixIndex
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
 
@@ -60,8 +65,10 @@ class CacheFeed:
         self._fetch: asyncio.Task | None = None
         self._next_fetch = 0.0
         self._attempts = 0
+        self.streams = KVStreams(index, dict(session.headers), clock)  # a pool of its own
 
     async def close(self) -> None:
+        await self.streams.close()
         if self._fetch is not None:
             self._fetch.cancel()
             with contextlib.suppress(TimeoutError):
@@ -78,6 +85,7 @@ class CacheFeed:
     def tick(self, listed: Sequence[WorkerInfo], up: Sequence[WorkerInfo]) -> None:
         """``listed``: the registry's workers; ``up``: those of them that are UP (prefill first)."""
         self.index.retain(listed)
+        self.streams.sync(up)
         if self._fetch is not None and not self._fetch.done():
             return
         if self.tokenizer is not None and self._source in {(w.role, w.http_url) for w in up}:
@@ -89,7 +97,10 @@ class CacheFeed:
         self._fetch = asyncio.create_task(self._fetch_tokenizer(worker), name="xpyd-proxy-tokenizer")
 
     async def poll(self, worker: WorkerInfo) -> None:
-        """Bring ``worker``'s index entry up to date with its KV events (never raises but on cancel)."""
+        """For a worker without a KV event stream: bring its index entry up to date with its KV events
+        (never raises but on cancel)."""
+        if not self.streams.polls(worker):
+            return
         url = worker.http_url + KV_EVENTS_PATH
         entry = self.index.entry(worker)
         cursor = entry.cursor

@@ -46,6 +46,7 @@ from xpyd.discovery.types import WorkerInfo
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.kv_events import KVEventLog
+from xpyd.worker.kv_stream import register_kv_stream
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.output import StopParams
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
@@ -227,6 +228,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         if since is not None and not since.isdigit():
             return _error(APIError(400, "since must be a non-negative integer", param="since"))
         return _json(engine.kv_events.since(request.args.get("epoch"), int(since) if since is not None else None))
+
+    register_kv_stream(app, engine.kv_events)  # GET /xpyd/kv_events/stream: the same events, pushed
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -312,6 +312,7 @@ async def _serve(config: WorkerConfig, engine, app, hc, serve, peers: PrefillPee
         await registration.close()  # the key disappears now; the proxy stops routing here
         log.info("%s worker deregistered; draining", config.role)
         await asyncio.sleep(DEREGISTER_GRACE)
+    engine.kv_events.close()  # KV event streams end (hypercorn would wait for them up to drain_timeout)
     shutdown.set()
     await serving  # hypercorn finishes in-flight HTTP requests (up to drain_timeout)
     remaining = max(0.0, config.drain_timeout - (time.monotonic() - t0))
