@@ -6,6 +6,9 @@ then `xpyd bench` with N concurrent streams through its proxy. Prints (and with 
 - memory: proportional set size (PSS: shared pages split) per process kind (prefill, decode, proxy, etcd, up),
   idle after start and again after the load;
 - the load: `xpyd bench`'s report (completed, failed, TTFT/ITL percentiles, throughput);
+- what the proxy adds, same requests (the proxy runs with --expose-worker-timing): the workers' own TTFT and
+  ITL against the client's, proxy-added TTFT p50/p99 and client/worker ITL p99 (``proxy_overhead``, and a
+  line on stderr);
 - the proxy's CPU seconds per request (its process's user + system time over the load / requests).
 
     .venv/bin/python scripts/scale_sim.py --prefill 16 --decode 48 --streams 1000 [--speedup 1] \
@@ -112,6 +115,10 @@ def _routed(url: str) -> int:
         return sum(1 for w in json.loads(r.read())["workers"] if w["health"] == "up")
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=int, default=16)
@@ -139,7 +146,7 @@ def main() -> int:
            "--prefill-port", str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m",
            "--sim-speedup", args.speedup, "--sim-kv-token-bytes", str(args.kv_token_bytes),
            "--batch-size", str(args.batch_size), "--max-queue", str(max(256, args.streams)),
-           "--max-concurrent-requests", str(max(1024, 2 * args.streams))]
+           "--max-concurrent-requests", str(max(1024, 2 * args.streams)), "--expose-worker-timing"]
     if args.profile:
         cmd += ["--sim-profile", args.profile]
     if args.prefill_wait_timeout is not None:
@@ -176,7 +183,13 @@ def main() -> int:
         cpu = _cpu_seconds(proxy) - cpu0
         rep = json.loads(report.read_text())
         result["bench"] = {k: rep.get(k) for k in ("completed", "failed", "errors", "duration_s", "requests_per_s",
-                                                    "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms")}
+                                                    "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms",
+                                                    "proxy_overhead")}
+        if (o := rep.get("proxy_overhead")) is not None:
+            print(f"proxy-added TTFT p50 {_ms(o['proxy_ttft_ms']['p50'])} ms, p99 {_ms(o['proxy_ttft_ms']['p99'])} ms; "
+                  f"ITL p99 client {_ms(o['client_itl_ms']['p99'])} ms / workers {_ms(o['worker_itl_ms']['p99'])} ms "
+                  f"= {_ms(o['itl_p99_ratio'])} ({o['requests']} requests with the workers' timing, "
+                  f"{o['missing']} without)", file=sys.stderr)
         done = (rep.get("completed") or 0) + (rep.get("failed") or 0) + 4
         result["proxy_cpu_ms_per_request"] = round(1000 * cpu / max(1, done), 3)
         result["memory_after_load"] = memory(up.pid)

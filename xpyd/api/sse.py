@@ -7,7 +7,8 @@ too but as one list per chunk (what one read completed, for a relay that forward
 Per the SSE spec (html.spec.whatwg.org, "Parsing an event stream"): lines end with CRLF, LF or CR;
 a blank line ends an event; ``data:`` loses one leading space; several ``data`` lines are joined
 with ``\\n``; an event with no ``data`` line is not dispatched; comments (``:...``) and other fields
-(``event``, ``id``, ``retry``) are skipped. Unlike the spec, an event the stream ends in (no blank
+(``event``, ``id``, ``retry``) are skipped (a parser made with ``keep`` keeps the last comment line that
+starts with it, in ``kept``: ``xpyd.api.timing``'s comment). Unlike the spec, an event the stream ends in (no blank
 line after it) is dispatched at ``close()``, as a line-by-line reader would see it; a leading BOM is
 not removed.
 
@@ -24,14 +25,16 @@ MAX_EVENT_BYTES = 1 << 20  # one event's pending bytes; more is a broken or host
 class SSEParser:
     """Incremental SSE parser: ``feed(chunk)`` -> data of the events it completed; ``close()`` at the end."""
 
-    __slots__ = ("_line", "_data", "_held", "_skip_lf", "_max")
+    __slots__ = ("_line", "_data", "_held", "_skip_lf", "_max", "_keep", "kept")
 
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES, keep: bytes | None = None) -> None:
         self._line = b""  # an unfinished line (no line ending yet)
         self._data: list[bytes] = []  # the current event's data lines
         self._held = 0  # their bytes
         self._skip_lf = False  # the last chunk ended with CR: a LF opening the next one belongs to it
         self._max = max_event_bytes
+        self._keep = keep  # comment lines starting with it are kept (the last one)
+        self.kept: bytes | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data of every event ``chunk`` completes. ValueError if one event exceeds the size limit."""
@@ -70,13 +73,17 @@ class SSEParser:
             value = value[1:] if value[:1] == b" " else value
             self._data.append(value)
             self._held += len(value)
+        elif self._keep is not None and line.startswith(self._keep):
+            self.kept = line
         # else: a comment (empty name) or a field we do not use
 
 
-async def sse_data(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES) -> AsyncIterator[bytes]:
+async def sse_data(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES,
+                   parser: SSEParser | None = None) -> AsyncIterator[bytes]:
     """The data of each event in a stream of body chunks (e.g. ``resp.content.iter_any()``).
-    Stop early inside ``contextlib.aclosing`` so the generator is closed at once."""
-    parser = SSEParser(max_event_bytes)
+    Stop early inside ``contextlib.aclosing`` so the generator is closed at once. ``parser``: one of the
+    caller's (to read its ``kept`` comment after an event); it then sets the size limit."""
+    parser = parser or SSEParser(max_event_bytes)
     async for chunk in chunks:
         for data in parser.feed(chunk):
             yield data
@@ -84,11 +91,11 @@ async def sse_data(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVEN
         yield data
 
 
-async def sse_batches(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES
-                      ) -> AsyncIterator[list[bytes]]:
+async def sse_batches(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES,
+                      parser: SSEParser | None = None) -> AsyncIterator[list[bytes]]:
     """As ``sse_data``, but the data of the events each chunk completed, together (chunks that complete
     none are skipped). Stop early inside ``contextlib.aclosing`` as well."""
-    parser = SSEParser(max_event_bytes)
+    parser = parser or SSEParser(max_event_bytes)
     async for chunk in chunks:
         events = parser.feed(chunk)
         if events:

@@ -6,8 +6,9 @@ the arrival time of every content chunk (a chunk carries one or more tokens, so 
 the end time, the generated text, the token counts from the trailing ``usage`` chunk (with
 ``usage.prompt_tokens_details.cached_tokens``, the prompt tokens the server's prefix cache had,
 when the server reports it), the workers that served it when the server names them (an xpyd proxy
-with ``--expose-worker-names``: ``x-xpyd-workers: prefill=NAME, decode=NAME``, see ``parse_workers``), or
-an error kind. Errors are returned, never raised: a benchmark counts them.
+with ``--expose-worker-names``: ``x-xpyd-workers: prefill=NAME, decode=NAME``, see ``parse_workers``), the
+workers' own timing when the server ends the stream with it (an xpyd proxy with ``--expose-worker-timing``:
+the SSE comment ``: xpyd-timing {json}``, ``xpyd.api.timing``), or an error kind. Errors are returned, never raised: a benchmark counts them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from enum import Enum
 import aiohttp
 
 from xpyd.api.responses import DONE_DATA
-from xpyd.api.sse import sse_data
+from xpyd.api.sse import SSEParser, sse_data
+from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.bench.workload import RequestSpec
 
 
@@ -87,6 +89,7 @@ class RequestResult:
     turn: int | None = None  # the spec's turn (multi-turn)
     trace_line: int | None = None  # the spec's line in the trace file (trace replay)
     workers: dict[str, str] | None = None  # {role: name} from x-xpyd-workers (None: the server did not say)
+    worker_timing: WorkerTiming | None = None  # the workers' own, from `: xpyd-timing` (None: not sent, or broken)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -204,12 +207,14 @@ class StreamingClient:
     async def _read_stream(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
         done = False
         parts: list[str] = []
-        async with contextlib.aclosing(sse_data(resp.content.iter_any())) as events:
+        parser = SSEParser(keep=COMMENT_PREFIX)
+        async with contextlib.aclosing(sse_data(resp.content.iter_any(), parser=parser)) as events:
             async for data in events:
                 now = time.perf_counter()
                 event = parse_event(data)
                 if event is DONE:
                     done = True
+                    result.worker_timing = _timing(parser.kept)
                     break
                 if "error" in event:
                     raise _StreamFailure(ErrorKind.STREAM_ERROR.value, json.dumps(event["error"])[:300])
@@ -228,6 +233,15 @@ class StreamingClient:
 
 
 DONE = object()  # the `data: [DONE]` event
+
+
+def _timing(comment: bytes | None) -> WorkerTiming | None:
+    """The workers' timing from the stream's timing comment; None without one, or for a broken one (the
+    report counts the requests without)."""
+    try:
+        return timing_of_comment(comment) if comment is not None else None
+    except ValueError:
+        return None
 
 
 def parse_event(data: bytes) -> dict | object:

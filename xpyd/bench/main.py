@@ -28,6 +28,7 @@ from xpyd.bench.client import (Endpoint, EndpointUnreachable, NotOpenAI, Request
 from xpyd.bench.config import BenchConfig, SharedPrefixConfig, StallConfig, Workload, config_from_args
 from xpyd.bench.conversation import Conversation, MultiTurnConfig, build_conversations
 from xpyd.bench.metrics import summarize, summarize_turns, summarize_workers
+from xpyd.bench.overhead import summarize_overhead
 from xpyd.bench.report import build_report, format_table, request_records, write_json
 from xpyd.bench.runner import Timed, closed_loop, conversations, open_loop, prefill_stall, timed
 from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRequests, load_trace, send_offsets, trace_stats
@@ -63,6 +64,11 @@ each answer names its workers (x-xpyd-workers: opaque names, never addresses) an
 prefill, decode or colocated worker, its requests, completed/failed, goodput (requests/s and output
 tokens/s), SLO attainment under --slo and TTFT/TPOT p50/p99 (text, and "workers" in --json). Trace replay
 too. Without the header (any other server) there is no per-worker section.
+
+What the proxy adds: against an xpyd proxy started with --expose-worker-timing, each stream ends with its
+workers' own timing (an SSE comment) and the report adds the workers' TTFT, the proxy-added TTFT (client
+minus worker, per request), the workers' ITL and the client's over the same gaps, p50/p99 and their ratio
+(text, and "proxy_overhead" in --json; per request with --include-requests).
 
 Exit status: 0 when the run completed (failed requests are reported, not fatal), 2 for bad
 arguments, 1 when the endpoint cannot be reached at all."""
@@ -351,9 +357,10 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
     turns = (summarize_turns(results, config.num_requests) if config.workload is Workload.MULTI_TURN
              else None)
     workers = summarize_workers(results, measured.duration_s, config.slo)  # None unless the server names them
+    overhead = summarize_overhead(results)  # None unless the server sends the workers' own timing
     described = config.describe() | {"model": model}
-    print(format_table(overall, classes, described, model, turns, trace, workers))
-    report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers)
+    print(format_table(overall, classes, described, model, turns, trace, workers, overhead))
+    report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers, overhead)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
     if config.json_path is not None:

@@ -16,9 +16,12 @@ index with ``completed``, ``failed``, ``ttft_ms``, ``prefix_cache``; ``first_tur
 the workers of its answers: an xpyd proxy with ``--expose-worker-names``; ``prefill``, ``decode`` and/or
 ``colocated``, each {worker name: ``requests``, ``completed``, ``failed``, ``good``, ``slo_attainment``,
 ``requests_per_s``, ``output_tokens_per_s``, ``goodput_requests_per_s``, ``goodput_output_tokens_per_s``,
-``ttft_ms``, ``tpot_ms``, ``errors``}, and ``unattributed``: requests no worker was named for), and with
-``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
-each its ``workers`` when named).
+``ttft_ms``, ``tpot_ms``, ``errors``}, and ``unattributed``: requests no worker was named for),
+``proxy_overhead`` (only when the server sent the workers' own timing: an xpyd proxy with
+``--expose-worker-timing``; ``requests``, ``missing``, ``misaligned``, ``worker_ttft_ms``, ``proxy_ttft_ms``,
+``worker_itl_ms``, ``client_itl_ms``, ``itl_p50_ratio``, ``itl_p99_ratio``, see ``xpyd.bench.overhead``), and
+with ``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
+each its ``workers`` when named and its ``worker_timing`` when sent).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from xpyd.bench.client import RequestResult
 from xpyd.bench.metrics import CacheHits, Distribution, Summary, TurnSummary, WorkerSummaries
+from xpyd.bench.overhead import Overhead, RequestOverhead
 
 SCHEMA_VERSION = 1
 
@@ -48,6 +52,11 @@ DEFINITIONS = {
     "workers": "per worker the server named (x-xpyd-workers), per role: the metrics above over the requests it "
                "served, over the run's duration_s and with the run's SLO; a request counts under its prefill "
                "and its decode worker",
+    "proxy_overhead": "the workers' own timing (--expose-worker-timing) against the client's, same requests: "
+                      "proxy_ttft = client TTFT - the TTFT of the worker that wrote the first chunk; "
+                      "worker_itl = the decode (colocated) worker's gaps between the chunks it wrote, client_itl "
+                      "= the client's gaps between the same chunks (P/D: all but token 1 -> 2); ratios: client / "
+                      "worker",
     "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
                     "the completed requests reporting cached_tokens; null when none does",
 }
@@ -118,6 +127,18 @@ def workers_dict(w: WorkerSummaries) -> dict:
     return out
 
 
+def overhead_dict(o: Overhead) -> dict:
+    return {"requests": o.requests, "missing": o.missing, "misaligned": o.misaligned,
+            "worker_ttft_ms": _dist(o.worker_ttft), "proxy_ttft_ms": _dist(o.proxy_ttft),
+            "worker_itl_ms": _dist(o.worker_itl), "client_itl_ms": _dist(o.client_itl),
+            "itl_p50_ratio": o.itl_p50_ratio, "itl_p99_ratio": o.itl_p99_ratio}
+
+
+def _request_timing(r: RequestResult) -> dict | None:
+    o = RequestOverhead.of(r)
+    return None if o is None else o.as_dict()
+
+
 def request_records(results: list[RequestResult], start: float) -> list[dict]:
     """Every request's timeline, seconds relative to the run start."""
     return [{
@@ -131,13 +152,14 @@ def request_records(results: list[RequestResult], start: float) -> list[dict]:
         "turn": r.turn,
         "trace_line": r.trace_line,
         "workers": r.workers,
+        "worker_timing": _request_timing(r),
         "error": r.error,
     } for r in results]
 
 
 def build_report(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
                  warmup_failed: int = 0, turns: TurnSummary | None = None, trace: dict | None = None,
-                 workers: WorkerSummaries | None = None) -> dict:
+                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None) -> dict:
     out = summary_dict(overall)
     out.update({
         "schema_version": SCHEMA_VERSION,
@@ -155,6 +177,8 @@ def build_report(overall: Summary, classes: dict[str, Summary], config: dict, mo
         out["trace"] = trace
     if workers is not None:
         out["workers"] = workers_dict(workers)
+    if overhead is not None:
+        out["proxy_overhead"] = overhead_dict(overhead)
     return out
 
 
@@ -236,9 +260,24 @@ def _workers_section(w: WorkerSummaries) -> list[str]:
     return lines
 
 
+def _overhead_section(o: Overhead) -> list[str]:
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    lines = ["--- what the proxy adds (the workers' own timing) ".ljust(62, "-"),
+             f"{'requests with / without':<28}{o.requests} / {o.missing}"
+             + (f" ({o.misaligned} misaligned: their gaps left out)" if o.misaligned else ""),
+             f"{'latency (ms)':<24}{'mean':>8}{'p50':>10}{'p99':>10}{'max':>10}"]
+    for name, d in (("worker TTFT", o.worker_ttft), ("proxy-added TTFT", o.proxy_ttft),
+                    ("worker ITL", o.worker_itl), ("client ITL (same gaps)", o.client_itl)):
+        lines.append(f"{name:<24}{_fmt(d.mean, 8)}{_fmt(d.p50)}{_fmt(d.p99)}{_fmt(d.max)}")
+    lines.append(f"{'ITL client / worker':<28}p50 {ratio(o.itl_p50_ratio)}, p99 {ratio(o.itl_p99_ratio)}")
+    return lines
+
+
 def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
                  turns: TurnSummary | None = None, trace: dict | None = None,
-                 workers: WorkerSummaries | None = None) -> str:
+                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None) -> str:
     if tc := config.get("trace"):
         load = f"trace {tc['path']} at {tc['time_scale']:g}x"
     elif config.get("rate") is not None:
@@ -265,6 +304,8 @@ def format_table(overall: Summary, classes: dict[str, Summary], config: dict, mo
         lines += _trace_section(trace, overall.cache)
     if workers is not None:
         lines += _workers_section(workers)
+    if overhead is not None:
+        lines += _overhead_section(overhead)
     lines.append("ITL is per streamed chunk; TPOT uses usage.completion_tokens.")
     if overall.cache.hit_rate is None:
         lines.append("prefix cache n/a: no usage.prompt_tokens_details.cached_tokens "

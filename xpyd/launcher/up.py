@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expose-worker-names", action="store_true",
                    help="proxy: name the workers that served each answer in an x-xpyd-workers header (opaque "
                         "names, never addresses) for per-worker benchmark reports")
+    p.add_argument("--expose-worker-timing", action="store_true",
+                   help="proxy: end each streamed answer with the workers' own timing (an SSE comment) for "
+                        "`xpyd bench`'s proxy-added latency")
 
 
 
@@ -188,7 +191,8 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return (out + (["--log-requests"] if args.log_requests else [])
-            + (["--expose-worker-names"] if args.expose_worker_names else []))
+            + (["--expose-worker-names"] if args.expose_worker_names else [])
+            + (["--expose-worker-timing"] if args.expose_worker_timing else []))
 
 
 def cluster_token(args: argparse.Namespace) -> str | None:

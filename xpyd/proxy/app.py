@@ -107,7 +107,8 @@ class Proxy:
     async def open(self) -> None:
         c = self.config
         self._sessions = worker_sessions(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
-        self._client = WorkerClient(self._sessions, c.connect_timeout, c.cluster_token)
+        self._client = WorkerClient(self._sessions, c.connect_timeout, c.cluster_token,
+                                    timing=c.expose_worker_timing)
         if self.index is not None:
             self._feed = CacheFeed(self._sessions.control, self.index, hash_key=hash_key(c.cluster_token))
         self._poller = HealthPoller(self.registry, self.table, self._sessions.control,
@@ -244,7 +245,7 @@ class Proxy:
                     streaming = True  # from here the body owns the call, the timer and the slot
                     call.hold(slot)
                     return stream_response(call, req, first, headers, timer, self.worker_failed,
-                                           self._public_error(call))
+                                           self._public_error(call), timing=self.config.expose_worker_timing)
                 body = await complete_body(call, req, first, timer)
                 timer.end(Outcome.OK)
                 return json_response(body, headers=headers)

@@ -32,6 +32,7 @@ import aiohttp
 
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import dumps
+from xpyd.api.timing import ASK, TIMING_HEADER
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.decode_stream import DecodeStream
@@ -112,8 +113,9 @@ class WorkerClient:
     streams and releases each over their own; with ``cluster_token``, each request id goes out signed."""
 
     def __init__(self, sessions: WorkerSessions, connect_timeout: float,
-                 cluster_token: str | None = None) -> None:
+                 cluster_token: str | None = None, timing: bool = False) -> None:
         self._sessions = sessions
+        self._ask = {TIMING_HEADER: ASK} if timing else {}  # the workers' own timing (xpyd.api.timing)
         self.connect_timeout = connect_timeout
         self._keys = ClusterKeys(cluster_token) if cluster_token is not None else None
         self._releases: set[asyncio.Task] = set()
@@ -164,7 +166,7 @@ class WorkerClient:
         return session.post(
             worker.http_url + ROUTES[kind],
             data=dumps(body),
-            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id)},
+            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id), **self._ask},
             trace_request_ctx={"sent": sent},
         )
 
@@ -175,7 +177,7 @@ class WorkerClient:
             async with await self._send(self._sessions.prefill, worker, kind, body, request_id) as resp:
                 await raise_for_status(resp, worker)
                 data = await resp.json(content_type=None)
-            return parse_first_token(data, kind)
+            return parse_first_token(data, kind, resp.headers.get(TIMING_HEADER) if self._ask else None)
 
     async def open_decode(
         self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,

@@ -5,7 +5,9 @@ This is the traditional setup disaggregation is compared against (``xpyd up
 and the worker's answer (JSON or SSE) is passed back unchanged, but for its errors: as with the P/D proxy,
 no internal address or request id reaches the client (``http_errors.Redactor``), and ``X-Request-Id`` is
 the client's own or the response id. With ``expose_worker_names`` every answer the worker gave carries
-``x-xpyd-workers: colocated=<name>`` (an opaque name: ``worker_names``).
+``x-xpyd-workers: colocated=<name>`` (an opaque name: ``worker_names``). With ``expose_worker_timing`` the
+worker is asked for its own timing of a streamed answer and its comment (``xpyd.api.timing``) is passed on;
+without, a timing comment is dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from werkzeug.exceptions import HTTPException
 from xpyd.api.identity import client_request_id
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import dumps, models_response, new_response_id
+from xpyd.api.timing import ASK, COMMENT_PREFIX, TIMING_HEADER
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
@@ -154,7 +157,9 @@ def create_colocated_app(config, url: str) -> Quart:
             body = dict(req.raw)
             body["model"] = info.model_id
             rid = RequestId.new(info.signal_addr, info.signal_addr)
-            resp = await state["session"].post(url + _PATHS[kind], json=body, headers={"X-Request-Id": str(rid)})
+            asked = {TIMING_HEADER: ASK} if config.expose_worker_timing and req.stream else {}
+            resp = await state["session"].post(url + _PATHS[kind], json=body,
+                                               headers={"X-Request-Id": str(rid), **asked})
         except APIError as e:
             timer.end(Outcome.CLIENT_ERROR if e.status < 500 else Outcome.UNAVAILABLE)
             raise
@@ -177,8 +182,11 @@ def create_colocated_app(config, url: str) -> Quart:
                       (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
             return Response(data, status=resp.status, content_type="application/json", headers=headers)
         slot.handed_off = True  # the stream now holds the place until it ends
-        return Response(_relay(resp, timer, slot, lambda d: _redacted(d, redactor, str(rid), headers["X-Request-Id"])),
-                        status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+
+        def redact(data: bytes) -> bytes:
+            return _redacted(data, redactor, str(rid), headers["X-Request-Id"])
+        return Response(_relay(resp, timer, slot, redact, timing=bool(asked)), status=200,
+                        content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     return app
 
@@ -197,11 +205,13 @@ def _redacted(data: bytes, redactor: Redactor, request_id: str, public_id: str) 
 
 
 async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot,
-                 redact: Callable[[bytes], bytes]) -> AsyncIterator[bytes]:
+                 redact: Callable[[bytes], bytes], timing: bool = False) -> AsyncIterator[bytes]:
     outcome = Outcome.ABORTED
     first = True
     try:
         async for line in resp.content:  # line by line: an error event is redacted before it is sent
+            if line.startswith(COMMENT_PREFIX) and not timing:
+                continue  # (the blank line after it goes on: an empty event, skipped by every reader)
             if line.startswith(b'data: {"error"'):
                 line = b"data: " + redact(line[6:].strip()) + b"\n"
             elif line.startswith(b"data: {"):

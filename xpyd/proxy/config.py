@@ -38,6 +38,7 @@ class ProxyConfig:
     pair_cooldown: float = 5.0  # a prefill/decode pair whose path failed is avoided this long (doubling, max 60 s)
     log_requests: bool = False  # log each dispatch: response id -> the workers' request id and both workers
     expose_worker_names: bool = False  # x-xpyd-workers on every answer: opaque names of the workers that served it
+    expose_worker_timing: bool = False  # streamed answers end with the workers' own timing (xpyd.api.timing)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -86,7 +87,7 @@ class ProxyConfig:
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")
         if self.pair_cooldown > MAX_PAIR_COOLDOWN:
             raise ValueError(f"pair_cooldown must be at most {MAX_PAIR_COOLDOWN:g} seconds, got {self.pair_cooldown}")
-        for name in ("log_requests", "expose_worker_names"):
+        for name in ("log_requests", "expose_worker_names", "expose_worker_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0 <= self.retries <= 3:

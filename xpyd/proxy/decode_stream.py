@@ -4,7 +4,8 @@
 
     relay(identity)  streaming client: each read's events as they came, for the client as they are;
                      only events that do not look like an ordinary token chunk of this response
-                     are parsed: the last one (finish_reason), the usage chunk, an error
+                     are parsed: the last one (finish_reason), the usage chunk, an error; the
+                     worker's timing comment (``xpyd.api.timing``), if any, as a block of its own at the end
     deltas()         JSON client: every event parsed into Deltas, and ``usage`` set
 
 An error event ends the stream with an UpstreamError (``in_stream_error``), and so
@@ -24,7 +25,8 @@ import aiohttp
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import DONE_DATA, chunk_head
-from xpyd.api.sse import sse_batches, sse_data
+from xpyd.api.sse import SSEParser, sse_batches, sse_data
+from xpyd.api.timing import COMMENT_PREFIX
 from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors, who
 from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
@@ -47,12 +49,14 @@ class DecodeStream:
 
         A token chunk that starts with this response's head (id, object, created, model) and has
         ``"finish_reason":null`` goes on without parsing; any other event is parsed and checked:
-        an error event raises, a chunk of another response is a 502, a finish reason is noted.
+        an error event raises, a chunk of another response is a 502, a finish reason is noted. The worker's
+        timing comment (only if it was asked for one) follows, alone in the last block.
         """
         head = chunk_head(identity.id, identity.created, identity.model, self._kind)
         finished = done = False
+        parser = SSEParser(keep=COMMENT_PREFIX)
         with upstream_errors(self._worker):
-            async with contextlib.aclosing(sse_batches(self._resp.content.iter_any())) as batches:
+            async with contextlib.aclosing(sse_batches(self._resp.content.iter_any(), parser=parser)) as batches:
                 async for batch in batches:
                     block, error = [], None
                     for data in batch:
@@ -76,6 +80,8 @@ class DecodeStream:
             await self._release()
         if not finished:
             raise self._unfinished()
+        if parser.kept is not None:
+            yield parser.kept + b"\n\n"
 
     def _check(self, data: bytes, identity: ResponseIdentity) -> bool:
         """An event off the fast path: raise if it is an error or not this response's; True if it is the last."""

@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "proxy runs (with a cluster token: in every proxy holding it), so that a benchmark "
                              "can report per worker (`xpyd bench` does); /cluster shows which worker has which "
                              "name (default: off, no header)")
+    parser.add_argument("--expose-worker-timing", action="store_true",
+                        help="end every streamed answer with an SSE comment ': xpyd-timing {json}' (clients skip "
+                             "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
+                             "tell what the proxy adds (`xpyd bench` does; default: off, the workers are not "
+                             "asked and the stream is unchanged)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -142,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         pair_cooldown=args.pair_cooldown,
         log_requests=args.log_requests,
         expose_worker_names=args.expose_worker_names,
+        expose_worker_timing=args.expose_worker_timing,
     )
 
 

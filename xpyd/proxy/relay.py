@@ -6,7 +6,8 @@ part. A streaming response goes::
 
     [role chunk (chat)] -> first token            the proxy's own chunks
     -> tokens 2..n -> [usage chunk if asked]      decode's events, passed on as they came
-    -> [DONE]
+    -> [: xpyd-timing {json}]                     with ``timing`` (--expose-worker-timing): the workers' own
+    -> [DONE]                                     (prefill's TTFT, decode's gaps; ``answer_timing``)
 
 (a request that ended on prefill: the proxy writes the usage chunk itself).
 
@@ -26,6 +27,7 @@ from quart import Response
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
+from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
@@ -51,10 +53,11 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
                     timer: RequestTimer, on_error: Callable[[APIError], None],
-                    public: Callable[[APIError], APIError]) -> Response:
+                    public: Callable[[APIError], APIError], timing: bool = False) -> Response:
     """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here. ``on_error`` sees a
-    failure as it is; the client, as ``public`` makes it."""
-    body = _stream(call, req, first, on_error, public, timer)
+    failure as it is; the client, as ``public`` makes it. ``timing``: end with the workers' timing comment
+    (without it a timing comment from decode is dropped)."""
+    body = _stream(call, req, first, on_error, public, timer, timing)
     # If the client leaves before the body starts, the generator never runs
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
@@ -70,8 +73,10 @@ def _abandon(call: PDCall, timer: RequestTimer) -> None:
 async def _stream(
     call: PDCall, req: CompletionRequest, first: FirstToken,
     on_error: Callable[[APIError], None], public: Callable[[APIError], APIError], timer: RequestTimer,
+    timing: bool = False,
 ) -> AsyncIterator[bytes]:
     kind, name = req.kind, call.identity
+    decoded: bytes | None = None
 
     def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
         return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role))
@@ -89,10 +94,15 @@ async def _stream(
             if first.text:
                 yield chunk(first.text, None)
             async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
+                if block.startswith(COMMENT_PREFIX):  # decode's timing, alone in the last block
+                    decoded = block
+                    continue
                 for _ in range(block.count(TOKEN_CHUNK_KEY)):  # its token chunks (not the usage chunk)
                     timer.token()
                 yield block
         timer.end(Outcome.OK)
+        if timing:
+            yield answer_timing(first, _timing_or_none(decoded)).comment()
         yield SSE_DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
@@ -109,3 +119,25 @@ async def _stream(
     finally:
         timer.end(Outcome.ABORTED)  # no-op unless the client went away
         await call.aclose()
+
+
+def answer_timing(first: FirstToken, decoded: WorkerTiming | None) -> WorkerTiming:
+    """The workers' own timing of a P/D answer, as the client saw it: TTFT from the worker that wrote the
+    client's first content chunk (prefill, unless its token had no text), the gaps from decode's chunks."""
+    prefill = first.timing
+    if first.text or first.finish_reason is not None:
+        ttft = prefill.ttft_us if prefill is not None and first.text else None
+        if decoded is None:
+            return WorkerTiming(ttft_us=ttft)
+        return WorkerTiming(ttft_us=ttft, gaps_us=decoded.gaps_us, gaps=decoded.gaps)
+    return decoded if decoded is not None else WorkerTiming()
+
+
+def _timing_or_none(block: bytes | None) -> WorkerTiming | None:
+    if block is None:
+        return None
+    try:
+        return timing_of_comment(block)
+    except ValueError:  # a worker's broken comment never fails an answer: its timing is left out
+        log.debug("a decode worker's timing comment is malformed: %r", block[:200])
+        return None

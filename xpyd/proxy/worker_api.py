@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from xpyd.api.identity import WIRE_KEY, ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.api.timing import WorkerTiming, decode_timing
 from xpyd.discovery.types import WorkerInfo
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -37,6 +38,7 @@ class FirstToken:
     text: str  # as it should be shown to the client; may be "" (held back)
     finish_reason: str | None  # not None: the request ended on prefill
     usage: Usage
+    timing: WorkerTiming | None = None  # prefill's own (X-Xpyd-Timing), when the proxy asked for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +85,20 @@ def parse_usage(d: dict) -> Usage:
     return Usage(prompt, completion, cached)
 
 
-def parse_first_token(data: dict, kind: RequestKind) -> FirstToken:
-    """Prefill's JSON answer."""
+def parse_first_token(data: dict, kind: RequestKind, timing: str | None = None) -> FirstToken:
+    """Prefill's JSON answer, and its ``X-Xpyd-Timing`` header if any (a malformed one is left out: it
+    never fails a request)."""
     choice = data["choices"][0]
     text = choice["message"]["content"] if kind is RequestKind.CHAT else choice["text"]
+    try:
+        own = decode_timing(timing) if timing is not None else None
+    except ValueError:
+        own = None
     return FirstToken(
         text=_str_or_none(text) or "",
         finish_reason=_str_or_none(choice.get("finish_reason")),
         usage=parse_usage(data["usage"]),
+        timing=own,
     )
 
 

@@ -54,6 +54,7 @@ from xpyd.model.sampling_params import SamplingParams
 from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, prompt_length_unrendered
 from xpyd.signal.request_id import RequestId
 from xpyd.worker.request_gate import REQUEST_ID_HEADER, PrefillPeers, RequestGate
+from xpyd.worker.timing import TIMING_HEADER, AnswerClock
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         return _error(APIError(500, f"internal error in the {config.role} worker", "server_error"))
 
     async def _generate(kind: RequestKind) -> Response:
+        clock = AnswerClock.asked(request.headers.get(TIMING_HEADER))  # (xpyd.api.timing)
         try:  # first: a forged id connects nothing and queues nothing
             rid = await gate.admit(request.headers.get(REQUEST_ID_HEADER))
         except APIError as e:
@@ -310,7 +312,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         else:  # the proxy's name; its stream has its own role chunk
             shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
         if req.stream:
-            gen = stream_events(engine, rid, shape, sink, single_event)
+            gen = stream_events(engine, rid, shape, sink, single_event, clock)
             resp = Response(gen, mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.timeout = None
@@ -327,8 +329,11 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
                 finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
                 cached = ev.cached_tokens
             ended = True
-            return _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
+            resp = _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
                                              prompt_tokens, completion_tokens, cached))
+            if clock is not None:
+                resp.headers[TIMING_HEADER] = clock.header()
+            return resp
         finally:
             if not ended:  # the client went away: drop the request everywhere
                 engine.abort(rid)
@@ -379,18 +384,18 @@ def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
 
 
 def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink,
-                  single_event: bool) -> AsyncIterator[bytes]:
+                  single_event: bool, clock: AnswerClock | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
     request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
     cancelled between returning the response and its first iteration), when the generator object goes."""
     ended = _Ended()
-    gen = _stream(engine, rid, shape, sink, single_event, ended)
+    gen = _stream(engine, rid, shape, sink, single_event, ended, clock)
     weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
     return gen
 
 
 async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
-                  ended: _Ended) -> AsyncIterator[bytes]:
+                  ended: _Ended, clock: AnswerClock | None) -> AsyncIterator[bytes]:
     prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
@@ -404,10 +409,14 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 return
             prompt_tokens, completion_tokens, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
             if ev.text or ev.finish_reason is not None:
+                if clock is not None and ev.text:
+                    clock.chunk()
                 yield shape.chunk(ev.text, ev.finish_reason)
         ended.value = True
         if shape.include_usage:
             yield shape.usage(prompt_tokens, completion_tokens, cached)
+        if clock is not None:
+            yield clock.comment()
         yield SSE_DONE
     finally:
         _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere
