@@ -1,7 +1,7 @@
 """What a socket backend (tcp, shm) holds from ``register()`` to ``close()``, apart from its pool.
 
 One ``Endpoint`` per backend: its lock and closed flag, the listener and the close pipe (written once
-by ``close()`` to wake every poll), its threads (``listener.Threads``), its per-peer sender queues
+by ``close()`` to wake every poll), its threads (``listener.Threads``), its per-peer sender lanes
 (``sender.Senders``) and its two transfer tables (``table.TransferTable``): ``sending`` and
 ``expected``, and a count of the transfers it refused to open (``refuse``: no or a wrong MAC, an id
 not expected, ...). The backend keeps the pool and what it does with the bytes.
@@ -26,13 +26,14 @@ from xpyd.transfer.table import Transfer, TransferTable
 class Endpoint:
     """The lifecycle and bookkeeping of one socket backend; its public methods lock as they need."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: int = 1) -> None:
+        """``lanes``: sender lanes per peer address (``sender.Senders``)."""
         self.lock = threading.Lock()  # guards closed, listener, wake, threads, senders
         self.closed = False
         self.listener: socket.socket | None = None
         self.wake: tuple[int, int] | None = None  # pipe; written once by close() to wake every poll
         self.threads = Threads()
-        self.senders = Senders()
+        self.senders = Senders(lanes)
         self.sending = TransferTable("is already being sent")
         self.expected = TransferTable("is already expected")
         self.refused = 0  # frames that opened a transfer and were refused (see ``refuse``)
@@ -87,9 +88,7 @@ class Endpoint:
 
     def forget_peer(self, address: str) -> None:
         with self.lock:
-            queue = self.senders.forget(address)
-        if queue is not None:
-            queue.put(None)
+            self.senders.forget(address)
 
     def close(self, join_timeout: float) -> bool:
         """Stop every thread, fail every tracked transfer, close the listener; False if already closed.
@@ -101,12 +100,10 @@ class Endpoint:
                 return False
             self.closed = True
             threads = self.threads.take()
-            queues = self.senders.take()
+            self.senders.take()  # (a None for each lane; one busy on its socket wakes on the close pipe)
             recs = self.expected.take() + self.sending.take()
         if self.wake is not None:
             os.write(self.wake[1], b"x")
-        for queue in queues:
-            queue.put(None)
         for t in threads:
             t.join(timeout=join_timeout)
         for rec in recs:

@@ -51,7 +51,7 @@ from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
 from xpyd.transfer.parallel_copy import ParallelCopy, default_threads
 from xpyd.transfer.pull import offer_on_board, serve_offers
-from xpyd.transfer.sender import connect, send_loop
+from xpyd.transfer.sender import LANES, connect, send_loop
 from xpyd.transfer.shm_board import Board, BoardView
 from xpyd.transfer.shm_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer
@@ -115,7 +115,7 @@ class ShmTransferBackend:
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
-        self._endpoint = Endpoint()
+        self._endpoint = Endpoint(LANES)
         self._door = Door()
         self._segment: shm_segment.Segment | None = None
         self._board: Board | None = None  # (sender) at the end of the segment, after the pool

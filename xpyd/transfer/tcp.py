@@ -45,7 +45,7 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.sender import connect, send_loop
+from xpyd.transfer.sender import LANES, connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
@@ -133,7 +133,7 @@ class TcpTransferBackend:
         self.connect_timeout, self.io_timeout, self.stall_timeout = connect_timeout, io_timeout, stall_timeout
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._endpoint = Endpoint()
+        self._endpoint = Endpoint(LANES)
         self._door = Door()
         self._buffer: memoryview | None = None
         self._descriptor: BackendDescriptor | None = None
