@@ -8,7 +8,7 @@ workers, and an oracle routes the same trace in a second replay. Prints (and wit
   received); the router's against the oracle's, and their ratio;
 - load: requests assigned to each worker, max / mean per role (and prefill tokens computed, max / mean);
 - routing time per request: ``time.perf_counter`` around prefill pick + started and decode pick + started,
-  p50 / p99 / max;
+  p50 / p99 / max (and the same in the thread's CPU time, which a busy machine's preemptions do not add to);
 - index memory: ``PrefixIndex.nbytes()`` (its block tables, every int object counted once), the distinct
   blocks and the (worker, block) pairs it holds, at the end of the replay.
 
@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRecord, load_trace  # noqa: E402
+from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRecord, load_trace, trace_stats  # noqa: E402
 from xpyd.discovery.types import Role, WorkerInfo  # noqa: E402
 from xpyd.proxy.prefix_index import KVUpdate, PrefixIndex, PromptKeys  # noqa: E402
 from xpyd.proxy.routing import CacheAwareRouter  # noqa: E402
@@ -169,6 +169,7 @@ def replay(records: list[TraceRecord], args: argparse.Namespace, oracle: bool) -
     hits = {Role.PREFILL: 0, Role.DECODE: 0}
     blocks = route_s = feed_s = 0.0
     times: list[float] = []
+    cpu: list[float] = []  # the same in this thread's CPU time (a busy machine's preemptions left out)
     t_first = records[0].timestamp_ms
     for i, r in enumerate(records):
         now = (r.timestamp_ms - t_first) / 1000.0 / args.time_scale
@@ -189,12 +190,13 @@ def replay(records: list[TraceRecord], args: argparse.Namespace, oracle: bool) -
             d = picker.pick(Role.DECODE, decodes, hashes)
             td = table.started(d.info)
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             pi = router.pick(Role.PREFILL, [s.info for s in prefills], keys)
             tp = router.started(pi, keys)
             di = router.pick(Role.DECODE, [s.info for s in decodes], keys)
             td = router.started(di, keys)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             p, d = by_url[(Role.PREFILL, pi.http_url)], by_url[(Role.DECODE, di.http_url)]
         hit_p, hit_d = p.prefix(hashes), d.prefix(hashes)
         hits[Role.PREFILL] += hit_p
@@ -218,6 +220,7 @@ def replay(records: list[TraceRecord], args: argparse.Namespace, oracle: bool) -
     }
     if not oracle:
         times.sort()
+        cpu.sort()
         t0 = time.perf_counter()
         nbytes = index.nbytes()
         out.update({
@@ -225,6 +228,8 @@ def replay(records: list[TraceRecord], args: argparse.Namespace, oracle: bool) -
             "route_ms_p99": 1000 * times[min(len(times) - 1, int(len(times) * 0.99))],
             "route_ms_max": 1000 * times[-1],
             "route_ms_mean": 1000 * statistics.fmean(times),
+            "route_cpu_ms_p50": 1000 * cpu[len(cpu) // 2],
+            "route_cpu_ms_p99": 1000 * cpu[min(len(cpu) - 1, int(len(cpu) * 0.99))],
             "feed_s": feed_s, "fill_s": fill_s,
             "index_bytes": nbytes, "index_bytes_s": time.perf_counter() - t0,
             "index_distinct_blocks": len(index._blocks.held),
@@ -260,7 +265,8 @@ def main() -> int:
     if args.fill is None:
         args.fill = args.capacity
     records = load_trace(args.trace, MOONCAKE_BLOCK_SIZE, args.max_requests)
-    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "requests": len(records)}
+    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "requests": len(records),
+                    "trace_prefix_sharing_ratio": trace_stats(records, MOONCAKE_BLOCK_SIZE).prefix_sharing_ratio}
     result["router"] = replay(records, args, oracle=False)
     if not args.no_oracle:
         result["oracle"] = replay(records, args, oracle=True)
@@ -268,7 +274,8 @@ def main() -> int:
         result["prefill_hit_ratio"] = result["router"]["prefill_hit_rate"] / oracle_hit if oracle_hit else None
     r = result["router"]
     print(f"{len(records)} requests, {args.prefill}P{args.decode}D, {args.capacity} blocks/worker "
-          f"({args.fill} pre-filled), report lag {args.report_lag}s")
+          f"({args.fill} pre-filled), report lag {args.report_lag}s; the trace's own prefix sharing "
+          f"(an unbounded cache's hit rate) {result['trace_prefix_sharing_ratio']:.4f}")
     for name in ("router", "oracle"):
         if name in result:
             x = result[name]
@@ -279,7 +286,8 @@ def main() -> int:
     if result.get("prefill_hit_ratio") is not None:
         print(f"router / oracle prefill hit rate: {result['prefill_hit_ratio']:.4f}")
     print(f"routing per request: p50 {r['route_ms_p50']:.3f} ms, p99 {r['route_ms_p99']:.3f} ms, "
-          f"max {r['route_ms_max']:.3f} ms; index {r['index_bytes'] / 2**20:.1f} MiB for "
+          f"max {r['route_ms_max']:.3f} ms (CPU time p50 {r['route_cpu_ms_p50']:.3f} ms, p99 "
+          f"{r['route_cpu_ms_p99']:.3f} ms); index {r['index_bytes'] / 2**20:.1f} MiB for "
           f"{r['index_distinct_blocks']} distinct blocks ({r['index_bytes_per_distinct_block']:.0f} B each), "
           f"{r['index_pairs']} (worker, block) pairs")
     print(json.dumps(result, indent=1))
