@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_calibrate.main(argv[2:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command:>7} %(levelname)s %(message)s",
+    label = args.command
+    if args.command == "proxy":
+        from xpyd.proxy.processes import process_label
+
+        label = process_label() or label  # proxy.i: one of `xpyd proxy --workers N`
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label:>7} %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
         if args.command == "up":
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "proxy":
             from xpyd.proxy import main as proxy_main
 
-            proxy_main.run(args)
+            proxy_main.run(args, argv[argv.index("proxy") + 1:])
             return 0
         from xpyd.worker.config import config_from_args
 

@@ -44,7 +44,7 @@ def listen_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=backlog)
 
 
-def reserve_tcp(host: str, port: int) -> socket.socket:
+def reserve_tcp(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` but not yet listening, for a server that starts later
     (hypercorn takes it as ``fd://N`` and listens on it).
 
@@ -53,10 +53,13 @@ def reserve_tcp(host: str, port: int) -> socket.socket:
     local end of any outgoing connection, or of a readiness probe connecting to itself (a TCP
     self-connect, possible for ports in the ephemeral range), and the server's own bind then fails. Until
     the server listens, connections are refused as before. Raises ``OSError`` (``EADDRINUSE``).
+    ``reuse_port``: SO_REUSEPORT, for processes that all listen on the port (``xpyd proxy --workers``).
     """
     sock = socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
         sock.bind((host, port))
     except BaseException:

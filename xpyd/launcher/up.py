@@ -100,6 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {_RESTART.backoff:g}, at most --max-restart-backoff)")
     p.add_argument("--max-restart-backoff", type=float, default=_RESTART.max_backoff, metavar="SECONDS",
                    help=f"longest wait before a restart (default {_RESTART.max_backoff:g})")
+    p.add_argument("--proxy-workers", type=int, default=None, metavar="N",
+                   help="proxy: N processes on the proxy's port (`xpyd proxy --workers N`; default 1)")
     p.add_argument("--log-requests", action="store_true",
                    help="proxy: log each request's response id with the workers' request id and both workers")
     p.add_argument("--expose-worker-names", action="store_true",
@@ -190,6 +192,8 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
     for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if args.proxy_workers is not None:
+        out += ["--workers", str(args.proxy_workers)]
     return (out + (["--log-requests"] if args.log_requests else [])
             + (["--expose-worker-names"] if args.expose_worker_names else [])
             + (["--expose-worker-timing"] if args.expose_worker_timing else []))

@@ -95,7 +95,7 @@ class Proxy:
         self.pairs = PairHealth(base=config.pair_cooldown)
         self.redactor = Redactor(lambda: [w for role in Role for w in self.registry.workers(role)])
         self.inflight = InFlight(self.router, self.pairs, on_end=self.queue.wake)
-        self.names = WorkerNames(config.cluster_token) if config.expose_worker_names else None
+        self.names = WorkerNames(config.cluster_token, config.names_key) if config.expose_worker_names else None
         self.table.on_down(self.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
             self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))

@@ -38,6 +38,7 @@ class ProxyConfig:
     pair_cooldown: float = 5.0  # a prefill/decode pair whose path failed is avoided this long (doubling, max 60 s)
     log_requests: bool = False  # log each dispatch: response id -> the workers' request id and both workers
     expose_worker_names: bool = False  # x-xpyd-workers on every answer: opaque names of the workers that served it
+    names_key: bytes | None = field(default=None, repr=False)  # names' key without a token (--workers: shared)
     expose_worker_timing: bool = False  # streamed answers end with the workers' own timing (xpyd.api.timing)
 
     def __post_init__(self) -> None:

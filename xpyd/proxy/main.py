@@ -27,6 +27,7 @@ from xpyd.netaddr import fd_bind, host_port, reserve_tcp
 from xpyd.proxy.app import create_app
 from xpyd.proxy.client import worker_headers
 from xpyd.proxy.config import ProxyConfig, default_policy
+from xpyd.proxy.processes import MAX_WORKERS, NAMES_KEY_ENV, process_label, run_processes
 from xpyd.proxy.routing import Policy
 
 log = logging.getLogger("xpyd.proxy")
@@ -109,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
                              "tell what the proxy adds (`xpyd bench` does; default: off, the workers are not "
                              "asked and the stream is unchanged)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="run N proxy processes on the one port (SO_REUSEPORT: the kernel spreads "
+                             "connections over them), each with its own event loop, worker discovery, health "
+                             "polls and cache index (fed by its own KV event streams); SIGTERM/SIGINT stops all "
+                             "(default: %(default)s)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -125,6 +131,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise ValueError("--colocated cannot be combined with --etcd/--prefill/--decode")
     if args.colocated is None and args.etcd is None and not (args.prefill and args.decode):
         raise ValueError("give --etcd HOST:PORT, or at least one --prefill and one --decode URL")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise ValueError(f"--workers must be in 1..{MAX_WORKERS}, got {args.workers}")
+    names_key = os.environ.get(NAMES_KEY_ENV)  # (from the parent of `--workers N`)
+    try:
+        key = bytes.fromhex(names_key) if names_key else None
+    except ValueError:
+        raise ValueError(f"${NAMES_KEY_ENV} is not hex") from None
     return ProxyConfig(
         host=args.host,
         port=args.port,
@@ -147,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         pair_cooldown=args.pair_cooldown,
         log_requests=args.log_requests,
         expose_worker_names=args.expose_worker_names,
+        names_key=key,
         expose_worker_timing=args.expose_worker_timing,
     )
 
@@ -173,10 +187,10 @@ async def _start_registry(registry: Registry, config: ProxyConfig) -> None:
                             f"(etcd {config.etcd})") from None
 
 
-def _reserve_port(config: ProxyConfig) -> socket.socket:
+def _reserve_port(config: ProxyConfig, reuse_port: bool = False) -> socket.socket:
     """The proxy's port, bound before discovery starts (``netaddr.reserve_tcp``); RegistryError if taken."""
     try:
-        return reserve_tcp(config.host, config.port)
+        return reserve_tcp(config.host, config.port, reuse_port)
     except OSError as e:
         raise RegistryError(f"cannot listen on {host_port(config.host, config.port)}: {e.strerror or e}") from None
 
@@ -189,10 +203,10 @@ def _hypercorn_config(sock: socket.socket) -> HypercornConfig:
     return hc
 
 
-async def serve_proxy(config: ProxyConfig, stop: asyncio.Event) -> None:
-    """Discover the workers, then serve until ``stop`` is set."""
+async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool = False) -> None:
+    """Discover the workers, then serve until ``stop`` is set; ``reuse_port``: one of ``--workers N``."""
     address = host_port(config.host, config.port)
-    sock = _reserve_port(config)
+    sock = _reserve_port(config, reuse_port)
     if config.colocated_url is not None:
         from xpyd.proxy.colocated import create_colocated_app
 
@@ -235,16 +249,23 @@ async def _main(config: ProxyConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve_proxy(config, stop)
+    await serve_proxy(config, stop, reuse_port=process_label() is not None)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    """``argv``: the command line's arguments after ``proxy`` (``--workers N`` starts children with them)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ValueError as e:
         sys.exit(f"xpyd proxy: {e}")
+    if args.workers > 1:
+        try:
+            sys.exit(run_processes(args.workers, sys.argv[1:] if argv is None else argv, config.host, config.port,
+                                   names_key=config.cluster_token is None))
+        except OSError as e:
+            sys.exit(f"xpyd proxy: cannot serve on {host_port(config.host, config.port)}: {e.strerror or e}")
     try:
         asyncio.run(_main(config))
     except RegistryError as e:

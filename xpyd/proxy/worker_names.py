@@ -6,8 +6,9 @@ carries ``x-xpyd-workers: prefill=<name>, decode=<name>`` (``colocated=<name>`` 
 pair that answered (a request retried on another pair names the last). A name is the role's letter (``p``,
 ``d``, ``c``) and 8 hex digits of an HMAC-SHA256 of the worker's registry identity (its role and HTTP URL, what
 ``WorkerTable`` keys workers by). The HMAC's key comes from the cluster token when there is one (every proxy
-holding it names a worker alike: replicas agree), else it is random per proxy process (a name still stands
-for its worker as long as the proxy runs, but cannot be recomputed from a guessed address by anyone). Two
+holding it names a worker alike: replicas agree), else it is random per proxy (a name still stands
+for its worker as long as the proxy runs, but cannot be recomputed from a guessed address by anyone; the
+processes of ``xpyd proxy --workers N`` are given one by their parent). Two
 workers whose 8 digits collide: the later one seen gets 16 (names never change once given). Off by default:
 no header at all.
 """
@@ -34,11 +35,14 @@ class WorkerNames:
 
     __slots__ = ("_key", "_names", "_taken")
 
-    def __init__(self, cluster_token: str | None = None) -> None:
+    def __init__(self, cluster_token: str | None = None, key: bytes | None = None) -> None:
+        """``key``: without a cluster token, the HMAC's key (default: a random one)."""
         if cluster_token is not None and (not isinstance(cluster_token, str) or not cluster_token):
             raise ValueError("the cluster token must be a non-empty string")
+        if key is not None and len(key) < 16:
+            raise ValueError("a worker-names key must be at least 16 bytes")
         self._key = (hmac.new(cluster_token.encode("utf-8", "surrogatepass"), _KEY_LABEL, hashlib.sha256).digest()
-                     if cluster_token is not None else os.urandom(32))
+                     if cluster_token is not None else key or os.urandom(32))
         self._names: dict[tuple[str, str], str] = {}  # (role, http_url) -> name
         self._taken: set[str] = set()
 
