@@ -46,3 +46,12 @@ def test_the_names_key_comes_from_the_parent_and_workers_is_bounded(monkeypatch)
     assert proxy_main.config_from_args(_args()).names_key is None
     with pytest.raises(ValueError, match="--workers"):
         proxy_main.config_from_args(_args("--workers", "0"))
+
+
+def test_up_passes_proxy_workers_on():
+    from xpyd.launcher import up as launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    assert launcher._proxy_options(parser.parse_args(["--proxy-workers", "3"]))[-2:] == ["--workers", "3"]
+    assert "--workers" not in launcher._proxy_options(parser.parse_args([]))

@@ -3,7 +3,9 @@
     UP worker   -> GET /xpyd/stats -> 200: its load is reported
                                    -> refused / 5xx: DOWN
                                    -> other status or a bad body: no stats (the proxy counts alone)
-                   then, with a CacheFeed (cache-aware routing), its KV events: ``CacheFeed.poll``
+                   then, with a CacheFeed (cache-aware routing), its KV events if it has no stream for
+                   them (an older worker): ``CacheFeed.poll``; each tick tells the feed which workers are
+                   UP, so that it follows their streams (``xpyd.proxy.kv_follow``)
     DOWN worker -> GET /health     -> 200: UP again
 
 Each tick first syncs the table with the registry, so workers that left are
