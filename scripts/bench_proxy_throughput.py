@@ -106,9 +106,12 @@ class Proc:
                 self.popen.wait()
 
 
-def start(name: str, argv: list[str], url: str, work: Path) -> Proc:
+def start(name: str, argv: list[str], url: str, work: Path, src: str | None = None) -> Proc:
+    """``src``: a folder holding another ``xpyd`` package to run instead of this checkout's."""
     log = work / f"{name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
+    if src is not None:
+        env["PYTHONPATH"] = src
     popen = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                              start_new_session=True)
     return Proc(name, popen, log, url)
@@ -137,7 +140,7 @@ def start_workers(args: argparse.Namespace, work: Path) -> tuple[list[Proc], lis
 
 
 def start_proxy(kind: str, args: argparse.Namespace, prefills: list[Proc], decodes: list[Proc], port: int,
-                work: Path, n: int) -> Proc:
+                work: Path, n: int, src: str | None = None) -> Proc:
     urls = [a for w in prefills for a in ("--prefill", w.url)] + [a for w in decodes for a in ("--decode", w.url)]
     if kind == REFERENCE:
         argv = [PY, str(ROOT / "scripts/reference_proxy.py"), "--port", str(port), *urls]
@@ -148,7 +151,7 @@ def start_proxy(kind: str, args: argparse.Namespace, prefills: list[Proc], decod
             argv += ["--policy", args.policy]
         if n > 1:
             argv += ["--workers", str(n)]
-    proxy = start(f"{kind}{n}-{port}", argv, f"http://127.0.0.1:{port}", work)
+    proxy = start(f"{kind}{n}-{port}", argv, f"http://127.0.0.1:{port}", work, src)
     proxy.wait_healthy(60)
     return proxy
 
@@ -164,18 +167,29 @@ def bench(url: str, requests: int, args: argparse.Namespace, report: Path) -> di
 
 
 def run_one(label: str, kind: str, n: int, args: argparse.Namespace, workers: list[Proc], prefills: list[Proc],
-            decodes: list[Proc], work: Path) -> dict:
+            decodes: list[Proc], work: Path, src: str | None = None) -> dict:
     port = _free_run(1, 23000)
-    proxy = start_proxy(kind, args, prefills, decodes, port, work, n)
+    proxy = start_proxy(kind, args, prefills, decodes, port, work, n, src)
+    spy: subprocess.Popen | None = None
     try:
         if args.warmup:
             bench(proxy.url, args.warmup, args, work / f"{label}-warmup.json")
         pids = _tree(proxy.popen.pid)  # (with --workers N: the processes that serve)
         wpids = [q for w in workers for q in _tree(w.popen.pid)]
+        out = f"{args.py_spy}.{label.rsplit('-r', 1)[0]}.txt"
+        if args.py_spy and not Path(out).exists():  # (each proxy's first run)
+            spy = subprocess.Popen([str(ROOT / ".venv/bin/py-spy"), "record", "--pid", str(proxy.popen.pid),
+                                    "--subprocesses", "--threads", "--rate", "250", "--format", "raw", "--output",
+                                    out], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+            time.sleep(1)  # (attached)
         cpu0, wcpu0 = cpu_seconds(pids), cpu_seconds(wpids)
         rep = bench(proxy.url, args.requests, args, work / f"{label}.json")
         cpu, wcpu = cpu_seconds(pids) - cpu0, cpu_seconds(wpids) - wcpu0
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
         proxy.stop()
     completed = rep.get("completed") or 0
     return {"proxy": label, "processes": len(pids), "completed": completed, "failed": rep.get("failed"),
@@ -202,6 +216,8 @@ def summarize(runs: list[dict], labels: list[str]) -> dict:
     for label in labels:
         if label.startswith("xpyd-w") and one.get("rps"):
             out[label]["rps_vs_xpyd_w1"] = round(out[label]["rps"] / one["rps"], 2)
+        if label == "xpyd-base" and out[label].get("rps_per_core"):
+            one["rps_per_core_vs_base"] = round(one["rps_per_core"] / out[label]["rps_per_core"], 2)
     return out
 
 
@@ -220,12 +236,22 @@ def main() -> int:
     ap.add_argument("--xpyd-workers", default="1",
                     help="comma-separated --workers counts of xpyd proxy to measure, e.g. 1,2 (default: 1)")
     ap.add_argument("--no-reference", action="store_true", help="measure xpyd proxy only")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also measure xpyd proxy (--workers 1) from the xpyd package in DIR (e.g. a copy of the "
+                         "package before a change: DIR/xpyd/...), as 'xpyd-base', for a before/after in one run")
+    ap.add_argument("--py-spy", default=None, metavar="PREFIX",
+                    help="sample each proxy's first measured run with py-spy (pip install py-spy) into "
+                         "PREFIX.<proxy>.txt (collapsed stacks; its CPU time is not in the numbers, but it slows "
+                         "the proxy)")
     ap.add_argument("--json", default=None, help="write the runs and the summary here")
     args = ap.parse_args()
 
-    proxies = [("xpyd" if n == 1 else f"xpyd-w{n}", "xpyd", n) for n in map(int, args.xpyd_workers.split(","))]
+    proxies: list[tuple[str, str, int, str | None]] = [
+        ("xpyd" if n == 1 else f"xpyd-w{n}", "xpyd", n, None) for n in map(int, args.xpyd_workers.split(","))]
+    if args.baseline:
+        proxies.append(("xpyd-base", "xpyd", 1, str(Path(args.baseline).resolve())))
     if not args.no_reference:
-        proxies.append((REFERENCE, REFERENCE, 1))
+        proxies.append((REFERENCE, REFERENCE, 1, None))
     work = Path(tempfile.mkdtemp(prefix="xpyd-proxy-tput-"))
     workers: list[Proc] = []
     runs: list[dict] = []
@@ -233,8 +259,8 @@ def main() -> int:
         prefills, decodes = start_workers(args, work)
         workers = [*prefills, *decodes]
         for r in range(args.rounds):
-            for label, kind, n in (proxies if r % 2 == 0 else proxies[::-1]):
-                run = run_one(f"{label}-r{r}", kind, n, args, workers, prefills, decodes, work)
+            for label, kind, n, src in (proxies if r % 2 == 0 else proxies[::-1]):
+                run = run_one(f"{label}-r{r}", kind, n, args, workers, prefills, decodes, work, src)
                 run["proxy"] = label
                 runs.append(run)
                 print(json.dumps(run), flush=True)
@@ -242,7 +268,7 @@ def main() -> int:
         for w in workers:
             w.stop()
     result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "cores": os.cpu_count(),
-              "runs": runs, "summary": summarize(runs, [label for label, _, _ in proxies]), "logs": str(work)}
+              "runs": runs, "summary": summarize(runs, [p[0] for p in proxies]), "logs": str(work)}
     print(json.dumps(result["summary"], indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
