@@ -210,3 +210,78 @@ def test_the_run_is_summarized_over_the_requests_with_a_timing():
     assert records[0]["worker_timing"]["proxy_ttft_ms"] == pytest.approx(1.0)
     assert records[0]["worker_timing"]["client_itl_ms"] == pytest.approx([10.0])
     assert records[2]["worker_timing"] is None
+
+
+# --- the flag: off by default, from `xpyd proxy` and `xpyd up` ---------------------------------------------
+
+def test_the_proxy_flag_is_off_by_default_and_passed_by_xpyd_up():
+    import argparse
+
+    from xpyd.launcher import up as launcher
+    from xpyd.proxy.config import ProxyConfig
+    from xpyd.proxy.main import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert config_from_args(parser.parse_args(base)).expose_worker_timing is False
+    assert config_from_args(parser.parse_args([*base, "--expose-worker-timing"])).expose_worker_timing is True
+    with pytest.raises(ValueError, match="expose_worker_timing"):
+        ProxyConfig(expose_worker_timing="yes")
+    up = argparse.ArgumentParser()
+    launcher.add_arguments(up)
+    assert "--expose-worker-timing" not in launcher._proxy_options(up.parse_args([]))
+    assert "--expose-worker-timing" in launcher._proxy_options(up.parse_args(["--expose-worker-timing"]))
+
+
+# --- the proxy's relay: decode's comment replaced by the joined timing, or dropped without the flag ------------
+
+class _Timer:
+    def __init__(self) -> None:
+        self.tokens, self.outcomes = 0, []
+
+    def token(self) -> None:
+        self.tokens += 1
+
+    def end(self, outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+class _Call:
+    """What relay._stream uses of a PDCall: decode's blocks as PDCall.relay gives them (comment last)."""
+
+    request_id = "rid"
+
+    def __init__(self, blocks: list[bytes]) -> None:
+        from xpyd.api.identity import ResponseIdentity
+
+        self.identity = ResponseIdentity("cmpl-abc", 1700000000, "m")
+        self._blocks = blocks
+        self.closed = False
+
+    async def relay(self):
+        for b in self._blocks:
+            yield b
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("timing", [True, False])
+async def test_the_relay_ends_with_the_joined_timing_only_under_the_flag(timing):
+    from xpyd.api.openai import parse_request
+    from xpyd.proxy.relay import _stream
+
+    req = parse_request(b'{"prompt": "x", "stream": true}', RequestKind.COMPLETION)
+    token = b'data: {"id":"cmpl-abc","object":"text_completion","created":1700000000,"model":"m",' \
+            b'"choices":[{"index":0,"text":"b","logprobs":null,"finish_reason":"length"}]}\n\n'
+    call, timer = _Call([token, DECODE.comment()]), _Timer()
+    body = b"".join([b async for b in _stream(call, req, FirstToken("a", None, USAGE, PREFILL), lambda e: None,
+                                              lambda e: e, timer, timing)])
+    assert body.endswith(b"data: [DONE]\n\n") and call.closed and timer.tokens == 1
+    comments = [line for line in body.splitlines() if line.startswith(b":")]
+    if timing:
+        assert [timing_of_comment(c) for c in comments] == [WorkerTiming(ttft_us=900, gaps_us=(100, 200), gaps=2)]
+        assert body.endswith(comments[0] + b"\n\ndata: [DONE]\n\n")
+    else:
+        assert comments == [] and b"xpyd-timing" not in body
