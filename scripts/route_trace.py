@@ -232,7 +232,7 @@ def replay(records: list[TraceRecord], args: argparse.Namespace, oracle: bool) -
             "route_cpu_ms_p99": 1000 * cpu[min(len(cpu) - 1, int(len(cpu) * 0.99))],
             "feed_s": feed_s, "fill_s": fill_s,
             "index_bytes": nbytes, "index_bytes_s": time.perf_counter() - t0,
-            "index_distinct_blocks": len(index._blocks.held),
+            "index_distinct_blocks": index.distinct_blocks(),
             "index_pairs": sum(index.blocks(s.info) or 0 for s in prefills + decodes),
         })
         out["index_bytes_per_distinct_block"] = nbytes / max(out["index_distinct_blocks"], 1)

@@ -242,3 +242,7 @@ class PrefixIndex:
     def nbytes(self) -> int:
         """Bytes the block tables take (for benchmarks: walks every block)."""
         return self._blocks.nbytes()
+
+    def distinct_blocks(self) -> int:
+        """Block hashes some worker reported (each counted once, however many hold it)."""
+        return len(self._blocks.held)
