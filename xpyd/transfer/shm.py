@@ -12,7 +12,7 @@ its own ``dst`` regions, checks that the ticket is still on the board (the sende
 its source stayed valid), marks DONE and replies (so a sender's DONE implies the receiver's). A sender
 ``abort()`` takes the ticket off the board before it returns. Messages are in ``shm_wire``; the
 receiver's loop in ``pull``; framing, timeouts and the close pipe come from ``tcp_wire``; threads,
-sender queues and transfer tables, shared with ``tcp``, from ``endpoint``. The payload never crosses
+sender lanes and transfer tables, shared with ``tcp``, from ``endpoint``. The payload never crosses
 a socket.
 
 Same host only, and the segment's file mode is the boundary of the pool's bytes: it is created 0600
@@ -22,7 +22,8 @@ own user (``shm_segment``). Who may *write* into the receiver's pool is the MAC'
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
 ``abort()`` returns no more bytes of that transfer land in the pool; a chunk of 8 MiB or more is split
-with a helper thread, ``parallel_copy``), one sender per peer.
+with a helper thread, ``parallel_copy``), up to ``sender.LANES`` senders per peer (lanes, each with its
+own connection: a long copy does not hold up the short ones).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """TCP transfer backend: zero-copy pushes between registered buffers over plain sockets.
 
 The wire format, framing and socket I/O live in ``tcp_wire``; the threads, the per-peer
-sender queues and the transfer tables, shared with ``shm``, in ``endpoint`` (built from
+sender lanes and the transfer tables, shared with ``shm``, in ``endpoint`` (built from
 ``listener``, ``sender`` and ``table``); this module owns what happens to the bytes.
 
 Threads (all daemon, started by ``register``/first ``send``, joined by ``close``):
@@ -13,8 +13,9 @@ Threads (all daemon, started by ``register``/first ``send``, joined by ``close``
   is refused before a byte behind it is read: error ack, connection closed, the expected transfer
   left to its real sender (regions that differ under a valid MAC fail it: its real sender erred);
   a malformed header closes the connection;
-- sender, one per peer address: takes jobs from its queue, ``sendmsg`` straight from
-  pool slices, waits for the ack; reconnects after a failure.
+- sender, up to ``sender.LANES`` per peer address (lanes, each with its own connection, taking jobs from
+  the peer's queue: a long transfer does not hold up the short ones): ``sendmsg`` straight from pool
+  slices, waits for the ack; reconnects after a failure.
 
 Sockets are non-blocking; every wait is a ``poll`` bounded by a timeout that also
 wakes on ``close()``, and a connection whose peer acknowledges nothing for
