@@ -109,7 +109,8 @@ class Cluster:
         self.cmd = [PY, "-m", "xpyd", "up", "--engine", "sim", "--prefill", str(prefill), "--decode", str(decode),
                     "--port", str(self.port), "--prefill-port", str(pp), "--decode-port", str(dp),
                     "--etcd-port", str(etcd), "--served-model-name", "m", "--sim-speedup", args.speedup,
-                    "--sim-kv-token-bytes", str(args.kv_token_bytes), "--batch-size", str(args.batch_size), "--max-queue", str(max(256, args.requests)),
+                    "--sim-kv-token-bytes", str(args.kv_token_bytes), "--batch-size", str(args.batch_size),
+                    "--max-queue", str(max(256, args.requests)),
                     "--max-concurrent-requests", str(max(1024, 2 * args.concurrency))]
         self.up: subprocess.Popen | None = None
         self.workers: dict[str, list[str]] = {}  # role -> metrics base URLs
@@ -223,8 +224,8 @@ def phase(a: dict, b: dict, cluster: Cluster, requests: int | None = None) -> di
             if n == "xpyd_proxy_routing_seconds_bucket":
                 le = float(dict(lab)["le"])
                 buckets[le] = v - a["proxy"].get((n, lab), 0.0)
-        count = total(b["proxy"], "xpyd_proxy_routing_seconds_count") - total(a["proxy"], "xpyd_proxy_routing_seconds_count")
-        summed = total(b["proxy"], "xpyd_proxy_routing_seconds_sum") - total(a["proxy"], "xpyd_proxy_routing_seconds_sum")
+        count, summed = (total(b["proxy"], f"xpyd_proxy_routing_seconds_{s}")
+                         - total(a["proxy"], f"xpyd_proxy_routing_seconds_{s}") for s in ("count", "sum"))
         p50, p99 = quantile(buckets, 0.5), quantile(buckets, 0.99)
         out["routing_us"] = {"count": int(count), "mean": round(1e6 * summed / count, 1) if count else None,
                              "p50": round(1e6 * p50, 1) if p50 is not None else None,
