@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ProxyConfig", "create_app"]
 
+INLINE_PROMPT_CHARS = 1024  # a completion prompt this short is tokenized on the event loop (tens of us)
+
 
 class Proxy:
     """Request handling; one instance per app, holding the router and the worker client."""
@@ -170,7 +172,8 @@ class Proxy:
         body, content_type = self.metrics.render()
         return Response(body, content_type=content_type)
 
-    def check_api_key(self) -> None:
+    # The request hooks are coroutines: Quart runs a plain function hook in a thread (three thread hops a request).
+    async def check_api_key(self) -> None:
         """Before every route but ``/health``: 401 unless the request carries the key (when one is set)."""
         if self.api_key is not None and request.path != "/health":
             self.api_key.check(request.headers.get("Authorization"))
@@ -188,7 +191,7 @@ class Proxy:
             if slot is not None and not slot.handed_off:
                 slot.release()
 
-    def echo_request_id(self, response: Response) -> Response:
+    async def echo_request_id(self, response: Response) -> Response:
         """After every route, as vLLM: the client's own ``X-Request-Id`` comes back (a generation's answer
         already has its id: the client's, or the response id)."""
         if REQUEST_ID_HEADER not in response.headers:
@@ -200,7 +203,7 @@ class Proxy:
                 response.headers[REQUEST_ID_HEADER] = rid
         return response
 
-    def name_workers(self, response: Response) -> Response:
+    async def name_workers(self, response: Response) -> Response:
         """After every route, with ``expose_worker_names``: the pair the request was last dispatched to
         (``_start``), by opaque names; nothing for a request that reached no worker."""
         workers = g.get("xpyd_workers")
@@ -269,6 +272,8 @@ class Proxy:
         if tokenizer is None or not self._have_choice():
             return None
         try:
+            if isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS:
+                return tokenizer.keys(req)  # (a thread hop would cost more than the tokenizing)
             return await asyncio.to_thread(tokenizer.keys, req)
         except ValueError as e:
             log.debug("routing a request by load alone: %s", e)
