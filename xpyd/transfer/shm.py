@@ -100,10 +100,11 @@ class ShmTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
-                 copy_threads: int | None = None, cluster_token: str | None = None) -> None:
+                 copy_threads: int | None = None, cluster_token: str | None = None, lanes: int = LANES) -> None:
         """``copy_threads``: threads that copy one large piece of a transfer into this (receiving) backend's
         pool (``parallel_copy``; default 2, or 1 on a single CPU). ``cluster_token``: the workers' shared
-        token, or None; it keys every transfer's MAC together with the transfer's secret (``auth``)."""
+        token, or None; it keys every transfer's MAC together with the transfer's secret (``auth``).
+        ``lanes``: transfers that may move to one peer at once (``sender``)."""
         if type(port) is not int or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         if not connect_timeout > 0 or not io_timeout > 0:
@@ -116,7 +117,7 @@ class ShmTransferBackend:
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
-        self._endpoint = Endpoint(LANES)
+        self._endpoint = Endpoint(lanes)
         self._door = Door()
         self._segment: shm_segment.Segment | None = None
         self._board: Board | None = None  # (sender) at the end of the segment, after the pool

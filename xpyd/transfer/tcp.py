@@ -117,11 +117,13 @@ class TcpTransferBackend:
         advertise_host: str | None = None,
         cluster_token: str | None = None,
         stall_timeout: float = STALL_TIMEOUT,
+        lanes: int = LANES,
     ) -> None:
         """``cluster_token``: the workers' shared token (``--cluster-token``), or None; it keys every
         transfer's MAC together with the transfer's secret (``auth``). ``stall_timeout``: a connection
         whose peer acknowledges nothing for this long fails (``fail_when_stalled``), and with it the
-        transfer on it; ``io_timeout`` bounds each wait for the peer's next frame or bytes."""
+        transfer on it; ``io_timeout`` bounds each wait for the peer's next frame or bytes. ``lanes``: transfers
+        that may move to one peer at once (``sender``)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {host!r}")
         if type(port) is not int or not 0 <= port < 65536:
@@ -134,7 +136,7 @@ class TcpTransferBackend:
         self.connect_timeout, self.io_timeout, self.stall_timeout = connect_timeout, io_timeout, stall_timeout
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._endpoint = Endpoint(LANES)
+        self._endpoint = Endpoint(lanes)
         self._door = Door()
         self._buffer: memoryview | None = None
         self._descriptor: BackendDescriptor | None = None
