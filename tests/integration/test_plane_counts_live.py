@@ -43,7 +43,7 @@ def test_server_and_client_count_every_message_by_kind():
         p = c.peer(addr)
         _pump(c, lambda r, f: p.state is PeerState.READY or f)
         assert p.state is PeerState.READY, p.error
-        c.heartbeat(0.0)
+        c.heartbeat(0.0, [addr])
         rid = str(RequestId.new(addr, DECODE))
         c.send_lookup(addr, [m.LookupEntry(rid)])
         _pump(c, lambda r, f: r)

@@ -729,7 +729,7 @@ def test_a_restarted_decode_worker_frees_what_its_predecessor_claimed(prefill):
         assert {got[rid].status for rid in claimed} == {m.LookupStatus.EXPIRED}
         assert "signal session ended" in got[claimed[0]].error
         assert got[unclaimed].status is m.LookupStatus.READY and got[unclaimed].first_token == 42
-        old.heartbeat(0.0)  # the old process, should it still be there, is served nothing
+        old.heartbeat(0.0, [addr])  # the old process, should it still be there, is served nothing
         _, failed = _pump(old, lambda r, f: f)
         assert len(failed) == 1 and "handshake first" in failed[0].error
     finally:

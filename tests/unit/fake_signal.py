@@ -32,8 +32,11 @@ class FakeSignal:
         replies, self.replies = self.replies, []
         return replies, []
 
-    def heartbeat(self, interval: float) -> None:
+    def heartbeat(self, interval: float, busy) -> None:
         pass
+
+    def close_idle(self, idle_after: float, busy) -> list[str]:
+        return []
 
     def peer(self, addr: str):
         return SimpleNamespace(state=PeerState.READY)

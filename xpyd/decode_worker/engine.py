@@ -6,7 +6,9 @@ prefill worker pushes ``notify`` when the request is ready (first token) or ende
 request is polled for (a safety re-ask goes out only after ``lookups.SAFETY_REASK`` seconds without news,
 for any request prefill has not given its last word on: a notify lost on the way costs that long, not a
 timeout; what is asked when: ``lookups``).
-Heartbeats keep every connected prefill worker told that this worker is alive.
+Heartbeats go to the prefill workers that hold requests of this one (a silent one is noticed through
+the replies' deadline); a session with nothing in it for ``SESSION_IDLE`` is closed, so idle pairs cost
+nothing (the next request reopens it).
 Each step: take new requests/aborts, read signal replies and notifies, call the transfer
 backend's ``progress()`` while a pull is in flight, poll transfer tokens
 (arrived requests join the batch), start pulls for ready requests while the
@@ -52,7 +54,8 @@ from xpyd.transfer.base import Region, TransferBackend, expect_parts
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL = 1.0  # a prefill peer sent nothing for this long gets a heartbeat
+HEARTBEAT_INTERVAL = 1.0  # a prefill peer holding requests of this worker sent nothing this long gets a heartbeat
+SESSION_IDLE = 60.0  # a prefill peer holding none, sent nothing this long: its session is closed
 # Failures that say the path to the request's prefill worker is broken, not either worker: the signal plane
 # to it (unreachable, silent), its KV not arriving (a transfer failed or stalled), the request not reported
 # ready in time (its lookups or notifies lost on the way as well as a long queue there).
@@ -74,6 +77,7 @@ class DecodeEngine(WorkerEngine):
         self._stats: dict = {}
         self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._last_decode_at = 0.0  # end of the last decode step
+        self._next_keep = 0.0  # when heartbeats and idle sessions are next looked at
         self._reused_blocks = 0  # prompt blocks found in this worker's prefix cache (not pulled)
 
     def start(self) -> None:
@@ -140,7 +144,7 @@ class DecodeEngine(WorkerEngine):
         else:  # (a notify or a reply wakes the poll at once)
             timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
-        self.signal.heartbeat(HEARTBEAT_INTERVAL)
+        self._keep_sessions()
         if self.sched.num_transferring:
             self.transfer.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
@@ -171,6 +175,17 @@ class DecodeEngine(WorkerEngine):
             self._decode_step()
         self._update_stats()
         return 0.0
+
+    def _keep_sessions(self) -> None:
+        """Heartbeats to the prefill workers holding requests of this worker; idle sessions closed."""
+        now = time.monotonic()
+        if now < self._next_keep:
+            return
+        self._next_keep = now + HEARTBEAT_INTERVAL / 2
+        busy = {s.prefill_addr for s in (*self.sched.waiting(), *self.sched.transferring())}
+        self.signal.heartbeat(HEARTBEAT_INTERVAL, busy)
+        for addr in self.signal.close_idle(SESSION_IDLE, busy):
+            self.lookups.drop(addr)
 
     def _add(self, item: WorkItem) -> None:
         rid = str(item.request_id)

@@ -10,9 +10,10 @@ one is marked FAILED and its requests fail (no hang). An ``error`` answer to a l
 requests only (each gets a FAILED result); one to anything else fails the peer.
 
 Prefill pushes ``notify`` (seq 0) for requests this worker claimed; ``poll`` returns those with the
-lookup replies. ``heartbeat`` keeps each ready peer told that this worker is alive (prefill frees
-the KV claimed by a decode worker it has not heard from for a while) and, through the reply's
-deadline, notices a prefill worker that stopped answering.
+lookup replies. ``heartbeat`` keeps each ready peer that holds requests of this worker asking for an
+answer, so that, through the reply's deadline, a prefill worker that stopped answering is noticed;
+``close_idle`` ends the sessions of peers that hold none and were sent nothing for a while (a session
+costs a ZMTP ping each way a second; the next request reopens it).
 
 A socket monitor watches each connection: a prefill worker that dies (its TCP
 connection drops) or refuses connections is marked FAILED at once, without
@@ -25,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -184,12 +186,25 @@ class SignalClient:
         if p is not None and p.state is PeerState.READY and request_ids:
             self._send(p, m.Release(self.identity, tuple(request_ids)))
 
-    def heartbeat(self, interval: float) -> None:
-        """Send a heartbeat to every ready peer that was sent nothing for ``interval`` seconds."""
+    def heartbeat(self, interval: float, busy: Collection[str]) -> None:
+        """Send a heartbeat to every ready peer of ``busy`` (the prefill workers that hold requests of this
+        worker) that was sent nothing for ``interval`` seconds. A pair with nothing between them exchanges
+        nothing: idle pairs cost no messages, however many prefill x decode pairs there are."""
         now = time.monotonic()
-        for p in self._peers.values():
-            if p.state is PeerState.READY and now - p.last_sent >= interval:
+        for addr in busy:
+            p = self._peers.get(addr)
+            if p is not None and p.state is PeerState.READY and now - p.last_sent >= interval:
                 self._send(p, m.Heartbeat(self.identity))
+
+    def close_idle(self, idle_after: float, busy: Collection[str]) -> list[str]:
+        """Close the sessions of peers not in ``busy`` that were sent nothing for ``idle_after`` seconds (their
+        ZMTP pings would go on for ever); the next request for one opens a new session. Their addresses."""
+        now = time.monotonic()
+        idle = [p for p in self._peers.values()
+                if p.addr not in busy and not p.pending and now - p.last_sent >= idle_after]
+        for p in idle:
+            self._drop(p)
+        return [p.addr for p in idle]
 
     # --- progress ----------------------------------------------------------
     def poll(self, timeout_ms: int) -> tuple[list[tuple[str, m.LookupReply | m.Notify]], list[PrefillPeer]]:
