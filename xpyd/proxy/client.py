@@ -76,29 +76,34 @@ def worker_sessions(connect_timeout: float, read_timeout: float, max_connections
     """The three pools, each with the cluster's bearer on every call when ``cluster_token`` is set."""
     return WorkerSessions(
         prefill=worker_session(connect_timeout, read_timeout, max_connections, cluster_token),
-        decode=worker_session(connect_timeout, read_timeout, max_connections, cluster_token),
+        decode=worker_session(connect_timeout, read_timeout, max_connections, cluster_token, traced=True),
         control=worker_session(connect_timeout, read_timeout, 0, cluster_token, per_worker=CONTROL_PER_WORKER),
-        fresh=worker_session(connect_timeout, read_timeout, max_connections, cluster_token, pooled=False),
+        fresh=worker_session(connect_timeout, read_timeout, max_connections, cluster_token, pooled=False,
+                             traced=True),
     )
 
 
 def worker_session(
     connect_timeout: float, read_timeout: float, max_connections: int, cluster_token: str | None = None,
-    per_worker: int = 0, pooled: bool = True,
+    per_worker: int = 0, pooled: bool = True, traced: bool = False,
 ) -> aiohttp.ClientSession:
     """A pooled session to workers of at most ``max_connections`` connections (0: no total limit) and
     ``per_worker`` to one worker (0: no limit), with the cluster's bearer on every call when ``cluster_token``
-    is set; ``pooled=False``: a new connection for every call, closed after it."""
+    is set; ``pooled=False``: a new connection for every call, closed after it; ``traced``: a call's ``sent``
+    event (``_post``) is set once its request is on the wire (aiohttp's tracing costs every call on the session
+    a few signals, so only the sessions that carry decode's calls have it)."""
     timeout = aiohttp.ClientTimeout(
         total=None,  # streams may run long; every read has its own limit instead
         sock_connect=connect_timeout,
         sock_read=read_timeout,
     )
-    trace = aiohttp.TraceConfig()
-    trace.on_request_headers_sent.append(_on_headers_sent)
+    traces: list[aiohttp.TraceConfig] = []
+    if traced:
+        traces.append(aiohttp.TraceConfig())
+        traces[0].on_request_headers_sent.append(_on_headers_sent)
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker, force_close=not pooled,
                                      keepalive_timeout=PROXY_KEEP_ALIVE if pooled else None)  # (below the workers')
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace],
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=traces,
                                  headers=worker_headers(cluster_token))
 
 
