@@ -21,6 +21,12 @@ On a shared machine the numbers are provisional: run it on a quiet one. The full
 
     .venv/bin/python scripts/bench_proxy_throughput.py --requests 10000 --rounds 3 --json proxy_tput.json
 
+and the proxy's scaling to a second core, on a machine with cores to spare (the proxy on 2 of them, the
+workers and the client on the rest)::
+
+    .venv/bin/python scripts/bench_proxy_throughput.py --requests 10000 --rounds 3 --xpyd-workers 1,2 \
+        --prefill 4 --decode 4 --proxy-cpus 0-1 --other-cpus 2-15 --json proxy_scaling.json
+
 and a smoke run (a few seconds a run)::
 
     .venv/bin/python scripts/bench_proxy_throughput.py --requests 300 --rounds 1 --warmup 64
@@ -106,6 +112,11 @@ class Proc:
                 self.popen.wait()
 
 
+def pinned(cpus: str | None, argv: list[str]) -> list[str]:
+    """``argv`` run on the CPUs ``cpus`` (taskset's list, e.g. 0-1), or anywhere when None."""
+    return argv if cpus is None else ["taskset", "-c", cpus, *argv]
+
+
 def start(name: str, argv: list[str], url: str, work: Path, src: str | None = None) -> Proc:
     """``src``: a folder holding another ``xpyd`` package to run instead of this checkout's."""
     log = work / f"{name}.log"
@@ -128,12 +139,14 @@ def start_workers(args: argparse.Namespace, work: Path) -> tuple[list[Proc], lis
     prefills, decodes = [], []
     for i in range(p):
         port = base + 2 * i
-        prefills.append(start(f"prefill{i}", [PY, "-m", "xpyd", "prefill", *common, "--port", str(port),
-                                              "--signal-port", str(port + 1)], f"http://127.0.0.1:{port}", work))
+        prefills.append(start(f"prefill{i}", pinned(args.other_cpus, [
+            PY, "-m", "xpyd", "prefill", *common, "--port", str(port), "--signal-port", str(port + 1)]),
+            f"http://127.0.0.1:{port}", work))
     for i in range(d):
         port = base + 2 * (p + i)
-        decodes.append(start(f"decode{i}", [PY, "-m", "xpyd", "decode", *common, "--port", str(port),
-                                            "--kv-port", str(port + 1)], f"http://127.0.0.1:{port}", work))
+        decodes.append(start(f"decode{i}", pinned(args.other_cpus, [
+            PY, "-m", "xpyd", "decode", *common, "--port", str(port), "--kv-port", str(port + 1)]),
+            f"http://127.0.0.1:{port}", work))
     for w in (*prefills, *decodes):
         w.wait_healthy()
     return prefills, decodes
@@ -151,7 +164,7 @@ def start_proxy(kind: str, args: argparse.Namespace, prefills: list[Proc], decod
             argv += ["--policy", args.policy]
         if n > 1:
             argv += ["--workers", str(n)]
-    proxy = start(f"{kind}{n}-{port}", argv, f"http://127.0.0.1:{port}", work, src)
+    proxy = start(f"{kind}{n}-{port}", pinned(args.proxy_cpus, argv), f"http://127.0.0.1:{port}", work, src)
     proxy.wait_healthy(60)
     return proxy
 
@@ -160,7 +173,7 @@ def bench(url: str, requests: int, args: argparse.Namespace, report: Path) -> di
     cmd = [PY, "-m", "xpyd", "bench", "--url", url, "--model", "m", "--no-progress", "--num-requests",
            str(requests), "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--timeout", "120", "--json", str(report)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(pinned(args.other_cpus, cmd), cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"xpyd bench failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return json.loads(report.read_text())
@@ -243,6 +256,11 @@ def main() -> int:
                     help="sample each proxy's first measured run with py-spy (pip install py-spy) into "
                          "PREFIX.<proxy>.txt (collapsed stacks; its CPU time is not in the numbers, but it slows "
                          "the proxy)")
+    ap.add_argument("--proxy-cpus", default=None, metavar="LIST",
+                    help="run the proxy on these CPUs (taskset -c LIST, e.g. 0-1 for --workers 2): with "
+                         "--other-cpus, the proxy's scaling is measured apart from the workers and the client")
+    ap.add_argument("--other-cpus", default=None, metavar="LIST",
+                    help="run the sim workers and xpyd bench on these CPUs (taskset -c LIST, e.g. 2-15)")
     ap.add_argument("--json", default=None, help="write the runs and the summary here")
     args = ap.parse_args()
 
