@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 # Version of the worker<->worker signal plane and transfer headers. Bump on any
 # incompatible change to a message schema; peers refuse a mismatch at handshake.
-PROTOCOL_VERSION = 9  # 9: sessions per connection, opened by proving the cluster token (hello, challenge,
+PROTOCOL_VERSION = 10  # 10: a "not ready" lookup result carries the prefill worker's forward passes so far;
+# 9: sessions per connection, opened by proving the cluster token (hello, challenge,
 # proof; the token is never sent); a lookup's answer may continue in notifies before its reply;
 # 8: KV streamed while prefill runs (status "prefilling", pulls in parts);
 # 7: a pull carries a per-transfer secret; transfer headers and offers carry its MAC;

@@ -64,7 +64,7 @@ def test_wire_shape_is_a_versioned_map_with_tagged_message_and_enum_values():
                             cached_tokens=16)
     frame = m.encode(5, m.LookupReply((result,)))
     assert msgpack.unpackb(frame) == {"version": PROTOCOL_VERSION, "seq": 5, "msg": {
-        "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16, 0]]}}
+        "type": "lookup_reply", "results": [[RID, "ready", 9, 19, None, b"\x02\x01" + b"\0" * 6, [4, 5, 6], 16, 0, 0]]}}
     frame = m.encode(6, m.LookupAll("a:1", (m.LookupEntry(RID, (64, 65), 1, SECRET, 32), m.LookupEntry(RID))))
     assert msgpack.unpackb(frame)["msg"] == {"type": "lookup_all", "sender": "a:1",
                                               "entries": [[RID, [64, 65], 1, SECRET, 32], [RID, None, 0, None, 0]]}

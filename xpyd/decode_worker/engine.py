@@ -18,8 +18,9 @@ with the backend's threads as a slow fallback), so running decodes never wait;
 with nothing to decode and a pull in flight the loop sleeps until the pull's token finishes
 and wakes it (or every ``progress_tick`` of a backend that needs its ``progress()`` called).
 
-Faults: a request whose prefill is not ready within ``prefill_wait_timeout``
-(or whose KV does not arrive within it once the pull started) fails with 504;
+Faults: a request whose prefill is not ready within ``prefill_wait_timeout`` of the last time its prefill
+worker's queue was seen to move (its answers to the re-asks carry the worker's forward passes so far), or
+whose KV does not arrive within it once the pull started, fails with 504;
 a prefill worker that dies or refuses fails its requests at once (the signal
 client's socket monitor); KV the prefill worker let expire fails with 502. An
 abort (client gone) ends the request in any state, cancels its receive and
@@ -277,6 +278,12 @@ class DecodeEngine(WorkerEngine):
             # The prefill worker no longer has this request: its KV, or (not ready) the first token that never came.
             what = "the KV" if seq.ready else "the first token"
             self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds {what} of this request", "prefill")
+        elif r.status is S.NOT_READY:
+            # Queued there. Its queue moved since the last answer (the worker ran forward passes): the wait
+            # starts over, so a deep queue that keeps moving is waited out, a stalled one is not.
+            if seq.prefill_steps is not None and r.steps > seq.prefill_steps:
+                seq.deadline = max(seq.deadline, time.monotonic() + self.config.prefill_wait_timeout)
+            seq.prefill_steps = r.steps
         elif r.status is S.PREFILLING:
             if not seq.known and self._prompt_facts(seq, addr, r):
                 seq.part_blocks = r.part_blocks  # pulled now, the KV comes in parts as it is computed

@@ -61,6 +61,7 @@ class DecodeSeq:
     hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks (from prefill)
     tail: tuple[int, ...] = ()  # the prompt's tokens after its full blocks (from prefill)
     cached_tokens: int = 0  # prompt tokens prefill reused from its cache (reported in usage)
+    prefill_steps: int | None = None  # not ready: the prefill worker's forward passes when it last said so
 
     @property
     def needs_kv(self) -> bool:

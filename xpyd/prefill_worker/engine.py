@@ -222,6 +222,7 @@ class PrefillEngine(WorkerEngine):
         now = time.monotonic()
         self.metrics.observe_step("prefill", now - t0, len(chunks))
         self._steps.update(steps=1, partial=sum(not c.last for c in chunks), tokens=sum(c.end - c.start for c in chunks))
+        self.held.steps += 1  # (read under the lock by lookups: a queued request's decode worker sees progress)
         last = [(c, row) for c, row in zip(chunks, logits) if c.last]
         tokens = sample_first(self.runner, last)
         with self._lock:

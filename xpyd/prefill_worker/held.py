@@ -50,6 +50,7 @@ class HeldRequests:
         # because the session of their decode worker ended)
         self.counts: Counter[str] = Counter()
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)
+        self.steps = 0  # forward passes run (a queued request's decode worker sees the queue move)
 
     @property
     def streams(self) -> bool:

@@ -170,7 +170,7 @@ class PrefillSignalPlane:
             held.claim(seq)  # notified when ready (or ended); its KV waits for this decode worker
         streaming = seq.state is RequestState.RUNNING and held.streams
         if seq.state is RequestState.WAITING or (seq.state is RequestState.RUNNING and not streaming):
-            return m.LookupResult(e.request_id, S.NOT_READY)
+            return m.LookupResult(e.request_id, S.NOT_READY, steps=held.steps)
         if e.dest_blocks is None:
             if streaming:
                 return held.ready_result(seq, S.PREFILLING)

@@ -269,7 +269,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                                  "second) for this many seconds")
     if role == "decode":
         parser.add_argument("--prefill-wait-timeout", type=float, default=d.prefill_wait_timeout,
-                            help="seconds a request waits for its prefill to be ready before it fails")
+                            help="seconds a request waits for its prefill to be ready before it fails, counted "
+                                 "from the last time its prefill worker's queue was seen to move (a deep queue "
+                                 "that keeps moving is waited out; the re-asks that see it go every 5 s)")
         parser.add_argument("--signal-timeout", type=float, default=d.signal_timeout,
                             help="a prefill worker that leaves a signal-plane request (claim, pull, heartbeat) "
                                  "unanswered this many seconds is taken for unreachable: its requests here "
