@@ -54,6 +54,9 @@ class Worker:
     answered: list[str] = field(default_factory=list)  # prefill: request ids whose whole answer was written
     health_answers: list[int] = field(default_factory=list)  # the status of each GET /health answered
     stats_polls: int = 0  # GET /xpyd/stats answered
+    stats_wait: asyncio.Event | None = None  # /xpyd/stats answers only once this is set (a starved loop)
+    slow_chunks: int = 0  # decode: this many more chunks before the last, ``chunk_gap`` seconds apart
+    chunk_gap: float = 0.0
     active: int = 0
     port: int = 0  # kept across stop()/start()
     runner: web.AppRunner | None = None
@@ -88,6 +91,8 @@ class Worker:
         return web.Response(status=self.health_status, text="ok")
 
     async def _stats(self, request: web.Request) -> web.Response:
+        if self.stats_wait is not None:
+            await self.stats_wait.wait()
         self.stats_polls += 1
         return web.json_response({"role": self.role.value, "waiting": self.backlog + self.active,
                                   "running": 0, "transferring": 0})
@@ -123,8 +128,11 @@ class Worker:
             await resp.write_eof()
             return resp
         name = {**body["kv_transfer_params"]["response"], "object": "text_completion"}  # as the proxy said
-        for i, text in enumerate([" there", "!"]):
-            chunk = {**name, "choices": [{"index": 0, "text": text, "finish_reason": "length" if i else None}]}
+        for i, text in enumerate([" there", *[" ."] * self.slow_chunks, "!"]):
+            if i > 1 or (i == 1 and self.slow_chunks):
+                await asyncio.sleep(self.chunk_gap)
+            last = i == self.slow_chunks + 1
+            chunk = {**name, "choices": [{"index": 0, "text": text, "finish_reason": "length" if last else None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if self.drop_mid_stream:
                 request.transport.close()

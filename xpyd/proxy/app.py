@@ -110,9 +110,10 @@ class Proxy:
         c = self.config
         self._sessions = worker_sessions(c.connect_timeout, c.read_timeout, c.max_connections, c.cluster_token)
         self._client = WorkerClient(self._sessions, c.connect_timeout, c.cluster_token,
-                                    timing=c.expose_worker_timing)
+                                    timing=c.expose_worker_timing, heard=self.table.heard)
         if self.index is not None:
-            self._feed = CacheFeed(self._sessions.control, self.index, hash_key=hash_key(c.cluster_token))
+            self._feed = CacheFeed(self._sessions.control, self.index, hash_key=hash_key(c.cluster_token),
+                                   heard=self.table.heard)
         self._poller = HealthPoller(self.registry, self.table, self._sessions.control,
                                     c.poll_interval, c.poll_timeout, on_probe=self.queue.wake, feed=self._feed)
         self._poller.start()

@@ -55,7 +55,8 @@ class CacheFeed:
     """Keeps a ``PrefixIndex`` and the proxy's ``PromptTokenizer`` up to date; ``HealthPoller`` drives it."""
 
     def __init__(self, session: aiohttp.ClientSession, index: PrefixIndex,
-                 clock: Callable[[], float] = time.monotonic, hash_key: bytes = b"") -> None:
+                 clock: Callable[[], float] = time.monotonic, hash_key: bytes = b"",
+                 heard: Callable[[WorkerInfo], None] | None = None) -> None:
         self._session = session
         self.index = index
         self._hash_key = hash_key  # the workers' block-hash key (prefix_hash.hash_key of the cluster token)
@@ -65,7 +66,7 @@ class CacheFeed:
         self._fetch: asyncio.Task | None = None
         self._next_fetch = 0.0
         self._attempts = 0
-        self.streams = KVStreams(index, dict(session.headers), clock)  # a pool of its own
+        self.streams = KVStreams(index, dict(session.headers), clock, heard)  # a pool of its own
 
     async def close(self) -> None:
         await self.streams.close()

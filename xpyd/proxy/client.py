@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -118,8 +119,10 @@ class WorkerClient:
     streams and releases each over their own; with ``cluster_token``, each request id goes out signed."""
 
     def __init__(self, sessions: WorkerSessions, connect_timeout: float,
-                 cluster_token: str | None = None, timing: bool = False) -> None:
+                 cluster_token: str | None = None, timing: bool = False,
+                 heard: Callable[[WorkerInfo], None] | None = None) -> None:
         self._sessions = sessions
+        self._heard = heard  # told when a worker's answer or stream brings bytes (``WorkerTable.heard``)
         self._ask = {TIMING_HEADER: ASK} if timing else {}  # the workers' own timing (xpyd.api.timing)
         self.connect_timeout = connect_timeout
         self._keys = ClusterKeys(cluster_token) if cluster_token is not None else None
@@ -182,6 +185,8 @@ class WorkerClient:
             async with await self._send(self._sessions.prefill, worker, kind, body, request_id) as resp:
                 await raise_for_status(resp, worker)
                 data = await resp.json(content_type=None)
+            if self._heard is not None:
+                self._heard(worker)
             return parse_first_token(data, kind, resp.headers.get(TIMING_HEADER) if self._ask else None)
 
     async def open_decode(
@@ -196,4 +201,6 @@ class WorkerClient:
             except BaseException:
                 resp.close()
                 raise
-        return DecodeStream(resp, worker, kind)
+        if self._heard is not None:
+            self._heard(worker)
+        return DecodeStream(resp, worker, kind, self._heard)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
@@ -32,17 +33,28 @@ from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors,
 from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
 
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
+HEARD_EVERY = 1.0  # a stream that brings bytes says its worker is alive at most this often
 _NOT_LAST = b'"finish_reason":null'  # in every token chunk but the last (as ``dumps`` writes it)
 
 
 class DecodeStream:
     """The decode worker's SSE response: ``relay()`` or ``deltas()`` (once), then ``close()``."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, worker: WorkerInfo, kind: RequestKind) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, worker: WorkerInfo, kind: RequestKind,
+                 heard: Callable[[WorkerInfo], None] | None = None) -> None:
         self._resp = resp
         self._worker = worker
         self._kind = kind
         self.usage: Usage | None = None  # set by deltas()
+        self._heard = heard  # told (at most every HEARD_EVERY) that the worker sent bytes: it is alive
+        self._heard_at = 0.0
+
+    def _alive(self) -> None:
+        if self._heard is not None:
+            now = time.monotonic()
+            if now - self._heard_at >= HEARD_EVERY:
+                self._heard_at = now
+                self._heard(self._worker)
 
     async def relay(self, identity: ResponseIdentity) -> AsyncIterator[bytes]:
         """The stream's events up to ``[DONE]`` (not included), one block per read, unchanged.
@@ -58,6 +70,7 @@ class DecodeStream:
         with upstream_errors(self._worker):
             async with contextlib.aclosing(sse_batches(self._resp.content.iter_any(), parser=parser)) as batches:
                 async for batch in batches:
+                    self._alive()
                     block, error = [], None
                     for data in batch:
                         if data == DONE_DATA:
@@ -105,6 +118,7 @@ class DecodeStream:
         with upstream_errors(self._worker):
             async with contextlib.aclosing(sse_data(self._resp.content.iter_any())) as events:
                 async for data in events:
+                    self._alive()
                     if data.strip() == DONE_DATA:
                         await self._release()
                         break

@@ -47,8 +47,10 @@ class KVStreams:
     """One task per followed worker; ``polls(worker)``: whether it must be polled instead."""
 
     def __init__(self, index: PrefixIndex, headers: dict[str, str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 heard: Callable[[WorkerInfo], None] | None = None) -> None:
         self._index = index
+        self._heard = heard  # told on every line (keep-alives included): the worker is alive
         self._headers = headers
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
@@ -127,6 +129,8 @@ class KVStreams:
                         else:
                             update = await asyncio.to_thread(KVUpdate.from_json, line)
                         self.lines += 1
+                        if self._heard is not None:
+                            self._heard(worker)
                         self.snapshots += update.snapshot is not None
                         if not self._index.apply(worker, entry, update):
                             log.debug("%s: events did not follow on; reconnecting for a snapshot", url)

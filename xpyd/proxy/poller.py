@@ -14,7 +14,10 @@ a worker that is slow to answer is busy, not dead (requests to it have their
 own timeouts, and those do mark it down). But a worker that answered none of
 ``STALLED_PROBES`` probes in a row (each waited ``timeout``) is stalled (stopped,
 swapping, its event loop blocked): it is marked DOWN so no new request waits on
-it, and UP again when its /health answers. A worker that hangs gets no second
+it, and UP again when its /health answers. A probe that timed out while the worker
+sent this proxy bytes anyway (token streams, KV event lines: ``WorkerTable.heard``)
+does not count: the worker is busy (1,000 streams on 2 cores starved its probes),
+not stalled. A worker that hangs gets no second
 probe while the first is pending, so one slow worker never delays the others.
 """
 
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -110,6 +114,7 @@ class HealthPoller:
             return
         key = (worker.role, worker.http_url)
         stats_read = False
+        asked = time.monotonic()
         try:
             if state.health is Health.UP:
                 await self._read_stats(worker)
@@ -118,7 +123,9 @@ class HealthPoller:
                 await self._check_health(worker)
             self._unanswered.pop(key, None)
         except TimeoutError:  # also aiohttp's ServerTimeoutError: slow is not dead, stalled is
-            if state.health is not Health.DOWN:
+            if state.heard_at >= asked:  # it streamed tokens or KV events meanwhile: busy, not stalled
+                self._unanswered.pop(key, None)
+            elif state.health is not Health.DOWN:
                 self._unanswered[key] = missed = self._unanswered.get(key, 0) + 1
                 if missed >= STALLED_PROBES:
                     del self._unanswered[key]

@@ -114,6 +114,7 @@ class WorkerState:
     released_blocks: int = 0  # blocks of requests the last report saw that have finished since
     down_reason: str = ""
     since: float = field(default_factory=time.monotonic)  # of the current health
+    heard_at: float = 0.0  # when this proxy last got bytes from it outside probes (a stream, a KV event line)
 
     @property
     def assigned(self) -> int:
@@ -220,6 +221,12 @@ class WorkerTable:
             state.in_flight -= 1
             if state.pending_blocks.pop(ticket, None) is None:
                 state.released_blocks += state.covered_blocks.pop(ticket, 0)  # the report's numbers include it
+
+    def heard(self, worker: WorkerInfo) -> None:
+        """Bytes came from ``worker`` (a token stream, its KV events): it is alive, however slow its probes."""
+        state = self._states.get(_key(worker))
+        if state is not None:
+            state.heard_at = time.monotonic()
 
     def mark_down(self, worker: WorkerInfo, reason: str, unreachable: bool = False) -> bool:
         """Stop choosing ``worker`` until it is seen healthy; True if it was UP.
