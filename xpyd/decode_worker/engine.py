@@ -9,14 +9,14 @@ timeout; what is asked when: ``lookups``).
 Heartbeats go to the prefill workers that hold requests of this one (a silent one is noticed through
 the replies' deadline); a session with nothing in it for ``SESSION_IDLE`` is closed, so idle pairs cost
 nothing (the next request reopens it).
-Each step: take new requests/aborts, read signal replies and notifies, call the transfer
-backend's ``progress()`` while a pull is in flight, poll transfer tokens
-(arrived requests join the batch), start pulls for ready requests while the
-batch has room, then run one decode step over every running request. Transfers
-move bytes in the backend's threads (nixl: in UCX, advanced by ``progress()``,
-with the backend's threads as a slow fallback), so running decodes never wait;
-with nothing to decode and a pull in flight the loop sleeps until the pull's token finishes
-and wakes it (or every ``progress_tick`` of a backend that needs its ``progress()`` called).
+Each step: take new requests/aborts, read signal replies and notifies, call the KV connector's
+``progress()`` while a pull is in flight, ask it which receives ended (``finished()``: arrived requests
+join the batch), start pulls for ready requests while the batch has room (the connector turns their
+blocks into the receive and says what the pull tells prefill), then run one decode step over every running
+request. Bytes move in the transfer backend's threads (nixl: in UCX, advanced by ``progress()``, with the
+backend's threads as a slow fallback), so running decodes never wait; with nothing to decode and a pull
+in flight the loop sleeps until a receive ends and the connector wakes it (or every ``progress_tick`` of
+a backend that needs its ``progress()`` called).
 
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout`` of the last time its prefill
 worker's queue was seen to move (its answers to the re-asks carry the worker's forward passes so far), or
@@ -36,11 +36,12 @@ from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.lookups import Lookups
+from xpyd.decode_worker.receives import Receives
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.model.sampling_params import GREEDY_BELOW
 from xpyd.worker.config import WorkerConfig
-from xpyd.worker.kv_staging import pool_memory
+from xpyd.worker.kv_connector import KVReceiver, receiver_for
 from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
@@ -49,9 +50,6 @@ from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
-from xpyd.signal.request_id import part_transfer_ids, transfer_id_of
-from xpyd.transfer.auth import new_secret
-from xpyd.transfer.base import Region, TransferBackend, expect_parts
 
 log = logging.getLogger(__name__)
 
@@ -66,29 +64,28 @@ KV_PATH_CAUSES = frozenset({"peer", "transfer", "timeout"})
 class DecodeEngine(WorkerEngine):
     name = "decode-engine"
 
-    def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
-                 served_name: str) -> None:
+    def __init__(self, runner, tokenizer, config: WorkerConfig, kv: KVReceiver | object, served_name: str) -> None:
+        """``kv``: the KV connector, or the transfer backend one is made over (``kv_connector.receiver_for``)."""
         super().__init__(runner, tokenizer, config, served_name)
-        self.transfer = transfer
+        self.connector = receiver_for(kv)
+        self.connector.bind(self.pool, self._wake)
+        self.receives = Receives(self.connector, self.metrics, self.pool.layout.block_bytes)
         self.sched = DecodeScheduler(config.batch_size, self.kv_cache)
         self.signal: SignalClient | None = None
         self.lookups = Lookups()  # claims, re-asks and pulls owed to the prefill workers
-        self._pulls: Counter[str] = Counter()  # KV pulls started, by prefill worker
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
-        self._recv_started: dict[str, tuple[float, int]] = {}  # request id -> (monotonic start, bytes)
         self._last_decode_at = 0.0  # end of the last decode step
         self._next_keep = 0.0  # when heartbeats and idle sessions are next looked at
-        self._reused_blocks = 0  # prompt blocks found in this worker's prefix cache (not pulled)
 
     def start(self) -> None:
-        desc = self.transfer.register(pool_memory(self.pool, self.transfer))
-        identity = desc.address  # the decode worker's address in request ids: where prefill sends KV
+        endpoint = self.connector.register()
+        identity = endpoint.address  # the decode worker's address in request ids: where prefill sends KV
         layout = self.pool.layout
         self.signal = SignalClient(
             identity,
             m.Handshake(identity, self.model_id, self.peer_compat()),
-            m.KVMapInit(identity, desc.to_dict(), layout.block_bytes, layout.num_blocks),
+            m.KVMapInit(identity, endpoint.descriptor, layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
             cluster_token=self.config.cluster_token,  # proven at each connection, never sent
             counts=self.metrics.signal,
@@ -111,11 +108,11 @@ class DecodeEngine(WorkerEngine):
         self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
                        "transferring": self.sched.num_transferring, "requests_held": held,
                        "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
-                       "kv_reused_blocks": self._reused_blocks,
-                       "transfers_in_flight": len(self.transfer.outstanding()),
+                       "kv_reused_blocks": self.receives.reused_blocks,
+                       "transfers_in_flight": self.connector.in_flight(),
                        "peers": len(self.signal.peers()) if self.signal else 0,
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
-                       "pulls": dict(self._pulls), "failures": dict(self._failures),
+                       "pulls": dict(self.receives.pulls), "failures": dict(self._failures),
                        "claims": self.lookups.claims, "status_polls": self.lookups.status_polls}
         self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
@@ -140,14 +137,14 @@ class DecodeEngine(WorkerEngine):
         busy = bool(self.sched.running())
         if busy:
             timeout_ms = 0
-        elif self.sched.num_transferring and self.transfer.progress_tick is not None:
-            timeout_ms = max(1, int(self.transfer.progress_tick * 1000))
+        elif self.sched.num_transferring and self.connector.progress_tick is not None:
+            timeout_ms = max(1, int(self.connector.progress_tick * 1000))
         else:  # (a notify or a reply wakes the poll at once)
             timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
         self._keep_sessions()
         if self.sched.num_transferring:
-            self.transfer.progress()  # (nixl: our READs advance inside such calls)
+            self.connector.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
             for r in reply.results:
                 with self.isolate(r.request_id):
@@ -156,14 +153,15 @@ class DecodeEngine(WorkerEngine):
             if self.signal.get(peer.addr) is peer:  # not already replaced by a new connection
                 self._fail_peer(peer.addr, peer.error or "prefill worker failed")
         self._fail_overdue(time.monotonic())
-        joined, failed = self.sched.poll_transfers()
+        ended = self.connector.finished()
+        joined, failed = self.sched.poll_transfers(ended.done, ended.failed)
         for seq in joined:
             with self.isolate(seq.request_id, seq.payload):
-                self._recv_ended(seq, ok=True)
+                self.receives.ended(seq, ok=True)
                 self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
         for seq in failed:
             with self.isolate(seq.request_id, seq.payload):
-                self._recv_ended(seq, ok=False)
+                self.receives.ended(seq, ok=False)
                 self.metrics.request_done("failed")
                 self._failures["transfer"] += 1
                 seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}", kv_path=True))
@@ -209,8 +207,7 @@ class DecodeEngine(WorkerEngine):
         state = seq.state
         if state is RequestState.TRANSFERRING:
             # Cancel the receive before the slot is freed: once abort() returns, no byte lands in it.
-            self._recv_started.pop(request_id, None)  # cancelled: neither completed nor failed
-            self._abort_receives(seq)
+            self.receives.cancel(seq)  # (neither landed nor failed)
         self.sched.abort(request_id)
         self.metrics.request_done("aborted")
         if state in (RequestState.WAITING, RequestState.TRANSFERRING):
@@ -221,8 +218,7 @@ class DecodeEngine(WorkerEngine):
         (``failures`` in stats); one of KV_PATH_CAUSES marks the error as the pair's (``ErrorEvent.kv_path``)."""
         state = seq.state
         if state is RequestState.TRANSFERRING:
-            self._recv_ended(seq, ok=False)
-            self._abort_receives(seq)
+            self.receives.fail(seq)
         self.sched.fail(seq, error)
         self.metrics.request_done("failed")
         self._failures[cause] += 1
@@ -342,8 +338,7 @@ class DecodeEngine(WorkerEngine):
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
             if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)
-                self._recv_started.pop(seq.request_id, None)
-                self._abort_receives(seq)
+                self.receives.cancel(seq)
             self.sched.finish(seq)
             self._finished(item)
             self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
@@ -354,11 +349,6 @@ class DecodeEngine(WorkerEngine):
             # its whole prompt was cached here (pulled nothing): prefill's copy can go now
             self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
 
-    def _abort_receives(self, seq: DecodeSeq) -> None:
-        """Cancel the receives of ``seq``'s KV: once this returns, no byte of them lands in its blocks."""
-        for tid in seq.transfer_ids:
-            self.transfer.abort(tid)
-
     def _start_pull(self, seq: DecodeSeq) -> None:
         """Receive the prompt's blocks after the ones this worker's cache already holds (none: join now, or
         once the first token is here). Pulled while prefill still computes the prompt, the blocks come in
@@ -366,35 +356,20 @@ class DecodeEngine(WorkerEngine):
         bs = self.kv_cache.block_size
         first = seq.kv.cached_tokens // bs
         blocks = seq.kv.blocks[first:]
-        self._reused_blocks += first
-        self.metrics.kv_reused(first * self.pool.layout.block_bytes)
+        self.receives.reused(first)
         if not blocks:  # the whole prompt is cached here: nothing to move; prefill can drop its copy
             self.sched.skip_transfer(seq)
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
             if seq.ready:
                 self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
             return
-        size = seq.part_blocks if not seq.ready and seq.part_blocks else len(blocks)
-        count = -(-len(blocks) // size)
-        seq.transfer_ids = part_transfer_ids(seq.request_id, count)
-        secret = new_secret()  # only the prefill worker we send it to (in the pull) may write these blocks
-        parts = [(tid, [Region(*r) for r in self.pool.byte_ranges(blocks[i * size : (i + 1) * size])])
-                 for i, tid in enumerate(seq.transfer_ids)]
-        # One token owns the parts: when one fails, the others are aborted before the request's blocks are
-        # freed (a later part, sent on by a sender that reconnected, must not land in another request's).
-        token = expect_parts(self.transfer, transfer_id_of(seq.request_id), parts, secret=secret)
-        token.on_finish(self._wake)  # the loop sleeps until the KV landed
-        self.sched.set_recv_token(seq, token)
+        # (the connector's secret: only the prefill worker the pull goes to may write these blocks; its handle
+        # reads FAILED only once no part can land any more; it wakes the loop when the KV landed)
+        order = self.receives.start(seq, blocks, 0 if seq.ready else seq.part_blocks)
+        self.sched.set_recv_token(seq, order.handle)
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
-        self._recv_started[seq.request_id] = (time.monotonic(), len(blocks) * self.pool.layout.block_bytes)
-        self._pulls[seq.prefill_addr] += 1
-        self.lookups.pull(seq.prefill_addr, m.LookupEntry(seq.request_id, tuple(blocks), first, secret,
-                                                          part_blocks=size if count > 1 else 0))
-
-    def _recv_ended(self, seq: DecodeSeq, ok: bool) -> None:
-        started = self._recv_started.pop(seq.request_id, None)
-        if started is not None:
-            self.metrics.transfer_done("recv", started[1], time.monotonic() - started[0], ok)
+        self.lookups.pull(seq.prefill_addr, m.LookupEntry(seq.request_id, tuple(blocks), first, order.secret,
+                                                          part_blocks=order.part_blocks))
 
     def _finished(self, item: WorkItem) -> None:
         self.metrics.request_done("finished")
@@ -433,5 +408,5 @@ class DecodeEngine(WorkerEngine):
     def shutdown(self) -> None:
         if self.signal is not None:
             self.signal.close()
-        self.transfer.close()
+        self.connector.close()
 

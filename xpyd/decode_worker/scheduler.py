@@ -3,8 +3,8 @@
 Queues a request moves through::
 
     waiting (until prefill reports the prompt: prefilling, or ready) --(room in the batch and the pool)-->
-    transferring (blocks allocated, KV being received; token polled each step) --(KV landed and the first
-    token known)--> running (in the continuous batch; joins and leaves at any step) --> finished
+    transferring (blocks allocated, KV being received: the KV connector says when it landed) --(KV landed
+    and the first token known)--> running (in the continuous batch; joins and leaves at any step) --> finished
 
 A request whose prompt is still computing on a prefill worker that streams (``prefilling``) is admitted
 as soon as there is room: its KV arrives in parts while prefill computes the rest, and it joins the
@@ -32,11 +32,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from xpyd.worker.request import DECODE_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
-from xpyd.transfer.base import CompletionToken, TransferState
+from xpyd.worker.kv_connector import TransferHandle
 
 S = RequestState
 
@@ -53,7 +53,8 @@ class DecodeSeq:
     transfer_ids: list[str] = field(default_factory=list)  # the receives expected for it (abort them all)
     first_token: int | None = None
     kv: RequestKV | None = None
-    recv_token: CompletionToken | None = None
+    recv_token: TransferHandle | None = None  # its receive (the KV connector's handle)
+    landed: bool = False  # its KV is all here (the connector said so, or nothing had to move)
     error: str | None = None
     deadline: float = math.inf  # monotonic time by which prefill must be ready / the KV must have arrived
     prompt_len: int = 0  # prompt tokens (their KV comes from prefill): known once prefill says "ready"
@@ -138,7 +139,7 @@ class DecodeScheduler:
         """Give KV blocks to requests whose prompt is known, oldest first, while the batch and the pool have
         room (none to one that needs no KV).
 
-        The caller then announces each receive to the transfer backend and
+        The caller then announces each receive to the KV connector and
         asks prefill to send (``set_recv_token``).
         """
         started = []
@@ -158,7 +159,7 @@ class DecodeScheduler:
             started.append(seq)
         return started
 
-    def set_recv_token(self, seq: DecodeSeq, token: CompletionToken) -> None:
+    def set_recv_token(self, seq: DecodeSeq, token: TransferHandle) -> None:
         require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
         seq.recv_token = token
 
@@ -166,32 +167,41 @@ class DecodeScheduler:
         """Nothing to pull (the prefix cache holds the whole prompt): the request joins the batch now, or
         when its first token arrives."""
         require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
-        seq.recv_token = _landed()
+        seq.recv_token, seq.landed = LANDED, True
         if seq.ready:
             seq.set_state(S.RUNNING)
             del self._transferring[seq.request_id]
             self._running[seq.request_id] = seq
 
-    def poll_transfers(self) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
-        """Without blocking: move arrived requests to RUNNING; return (joined, failed). A failed request's
-        blocks are freed here: its receive token reads FAILED only once no byte of it can land any more (a
-        receive in parts, ``expect_parts``, withdraws its other parts first)."""
-        joined, failed = [], []
+    def poll_transfers(self, landed: Iterable[str] | None = None,
+                       failed: Iterable[tuple[str, str]] = ()) -> tuple[list[DecodeSeq], list[DecodeSeq]]:
+        """The receives that ended: ``landed`` and ``failed`` (request id, why) as the KV connector's
+        ``finished()`` reports them, or, with ``landed`` None, as each transferring request's handle reads.
+        Requests whose KV is here and whose first token is known move to RUNNING; returns (joined, failed).
+        A failed request's blocks are freed here: a receive is reported failed only once no byte of it can
+        land any more (a receive in parts withdraws its other parts first)."""
+        if landed is None:
+            ended = [s for s in self._transferring.values() if s.recv_token is not None and s.recv_token.finished()]
+            landed = [s.request_id for s in ended if s.recv_token.done()]
+            failed = [(s.request_id, s.recv_token.error) for s in ended if not s.recv_token.done()]
+        failed_seqs = []
+        for rid, why in failed:
+            seq = self._transferring.get(rid)
+            if seq is not None:
+                self.fail(seq, why or "KV transfer failed")
+                failed_seqs.append(seq)
+        for rid in landed:
+            seq = self._transferring.get(rid)
+            if seq is not None:
+                seq.landed = True
+        joined = []
         for seq in list(self._transferring.values()):
-            tok = seq.recv_token
-            if tok is None or not tok.finished():
-                continue
-            if tok.done():
-                if not seq.ready:
-                    continue  # the KV is here before prefill's first token
+            if seq.landed and seq.ready:  # (its KV may be here before prefill's first token)
                 seq.set_state(S.RUNNING)
                 del self._transferring[seq.request_id]
                 self._running[seq.request_id] = seq
                 joined.append(seq)
-            else:
-                self.fail(seq, tok.error or "KV transfer failed")
-                failed.append(seq)
-        return joined, failed
+        return joined, failed_seqs
 
     def finish(self, seq: DecodeSeq) -> None:
         self._end(seq, S.FINISHED)
@@ -222,7 +232,7 @@ class DecodeScheduler:
         require(self.num_running <= self.batch_size, "too many running")
         for seq in self._running.values():
             require(seq.state is S.RUNNING and self._holds_prompt(seq), "bad running seq")
-            require(seq.recv_token is None or seq.recv_token.done(), "running before KV arrived")
+            require(seq.landed, "running before KV arrived")
             require(seq.ready and seq.first_token is not None, "running before its first token")
         for seq in self._transferring.values():
             require(seq.state is S.TRANSFERRING and self._holds_prompt(seq), "bad transferring seq")
@@ -233,8 +243,21 @@ class DecodeScheduler:
         return seq.kv is not None and len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len)
 
 
-def _landed() -> CompletionToken:
-    """A receive with nothing to receive: already done."""
-    token = CompletionToken("(cached)")
-    token._advance(TransferState.DONE)
-    return token
+class _Landed:
+    """The handle of a receive with nothing to receive: already done."""
+
+    def done(self) -> bool:
+        return True
+
+    def failed(self) -> bool:
+        return False
+
+    def finished(self) -> bool:
+        return True
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+
+LANDED = _Landed()
