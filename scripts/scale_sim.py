@@ -9,7 +9,9 @@ then `xpyd bench` with N concurrent streams through its proxy. Prints (and with 
 - what the proxy adds, same requests (the proxy runs with --expose-worker-timing): the workers' own TTFT and
   ITL against the client's, proxy-added TTFT p50/p99 and client/worker ITL p99 (``proxy_overhead``, and a
   line on stderr);
-- the proxy's CPU seconds per request (its process's user + system time over the load / requests).
+- the proxy's CPU seconds per request (its process's user + system time over the load / requests);
+- the whole cluster's CPU seconds over the load, and output tokens per CPU second (control-plane scaling on a
+  box with fewer cores than workers: compare 1P3D and 16P48D at --speedup inf).
 
     .venv/bin/python scripts/scale_sim.py --prefill 16 --decode 48 --streams 1000 [--speedup 1] \
         [--kv-token-bytes 2048] [--input-len 512 --output-len 128] [--json OUT.json]
@@ -110,6 +112,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its descendants now (those that exited are not counted)."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            total += _cpu_seconds(p)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def _routed(url: str) -> int:
     with urllib.request.urlopen(url + "/cluster", timeout=10) as r:
         return sum(1 for w in json.loads(r.read())["workers"] if w["health"] == "up")
@@ -172,6 +185,7 @@ def main() -> int:
         result["memory_idle"] = memory(up.pid)
         proxy = next(p for p in _tree(up.pid) if _kind(p) == "proxy")
         cpu0 = _cpu_seconds(proxy)
+        cluster0 = _tree_cpu(up.pid)
         report = work / "bench.json"
         bench = subprocess.run(
             [PY, "-m", "xpyd", "bench", "--url", url, "--model", "m", "--no-progress", "--num-requests",
@@ -181,6 +195,7 @@ def main() -> int:
         if bench.returncode != 0:
             raise RuntimeError(f"xpyd bench failed ({bench.returncode}):\n{bench.stdout[-2000:]}\n{bench.stderr[-2000:]}")
         cpu = _cpu_seconds(proxy) - cpu0
+        cluster_cpu = _tree_cpu(up.pid) - cluster0
         rep = json.loads(report.read_text())
         result["bench"] = {k: rep.get(k) for k in ("completed", "failed", "errors", "duration_s", "requests_per_s",
                                                     "output_tokens_per_s", "ttft_ms", "itl_ms", "e2e_ms",
@@ -192,6 +207,12 @@ def main() -> int:
                   f"{o['missing']} without)", file=sys.stderr)
         done = (rep.get("completed") or 0) + (rep.get("failed") or 0) + 4
         result["proxy_cpu_ms_per_request"] = round(1000 * cpu / max(1, done), 3)
+        # Every process of the cluster (proxy, workers, etcd, up) over the load: what the work cost in CPU, and
+        # the output tokens per CPU second it bought (how a control plane scales when cores, not workers, are
+        # what a box has too few of).
+        result["cluster_cpu_s"] = round(cluster_cpu, 2)
+        tokens = (rep.get("output_tokens_per_s") or 0) * (rep.get("duration_s") or 0)
+        result["output_tokens_per_cpu_s"] = round(tokens / cluster_cpu, 1) if cluster_cpu > 0 else None
         result["memory_after_load"] = memory(up.pid)
     finally:
         os.killpg(up.pid, signal.SIGTERM)
