@@ -3,20 +3,28 @@
 The prefix index's storage. A worker takes a slot when the index first hears of it; a block's mask has
 the slots of the workers that hold it::
 
-    held      {hash: mask}  blocks the workers reported (KV events, snapshots)
-    expected  {hash: mask}  blocks routed to them and not confirmed yet (the index lapses these)
-    walk(chain, slots)      -> how many leading blocks each slot holds: one pass down the chain, two dict
-                               reads a block, however many workers there are
+    held      block hash -> mask, in numpy arrays  blocks the workers reported (KV events, snapshots)
+    expected  {hash: mask}                         blocks routed to them and not confirmed yet (the index
+                                                   lapses these; few, so a dict)
+    update(slot, hashes, stored)  -> one batch (a KV event update, a snapshot) in a few array passes
+    walk(chain, slots)            -> how many leading blocks each slot holds: the chain looked up in
+                                     chunks (one probe pass each), stopping when no slot's run goes on
+
+``held`` is an open-addressing table: ``_keys`` (uint64 hashes, 0 = an empty row) and ``_masks``
+(uint64 words of slot bits, ``words`` per row), linear probing in windows of ``_WIN`` rows. A row's home
+is its mixed hash scaled onto ``capacity`` rows; probes run past the end into ``_PAD`` spare rows instead
+of wrapping (a probe that would pass them rebuilds the table larger). A block no worker holds any more
+keeps its key with a zero mask (a tombstone): its own hash comes back to that row, a new hash may take it.
+When rows with a key pass ``_MAX_LOAD`` of the capacity, the table is rebuilt from its held rows at
+``_REBUILD_LOAD``, every row placed in one sorted pass. Hash 0 (the empty marker) has a row of its own past
+the probed ones. Memory: 8 bytes a row for the hash, 8 per mask word (one word up to 64 slots), at 0.6 to
+0.8 of the rows held: 20-27 bytes per distinct block with one word, whatever the number of holders.
 
 A slot is retired (its worker left, or its cache was replaced by a snapshot) by clearing it from the
 live mask: a retired bit left in a mask means nothing, and is cleared when that block is next written.
-Retired slots are reused only after a sweep has cleared them everywhere; a sweep walks every block once
-and runs when no clean slot is left and the slot numbers have reached twice the workers (+32), i.e. once
-per that many retirements at least.
-
-Memory (CPython 3.11, 64-bit hashes): ~78 bytes per distinct block held by one worker (the dict entry and
-the hash's int; the mask of a single holder is a shared object), ~110 when several hold it: the index
-costs per distinct block, not per (worker, block). Everything runs on the proxy's event loop: no locks.
+Retired slots are reused only after a sweep has cleared them everywhere (one pass over the masks); a
+sweep runs when no clean slot is left and either the slot numbers have reached twice the workers (+32) or
+a new slot would need another mask word. Everything runs on the proxy's event loop: no locks.
 """
 
 from __future__ import annotations
@@ -25,140 +33,296 @@ import heapq
 import sys
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 _MIN_SLOTS = 32  # slot numbers may reach 2 x workers + this before retired slots are swept for reuse
+_WIN = 16  # rows a probe reads at once
+_PAD = 4096  # rows past the capacity that probes may run into
+_MAX_LOAD = 0.8  # rows with a key (held or tombstone) over the capacity: rebuild above this
+_REBUILD_LOAD = 0.6  # held rows over the capacity just after a rebuild
+_MIN_CAPACITY = 1024
+_CHUNK = 64  # the first chunk of a walk's chain (each next one 4 times as long)
+_AR = np.arange(_WIN)
+_M64 = (1 << 64) - 1
+
+
+def _hash_array(hashes: Iterable[int], n: int) -> np.ndarray:
+    return np.fromiter(hashes, np.uint64, n)
 
 
 class BlockHolders:
     def __init__(self) -> None:
-        self.held: dict[int, int] = {}
         self.expected: dict[int, int] = {}
         self._live = 0  # mask of the slots in use
         self._retired = 0  # mask of the slots retired since the last sweep (their bits may linger in ``held``)
         self._free: list[int] = []  # swept slots, lowest first (a heap)
         self._next = 0  # slots ever made
-        self._bits: dict[int, int] = {}  # bit -> one shared int object for it (a single holder's mask)
+        self._words = 1
+        self._live_words = np.zeros(1, np.uint64)
+        self._held = 0  # rows with a nonzero mask (distinct blocks held, counting retired bits until swept)
+        self._used = 0  # probed rows with a key (held or tombstone)
+        self._alloc(_MIN_CAPACITY)
+
+    def _alloc(self, capacity: int) -> None:
+        self._capacity = capacity
+        rows = capacity + _PAD + _WIN + 1  # probed rows, rows a last window reads (always empty), hash 0's row
+        self._keys = np.zeros(rows, np.uint64)
+        self._masks = np.zeros((rows, self._words), np.uint64)
+        self._nil = rows - 2  # an always empty row (lookups of absent hashes read its zero mask)
+        self._zero = rows - 1  # hash 0's row
 
     @property
     def slots(self) -> int:
         """Slot numbers made so far (the widest mask)."""
         return self._next
 
+    @property
+    def words(self) -> int:
+        """Mask words per block."""
+        return self._words
+
+    # ------------------------------------------------------------------ slots
+
     def take(self, workers: int) -> int:
         """A clean slot for a new worker (``workers``: how many hold one now)."""
-        if not self._free and self._retired and self._next >= 2 * workers + _MIN_SLOTS:
+        if not self._free and self._retired and (self._next >= 2 * workers + _MIN_SLOTS
+                                                 or self._next >= 64 * self._words):
             self.sweep()
-        slot = heapq.heappop(self._free) if self._free else self._make()
-        bit = 1 << slot
-        self._bits[bit] = bit
-        self._live |= bit
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            slot, self._next = self._next, self._next + 1
+        if slot >= 64 * self._words:
+            self._widen(slot // 64 + 1)
+        self._set_live(self._live | 1 << slot)
         return slot
-
-    def _make(self) -> int:
-        self._next += 1
-        return self._next - 1
 
     def retire(self, slot: int, expected: Iterable[int]) -> None:
         """``slot`` no longer stands for its worker; ``expected``: the blocks it expected (cleared now)."""
         bit = 1 << slot
         for h in expected:
-            self.unexpect(bit, h)
-        self._live &= ~bit
+            self.unexpect(slot, h)
+        self._set_live(self._live & ~bit)
         self._retired |= bit
-        del self._bits[bit]
 
     def sweep(self) -> None:
-        """Clear the retired slots from every mask and make them free. O(distinct blocks)."""
-        live, bits, held = self._live, self._bits, self.held
-        empty = []
-        for h, m in held.items():  # values replaced in place: the dict keeps its size while iterated
-            if m & ~live:
-                m &= live
-                if m:
-                    held[h] = bits.get(m, m)
-                else:
-                    empty.append(h)
-        for h in empty:
-            del held[h]
+        """Clear the retired slots from every mask and make them free. O(rows), in array passes."""
+        masks = self._masks
+        masks &= self._live_words
+        self._held = int(np.count_nonzero(masks.any(axis=1)))
         retired, self._retired = self._retired, 0
         while retired:
             low = retired & -retired
             heapq.heappush(self._free, low.bit_length() - 1)
             retired ^= low
 
+    def _set_live(self, live: int) -> None:
+        self._live = live
+        self._live_words = np.array([(live >> 64 * w) & _M64 for w in range(self._words)], np.uint64)
+
+    def _widen(self, words: int) -> None:
+        masks = np.zeros((len(self._masks), words), np.uint64)
+        masks[:, :self._words] = self._masks
+        self._masks, self._words = masks, words
+        self._set_live(self._live)
+
+    # ------------------------------------------------------------------ the table
+
+    def _home(self, q: np.ndarray, capacity: int) -> np.ndarray:
+        """Each hash's first row: its bits mixed (a hash from anywhere may be regular), scaled to rows."""
+        x = q ^ (q >> np.uint64(33))
+        x *= np.uint64(0xFF51AFD7ED558CCD)
+        x ^= x >> np.uint64(33)
+        x *= np.uint64(0xC4CEB9FE1A85EC53)
+        x ^= x >> np.uint64(33)
+        return ((x >> np.uint64(32)) * np.uint64(capacity) >> np.uint64(32)).astype(np.int64)
+
+    def _find(self, q: np.ndarray) -> np.ndarray:
+        """Each hash's row; ``_nil`` where it has none (hash 0: its own row)."""
+        at = np.full(len(q), self._nil, np.int64)
+        at[q == 0] = self._zero
+        todo = np.flatnonzero(q)
+        start = self._home(q[todo], self._capacity)
+        keys = self._keys
+        while len(todo):  # a hash is never past an empty row on its way (rows are emptied only by rebuilds)
+            win = keys[start[:, None] + _AR]
+            eq = win == q[todo, None]
+            hit = eq.any(axis=1)
+            at[todo[hit]] = start[hit] + eq[hit].argmax(axis=1)
+            go = ~hit & ~(win == 0).any(axis=1)
+            todo, start = todo[go], start[go] + _WIN
+        return at
+
+    def _place(self, q: np.ndarray) -> np.ndarray | None:
+        """A free row (empty, or a tombstone) on each absent hash's way; None if one is past the spare rows."""
+        at = np.zeros(len(q), np.int64)
+        todo = np.arange(len(q))
+        start = self._home(q, self._capacity)
+        keys, masks = self._keys, self._masks
+        while len(todo):  # the rows past the spare ones are empty: every way ends
+            rows = start[:, None] + _AR
+            free = (keys[rows] == 0) | ~masks[rows].any(axis=2)
+            has = free.any(axis=1)
+            at[todo[has]] = start[has] + free[has].argmax(axis=1)
+            todo, start = todo[~has], start[~has] + _WIN
+        return None if len(q) and at.max() >= self._capacity + _PAD else at
+
+    def _insert(self, q: np.ndarray, slot: int) -> None:
+        """Absent hashes (distinct, none 0), held by ``slot`` alone."""
+        if self._used + len(q) > _MAX_LOAD * self._capacity:
+            self._rebuild(len(q))
+        row = np.zeros(self._words, np.uint64)
+        row[slot // 64] = np.uint64(1 << slot % 64)
+        while len(q):
+            at = self._place(q)
+            if at is None:
+                self._rebuild(len(q), grow=True)
+                continue
+            empty = self._keys[at] == 0
+            self._keys[at] = q  # two hashes given one row: the last one written has it
+            won = self._keys[at] == q
+            self._masks[at[won]] = row
+            self._used += int(np.count_nonzero(empty[won]))
+            self._held += int(np.count_nonzero(won))
+            q = q[~won]
+
+    def _rebuild(self, extra: int, grow: bool = False) -> None:
+        """The held rows into a new table with room for ``extra`` more (tombstones dropped)."""
+        probed = slice(0, self._capacity + _PAD)
+        keep = self._masks[probed].any(axis=1)
+        keys, masks = self._keys[probed][keep], self._masks[probed][keep]
+        zero = self._masks[self._zero].copy()
+        capacity = max(_MIN_CAPACITY, int((len(keys) + extra) / _REBUILD_LOAD))
+        if grow:
+            capacity = max(capacity, self._capacity * 5 // 4)
+        while True:
+            home = self._home(keys, capacity)
+            order = np.argsort(home, kind="stable")
+            home = home[order]
+            ranks = np.arange(len(keys))
+            at = ranks + np.maximum.accumulate(home - ranks) if len(keys) else ranks  # linear probing, in order
+            if not len(at) or at[-1] < capacity + _PAD:
+                break
+            capacity = capacity * 5 // 4
+        self._alloc(capacity)
+        self._keys[at], self._masks[at] = keys[order], masks[order]
+        self._masks[self._zero] = zero
+        self._used = len(keys)
+        self._held = len(keys) + bool(zero.any())
+
     # ------------------------------------------------------------------ one slot's blocks
 
-    def add(self, bit: int, h: int) -> bool:
-        """``bit``'s worker holds ``h``; True if it did not before."""
-        held = self.held
-        m = held.get(h, 0)
-        if m & bit:
-            return False
-        m = (m & self._live) | bit
-        held[h] = self._bits.get(m, m)
-        return True
+    def update(self, slot: int, hashes: np.ndarray, stored: np.ndarray) -> int:
+        """``slot``'s worker holds (``stored`` True) or no longer holds each of ``hashes`` (uint64, distinct);
+        how many more blocks it holds than before (negative: fewer)."""
+        at = self._find(hashes)
+        word, bit = slot // 64, np.uint64(1 << slot % 64)
+        found = at != self._nil
+        rows, on = at[found], stored[found]
+        old = self._masks[rows]
+        had = (old[:, word] & bit) != 0
+        change = on != had
+        rows, on, old = rows[change], on[change], old[change]
+        new = old & self._live_words
+        new[:, word] = np.where(on, new[:, word] | bit, new[:, word] & ~bit)
+        self._masks[rows] = new
+        self._held += int(np.count_nonzero(new.any(axis=1))) - int(np.count_nonzero(old.any(axis=1)))
+        added = hashes[~found & stored]
+        if len(added):
+            self._insert(added, slot)
+        return int(np.count_nonzero(on)) - int(np.count_nonzero(~on)) + len(added)
 
-    def remove(self, bit: int, h: int) -> bool:
-        """``bit``'s worker no longer holds ``h``; True if it did."""
-        held = self.held
-        m = held.get(h, 0)
-        if not m & bit:
-            return False
-        m &= self._live & ~bit
-        if m:
-            held[h] = self._bits.get(m, m)
-        else:
-            del held[h]
-        return True
+    def apply(self, slot: int, events: Sequence[tuple[str, int]]) -> int:
+        """KV events of ``slot``'s worker, in order (``("stored" | "removed", hash)``); the change in the
+        blocks it holds. Each hash ends as its last event says."""
+        n = len(events)
+        if not n:
+            return 0
+        hashes = _hash_array((h for _, h in events), n)
+        stored = np.fromiter((kind == "stored" for kind, _ in events), bool, n)
+        if n > 1:
+            _, last = np.unique(hashes[::-1], return_index=True)
+            last = n - 1 - last
+            hashes, stored = hashes[last], stored[last]
+        return self.update(slot, hashes, stored)
 
-    def expect(self, bit: int, h: int) -> None:
-        m = self.expected.get(h, 0) | bit
-        self.expected[h] = self._bits.get(m, m)
+    def store(self, slot: int, hashes: Iterable[int], n: int) -> int:
+        """``slot``'s worker holds the ``n`` distinct ``hashes`` (a snapshot); how many it did not before."""
+        return self.update(slot, _hash_array(hashes, n), np.ones(n, bool))
 
-    def unexpect(self, bit: int, h: int) -> None:
+    def holds(self, slot: int, hashes: Sequence[int]) -> list[bool]:
+        """Whether ``slot``'s worker holds each of ``hashes`` (expected ones aside)."""
+        masks = self._masks[self._find(_hash_array(hashes, len(hashes))), slot // 64]
+        return ((masks >> np.uint64(slot % 64)) & np.uint64(1)).astype(bool).tolist()
+
+    def expect(self, slot: int, h: int) -> None:
+        self.expected[h] = self.expected.get(h, 0) | 1 << slot
+
+    def unexpect(self, slot: int, h: int) -> None:
         expected = self.expected
-        m = expected.get(h, 0) & ~bit
+        m = expected.get(h, 0) & ~(1 << slot)
         if m:
-            expected[h] = self._bits.get(m, m)
+            expected[h] = m
         else:
             expected.pop(h, None)
 
     # ------------------------------------------------------------------ matching
 
-    def walk(self, hashes: Sequence[int], bits: Sequence[int]) -> list[int]:
-        """For each of ``bits`` (a slot's bit, or 0 for a worker without one), how many leading blocks of
-        ``hashes`` its worker holds or is expected to hold."""
-        alive = 0
-        for bit in bits:
-            alive |= bit
-        ends: dict[int, int] = {}  # bit -> its match length
-        held, expected = self.held, self.expected
-        n = 0
-        for h in hashes:
-            if not alive:
-                break
-            m = (held.get(h, 0) | expected.get(h, 0)) & alive
-            gone = alive ^ m
-            while gone:
-                low = gone & -gone
-                ends[low] = n
-                gone ^= low
-            alive = m
-            n += 1
-        while alive:
-            low = alive & -alive
-            ends[low] = n
-            alive ^= low
-        return [ends.get(bit, 0) for bit in bits]
+    def walk(self, hashes: Sequence[int], slots: Sequence[int | None]) -> list[int]:
+        """For each of ``slots`` (a worker's slot, or None for a worker without one), how many leading blocks
+        of ``hashes`` its worker holds or is expected to hold."""
+        out = [0] * len(slots)
+        cols = [j for j, s in enumerate(slots) if s is not None]
+        if not hashes or not cols:
+            return out
+        col_slots = [slots[j] for j in cols]
+        words = np.array([s // 64 for s in col_slots], np.int64)
+        shifts = np.array([s % 64 for s in col_slots], np.uint64)
+        runs = np.zeros(len(cols), np.int64)
+        alive = np.arange(len(cols))  # the columns whose run reaches the chunk's start
+        expected = self.expected
+        start, size, n = 0, _CHUNK, len(hashes)
+        while start < n and len(alive):
+            chunk = hashes[start:start + size]
+            masks = self._masks[self._find(_hash_array(chunk, len(chunk)))]
+            hold = ((masks[:, words[alive]] >> shifts[alive]) & np.uint64(1)).astype(bool)
+            if expected:
+                for i, h in enumerate(chunk):
+                    m = expected.get(h)
+                    if m:
+                        for k, j in enumerate(alive.tolist()):
+                            if m >> col_slots[j] & 1:
+                                hold[i, k] = True
+            full = hold.all(axis=0)
+            runs[alive] += np.where(full, len(chunk), hold.argmin(axis=0))
+            alive = alive[full]
+            start, size = start + len(chunk), size * 4
+        for j, run in zip(cols, runs.tolist()):
+            out[j] = run
+        return out
+
+    # ------------------------------------------------------------------ for tests and benchmarks
+
+    def mask(self, h: int) -> int:
+        """``h``'s held mask (retired bits included until swept)."""
+        words = self._masks[self._find(_hash_array((h,), 1))[0]].tolist()
+        return sum(w << 64 * i for i, w in enumerate(words))
+
+    def distinct(self) -> int:
+        """Blocks some slot holds (a retired one included until swept)."""
+        return self._held
+
+    def hashes(self) -> set[int]:
+        """Every block some slot holds (a retired one included until swept). O(rows)."""
+        probed = slice(0, self._capacity + _PAD)
+        out = set(self._keys[probed][self._masks[probed].any(axis=1)].tolist())
+        if self._masks[self._zero].any():
+            out.add(0)
+        return out
 
     def nbytes(self) -> int:
-        """Bytes of the two tables, their hashes and their masks (shared mask objects once). O(blocks)."""
-        seen: set[int] = set()
-        total = 0
-        for table in (self.held, self.expected):
-            total += sys.getsizeof(table)
-            for h, m in table.items():
-                total += sys.getsizeof(h)
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    total += sys.getsizeof(m)
+        """Bytes of the table's arrays and of the expected blocks' dict (its hashes and masks)."""
+        total = self._keys.nbytes + self._masks.nbytes + sys.getsizeof(self.expected)
+        for h, m in self.expected.items():
+            total += sys.getsizeof(h) + sys.getsizeof(m)
         return total

@@ -12,9 +12,10 @@ A worker's entry is the blocks it reported, plus blocks the proxy expects it to 
                                         worker holds, in one walk down the chain (match(): one worker)
 
 Hashes are chained (``xpyd.prefix_hash``): block i's hash names every token up to its end, so a run of
-leading hits is a cached prefix. The blocks live in ``BlockHolders`` (block hash -> bitmask of workers):
-a request costs two dict reads per block it walks, whatever the number of workers, and memory goes with
-the distinct blocks (~78 bytes each held by one worker, ~110 by several), not with (worker, block) pairs.
+leading hits is a cached prefix. The blocks live in ``BlockHolders`` (block hash -> bitmask of workers, in
+numpy arrays): an update is applied and a request's chain looked up in a few array passes, whatever the
+number of workers, and memory goes with the distinct blocks (~20-27 bytes each up to 64 workers, 8 more a
+block per 64 workers beyond), not with (worker, block) pairs.
 Everything runs on the proxy's event loop: no locks.
 """
 
@@ -96,10 +97,6 @@ class WorkerBlocks:
     # hash -> until when it counts as held (routed here, not confirmed yet), the latest last
     expected: dict[int, float] = field(default_factory=dict)
 
-    @property
-    def bit(self) -> int:
-        return 1 << self.slot
-
 
 def _key(worker: WorkerInfo) -> tuple[Role, str]:
     return worker.role, worker.http_url
@@ -136,25 +133,23 @@ class PrefixIndex:
         blocks = self._blocks
         if update.snapshot is not None:
             self._clear(entry)
-            bit, expected = entry.bit, entry.expected
-            for h in update.snapshot:
-                blocks.add(bit, h)
-                if expected.pop(h, None) is not None:
-                    blocks.unexpect(bit, h)
-            entry.reported = len(update.snapshot)
+            slot, expected, snapshot = entry.slot, entry.expected, update.snapshot
+            blocks.store(slot, snapshot, len(snapshot))
+            for h in [h for h in expected if h in snapshot]:
+                del expected[h]
+                blocks.unexpect(slot, h)
+            entry.reported = len(snapshot)
         elif entry.cursor is None or entry.cursor.epoch != update.epoch or update.seq < entry.cursor.seq:
             self._clear(entry)  # events for another life of the cache, or going back
             entry.cursor = None
             return False
-        else:
-            bit, expected = entry.bit, entry.expected
-            for kind, h in update.events or ():
-                if kind == "stored":
-                    entry.reported += blocks.add(bit, h)
-                else:
-                    entry.reported -= blocks.remove(bit, h)
-                if expected.pop(h, None) is not None:
-                    blocks.unexpect(bit, h)
+        elif update.events:
+            slot, expected = entry.slot, entry.expected
+            entry.reported += blocks.apply(slot, update.events)
+            if expected:
+                for _, h in update.events:
+                    if expected.pop(h, None) is not None:
+                        blocks.unexpect(slot, h)
         entry.cursor = Cursor(update.epoch, update.seq)
         return True
 
@@ -165,9 +160,8 @@ class PrefixIndex:
         blocks = self._blocks
         blocks.retire(entry.slot, entry.expected)
         entry.slot, entry.reported = blocks.take(len(self._workers)), 0
-        bit = entry.bit
         for h in entry.expected:
-            blocks.expect(bit, h)
+            blocks.expect(entry.slot, h)
 
     def reset(self, worker: WorkerInfo) -> None:
         """Forget where ``worker``'s events were read up to: its next poll asks for a snapshot."""
@@ -183,13 +177,12 @@ class PrefixIndex:
         now = self._clock()
         self._lapse(now)
         until = now + self._expect_seconds
-        blocks, bit, expected, lapses = self._blocks, entry.bit, entry.expected, self._lapses
-        held = blocks.held
-        for h in hashes:
-            if held.get(h, 0) & bit:
+        blocks, slot, expected, lapses = self._blocks, entry.slot, entry.expected, self._lapses
+        for h, held in zip(hashes, blocks.holds(slot, hashes)):
+            if held:
                 continue
             if expected.pop(h, None) is None:
-                blocks.expect(bit, h)
+                blocks.expect(slot, h)
             expected[h] = until
             lapses.append((until, entry, h))
 
@@ -200,18 +193,18 @@ class PrefixIndex:
             until, entry, h = lapses.popleft()
             if entry.expected.get(h) == until:  # not confirmed, renewed or dropped since
                 del entry.expected[h]
-                blocks.unexpect(entry.bit, h)
+                blocks.unexpect(entry.slot, h)
 
     def match_all(self, hashes: Sequence[int], workers: Sequence[WorkerInfo]) -> list[int]:
         """For each of ``workers``, how many leading blocks of ``hashes`` (one request's chain) it holds:
         one walk down the chain for all of them."""
         self._lapse(self._clock())
         entries = self._workers
-        bits = []
+        slots = []
         for w in workers:
             entry = entries.get(_key(w))
-            bits.append(entry.bit if entry is not None else 0)
-        return self._blocks.walk(hashes, bits)
+            slots.append(entry.slot if entry is not None else None)
+        return self._blocks.walk(hashes, slots)
 
     def match(self, worker: WorkerInfo, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` (one request's chain) ``worker`` holds."""
@@ -240,9 +233,9 @@ class PrefixIndex:
             self._drop(key)
 
     def nbytes(self) -> int:
-        """Bytes the block tables take (for benchmarks: walks every block)."""
+        """Bytes the block tables take (their arrays, and the expected blocks' dict)."""
         return self._blocks.nbytes()
 
     def distinct_blocks(self) -> int:
         """Block hashes some worker reported (each counted once, however many hold it)."""
-        return len(self._blocks.held)
+        return self._blocks.distinct()

@@ -1,0 +1,155 @@
+"""The index's block table: numpy open addressing checked against a plain dict of sets, through rebuilds,
+tombstones, long probe runs, spare rows running out, many slots and hash 0."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from xpyd.proxy import block_holders
+from xpyd.proxy.block_holders import BlockHolders
+
+TOP = 2**64 - 1
+
+
+class Model:
+    """What the table must answer: hash -> the slots holding it."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, set[int]] = {}
+
+    def apply(self, slot: int, events) -> int:
+        change = 0
+        for kind, h in events:
+            holders = self.held.setdefault(h, set())
+            if kind == "stored" and slot not in holders:
+                holders.add(slot)
+                change += 1
+            elif kind == "removed" and slot in holders:
+                holders.discard(slot)
+                change -= 1
+            if not holders:
+                del self.held[h]
+        return change
+
+    def walk(self, chain, slots) -> list[int]:
+        out = []
+        for s in slots:
+            n = 0
+            while s is not None and n < len(chain) and s in self.held.get(chain[n], ()):
+                n += 1
+            out.append(n)
+        return out
+
+
+def check(holders: BlockHolders, model: Model, slots, rng: random.Random) -> None:
+    assert holders.hashes() == set(model.held)
+    assert holders.distinct() == len(model.held)
+    for h in rng.sample(sorted(model.held), min(50, len(model.held))):
+        assert holders.mask(h) == sum(1 << s for s in model.held[h])
+    chains = [sorted(model.held)[:5], [h for h in model.held if slots[0] in model.held[h]][:300]]
+    for chain in chains:
+        chain = chain + [rng.getrandbits(64)]
+        assert holders.walk(chain, slots + [None]) == model.walk(chain, slots + [None])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_events_and_snapshots_match_a_dict_of_sets(seed):
+    rng = random.Random(seed)
+    holders, model = BlockHolders(), Model()
+    slots = [holders.take(i) for i in range(5)]
+    pool = [0, 1, TOP, 2**63] + [rng.getrandbits(64) for _ in range(6000)]  # hash 0 and the extremes too
+    for round_ in range(60):
+        slot = rng.choice(slots)
+        if round_ % 20 == 19:  # a snapshot: the slot holds exactly these (as the index does: a fresh slot)
+            fresh = set(rng.sample(pool, 1500))
+            model.apply(slot, [("removed", h) for h in list(model.held) if slot in model.held[h]])
+            holders.retire(slot, ())
+            new = holders.take(len(slots) - 1)
+            slots[slots.index(slot)] = new
+            holders.sweep()  # (the model forgot the old slot's blocks at once; the table once swept)
+            model.apply(new, [("stored", h) for h in fresh])
+            assert holders.store(new, fresh, len(fresh)) == len(fresh)
+        else:
+            events = [(rng.choice(("stored", "stored", "removed")), rng.choice(pool)) for _ in range(rng.choice((1, 7, 400)))]
+            assert holders.apply(slot, events) == model.apply(slot, events)
+        check(holders, model, slots, rng)
+    assert holders._capacity > block_holders._MIN_CAPACITY  # it grew on the way
+
+
+def test_one_batch_applies_each_hashs_last_event():
+    holders = BlockHolders()
+    s = holders.take(0)
+    assert holders.apply(s, [("stored", 5), ("removed", 5), ("removed", 6), ("stored", 6), ("stored", 6)]) == 1
+    assert holders.hashes() == {6}
+    assert holders.apply(s, [("removed", 6), ("stored", 6), ("removed", 6)]) == -1
+    assert holders.hashes() == set() and holders.distinct() == 0
+
+
+def _same_home(holders: BlockHolders, home: int, n: int, seed: int = 0) -> list[int]:
+    """``n`` hashes whose first row is ``home`` (in the table as it is)."""
+    gen = np.random.default_rng(seed)
+    out: list[int] = []
+    while len(out) < n:
+        q = gen.integers(1, 2**64, 1 << 20, dtype=np.uint64, endpoint=False)
+        out += q[holders._home(q, holders._capacity) == home].tolist()
+    return out[:n]
+
+
+def test_a_long_probe_run_with_tombstones_reused():
+    holders = BlockHolders()
+    a, b = holders.take(0), holders.take(1)
+    run = _same_home(holders, 100, 60)  # one home: a run of 60 rows, found window by window
+    assert holders.apply(a, [("stored", h) for h in run]) == 60
+    assert holders.walk(run, [a, b]) == [60, 0]
+    assert holders.apply(a, [("removed", h) for h in run[:30]]) == -30  # tombstones in front of the rest
+    assert holders.walk(run[30:], [a]) == [30] and holders.walk(run, [a]) == [0]
+    used = holders._used
+    assert holders.apply(b, [("stored", h) for h in run[:10]]) == 10  # their own rows again
+    others = _same_home(holders, 100, 20, seed=1)
+    assert holders.apply(b, [("stored", h) for h in others]) == 20  # 20 more rows in the 20 tombstones left
+    assert holders._used == used
+    assert holders.walk(run[:10] + others, [a, b]) == [0, 30] and holders.walk(run[30:], [a, b]) == [30, 0]
+    assert holders.hashes() == set(run[:10] + run[30:] + others)
+
+
+def test_spare_rows_running_out_rebuild_larger(monkeypatch):
+    monkeypatch.setattr(block_holders, "_PAD", 16)
+    holders = BlockHolders()
+    s = holders.take(0)
+    capacity = holders._capacity
+    tail = _same_home(holders, capacity - 1, 40)  # 40 rows from the last home: past the 16 spare ones
+    assert holders.apply(s, [("stored", h) for h in tail]) == 40
+    assert holders._capacity > capacity
+    assert holders.walk(tail, [s]) == [40] and holders.hashes() == set(tail)
+
+
+def test_many_slots_widen_the_masks_and_a_sweep_comes_before_another_word():
+    holders = BlockHolders()
+    slots = [holders.take(i) for i in range(130)]
+    assert slots == list(range(130)) and holders.words == 3
+    chain = [7, 0, TOP]
+    for s, n in {0: 1, 63: 1, 64: 2, 129: 3}.items():
+        holders.store(s, chain[:n], n)
+    assert holders.walk(chain, [0, 63, 64, 129, 128, None]) == [1, 1, 2, 3, 0, 0]
+    assert holders.mask(7) == (1 << 0) | (1 << 63) | (1 << 64) | (1 << 129)
+    holders.retire(63, ())
+    holders.retire(129, ())
+    # Slots up to 2 x 128 + 32 may be made before a sweep; 192 (a fourth word) is not made while some are retired.
+    made = [holders.take(128 + i) for i in range(62)]
+    assert made == list(range(130, 192)) and holders.words == 3
+    assert holders.take(190) == 63 and holders.mask(7) == (1 << 0) | (1 << 64)  # swept, not widened
+    assert holders.walk(chain, [63, 129]) == [0, 0]
+
+
+def test_memory_per_distinct_block():
+    holders = BlockHolders()
+    slots = [holders.take(i) for i in range(64)]
+    gen = np.random.default_rng(5)
+    for s in slots:
+        hashes = gen.integers(0, 2**64, 5000, dtype=np.uint64, endpoint=False).tolist()
+        holders.store(s, hashes, len(hashes))
+    assert holders.distinct() == 64 * 5000
+    assert holders.nbytes() / holders.distinct() <= (8 + 8) / block_holders._REBUILD_LOAD + 1
