@@ -46,6 +46,8 @@ def test_every_package_and_top_level_module_has_a_layer():
     ("worker/loop.py", "from xpyd.prefill_worker import engine  # noqa"),  # runtime -> a role
     ("decode_worker/scheduler.py", "import xpyd.prefill_worker.scheduler  # noqa"),  # role -> role
     ("proxy/relay.py", "import torch  # noqa"),  # the proxy runs no model
+    ("decode_worker/engine.py", "import xpyd.transfer.base  # noqa"),  # a role past the KV connector
+    ("prefill_worker/handover.py", "from xpyd.transfer import auth  # noqa"),  # (the layers allow it; kv-connector not)
 ])
 def test_a_layer_violation_breaks_a_contract(tmp_path, module, line):
     shutil.copytree(ROOT / "xpyd", tmp_path / "xpyd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))

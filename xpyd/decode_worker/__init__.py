@@ -1,8 +1,10 @@
 """The decode role: pulls a request's KV from its prefill worker and runs the continuous decode batch.
 
 Owns: the engine (`engine`: claims each request at its prefill worker, which pushes "ready"), its
-scheduler (`scheduler`) and the process entry (`main`).
+scheduler (`scheduler`), what it asks its prefill workers (`lookups`), the KV it receives (`receives`) and
+the process entry (`main`).
 
-May import: xpyd.worker, xpyd.model, xpyd.transfer, xpyd.signal, xpyd.discovery and the leaf modules;
-never another role or the proxy.
+May import: xpyd.worker, xpyd.model, xpyd.signal, xpyd.discovery and the leaf modules;
+never another role or the proxy, nor xpyd.transfer: KV arrives through the KV connector
+(xpyd.worker.kv_connector).
 """

@@ -1,9 +1,10 @@
 """Prefill engine: runs one prefill at a time and holds the KV until a decode worker pulls it.
 
 Threads: the engine thread (forward passes, scheduling, polling sends and, while any is in flight,
-calling the backend's ``progress()`` every iteration; it sleeps until a send's token finishes and wakes
-it, or every ``progress_tick`` of a backend that needs one), the signal-server thread (answers decode
-workers, ``signal_plane``; starts sends), transfer threads (move bytes). The first two share the requests
+calling the KV connector's ``progress()`` every iteration; it sleeps until a send ends and wakes it, or
+every ``progress_tick`` of a backend that needs one), the signal-server thread (answers decode workers,
+``signal_plane``; starts sends), transfer threads (move bytes). A pull's parts, their bytes and their sends
+are the KV connector's (``xpyd.worker.kv_connector_send``: the engine names blocks and requests, never bytes). The first two share the requests
 held (the scheduler, the decode workers served, what is remembered: ``held``) under one lock.
 
 Readiness is pushed: a decode worker claims a request (a lookup without a destination) as soon as it has
@@ -37,7 +38,7 @@ from typing import Callable
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.worker.config import WorkerConfig
-from xpyd.worker.kv_staging import pool_memory
+from xpyd.worker.kv_connector_send import KVSender, sender_for
 from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.request import RequestState
@@ -49,8 +50,6 @@ from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.prefill_worker.signal_plane import PrefillSignalPlane
 from xpyd.signal import messages as m
-from xpyd.prefill_worker.handover import abort_sends, send_due
-from xpyd.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +59,16 @@ LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept th
 class PrefillEngine(WorkerEngine):
     name = "prefill-engine"
 
-    def __init__(self, runner, tokenizer, config: WorkerConfig, transfer: TransferBackend,
-                 served_name: str) -> None:
+    def __init__(self, runner, tokenizer, config: WorkerConfig, kv: KVSender | object, served_name: str) -> None:
+        """``kv``: the KV connector, or the transfer backend one is made over (``kv_connector_send.sender_for``)."""
         super().__init__(runner, tokenizer, config, served_name)
-        self.transfer = transfer
+        self.connector = sender_for(kv)
+        self.connector.bind(self.pool, self._wake)
         self.sched = PrefillScheduler(config.batch_size, self.kv_cache, chunk=config.prefill_chunk)
         # What this thread and the signal server's share (under held.lock), and the server's handler.
-        self.held = HeldRequests(self.sched, transfer, self.metrics, config.kv_stream, config.kv_ttl)
+        self.held = HeldRequests(self.sched, self.connector, self.metrics, config.kv_stream, config.kv_ttl)
         self._lock, self._peers = self.held.lock, self.held.peers
-        self.signal_plane = PrefillSignalPlane(self.held, self.pool, self.model_id, self.peer_compat(),
+        self.signal_plane = PrefillSignalPlane(self.held, self.model_id, self.peer_compat(),
                                                config.cluster_token, self.isolate, self._wake)
         # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
         # their prompt was still computing
@@ -87,7 +87,7 @@ class PrefillEngine(WorkerEngine):
         """Start after the signal server is bound (its address goes into WorkerInfo)."""
         self.info = WorkerInfo(Role.PREFILL, http_url(self.config.public_host, self.config.port),
                                signal_addr, self.model_id, PROTOCOL_VERSION, self.config.batch_size)
-        self.transfer.register(pool_memory(self.pool, self.transfer))
+        self.connector.register()
         self.start_thread()
 
     # --- HTTP side ---------------------------------------------------------
@@ -102,7 +102,7 @@ class PrefillEngine(WorkerEngine):
                     "transferring": self.sched.num_transferring, "requests_held": held,
                     "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
                     "queued_tokens": self.sched.queued_tokens(),
-                    "transfers_in_flight": len(self.transfer.outstanding()),
+                    "transfers_in_flight": self.connector.in_flight(),
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self.held.sends),
                     "expired": self.held.counts["expired"],
@@ -136,7 +136,7 @@ class PrefillEngine(WorkerEngine):
         with self._lock:
             ended, broken = self.sched.poll()
             for seq in broken:  # a part's send failed: the others stop; the request ends when they did
-                abort_sends(self.transfer, seq)
+                self.connector.abort(seq)
                 self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send failed: {seq.error}",
                                      seq.claimed)
             for seq in ended:
@@ -148,7 +148,7 @@ class PrefillEngine(WorkerEngine):
                     self._announce(chunk.seq)
             sending = self.sched.sends_in_flight()
         if sending:
-            self.transfer.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
+            self.connector.progress()  # (nixl: decode workers READ from our pool; UCX needs our calls)
         if chunks:
             self._run_step(chunks)
         with self._lock:
@@ -156,7 +156,7 @@ class PrefillEngine(WorkerEngine):
             sending = self.sched.sends_in_flight()
         if chunks:
             return 0.0
-        tick = self.transfer.progress_tick
+        tick = self.connector.progress_tick
         return tick if sending and tick is not None else IDLE_SLEEP  # (a finished send wakes us)
 
     def _add(self, item: WorkItem) -> None:
@@ -234,8 +234,7 @@ class PrefillEngine(WorkerEngine):
                         if chunk.seq.state.is_final:  # released while its chunk ran
                             self.held.ended(chunk.seq)
                         elif chunk.seq.pull is not None:  # the KV of this chunk's full blocks goes now
-                            self._steps["streamed_parts"] += send_due(self.transfer, self.sched, chunk.seq,
-                                                                      self._wake)
+                            self._steps["streamed_parts"] += self.connector.send_due(self.sched, chunk.seq)
         for (chunk, _), token in zip(last, tokens):
             with self.isolate(chunk.seq.request_id, chunk.seq.payload):
                 self._prefilled(chunk.seq, token, now)
@@ -245,7 +244,7 @@ class PrefillEngine(WorkerEngine):
         seq.payload.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
         with self._lock:
             self.sched.fail_running(seq, str(e))
-            abort_sends(self.transfer, seq)  # (parts of its first chunks may be on their way)
+            self.connector.abort(seq)  # (parts of its first chunks may be on their way)
             self.held.record_end(seq.request_id, m.LookupStatus.FAILED, f"prefill failed: {type(e).__name__}",
                                  seq.claimed)
             if seq.state.is_final:
@@ -262,7 +261,7 @@ class PrefillEngine(WorkerEngine):
             if seq.state.is_final:  # aborted while running
                 self.held.ended(seq)
             elif seq.pull is not None:  # streamed: the parts still due go now (the last one at least)
-                send_due(self.transfer, self.sched, seq, self._wake)
+                self.connector.send_due(self.sched, seq)
             if not seq.state.is_final and seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
                 self.held.push(seq.request_id, self.held.ready_result(seq, m.LookupStatus.READY))
@@ -277,7 +276,7 @@ class PrefillEngine(WorkerEngine):
             seq.error = seq.error or error
             # (in a step, or with sends in flight, which are aborted: it ends, and is counted, when they end)
             self.sched.release(request_id, RequestState.FAILED)
-            abort_sends(self.transfer, seq)
+            self.connector.abort(seq)
             self.held.record_end(request_id, m.LookupStatus.FAILED, error, seq.claimed)
             if seq.state.is_final:
                 self.held.ended(seq)
@@ -291,7 +290,7 @@ class PrefillEngine(WorkerEngine):
         for addr in addrs:
             peer = self._peers.leave(addr, now)
             if peer is not None:
-                self.transfer.forget_peer(peer.transfer.address)
+                self.connector.forget_peer(peer)
             log.info("decode worker %s left: its unpulled KV expires in %gs", addr,
                      min(self.config.kv_ttl, LEFT_PEER_GRACE))
 
@@ -299,7 +298,7 @@ class PrefillEngine(WorkerEngine):
         self.post(None)
 
     def shutdown(self) -> None:
-        self.transfer.close()
+        self.connector.close()
 
     # --- signal plane (server thread) --------------------------------------
     # The signal server's handler is ``signal_plane``; the engine answers the same for callers that hold it.

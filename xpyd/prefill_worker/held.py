@@ -17,13 +17,13 @@ import time
 from collections import Counter
 from typing import Callable
 
-from xpyd.prefill_worker.handover import abort_sends, ready_result
+from xpyd.prefill_worker.handover import ready_result
 from xpyd.prefill_worker.peers import DecodePeers
 from xpyd.prefill_worker.recent import RequestMemory
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id
-from xpyd.transfer.base import TransferBackend
+from xpyd.worker.kv_connector_send import KVSender
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.worker.request import RequestState
 from xpyd.worker.work_item import ErrorEvent
@@ -35,11 +35,11 @@ STREAM_PARTS = 4  # a streamed prompt's KV moves in parts of a quarter chunk (th
 
 
 class HeldRequests:
-    def __init__(self, sched: PrefillScheduler, transfer: TransferBackend, metrics: WorkerMetrics,
+    def __init__(self, sched: PrefillScheduler, connector: KVSender, metrics: WorkerMetrics,
                  kv_stream: bool, kv_ttl: float) -> None:
         self.lock = threading.RLock()  # (reentrant: a request whose work raises under it is failed under it)
         self.sched = sched
-        self.transfer = transfer
+        self.connector = connector  # (plans pulls, moves their bytes)
         self.metrics = metrics
         self._kv_stream = kv_stream
         self.peers = DecodePeers()
@@ -100,7 +100,7 @@ class HeldRequests:
         seq = self.sched.release(request_id)
         if seq is None:
             return 0
-        abort_sends(self.transfer, seq)
+        self.connector.abort(seq)
         if seq.state.is_final:
             self.ended(seq)
         return 1

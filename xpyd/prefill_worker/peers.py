@@ -11,20 +11,10 @@ forgotten (it shakes hands again). Not thread-safe: the engine's lock guards it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
-from xpyd.transfer.base import BackendDescriptor
+from xpyd.worker.kv_connector_send import PeerMap  # noqa: F401 (a decode worker's pool, as the KV connector took it)
 
 MAX_PEERS = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class PeerMap:
-    """A decode worker's registered KV pool, from its kv_map_init."""
-
-    transfer: BackendDescriptor
-    block_bytes: int
-    num_blocks: int
 
 
 class DecodePeers:

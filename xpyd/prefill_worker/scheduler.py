@@ -43,7 +43,7 @@ from typing import Any
 from xpyd.worker.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
 from xpyd.prefill_worker.admission import admissible
-from xpyd.transfer.base import CompletionToken
+from xpyd.worker.kv_connector import TransferHandle
 
 S = RequestState
 
@@ -92,7 +92,7 @@ class Pull:
 
     parts: int
     plan: Any = None
-    tokens: list[CompletionToken] = field(default_factory=list)  # the sends started, in part order
+    tokens: list[TransferHandle] = field(default_factory=list)  # the sends started, in part order
 
     @property
     def all_sent(self) -> bool:
@@ -261,13 +261,13 @@ class PrefillScheduler:
         seq.pull = Pull(parts, plan)
         return seq
 
-    def part_sent(self, seq: PrefillSeq, token: CompletionToken) -> None:
+    def part_sent(self, seq: PrefillSeq, token: TransferHandle) -> None:
         """The send of the pull's next part started."""
         if seq.pull is None or seq.pull.all_sent or seq.state.is_final:
             raise ValueError(f"request {seq.request_id} has no part left to send")
         seq.pull.tokens.append(token)
 
-    def start_send(self, request_id: str, token: CompletionToken) -> PrefillSeq:
+    def start_send(self, request_id: str, token: TransferHandle) -> PrefillSeq:
         """A pull in one part, started at once."""
         seq = self.start_pull(request_id, 1)
         self.part_sent(seq, token)

@@ -23,27 +23,23 @@ import time
 from contextlib import AbstractContextManager
 from typing import Callable
 
-from xpyd.model.kv_layout import HostKVPool
 from xpyd.prefill_worker.expiry import orphaned
-from xpyd.prefill_worker.handover import abort_sends, plan_pull, send_due
 from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests, decode_addr_of
 from xpyd.prefill_worker.peers import PeerMap
 from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestIdError, parse_request_id
-from xpyd.transfer.base import BackendDescriptor
 from xpyd.worker.request import RequestState
 
 log = logging.getLogger(__name__)
 
 
 class PrefillSignalPlane:
-    def __init__(self, held: HeldRequests, pool: HostKVPool, model_id: str, compat: dict, cluster_token: str | None,
+    def __init__(self, held: HeldRequests, model_id: str, compat: dict, cluster_token: str | None,
                  isolate: Callable[[str], AbstractContextManager], wake: Callable[[], None]) -> None:
         """``compat``: what a decode worker's handshake must match (``WorkerEngine.peer_compat``: the KV layout
         and the weights); ``isolate(request_id)``: a scope in which an exception fails just that request (the
         engine's); ``wake``: wake the engine thread (sends to poll)."""
         self.held = held
-        self.pool = pool
         self.model_id = model_id
         self.cluster_token = cluster_token  # what each decode worker's session proves (the server checks it)
         self._kv_compat = compat
@@ -68,7 +64,7 @@ class PrefillSignalPlane:
                 held.record_end(seq.request_id, m.LookupStatus.EXPIRED, f"KV freed: {error}", False)
             for seq in sending:
                 sched.release(seq.request_id, RequestState.FAILED)  # (ends once its aborted sends are polled)
-                abort_sends(held.transfer, seq)
+                held.connector.abort(seq)
                 held.record_end(seq.request_id, m.LookupStatus.FAILED, f"KV send aborted: {error}", False)
             held.counts["orphaned"] += len(kept) + len(sending)
             held.counts["expired"] += len(kept)  # (freed unpulled, as KV that expires)
@@ -112,21 +108,11 @@ class PrefillSignalPlane:
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply | m.ErrorReply:
         if not self._known(identity):
             return m.ErrorReply("handshake first")
-        try:
-            desc = BackendDescriptor.from_dict(msg.transfer)
-        except (ValueError, TypeError, KeyError) as e:
-            return m.KVMapReply(False, f"bad transfer descriptor: {e}")
-        transfer = self.held.transfer
-        if desc.backend != transfer.name:
-            return m.KVMapReply(False, f"transfer backend mismatch: prefill uses {transfer.name}, "
-                                       f"decode uses {desc.backend}")
-        if msg.block_bytes != self.pool.layout.block_bytes:
-            return m.KVMapReply(False, f"KV block size mismatch: prefill blocks hold {self.pool.layout.block_bytes} "
-                                       f"bytes, decode blocks {msg.block_bytes}")
-        if msg.block_bytes * msg.num_blocks > desc.buffer_size:
-            return m.KVMapReply(False, "KV map does not fit the registered buffer")
+        peer = self.held.connector.accept_peer(msg.transfer, msg.block_bytes, msg.num_blocks)
+        if isinstance(peer, str):
+            return m.KVMapReply(False, peer)
         with self.held.lock:
-            self.held.peers.register(identity, PeerMap(desc, msg.block_bytes, msg.num_blocks))
+            self.held.peers.register(identity, peer)
         return m.KVMapReply(True)
 
     def on_lookup_all(self, identity: str, msg: m.LookupAll) -> m.LookupReply | m.ErrorReply:
@@ -179,14 +165,14 @@ class PrefillSignalPlane:
         if peer is None:
             return m.LookupResult(e.request_id, S.FAILED, error="kv_map_init first")
         if seq.pull is None:
-            plan = plan_pull(self.pool, seq, e, peer, time.monotonic())
+            plan = held.connector.plan(seq, e, peer, time.monotonic())
             if isinstance(plan, str):
                 return m.LookupResult(e.request_id, S.FAILED, error=plan)
             sched.start_pull(e.request_id, len(plan.parts), plan)
             if len(plan.parts) > 1:  # the last chunk computes the last part alone: only it is left to move
                 seq.split_at = plan.parts[-2].ready_at
             held.sends[identity] += 1
-            if send_due(held.transfer, sched, seq, self._wake):
+            if held.connector.send_due(sched, seq):
                 self._wake()  # wake the engine to poll the sends
         if streaming:
             return held.ready_result(seq, S.PREFILLING)
