@@ -42,6 +42,7 @@ _MAX_LOAD = 0.8  # rows with a key (held or tombstone) over the capacity: rebuil
 _REBUILD_LOAD = 0.6  # held rows over the capacity just after a rebuild
 _MIN_CAPACITY = 1024
 _CHUNK = 64  # the first chunk of a walk's chain (each next one 4 times as long)
+_SMALL = 32  # updates of up to this many events are applied one by one (array passes cost ~50 us a batch)
 _AR = np.arange(_WIN)
 _M64 = (1 << 64) - 1
 
@@ -70,6 +71,12 @@ class BlockHolders:
         self._masks = np.zeros((rows, self._words), np.uint64)
         self._nil = rows - 2  # an always empty row (lookups of absent hashes read its zero mask)
         self._zero = rows - 1  # hash 0's row
+        self._views()
+
+    def _views(self) -> None:
+        """Python views of the arrays for one-by-one updates (an item read is a Python int, no numpy scalar)."""
+        self._key_view = memoryview(self._keys)
+        self._mask_view = memoryview(self._masks.reshape(-1))
 
     @property
     def slots(self) -> int:
@@ -118,12 +125,14 @@ class BlockHolders:
 
     def _set_live(self, live: int) -> None:
         self._live = live
-        self._live_words = np.array([(live >> 64 * w) & _M64 for w in range(self._words)], np.uint64)
+        self._live_list = [(live >> 64 * w) & _M64 for w in range(self._words)]
+        self._live_words = np.array(self._live_list, np.uint64)
 
     def _widen(self, words: int) -> None:
         masks = np.zeros((len(self._masks), words), np.uint64)
         masks[:, :self._words] = self._masks
         self._masks, self._words = masks, words
+        self._views()
         self._set_live(self._live)
 
     # ------------------------------------------------------------------ the table
@@ -205,7 +214,7 @@ class BlockHolders:
                 break
             capacity = capacity * 5 // 4
         self._alloc(capacity)
-        self._keys[at], self._masks[at] = keys[order], masks[order]
+        self._keys[at], self._masks[at] = keys[order], masks[order]  # (the views see the new arrays' rows)
         self._masks[self._zero] = zero
         self._used = len(keys)
         self._held = len(keys) + bool(zero.any())
@@ -236,8 +245,8 @@ class BlockHolders:
         """KV events of ``slot``'s worker, in order (``("stored" | "removed", hash)``); the change in the
         blocks it holds. Each hash ends as its last event says."""
         n = len(events)
-        if not n:
-            return 0
+        if n <= _SMALL:
+            return sum([self._update_one(slot, h, kind == "stored") for kind, h in events])
         hashes = _hash_array((h for _, h in events), n)
         stored = np.fromiter((kind == "stored" for kind, _ in events), bool, n)
         if n > 1:
@@ -245,6 +254,55 @@ class BlockHolders:
             last = n - 1 - last
             hashes, stored = hashes[last], stored[last]
         return self.update(slot, hashes, stored)
+
+    def _update_one(self, slot: int, h: int, stored: bool) -> int:
+        """``update`` of one hash, in Python over the arrays' views: +1, -1 or 0."""
+        words, keys, masks = self._words, self._key_view, self._mask_view
+        if words == 1:
+            any_bit = masks.__getitem__  # row -> whether a slot holds it
+        else:
+            def any_bit(row: int) -> bool:
+                return any(masks[row * words + w] for w in range(words))
+        row = self._zero
+        if h:
+            row, free = self._home_one(h), None
+            while keys[row] != h and keys[row]:
+                if free is None and not any_bit(row):
+                    free = row  # a tombstone: the first free row on its way
+                row += 1
+            if not keys[row]:
+                if not stored:
+                    return 0
+                if free is None:
+                    free = row
+                if free >= self._capacity + _PAD or self._used + 1 > _MAX_LOAD * self._capacity:
+                    self._insert(np.array([h], np.uint64), slot)  # (rebuilds first)
+                    return 1
+                self._used += not keys[free]
+                self._held += 1
+                keys[free] = h
+                for w in range(words):
+                    masks[free * words + w] = 0
+                masks[free * words + slot // 64] = 1 << slot % 64
+                return 1
+        at, bit = row * words + slot // 64, 1 << slot % 64
+        if bool(masks[at] & bit) == stored:
+            return 0
+        was = any_bit(row)
+        for w, live in enumerate(self._live_list):
+            masks[row * words + w] &= live
+        masks[at] = masks[at] | bit if stored else masks[at] & ~bit
+        self._held += bool(any_bit(row)) - bool(was)
+        return 1 if stored else -1
+
+    def _home_one(self, h: int) -> int:
+        """``_home`` of one hash, in Python ints."""
+        x = h ^ h >> 33
+        x = x * 0xFF51AFD7ED558CCD & _M64
+        x ^= x >> 33
+        x = x * 0xC4CEB9FE1A85EC53 & _M64
+        x ^= x >> 33
+        return (x >> 32) * self._capacity >> 32
 
     def store(self, slot: int, hashes: Iterable[int], n: int) -> int:
         """``slot``'s worker holds the ``n`` distinct ``hashes`` (a snapshot); how many it did not before."""
