@@ -36,6 +36,7 @@ from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.lookups import Lookups
+from xpyd.decode_worker.prompt_facts import prompt_hashes
 from xpyd.decode_worker.receives import Receives
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
@@ -294,25 +295,11 @@ class DecodeEngine(WorkerEngine):
     def _prompt_facts(self, seq: DecodeSeq, addr: str, r: m.LookupResult) -> bool:
         """The prompt's length, block hashes and tail from prefill (checked), and what follows from them:
         the request's KV reservation, its output. False (and the request failed) when they do not add up."""
-        try:
-            hashes = m.unpack_hashes(r.block_hashes)
-        except m.MessageError as e:
-            self._fail_seq(seq, 502, f"prefill worker {addr}: {e}", "prefill", release=True)
-            return False
-        bs = self.kv_cache.block_size
-        if r.num_tokens < 1 or len(hashes) != r.num_tokens // bs or len(r.tail) != r.num_tokens % bs:
-            self._fail_seq(seq, 502, f"prefill worker {addr} named {len(hashes)} block hashes and {len(r.tail)} "
-                           f"more tokens for a {r.num_tokens}-token prompt", "prefill", release=True)
-            return False
         item: WorkItem = seq.payload
-        if item.prompt_ids:  # decode tokenized the prompt (its cache is on): it caches KV only under its own names
-            own = self.kv_cache.hashes(item.prompt_ids, item.cache_salt)
-            if (r.num_tokens != len(item.prompt_ids) or hashes != own
-                    or tuple(r.tail) != tuple(item.prompt_ids[len(own) * bs:])):
-                self._fail_seq(seq, 502, f"prefill worker {addr} named another prompt than this request's (its "
-                               "length, block hashes or tail differ from decode's)", "prefill", release=True)
-                return False
-            hashes = own
+        hashes = prompt_hashes(r, addr, item.prompt_ids, item.cache_salt, self.kv_cache)  # (checked: ``prompt_facts``)
+        if isinstance(hashes, str):
+            self._fail_seq(seq, 502, hashes, "prefill", release=True)
+            return False
         limit, prompt_len = self.max_model_len, r.num_tokens
         if item.open_ended:
             item.stop = replace(item.stop, max_tokens=max(1, limit - prompt_len))
