@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from xpyd.model.block_tables import BlockTables
 from xpyd.model.fingerprint import weights_fingerprint
 from xpyd.model.sampling_params import SamplingParams
 from xpyd.model.sim import SimProfile, SimRunner
@@ -325,3 +326,54 @@ def test_a_runner_over_given_memory_keeps_its_kv_there(model):
     assert bytes(memory[at : at + 8]) == row  # the last token's digest, in that memory
     with pytest.raises(ValueError, match="the layout needs"):
         _runner(model, num_blocks=8, buffer=memoryview(bytearray(size - 1)))
+
+
+def test_decode_over_kept_block_tables_equals_decode_over_lists(model):
+    """Rows of `BlockTables` grown step by step (as `KVCache.grow` does) give the tokens and records of
+    `decode` over lists; a bad step over rows is refused with nothing written."""
+    lists, kept = _runner(model), _runner(model)
+    prompts = [PROMPT, PROMPT[:6] + [4, 4]]
+    tables = BlockTables(kept.pool.layout.num_blocks, rows=1, width=1)
+    seqs = []
+    for prompt in prompts:
+        a, b = lists.pool.blocks.allocate(3), kept.pool.blocks.allocate(3)
+        first = lists.sampler.sample([lists.prefill(a, prompt)], [GREEDY], [None])[0]
+        assert kept.sampler.sample([kept.prefill(b, prompt)], [GREEDY], [None])[0] == first
+        seqs.append((prompt, a, b, tables.open(b), [first]))
+    for _ in range(9):  # across block boundaries: 11 -> 20 and 8 -> 17 tokens
+        for prompt, a, b, row, out in seqs:
+            if (len(prompt) + len(out) - 1) // BS == len(a):
+                a += lists.pool.blocks.allocate(1)
+                grown = kept.pool.blocks.allocate(1)
+                b += grown
+                tables.extend(row, grown)
+        positions = [len(p) + len(o) - 1 for p, _, _, _, o in seqs]
+        ids = [o[-1] for *_, o in seqs]
+        want = lists.decode([a for _, a, *_ in seqs], ids, positions)
+        got = kept.decode_rows(tables, [s[3] for s in seqs], ids, positions)
+        assert got == want
+        for (*_, out), token in zip(seqs, lists.sampler.sample(want, [GREEDY] * 2, [None] * 2)):
+            out.append(token)
+    assert tables.capacity == 2 and tables.width == 8 and [tables.blocks(s[3]) for s in seqs] == [s[2] for s in seqs]
+    before = bytes(kept.pool.buffer())
+    rows = [s[3] for s in seqs]
+    for bad_rows, ids, positions, message in [([rows[0], rows[0]], [1, 1], [19, 19], "row appears twice"),
+                                              ([rows[0]], [1], [20], "5 KV blocks cannot hold position 20"),
+                                              ([rows[0]], [VOCAB], [19], "outside the vocabulary"),
+                                              ([7], [1], [19], "row 7 is not an open row")]:
+        with pytest.raises(ValueError, match=message):
+            kept.decode_rows(tables, bad_rows, ids, positions)
+    assert bytes(kept.pool.buffer()) == before
+
+
+def test_a_simulated_decode_step_through_the_kv_cache_imports_no_torch_and_no_numpy(tiny_model_dir):
+    code = ("import sys; from pathlib import Path; from xpyd.model.sim import SimRunner; "
+            "from xpyd.worker.kv_cache import KVCache; "
+            f"r = SimRunner(Path({str(tiny_model_dir)!r}), num_blocks=4, max_seq_len=32); "
+            "c = KVCache(r.pool.blocks, r.block_size, seed=0); kv = c.admit([], 3, 5, 0); "
+            "r.prefill(kv.blocks, [1, 2, 3]); c.grow(kv, 4); "
+            "print(len(r.decode_rows(c.tables, [c.table_row(kv)], [4], [3])), "
+            "sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "[]"]

@@ -3,12 +3,15 @@ simulated one): block tables that exist and do not repeat a block, new KV only i
 positions and starts in range, no two parts writing one block or one row. Torch-free.
 
 A bad batch is a ValueError and nothing is written: a bad block id must never reach an in-place write.
+A decode step through the kept block tables (`decode_rows`) checks O(batch) things: the tables' ids were
+checked when they were written (`block_tables`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from xpyd.model.block_tables import BlockTables
 from xpyd.model.kv_blocks import BlockAllocator
 from xpyd.model.kv_layout import KVLayout
 
@@ -66,6 +69,12 @@ def prefill_parts(layout: KVLayout, allocator: BlockAllocator, max_model_len: in
     return tables
 
 
+def _positions(positions: Sequence[int], max_model_len: int) -> None:
+    for pos in positions:
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < max_model_len:
+            raise ValueError(f"position {pos!r} outside [0, {max_model_len})")
+
+
 def decode_batch(layout: KVLayout, allocator: BlockAllocator, max_model_len: int, tables: Sequence[Sequence[int]],
                  token_ids: Sequence[int], positions: Sequence[int]) -> list[list[int]]:
     """Each request's table after checking the batch: token i sits at positions[i] < max_model_len of the
@@ -74,9 +83,7 @@ def decode_batch(layout: KVLayout, allocator: BlockAllocator, max_model_len: int
     batch = len(tables)
     if batch == 0 or len(token_ids) != batch or len(positions) != batch:
         raise ValueError("decode needs equally long, non-empty tables, token_ids and positions")
-    for pos in positions:
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < max_model_len:
-            raise ValueError(f"position {pos!r} outside [0, {max_model_len})")
+    _positions(positions, max_model_len)
     bs = layout.block_size
     out = [table(layout, t, p + 1) for t, p in zip(tables, positions)]
     written = [(t[p // bs], p % bs) for t, p in zip(out, positions)]
@@ -84,3 +91,30 @@ def decode_batch(layout: KVLayout, allocator: BlockAllocator, max_model_len: int
         raise ValueError("two requests of one decode batch write the same KV row")
     check_own(allocator, [b for b, _ in written])
     return out
+
+
+def decode_rows(layout: KVLayout, allocator: BlockAllocator, max_model_len: int, tables: BlockTables,
+                rows: Sequence[int], token_ids: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """`decode_batch` for requests whose blocks are rows of ``tables`` (this pool's): token i sits at
+    positions[i] < max_model_len of the request of open row rows[i], which holds that position's block; no
+    row twice, the blocks written the requests' own and no two requests writing one KV row. The block each
+    request writes, in batch order. O(batch): the rows' ids were checked when they were written."""
+    batch = len(rows)
+    if batch == 0 or len(token_ids) != batch or len(positions) != batch:
+        raise ValueError("decode needs equally long, non-empty rows, token_ids and positions")
+    if tables.num_blocks != layout.num_blocks:
+        raise ValueError(f"block tables of a {tables.num_blocks}-block pool, not this {layout.num_blocks}-block one")
+    _positions(positions, max_model_len)
+    if len(set(rows)) != batch:
+        raise ValueError("a block-table row appears twice in one decode batch")
+    bs = layout.block_size
+    written = []
+    for row, pos in zip(rows, positions):
+        held = tables.length(row)
+        if pos // bs >= held:
+            raise ValueError(f"row {row}'s {held} KV blocks cannot hold position {pos} (need {pos // bs + 1})")
+        written.append(tables.block(row, pos // bs))
+    if len(set(zip(written, (p % bs for p in positions)))) != batch:
+        raise ValueError("two requests of one decode batch write the same KV row")
+    check_own(allocator, written)
+    return written

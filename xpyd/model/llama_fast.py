@@ -323,7 +323,15 @@ class FastLlama:
     def decode(self, pool: torch.Tensor, tables: list[list[int]], positions: list[int], ids: torch.Tensor) -> torch.Tensor:
         """One token per request: ids[i] at positions[i] of the request whose blocks are tables[i].
         Returns float32 logits [B, vocab]."""
-        batch, nh, nkv, hd = len(tables), self.num_heads, self.num_kv_heads, self.head_dim
+        width = self.blocks_for(pool, max(positions) + 1)
+        return self.decode_tables(pool, paged.padded_tables(tables, width, self.device), positions, ids)
+
+    def decode_tables(self, pool: torch.Tensor, tables: torch.Tensor, positions: list[int],
+                      ids: torch.Tensor) -> torch.Tensor:
+        """`decode` with the block tables as one int64 tensor [B, >= blocks of the longest request] on the
+        device (row i: request i's blocks, then any padding), as `paged.padded_tables` makes it or as the
+        runner gathers it from its kept tables (`block_tables`). Returns float32 logits [B, vocab]."""
+        batch, nh, nkv, hd = len(positions), self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [B, hidden]
         pos_t = torch.tensor(positions, device=self.device)
         cos, sin = self.cos[pos_t], self.sin[pos_t]
@@ -339,7 +347,7 @@ class FastLlama:
 
     def _attention_plan(self, pool, tables, positions, pos_t):
         """A function (layer, q, k_new, v_new) -> attention output [B, heads, hd] that also writes k/v
-        into the pool.
+        into the pool (``tables``: int64 [B, >= blocks of the longest request]).
 
         With the native kernel: one call per layer (it writes k/v and reads each request's blocks in
         place). Otherwise each layer's K/V is gathered through the block tables: for the whole batch at
@@ -348,16 +356,15 @@ class FastLlama:
         """
         if self._decode_attention == "kernel":
             return self._kernel_plan(pool, tables, positions)
-        batch, block_size = len(tables), pool.shape[4]
-        where = paged.RowIndex(
-            torch.tensor([t[p // block_size] for t, p in zip(tables, positions)], device=self.device),
-            pos_t % block_size)
+        batch, block_size = len(positions), pool.shape[4]
+        where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // block_size],
+                               pos_t % block_size)
         matmul = self._decode_attention == "matmul"
         attend_rows = self._matmul_attention if matmul else self._sdpa_attention
         lengths = [p + 1 for p in positions]
         longest = max(lengths)
         if batch > 1 and batch * longest > 2 * sum(lengths):
-            singles = [paged.padded_tables([t], self.blocks_for(pool, n), self.device) for t, n in zip(tables, lengths)]
+            singles = [tables[i : i + 1, : self.blocks_for(pool, n)] for i, n in enumerate(lengths)]
 
             def per_request(index, q, k_new, v_new):
                 paged.write(pool, index, where, k_new, v_new)
@@ -369,7 +376,7 @@ class FastLlama:
 
             return per_request
 
-        padded = paged.padded_tables(tables, self.blocks_for(pool, longest), self.device)
+        padded = tables[:, : self.blocks_for(pool, longest)]
         mask = None
         if batch > 1 and min(lengths) < longest:
             mask = (torch.arange(longest, device=self.device) <= pos_t.unsqueeze(1)).view(batch, 1, 1, longest)
@@ -383,13 +390,11 @@ class FastLlama:
 
         return batched
 
-    def _kernel_plan(self, pool, tables, positions):
+    def _kernel_plan(self, pool, table_t, positions):
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             raise ValueError(f"the native decode attention needs a bfloat16 CPU pool, not {pool.dtype} on {pool.device}")
-        lens = [p + 1 for p in positions]
-        table_t = paged.padded_tables(tables, self.blocks_for(pool, max(lens)), self.device)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        out = torch.empty((len(tables), self.num_heads, self.head_dim), dtype=torch.bfloat16)
+        lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
+        out = torch.empty((len(positions), self.num_heads, self.head_dim), dtype=torch.bfloat16)
         kernel, scale = self._kernel, self.scale
 
         def native_attention(index, q, k_new, v_new):

@@ -17,12 +17,14 @@ import functools
 from pathlib import Path
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from xpyd.model import batch_checks, paged
+from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
@@ -238,24 +240,44 @@ class ModelRunner:
         the request's own (held by it alone), and no two requests write one row. Returns float32 logits
         [B, vocab]; ValueError, and nothing written, for a bad batch.
         """
-        bs = self.block_size
         tables = batch_checks.decode_batch(self.pool.layout, self.pool.blocks, self.max_model_len, tables, token_ids,
                                            positions)
-        batch = len(tables)
-        written = [(t[p // bs], p % bs) for t, p in zip(tables, positions)]
         if self.decoder is not None:
             self._ids(token_ids, upload=False)  # (the range check; the decoder uploads the ids with the step)
             return self.decoder.step(tables, positions, token_ids)
+        width = self.pool.layout.blocks_for(max(positions) + 1)
+        return self._decode(paged.padded_tables(tables, width, self.device), token_ids, positions)
+
+    @torch.inference_mode()
+    @_released
+    def decode_rows(self, tables: BlockTables, rows: list[int], token_ids: list[int],
+                    positions: list[int]) -> torch.Tensor:
+        """`decode` for requests whose blocks are kept in ``tables`` (this pool's): request i's are row
+        rows[i]. The rows the step needs are read in one gather (a zero-copy view of the tables), and the
+        checks are O(batch) (`batch_checks.decode_rows`); the same guarantees as `decode`."""
+        batch_checks.decode_rows(self.pool.layout, self.pool.blocks, self.max_model_len, tables, rows, token_ids,
+                                 positions)
+        width = self.pool.layout.blocks_for(max(positions) + 1)
+        kept = np.frombuffer(tables.data, dtype=np.int32).reshape(tables.capacity, tables.width)
+        gathered = kept[rows, :width]  # [B, width] int32, a copy
+        if self.decoder is not None:
+            self._ids(token_ids, upload=False)
+            return self.decoder.step(gathered, positions, token_ids)
+        padded = torch.from_numpy(gathered.astype(np.int64))
+        return self._decode(padded if self._on_cpu else padded.to(self.device), token_ids, positions)
+
+    def _decode(self, tables: torch.Tensor, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """A checked batch, its block tables int64 [B, blocks of the longest request] on the device."""
         if self._use_fast:
-            return self._fast.decode(self.pool.tensor, tables, positions, self._ids(token_ids))
+            return self._fast.decode_tables(self.pool.tensor, tables, positions, self._ids(token_ids))
+        bs, batch = self.block_size, len(positions)
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
-        where = paged.RowIndex(torch.tensor([b for b, _ in written], device=self.device), pos_t % bs)
-        singles = [paged.padded_tables([t], self.pool.layout.blocks_for(p + 1), self.device)
-                   for t, p in zip(tables, positions)]
+        where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
+        singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
         for index, layer in enumerate(self._layers):
             self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]

@@ -14,6 +14,10 @@ so the next request with that prefix finds it; blocks of ended requests stay cac
 needs the memory (least recently used first). The hashes are keyed with the deployment's secret, and a
 request's ``cache_salt`` moves the start of its chain (``BlockChain.root``), prompt and generated blocks
 alike: requests with different salts never share a block.
+
+Block tables: a request that decodes holds a row of ``tables`` (`block_tables.BlockTables`, opened by
+``table_row`` at its first step), which takes each block ``grow`` allocates and is handed back by ``free``; a
+decode step passes the rows (`stepping.decode_and_sample`) instead of rebuilding lists.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from xpyd.model.block_tables import BlockTables
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 from xpyd.prefix_hash import block_hashes, salted_seed
 
@@ -48,6 +53,7 @@ class RequestKV:
     committed: int = 0  # leading blocks whose hashes are recorded in the cache (or skipped as duplicates)
     tail: list[int] = field(default_factory=list)  # tokens after the last hashed block (decode's chain)
     root: int | None = None  # h_-1 of its chain (the seed salted with its cache_salt); None: the cache's seed
+    row: int | None = None  # its row of the cache's block tables, from its first decode step on
 
 
 class KVCache:
@@ -59,6 +65,7 @@ class KVCache:
         self.reserved = 0  # blocks promised to admitted requests and not yet allocated
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... and found there
+        self.tables = BlockTables(allocator.num_blocks)  # the decoding requests' blocks (``table_row``)
 
     @property
     def caching(self) -> bool:
@@ -111,10 +118,19 @@ class KVCache:
         extra = self.blocks_for(num_tokens) - len(kv.blocks)
         if extra <= 0:
             return
-        kv.blocks.extend(self.allocator.allocate(extra))
+        fresh = self.allocator.allocate(extra)
+        kv.blocks.extend(fresh)
+        if kv.row is not None:
+            self.tables.extend(kv.row, fresh)
         from_reservation = min(extra, kv.reserved)
         kv.reserved -= from_reservation
         self.reserved -= from_reservation
+
+    def table_row(self, kv: RequestKV) -> int:
+        """``kv``'s row of ``tables`` (opened with its blocks the first time), kept up to date by ``grow``."""
+        if kv.row is None:
+            kv.row = self.tables.open(kv.blocks)
+        return kv.row
 
     def cache_blocks(self, kv: RequestKV, upto_tokens: int) -> None:
         """The KV of ``kv``'s first ``upto_tokens`` tokens is complete: record the hashes of its full blocks
@@ -151,6 +167,9 @@ class KVCache:
         """The request ended: drop its references (cached blocks stay for reuse) and its reservation."""
         self.allocator.release(kv.blocks)
         kv.blocks = []
+        if kv.row is not None:
+            self.tables.close(kv.row)
+            kv.row = None
         self.reserved -= kv.reserved
         kv.reserved = 0
 

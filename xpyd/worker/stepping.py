@@ -1,8 +1,8 @@
 """One forward pass plus sampling, for the engines of every role.
 
 The runner (the model's `ModelRunner`, or the simulated engine's) does both: ``prefill``/``prefill_many``/
-``decode`` return one row of scores per request, its ``sampler`` turns rows into tokens (``sample``), makes a
-request's random state (``new_generator``) and consumes the draw another worker made (``skip_draw``).
+``decode_rows`` return one row of scores per request, its ``sampler`` turns rows into tokens (``sample``),
+makes a request's random state (``new_generator``) and consumes the draw another worker made (``skip_draw``).
 
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
 ``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
@@ -43,16 +43,16 @@ def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int]:
 def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
     """One decode step over every running ``seq`` (each feeds its last token, growing into a new block
     when it needs one); their next tokens. The fed tokens' KV is then complete: blocks they fill are
-    cached."""
-    tables, tokens, positions = [], [], []
+    cached. The runner reads the requests' blocks from the cache's kept block tables (``decode_rows``)."""
+    rows, tokens, positions = [], [], []
     for seq in seqs:
         ids = seq.payload.output.token_ids
         position = seq.prompt_len + len(ids) - 1
         cache.grow(seq.kv, position + 1)
-        tables.append(seq.kv.blocks)
+        rows.append(cache.table_row(seq.kv))
         tokens.append(ids[-1])
         positions.append(position)
-    logits = runner.decode(tables, tokens, positions)
+    logits = runner.decode_rows(cache.tables, rows, tokens, positions)
     for seq, token in zip(seqs, tokens):
         cache.append_tokens(seq.kv, (token,))
     return runner.sampler.sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from xpyd.model import batch_checks
+from xpyd.model.block_tables import BlockTables
 from xpyd.model.fingerprint import weights_fingerprint
 from xpyd.model.kv_layout import HostKVPool, KVLayout
 from xpyd.model.sim.profile import SimProfile, default_profile
@@ -152,6 +153,17 @@ class SimRunner:
         self._take(started, self.profile.decode_seconds(len(rows), sum(positions) + len(positions)))
         return rows
 
+    def decode_rows(self, tables: BlockTables, rows: list[int], token_ids: list[int],
+                    positions: list[int]) -> list[bytes]:
+        """`decode` for requests whose blocks are kept in ``tables`` (this pool's): request i's are row rows[i]
+        (as `ModelRunner.decode_rows`: O(batch) checks; the rows are read as lists, which the records need)."""
+        started = time.monotonic()
+        batch_checks.decode_rows(self.pool.layout, self.pool.blocks, self.max_model_len, tables, rows, token_ids,
+                                 positions)
+        rows_out = self._decode_checked([tables.blocks(r) for r in rows], self._ids(token_ids), positions)
+        self._take(started, self.profile.decode_seconds(len(rows_out), sum(positions) + len(positions)))
+        return rows_out
+
     def warmup(self) -> None:
         """One tiny prefill + decode through the pool (no simulated time)."""
         blocks = self.pool.blocks.allocate(self.pool.layout.blocks_for(5))
@@ -177,10 +189,12 @@ class SimRunner:
         return rows, sum(len(ids) - start for _, ids, start in checked), sum(start for _, _, start in checked)
 
     def _decode(self, tables: list[list[int]], token_ids: list[int], positions: list[int]) -> list[bytes]:
-        bs = self.block_size
         tables = batch_checks.decode_batch(self.pool.layout, self.pool.blocks, self.max_model_len, tables, token_ids,
                                            positions)
-        ids = self._ids(token_ids)
+        return self._decode_checked(tables, self._ids(token_ids), positions)
+
+    def _decode_checked(self, tables: list[list[int]], ids: list[int], positions: list[int]) -> list[bytes]:
+        bs = self.block_size
         previous = [self._before(t, p) for t, p in zip(tables, positions)]  # verified before any write
         rows = []
         for table, token, pos, digest in zip(tables, ids, positions, previous):
