@@ -50,10 +50,11 @@ def workers(tmp_path_factory, tiny_model_dir: Path):
 
 
 def test_queued_requests_outlive_the_prefill_workers_peer_timeout(workers):
-    """One decode slot, eight long generations: the last ones wait (claimed, KV held on prefill) longer than
-    --peer-timeout and --kv-ttl; heartbeats keep the claims and every request completes."""
+    """One decode slot, sixteen long generations: the last ones wait (claimed, KV held on prefill) longer than
+    --peer-timeout and --kv-ttl; their open session keeps the claims and every request completes. (Eight
+    were too few once a decode step of the tiny model took under a millisecond: the queue lasted 3.2 s.)"""
     _, urls = workers
-    rids = [rid_for(urls) for _ in range(8)]
+    rids = [rid_for(urls) for _ in range(16)]
     results: dict[str, tuple[float, tuple[int, dict]]] = {}
     started = time.monotonic()
 
