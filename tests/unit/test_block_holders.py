@@ -46,6 +46,7 @@ class Model:
 
 def check(holders: BlockHolders, model: Model, slots, rng: random.Random) -> None:
     assert holders.hashes() == set(model.held)
+    assert holders._used == probed_keys(holders) >= len(model.held) - (0 in model.held)
     assert holders.distinct() == len(model.held)
     for h in rng.sample(sorted(model.held), min(50, len(model.held))):
         assert holders.mask(h) == sum(1 << s for s in model.held[h])
@@ -98,21 +99,28 @@ def _same_home(holders: BlockHolders, home: int, n: int, seed: int = 0) -> list[
     return out[:n]
 
 
+def probed_keys(holders: BlockHolders) -> int:
+    return int(np.count_nonzero(holders._keys[:holders._capacity + block_holders._PAD]))
+
+
 def test_a_long_probe_run_with_tombstones_reused():
     holders = BlockHolders()
     a, b = holders.take(0), holders.take(1)
-    run = _same_home(holders, 100, 60)  # one home: a run of 60 rows, found window by window
-    assert holders.apply(a, [("stored", h) for h in run]) == 60
-    assert holders.walk(run, [a, b]) == [60, 0]
-    assert holders.apply(a, [("removed", h) for h in run[:30]]) == -30  # tombstones in front of the rest
-    assert holders.walk(run[30:], [a]) == [30] and holders.walk(run, [a]) == [0]
-    used = holders._used
-    assert holders.apply(b, [("stored", h) for h in run[:10]]) == 10  # their own rows again
-    others = _same_home(holders, 100, 20, seed=1)
-    assert holders.apply(b, [("stored", h) for h in others]) == 20  # 20 more rows in the 20 tombstones left
-    assert holders._used == used
-    assert holders.walk(run[:10] + others, [a, b]) == [0, 30] and holders.walk(run[30:], [a, b]) == [30, 0]
-    assert holders.hashes() == set(run[:10] + run[30:] + others)
+    run = _same_home(holders, 100, 100)  # one home: a run of 100 rows, found past the first window
+    assert holders.apply(a, [("stored", h) for h in run]) == 100
+    assert holders.walk(run, [a, b]) == [100, 0] and holders._used == probed_keys(holders) == 100
+    assert holders.apply(a, [("removed", h) for h in run[:60]]) == -60  # tombstones in front of the rest
+    assert holders.walk(run[60:], [a]) == [40] and holders.walk(run, [a]) == [0]
+    assert holders.apply(b, [("stored", h) for h in run[:10]]) == 10  # their own rows again, one by one
+    others = _same_home(holders, 100, 45, seed=1)
+    assert holders.apply(b, [("stored", h) for h in others[:40]]) == 40  # new hashes in tombstones, in arrays
+    assert holders.apply(b, [("stored", h) for h in others[40:]]) == 5  # and one by one
+    assert holders._used == probed_keys(holders) == 100  # no row taken but tombstones
+    assert holders.walk(run[:10] + others, [a, b]) == [0, 55] and holders.walk(run[60:], [a, b]) == [40, 0]
+    assert holders.hashes() == set(run[:10] + run[60:] + others)
+    more = _same_home(holders, 100, 10, seed=2)
+    assert holders.apply(b, [("stored", h) for h in more]) == 10  # the last 5 tombstones, then 5 rows past the run
+    assert holders._used == probed_keys(holders) == 105
 
 
 def test_spare_rows_running_out_rebuild_larger(monkeypatch):

@@ -183,3 +183,18 @@ def test_holders_walk_and_sweep():
     holders.sweep()
     assert holders.hashes() == set() and holders.distinct() == 0
     assert holders.take(1) == s0  # swept slot reused, lowest first
+
+
+def test_long_chains_match_and_expect_past_the_blocks_looked_up_one_by_one():
+    clock = Clock()
+    index = PrefixIndex(expect_seconds=10, clock=clock)
+    a, b = worker(1), worker(2)
+    chain = [2**64 - 1 - i for i in range(700)]  # (the first 64 looked up one by one, then 256, then the rest)
+    snapshot(index, a, chain[:500])
+    snapshot(index, b, chain[:70] + chain[71:])
+    assert index.match_all(chain, [a, b]) == [500, 70]
+    index.expect(a, chain[:650])  # 500 held, 150 expected
+    assert list(index.entry(a).expected) == chain[500:650]
+    assert index.match_all(chain, [a, b]) == [650, 70]
+    clock.now += 10
+    assert index.match_all(chain, [a, b]) == [500, 70]

@@ -36,15 +36,17 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 _MIN_SLOTS = 32  # slot numbers may reach 2 x workers + this before retired slots are swept for reuse
-_WIN = 16  # rows a probe reads at once
+_WIN = 8  # rows a probe reads at once (a lookup reads one window in an array pass, then goes on in Python)
 _PAD = 4096  # rows past the capacity that probes may run into
 _MAX_LOAD = 0.8  # rows with a key (held or tombstone) over the capacity: rebuild above this
 _REBUILD_LOAD = 0.6  # held rows over the capacity just after a rebuild
 _MIN_CAPACITY = 1024
-_CHUNK = 64  # the first chunk of a walk's chain (each next one 4 times as long)
+_ONE_BY_ONE = 64  # a chain's first blocks looked up in Python (array passes cost ~30 us a call)
+_CHUNK = 256  # then chunks of this many blocks in array passes, each next one 4 times as long
 _SMALL = 32  # updates of up to this many events are applied one by one (array passes cost ~50 us a batch)
 _AR = np.arange(_WIN)
 _M64 = (1 << 64) - 1
+_MIX = 0xD6E8FEB86659FD93  # odd: x -> x * _MIX mod 2**64 is one-to-one
 
 
 def _hash_array(hashes: Iterable[int], n: int) -> np.ndarray:
@@ -138,28 +140,33 @@ class BlockHolders:
     # ------------------------------------------------------------------ the table
 
     def _home(self, q: np.ndarray, capacity: int) -> np.ndarray:
-        """Each hash's first row: its bits mixed (a hash from anywhere may be regular), scaled to rows."""
-        x = q ^ (q >> np.uint64(33))
-        x *= np.uint64(0xFF51AFD7ED558CCD)
-        x ^= x >> np.uint64(33)
-        x *= np.uint64(0xC4CEB9FE1A85EC53)
-        x ^= x >> np.uint64(33)
+        """Each hash's first row: its bits mixed (Fibonacci hashing of it folded once: a hash from anywhere
+        may be regular), the top 32 scaled to the rows. ``_home_one`` is the same for one hash."""
+        x = q ^ (q >> np.uint64(29))
+        x *= np.uint64(_MIX)
         return ((x >> np.uint64(32)) * np.uint64(capacity) >> np.uint64(32)).astype(np.int64)
 
     def _find(self, q: np.ndarray) -> np.ndarray:
-        """Each hash's row; ``_nil`` where it has none (hash 0: its own row)."""
+        """Each hash's row; ``_nil`` where it has none (hash 0: its own row). One window read in an array
+        pass; a way longer than the window (a few in a hundred at most) goes on one row at a time."""
         at = np.full(len(q), self._nil, np.int64)
         at[q == 0] = self._zero
         todo = np.flatnonzero(q)
         start = self._home(q[todo], self._capacity)
-        keys = self._keys
-        while len(todo):  # a hash is never past an empty row on its way (rows are emptied only by rebuilds)
-            win = keys[start[:, None] + _AR]
-            eq = win == q[todo, None]
-            hit = eq.any(axis=1)
-            at[todo[hit]] = start[hit] + eq[hit].argmax(axis=1)
-            go = ~hit & ~(win == 0).any(axis=1)
-            todo, start = todo[go], start[go] + _WIN
+        win = self._keys[start[:, None] + _AR]
+        eq = win == q[todo, None]
+        hit = eq.any(axis=1)
+        at[todo[hit]] = start[hit] + eq[hit].argmax(axis=1)
+        on = np.flatnonzero(~hit & (win != 0).all(axis=1))  # a hash is never past an empty row on its way
+        if len(on):  # (rows are emptied only by rebuilds)
+            keys = self._key_view
+            for i, h, row in zip(todo[on].tolist(), q[todo[on]].tolist(), (start[on] + _WIN).tolist()):
+                k = keys[row]
+                while k != h and k:
+                    row += 1
+                    k = keys[row]
+                if k:
+                    at[i] = row
         return at
 
     def _place(self, q: np.ndarray) -> np.ndarray | None:
@@ -297,12 +304,7 @@ class BlockHolders:
 
     def _home_one(self, h: int) -> int:
         """``_home`` of one hash, in Python ints."""
-        x = h ^ h >> 33
-        x = x * 0xFF51AFD7ED558CCD & _M64
-        x ^= x >> 33
-        x = x * 0xC4CEB9FE1A85EC53 & _M64
-        x ^= x >> 33
-        return (x >> 32) * self._capacity >> 32
+        return (((h ^ h >> 29) * _MIX & _M64) >> 32) * self._capacity >> 32
 
     def store(self, slot: int, hashes: Iterable[int], n: int) -> int:
         """``slot``'s worker holds the ``n`` distinct ``hashes`` (a snapshot); how many it did not before."""
@@ -310,6 +312,8 @@ class BlockHolders:
 
     def holds(self, slot: int, hashes: Sequence[int]) -> list[bool]:
         """Whether ``slot``'s worker holds each of ``hashes`` (expected ones aside)."""
+        if len(hashes) <= _ONE_BY_ONE:
+            return [bool(self._mask_one(h) >> slot & 1) for h in hashes]
         masks = self._masks[self._find(_hash_array(hashes, len(hashes))), slot // 64]
         return ((masks >> np.uint64(slot % 64)) & np.uint64(1)).astype(bool).tolist()
 
@@ -328,43 +332,64 @@ class BlockHolders:
 
     def walk(self, hashes: Sequence[int], slots: Sequence[int | None]) -> list[int]:
         """For each of ``slots`` (a worker's slot, or None for a worker without one), how many leading blocks
-        of ``hashes`` its worker holds or is expected to hold."""
-        out = [0] * len(slots)
-        cols = [j for j, s in enumerate(slots) if s is not None]
-        if not hashes or not cols:
-            return out
-        col_slots = [slots[j] for j in cols]
-        words = np.array([s // 64 for s in col_slots], np.int64)
-        shifts = np.array([s % 64 for s in col_slots], np.uint64)
-        runs = np.zeros(len(cols), np.int64)
-        alive = np.arange(len(cols))  # the columns whose run reaches the chunk's start
+        of ``hashes`` its worker holds or is expected to hold: one pass down the chain, its first
+        ``_ONE_BY_ONE`` blocks looked up one by one, the rest in chunks of array passes, until no slot's run goes on."""
+        alive = 0
+        for s in slots:
+            if s is not None:
+                alive |= 1 << s
+        ends: dict[int, int] = {}  # bit -> its match length
         expected = self.expected
-        start, size, n = 0, _CHUNK, len(hashes)
-        while start < n and len(alive):
-            chunk = hashes[start:start + size]
-            masks = self._masks[self._find(_hash_array(chunk, len(chunk)))]
-            hold = ((masks[:, words[alive]] >> shifts[alive]) & np.uint64(1)).astype(bool)
-            if expected:
-                for i, h in enumerate(chunk):
-                    m = expected.get(h)
-                    if m:
-                        for k, j in enumerate(alive.tolist()):
-                            if m >> col_slots[j] & 1:
-                                hold[i, k] = True
-            full = hold.all(axis=0)
-            runs[alive] += np.where(full, len(chunk), hold.argmin(axis=0))
-            alive = alive[full]
-            start, size = start + len(chunk), size * 4
-        for j, run in zip(cols, runs.tolist()):
-            out[j] = run
-        return out
+        n, size = 0, _ONE_BY_ONE
+        while n < len(hashes) and alive:
+            chunk = hashes[n:n + size]
+            masks = [self._mask_one(h) for h in chunk] if n == 0 else self._masks_of(chunk)
+            for h, m in zip(chunk, masks):
+                m = (m | expected.get(h, 0)) & alive if expected else m & alive
+                gone = alive ^ m
+                while gone:
+                    low = gone & -gone
+                    ends[low] = n
+                    gone ^= low
+                alive = m
+                if not alive:
+                    break
+                n += 1
+            size = _CHUNK if n == _ONE_BY_ONE else size * 4
+        while alive:
+            low = alive & -alive
+            ends[low] = n
+            alive ^= low
+        return [0 if s is None else ends.get(1 << s, 0) for s in slots]
+
+    def _mask_one(self, h: int) -> int:
+        """``h``'s held mask, looked up in Python over the views."""
+        words, keys, masks = self._words, self._key_view, self._mask_view
+        row = self._zero
+        if h:
+            row = (((h ^ h >> 29) * _MIX & _M64) >> 32) * self._capacity >> 32  # _home_one, inline
+            k = keys[row]
+            while k != h:
+                if not k:
+                    return 0
+                row += 1
+                k = keys[row]
+        if words == 1:
+            return masks[row]
+        return sum(masks[row * words + w] << 64 * w for w in range(words))
+
+    def _masks_of(self, hashes: Sequence[int]) -> list[int]:
+        """Each of ``hashes``' held mask, looked up in array passes."""
+        masks = self._masks[self._find(_hash_array(hashes, len(hashes)))]
+        if self._words == 1:
+            return masks[:, 0].tolist()
+        return [sum(w << 64 * i for i, w in enumerate(row)) for row in masks.tolist()]
 
     # ------------------------------------------------------------------ for tests and benchmarks
 
     def mask(self, h: int) -> int:
         """``h``'s held mask (retired bits included until swept)."""
-        words = self._masks[self._find(_hash_array((h,), 1))[0]].tolist()
-        return sum(w << 64 * i for i, w in enumerate(words))
+        return self._masks_of([h])[0]
 
     def distinct(self) -> int:
         """Blocks some slot holds (a retired one included until swept)."""
