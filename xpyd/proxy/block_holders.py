@@ -6,14 +6,18 @@ the slots of the workers that hold it::
     held      block hash -> mask, in numpy arrays  blocks the workers reported (KV events, snapshots)
     expected  {hash: mask}                         blocks routed to them and not confirmed yet (the index
                                                    lapses these; few, so a dict)
-    update(slot, hashes, stored)  -> one batch (a KV event update, a snapshot) in a few array passes
-    walk(chain, slots)            -> how many leading blocks each slot holds: the chain looked up in
-                                     chunks (one probe pass each), stopping when no slot's run goes on
+    apply(slot, events), store(slot, snapshot)
+                          -> a batch in a few array passes (each hash as its last event says); up to
+                             ``_SMALL`` events one by one in Python (array passes cost ~50 us a call)
+    walk(chain, slots)    -> how many leading blocks each slot holds: one pass down the chain, its first
+                             ``_ONE_BY_ONE`` blocks looked up one by one, the rest in chunks of array
+                             passes, stopping when no slot's run goes on
 
 ``held`` is an open-addressing table: ``_keys`` (uint64 hashes, 0 = an empty row) and ``_masks``
-(uint64 words of slot bits, ``words`` per row), linear probing in windows of ``_WIN`` rows. A row's home
-is its mixed hash scaled onto ``capacity`` rows; probes run past the end into ``_PAD`` spare rows instead
-of wrapping (a probe that would pass them rebuilds the table larger). A block no worker holds any more
+(uint64 words of slot bits, ``words`` per row), linear probing. A row's home is its mixed hash scaled onto
+``capacity`` rows; probes run past the end into ``_PAD`` spare rows instead of wrapping (a probe that would
+pass them rebuilds the table larger). A lookup in an array pass reads a window of ``_WIN`` rows from the
+home, and goes on one row at a time past it (a few lookups in a hundred). A block no worker holds any more
 keeps its key with a zero mask (a tombstone): its own hash comes back to that row, a new hash may take it.
 When rows with a key pass ``_MAX_LOAD`` of the capacity, the table is rebuilt from its held rows at
 ``_REBUILD_LOAD``, every row placed in one sorted pass. Hash 0 (the empty marker) has a row of its own past
@@ -61,7 +65,7 @@ class BlockHolders:
         self._free: list[int] = []  # swept slots, lowest first (a heap)
         self._next = 0  # slots ever made
         self._words = 1
-        self._live_words = np.zeros(1, np.uint64)
+        self._set_live(0)
         self._held = 0  # rows with a nonzero mask (distinct blocks held, counting retired bits until swept)
         self._used = 0  # probed rows with a key (held or tombstone)
         self._alloc(_MIN_CAPACITY)
