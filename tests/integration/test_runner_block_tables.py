@@ -103,3 +103,27 @@ def test_a_bad_step_over_rows_is_refused_and_writes_nothing(tiny_model_dir):
     cache.free(a)
     cache.free(b)
     assert cache.tables.num_open == 0 and runner.pool.num_used == 0
+
+
+def test_the_kernel_checks_a_steps_tables_once_before_any_layer_writes(tiny_model_dir, monkeypatch):
+    """The native kernel's block-id check runs once per step (not per layer), before the first layer: an id
+    outside the pool among a request's blocks is refused with nothing written; padding past them is not read."""
+    from xpyd.model import native
+
+    runner = ModelRunner(tiny_model_dir, torch.bfloat16, num_blocks=8, max_seq_len=64, block_size=BS)
+    fast = runner.fast_path
+    assert fast.decode_attention == "kernel"
+    calls = []
+    check = native.check_tables
+    monkeypatch.setattr(native, "check_tables", lambda *a: calls.append(a[0].tolist()) or check(*a))
+    pool = runner.pool.tensor
+    before = pool.clone()
+    ids = torch.tensor([3, 4])
+    with torch.inference_mode():
+        for bad in ([[1, 8], [2, 0]], [[1, 2], [-1, 0]]):
+            with pytest.raises(ValueError, match="block 1 is 8|block 0 is -1"):
+                fast.decode_tables(pool, torch.tensor(bad), [5, 2], ids)
+        assert torch.equal(pool, before)
+        calls.clear()
+        logits = fast.decode_tables(pool, torch.tensor([[1, 2], [3, 99]]), [5, 2], ids)  # 99: padding
+    assert calls == [[[1, 2], [3, 99]]] and len(fast.layers) > 1 and logits.shape == (2, runner.vocab_size)

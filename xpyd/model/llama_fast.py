@@ -394,12 +394,13 @@ class FastLlama:
         if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
             raise ValueError(f"the native decode attention needs a bfloat16 CPU pool, not {pool.dtype} on {pool.device}")
         lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
+        native.check_tables(table_t, lens_t, pool.shape[0], pool.shape[4])  # once for every layer's call
         out = torch.empty((len(positions), self.num_heads, self.head_dim), dtype=torch.bfloat16)
         kernel, scale = self._kernel, self.scale
 
         def native_attention(index, q, k_new, v_new):
             # `out` is reused by every layer: o_proj has consumed the previous layer's before this call
-            return kernel(q, k_new, v_new, pool, index, table_t, lens_t, scale, out)
+            return kernel(q, k_new, v_new, pool, index, table_t, lens_t, scale, out, tables_checked=True)
 
         return native_attention
 

@@ -134,7 +134,8 @@ class DecodeAttention:
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
-                 layer: int, tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+                 layer: int, tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 tables_checked: bool = False) -> torch.Tensor:
         """q [B, heads, hd], k_new/v_new [B, kv_heads, hd] (rows may be strided), pool
         [blocks, kv_heads, layers, 2, block_size, hd] (any strides, the last contiguous), all bfloat16 on the
         CPU; tables int64 [B, max_blocks] (request b's token t in block tables[b, t // block_size], row
@@ -143,7 +144,8 @@ class DecodeAttention:
 
         The new K/V go to row lens[b]-1 of each request; two requests of one call must not share that block
         row. Every block id the kernel would touch is checked against the pool first (ValueError: nothing
-        written)."""
+        written), unless ``tables_checked``: the caller ran `check_tables` on these very tensors for this pool
+        (once per decode step, instead of once per layer)."""
         batch, heads, hd = q.shape
         kv_heads = k_new.shape[1]
         bf16 = torch.bfloat16
@@ -160,7 +162,8 @@ class DecodeAttention:
                 lens.stride(0) != 1 or not tables.is_cpu or not lens.is_cpu:
             raise ValueError("decode attention: tables [B, max_blocks] and lens [B], CPU tensors with contiguous rows")
         block_size = pool.shape[4]
-        _check_tables(tables, lens, pool.shape[0], block_size)
+        if not tables_checked:
+            check_tables(tables, lens, pool.shape[0], block_size)
         stride = pool.stride()
         k_off = stride[2] * layer
         rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
@@ -172,7 +175,7 @@ class DecodeAttention:
         return out
 
 
-def _check_tables(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+def check_tables(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """ValueError unless each request's first ceil(lens[b] / block_size) table entries are block ids in
     [0, num_blocks). (lens <= 0 is the kernel's to refuse.) A few microseconds per call: one max over the
     used columns read as unsigned (a negative id is huge), and the exact per-row check only when that
