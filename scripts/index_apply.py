@@ -5,8 +5,8 @@
 worst case: every block distinct); then ``--batches`` updates of ``--batch`` events each go to the workers
 in turn, each an LRU worker's: half "stored" (new blocks), half "removed" (its oldest). Prints:
 
-- fill: seconds to apply the snapshots (in all, and the longest one); the index's own bytes (``PrefixIndex.nbytes()``) and per
-  distinct block; the process's peak RSS;
+- fill: seconds to apply the snapshots (in all, and the longest one); the index's own bytes
+  (``PrefixIndex.nbytes()``) and per distinct block; the process's peak RSS;
 - events: events applied per second (``PrefixIndex.apply`` only, the update built beforehand), and the
   p50 / p99 / max of one batch's time;
 - walk: ``match_all`` of a chain of ``--chain`` blocks (the first half held by one worker) over all

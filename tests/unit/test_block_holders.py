@@ -1,5 +1,6 @@
-"""The index's block table: numpy open addressing checked against a plain dict of sets, through rebuilds,
-tombstones, long probe runs, spare rows running out, many slots and hash 0."""
+"""The index's block table (``BlockHolders`` over ``BlockTable``): numpy open addressing checked against a
+plain dict of sets, through rebuilds, tombstones, long probe runs, spare rows running out, many slots and
+hash 0; batches in array passes and events one by one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from xpyd.proxy import block_holders
+from xpyd.proxy import block_table
 from xpyd.proxy.block_holders import BlockHolders
 
 TOP = 2**64 - 1
@@ -46,7 +47,7 @@ class Model:
 
 def check(holders: BlockHolders, model: Model, slots, rng: random.Random) -> None:
     assert holders.hashes() == set(model.held)
-    assert holders._used == probed_keys(holders) >= len(model.held) - (0 in model.held)
+    assert holders.table._used == probed_keys(holders) >= len(model.held) - (0 in model.held)
     assert holders.distinct() == len(model.held)
     for h in rng.sample(sorted(model.held), min(50, len(model.held))):
         assert holders.mask(h) == sum(1 << s for s in model.held[h])
@@ -74,10 +75,11 @@ def test_random_events_and_snapshots_match_a_dict_of_sets(seed):
             model.apply(new, [("stored", h) for h in fresh])
             assert holders.store(new, fresh, len(fresh)) == len(fresh)
         else:
-            events = [(rng.choice(("stored", "stored", "removed")), rng.choice(pool)) for _ in range(rng.choice((1, 7, 400)))]
+            n = rng.choice((1, 7, 400))  # one by one, or in array passes
+            events = [(rng.choice(("stored", "stored", "removed")), rng.choice(pool)) for _ in range(n)]
             assert holders.apply(slot, events) == model.apply(slot, events)
         check(holders, model, slots, rng)
-    assert holders._capacity > block_holders._MIN_CAPACITY  # it grew on the way
+    assert holders.table._capacity > block_table._MIN_CAPACITY  # it grew on the way
 
 
 def test_one_batch_applies_each_hashs_last_event():
@@ -95,12 +97,12 @@ def _same_home(holders: BlockHolders, home: int, n: int, seed: int = 0) -> list[
     out: list[int] = []
     while len(out) < n:
         q = gen.integers(1, 2**64, 1 << 20, dtype=np.uint64, endpoint=False)
-        out += q[holders._home(q, holders._capacity) == home].tolist()
+        out += q[holders.table._home(q, holders.table._capacity) == home].tolist()
     return out[:n]
 
 
 def probed_keys(holders: BlockHolders) -> int:
-    return int(np.count_nonzero(holders._keys[:holders._capacity + block_holders._PAD]))
+    return int(np.count_nonzero(holders.table._keys[:holders.table._capacity + block_table._PAD]))
 
 
 def test_a_long_probe_run_with_tombstones_reused():
@@ -108,29 +110,29 @@ def test_a_long_probe_run_with_tombstones_reused():
     a, b = holders.take(0), holders.take(1)
     run = _same_home(holders, 100, 100)  # one home: a run of 100 rows, found past the first window
     assert holders.apply(a, [("stored", h) for h in run]) == 100
-    assert holders.walk(run, [a, b]) == [100, 0] and holders._used == probed_keys(holders) == 100
+    assert holders.walk(run, [a, b]) == [100, 0] and holders.table._used == probed_keys(holders) == 100
     assert holders.apply(a, [("removed", h) for h in run[:60]]) == -60  # tombstones in front of the rest
     assert holders.walk(run[60:], [a]) == [40] and holders.walk(run, [a]) == [0]
     assert holders.apply(b, [("stored", h) for h in run[:10]]) == 10  # their own rows again, one by one
     others = _same_home(holders, 100, 45, seed=1)
     assert holders.apply(b, [("stored", h) for h in others[:40]]) == 40  # new hashes in tombstones, in arrays
     assert holders.apply(b, [("stored", h) for h in others[40:]]) == 5  # and one by one
-    assert holders._used == probed_keys(holders) == 100  # no row taken but tombstones
+    assert holders.table._used == probed_keys(holders) == 100  # no row taken but tombstones
     assert holders.walk(run[:10] + others, [a, b]) == [0, 55] and holders.walk(run[60:], [a, b]) == [40, 0]
     assert holders.hashes() == set(run[:10] + run[60:] + others)
     more = _same_home(holders, 100, 10, seed=2)
     assert holders.apply(b, [("stored", h) for h in more]) == 10  # the last 5 tombstones, then 5 rows past the run
-    assert holders._used == probed_keys(holders) == 105
+    assert holders.table._used == probed_keys(holders) == 105
 
 
 def test_spare_rows_running_out_rebuild_larger(monkeypatch):
-    monkeypatch.setattr(block_holders, "_PAD", 16)
+    monkeypatch.setattr(block_table, "_PAD", 16)
     holders = BlockHolders()
     s = holders.take(0)
-    capacity = holders._capacity
+    capacity = holders.table._capacity
     tail = _same_home(holders, capacity - 1, 40)  # 40 rows from the last home: past the 16 spare ones
     assert holders.apply(s, [("stored", h) for h in tail]) == 40
-    assert holders._capacity > capacity
+    assert holders.table._capacity > capacity
     assert holders.walk(tail, [s]) == [40] and holders.hashes() == set(tail)
 
 
@@ -160,4 +162,27 @@ def test_memory_per_distinct_block():
         hashes = gen.integers(0, 2**64, 5000, dtype=np.uint64, endpoint=False).tolist()
         holders.store(s, hashes, len(hashes))
     assert holders.distinct() == 64 * 5000
-    assert holders.nbytes() / holders.distinct() <= (8 + 8) / block_holders._REBUILD_LOAD + 1
+    assert holders.nbytes() / holders.distinct() <= (8 + 8) / block_table._REBUILD_LOAD + 1
+
+
+def test_a_chain_looked_up_again_sees_every_change_since():
+    """A request's chain (one tuple) is walked and expected several times: the masks looked up for it are
+    kept only while nothing was written."""
+    holders = BlockHolders()
+    a, b = holders.take(0), holders.take(1)
+    chain = tuple(range(1, 301))
+    assert holders.walk(chain, [a, b]) == [0, 0] and holders.holds(a, chain) == [False] * 300
+    holders.apply(a, [("stored", h) for h in chain[:100]])  # in array passes
+    assert holders.walk(chain, [a, b]) == [100, 0]
+    holders.apply(a, [("stored", 101)])  # one by one
+    assert holders.walk(chain, [a, b]) == [101, 0] and holders.holds(a, chain) == [True] * 101 + [False] * 199
+    holders.store(b, chain[:5], 5)
+    assert holders.walk(chain, [a, b]) == [101, 5]
+    holders.retire(a, ())
+    holders.sweep()
+    c = holders.take(1)
+    assert c == a and holders.walk(chain, [c, b]) == [0, 5] and holders.holds(c, chain[:3]) == [False] * 3
+    listed = list(chain)  # (a list may change in place: never remembered)
+    assert holders.walk(listed, [b]) == [5]
+    listed[0] = 999
+    assert holders.walk(listed, [b]) == [0]
