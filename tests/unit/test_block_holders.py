@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from xpyd.proxy import block_table
+from xpyd.proxy import block_holders, block_table
 from xpyd.proxy.block_holders import BlockHolders
 
 TOP = 2**64 - 1
@@ -106,23 +106,24 @@ def probed_keys(holders: BlockHolders) -> int:
 
 
 def test_a_long_probe_run_with_tombstones_reused():
+    assert block_holders._SMALL < 100  # (batches of 100 or more go in array passes, of 10 or fewer one by one)
     holders = BlockHolders()
     a, b = holders.take(0), holders.take(1)
-    run = _same_home(holders, 100, 100)  # one home: a run of 100 rows, found past the first window
-    assert holders.apply(a, [("stored", h) for h in run]) == 100
-    assert holders.walk(run, [a, b]) == [100, 0] and holders.table._used == probed_keys(holders) == 100
-    assert holders.apply(a, [("removed", h) for h in run[:60]]) == -60  # tombstones in front of the rest
-    assert holders.walk(run[60:], [a]) == [40] and holders.walk(run, [a]) == [0]
+    run = _same_home(holders, 100, 200)  # one home: a run of 200 rows, found past the first window
+    assert holders.apply(a, [("stored", h) for h in run]) == 200
+    assert holders.walk(run, [a, b]) == [200, 0] and holders.table._used == probed_keys(holders) == 200
+    assert holders.apply(a, [("removed", h) for h in run[:120]]) == -120  # tombstones in front of the rest
+    assert holders.walk(run[120:], [a]) == [80] and holders.walk(run, [a]) == [0]
     assert holders.apply(b, [("stored", h) for h in run[:10]]) == 10  # their own rows again, one by one
-    others = _same_home(holders, 100, 45, seed=1)
-    assert holders.apply(b, [("stored", h) for h in others[:40]]) == 40  # new hashes in tombstones, in arrays
-    assert holders.apply(b, [("stored", h) for h in others[40:]]) == 5  # and one by one
-    assert holders.table._used == probed_keys(holders) == 100  # no row taken but tombstones
-    assert holders.walk(run[:10] + others, [a, b]) == [0, 55] and holders.walk(run[60:], [a, b]) == [40, 0]
-    assert holders.hashes() == set(run[:10] + run[60:] + others)
+    others = _same_home(holders, 100, 105, seed=1)
+    assert holders.apply(b, [("stored", h) for h in others[:100]]) == 100  # new hashes in tombstones, in arrays
+    assert holders.apply(b, [("stored", h) for h in others[100:]]) == 5  # and one by one
+    assert holders.table._used == probed_keys(holders) == 200  # no row taken but tombstones
+    assert holders.walk(run[:10] + others, [a, b]) == [0, 115] and holders.walk(run[120:], [a, b]) == [80, 0]
+    assert holders.hashes() == set(run[:10] + run[120:] + others)
     more = _same_home(holders, 100, 10, seed=2)
     assert holders.apply(b, [("stored", h) for h in more]) == 10  # the last 5 tombstones, then 5 rows past the run
-    assert holders.table._used == probed_keys(holders) == 105
+    assert holders.table._used == probed_keys(holders) == 205
 
 
 def test_spare_rows_running_out_rebuild_larger(monkeypatch):

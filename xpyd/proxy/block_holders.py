@@ -36,7 +36,7 @@ from xpyd.proxy.block_table import BlockTable, hash_array
 _MIN_SLOTS = 32  # slot numbers may reach 2 x workers + this before retired slots are swept for reuse
 _ONE_BY_ONE = 64  # a chain's first blocks looked up in Python (array passes cost ~30 us a call)
 _CHUNK = 256  # then chunks of this many blocks in array passes, each next one 4 times as long
-_SMALL = 32  # updates of up to this many events are applied one by one (array passes cost ~50 us a batch)
+_SMALL = 64  # updates of up to this many events are applied one by one (array passes cost ~50 us a batch)
 
 
 class BlockHolders:
