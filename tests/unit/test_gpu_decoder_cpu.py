@@ -84,3 +84,33 @@ def test_graphs_need_cuda_and_the_kernels_say_why_they_cannot_run(tiny_model_dir
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         PagedDecoder(runner.fast_path, runner.pool.tensor, 16, max_batch=2, graphs=True)
+
+
+def test_the_runner_hands_the_decoder_its_kept_rows_as_it_hands_it_lists(tiny_model_dir, interpreter):
+    """`ModelRunner.decode_rows` with the decoder in place (as on CUDA) gives the step of `decode` over lists:
+    the same logits and the same rows written."""
+    from xpyd.worker.kv_cache import KVCache
+
+    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=48, max_seq_len=128, block_size=4)
+    runner.decoder = PagedDecoder(runner.fast_path, runner.pool.tensor, runner.pool.layout.blocks_for(128),
+                                  max_batch=4, graphs=False)
+    cache = KVCache(runner.pool.blocks, 4, seed=0)
+    prompts = [[5, 9, 13, 2, 7, 7, 1], [4, 8, 15, 16, 23, 42, 3, 3, 9, 11, 30], [6, 6, 1]]
+    kvs = [cache.admit([], len(p), len(p) + 8, 0) for p in prompts]
+    tokens = [int(runner.prefill(kv.blocks, p).argmax()) for kv, p in zip(kvs, prompts)]
+    positions = [len(p) for p in prompts]
+    pool = runner.pool.tensor
+    for _ in range(5):  # across block boundaries
+        for kv, p in zip(kvs, positions):
+            cache.grow(kv, p + 1)
+        before = pool.clone()
+        want = runner.decode([kv.blocks for kv in kvs], tokens, positions)
+        after = pool.clone()
+        pool.copy_(before)
+        got = runner.decode_rows(cache.tables, [cache.table_row(kv) for kv in kvs], tokens, positions)
+        assert torch.equal(got, want) and torch.equal(pool, after)
+        tokens = got.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    for kv in kvs:
+        cache.free(kv)
+    assert cache.tables.num_open == 0 and runner.pool.num_used == 0
