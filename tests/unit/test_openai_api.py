@@ -34,7 +34,11 @@ def test_completion_defaults():
     r = parse_request(completion(), C)
     assert r.kind is C and r.prompt == "Hello" and r.messages is None and r.model is None
     assert r.max_tokens == 16  # OpenAI / vLLM completions default
-    assert (r.temperature, r.top_p, r.top_k, r.seed) == (1.0, 1.0, 0, None)
+    # left out: None, so the worker applies the model's generation_config defaults (or vLLM's)
+    assert (r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty, r.seed) == (None,) * 6
+    assert (r.presence_penalty, r.frequency_penalty, r.min_tokens, r.stop_token_ids, r.logit_bias) == (0, 0, 0, (), ())
+    assert (r.include_stop_str_in_output, r.skip_special_tokens, r.spaces_between_special_tokens) == (False, True, True)
+    assert (r.truncate_prompt_tokens, r.add_special_tokens) == (None, None)
     assert (r.stop, r.ignore_eos, r.stream, r.include_usage) == ((), False, False, False)
     assert r.kv_transfer_params is None and r.raw == {"prompt": "Hello"}
 
@@ -126,10 +130,33 @@ BAD_COMPLETIONS = [
     (completion(logprobs=0), "logprobs"),
     (completion(echo=True), "echo"),
     (completion(suffix="s"), "suffix"),
-    (completion(logit_bias={"1": 5}), "logit_bias"),
-    (completion(presence_penalty=0.5), "presence_penalty"),
-    (completion(frequency_penalty=1), "frequency_penalty"),
-    (completion(repetition_penalty=1.2), "repetition_penalty"),
+    (completion(logit_bias={"x": 5}), "logit_bias"),
+    (completion(logit_bias={"-1": 5}), "logit_bias"),
+    (completion(logit_bias={"1": "5"}), "logit_bias"),
+    (completion(logit_bias=[1]), "logit_bias"),
+    (completion(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+    (completion(presence_penalty=2.5), "presence_penalty"),
+    (completion(presence_penalty="x"), "presence_penalty"),
+    (completion(frequency_penalty=-2.01), "frequency_penalty"),
+    (completion(repetition_penalty=0), "repetition_penalty"),
+    (completion(repetition_penalty=-1), "repetition_penalty"),
+    (completion(min_p=1.5), "min_p"),
+    (completion(min_p=-0.1), "min_p"),
+    (completion(min_tokens=-1), "min_tokens"),
+    (completion(min_tokens=1.5), "min_tokens"),
+    (completion(min_tokens=17), "min_tokens"),  # above the default max_tokens (16)
+    (completion(max_tokens=4, min_tokens=5), "min_tokens"),
+    (completion(stop_token_ids=[-1]), "stop_token_ids"),
+    (completion(stop_token_ids=5), "stop_token_ids"),
+    (completion(stop_token_ids=[True]), "stop_token_ids"),
+    (completion(stop_token_ids=list(range(1025))), "stop_token_ids"),
+    (completion(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (completion(skip_special_tokens="no"), "skip_special_tokens"),
+    (completion(spaces_between_special_tokens=0), "spaces_between_special_tokens"),
+    (completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (completion(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (completion(truncate_prompt_tokens="5"), "truncate_prompt_tokens"),
+    (completion(add_special_tokens="yes"), "add_special_tokens"),
     (completion(use_beam_search=True), "use_beam_search"),
     (completion(response_format={"type": "json_object"}), "response_format"),
     (completion(guided_json={}), "guided_json"),
@@ -177,6 +204,23 @@ def test_bad_chat_bodies_are_400(raw):
     assert ei.value.status == 400
 
 
+def test_sampling_and_output_fields_are_parsed():
+    r = parse_request(completion(
+        max_tokens=8, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3, min_p=0.05, min_tokens=8,
+        stop_token_ids=[7, 3, 7], logit_bias={"5": 250, "9": -3.5, "11": -1000}, include_stop_str_in_output=True,
+        skip_special_tokens=False, spaces_between_special_tokens=False, truncate_prompt_tokens=-1,
+        add_special_tokens=False, temperature=0.7, top_p=0.9, top_k=-1), C)
+    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.min_p) == (0.5, -1.0, 1.3, 0.05)
+    assert r.min_tokens == 8 and r.stop_token_ids == (7, 3)  # duplicates dropped, order kept
+    assert r.logit_bias == ((5, 100.0), (9, -3.5), (11, -100.0))  # clamped to [-100, 100], as vLLM
+    assert r.include_stop_str_in_output and not r.skip_special_tokens and not r.spaces_between_special_tokens
+    assert (r.truncate_prompt_tokens, r.add_special_tokens) == (-1, False)
+    assert (r.temperature, r.top_p, r.top_k) == (0.7, 0.9, 0)
+    # prefill's body (max_tokens 1, the client's in kv_transfer_params): min_tokens is checked by the worker
+    assert parse_request(completion(max_tokens=1, min_tokens=5, kv_transfer_params={"max_tokens": 9}), C).min_tokens == 5
+    assert parse_request(chat(add_special_tokens=True), CHAT).add_special_tokens is True
+
+
 def test_feature_off_values_are_accepted():
     parse_request(chat(logprobs=False, tools=[], tool_choice="none", response_format={"type": "text"},
                        presence_penalty=0, frequency_penalty=0.0, n=1, top_logprobs=None), CHAT)
@@ -195,14 +239,14 @@ def test_completion_response_shapes():
     c = completion_response("cmpl-1", 100, "m", C, "hello", "length", 3, 2)
     assert c == {
         "id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
-        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                   "prompt_tokens_details": {"cached_tokens": 0}},
     }
-    ch = completion_response("chatcmpl-1", 100, "m", CHAT, "hi", "stop", 3, 1)
+    ch = completion_response("chatcmpl-1", 100, "m", CHAT, "hi", "stop", 3, 1, stop_reason=7)
     assert ch["object"] == "chat.completion"
     assert ch["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert ch["choices"][0]["finish_reason"] == "stop"
+    assert ch["choices"][0]["finish_reason"] == "stop" and ch["choices"][0]["stop_reason"] == 7
 
 
 def test_stream_chunk_shapes():
@@ -211,8 +255,10 @@ def test_stream_chunk_shapes():
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = stream_chunk("chatcmpl-1", 1, "m", CHAT, "a", None)
     assert text["choices"][0]["delta"] == {"content": "a"} and text["choices"][0]["finish_reason"] is None
-    end = stream_chunk("chatcmpl-1", 1, "m", CHAT, None, "stop")
+    assert "stop_reason" not in text["choices"][0]  # (only the last chunk says why it stopped)
+    end = stream_chunk("chatcmpl-1", 1, "m", CHAT, None, "stop", stop_reason="###")
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    assert end["choices"][0]["stop_reason"] == "###"
     comp = stream_chunk("cmpl-1", 1, "m", C, None, "length")
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == ""
     u = usage_chunk("cmpl-1", 1, "m", C, 4, 6)

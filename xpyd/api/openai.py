@@ -4,8 +4,10 @@
 Shared by the proxy (which validates every client body before any worker sees
 it) and the workers (which parse the bodies the proxy forwards). Parsing is
 strict: a field we would silently ignore in a way that changes the output
-(``logprobs``, ``echo``, ``tools``, penalties, ``n > 1`` ...) is a clear 400,
-never a quiet approximation. Unknown fields are ignored, as vLLM does.
+(``logprobs``, ``echo``, ``tools``, ``n > 1`` ...) is a clear 400,
+never a quiet approximation. Sampling fields a request leaves out are None where the model's
+``generation_config.json`` may give a default (temperature, top_p, top_k, min_p, repetition_penalty: the
+worker applies it, as vLLM does). Unknown fields are ignored, as vLLM does.
 The response bodies and SSE framing are built in ``xpyd.api.responses``.
 
 ``kv_transfer_params`` is the xpyd extension the proxy adds for the workers::
@@ -25,6 +27,8 @@ from enum import Enum
 from typing import Any
 
 MAX_STOP_SEQUENCES = 64
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
 MAX_CACHE_SALT_CHARS = 256  # (xpyd.prefix_hash.MAX_SALT_CHARS)
 _UINT64 = 2**64
@@ -71,9 +75,9 @@ class CompletionRequest:
     prompt: str | list[int] | None  # completions only
     messages: list[dict] | None  # chat only: [{"role", "content": str[, "name"]}]
     max_tokens: int | None  # None = up to the context limit
-    temperature: float
-    top_p: float
-    top_k: int  # 0 = off
+    temperature: float | None  # None (and top_p, top_k, min_p, repetition_penalty): the model's default
+    top_p: float | None
+    top_k: int | None  # 0 = off
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
@@ -82,6 +86,18 @@ class CompletionRequest:
     kv_transfer_params: dict | None
     raw: dict  # the parsed body, as received; copy before editing
     cache_salt: str | None = None  # vLLM's field: only requests with the same salt share prefix-cache blocks
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias clamped to [-100, 100]), as vLLM
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model's context)
+    add_special_tokens: bool | None = None  # None: completions True, chat False (the template has them)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -98,15 +114,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
     "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "length_penalty": (1, 1.0),
     "use_beam_search": (False,),
-    "stop_token_ids": ([],),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "logits_processors": (),
@@ -183,6 +192,58 @@ def _optional_number(d: dict, key: str, default: float) -> float:
     if not _is_number(v):
         raise _bad(f"'{key}' must be a number", key)
     return float(v)
+
+
+def _optional_in(d: dict, key: str, low: float, high: float, default: float | None) -> float | None:
+    """A number in [low, high], or ``default`` when absent."""
+    if d.get(key) is None:
+        return default
+    v = _optional_number(d, key, 0.0)
+    if not low <= v <= high:
+        raise _bad(f"'{key}' must be in [{low:g}, {high:g}], got {v:g}", key)
+    return v
+
+
+def _parse_stop_token_ids(d: dict) -> tuple[int, ...]:
+    v = d.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < 2**31 for t in v):
+        raise _bad("'stop_token_ids' must be a list of token ids (integers >= 0)", "stop_token_ids")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported", "stop_token_ids")
+    return tuple(dict.fromkeys(v))
+
+
+def _parse_logit_bias(d: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias}: each bias clamped to [-100, 100], as vLLM does."""
+    v = d.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise _bad(f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if not _is_number(bias):
+            raise _bad(f"'logit_bias' values must be numbers, got {bias!r} for {key}", "logit_bias")
+        out[int(key)] = min(100.0, max(-100.0, float(bias)))
+    if len(out) != len(v):
+        raise _bad("'logit_bias' names a token id twice", "logit_bias")
+    return tuple(out.items())
+
+
+def _parse_truncate(d: dict) -> int | None:
+    v = d.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    if not _is_int(v) or not (v >= 1 or v == -1):
+        raise _bad("'truncate_prompt_tokens' must be an integer >= 1, or -1 (the model's context length)",
+                   "truncate_prompt_tokens")
+    return v
 
 
 def _optional_bool(d: dict, key: str, default: bool = False) -> bool:
@@ -315,24 +376,38 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     _check_unsupported(d)
-
-    temperature = _optional_number(d, "temperature", 1.0)
-    if temperature < 0:
-        raise _bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
-    top_p = _optional_number(d, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise _bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = d.get("top_k")
-    if top_k is None:
-        top_k = 0
-    elif not _is_int(top_k) or top_k < -1:
-        raise _bad("'top_k' must be an integer >= 0 (0 or -1 disables it)", "top_k")
-    seed = d.get("seed")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < _UINT64):
-        raise _bad("'seed' must be an integer in [0, 2**64)", "seed")  # what the sampler takes
     kv = d.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise _bad("'kv_transfer_params' must be an object", "kv_transfer_params")
+
+    temperature = top_p = None
+    if d.get("temperature") is not None:
+        temperature = _optional_number(d, "temperature", 1.0)
+        if temperature < 0:
+            raise _bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
+    if d.get("top_p") is not None:
+        top_p = _optional_number(d, "top_p", 1.0)
+        if not 0 < top_p <= 1:
+            raise _bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = d.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        raise _bad("'top_k' must be an integer >= 0 (0 or -1 disables it)", "top_k")
+    repetition_penalty = None
+    if d.get("repetition_penalty") is not None:
+        repetition_penalty = _optional_number(d, "repetition_penalty", 1.0)
+        if not 0 < repetition_penalty <= 100:
+            raise _bad(f"'repetition_penalty' must be in (0, 100], got {repetition_penalty:g}", "repetition_penalty")
+    min_tokens = d.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    elif not _is_int(min_tokens) or not 0 <= min_tokens < 2**31:
+        raise _bad("'min_tokens' must be an integer >= 0", "min_tokens")
+    max_tokens = _parse_max_tokens(d, kind)
+    if kv is None and max_tokens is not None and min_tokens > max_tokens:  # (a worker checks kv's max_tokens)
+        raise _bad(f"'min_tokens' ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+    seed = d.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < _UINT64):
+        raise _bad("'seed' must be an integer in [0, 2**64)", "seed")  # what the sampler takes
     stream = _optional_bool(d, "stream")
     cache_salt = d.get("cache_salt")
     if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS):
@@ -345,10 +420,10 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         model=model,
         prompt=None if is_chat else _parse_prompt(d),
         messages=_parse_messages(d) if is_chat else None,
-        max_tokens=_parse_max_tokens(d, kind),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=max(top_k, 0),
+        top_k=None if top_k is None else max(top_k, 0),
         seed=seed,
         stop=_parse_stop(d),
         ignore_eos=_optional_bool(d, "ignore_eos"),
@@ -357,4 +432,16 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         kv_transfer_params=kv,
         raw=d,
         cache_salt=cache_salt,
+        min_p=_optional_in(d, "min_p", 0.0, 1.0, None),
+        repetition_penalty=repetition_penalty,
+        presence_penalty=_optional_in(d, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_optional_in(d, "frequency_penalty", -2.0, 2.0, 0.0),
+        min_tokens=min_tokens,
+        stop_token_ids=_parse_stop_token_ids(d),
+        logit_bias=_parse_logit_bias(d),
+        include_stop_str_in_output=_optional_bool(d, "include_stop_str_in_output"),
+        skip_special_tokens=_optional_bool(d, "skip_special_tokens", True),
+        spaces_between_special_tokens=_optional_bool(d, "spaces_between_special_tokens", True),
+        truncate_prompt_tokens=_parse_truncate(d),
+        add_special_tokens=None if d.get("add_special_tokens") is None else _optional_bool(d, "add_special_tokens"),
     )

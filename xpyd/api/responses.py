@@ -45,8 +45,10 @@ def completion_response(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int = 0,
+    stop_reason: str | int | None = None,
 ) -> dict:
-    """A complete non-streaming ``text_completion`` / ``chat.completion`` object."""
+    """A complete non-streaming ``text_completion`` / ``chat.completion`` object; ``stop_reason`` (vLLM's): the
+    stop string or stop token id that ended it."""
     if kind is RequestKind.CHAT:
         obj = "chat.completion"
         choice = {
@@ -54,10 +56,12 @@ def completion_response(
             "message": {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
     else:
         obj = "text_completion"
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     return {
         "id": request_id,
         "object": obj,
@@ -91,9 +95,11 @@ def stream_chunk(
     text: str | None,
     finish_reason: str | None,
     role: bool = False,
+    stop_reason: str | int | None = None,
 ) -> dict:
     """One streaming chunk. Chat: ``role=True`` gives the opening role-only delta;
-    ``text=None`` gives an empty delta (the usual shape of a final chunk)."""
+    ``text=None`` gives an empty delta (the usual shape of a final chunk). ``stop_reason`` as vLLM's chunks
+    carry it: in the last one only (with its ``finish_reason``)."""
     if kind is RequestKind.CHAT:
         if role:
             delta: dict = {"role": "assistant", "content": ""}
@@ -102,6 +108,8 @@ def stream_chunk(
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     return {**_chunk_base(request_id, created, model, kind), "choices": [choice]}
 
 

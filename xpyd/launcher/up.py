@@ -132,6 +132,7 @@ PASSED_ON = (
     ("--load-format", ("prefill", "decode", "colocated")),
     ("--enforce-eager", ("prefill", "decode", "colocated")),
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
+    ("--generation-config", ("prefill", "decode", "colocated")),
     ("--engine", ("prefill", "decode", "colocated")),
     ("--sim-profile", ("prefill", "decode", "colocated")),
     ("--sim-speedup", ("prefill", "decode", "colocated")),

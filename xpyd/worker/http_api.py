@@ -48,10 +48,10 @@ from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.kv_stream import register_kv_stream
 from xpyd.worker.metrics import WorkerMetrics
-from xpyd.model.output import StopParams
+from xpyd.model.loader import GenerationDefaults
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
-from xpyd.model.sampling_params import SamplingParams
-from xpyd.model.tokenizer import describe_tokenizer, encode_chat, encode_prompt, prompt_length_unrendered
+from xpyd.worker.request_params import build_work_item
+from xpyd.model.tokenizer import describe_tokenizer
 from xpyd.signal.request_id import RequestId
 from xpyd.worker.request_gate import REQUEST_ID_HEADER, PrefillPeers, RequestGate
 from xpyd.worker.timing import TIMING_HEADER, AnswerClock
@@ -93,73 +93,12 @@ def _json(obj: dict, status: int = 200) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, mimetype="application/json")
 
 
-def build_work_item(engine: Engine, config: WorkerConfig, req: CompletionRequest, rid: RequestId,
-                    sink: OutputSink) -> WorkItem:
-    """Validate and tokenize; raise APIError (4xx) for anything the client got wrong.
-
-    Prefill, which has the same request, tokenizes and checks it, and its "ready" carries the prompt's length
-    and block hashes (the decode engine finishes the length checks then). A decode worker with its prefix
-    cache on tokenizes too: it caches the KV it pulls only under block hashes it computed itself, and refuses
-    a prompt that prefill names otherwise (``DecodeEngine._prompt_facts``); with its cache off it does not."""
-    served = engine.info.model_id
-    if req.model is not None and req.model != served:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
-    decode = config.role == "decode"
-    ids = [] if decode and not config.prefix_cache else _tokenize(engine.tokenizer, req)
-    n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req) or 1)  # (decode: at least one)
-    limit = engine.max_model_len
-    kvp = req.kv_transfer_params or {}
-    max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 1):
-        raise APIError(400, "kv_transfer_params.max_tokens must be a positive integer", param="kv_transfer_params")
-    if n >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                       f"{n} input tokens. Please reduce the length of the input.", param="prompt")
-    open_ended = max_tokens is None
-    if open_ended:
-        max_tokens = limit - n
-    if n + max_tokens > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                       f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). Please "
-                       "reduce the length of the input or the completion.", param="max_tokens")
-    try:
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    stop = StopParams(max_tokens=max_tokens, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
-                      eos_token_ids=engine.eos_token_ids)
-    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended,
-                    cache_salt=req.cache_salt)
-
-
-def _untokenized_length(tokenizer, req: CompletionRequest) -> int | None:
-    """Decode's checks of the prompt (all but tokenizing): its length when that needs no tokenizer."""
-    chat = req.kind is RequestKind.CHAT
-    try:
-        return prompt_length_unrendered(tokenizer, None if chat else req.prompt, (req.messages or []) if chat else None)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-
-
-def _tokenize(tokenizer, req: CompletionRequest) -> list[int]:
-    try:
-        if req.kind is RequestKind.CHAT:
-            ids = encode_chat(tokenizer, req.messages or [])
-        else:
-            ids = encode_prompt(tokenizer, req.prompt if req.prompt is not None else "")
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if req.kind is RequestKind.CHAT else "prompt") from None
-    if not ids:
-        raise APIError(400, "The prompt is empty.", param="prompt")
-    return ids
-
-
 def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable[[], dict] | None = None,
-                      prefill_peers: PrefillPeers | None = None) -> Quart:
+                      prefill_peers: PrefillPeers | None = None,
+                      defaults: GenerationDefaults = GenerationDefaults()) -> Quart:
     """The worker's HTTP API; ``kv_backend()`` describes its transfer backend in ``/xpyd/stats``;
     ``prefill_peers``: the prefill workers a decode worker without a cluster token may be sent to (default:
-    this host's)."""
+    this host's); ``defaults``: the sampling defaults of the model's generation_config."""
     app = Quart(f"xpyd-{config.role}")
     gate = RequestGate(config.role, config.cluster_token,
                        prefill_peers if prefill_peers is not None else PrefillPeers(own_host=config.public_host))
@@ -299,7 +238,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             named = response_identity(req.kv_transfer_params)
             loop = asyncio.get_running_loop()
             sink = OutputSink(dispatch_for(loop))
-            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req, rid, sink)
+            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req, rid, sink, defaults)
         except APIError as e:
             if e.status < 500:
                 engine.metrics.request_done("rejected")
@@ -312,7 +251,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         else:  # the proxy's name; its stream has its own role chunk
             shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
         if req.stream:
-            gen = stream_events(engine, rid, shape, sink, single_event, clock)
+            gen = stream_events(engine, rid, shape, sink, single_event, clock, item)
             resp = Response(gen, mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.timeout = None
@@ -330,7 +269,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
                 cached = ev.cached_tokens
             ended = True
             resp = _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
-                                             prompt_tokens, completion_tokens, cached))
+                                             prompt_tokens, completion_tokens, cached, _stop_reason(item)))
             if clock is not None:
                 resp.headers[TIMING_HEADER] = clock.header()
             return resp
@@ -339,6 +278,11 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
                 engine.abort(rid)
 
     return app
+
+
+def _stop_reason(item: WorkItem | None) -> str | int | None:
+    """The stop string or token id that ended ``item`` (the engine set it before it put the last event)."""
+    return item.output.stop_reason if item is not None and item.output is not None else None
 
 
 async def _events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEvent | ErrorEvent]:
@@ -360,8 +304,10 @@ class StreamShape:
     include_usage: bool  # end with the usage chunk
     role_chunk: bool  # chat: open with the assistant role chunk
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> bytes:
-        return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role))
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
+              stop_reason: str | int | None = None) -> bytes:
+        return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
+                                stop_reason=stop_reason))
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
@@ -384,18 +330,19 @@ def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
 
 
 def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink,
-                  single_event: bool, clock: AnswerClock | None = None) -> AsyncIterator[bytes]:
+                  single_event: bool, clock: AnswerClock | None = None,
+                  item: WorkItem | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
     request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
     cancelled between returning the response and its first iteration), when the generator object goes."""
     ended = _Ended()
-    gen = _stream(engine, rid, shape, sink, single_event, ended, clock)
+    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item)
     weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
     return gen
 
 
 async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
-                  ended: _Ended, clock: AnswerClock | None) -> AsyncIterator[bytes]:
+                  ended: _Ended, clock: AnswerClock | None, item: WorkItem | None = None) -> AsyncIterator[bytes]:
     prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
@@ -411,7 +358,8 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
             if ev.text or ev.finish_reason is not None:
                 if clock is not None and ev.text:
                     clock.chunk()
-                yield shape.chunk(ev.text, ev.finish_reason)
+                yield shape.chunk(ev.text, ev.finish_reason,
+                                  stop_reason=_stop_reason(item) if ev.finish_reason is not None else None)
         ended.value = True
         if shape.include_usage:
             yield shape.usage(prompt_tokens, completion_tokens, cached)

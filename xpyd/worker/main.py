@@ -36,7 +36,7 @@ from hypercorn.config import Config as HyperConfig
 
 from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
 from xpyd.discovery.types import Role
-from xpyd.model.loader import ResolvedModel, ensure_converted
+from xpyd.model.loader import ResolvedModel, ensure_converted, generation_defaults
 from xpyd.model.sim.profile import SimProfile, default_profile
 from xpyd.model.sim.runner import ModelFacts, SimRunner
 from xpyd.model.tokenizer import load_tokenizer
@@ -108,12 +108,15 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
         runner, resolved, transfer = build_torch_runner(config, transfer)
         tokenizer = load_tokenizer(resolved.path)
     served = config.served_model_name or resolved.served_name
+    defaults = generation_defaults(resolved.path, config.generation_config)
+    if defaults.source is not None and defaults.named():
+        log.info("%s: sampling defaults from %s: %s", config.role, defaults.source, defaults.named())
     engine, on_stop = start_engine(EngineParts(runner, tokenizer, config, transfer, served))
 
     # The prefill workers a decode worker without a cluster token may be sent to (etcd: fed by _join's watch).
     peers = PrefillPeers(config.prefill_peers, registry=config.etcd is not None, own_host=config.public_host)
     app = create_worker_app(engine, config,
-                            None if transfer is None else lambda: kv_backend_stats(config, transfer), peers)
+                            None if transfer is None else lambda: kv_backend_stats(config, transfer), peers, defaults)
     hc = HyperConfig()
     hc.bind = [fd_bind(http_socket)]
     hc.accesslog = None

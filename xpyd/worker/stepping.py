@@ -3,6 +3,8 @@
 The runner (the model's `ModelRunner`, or the simulated engine's) does both: ``prefill``/``prefill_many``/
 ``decode_rows`` return one row of scores per request, its ``sampler`` turns rows into tokens (``sample``),
 makes a request's random state (``new_generator``) and consumes the draw another worker made (``skip_draw``).
+Each row goes with its request's token history (``WorkItem.history``: None unless penalties, ``logit_bias``,
+``min_tokens`` or ``min_p`` adjust its logits).
 
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
 ``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
@@ -21,7 +23,7 @@ def prefill_and_sample(runner: Any, seq: Any) -> int:
     """Run ``seq``'s prompt after its cached prefix into its blocks and sample its first token."""
     item: WorkItem = seq.payload
     logits = runner.prefill(seq.kv.blocks, seq.prompt_ids, start=seq.kv.cached_tokens)
-    return runner.sampler.sample([logits], [item.sampling], [item.generator])[0]
+    return runner.sampler.sample([logits], [item.sampling], [item.generator], [item.history()])[0]
 
 
 def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
@@ -37,7 +39,7 @@ def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int]:
         return []
     items = [chunk.seq.payload for chunk, _ in rows]
     return runner.sampler.sample([row for _, row in rows], [i.sampling for i in items],
-                                 [i.generator for i in items])
+                                 [i.generator for i in items], [i.history() for i in items])
 
 
 def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
@@ -55,4 +57,6 @@ def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[
     logits = runner.decode_rows(cache.tables, rows, tokens, positions)
     for seq, token in zip(seqs, tokens):
         cache.append_tokens(seq.kv, (token,))
-    return runner.sampler.sample(logits, [s.payload.sampling for s in seqs], [s.payload.generator for s in seqs])
+    items = [s.payload for s in seqs]
+    return runner.sampler.sample(logits, [i.sampling for i in items], [i.generator for i in items],
+                                 [i.history() for i in items])

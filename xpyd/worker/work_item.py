@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from xpyd.model.output import OutputProcessor, StopParams
-from xpyd.model.sampling_params import SamplingParams
+from xpyd.model.sampling_params import SamplingParams, TokenHistory
 from xpyd.signal.request_id import RequestId
 
 
@@ -94,7 +94,16 @@ class WorkItem:
     arrival: float = field(default_factory=time.monotonic)  # validated and handed over (for latency metrics)
     open_ended: bool = False  # no max_tokens given: as many as the context allows (decode settles it when ready)
     cache_salt: str | None = None  # the request's cache_salt: its KV blocks are shared only with the same salt
+    token_history: TokenHistory | None = None  # what penalties and min_tokens read (made by ``start_output``)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)
         self.output = OutputProcessor(tokenizer, self.stop)
+        if not self.sampling.plain:  # (the output's ids: the first token too, on the decode worker prefill's)
+            self.token_history = TokenHistory(self.prompt_ids if self.sampling.needs_prompt else (),
+                                              self.output.token_ids)
+
+    def history(self) -> TokenHistory | None:
+        """The token history as of now, for the sampler (None for plain sampling parameters)."""
+        h = self.token_history
+        return None if h is None else h.sync()

@@ -17,6 +17,10 @@ One step, for B rows on device D:
    for k and top-p, softmax, cdf, ``searchsorted``, greedy argmax, a ``where`` per row kind;
 4. ``sample`` only: one device -> host copy of the B int64 ids, the step's only synchronisation.
 
+A batch with a row whose parameters are not plain (penalties, ``logit_bias``, ``min_tokens``, ``min_p``) is
+sampled by the CPU sampler instead (``xpyd.model.sampling.sample``, the logits copied to the host; the ids
+uploaded back for ``sample_device``): the same tokens as on a CPU worker, at the cost of that copy.
+
 ``sample_device`` stops after 3 and returns the ids on D. Its device part has no ``.item()`` and no
 branch on tensor values: the Python branches read only the parameters (host values), so the work for one
 parameter mix can be captured in a CUDA graph with the uploaded [6, B] tensor as its input
@@ -33,8 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
-from xpyd.model.sampling import make_generator, skip_draw
-from xpyd.model.sampling_params import SamplingParams
+from xpyd.model.sampling import make_generator, sample, skip_draw
+from xpyd.model.sampling_params import SamplingParams, TokenHistory
 
 __all__ = ["DeviceSampler", "draw_rows", "sample_from_draws"]
 
@@ -145,9 +149,11 @@ class DeviceSampler:
 
     @staticmethod
     def sample_device(
-        logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+        logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> torch.Tensor:
-        """Token ids int64 [B] on the logits' device; nothing waits for the device."""
+        """Token ids int64 [B] on the logits' device; nothing waits for the device (unless a row is not
+        plain: then the CPU sampler picks the batch's ids)."""
         if not isinstance(logits, torch.Tensor):
             logits = torch.stack(list(logits))
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
@@ -155,6 +161,9 @@ class DeviceSampler:
                 f"sample needs logits [B, vocab] with B params and generators; "
                 f"got {tuple(logits.shape)}, {len(params)}, {len(generators)}"
             )
+        if not all(p.plain for p in params):
+            ids = sample(logits.float().cpu(), params, generators, histories)
+            return torch.tensor(ids, dtype=torch.int64).to(logits.device)
         if all(p.greedy for p in params):  # nothing to draw, nothing to upload
             return torch.argmax(logits, dim=-1)
         on_cuda = logits.device.type == "cuda"
@@ -164,6 +173,7 @@ class DeviceSampler:
 
     @classmethod
     def sample(
-        cls, logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+        cls, logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> list[int]:
-        return cls.sample_device(logits, params, generators).cpu().tolist()
+        return cls.sample_device(logits, params, generators, histories).cpu().tolist()
