@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_sim import PY, ROOT, _free_run, _kind, _tree, memory  # noqa: E402  (a script beside this one)
+from scale_sim import PY, ROOT, _free_run, _kind, _tree, emit, memory, stop  # noqa: E402  (a script beside this one)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -207,15 +207,8 @@ def main() -> int:
     finally:
         if bench is not None and bench.poll() is None:
             bench.kill()
-        os.killpg(up.pid, signal.SIGTERM)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        stop(up)
+    emit(result, args.json)
     return 0
 
 

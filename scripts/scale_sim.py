@@ -123,6 +123,23 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
+def stop(up: subprocess.Popen) -> None:
+    """SIGTERM `xpyd up`'s process group, wait (SIGKILL after 120 s)."""
+    os.killpg(up.pid, signal.SIGTERM)
+    try:
+        up.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
+
+
+def emit(result: dict, path: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``path`` if given."""
+    print(json.dumps(result, indent=1))
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def _routed(url: str) -> int:
     with urllib.request.urlopen(url + "/cluster", timeout=10) as r:
         return sum(1 for w in json.loads(r.read())["workers"] if w["health"] == "up")
@@ -215,15 +232,8 @@ def main() -> int:
         result["output_tokens_per_cpu_s"] = round(tokens / cluster_cpu, 1) if cluster_cpu > 0 else None
         result["memory_after_load"] = memory(up.pid)
     finally:
-        os.killpg(up.pid, signal.SIGTERM)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        stop(up)
+    emit(result, args.json)
     return 0 if result.get("bench", {}).get("failed") == 0 else 1
 
 
