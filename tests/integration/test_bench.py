@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 import socket
 import subprocess
 import sys
@@ -265,11 +266,16 @@ def test_jsonl_prompts(fake, tmp_path):
 def test_shared_prefix_hit_rate_is_exact(fake, tmp_path, capsys):
     s = fake(ttft_s=0.06, itl_s=0.01, prefix_cache=True, cached_ttft_s=0.02)
     out = tmp_path / "r.json"
+    before = time.perf_counter()
     rc = bench(["--url", s.url, "--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "32",
                 "--input-len", "8", "--output-len", "3", "--num-requests", "8", "--concurrency", "4",
                 "--warmup", "2", "--json", str(out), "--include-requests"])
+    after = time.perf_counter()
     assert rc == 0
     r = json.loads(out.read_text())
+    # the timelines' zero on this machine's monotonic clock: every request's end falls within the call
+    assert before <= r["start_perf_counter"] <= after
+    assert all(r["start_perf_counter"] < r["start_perf_counter"] + q["end_s"] <= after for q in r["requests"])
     # 40-word prompts; the first request of each prefix misses, the 6 others hit the 32 prefix words
     # (the warmup's prefixes are its own: they do not warm the measured ones)
     assert r["prefix_cache"] == {"hit_rate": 6 * 32 / (8 * 40), "cached_tokens": 192, "prompt_tokens": 320,

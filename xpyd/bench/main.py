@@ -363,6 +363,9 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
     report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers, overhead)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
+        # The run's start on the machine's monotonic clock (time.perf_counter): another process on this
+        # machine can place its own events (a worker killed, a fault injected) on the requests' timelines.
+        report["start_perf_counter"] = measured.start
     if config.json_path is not None:
         write_json(config.json_path, report)
         print(f"results: {config.json_path}")

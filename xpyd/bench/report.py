@@ -21,7 +21,8 @@ the workers of its answers: an xpyd proxy with ``--expose-worker-names``; ``pref
 ``--expose-worker-timing``; ``requests``, ``missing``, ``misaligned``, ``worker_ttft_ms``, ``proxy_ttft_ms``,
 ``worker_itl_ms``, ``client_itl_ms``, ``itl_p50_ratio``, ``itl_p99_ratio``, see ``xpyd.bench.overhead``), and
 with ``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
-each its ``workers`` when named and its ``worker_timing`` when sent).
+each its ``workers`` when named and its ``worker_timing`` when sent) with ``start_perf_counter``, the run's
+start on the machine's monotonic clock (the timelines' zero).
 """
 
 from __future__ import annotations
