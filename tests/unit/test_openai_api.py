@@ -270,8 +270,10 @@ def test_sse_and_models():
     frame = sse({"a": "é", "b": [1, 2]})
     assert frame == 'data: {"a":"é","b":[1,2]}\n\n'.encode()
     assert SSE_DONE == b"data: [DONE]\n\n"
-    m = models_response(["x"], created=5)
-    assert m == {"object": "list", "data": [{"id": "x", "object": "model", "created": 5, "owned_by": "xpyd"}]}
+    m = models_response(["x"], created=5, max_model_len=512)
+    assert m == {"object": "list", "data": [{"id": "x", "object": "model", "created": 5, "owned_by": "xpyd",
+                                             "root": "x", "parent": None, "max_model_len": 512}]}
+    assert models_response(["x"], created=5)["data"][0]["max_model_len"] is None  # (not known yet)
 
 
 def test_response_ids():

@@ -136,12 +136,15 @@ def sse(obj: dict) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-def models_response(model_names: list[str], created: int | None = None) -> dict:
+def models_response(model_names: list[str], created: int | None = None, max_model_len: int | None = None) -> dict:
+    """``/v1/models`` as vLLM answers it: each model with its ``root``, ``parent`` and ``max_model_len`` (None
+    while unknown: a proxy before any worker reported it)."""
     created = int(time.time()) if created is None else created
     return {
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "xpyd"}
+            {"id": name, "object": "model", "created": created, "owned_by": "xpyd", "root": name, "parent": None,
+             "max_model_len": max_model_len}
             for name in model_names
         ],
     }

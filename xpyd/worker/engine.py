@@ -80,7 +80,7 @@ class WorkerEngine(EngineThread):
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids
         self.model_id = served_name
-        self.metrics = WorkerMetrics(config.role)
+        self.metrics = WorkerMetrics(config.role, model_name=served_name, max_model_len=runner.max_model_len)
         self.info: WorkerInfo | None = None
         self._items: weakref.WeakSet[WorkItem] = weakref.WeakSet()  # submitted, still referenced by the engine
         self._fault: FaultInjection | None = None

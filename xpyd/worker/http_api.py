@@ -55,6 +55,7 @@ from xpyd.model.tokenizer import describe_tokenizer
 from xpyd.signal.request_id import RequestId
 from xpyd.worker.request_gate import REQUEST_ID_HEADER, PrefillPeers, RequestGate
 from xpyd.worker.timing import TIMING_HEADER, AnswerClock
+from xpyd.worker.vllm_routes import register_vllm_routes
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
 
     @app.get("/xpyd/stats")
     async def stats() -> Response:
-        out = engine.stats()
+        out = engine.stats() | {"max_model_len": engine.max_model_len}
         if kv_backend is not None:
             out["kv_backend"] = kv_backend()
         return _json(out)
@@ -170,6 +171,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         return _json(engine.kv_events.since(request.args.get("epoch"), int(since) if since is not None else None))
 
     register_kv_stream(app, engine.kv_events)  # GET /xpyd/kv_events/stream: the same events, pushed
+    register_vllm_routes(app, engine, tokenize)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -193,7 +195,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(models_response([engine.info.model_id]))
+        return _json(models_response([engine.info.model_id], max_model_len=engine.max_model_len))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -237,7 +239,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             req = parse_request(body, kind)
             named = response_identity(req.kv_transfer_params)
             loop = asyncio.get_running_loop()
-            sink = OutputSink(dispatch_for(loop))
+            sink = engine.metrics.sink(dispatch_for(loop))  # (counts the vllm:* tokens and ends)
             item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req, rid, sink, defaults)
         except APIError as e:
             if e.status < 500:

@@ -34,6 +34,9 @@ xpyd_http_requests_total                   counter    route: HTTP requests recei
                                                       KV-events polls, POSTs; ``unmatched``: no route)
 =========================================  =========  ================================================
 
+Next to them, vLLM's names (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds`` ...), with
+vLLM's labels and buckets, fed by the same hooks and by the requests' sinks (``sink``): ``xpyd.worker.vllm_metrics``.
+
 The signal plane and discovery count in plain ``MessageCounts`` and ``EtcdOps`` (they know no Prometheus);
 ``signal`` and ``etcd`` here are the ones the worker's signal server or client and its etcd registration and
 watcher are given, read when ``/metrics`` is rendered.
@@ -48,6 +51,8 @@ from prometheus_client.registry import Collector
 from xpyd.discovery.counts import EtcdOps
 from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
 from xpyd.signal.counts import MessageCounts
+from xpyd.worker.vllm_metrics import MeteredSink, VLLMMetrics
+from xpyd.worker.work_item import EventDispatch
 
 QUEUE_STATES = ("waiting", "running", "transferring")
 OUTCOMES = ("finished", "failed", "aborted", "rejected")
@@ -87,12 +92,16 @@ class _PlaneCounts(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+    """``model_name`` and ``max_model_len``: what the ``vllm:*`` series are labelled with and bucketed by."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, *, model_name: str = "",
+                 max_model_len: int = 2048) -> None:
         if not isinstance(role, str) or not role:
             raise ValueError(f"role must be a non-empty string, got {role!r}")
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.vllm = VLLMMetrics(r, role, model_name, max_model_len)
         in_flight = Gauge("xpyd_requests_in_flight", "Requests held by the worker, by state",
                           ("role", "state"), registry=r)
         self._in_flight = _children(in_flight, role, QUEUE_STATES)
@@ -147,6 +156,7 @@ class WorkerMetrics:
     def set_queue(self, waiting: int, running: int, transferring: int) -> None:
         for state, n in zip(QUEUE_STATES, (waiting, running, transferring)):
             self._in_flight[state].set(n)
+        self.vllm.set_queue(waiting, running, transferring)
 
     def set_kv(self, used_bytes: int, capacity_bytes: int) -> None:
         self._kv_used.set(used_bytes)
@@ -160,6 +170,7 @@ class WorkerMetrics:
         queries, hits = stats["prefix_query_tokens"], stats["prefix_hit_tokens"]
         self._queries.inc(queries - self._counted[0])
         self._hits.inc(hits - self._counted[1])
+        self.vllm.set_kv_cache(stats, queries - self._counted[0], hits - self._counted[1])
         self._counted = (queries, hits)
 
     def kv_reused(self, nbytes: int) -> None:
@@ -167,15 +178,24 @@ class WorkerMetrics:
 
     def request_done(self, outcome: str) -> None:
         _pick(self._requests, outcome, "outcome").inc()
+        if outcome == "aborted":
+            self.vllm.aborted()
+
+    def sink(self, dispatch: EventDispatch) -> MeteredSink:
+        """A request's output sink whose events count its tokens and its end (``vllm:*``)."""
+        return MeteredSink(dispatch, self.vllm)
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+        self.vllm.ttft.observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
         self._itl.observe(seconds)
+        self.vllm.observe_itl(seconds)
 
     def observe_e2e(self, seconds: float) -> None:
         self._e2e.observe(seconds)
+        self.vllm.e2e.observe(seconds)
 
     def observe_step(self, kind: str, seconds: float, batch: int) -> None:
         _pick(self._step, kind, "step kind").observe(seconds)
