@@ -57,11 +57,16 @@ def check(holders: BlockHolders, model: Model, slots, rng: random.Random) -> Non
         assert holders.walk(chain, slots + [None]) == model.walk(chain, slots + [None])
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_events_and_snapshots_match_a_dict_of_sets(seed):
+@pytest.mark.parametrize("seed, wide", [(1, False), (2, False), (3, True), (4, True)])
+def test_random_events_and_snapshots_match_a_dict_of_sets(seed, wide):
     rng = random.Random(seed)
     holders, model = BlockHolders(), Model()
-    slots = [holders.take(i) for i in range(5)]
+    if wide:  # two mask words a block
+        made = [holders.take(i) for i in range(70)]
+        slots = [made[i] for i in (0, 63, 64, 65, 69)]
+        assert holders.words == 2
+    else:
+        slots = [holders.take(i) for i in range(5)]
     pool = [0, 1, TOP, 2**63] + [rng.getrandbits(64) for _ in range(6000)]  # hash 0 and the extremes too
     for round_ in range(60):
         slot = rng.choice(slots)
@@ -105,10 +110,12 @@ def probed_keys(holders: BlockHolders) -> int:
     return int(np.count_nonzero(holders.table._keys[:holders.table._capacity + block_table._PAD]))
 
 
-def test_a_long_probe_run_with_tombstones_reused():
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_long_probe_run_with_tombstones_reused(wide):
     assert block_holders._SMALL < 100  # (batches of 100 or more go in array passes, of 10 or fewer one by one)
     holders = BlockHolders()
-    a, b = holders.take(0), holders.take(1)
+    made = [holders.take(i) for i in range(66 if wide else 2)]
+    a, b = made[0], made[-1]  # wide: two mask words a block
     run = _same_home(holders, 100, 200)  # one home: a run of 200 rows, found past the first window
     assert holders.apply(a, [("stored", h) for h in run]) == 200
     assert holders.walk(run, [a, b]) == [200, 0] and holders.table._used == probed_keys(holders) == 200
@@ -124,6 +131,20 @@ def test_a_long_probe_run_with_tombstones_reused():
     more = _same_home(holders, 100, 10, seed=2)
     assert holders.apply(b, [("stored", h) for h in more]) == 10  # the last 5 tombstones, then 5 rows past the run
     assert holders.table._used == probed_keys(holders) == 205
+
+
+def test_events_one_by_one_go_on_in_the_table_rebuilt_under_them():
+    holders = BlockHolders()
+    s = holders.take(0)
+    capacity = holders.table._capacity
+    first = list(range(1, int(capacity * block_table._MAX_LOAD) - 2))
+    holders.apply(s, [("stored", h) for h in first])  # in array passes, just under the load that rebuilds
+    assert holders.table._capacity == capacity
+    last = list(range(10**6, 10**6 + 10))
+    events = [("stored", h) for h in last] + [("removed", first[0]), ("removed", last[0])]
+    assert holders.apply(s, events) == 8  # one by one: the table grows at the 4th
+    assert holders.table._capacity > capacity
+    assert holders.hashes() == set(first[1:] + last[1:]) and holders.walk(tuple(last[1:]), [s]) == [9]
 
 
 def test_spare_rows_running_out_rebuild_larger(monkeypatch):

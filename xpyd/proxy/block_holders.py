@@ -104,7 +104,7 @@ class BlockHolders:
         n = len(events)
         self._version += 1
         if n <= _SMALL:
-            return sum([self.table.update_one(slot, h, kind == "stored") for kind, h in events])
+            return self.table.update_each(slot, events)
         hashes = hash_array((h for _, h in events), n)
         stored = np.fromiter((kind == "stored" for kind, _ in events), bool, n)
         _, last = np.unique(hashes[::-1], return_index=True)

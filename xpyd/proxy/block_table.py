@@ -4,8 +4,8 @@ An open-addressing table: ``_keys`` (uint64 hashes, 0 = an empty row) and ``_mas
 bits, ``words`` per row), linear probing::
 
     update(slot, hashes, stored)  -> a batch (distinct hashes) in a few array passes
-    update_one(slot, h, stored)   -> one hash, in Python over the arrays' views (array passes cost ~50 us
-                                     a call, a hash looked up in Python ~0.3 us)
+    update_each(slot, events)     -> a few KV events, one at a time in Python over the arrays' views (array
+                                     passes cost ~50 us a call, an event in Python ~0.7 us)
     masks_of(hashes) / mask_one(h) -> held masks as Python ints, the same two ways
 
 A row's home is its mixed hash scaled onto ``capacity`` rows; probes run past the end into ``_PAD`` spare
@@ -195,8 +195,47 @@ class BlockTable:
             self._insert(added, slot)
         return int(np.count_nonzero(on)) - int(np.count_nonzero(~on)) + len(added)
 
-    def update_one(self, slot: int, h: int, stored: bool) -> int:
-        """``update`` of one hash, in Python over the arrays' views: +1, -1 or 0."""
+    def update_each(self, slot: int, events: Iterable[tuple[str, int]]) -> int:
+        """``update`` of a few KV events (``("stored" | "removed", hash)``), one at a time in order, in Python
+        over the arrays' views; how many more blocks ``slot`` holds than before."""
+        if self.words > 1:
+            return sum([self._update_one(slot, h, kind == "stored") for kind, h in events])
+        keys, masks, capacity = self._key_view, self._mask_view, self._capacity  # (one mask word a row)
+        bit, live, change = 1 << slot, self._live_list[0], 0
+        for kind, h in events:
+            stored = kind == "stored"
+            row = self._zero
+            if h:
+                row, free = (((h ^ h >> 29) * _MIX & M64) >> 32) * capacity >> 32, None  # _home_one, inline
+                k = keys[row]
+                while k != h and k:
+                    if free is None and not masks[row]:
+                        free = row  # a tombstone: the first free row on its way
+                    row += 1
+                    k = keys[row]
+                if not k:
+                    if not stored:
+                        continue
+                    change += 1
+                    if free is None:
+                        free = row
+                    if free >= capacity + _PAD or self._used + 1 > _MAX_LOAD * capacity:
+                        self._insert(np.array([h], np.uint64), slot)  # (rebuilds first)
+                        keys, masks, capacity = self._key_view, self._mask_view, self._capacity
+                        continue
+                    self._used += not keys[free]
+                    self.held += 1
+                    keys[free], masks[free] = h, bit
+                    continue
+            m = masks[row]
+            if bool(m & bit) != stored:
+                masks[row] = new = m & live | bit if stored else m & live & ~bit
+                self.held += bool(new) - bool(m)
+                change += 1 if stored else -1
+        return change
+
+    def _update_one(self, slot: int, h: int, stored: bool) -> int:
+        """``update`` of one hash, in Python over the arrays' views, any number of mask words: +1, -1 or 0."""
         words, keys, masks = self.words, self._key_view, self._mask_view
         if words == 1:
             any_bit = masks.__getitem__  # row -> whether a slot holds it
