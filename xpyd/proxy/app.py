@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import aiohttp
 from quart import Quart, Response, g, request
 
 from xpyd.api.identity import ResponseIdentity, client_request_id
@@ -65,12 +66,14 @@ from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.poller import HealthPoller
 from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
+from xpyd.proxy.prompt_tokens import PromptTokenizer
 from xpyd.proxy.relay import complete_body, stream_response
 from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
 from xpyd.proxy.upstream import Fault, UpstreamError
+from xpyd.proxy.vllm_routes import max_model_len, register_vllm_routes
 from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
-from xpyd.proxy.workers import Health, WorkerTable
+from xpyd.proxy.workers import Health, WorkerState, WorkerTable
 from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
@@ -147,7 +150,17 @@ class Proxy:
 
     def models(self) -> Response:
         name = self.served_model()
-        return json_response(models_response([name] if name else []))
+        return json_response(models_response([name] if name else [], max_model_len=max_model_len(self.up_workers())))
+
+    # (for xpyd.proxy.vllm_routes)
+    def up_workers(self) -> list[WorkerState]:
+        return [s for role in Role for s in self.table.sync(role, self.registry.workers(role)) if s.health is Health.UP]
+
+    def prompt_tokenizer(self) -> PromptTokenizer | None:
+        return self._feed.tokenizer if self._feed is not None else None
+
+    def control_session(self) -> aiohttp.ClientSession | None:
+        return self._sessions.control if self._sessions is not None else None
 
     def cluster(self) -> Response:
         workers = []
@@ -371,5 +384,6 @@ def create_app(config: ProxyConfig, registry: Registry) -> Quart:
     async def metrics() -> Response:
         return proxy.metrics_response()
 
+    register_vllm_routes(app, proxy)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
     register_error_handlers(app, config.max_body_bytes, proxy.redactor)
     return app

@@ -99,6 +99,11 @@ class PromptTokenizer:
         self._tokenizer = LightTokenizer.from_parts(spec.tokenizer_json, spec.chat_template, spec.special_tokens)
         self._vocab_size = len(self._tokenizer)
 
+    @property
+    def tokenizer(self) -> LightTokenizer:
+        """The tokenizer itself (the proxy's ``/tokenize``: ``xpyd.proxy.vllm_routes``)."""
+        return self._tokenizer
+
     def keys(self, req: CompletionRequest) -> PromptKeys:
         ids = self.token_ids(req)
         spec = self.spec

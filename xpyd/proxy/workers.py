@@ -49,6 +49,7 @@ class Stats:
     blocks_cached: int | None = None  # held by no request, kept for their prefix
     prefix_query_tokens: int | None = None  # prompt tokens looked up in its prefix cache, ever
     prefix_hit_tokens: int | None = None  # ... and found there
+    max_model_len: int | None = None  # the longest request (prompt + output) it takes
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
