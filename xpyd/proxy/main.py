@@ -4,7 +4,7 @@ Static mode (``--prefill URL --decode URL``): ``run`` waits for every listed
 worker to answer ``/xpyd/info`` first. Dynamic mode (``--etcd HOST:PORT``):
 workers come and go through etcd; the proxy may start with none (``/health``
 and requests answer 503 until some register). Either way it serves the OpenAI
-API with hypercorn until SIGINT/SIGTERM, finishing in-flight requests for a few
+API (aiohttp.web: ``http_server``) until SIGINT/SIGTERM, finishing in-flight requests for a few
 seconds before it exits.
 """
 
@@ -18,14 +18,12 @@ import signal
 import socket
 import sys
 
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
-
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
-from xpyd.netaddr import fd_bind, host_port, reserve_tcp
+from xpyd.netaddr import host_port, reserve_tcp
 from xpyd.proxy.app import create_app
 from xpyd.proxy.client import worker_headers
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.processes import MAX_WORKERS, NAMES_KEY_ENV, process_label, run_processes
 from xpyd.proxy.routing import Policy
@@ -195,14 +193,6 @@ def _reserve_port(config: ProxyConfig, reuse_port: bool = False) -> socket.socke
         raise RegistryError(f"cannot listen on {host_port(config.host, config.port)}: {e.strerror or e}") from None
 
 
-def _hypercorn_config(sock: socket.socket) -> HypercornConfig:
-    hc = HypercornConfig()
-    hc.bind = [fd_bind(sock)]
-    hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
-    hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
-    return hc
-
-
 async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool = False) -> None:
     """Discover the workers, then serve until ``stop`` is set; ``reuse_port``: one of ``--workers N``."""
     address = host_port(config.host, config.port)
@@ -211,8 +201,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         from xpyd.proxy.colocated import create_colocated_app
 
         log.info("proxy on http://%s in front of the colocated worker %s", address, config.colocated_url)
-        await serve(create_colocated_app(config, config.colocated_url), _hypercorn_config(sock),
-                    shutdown_trigger=stop.wait)
+        await serve(create_colocated_app(config, config.colocated_url), stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
         return
     try:
         registry = make_registry(config)
@@ -233,10 +222,9 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         log.info("proxy on http://%s serving %s (%s, policy %s, API key %s, cluster token %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
                  "required" if config.api_key else "not required", "set" if config.cluster_token else "not set")
-        await serve(app, _hypercorn_config(sock), shutdown_trigger=stop.wait)
+        await serve(app, stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
     finally:
-        if sock.fileno() != -1:  # not handed to hypercorn (stopped or failed before serving)
-            sock.close()
+        sock.close()  # (if it was not served: stopped or failed before serving)
         try:
             async with asyncio.timeout(REGISTRY_CLOSE_SECONDS):
                 await registry.close()

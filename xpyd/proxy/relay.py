@@ -23,11 +23,10 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from quart import Response
-
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
+from xpyd.proxy.http_server import StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
@@ -53,7 +52,7 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
                     timer: RequestTimer, on_error: Callable[[APIError], None],
-                    public: Callable[[APIError], APIError], timing: bool = False) -> Response:
+                    public: Callable[[APIError], APIError], timing: bool = False) -> StreamedResponse:
     """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here. ``on_error`` sees a
     failure as it is; the client, as ``public`` makes it. ``timing``: end with the workers' timing comment
     (without it a timing comment from decode is dropped)."""
@@ -62,7 +61,7 @@ def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, hea
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
     headers["Cache-Control"] = "no-cache"
-    return Response(body, status=200, content_type="text/event-stream", headers=headers)
+    return StreamedResponse(body, status=200, content_type="text/event-stream", headers=headers)
 
 
 def _abandon(call: PDCall, timer: RequestTimer) -> None:
