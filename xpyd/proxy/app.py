@@ -82,7 +82,8 @@ __all__ = ["ProxyConfig", "create_app"]
 
 INLINE_PROMPT_CHARS = 1024  # a completion prompt this short is tokenized on the event loop (tens of us)
 PROXY_KEY = web.AppKey("xpyd.proxy", object)  # the app's Proxy (tests reach it through the app)
-_WORKERS = "xpyd_workers"  # a request's key: the x-xpyd-workers value of the pair it was last dispatched to
+# A request's key: the x-xpyd-workers value of the pair it was last dispatched to (aiohttp < 3.13: a string).
+_WORKERS = web.RequestKey("xpyd_workers", str) if hasattr(web, "RequestKey") else "xpyd_workers"
 
 
 class Proxy:
