@@ -26,8 +26,13 @@ KEEP_ALIVE_SECONDS = 75.0  # an idle client connection is kept this long (longer
 BACKLOG = 1024  # connections the kernel queues before the loop accepts them (a burst of 1,000 clients)
 
 
+class LastChunk(bytes):
+    """A body's last chunk: written together with the end of the chunked body (one send, not two)."""
+
+
 class StreamedResponse(web.StreamResponse):
-    """A response whose body is written from ``body`` as it yields (chunked: its length is not known)."""
+    """A response whose body is written from ``body`` as it yields (chunked: its length is not known); a
+    ``LastChunk`` ends it (the body is closed then, its ``finally`` run after the client has the end)."""
 
     def __init__(self, body: AsyncIterator[bytes], *, status: int = 200, content_type: str,
                  headers: dict[str, str] | None = None) -> None:
@@ -39,12 +44,15 @@ class StreamedResponse(web.StreamResponse):
         body = self._body_iter
         try:
             async for chunk in body:
+                if isinstance(chunk, LastChunk):
+                    data = bytes(chunk)
+                    break
                 await self.write(chunk)
+            await super().write_eof(data)
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
-        await super().write_eof(data)
 
 
 async def serve(app: web.Application, stop: asyncio.Event, sock: socket.socket,

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
@@ -35,6 +36,7 @@ CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
 REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
                              "tell what the proxy adds (`xpyd bench` does; default: off, the workers are not "
                              "asked and the stream is unchanged)")
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default=None,
+                        help="the proxy's event loop: uvloop (libuv: cheaper socket writes and loop turns) or "
+                             "asyncio's own (default: uvloop where it is installed, else asyncio)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="run N proxy processes on the one port (SO_REUSEPORT: the kernel spreads "
                              "connections over them), each with its own event loop, worker discovery, health "
@@ -240,12 +245,30 @@ async def _main(config: ProxyConfig) -> None:
     await serve_proxy(config, stop, reuse_port=process_label() is not None)
 
 
+def loop_factory(name: str | None) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes the proxy's event loop: uvloop's (``name`` "uvloop", or None where uvloop is installed) or
+    asyncio's own (None). ValueError: uvloop asked for and not installed."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """``argv``: the command line's arguments after ``proxy`` (``--workers N`` starts children with them)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
+    except ValueError as e:
+        sys.exit(f"xpyd proxy: {e}")
+    try:
+        loop_factory(args.event_loop)
     except ValueError as e:
         sys.exit(f"xpyd proxy: {e}")
     if args.workers > 1:
@@ -255,7 +278,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         except OSError as e:
             sys.exit(f"xpyd proxy: cannot serve on {host_port(config.host, config.port)}: {e.strerror or e}")
     try:
-        asyncio.run(_main(config))
+        with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+            runner.run(_main(config))
     except RegistryError as e:
         sys.exit(f"xpyd proxy: {e}")
     except OSError as e:  # e.g. the port is taken

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
-from xpyd.proxy.http_server import StreamedResponse
+from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # In every token chunk once, as its JSON key (a quote inside a generated text is escaped, so the text
 # cannot contain it): counting it finds the tokens of a relayed block without parsing.
 TOKEN_CHUNK_KEY = b'"finish_reason":'
+DONE = LastChunk(SSE_DONE)  # sent with the end of the chunked body
 
 
 async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
@@ -102,19 +103,19 @@ async def _stream(
         timer.end(Outcome.OK)
         if timing:
             yield answer_timing(first, _timing_or_none(decoded)).comment()
-        yield SSE_DONE
+        yield DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
         on_error(e)
         log.warning("%s (%s): %s (in stream)", name.id, call.request_id, e.message)
         e = public(e)
         yield sse(APIError(e.status, e.message, type=e.type).to_dict())
-        yield SSE_DONE
+        yield DONE
     except Exception:
         timer.end(Outcome.INTERNAL_ERROR)
         log.exception("%s (%s): streaming failed", name.id, call.request_id)
         yield sse(APIError(500, "internal error in the proxy", type="server_error").to_dict())
-        yield SSE_DONE
+        yield DONE
     finally:
         timer.end(Outcome.ABORTED)  # no-op unless the client went away
         await call.aclose()
