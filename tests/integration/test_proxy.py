@@ -30,11 +30,11 @@ from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.proxy import decode_stream
 from xpyd.netaddr import reserve_tcp
+from xpyd.proxy import decode_stream
 from xpyd.proxy.app import ProxyConfig, create_app
-from xpyd.proxy.http_server import serve
 from xpyd.proxy.config import default_policy
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.main import add_arguments, config_from_args
 from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id

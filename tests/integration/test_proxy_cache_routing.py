@@ -23,8 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from xpyd import PROTOCOL_VERSION
 from xpyd.api.openai import RequestKind, parse_request
 from xpyd.discovery.types import Role, WorkerInfo
-from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
 from xpyd.netaddr import reserve_tcp
+from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.http_server import serve
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
