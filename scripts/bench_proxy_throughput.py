@@ -123,7 +123,9 @@ def start(name: str, argv: list[str], url: str, work: Path, src: str | None = No
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
     if src is not None:
         env["PYTHONPATH"] = src
-    popen = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+    # (run in ``src``: ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH, so from
+    # this checkout the baseline would run this checkout's package, and so would its --workers children)
+    popen = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=src or ROOT, env=env,
                              start_new_session=True)
     return Proc(name, popen, log, url)
 

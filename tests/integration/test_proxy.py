@@ -1,4 +1,4 @@
-"""The proxy, served by hypercorn on a real port, against fake prefill/decode workers.
+"""The proxy, served by aiohttp.web on a real port, against fake prefill/decode workers.
 
 The fake workers (aiohttp.web) implement the worker HTTP contract with canned
 tokens, record what they received (headers, bodies, arrival times, whether the
@@ -24,17 +24,17 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 
 from tests.cluster import free_port
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.netaddr import reserve_tcp
 from xpyd.proxy import decode_stream
 from xpyd.proxy.app import ProxyConfig, create_app
 from xpyd.proxy.config import default_policy
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.main import add_arguments, config_from_args
 from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id
@@ -214,11 +214,8 @@ class Cluster:
 
 async def start_proxy(config: ProxyConfig, registry: Registry):
     app = create_app(config, registry)
-    hc = HypercornConfig()
-    hc.bind = [f"{config.host}:{config.port}"]
-    hc.graceful_timeout = 1
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(app, hc, shutdown_trigger=stop.wait))
+    task = asyncio.create_task(serve(app, stop, reserve_tcp(config.host, config.port), graceful_timeout=1))
     url = f"http://{config.host}:{config.port}"
     async with aiohttp.ClientSession() as s:
         for _ in range(200):

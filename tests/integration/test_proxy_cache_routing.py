@@ -1,4 +1,4 @@
-"""Cache-aware routing through the real proxy (hypercorn, real ports) over fake aiohttp workers.
+"""Cache-aware routing through the real proxy (aiohttp.web, real ports) over fake aiohttp workers.
 
 The fake workers serve the worker contract for it: ``GET /xpyd/tokenizer`` (a small word-level
 tokenizer with a chat template), ``GET /xpyd/kv_events`` (events since a cursor, or a snapshot), and
@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.api.openai import RequestKind, parse_request
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.netaddr import reserve_tcp
 from xpyd.prefix_hash import block_hashes, hash_key, salted_seed
 from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.prompt_tokens import PromptTokenizer, TokenizerSpec
 from tests.cluster import free_port
 from tests.waiting import until
@@ -265,12 +265,9 @@ async def make_env() -> AsyncIterator:
             w.serve_tokenizer, w.key = serve_tokenizer, key
             await w.start()
         config = ProxyConfig(port=free_port(), poll_interval=0.05, **config_kw)
-        hc = HypercornConfig()
-        hc.bind = [f"127.0.0.1:{config.port}"]
-        hc.graceful_timeout = 1
         stop = asyncio.Event()
-        task = asyncio.create_task(serve(create_app(config, FakeRegistry([*prefill, *decode])), hc,
-                                         shutdown_trigger=stop.wait))
+        task = asyncio.create_task(serve(create_app(config, FakeRegistry([*prefill, *decode])), stop,
+                                         reserve_tcp("127.0.0.1", config.port), graceful_timeout=1))
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         env = Env(f"http://127.0.0.1:{config.port}", http, prefill, decode)
 

@@ -1,4 +1,4 @@
-"""Elastic routing through the real proxy (hypercorn, real ports) over fake aiohttp workers.
+"""Elastic routing through the real proxy (aiohttp.web, real ports) over fake aiohttp workers.
 
 The fake workers report their load on ``GET /xpyd/stats`` (their own in-flight
 requests plus a configurable backlog), can be stopped and restarted on the same
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 
 from xpyd import PROTOCOL_VERSION
 from xpyd.discovery.base import Registry
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.netaddr import reserve_tcp
 from xpyd.proxy.app import ProxyConfig, create_app
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.routing import Policy
 from xpyd.signal.request_id import parse_request_id
 from tests.cluster import free_port
@@ -214,11 +214,9 @@ async def make_env() -> AsyncIterator:
             await w.start()
         registry = FakeRegistry([*prefill, *decode] if listed else [])
         config = ProxyConfig(port=free_port(), **config_kw)
-        hc = HypercornConfig()
-        hc.bind = [f"127.0.0.1:{config.port}"]
-        hc.graceful_timeout = 1
         stop = asyncio.Event()
-        task = asyncio.create_task(serve(create_app(config, registry), hc, shutdown_trigger=stop.wait))
+        task = asyncio.create_task(serve(create_app(config, registry), stop, reserve_tcp("127.0.0.1", config.port),
+                                         graceful_timeout=1))
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         env = Env(f"http://127.0.0.1:{config.port}", http, registry, prefill, decode)
 

@@ -1,4 +1,4 @@
-"""``x-xpyd-workers`` on the proxy's answers (``--expose-worker-names``), served by hypercorn on a real port
+"""``x-xpyd-workers`` on the proxy's answers (``--expose-worker-names``), served by aiohttp.web on a real port
 against the fake workers of ``test_proxy``: absent by default; with the option, on streamed and JSON answers
 of both routes (and on an error a worker gave), naming the pair that answered by the names ``/cluster``
 shows, never an address; a request retried on another pair names that pair."""

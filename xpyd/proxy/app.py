@@ -37,7 +37,9 @@ the proxy's Prometheus metrics (``xpyd.proxy.metrics``). With an API key set,
 everything but ``GET /health`` needs ``Authorization: Bearer KEY`` (``/cluster``
 shows internal addresses, ``/metrics`` traffic; Prometheus can send the key). The registry's
 lifecycle (start/close) belongs to the caller; the app owns the pooled HTTP
-session and the health poller (started before serving, stopped after).
+session and the health poller (started before serving, stopped after). The app is an aiohttp.web
+Application (served by ``http_server.serve``): one middleware (``http_errors.error_middleware``) checks the
+API key before a route and adds the headers after it.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
-from quart import Quart, Response, g, request
+from aiohttp import web
 
 from xpyd.api.identity import ResponseIdentity, client_request_id
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
@@ -60,7 +62,8 @@ from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, de
 from xpyd.proxy.cache_feed import CacheFeed
 from xpyd.proxy.client import WorkerClient, WorkerSessions, worker_sessions
 from xpyd.proxy.config import ProxyConfig
-from xpyd.proxy.http_errors import Redactor, json_response, register_error_handlers
+from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
+from xpyd.proxy.http_server import read_body
 from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.pairs import PairHealth
@@ -81,6 +84,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ProxyConfig", "create_app"]
 
 INLINE_PROMPT_CHARS = 1024  # a completion prompt this short is tokenized on the event loop (tens of us)
+PROXY_KEY = web.AppKey("xpyd.proxy", object)  # the app's Proxy (tests reach it through the app)
+# A request's key: the x-xpyd-workers value of the pair it was last dispatched to (aiohttp < 3.13: a string).
+_WORKERS = web.RequestKey("xpyd_workers", str) if hasattr(web, "RequestKey") else "xpyd_workers"
 
 
 class Proxy:
@@ -141,14 +147,14 @@ class Proxy:
                 return workers[0].model_id
         return None
 
-    def health(self) -> Response:
+    def health(self) -> web.Response:
         up = {role.value: sum(s.health is Health.UP
                               for s in self.table.sync(role, self.registry.workers(role)))
               for role in Role}
         ok = all(up.values())
         return json_response({"status": "ok" if ok else "unavailable", **up}, 200 if ok else 503)
 
-    def models(self) -> Response:
+    def models(self) -> web.Response:
         name = self.served_model()
         return json_response(models_response([name] if name else [], max_model_len=max_model_len(self.up_workers())))
 
@@ -162,7 +168,7 @@ class Proxy:
     def control_session(self) -> aiohttp.ClientSession | None:
         return self._sessions.control if self._sessions is not None else None
 
-    def cluster(self) -> Response:
+    def cluster(self) -> web.Response:
         workers = []
         for role in Role:
             for state in self.table.sync(role, self.registry.workers(role)):
@@ -177,27 +183,41 @@ class Proxy:
                               "tokenizer": self._feed.describe() if self._feed is not None else None,
                               "queue": queue, "avoided_pairs": self.pairs.to_dict()})
 
-    def metrics_response(self) -> Response:
+    def metrics_response(self) -> web.Response:
         for role in Role:
             states = self.table.sync(role, self.registry.workers(role))
             up = sum(s.health is Health.UP for s in states)
             self.metrics.set_workers(role.value, up, len(states) - up)
         self.metrics.set_queue(self.queue.waiting)
         body, content_type = self.metrics.render()
-        return Response(body, content_type=content_type)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
-    # The request hooks are coroutines: Quart runs a plain function hook in a thread (three thread hops a request).
-    async def check_api_key(self) -> None:
+    def check_api_key(self, request: web.Request) -> None:
         """Before every route but ``/health``: 401 unless the request carries the key (when one is set)."""
         if self.api_key is not None and request.path != "/health":
             self.api_key.check(request.headers.get("Authorization"))
 
-    async def generate(self, kind: RequestKind) -> Response:
+    def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """After every route: as vLLM, the client's own ``X-Request-Id`` comes back (a generation's answer
+        already has its id: the client's, or the response id); with ``expose_worker_names``, the pair the
+        request was last dispatched to (``_start``), by opaque names (nothing for one that reached no worker)."""
+        headers = response.headers
+        if REQUEST_ID_HEADER not in headers and (given := request.headers.get(REQUEST_ID_HEADER)) is not None:
+            try:
+                rid = client_request_id(given)
+            except APIError:  # one that cannot name a response: refused where it would, never echoed
+                rid = None
+            if rid is not None:
+                headers[REQUEST_ID_HEADER] = rid
+        if (workers := request.get(_WORKERS)) is not None:
+            headers[WORKERS_HEADER] = workers
+
+    async def generate(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
         timer = self.metrics.request(ROUTES[kind])
         slot: Slot | None = None
         try:
             slot = self.limit.acquire()
-            return await self._generate(kind, timer, slot)
+            return await self._generate(request, kind, timer, slot)
         except BaseException as e:
             timer.end(outcome_of(e))
             raise
@@ -205,32 +225,13 @@ class Proxy:
             if slot is not None and not slot.handed_off:
                 slot.release()
 
-    async def echo_request_id(self, response: Response) -> Response:
-        """After every route, as vLLM: the client's own ``X-Request-Id`` comes back (a generation's answer
-        already has its id: the client's, or the response id)."""
-        if REQUEST_ID_HEADER not in response.headers:
-            try:
-                rid = client_request_id(request.headers.get(REQUEST_ID_HEADER))
-            except APIError:  # one that cannot name a response: refused where it would, never echoed
-                rid = None
-            if rid is not None:
-                response.headers[REQUEST_ID_HEADER] = rid
-        return response
-
-    async def name_workers(self, response: Response) -> Response:
-        """After every route, with ``expose_worker_names``: the pair the request was last dispatched to
-        (``_start``), by opaque names; nothing for a request that reached no worker."""
-        workers = g.get("xpyd_workers")
-        if workers is not None:
-            response.headers[WORKERS_HEADER] = workers
-        return response
-
-    async def _read_request(self, kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity, str]:
+    async def _read_request(self, request: web.Request,
+                            kind: RequestKind) -> tuple[CompletionRequest, ResponseIdentity, str]:
         """The client's request, checked, what its response is called (id, created, model) and its
         ``X-Request-Id`` (the client's own, or the response id)."""
         client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         check_content_type(request.headers.get("Content-Type"))
-        req = parse_request(await request.get_data(cache=False), kind)
+        req = parse_request(await read_body(request), kind)
         model = self.served_model()
         if model is None:
             raise APIError(503, "no workers available", type="server_error")
@@ -243,16 +244,19 @@ class Proxy:
         except ValueError as e:  # a worker's served name no worker would accept back
             raise APIError(500, f"cannot serve model {model[:80]!r}: {e}", type="server_error") from None
 
-    async def _generate(self, kind: RequestKind, timer: RequestTimer, slot: Slot) -> Response:
+    async def _generate(self, request: web.Request, kind: RequestKind, timer: RequestTimer,
+                        slot: Slot) -> web.StreamResponse:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
-        req, identity, public_id = await self._read_request(kind)
+        req, identity, public_id = await self._read_request(request, kind)
         keys = await self._prompt_keys(req)
         failed: UpstreamError | None = None
         retries = self.config.retries
         await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
             call = self._start(self._client, req, identity, failed, keys)
+            if self.names is not None:  # (a retry on another pair names that one)
+                request[_WORKERS] = self.names.pair(*call.pair)
             streaming = False
             try:
                 first = await call.first_token()
@@ -316,8 +320,6 @@ class Proxy:
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
         if self.config.log_requests:
             log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
-        if self.names is not None:  # (a retry on another pair names that one)
-            g.xpyd_workers = self.names.pair(prefill, decode)
         call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
         self.metrics.routed(time.perf_counter() - began)
         return call
@@ -344,46 +346,40 @@ class Proxy:
             self.table.mark_down(e.worker, e.message, unreachable=e.fault is Fault.UNREACHABLE)
 
 
-def create_app(config: ProxyConfig, registry: Registry) -> Quart:
+def create_app(config: ProxyConfig, registry: Registry) -> web.Application:
     """An OpenAI-compatible proxy over ``registry``'s workers (start the registry first)."""
-    app = Quart("xpyd.proxy")
-    app.config.update(
-        MAX_CONTENT_LENGTH=config.max_body_bytes,
-        RESPONSE_TIMEOUT=None,  # Quart's default (60 s) would cut long streams silently
-    )
     proxy = Proxy(config, registry)
-    app.extensions["xpyd.proxy"] = proxy
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[error_middleware(config.max_body_bytes, proxy.redactor,
+                                                        before=proxy.check_api_key, after=proxy.add_headers)])
+    app[PROXY_KEY] = proxy
 
-    app.before_serving(proxy.open)
-    app.after_serving(proxy.close)
-    app.before_request(proxy.check_api_key)
-    app.after_request(proxy.echo_request_id)
-    app.after_request(proxy.name_workers)
+    async def open_proxy(_app: web.Application) -> None:
+        await proxy.open()
 
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await proxy.generate(RequestKind.COMPLETION)
+    async def close_proxy(_app: web.Application) -> None:
+        await proxy.close()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await proxy.generate(RequestKind.CHAT)
+    app.on_startup.append(open_proxy)
+    app.on_cleanup.append(close_proxy)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return proxy.models()
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await proxy.generate(request, RequestKind.COMPLETION)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return proxy.health()
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await proxy.generate(request, RequestKind.CHAT)
 
-    @app.get("/cluster")
-    async def cluster() -> Response:
-        return proxy.cluster()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return proxy.metrics_response()
-
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", _route(proxy.models))
+    app.router.add_get("/health", _route(proxy.health))
+    app.router.add_get("/cluster", _route(proxy.cluster))
+    app.router.add_get("/metrics", _route(proxy.metrics_response))
     register_vllm_routes(app, proxy)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
-    register_error_handlers(app, config.max_body_bytes, proxy.redactor)
     return app
+
+
+def _route(answer: Callable[[], web.Response]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(_request: web.Request) -> web.Response:
+        return answer()
+    return handler

@@ -19,8 +19,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-from quart import Quart, Response, request
-from werkzeug.exceptions import HTTPException
+from aiohttp import web
 
 from xpyd.api.identity import client_request_id
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
@@ -29,7 +28,8 @@ from xpyd.api.timing import ASK, COMMENT_PREFIX, TIMING_HEADER
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
-from xpyd.proxy.http_errors import Redactor
+from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
+from xpyd.proxy.http_server import StreamedResponse, read_body
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.signal.request_id import RequestId
@@ -54,15 +54,9 @@ async def fetch_info(session: aiohttp.ClientSession, url: str, timeout: float) -
         await asyncio.sleep(0.25)
 
 
-def _error(e: APIError) -> Response:
-    return Response(dumps(e.to_dict()), status=e.status, content_type="application/json")
-
-
-def create_colocated_app(config, url: str) -> Quart:
+def create_colocated_app(config, url: str) -> web.Application:
     """``config`` is the proxy's ProxyConfig; ``url`` the colocated worker's HTTP URL."""
     url = url.rstrip("/")
-    app = Quart("xpyd.proxy.colocated")
-    app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None)
     metrics = ProxyMetrics()
     state: dict = {}
     api_key = ApiKey(config.api_key) if config.api_key is not None else None
@@ -70,13 +64,14 @@ def create_colocated_app(config, url: str) -> Quart:
     redactor = Redactor(lambda: [state["info"]] if "info" in state else [])
     worker_name = WorkerNames(config.cluster_token).colocated(url) if config.expose_worker_names else None
 
-    @app.before_request
-    async def check_api_key() -> None:  # as the P/D proxy: all but /health need the key when set
+    def check_api_key(request: web.Request) -> None:  # as the P/D proxy: all but /health need the key when set
         if api_key is not None and request.path != "/health":
             api_key.check(request.headers.get("Authorization"))
 
-    @app.before_serving
-    async def open_session() -> None:
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[error_middleware(config.max_body_bytes, redactor, before=check_api_key)])
+
+    async def open_session(_app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout,
                                         sock_read=config.read_timeout)
         state["session"] = aiohttp.ClientSession(timeout=timeout,
@@ -84,59 +79,44 @@ def create_colocated_app(config, url: str) -> Quart:
                                                                                 keepalive_timeout=PROXY_KEEP_ALIVE))
         state["info"] = await fetch_info(state["session"], url, config.discovery_timeout)
 
-    @app.after_serving
-    async def close_session() -> None:
-        await state["session"].close()
+    async def close_session(_app: web.Application) -> None:
+        if "session" in state:
+            await state["session"].close()
+
+    app.on_startup.append(open_session)
+    app.on_cleanup.append(close_session)
 
     def model() -> str:
         return config.model_name or state["info"].model_id
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(dumps({"status": "ok", "colocated": 1}), content_type="application/json")
+    async def health(_request: web.Request) -> web.Response:
+        return json_response({"status": "ok", "colocated": 1})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(dumps(models_response([model()])), content_type="application/json")
+    async def models(_request: web.Request) -> web.Response:
+        return json_response(models_response([model()]))
 
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
+    async def metrics_route(_request: web.Request) -> web.Response:
         metrics.set_workers("colocated", 1, 0)
         body, content_type = metrics.render()
-        return Response(body, content_type=content_type)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
-    @app.errorhandler(APIError)
-    async def api_error(e: APIError) -> Response:
-        return _error(e)
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await forward(request, RequestKind.COMPLETION)
 
-    @app.errorhandler(413)
-    async def too_large(_e) -> Response:
-        return _error(APIError(413, f"Request body larger than {config.max_body_bytes} bytes."))
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await forward(request, RequestKind.CHAT)
 
-    @app.errorhandler(HTTPException)
-    async def http_error(e: HTTPException) -> Response:  # 404, 405 ...: JSON like every other error
-        status = e.code or 500
-        message = f"{e.name}: {e.description}" if e.description else str(e.name)
-        return _error(APIError(status, message, type="invalid_request_error" if status < 500 else "server_error"))
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
 
-    @app.errorhandler(Exception)
-    async def internal_error(_e: Exception) -> Response:
-        log.exception("unhandled error")
-        return _error(APIError(500, "internal error in the proxy", type="server_error"))
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await forward(RequestKind.COMPLETION)
-
-    @app.post("/v1/chat/completions")
-    async def chat() -> Response:
-        return await forward(RequestKind.CHAT)
-
-    async def forward(kind: RequestKind) -> Response:
+    async def forward(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         timer = metrics.request(_ENDPOINTS[kind])
         slot: Slot | None = None
         try:
-            return await _forward(kind, timer, slot := limit.acquire())
+            return await _forward(request, kind, timer, slot := limit.acquire())
         except APIError as e:
             if slot is None:  # refused at the door
                 timer.end(Outcome.CLIENT_ERROR)
@@ -145,11 +125,11 @@ def create_colocated_app(config, url: str) -> Quart:
             if slot is not None and not slot.handed_off:
                 slot.release()
 
-    async def _forward(kind: RequestKind, timer, slot: Slot) -> Response:
+    async def _forward(request: web.Request, kind: RequestKind, timer, slot: Slot) -> web.StreamResponse:
         try:
             client_id = client_request_id(request.headers.get("X-Request-Id"))
             check_content_type(request.headers.get("Content-Type"))
-            req = parse_request(await request.get_data(cache=False), kind)
+            req = parse_request(await read_body(request), kind)
             if req.model is not None and req.model != model():
                 raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")
@@ -180,13 +160,13 @@ def create_colocated_app(config, url: str) -> Quart:
                 data = _redacted(data, redactor, str(rid), headers["X-Request-Id"])
             timer.end(Outcome.OK if resp.status == 200 else
                       (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
-            return Response(data, status=resp.status, content_type="application/json", headers=headers)
+            return web.Response(body=data, status=resp.status, content_type="application/json", headers=headers)
         slot.handed_off = True  # the stream now holds the place until it ends
 
         def redact(data: bytes) -> bytes:
             return _redacted(data, redactor, str(rid), headers["X-Request-Id"])
-        return Response(_relay(resp, timer, slot, redact, timing=bool(asked)), status=200,
-                        content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        return StreamedResponse(_relay(resp, timer, slot, redact, timing=bool(asked)), status=200,
+                                content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     return app
 

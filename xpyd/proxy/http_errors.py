@@ -1,9 +1,10 @@
 """The proxy's JSON responses, and every error as OpenAI's ``{"error": {...}}`` with its status.
 
 ``APIError`` (the proxy's own and a worker's ``UpstreamError``) keeps its status;
-Quart's HTTP errors (404, 405, 413 ...) get a message of their own; anything
+the server's own HTTP errors (404, 405, 413 ...) get a message of their own; anything
 else is a 500 that says no more than "internal error in the proxy". A 401 says
-``WWW-Authenticate: Bearer``; a 429 or 503 says when to retry.
+``WWW-Authenticate: Bearer``; a 429 or 503 says when to retry. ``error_middleware`` makes every
+answer of an app so; its ``before`` and ``after`` hooks see each request (the API key, headers).
 
 No error the client reads names the cluster's inside (``Redactor``): worker addresses, the proxy's
 request ids (which carry both workers' addresses) and any address a worker's own message mentions
@@ -16,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
-from quart import Quart, Response
-from werkzeug.exceptions import HTTPException
+from aiohttp import web
 
 from xpyd.api.openai import APIError
 from xpyd.api.responses import dumps
@@ -103,11 +103,21 @@ class Redactor:
         return e
 
 
-def json_response(obj: dict, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(dumps(obj), status=status, content_type="application/json", headers=headers)
+# The messages of the server's own errors (as werkzeug words them: what clients of the proxy have read so far).
+_HTTP_MESSAGES = {
+    404: "Not Found: The requested URL was not found on the server. If you entered the URL manually please "
+         "check your spelling and try again.",
+    405: "Method Not Allowed: The method is not allowed for the requested URL.",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(e: APIError) -> Response:
+def json_response(obj: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(e: APIError) -> web.Response:
     headers = None
     if e.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
@@ -116,24 +126,40 @@ def error_response(e: APIError) -> Response:
     return json_response(e.to_dict(), e.status, headers)
 
 
-def register_error_handlers(app: Quart, max_body_bytes: int, redactor: Redactor) -> None:
-    """Make every error ``app`` answers an OpenAI-style JSON error, with no internal address in it."""
+def http_error(e: web.HTTPException, max_body_bytes: int) -> APIError:
+    """The server's own HTTP error (no route, wrong method, body too large ...) as an APIError."""
+    status = e.status
+    if status == 413:
+        message = f"request body is larger than {max_body_bytes} bytes"
+    else:
+        message = _HTTP_MESSAGES.get(status) or f"{e.reason}"
+    return APIError(status, message, type="invalid_request_error" if status < 500 else "server_error")
 
-    @app.errorhandler(APIError)
-    async def api_error(e: APIError) -> Response:
-        return error_response(redactor.error(e))
 
-    @app.errorhandler(HTTPException)
-    async def http_error(e: HTTPException) -> Response:
-        status = e.code or 500
-        if status == 413:
-            message = f"request body is larger than {max_body_bytes} bytes"
-        else:
-            message = f"{e.name}: {e.description}" if e.description else str(e.name)
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(APIError(status, message, type=kind))
+def error_middleware(max_body_bytes: int, redactor: Redactor,
+                     before: Callable[[web.Request], None] | None = None,
+                     after: Callable[[web.Request, web.StreamResponse], None] | None = None):
+    """An aiohttp middleware: ``before(request)`` (may raise an APIError), the handler, and every error as an
+    OpenAI-style JSON answer with no internal address in it; then ``after(request, response)`` on every answer,
+    errors too (before a streamed body's first byte). A cancelled request (the client left) is not answered."""
 
-    @app.errorhandler(Exception)
-    async def internal_error(e: Exception) -> Response:
-        log.exception("unhandled error")
-        return error_response(APIError(500, "internal error in the proxy", type="server_error"))
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if before is not None:
+                before(request)
+            response = await handler(request)
+        except APIError as e:
+            response = error_response(redactor.error(e))
+        except web.HTTPException as e:
+            response = error_response(http_error(e, max_body_bytes))
+            if e.status == 405 and "Allow" in e.headers:
+                response.headers["Allow"] = e.headers["Allow"]
+        except Exception:
+            log.exception("unhandled error")
+            response = error_response(APIError(500, "internal error in the proxy", type="server_error"))
+        if after is not None:
+            after(request, response)
+        return response
+
+    return middleware

@@ -4,7 +4,7 @@ Static mode (``--prefill URL --decode URL``): ``run`` waits for every listed
 worker to answer ``/xpyd/info`` first. Dynamic mode (``--etcd HOST:PORT``):
 workers come and go through etcd; the proxy may start with none (``/health``
 and requests answer 503 until some register). Either way it serves the OpenAI
-API with hypercorn until SIGINT/SIGTERM, finishing in-flight requests for a few
+API (aiohttp.web: ``http_server``) until SIGINT/SIGTERM, finishing in-flight requests for a few
 seconds before it exits.
 """
 
@@ -17,15 +17,14 @@ import os
 import signal
 import socket
 import sys
-
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
+from collections.abc import Callable
 
 from xpyd.discovery.base import Registry, RegistryError
 from xpyd.discovery.static import StaticRegistry
-from xpyd.netaddr import fd_bind, host_port, reserve_tcp
+from xpyd.netaddr import host_port, reserve_tcp
 from xpyd.proxy.app import create_app
 from xpyd.proxy.client import worker_headers
+from xpyd.proxy.http_server import serve
 from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.processes import MAX_WORKERS, NAMES_KEY_ENV, process_label, run_processes
 from xpyd.proxy.routing import Policy
@@ -37,6 +36,7 @@ CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
 GRACEFUL_SHUTDOWN_SECONDS = 5.0
 REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
                              "tell what the proxy adds (`xpyd bench` does; default: off, the workers are not "
                              "asked and the stream is unchanged)")
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default=None,
+                        help="the proxy's event loop: uvloop (libuv: cheaper socket writes and loop turns) or "
+                             "asyncio's own (default: uvloop where it is installed, else asyncio)")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="run N proxy processes on the one port (SO_REUSEPORT: the kernel spreads "
                              "connections over them), each with its own event loop, worker discovery, health "
@@ -195,14 +198,6 @@ def _reserve_port(config: ProxyConfig, reuse_port: bool = False) -> socket.socke
         raise RegistryError(f"cannot listen on {host_port(config.host, config.port)}: {e.strerror or e}") from None
 
 
-def _hypercorn_config(sock: socket.socket) -> HypercornConfig:
-    hc = HypercornConfig()
-    hc.bind = [fd_bind(sock)]
-    hc.graceful_timeout = GRACEFUL_SHUTDOWN_SECONDS
-    hc.errorlog = logging.getLogger("hypercorn.error")  # our log format, printed once
-    return hc
-
-
 async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool = False) -> None:
     """Discover the workers, then serve until ``stop`` is set; ``reuse_port``: one of ``--workers N``."""
     address = host_port(config.host, config.port)
@@ -211,8 +206,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         from xpyd.proxy.colocated import create_colocated_app
 
         log.info("proxy on http://%s in front of the colocated worker %s", address, config.colocated_url)
-        await serve(create_colocated_app(config, config.colocated_url), _hypercorn_config(sock),
-                    shutdown_trigger=stop.wait)
+        await serve(create_colocated_app(config, config.colocated_url), stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
         return
     try:
         registry = make_registry(config)
@@ -233,10 +227,9 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         log.info("proxy on http://%s serving %s (%s, policy %s, API key %s, cluster token %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
                  "required" if config.api_key else "not required", "set" if config.cluster_token else "not set")
-        await serve(app, _hypercorn_config(sock), shutdown_trigger=stop.wait)
+        await serve(app, stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
     finally:
-        if sock.fileno() != -1:  # not handed to hypercorn (stopped or failed before serving)
-            sock.close()
+        sock.close()  # (if it was not served: stopped or failed before serving)
         try:
             async with asyncio.timeout(REGISTRY_CLOSE_SECONDS):
                 await registry.close()
@@ -252,12 +245,30 @@ async def _main(config: ProxyConfig) -> None:
     await serve_proxy(config, stop, reuse_port=process_label() is not None)
 
 
+def loop_factory(name: str | None) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes the proxy's event loop: uvloop's (``name`` "uvloop", or None where uvloop is installed) or
+    asyncio's own (None). ValueError: uvloop asked for and not installed."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """``argv``: the command line's arguments after ``proxy`` (``--workers N`` starts children with them)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
+    except ValueError as e:
+        sys.exit(f"xpyd proxy: {e}")
+    try:
+        loop_factory(args.event_loop)
     except ValueError as e:
         sys.exit(f"xpyd proxy: {e}")
     if args.workers > 1:
@@ -267,7 +278,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         except OSError as e:
             sys.exit(f"xpyd proxy: cannot serve on {host_port(config.host, config.port)}: {e.strerror or e}")
     try:
-        asyncio.run(_main(config))
+        with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+            runner.run(_main(config))
     except RegistryError as e:
         sys.exit(f"xpyd proxy: {e}")
     except OSError as e:  # e.g. the port is taken

@@ -23,11 +23,10 @@ import logging
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from quart import Response
-
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
+from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
@@ -37,6 +36,7 @@ log = logging.getLogger(__name__)
 # In every token chunk once, as its JSON key (a quote inside a generated text is escaped, so the text
 # cannot contain it): counting it finds the tokens of a relayed block without parsing.
 TOKEN_CHUNK_KEY = b'"finish_reason":'
+DONE = LastChunk(SSE_DONE)  # sent with the end of the chunked body
 
 
 async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
@@ -54,7 +54,7 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
                     timer: RequestTimer, on_error: Callable[[APIError], None],
-                    public: Callable[[APIError], APIError], timing: bool = False) -> Response:
+                    public: Callable[[APIError], APIError], timing: bool = False) -> StreamedResponse:
     """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here. ``on_error`` sees a
     failure as it is; the client, as ``public`` makes it. ``timing``: end with the workers' timing comment
     (without it a timing comment from decode is dropped)."""
@@ -63,7 +63,7 @@ def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, hea
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
     headers["Cache-Control"] = "no-cache"
-    return Response(body, status=200, content_type="text/event-stream", headers=headers)
+    return StreamedResponse(body, status=200, content_type="text/event-stream", headers=headers)
 
 
 def _abandon(call: PDCall, timer: RequestTimer) -> None:
@@ -106,19 +106,19 @@ async def _stream(
         timer.end(Outcome.OK)
         if timing:
             yield answer_timing(first, _timing_or_none(decoded)).comment()
-        yield SSE_DONE
+        yield DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
         on_error(e)
         log.warning("%s (%s): %s (in stream)", name.id, call.request_id, e.message)
         e = public(e)
         yield sse(APIError(e.status, e.message, type=e.type).to_dict())
-        yield SSE_DONE
+        yield DONE
     except Exception:
         timer.end(Outcome.INTERNAL_ERROR)
         log.exception("%s (%s): streaming failed", name.id, call.request_id)
         yield sse(APIError(500, "internal error in the proxy", type="server_error").to_dict())
-        yield SSE_DONE
+        yield DONE
     finally:
         timer.end(Outcome.ABORTED)  # no-op unless the client went away
         await call.aclose()

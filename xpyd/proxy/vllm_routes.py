@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import aiohttp
-from quart import Quart, Response, request
+from aiohttp import web
 
 import xpyd
 from xpyd.api.openai import APIError, check_content_type
@@ -30,6 +30,7 @@ from xpyd.api.tokenize import check_model, parse_detokenize, parse_tokenize, tok
 from xpyd.api.responses import dumps
 from xpyd.proxy.cache_feed import read_limited
 from xpyd.proxy.http_errors import json_response
+from xpyd.proxy.http_server import read_body
 from xpyd.proxy.prompt_tokens import PromptTokenizer
 from xpyd.proxy.workers import WorkerState
 
@@ -49,12 +50,12 @@ def max_model_len(up: Sequence[WorkerState]) -> int | None:
     return min(lens) if lens else None
 
 
-def register_vllm_routes(app: Quart, cluster: Cluster) -> None:
+def register_vllm_routes(app: web.Application, cluster: Cluster) -> None:
     """Add the routes to ``app``."""
 
-    async def read(parse):
+    async def read(request: web.Request, parse):
         check_content_type(request.headers.get("Content-Type"))
-        body = await request.get_data(cache=False)
+        body = await read_body(request)
         req = parse(body)
         served = cluster.served_model()
         if served is None:
@@ -62,26 +63,27 @@ def register_vllm_routes(app: Quart, cluster: Cluster) -> None:
         check_model(req.model, served)
         return req, body
 
-    @app.post("/tokenize")
-    async def tokenize_route() -> Response:
-        req, body = await read(parse_tokenize)
+    async def tokenize_route(request: web.Request) -> web.Response:
+        req, body = await read(request, parse_tokenize)
         copy, up = cluster.prompt_tokenizer(), cluster.up_workers()
         limit = max_model_len(up)
         if copy is None or limit is None:
             return await _forward(cluster, up, "/tokenize", body)
         return json_response(await asyncio.to_thread(tokenize, copy.tokenizer, req, limit))
 
-    @app.post("/detokenize")
-    async def detokenize_route() -> Response:
-        _, body = await read(parse_detokenize)
+    async def detokenize_route(request: web.Request) -> web.Response:
+        _, body = await read(request, parse_detokenize)
         return await _forward(cluster, cluster.up_workers(), "/detokenize", body)
 
-    @app.get("/version")
-    async def version_route() -> Response:
+    async def version_route(_request: web.Request) -> web.Response:
         return json_response(version_response(xpyd.__version__))
 
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
+    app.router.add_get("/version", version_route)
 
-async def _forward(cluster: Cluster, up: Sequence[WorkerState], path: str, body: bytes) -> Response:
+
+async def _forward(cluster: Cluster, up: Sequence[WorkerState], path: str, body: bytes) -> web.Response:
     """``body`` (checked already; without its ``model``, which may be the proxy's alias of the workers' name) to
     the first UP worker's ``path``; its status and JSON answer."""
     session = cluster.control_session()
@@ -97,4 +99,4 @@ async def _forward(cluster: Cluster, up: Sequence[WorkerState], path: str, body:
             status = resp.status
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise APIError(502, f"the worker did not answer {path}: {type(e).__name__}", type="server_error") from None
-    return Response(answer, status=status, content_type="application/json")
+    return web.Response(body=answer, status=status, content_type="application/json")
