@@ -309,7 +309,7 @@ async def test_completion_non_stream_and_worker_bodies(cluster: Cluster):
     assert data["id"].startswith("cmpl-") and data["object"] == "text_completion"
     assert data["model"] == MODEL and isinstance(data["created"], int)
     assert data["choices"] == [{"index": 0, "text": "".join(TOKENS), "logprobs": None,
-                                "finish_reason": "length"}]
+                                "finish_reason": "length", "stop_reason": None}]
     assert data["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 5,
                              "total_tokens": PROMPT_TOKENS + 5, "prompt_tokens_details": {"cached_tokens": 0}}
 
