@@ -9,8 +9,8 @@ workers, and an oracle routes the same trace in a second replay. Prints (and wit
 - load: requests assigned to each worker, max / mean per role (and prefill tokens computed, max / mean);
 - routing time per request: ``time.perf_counter`` around prefill pick + started and decode pick + started,
   p50 / p99 / max (and the same in the thread's CPU time, which a busy machine's preemptions do not add to);
-- index memory: ``PrefixIndex.nbytes()`` (its block tables, every int object counted once), the distinct
-  blocks and the (worker, block) pairs it holds, at the end of the replay.
+- index memory: ``PrefixIndex.nbytes()`` (its block table's arrays and the expected blocks' dict), the
+  distinct blocks and the (worker, block) pairs it holds, at the end of the replay.
 
 Blocks: the trace's ``hash_ids`` name 512-token blocks and are used at that block size, as the proxy
 would see them with 512-token KV blocks: block i's hash is the chained blake2b-64 of block i-1's hash and

@@ -133,6 +133,24 @@ def test_a_long_probe_run_with_tombstones_reused(wide):
     assert holders.table._used == probed_keys(holders) == 205
 
 
+def test_a_batch_finds_tombstones_far_along_a_run():
+    holders = BlockHolders()
+    a, b = holders.take(0), holders.take(1)
+    run = _same_home(holders, 100, 200)
+    holders.apply(a, [("stored", h) for h in run])
+    holders.apply(a, [("removed", h) for h in run[150:190]])  # tombstones 150 rows along the run only
+    rng = random.Random(3)
+    elsewhere = [h for h in (rng.getrandbits(64) for _ in range(300))  # homes away from the run, found at once
+                 if 400 < holders.table._home(np.array([h], np.uint64), holders.table._capacity)[0] < 900][:70]
+    holders.apply(b, [("stored", h) for h in elsewhere])
+    used = holders.table._used
+    new = _same_home(holders, 100, 10, seed=4)
+    # One batch in array passes: 70 hashes found in their first window, 10 new ones whose way is long.
+    assert holders.apply(b, [("stored", h) for h in new] + [("removed", h) for h in elsewhere]) == 10 - 70
+    assert holders.table._used == probed_keys(holders) == used  # the 10 went into tombstones
+    assert holders.walk(tuple(new), [b]) == [10] and holders.hashes() == set(run[:150] + run[190:] + new)
+
+
 def test_events_one_by_one_go_on_in_the_table_rebuilt_under_them():
     holders = BlockHolders()
     s = holders.take(0)
@@ -169,6 +187,9 @@ def test_many_slots_widen_the_masks_and_a_sweep_comes_before_another_word():
     assert holders.mask(7) == (1 << 0) | (1 << 63) | (1 << 64) | (1 << 129)
     holders.retire(63, ())
     holders.retire(129, ())
+    assert holders.mask(0) == (1 << 64) | (1 << 129)  # retired bits linger ...
+    assert holders.apply(64, [("removed", 0)]) == -1 and holders.mask(0) == 0  # ... until the block is written
+    assert holders.apply(64, [("stored", 0)]) == 1 and holders.mask(0) == 1 << 64
     # Slots up to 2 x 128 + 32 may be made before a sweep; 192 (a fourth word) is not made while some are retired.
     made = [holders.take(128 + i) for i in range(62)]
     assert made == list(range(130, 192)) and holders.words == 3

@@ -10,8 +10,8 @@ bits, ``words`` per row), linear probing::
 
 A row's home is its mixed hash scaled onto ``capacity`` rows; probes run past the end into ``_PAD`` spare
 rows instead of wrapping (an insert that would pass them rebuilds the table larger). A lookup in an array
-pass reads a window of ``_WIN`` rows from the home and goes on one row at a time past it (a few lookups in
-a hundred). A block no slot holds any more keeps its key with a zero mask (a tombstone): its own hash comes
+pass reads windows of ``_WIN`` rows from the home while many are left, and the last ``_FEW`` go on one row
+at a time in Python. A block no slot holds any more keeps its key with a zero mask (a tombstone): its own hash comes
 back to that row, a new hash may take it. When rows with a key pass ``_MAX_LOAD`` of the capacity, the
 table is rebuilt from its held rows at ``_REBUILD_LOAD``, every row placed in one sorted pass (at 6M
 blocks: ~0.5 s, as a dict of that size takes to grow). Hash 0 (the empty marker) has a row of its own past
@@ -33,6 +33,7 @@ _PAD = 4096  # rows past the capacity that probes may run into
 _MAX_LOAD = 0.8  # rows with a key (held or tombstone) over the capacity: rebuild above this
 _REBUILD_LOAD = 0.6  # held rows over the capacity just after a rebuild
 _MIN_CAPACITY = 1024
+_FEW = 16  # lookups left past a window go on one row at a time in Python once this few
 _AR = np.arange(_WIN)
 M64 = (1 << 64) - 1
 _MIX = 0xD6E8FEB86659FD93  # odd: x -> x * _MIX mod 2**64 is one-to-one
@@ -94,60 +95,84 @@ class BlockTable:
     def _home_one(self, h: int) -> int:
         return (((h ^ h >> 29) * _MIX & M64) >> 32) * self._capacity >> 32
 
-    def _find(self, q: np.ndarray) -> np.ndarray:
-        """Each hash's row; ``_nil`` where it has none (hash 0: its own row)."""
+    def _find(self, q: np.ndarray, free: np.ndarray | None = None) -> np.ndarray:
+        """Each hash's row; ``_nil`` where it has none (hash 0: its own row). ``free`` (``_nil`` each, if
+        given): set to the first free row (empty, or a tombstone) on each absent hash's way."""
         at = np.full(len(q), self._nil, np.int64)
         at[q == 0] = self._zero
         todo = np.flatnonzero(q)
         start = self._home(q[todo], self._capacity)
-        win = self._keys[start[:, None] + _AR]
-        eq = win == q[todo, None]
-        hit = eq.any(axis=1)
-        at[todo[hit]] = start[hit] + eq[hit].argmax(axis=1)
-        on = np.flatnonzero(~hit & (win != 0).all(axis=1))  # a hash is never past an empty row on its way
-        if len(on):  # (rows are emptied only by rebuilds)
-            keys = self._key_view
-            for i, h, row in zip(todo[on].tolist(), q[todo[on]].tolist(), (start[on] + _WIN).tolist()):
+        while len(todo) > _FEW:
+            rows = start[:, None] + _AR
+            win = self._keys[rows]
+            eq = win == q[todo, None]
+            hit = eq.any(axis=1)
+            at[todo[hit]] = start[hit] + eq[hit].argmax(axis=1)
+            if free is not None:
+                empty = (win == 0) | ~self._masks[rows].any(axis=2)
+                first = empty.any(axis=1) & (free[todo] == self._nil)
+                free[todo[first]] = start[first] + empty[first].argmax(axis=1)
+            on = ~hit & (win != 0).all(axis=1)  # a hash is never past an empty row on its way (rows are
+            todo, start = todo[on], start[on] + _WIN  # emptied only by rebuilds)
+        keys, masks, words, nil = self._key_view, self._mask_view, self.words, self._nil
+        for i, h, row in zip(todo.tolist(), q[todo].tolist(), start.tolist()):
+            k = keys[row]
+            first = free is None or free[i] != nil
+            while k != h and k:
+                if not first and not any(masks[row * words:(row + 1) * words]):
+                    free[i], first = row, True
+                row += 1
                 k = keys[row]
-                while k != h and k:
-                    row += 1
-                    k = keys[row]
-                if k:
-                    at[i] = row
+            if k:
+                at[i] = row
+            elif not first:
+                free[i] = row
         return at
 
-    def _place(self, q: np.ndarray) -> np.ndarray | None:
-        """A free row (empty, or a tombstone) on each absent hash's way; None if one is past the spare rows."""
+    def _place(self, q: np.ndarray) -> np.ndarray:
+        """A free row (empty, or a tombstone) on each absent hash's way."""
         at = np.zeros(len(q), np.int64)
         todo = np.arange(len(q))
         start = self._home(q, self._capacity)
         keys, masks = self._keys, self._masks
-        while len(todo):  # the rows past the spare ones are empty: every way ends
+        while len(todo) > _FEW:  # the rows past the spare ones are empty: every way ends
             rows = start[:, None] + _AR
             free = (keys[rows] == 0) | ~masks[rows].any(axis=2)
             has = free.any(axis=1)
             at[todo[has]] = start[has] + free[has].argmax(axis=1)
             todo, start = todo[~has], start[~has] + _WIN
-        return None if len(q) and at.max() >= self._capacity + _PAD else at
+        key_view, mask_view, words = self._key_view, self._mask_view, self.words
+        for i, row in zip(todo.tolist(), start.tolist()):
+            while key_view[row] and any(mask_view[row * words:(row + 1) * words]):
+                row += 1
+            at[i] = row
+        return at
 
-    def _insert(self, q: np.ndarray, slot: int) -> None:
-        """Absent hashes (distinct, none 0), held by ``slot`` alone."""
+    def _insert(self, q: np.ndarray, slot: int, at: np.ndarray | None = None) -> None:
+        """Absent hashes (distinct, none 0), held by ``slot`` alone; ``at``: a free row on each one's way
+        (found before this batch's writes), if known."""
         if self._used + len(q) > _MAX_LOAD * self._capacity:
             self._rebuild(len(q))
+            at = None
         row = np.zeros(self.words, np.uint64)
         row[slot // 64] = np.uint64(1 << slot % 64)
         while len(q):
-            at = self._place(q)
             if at is None:
+                at = self._place(q)
+            if at.max() >= self._capacity + _PAD:
                 self._rebuild(len(q), grow=True)
+                at = None
                 continue
             empty = self._keys[at] == 0
-            self._keys[at] = q  # two hashes given one row: the last one written has it
-            won = self._keys[at] == q
+            free = empty | ~self._masks[at].any(axis=1)  # (a tombstone held again since is not)
+            tried, keys = at[free], q[free]
+            self._keys[tried] = keys  # two hashes given one row: the last one written has it
+            won = np.zeros(len(q), bool)
+            won[free] = self._keys[tried] == keys
             self._masks[at[won]] = row
-            self._used += int(np.count_nonzero(empty[won]))
+            self._used += int(np.count_nonzero(empty & won))
             self.held += int(np.count_nonzero(won))
-            q = q[~won]
+            q, at = q[~won], None
 
     def _rebuild(self, extra: int, grow: bool = False) -> None:
         """The held rows into a new table with room for ``extra`` more (tombstones dropped)."""
@@ -178,7 +203,8 @@ class BlockTable:
     def update(self, slot: int, hashes: np.ndarray, stored: np.ndarray) -> int:
         """``slot`` holds (``stored`` True) or no longer holds each of ``hashes`` (uint64, distinct); how many
         more blocks it holds than before (negative: fewer)."""
-        at = self._find(hashes)
+        free = np.full(len(hashes), self._nil, np.int64)
+        at = self._find(hashes, free)
         word, bit = slot // 64, np.uint64(1 << slot % 64)
         found = at != self._nil
         rows, on = at[found], stored[found]
@@ -190,9 +216,10 @@ class BlockTable:
         new[:, word] = np.where(on, new[:, word] | bit, new[:, word] & ~bit)
         self._masks[rows] = new
         self.held += int(np.count_nonzero(new.any(axis=1))) - int(np.count_nonzero(old.any(axis=1)))
-        added = hashes[~found & stored]
+        add = ~found & stored
+        added = hashes[add]
         if len(added):
-            self._insert(added, slot)
+            self._insert(added, slot, free[add])
         return int(np.count_nonzero(on)) - int(np.count_nonzero(~on)) + len(added)
 
     def update_each(self, slot: int, events: Iterable[tuple[str, int]]) -> int:
