@@ -10,13 +10,14 @@ bits, ``words`` per row), linear probing::
 
 A row's home is its mixed hash scaled onto ``capacity`` rows; probes run past the end into ``_PAD`` spare
 rows instead of wrapping (an insert that would pass them rebuilds the table larger). A lookup in an array
-pass reads windows of ``_WIN`` rows from the home while many are left, and the last ``_FEW`` go on one row
-at a time in Python. A block no slot holds any more keeps its key with a zero mask (a tombstone): its own hash comes
-back to that row, a new hash may take it. When rows with a key pass ``_MAX_LOAD`` of the capacity, the
-table is rebuilt from its held rows at ``_REBUILD_LOAD``, every row placed in one sorted pass (at 6M
-blocks: ~0.5 s, as a dict of that size takes to grow). Hash 0 (the empty marker) has a row of its own past
-the probed ones. Memory: 8 bytes a row for the hash and 8 per mask word (one word up to 64 slots), 0.6 to
-0.8 of the rows held: 20-27 bytes per distinct block with one word, whatever the number of holders.
+pass reads windows of ``_WIN`` rows from the home while many are left, the last ``_FEW`` go on one row at
+a time in Python; a batch's lookups also note each absent hash's first free row, where it is inserted. A
+block no slot holds any more keeps its key with a zero mask (a tombstone): its own hash comes back to that
+row, a new hash may take it. When rows with a key pass ``_MAX_LOAD`` of the capacity, the table is rebuilt
+from its held rows at ``_REBUILD_LOAD``, every row placed in one sorted pass (at 6M blocks: ~0.5 s, as a
+dict of that size takes to grow). Hash 0 (the empty marker) has a row of its own past the probed ones.
+Memory: 8 bytes a row for the hash and 8 per mask word (one word up to 64 slots), 0.6 to 0.8 of the rows
+held: 20-27 bytes per distinct block with one word, whatever the number of holders.
 
 A write clears the bits of slots that are not ``live`` from the row it writes (a retired slot's bit means
 nothing until ``clear`` has cleared it everywhere).
