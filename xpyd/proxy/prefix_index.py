@@ -14,8 +14,8 @@ A worker's entry is the blocks it reported, plus blocks the proxy expects it to 
 Hashes are chained (``xpyd.prefix_hash``): block i's hash names every token up to its end, so a run of
 leading hits is a cached prefix. The blocks live in ``BlockHolders`` (block hash -> bitmask of workers, in
 numpy arrays): an update is applied and a request's chain looked up in a few array passes, whatever the
-number of workers, and memory goes with the distinct blocks (~20-27 bytes each up to 64 workers, 8 more a
-block per 64 workers beyond), not with (worker, block) pairs.
+number of workers, and memory goes with the distinct blocks (~20-27 bytes each up to 64 workers, ~10-13
+more per 64 workers beyond), not with (worker, block) pairs.
 Everything runs on the proxy's event loop: no locks.
 """
 
