@@ -34,7 +34,7 @@ def _threads() -> list[str]:
 
 class Side:
     def __init__(self, name: str, data: bytes | None = None) -> None:
-        self.backend = make_backend(name, host="127.0.0.1", io_timeout=30.0)
+        self.backend = make_backend(name, host="127.0.0.1", io_timeout=30.0, lanes=LANES)
         mem = self.backend.allocate(SIZE) if name == "shm" else None
         self.buf = mem if mem is not None else memoryview(bytearray(SIZE))
         self.buf[:] = data if data is not None else bytes(SIZE)

@@ -55,7 +55,8 @@ from xpyd.signal.client import PeerState, SignalClient
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0  # a prefill peer holding requests of this worker sent nothing this long gets a heartbeat
-SESSION_IDLE = 60.0  # a prefill peer holding none, sent nothing this long: its session is closed
+SESSION_IDLE = 600.0  # a prefill peer holding none, sent nothing this long: its session is closed (a new one
+# costs a handshake, which a congested link can hold up past --signal-timeout: rare, after a long idle)
 # Failures that say the path to the request's prefill worker is broken, not either worker: the signal plane
 # to it (unreachable, silent), its KV not arriving (a transfer failed or stalled), the request not reported
 # ready in time (its lookups or notifies lost on the way as well as a long queue there).

@@ -125,6 +125,7 @@ PASSED_ON = (
     ("--drain-timeout", ("prefill", "decode", "colocated")),
     ("--lease-ttl", ("prefill", "decode")),
     ("--kv-copy-threads", ("prefill", "decode")),
+    ("--kv-lanes", ("prefill", "decode")),
     ("--block-size", ("prefill", "decode", "colocated")),
     ("--kv-cache-tokens", ("prefill", "decode", "colocated")),
     ("--kv-cache-memory", ("prefill", "decode", "colocated")),

@@ -45,29 +45,30 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
 
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1,
                         cluster_token: str | None = None, stall_timeout: float | None = None,
-                        device: str | None = None):
+                        device: str | None = None, lanes: int = 1):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
     shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
     ``auth``; ``stall_timeout``: tcp (and nixl control) connections whose peer acknowledges nothing for this
     long fail, see ``tcp.fail_when_stalled``; None: the backend's default; ``device``: the worker's
-    ``--device``, which cuda_ipc checks before the model loads)."""
+    ``--device``, which cuda_ipc checks before the model loads; ``lanes``: tcp and shm's transfers moving to one
+    peer at once, ``--kv-lanes``, see ``sender``)."""
     check_kv_backend(name)
     common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token}
     stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp/nixl: shm is one host)
     tag = str(port) if port else None  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
     if name == "tcp":
-        return make_backend(name, **common, **stall)
+        return make_backend(name, **common, **stall, lanes=lanes)
     if name == "nixl":  # (an ImportError naming the pip command when NIXL is missing)
         return make_backend(name, **common, **stall)
     if name == "shm":
-        return make_backend(name, **common, tag=tag, copy_threads=copy_threads)
+        return make_backend(name, **common, tag=tag, copy_threads=copy_threads, lanes=lanes)
     if name == "cuda_ipc":  # (loopback control connections: no stall timeout, as shm)
         if device is not None and not device.startswith("cuda"):
             raise ValueError(f"--kv-backend cuda_ipc copies between pools on one GPU: it needs --device cuda[:N] "
                              f"on both workers, not --device {device}")
         return make_backend(name, **common)
     if name == "auto":
-        return make_backend(name, **common, tag=tag, copy_threads=copy_threads, **stall)
+        return make_backend(name, **common, tag=tag, copy_threads=copy_threads, **stall, lanes=lanes)
     if name == "neuron":
         import xpyd.transfer.neuron  # noqa: F401  (a clear ImportError without torch-neuronx)
 

@@ -35,7 +35,7 @@ from xpyd.transfer.base import TransferState
 from xpyd.transfer.table import Transfer, TransferTable
 from xpyd.transfer.tcp_wire import Aborted, Closing, Conn, ProtocolError, parse_address
 
-LANES = 4  # lanes per peer address for tcp and shm (see the module docstring; docs/transfer.md)
+LANES = 4  # lanes per peer address for tcp and shm with --kv-lanes 4 (see the module docstring; docs/transfer.md)
 
 
 class _Peer:

@@ -22,7 +22,7 @@ own user (``shm_segment``). Who may *write* into the receiver's pool is the MAC'
 Threads (daemon, started by ``register``/first ``send``, joined by ``close``): an acceptor, one
 reader per inbound connection (it does the copy, in chunks, each under the transfer's lock, so once
 ``abort()`` returns no more bytes of that transfer land in the pool; a chunk of 8 MiB or more is split
-with a helper thread, ``parallel_copy``), up to ``sender.LANES`` senders per peer (lanes, each with its
+with a helper thread, ``parallel_copy``), up to ``--kv-lanes`` (default 1) senders per peer (lanes, each with its
 own connection: a long copy does not hold up the short ones).
 """
 
@@ -52,7 +52,7 @@ from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
 from xpyd.transfer.parallel_copy import ParallelCopy, default_threads
 from xpyd.transfer.pull import offer_on_board, serve_offers
-from xpyd.transfer.sender import LANES, connect, send_loop
+from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.shm_board import Board, BoardView
 from xpyd.transfer.shm_wire import MAX_FRAME, Hello, Offer, Reply
 from xpyd.transfer.table import Transfer
@@ -100,7 +100,7 @@ class ShmTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
-                 copy_threads: int | None = None, cluster_token: str | None = None, lanes: int = LANES) -> None:
+                 copy_threads: int | None = None, cluster_token: str | None = None, lanes: int = 1) -> None:
         """``copy_threads``: threads that copy one large piece of a transfer into this (receiving) backend's
         pool (``parallel_copy``; default 2, or 1 on a single CPU). ``cluster_token``: the workers' shared
         token, or None; it keys every transfer's MAC together with the transfer's secret (``auth``).

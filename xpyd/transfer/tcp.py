@@ -13,7 +13,7 @@ Threads (all daemon, started by ``register``/first ``send``, joined by ``close``
   is refused before a byte behind it is read: error ack, connection closed, the expected transfer
   left to its real sender (regions that differ under a valid MAC fail it: its real sender erred);
   a malformed header closes the connection;
-- sender, up to ``sender.LANES`` per peer address (lanes, each with its own connection, taking jobs from
+- sender, up to ``--kv-lanes`` (default 1) per peer address (lanes, each with its own connection, taking jobs from
   the peer's queue: a long transfer does not hold up the short ones): ``sendmsg`` straight from pool
   slices, waits for the ack; reconnects after a failure.
 
@@ -46,7 +46,7 @@ from xpyd.transfer.base import (
 )
 from xpyd.transfer.endpoint import Endpoint
 from xpyd.transfer.listener import Door
-from xpyd.transfer.sender import LANES, connect, send_loop
+from xpyd.transfer.sender import connect, send_loop
 from xpyd.transfer.table import Transfer
 from xpyd.transfer.tcp_wire import (
     MAX_ACK,
@@ -117,7 +117,7 @@ class TcpTransferBackend:
         advertise_host: str | None = None,
         cluster_token: str | None = None,
         stall_timeout: float = STALL_TIMEOUT,
-        lanes: int = LANES,
+        lanes: int = 1,
     ) -> None:
         """``cluster_token``: the workers' shared token (``--cluster-token``), or None; it keys every
         transfer's MAC together with the transfer's secret (``auth``). ``stall_timeout``: a connection

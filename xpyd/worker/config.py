@@ -52,6 +52,7 @@ class WorkerConfig:
     kv_backend: str = "auto"  # KV transfer backend: auto | tcp | shm | nixl | neuron (xpyd.transfer.selection)
     device: str = "cpu"  # torch device of the model and KV pool: cpu | cuda | cuda:N (docs/devices.md)
     kv_copy_threads: int = 0  # shm: threads copying one large transfer into the pool (0 = auto, selection.py)
+    kv_lanes: int = 1  # tcp/shm: transfers that may move to one peer at once (transfer/sender.py)
     block_size: int = 16  # tokens per KV block (paged cache; prefix-cache granularity)
     kv_cache_tokens: int | None = None  # KV capacity in tokens (None: batch_size x max_model_len)
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
@@ -115,6 +116,8 @@ class WorkerConfig:
             board_path(self.cpu_share)  # raises on a bad name
         if not 0 <= self.kv_copy_threads <= 16:
             raise ValueError("--kv-copy-threads must be in [0, 16] (0 = auto)")
+        if not 1 <= self.kv_lanes <= 16:
+            raise ValueError("--kv-lanes must be in [1, 16]")
         if not 0 <= self.nice <= 19:
             raise ValueError("--nice must be in [0, 19]")
         if not 1 <= self.block_size <= 1024:
@@ -222,6 +225,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                             help="shm: threads that copy one large (>= 8 MiB) transfer into this worker's pool; "
                                  "0 = auto: 2 when a core is left beside --threads or the model is on a GPU, "
                                  "else 1 (default 0)")
+        parser.add_argument("--kv-lanes", type=int, default=d.kv_lanes, metavar="N",
+                            help="tcp/shm: KV transfers that may move to one peer at once, each on a connection of "
+                                 "its own, so a short prompt's KV need not wait behind a long one's (default 1: "
+                                 "lanes share the link's bandwidth, so on a link that is the bottleneck each "
+                                 "transfer ends later; see docs/transfer.md)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help="max requests running + transferring (they also need KV blocks: see --kv-cache-tokens)")
     parser.add_argument("--block-size", type=int, default=d.block_size,
