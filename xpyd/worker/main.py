@@ -352,12 +352,6 @@ async def _join(config: WorkerConfig, engine, peers: PrefillPeers | None = None)
     seen = {w.signal_addr for w in watcher.workers(peer_role)}
     if peers is not None and peer_role is Role.PREFILL:
         peers.update(seen)
-    try:
-        registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl, ops=engine.metrics.etcd)
-        await registration.start()
-    except BaseException:
-        await watcher.close()
-        raise
 
     def on_change() -> None:
         nonlocal seen
@@ -371,7 +365,15 @@ async def _join(config: WorkerConfig, engine, peers: PrefillPeers | None = None)
         if left or joined:
             engine.peers_left(left, joined)
 
+    # Before anything awaits: a worker that registers while ours does is heard of (a callback set after the
+    # registration missed such a one for good: a decode worker of 2P6D refused one prefill worker's requests).
     watcher.on_change(on_change)
+    try:
+        registration = EtcdRegistration(config.etcd, engine.info, ttl=config.lease_ttl, ops=engine.metrics.etcd)
+        await registration.start()
+    except BaseException:
+        await watcher.close()
+        raise
     log.info("%s worker registered in etcd %s", config.role, config.etcd)
     return registration, watcher
 
