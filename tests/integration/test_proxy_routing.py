@@ -47,6 +47,7 @@ class Worker:
     health_status: int = 200
     fail_status: int | None = None  # answer generation requests with this status
     drop_mid_stream: bool = False  # decode: close the connection after the first chunk
+    drop_before_tokens: bool = False  # decode: close the connection right after the headers (the process died)
     hold: asyncio.Event | None = None  # decode: after the first chunk, wait for this before the rest
     cut_from: set[str] = field(default_factory=set)  # decode: prefill signal addresses it "cannot reach"
     path_failures: int = 0  # decode: requests it failed with a kv_path error (a prefill in cut_from)
@@ -120,6 +121,9 @@ class Worker:
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.drop_before_tokens:
+            request.transport.close()
+            return resp
         if parse_request_id(request.headers["X-Request-Id"]).prefill_addr in self.cut_from:
             self.path_failures += 1  # as a real decode worker says it: an in-stream error, kv_path set
             error = {"message": "prefill worker unreachable", "type": "server_error", "param": None,

@@ -29,7 +29,7 @@ from xpyd.api.responses import DONE_DATA, chunk_head
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
 from xpyd.api.timing import COMMENT_PREFIX
 from xpyd.discovery.types import WorkerInfo
-from xpyd.proxy.upstream import UpstreamError, in_stream_error, upstream_errors, who
+from xpyd.proxy.upstream import Fault, UpstreamError, in_stream_error, upstream_errors, who
 from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
 
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
@@ -48,6 +48,28 @@ class DecodeStream:
         self.usage: Usage | None = None  # set by deltas()
         self._heard = heard  # told (at most every HEARD_EVERY) that the worker sent bytes: it is alive
         self._heard_at = 0.0
+        self._head = b""  # bytes ``watch()`` read before relay()/deltas() began (they come first)
+
+    async def watch(self) -> None:
+        """While prefill has not answered: wait for decode's first bytes. Before its KV arrived (after
+        prefill's answer) a decode worker sends nothing, so a stream that ends now is a decode worker that died
+        or cut the connection: UpstreamError (UNREACHABLE), at once, not when prefill answers, maybe a queue
+        later; the client has seen nothing, so the request may start over elsewhere. Bytes (an error event)
+        are kept for ``relay()``/``deltas()``. Cancel it when prefill answers (a read that waits is cancelled
+        with nothing consumed)."""
+        with upstream_errors(self._worker):
+            data = await self._resp.content.readany()
+        if not data:
+            raise UpstreamError(502, f"{who(self._worker)} closed its stream before its first token",
+                                worker=self._worker, fault=Fault.UNREACHABLE)
+        self._head += data
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        if self._head:
+            head, self._head = self._head, b""
+            yield head
+        async for chunk in self._resp.content.iter_any():
+            yield chunk
 
     def _alive(self) -> None:
         if self._heard is not None:
@@ -68,7 +90,7 @@ class DecodeStream:
         finished = done = False
         parser = SSEParser(keep=COMMENT_PREFIX)
         with upstream_errors(self._worker):
-            async with contextlib.aclosing(sse_batches(self._resp.content.iter_any(), parser=parser)) as batches:
+            async with contextlib.aclosing(sse_batches(self._chunks(), parser=parser)) as batches:
                 async for batch in batches:
                     self._alive()
                     block, error = [], None
@@ -116,7 +138,7 @@ class DecodeStream:
     async def deltas(self) -> AsyncIterator[Delta]:
         finished = False
         with upstream_errors(self._worker):
-            async with contextlib.aclosing(sse_data(self._resp.content.iter_any())) as events:
+            async with contextlib.aclosing(sse_data(self._chunks())) as events:
                 async for data in events:
                     self._alive()
                     if data.strip() == DONE_DATA:

@@ -98,18 +98,29 @@ class PDCall:
             self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
         self._decode_task = asyncio.create_task(self._open_decode(kind))
         pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
-        while True:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if self._prefill_task in done and self._prefill_task.exception() is not None:
-                raise self._prefill_task.exception()
-            if self._decode_task in done and self._decode_task.exception() is not None:
-                raise self._decode_task.exception()  # e.g. decode refused the body: 4xx
-            if self._prefill_task in done:
-                first = self._prefilled = self._prefill_task.result()
-                if first.finish_reason is None:
-                    await self._decode_connected()
-                self._first = first
-                return first
+        watch: asyncio.Task | None = None  # decode's stream, watched for its end while prefill works
+        try:
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if self._prefill_task in done and self._prefill_task.exception() is not None:
+                    raise self._prefill_task.exception()
+                if self._decode_task in done and self._decode_task.exception() is not None:
+                    raise self._decode_task.exception()  # e.g. decode refused the body: 4xx
+                if watch is not None and watch in done and watch.exception() is not None:
+                    raise watch.exception()  # the decode worker died while prefill worked: retried elsewhere
+                if self._prefill_task in done:
+                    first = self._prefilled = self._prefill_task.result()
+                    if first.finish_reason is None:
+                        await self._decode_connected()
+                    self._first = first
+                    return first
+                if self._decode_task in done and watch is None:
+                    watch = asyncio.create_task(self._decode_task.result().watch())
+                    pending.add(watch)
+        finally:
+            if watch is not None and not watch.done():
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
 
     async def _open_decode(self, kind: RequestKind) -> DecodeStream:
         with self._path_faults():  # (decode refusing the prefill worker the id names: the pair's fault)
