@@ -156,25 +156,37 @@ def cluster(bed, tmp_path_factory, tiny_long_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_long_model_dir: Path):
-    """Greedy transformers ``generate`` on the same model in float32: prompt -> (text, finish_reason)."""
+    """Greedy transformers ``generate`` on the same model in float32: prompt -> (text, finish_reason, decided),
+    ``decided`` the text of the leading tokens whose exact (float64) top-2 margin exceeds twice the float32
+    error (``tests.numerics``): any float32 path picks those, while at a closer call (the prompts carry
+    timestamps, and one in a few hundred meets an exact float32 tie) another path may pick the other token,
+    and nothing after it is comparable."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.numerics import Reference
     from xpyd.model.tokenizer import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(tiny_long_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_long_model_dir), dtype=torch.float32).eval()
-    cache: dict[str, tuple[str, str]] = {}
+    model64 = AutoModelForCausalLM.from_pretrained(str(tiny_long_model_dir), dtype=torch.float64).eval()
+    cache: dict[str, tuple[str, str, str | None]] = {}
 
-    def generate(text: str) -> tuple[str, str]:
+    def generate(text: str) -> tuple[str, str, str | None]:
         if text not in cache:
             ids = encode_prompt(tok, text)
             with torch.inference_mode():
                 out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=MAX_TOKENS, do_sample=False)
-            new = out[0, len(ids):].tolist()
+                new = out[0, len(ids):].tolist()
+                seq = torch.tensor([ids + new[:-1]])
+                ref = Reference.measure(model64(seq).logits[0], model(seq).logits[0])
+            rows = Reference(ref.exact[len(ids) - 1:], ref.bound)
+            margins = rows.margins().tolist()
+            undecided = next((t for t, m in enumerate(margins) if m <= 2 * rows.bound), None)
             finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
-            cache[text] = (tok.decode(new, skip_special_tokens=True), finish)
+            decided = None if undecided is None else tok.decode(new[:undecided], skip_special_tokens=True)
+            cache[text] = (tok.decode(new, skip_special_tokens=True), finish, decided)
         return cache[text]
 
     return generate
@@ -279,9 +291,15 @@ class Load:
 
 
 def check_exact(results: list[Result], reference) -> None:
+    """Every completed request gives the reference's tokens, up to the first step the reference calls too
+    close for float32 (then its leading decided text only)."""
     for r in results:
         if r.ok:
-            assert (r.text, r.finish) == reference(r.prompt), r.prompt[:40]
+            text, finish, decided = reference(r.prompt)
+            if decided is None:
+                assert (r.text, r.finish) == (text, finish), r.prompt[:40]
+            else:
+                assert r.text.startswith(decided), (r.prompt[:40], r.text, decided)
 
 
 def run_round(cluster: OneByTwo, reference, tag: str, words: int, per_stream: int = 1) -> tuple[list[Result], float]:
@@ -370,7 +388,8 @@ def test_a_third_host_cannot_write_into_a_pool(cluster, bed, reference):
         assert cluster.stats(target)["transferring"] == 1  # (both knocks came while the victim was in flight)
         victim.join(CLIENT_TIMEOUT + 5)
         (result,) = box
-        assert result.ok and (result.text, result.finish) == reference(victim_prompt), result
+        assert result.ok, result
+        check_exact([result], reference)
         answers["unexpected transfer id"] = intruder.ask({"address": address, "frame": seen["frame"],
                                                           "payload": header["total"]})  # a replay
         for needle, answer in answers.items():
@@ -390,7 +409,8 @@ def test_a_third_host_cannot_write_into_a_pool(cluster, bed, reference):
     wait_until(lambda: cluster.listed()[cluster.urls[target]]["cache"]["indexed_blocks"] >= VICTIM_WORDS // 16, 10,
                "the proxy to learn which blocks the victim left cached on its decode worker")
     r = complete(cluster.proxy, follow_up)
-    assert r.ok and (r.text, r.finish) == reference(follow_up), r
+    assert r.ok, r
+    check_exact([r], reference)
     assert cluster.stats(target)["kv_reused_blocks"] > reused  # (cache-aware routing sent it to that worker)
 
 
