@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_network_faults import IDLE_KEYS, Helper, Result, complete, get, prompt, reference  # noqa: F401 (a fixture)
+from test_network_faults import (IDLE_KEYS, Helper, Result, check_exact, complete, get, prompt,  # noqa: F401
+                                 reference)  # (reference: a fixture)
 from testbed import EtcdOnHost
 from third_party import tcp_streams, zmtp_messages
 
@@ -203,8 +204,7 @@ class Traffic:
 def all_exact(results: list[Result], reference) -> None:
     assert results, "no real request ran"
     assert [r.error for r in results if not r.ok] == []
-    for r in results:
-        assert (r.text, r.finish) == reference(r.prompt), r.prompt[:40]
+    check_exact(results, reference)
 
 
 # -- 1. a forged request id -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 from testbed import netbed
@@ -111,6 +112,12 @@ def test_down_removes_everything_with_the_prefix(netbed_ready):
     h = bed.add_host("x")
     sleeper = bed.popen(h, ["sleep", "60"])
     assert netbed.NetBed.attach(name).host("x") == h  # the state is shared through its file
+    # (in the namespace before `down` looks for what runs there: `ip netns exec` enters it after its start)
+    deadline = time.monotonic() + 10
+    while str(sleeper.pid) not in subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True,
+                                                 text=True).stdout.split():
+        assert time.monotonic() < deadline, "the sleeper never entered its namespace"
+        time.sleep(0.01)
     netbed.down(name)
     assert sleeper.wait(10) is not None  # processes left in the bed's hosts are stopped
     assert not [ns for ns in netbed._netns_list() if ns.startswith(f"xnb-{name}-")]
