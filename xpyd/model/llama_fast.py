@@ -263,6 +263,19 @@ class FastLlama:
         `prefill`. Their tokens are packed into one batch for every matmul (QKV, o, MLP); attention runs per
         part over its own cached prefix and new tokens. Returns float32 logits [parts, vocab], one row per
         part (of its last token)."""
+        return self.logits(self.prefill_hidden(pool, parts)[self.last_rows(parts)])
+
+    def last_rows(self, parts: list[tuple[list[int], torch.Tensor, int]]) -> torch.Tensor:
+        """Where each part's last token lies in `prefill_hidden`'s rows."""
+        ends, offset = [], 0
+        for _, ids, _ in parts:
+            offset += ids.shape[0]
+            ends.append(offset - 1)
+        return torch.tensor(ends, device=self.device)
+
+    def prefill_hidden(self, pool: torch.Tensor, parts: list[tuple[list[int], torch.Tensor, int]]) -> torch.Tensor:
+        """`prefill_many`'s forward pass up to the final norm: the hidden states [tokens, hidden] of every
+        new token, the parts' one after another (``logits`` of a row gives its logits)."""
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         block_size = pool.shape[4]
         spans, positions, blocks, rows, prefixes = [], [], [], [], []
@@ -313,8 +326,7 @@ class FastLlama:
                 outs.append(attn[0].transpose(0, 1).reshape(n, nh * hd))  # (attn [1, heads, n, hd])
             x = x + layer.o(outs[0] if single else torch.cat(outs))
             x = self._mlp(layer, x)
-        last = torch.tensor([off + n - 1 for off, n, _ in spans], device=self.device)
-        return self.logits(x[last])
+        return x
 
     @staticmethod
     def blocks_for(pool: torch.Tensor, num_tokens: int) -> int:

@@ -28,6 +28,8 @@ from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
 from xpyd.model.llama_fast import FastLlama, why_not_covered
+from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
+from xpyd.model.logprobs_torch import prompt_logprobs
 from xpyd.model.sampling import TorchSampler
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -208,7 +210,40 @@ class ModelRunner:
             return self._fast.prefill_many(self.pool.tensor, checked)  # (on the device: sampled there)
         return torch.stack([self._prefill_general(*part) for part in checked])
 
+    @torch.inference_mode()
+    @_released
+    def prefill_scored(
+        self, parts: list[tuple[list[int], list[int], int]], scores: list[ScoreSpec | None]
+    ) -> tuple[torch.Tensor, list[list[TokenLogprob] | None]]:
+        """`prefill_many`, and the prompt logprobs ``scores`` asks (`xpyd.model.logprobs`): for part i with
+        ``(targets, k)``, position start + j scored against targets[j] (top k), from the same final hidden
+        states as the part's last row, `logprobs_torch.PROMPT_SLICE` positions at a time; None for a part
+        without. Returns prefill_many's rows too. Every part and score is checked before anything is written."""
+        specs = check_scores(parts, scores, self.vocab_size)
+        tables = batch_checks.prefill_parts(self.pool.layout, self.pool.blocks, self.max_model_len, parts)
+        checked = [(t, self._ids(token_ids[start:]), start) for t, (_, token_ids, start) in zip(tables, parts)]
+        if self._use_fast:
+            fast = self._fast
+            hidden = fast.prefill_hidden(self.pool.tensor, checked)  # [all parts' new tokens, hidden]
+            rows = fast.logits(hidden[fast.last_rows(checked)])
+            states, offset = [], 0
+            for _, ids, _ in checked:
+                states.append(hidden[offset : offset + ids.shape[0]])
+                offset += ids.shape[0]
+            logits_of = fast.logits
+        else:
+            states = [self._general_hidden(*part)[0] for part in checked]  # each [new tokens, hidden]
+            rows = torch.stack([self._logits(h[-1:])[0] for h in states])
+            logits_of = self._logits
+        scored = [None if spec is None else prompt_logprobs(logits_of, h, *spec) for h, spec in zip(states, specs)]
+        return rows, scored
+
     def _prefill_general(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
+        return self._logits(self._general_hidden(blocks, ids, start)[:, -1])[0]
+
+    def _general_hidden(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The general path's forward pass of one part up to the final norm: hidden states [1, new tokens,
+        hidden]."""
         m = ids.shape[0]
         n = start + m
         hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
@@ -228,7 +263,7 @@ class ModelRunner:
             else:
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
             hidden = self._finish_layer(layer, hidden, attn)
-        return self._logits(hidden[:, -1])[0]
+        return hidden
 
     @torch.inference_mode()
     @_released

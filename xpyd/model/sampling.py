@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from xpyd.model.logprobs_torch import token_logprobs
 from xpyd.model.sampling_params import GREEDY_BELOW, SamplingParams, TokenHistory
 
 __all__ = ["GREEDY_BELOW", "SamplingParams", "TorchSampler", "adjust_logits", "make_generator", "sample",
@@ -121,8 +122,9 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 class TorchSampler:
     """Sampling as a runner offers it to the role engines: ``sample`` one token per logits row (a [B, vocab]
-    tensor, or a list of [vocab] rows), each request's ``new_generator`` made from its seed, and
-    ``skip_draw`` for the draw another worker made."""
+    tensor, or a list of [vocab] rows), each request's ``new_generator`` made from its seed,
+    ``skip_draw`` for the draw another worker made, and ``logprobs`` of chosen tokens from the raw rows
+    (`xpyd.model.logprobs_torch.token_logprobs`)."""
 
     @staticmethod
     def sample(logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -133,3 +135,4 @@ class TorchSampler:
 
     new_generator = staticmethod(make_generator)
     skip_draw = staticmethod(skip_draw)
+    logprobs = staticmethod(token_logprobs)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from xpyd.model.logprobs_torch import token_logprobs
 from xpyd.model.sampling import make_generator, sample, skip_draw
 from xpyd.model.sampling_params import SamplingParams, TokenHistory
 
@@ -142,10 +143,12 @@ def _truncated(
 class DeviceSampler:
     """Sampling as a runner offers it to the role engines, on the logits' device: ``sample`` one token
     per logits row (a [B, vocab] tensor, or a list of [vocab] rows) with one device -> host copy of the
-    ids; ``sample_device`` keeps them on the device; ``new_generator`` and ``skip_draw`` as the CPU's."""
+    ids; ``sample_device`` keeps them on the device; ``new_generator``, ``skip_draw`` and ``logprobs`` as the
+    CPU's (``logprobs`` computes on the device and copies only its few numbers to the host)."""
 
     new_generator = staticmethod(make_generator)
     skip_draw = staticmethod(skip_draw)
+    logprobs = staticmethod(token_logprobs)
 
     @staticmethod
     def sample_device(

@@ -8,6 +8,9 @@ its last token; the sampler (`sampler`) makes the next token from it. Tokens are
 of the token sequence (and the seed when sampling): prefill/decode, colocated, cached and cold all give the
 same tokens, and KV that was not transferred, or transferred wrong, is an error naming the position.
 
+`prefill_scored` is `prefill_many` that also scores prompt positions (`xpyd.model.logprobs`): each position's
+row is the digest of its record, scored as the sampler scores a row.
+
 What a pass verifies before it writes anything (ValueError otherwise, nothing written):
 - prefill: the batch is well formed (as ModelRunner), and the cached prefix [0, start) of each part holds
   exactly the records of its tokens (the whole chain: O(start) hashes), except for the next chunk of a prompt
@@ -41,6 +44,7 @@ from xpyd.model import batch_checks
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.fingerprint import weights_fingerprint
 from xpyd.model.kv_layout import HostKVPool, KVLayout
+from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.sim.profile import SimProfile, default_profile
 from xpyd.model.sim.records import ZERO_DIGEST, KVRecords, chain, digest_after, record_of
 from xpyd.model.sim.sampler import SimSampler
@@ -140,9 +144,23 @@ class SimRunner:
         """Several requests' prompts (or chunks of them) in one pass: each part is (blocks, token_ids, start)
         as in `prefill`; one row per part. Every part is checked before anything is written."""
         started = time.monotonic()
-        rows, new, cached = self._prefill(parts)
+        records, new, cached = self._prefill(parts)
         self._take(started, self.profile.prefill_seconds(new, cached))
-        return rows
+        return [r[-1][:8] for r in records]
+
+    def prefill_scored(self, parts: Sequence[tuple[list[int], list[int], int]],
+                       scores: Sequence[ScoreSpec | None]) -> tuple[list[bytes], list[list[TokenLogprob] | None]]:
+        """`prefill_many`, and the prompt logprobs ``scores`` asks (`xpyd.model.logprobs`): for part i with
+        ``(targets, k)``, position start + j scored against targets[j] from its own record's digest, as the
+        sampler scores a row; None for a part without. Checked before anything is written."""
+        started = time.monotonic()
+        specs = check_scores(parts, scores, self.vocab_size)
+        records, new, cached = self._prefill(parts)
+        scored = [None if spec is None else
+                  self.sampler.logprobs([r[:8] for r in part[: len(spec[0])]], spec[0], [spec[1]] * len(spec[0]))
+                  for part, spec in zip(records, specs)]
+        self._take(started, self.profile.prefill_seconds(new, cached))
+        return [r[-1][:8] for r in records], scored
 
     def decode(self, tables: list[list[int]], token_ids: list[int], positions: list[int]) -> list[bytes]:
         """One step for a batch: token i sits at positions[i] of the request whose blocks are tables[i];
@@ -174,19 +192,20 @@ class SimRunner:
             self._written.clear()
             self.pool.blocks.release(blocks)
 
-    def _prefill(self, parts: Sequence[tuple[list[int], list[int], int]]) -> tuple[list[bytes], int, int]:
+    def _prefill(self, parts: Sequence[tuple[list[int], list[int], int]]) -> tuple[list[list[bytes]], int, int]:
+        """Check, then write every part's new records; each part's records of [start, n), the new and the
+        cached token counts."""
         tables = batch_checks.prefill_parts(self.pool.layout, self.pool.blocks, self.max_model_len, parts)
         checked = [(t, self._ids(token_ids), start) for t, (_, token_ids, start) in zip(tables, parts)]
         planned = []
         for table, ids, start in checked:  # every cached prefix verified before anything is written
             planned.append((table, ids, start, chain(ids[start:], start, self._prefix(table, ids, start))))
-        rows = []
         for table, ids, start, records in planned:
             self._records.write(table, start, records)
             last = len(ids) - 1
             self._remember((table[last // self.block_size], last), records[-1], _tokens_digest(ids))
-            rows.append(records[-1][:8])
-        return rows, sum(len(ids) - start for _, ids, start in checked), sum(start for _, _, start in checked)
+        new = sum(len(ids) - start for _, ids, start in checked)
+        return [p[3] for p in planned], new, sum(start for _, _, start in checked)
 
     def _decode(self, tables: list[list[int]], token_ids: list[int], positions: list[int]) -> list[bytes]:
         tables = batch_checks.decode_batch(self.pool.layout, self.pool.blocks, self.max_model_len, tables, token_ids,

@@ -15,6 +15,11 @@ adjustments are applied to those logits in vLLM's order; greedy takes the first 
 one draw u (its 64 bits / 2**64) and picks from the softmax after temperature, min_p, top-k and top-p
 (candidates ordered by logit, then by their order above) where the cdf passes u.
 
+Logprobs (``logprobs``: `xpyd.model.logprobs`) are those of the raw logits, what ``logits`` gives with plain
+parameters: the candidates at 0, -1, -2, ... and every other vocabulary id (EOS ids included) at -CANDIDATES,
+normalised over the whole vocabulary. Their top alternatives are the candidates by logit, then the other ids in
+increasing id order (all tied).
+
 One draw per sampled token is the contract of the real sampler too (`xpyd.model.sampling`): the prefill worker
 samples the first token, the decode worker makes a generator from the same seed, `skip_draw`s once and
 continues the same stream, so seeded sampling across P/D equals colocated.
@@ -29,11 +34,13 @@ import random
 from hashlib import blake2b
 from typing import Iterable, Sequence
 
+from xpyd.model.logprobs import TokenLogprob, check_k, check_tokens
 from xpyd.model.sampling_params import SamplingParams, TokenHistory
 
 __all__ = ["CANDIDATES", "SimGenerator", "SimSampler"]
 
 CANDIDATES = 8
+_RAW = SamplingParams()  # plain parameters: ``logits`` gives the raw logits
 
 
 class SimGenerator:
@@ -68,6 +75,28 @@ class SimSampler:
         return [self._one(bytes(row), p, g) if p.plain else
                 self._adjusted(bytes(row), p, g, histories[i] if histories is not None else None)
                 for i, (row, p, g) in enumerate(zip(rows, params, generators))]
+
+    def logprobs(self, rows: Sequence[bytes], tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
+        """For row i (a digest), the raw logprob, rank and top ks[i] alternatives of tokens[i] (module docstring)."""
+        tokens, ks = check_tokens(tokens, self.vocab_size), [check_k(k) for k in ks]
+        if not len(rows) == len(tokens) == len(ks):
+            raise ValueError(f"logprobs needs as many rows, tokens and ks; got {len(rows)}, {len(tokens)}, {len(ks)}")
+        return [self._logprob(bytes(row), token, k) for row, token, k in zip(rows, tokens, ks)]
+
+    def _logprob(self, digest: bytes, token: int, k: int) -> TokenLogprob:
+        candidates = self.logits(digest, _RAW, None)  # distinct logits 0 > -1 > ... > -(CANDIDATES - 1)
+        floor = -float(CANDIDATES)
+        others = self.vocab_size - len(candidates)  # every one at the floor
+        norm = math.log(math.fsum(math.exp(v) for v in candidates.values()) + others * math.exp(floor))
+        value = candidates.get(token, floor)
+        rank = 1 + sum(1 for v in candidates.values() if v > value)
+        top = [(t, v - norm) for t, v in sorted(candidates.items(), key=lambda p: -p[1])[:k]]
+        tied = 0
+        while len(top) < k and tied < self.vocab_size:  # then the floor's ids, lowest first
+            if tied not in candidates:
+                top.append((tied, floor - norm))
+            tied += 1
+        return TokenLogprob(token=token, logprob=value - norm, rank=rank, top=tuple(top))
 
     @staticmethod
     def new_generator(seed: int | None) -> SimGenerator:
