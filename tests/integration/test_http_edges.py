@@ -94,9 +94,10 @@ _WRONG = {  # field -> values that are wrong for it (type or range)
     "ignore_eos": ["no", 1, []],
     "n": [2, 0, "1"],
     "best_of": [3],
-    "logprobs": [5, True],
-    "top_logprobs": [3],
-    "echo": [True],
+    "logprobs": [21, -1, "5", 1.5],
+    "top_logprobs": [3, 21],
+    "echo": ["yes", 1],
+    "prompt_logprobs": [21, -2, "x"],
     "suffix": ["x"],
     "logit_bias": [{"x": 5}, {"1": "a"}, [1], {"-1": 1}],
     "presence_penalty": [2.5, "x", True],
@@ -128,7 +129,7 @@ def _good(kind: str, rng: random.Random) -> dict:
 def _field_case(rng: random.Random, kind: str, edge: str) -> Case:
     body = _good(kind, rng)
     fields = [f for f in _WRONG if not (f == "messages" and kind != "chat") and not (f == "prompt" and kind == "chat")
-              and not (f == "max_completion_tokens" and kind != "chat")]
+              and not (f in ("max_completion_tokens", "top_logprobs") and kind != "chat")]
     chosen = rng.sample(fields, rng.randint(1, 3))
     for name in chosen:
         value = rng.choice(_WRONG[name])

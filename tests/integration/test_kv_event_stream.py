@@ -157,6 +157,14 @@ async def test_streams_are_bounded_and_a_leaving_worker_ends_its_stream(worker):
         try:
             feed.tick([worker], [worker])
             await until(lambda: index.blocks(worker) is not None, "the feed's stream")
+
+            def streams_open() -> int:
+                with urllib.request.urlopen(worker.http_url + "/xpyd/stats", timeout=30) as r:
+                    return json.loads(r.read())["kv_event_streams"]
+
+            # (the earlier tests' streams end at the worker when it next writes to them: within a keep-alive)
+            await until(lambda: streams_open() == 1, "the earlier tests' streams ended at the worker", timeout=60,
+                        interval=0.1)
             for _ in range(MAX_STREAMS - 1):  # the rest of the worker's streams
                 resp = await others.get(url, timeout=aiohttp.ClientTimeout(total=30))
                 assert resp.status == 200

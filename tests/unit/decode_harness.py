@@ -113,7 +113,8 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
     rid = str(RequestId.new(PREFILL, DECODE))
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
-                              prompt_ids=[], start_output=lambda tokenizer, sampler: None)  # (no ids: prefill's names taken)
+                              prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (no ids: prefill's names taken)
+                              take_logprobs=lambda: ())
     payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload

@@ -126,9 +126,16 @@ BAD_COMPLETIONS = [
     (completion(n=2), "n"),
     (completion(n=True), "n"),
     (completion(best_of=2), "best_of"),
-    (completion(logprobs=1), "logprobs"),
-    (completion(logprobs=0), "logprobs"),
-    (completion(echo=True), "echo"),
+    (completion(logprobs=21), "logprobs"),
+    (completion(logprobs=-1), "logprobs"),
+    (completion(logprobs=True), "logprobs"),
+    (completion(logprobs="3"), "logprobs"),
+    (completion(echo="yes"), "echo"),
+    (completion(max_tokens=0), "max_tokens"),  # (0 only with echo)
+    (completion(max_tokens=-1, echo=True), "max_tokens"),
+    (completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    (completion(prompt_logprobs=21), "prompt_logprobs"),
+    (completion(return_tokens_as_token_ids="yes"), "return_tokens_as_token_ids"),
     (completion(suffix="s"), "suffix"),
     (completion(logit_bias={"x": 5}), "logit_bias"),
     (completion(logit_bias={"-1": 5}), "logit_bias"),
@@ -163,6 +170,23 @@ BAD_COMPLETIONS = [
 ]
 
 
+def test_logprobs_fields_as_vllm_reads_them():
+    r = parse_request(completion(logprobs=3, echo=True, max_tokens=0), C)
+    assert (r.logprobs, r.echo, r.max_tokens, r.prompt_logprobs, r.prompt_scores) == (3, True, 0, None, 3)
+    r = parse_request(completion(logprobs=0), C)
+    assert (r.logprobs, r.echo, r.prompt_scores) == (0, False, None)  # (without echo the prompt is not scored)
+    r = parse_request(completion(prompt_logprobs=5, logprobs=2, echo=True), C)
+    assert r.prompt_scores == 5
+    r = parse_request(completion(prompt_logprobs=0, return_tokens_as_token_ids=True), C)
+    assert (r.logprobs, r.prompt_scores, r.tokens_as_ids) == (None, 0, True)
+    r = parse_request(chat(logprobs=True, top_logprobs=4), CHAT)
+    assert (r.logprobs, r.echo) == (4, False)
+    r = parse_request(chat(logprobs=True), CHAT)
+    assert r.logprobs == 0
+    r = parse_request(chat(logprobs=False, top_logprobs=0), CHAT)
+    assert r.logprobs is None
+
+
 @pytest.mark.parametrize("raw, param", BAD_COMPLETIONS)
 def test_bad_completion_bodies_are_400(raw, param):
     with pytest.raises(APIError) as ei:
@@ -188,8 +212,12 @@ BAD_CHATS = [
     body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
     body(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
     chat(max_completion_tokens=0),
-    chat(logprobs=True),
-    chat(top_logprobs=2),
+    chat(logprobs=True, top_logprobs=21),
+    chat(top_logprobs=2),  # (needs logprobs: true)
+    chat(logprobs=False, top_logprobs=1),
+    chat(logprobs=1),
+    chat(echo=True),
+    chat(max_completion_tokens=0, echo=True),
     chat(tools=[{"type": "function", "function": {"name": "f"}}]),
     chat(tool_choice="auto"),
     chat(chat_template="{{ x }}"),

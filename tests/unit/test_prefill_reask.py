@@ -72,7 +72,7 @@ def prefill(monkeypatch):
 
 def _add(engine: PrefillEngine, prompt: list[int]) -> str:
     rid = str(RequestId.new(PREFILL, DECODE))
-    payload = SimpleNamespace(arrival=time.monotonic(), sink=_Sink(), output=_Output())
+    payload = SimpleNamespace(arrival=time.monotonic(), sink=_Sink(), output=_Output(), take_logprobs=lambda: ())
     engine.sched.add(PrefillSeq(rid, prompt, payload=payload, peer=DECODE, hashes=engine.kv_cache.hashes(prompt)))
     return rid
 

@@ -4,7 +4,7 @@
 Shared by the proxy (which validates every client body before any worker sees
 it) and the workers (which parse the bodies the proxy forwards). Parsing is
 strict: a field we would silently ignore in a way that changes the output
-(``logprobs``, ``echo``, ``tools``, ``n > 1`` ...) is a clear 400,
+(``tools``, ``n > 1``, ``response_format`` ...) is a clear 400,
 never a quiet approximation. Sampling fields a request leaves out are None where the model's
 ``generation_config.json`` may give a default (temperature, top_p, top_k, min_p, repetition_penalty: the
 worker applies it, as vLLM does). Unknown fields are ignored, as vLLM does.
@@ -31,6 +31,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
 MAX_CACHE_SALT_CHARS = 256  # (xpyd.prefix_hash.MAX_SALT_CHARS)
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs; xpyd.model.logprobs)
 _UINT64 = 2**64
 
 
@@ -98,6 +99,19 @@ class CompletionRequest:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model's context)
     add_special_tokens: bool | None = None  # None: completions True, chat False (the template has them)
+    logprobs: int | None = None  # each generated token's logprob with this many top alternatives (None: none)
+    echo: bool = False  # completions: the prompt comes back before the output (with its logprobs if asked)
+    prompt_logprobs: int | None = None  # vLLM's: every prompt token's logprob, with this many alternatives
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """How many alternatives each prompt token's logprob needs (None: the prompt is not scored): echo
+        with logprobs scores it as the output is, ``prompt_logprobs`` asks for it on its own."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None:
+            return self.prompt_logprobs
+        return echoed if self.prompt_logprobs is None else max(echoed, self.prompt_logprobs)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -109,10 +123,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "prompt_logprobs": (),
-    "echo": (False,),
     "suffix": ("",),
     "length_penalty": (1, 1.0),
     "use_beam_search": (False,),
@@ -255,7 +265,9 @@ def _optional_bool(d: dict, key: str, default: bool = False) -> bool:
     return v
 
 
-def _parse_max_tokens(d: dict, kind: RequestKind) -> int | None:
+def _parse_max_tokens(d: dict, kind: RequestKind, echo: bool) -> int | None:
+    """At least 1; 0 only for a completion with ``echo`` (the prompt back, with its logprobs if asked, and no
+    output: what an evaluation harness's loglikelihood request sends), as vLLM."""
     key = "max_tokens"
     v = d.get(key)
     if kind is RequestKind.CHAT and d.get("max_completion_tokens") is not None:
@@ -264,9 +276,39 @@ def _parse_max_tokens(d: dict, kind: RequestKind) -> int | None:
         return COMPLETION_DEFAULT_MAX_TOKENS if kind is RequestKind.COMPLETION else None
     if not _is_int(v):
         raise _bad(f"'{key}' must be an integer", key)
-    if v <= 0:
-        raise _bad(f"'{key}' must be at least 1, got {v}", key)
+    if v < 0 or (v == 0 and not echo):
+        raise _bad(f"'{key}' must be at least 1, got {v} (0 only with 'echo': the prompt alone)", key)
     return v
+
+
+def _top_count(d: dict, key: str) -> int:
+    v = d[key]
+    if not _is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+        raise _bad(f"'{key}' must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", key)
+    return v
+
+
+def _parse_logprobs(d: dict, kind: RequestKind, stream: bool) -> tuple[int | None, bool, int | None]:
+    """(logprobs, echo, prompt_logprobs) as vLLM reads them: a completion's ``logprobs`` is the number of top
+    alternatives (0-20) per token; a chat's is a boolean with ``top_logprobs`` (0-20, which needs it true);
+    ``echo`` is a completion's (a chat's ``echo`` is not supported); ``prompt_logprobs`` (0-20) is refused when
+    streaming, as vLLM does."""
+    echo = False
+    if kind is RequestKind.CHAT:
+        if d.get("echo"):
+            raise _bad("'echo' is not supported for chat completions by this server", "echo")
+        asked = _optional_bool(d, "logprobs")
+        top = _top_count(d, "top_logprobs") if d.get("top_logprobs") is not None else 0
+        if top and not asked:
+            raise _bad("when using 'top_logprobs', 'logprobs' must be set to true", "top_logprobs")
+        logprobs = top if asked else None
+    else:
+        logprobs = _top_count(d, "logprobs") if d.get("logprobs") is not None else None
+        echo = _optional_bool(d, "echo")
+    prompt = _top_count(d, "prompt_logprobs") if d.get("prompt_logprobs") is not None else None
+    if prompt is not None and stream:
+        raise _bad("'prompt_logprobs' is not supported when streaming", "prompt_logprobs")
+    return logprobs, echo, prompt
 
 
 def _parse_token_list(v: list) -> list[int]:
@@ -402,13 +444,14 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         min_tokens = 0
     elif not _is_int(min_tokens) or not 0 <= min_tokens < 2**31:
         raise _bad("'min_tokens' must be an integer >= 0", "min_tokens")
-    max_tokens = _parse_max_tokens(d, kind)
+    stream = _optional_bool(d, "stream")
+    logprobs, echo, prompt_logprobs = _parse_logprobs(d, kind, stream)
+    max_tokens = _parse_max_tokens(d, kind, echo)
     if kv is None and max_tokens is not None and min_tokens > max_tokens:  # (a worker checks kv's max_tokens)
         raise _bad(f"'min_tokens' ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     seed = d.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed < _UINT64):
         raise _bad("'seed' must be an integer in [0, 2**64)", "seed")  # what the sampler takes
-    stream = _optional_bool(d, "stream")
     cache_salt = d.get("cache_salt")
     if cache_salt is not None and not (isinstance(cache_salt, str) and 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS):
         raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
@@ -444,4 +487,8 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         spaces_between_special_tokens=_optional_bool(d, "spaces_between_special_tokens", True),
         truncate_prompt_tokens=_parse_truncate(d),
         add_special_tokens=None if d.get("add_special_tokens") is None else _optional_bool(d, "add_special_tokens"),
+        logprobs=logprobs,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        tokens_as_ids=_optional_bool(d, "return_tokens_as_token_ids"),
     )

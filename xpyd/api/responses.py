@@ -46,23 +46,28 @@ def completion_response(
     completion_tokens: int,
     cached_tokens: int = 0,
     stop_reason: str | int | None = None,
+    logprobs: dict | None = None,
+    prompt_logprobs: list | None = None,
 ) -> dict:
     """A complete non-streaming ``text_completion`` / ``chat.completion`` object; ``stop_reason`` (vLLM's): the
-    stop string or stop token id that ended it."""
+    stop string or stop token id that ended it; ``logprobs``: the choice's, in its kind's shape;
+    ``prompt_logprobs`` (vLLM's): in the choice of a completion, at the top of a chat completion."""
     if kind is RequestKind.CHAT:
         obj = "chat.completion"
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
     else:
         obj = "text_completion"
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
-    return {
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+    out = {
         "id": request_id,
         "object": obj,
         "created": created,
@@ -70,6 +75,21 @@ def completion_response(
         "choices": [choice],
         "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
     }
+    if prompt_logprobs is not None and kind is RequestKind.CHAT:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
+
+
+def merge_logprobs(parts) -> dict | None:
+    """The logprobs objects of one choice's pieces (a stream's chunks, P/D's two workers) as one: lists joined
+    in order; None if no piece has any."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    if "content" in present[0]:
+        return {"content": [c for p in present for c in p["content"]]}
+    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+    return {k: [v for p in present for v in p[k]] for k in keys}
 
 
 def _chunk_object(kind: RequestKind) -> str:
@@ -96,18 +116,19 @@ def stream_chunk(
     finish_reason: str | None,
     role: bool = False,
     stop_reason: str | int | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streaming chunk. Chat: ``role=True`` gives the opening role-only delta;
     ``text=None`` gives an empty delta (the usual shape of a final chunk). ``stop_reason`` as vLLM's chunks
-    carry it: in the last one only (with its ``finish_reason``)."""
+    carry it: in the last one only (with its ``finish_reason``); ``logprobs``: of this chunk's tokens."""
     if kind is RequestKind.CHAT:
         if role:
             delta: dict = {"role": "assistant", "content": ""}
         else:
             delta = {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return {**_chunk_base(request_id, created, model, kind), "choices": [choice]}

@@ -86,7 +86,8 @@ class ColocatedEngine(WorkerEngine):
             n = len(item.prompt_ids)
             self.sched.add(ColocatedSeq(str(item.request_id), item.prompt_ids, payload=item,
                                         final_len=min(self.max_model_len, n + item.stop.max_tokens),
-                                        hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt)))
+                                        hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt),
+                                        reuse=item.reuses_cache))
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         seq = self.sched.get(request_id)
@@ -135,9 +136,10 @@ class ColocatedEngine(WorkerEngine):
                 self.metrics.observe_itl(now - self._last_token_at.get(seq.request_id, now))
                 self._emit(seq, tok, now)
 
-    def _emit(self, seq: ColocatedSeq, token: int, now: float) -> None:
+    def _emit(self, seq: ColocatedSeq, token: int | None, now: float) -> None:
+        """``token`` None: a prompt-only request (max_tokens 0) ends with its prompt."""
         item: WorkItem = seq.payload
-        text, finish = item.output.append(token)
+        text, finish = item.output.append(token) if token is not None else item.output.end_without_output()
         self._last_token_at[seq.request_id] = now
         cached = seq.kv.cached_tokens if seq.kv is not None else 0
         if finish is not None:
@@ -145,6 +147,7 @@ class ColocatedEngine(WorkerEngine):
             self._last_token_at.pop(seq.request_id, None)
             self.metrics.request_done("finished")
             self.metrics.observe_e2e(now - item.arrival)
-        if text or finish is not None or len(item.output.token_ids) == 1:
+        logprobs = item.take_logprobs()
+        if text or finish is not None or len(item.output.token_ids) == 1 or logprobs:
             item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids),
-                                     len(item.output.token_ids), cached))
+                                     len(item.output.token_ids), cached, logprobs))

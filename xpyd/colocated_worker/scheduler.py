@@ -37,6 +37,7 @@ class ColocatedSeq:
     hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks
     kv: RequestKV | None = None
     error: str | None = None
+    reuse: bool = True  # may start after a cached prefix (not when every prompt token's logprob is wanted)
 
     @property
     def prompt_len(self) -> int:
@@ -88,7 +89,7 @@ class ColocatedScheduler:
             return None
         seq = self._waiting[0]
         kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
-                           reuse_tokens=seq.prompt_len - 1)
+                           reuse_tokens=seq.prompt_len - 1 if seq.reuse else 0)
         if kv is None:
             return None
         self._waiting.popleft()

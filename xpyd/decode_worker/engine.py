@@ -385,9 +385,10 @@ class DecodeEngine(WorkerEngine):
                 if finish is not None:
                     self.sched.finish(seq)
                     self._finished(item)
-                if text or finish is not None:
+                logprobs = item.take_logprobs()
+                if text or finish is not None or logprobs:
                     item.sink.put(TokenEvent(text, finish.value if finish else None, seq.prompt_len, n_out,
-                                             seq.cached_tokens))
+                                             seq.cached_tokens, logprobs))
         self._last_decode_at = now
 
     def _wake(self) -> None:

@@ -104,6 +104,13 @@ class OutputProcessor:
         safe = len(self._committed) - self._stop_prefix_len(self._committed)
         return self._emit_until(self._committed, safe, None)
 
+    def end_without_output(self) -> tuple[str, FinishReason]:
+        """End an output that has no token (max_tokens 0: the prompt alone): no text, finish reason length."""
+        if self.finished is not None or self.token_ids:
+            raise RuntimeError("end_without_output after the output started")
+        self.finished = FinishReason.LENGTH
+        return "", FinishReason.LENGTH
+
     def _decode(self, ids: list[int]) -> str:
         skip = self._params.skip_special_tokens
         added = self._added

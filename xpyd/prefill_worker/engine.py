@@ -53,6 +53,7 @@ from xpyd.signal import messages as m
 
 log = logging.getLogger(__name__)
 
+ENDED_HERE = "the request ended on the prefill worker with its first token: it needs no decode step"
 LEFT_PEER_GRACE = 5.0  # KV for a decode worker that left the cluster is kept this long (at most kv_ttl)
 
 
@@ -176,7 +177,7 @@ class PrefillEngine(WorkerEngine):
         else:
             item.start_output(self.tokenizer, self.runner.sampler)
             seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
-                             hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt))
+                             hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt), reuse=item.reuses_cache)
             self.sched.add(seq)
             if self.held.memory.claimed_early.pop(rid, False):
                 self.held.claim(seq)
@@ -250,22 +251,32 @@ class PrefillEngine(WorkerEngine):
             if seq.state.is_final:
                 self.held.ended(seq)
 
-    def _prefilled(self, seq: PrefillSeq, token: int, now: float) -> None:
+    def _prefilled(self, seq: PrefillSeq, token: int | None, now: float) -> None:
+        """The prompt is computed and ``token`` sampled (None: a prompt-only request, max_tokens 0). A request
+        that ended with it (max_tokens 1, an end-of-sequence or stop token, or none) needs no decode step: its
+        KV is freed now (its blocks stay in the prefix cache), and a decode worker that claimed it is told."""
         item: WorkItem = seq.payload
         self.metrics.observe_ttft(now - item.arrival)
-        text, finish = item.output.append(token)
+        text, finish = item.output.append(token) if token is not None else item.output.end_without_output()
         cached = seq.kv.cached_tokens
+        event = TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 0 if token is None else 1,
+                           cached, item.take_logprobs())
         with self._lock:
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, ())
             self.sched.prefilled(seq, token, time.monotonic())
             if seq.state.is_final:  # aborted while running
                 self.held.ended(seq)
+            elif finish is not None:
+                item.sink.put(event)  # (first: the HTTP call is answered, not failed, when the request ends)
+                self.held.release(seq.request_id)
+                self.held.record_end(seq.request_id, m.LookupStatus.FAILED, ENDED_HERE, seq.claimed)
+                return
             elif seq.pull is not None:  # streamed: the parts still due go now (the last one at least)
                 self.connector.send_due(self.sched, seq)
             if not seq.state.is_final and seq.claimed:  # its decode worker waits for this: tell it now (under the lock: a claim
                 # that arrives later is answered READY by the lookup itself)
                 self.held.push(seq.request_id, self.held.ready_result(seq, m.LookupStatus.READY))
-        item.sink.put(TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 1, cached))
+        item.sink.put(event)
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
         with self._lock:

@@ -69,6 +69,7 @@ class PrefillSeq:
     in_step: bool = False  # part of the step being computed (planned, not yet reported back)
     order: int = 0  # arrival order (set by the scheduler)
     split_at: int = 0  # a chunk ends here if it would cross it (where a streamed prompt's last KV part starts)
+    reuse: bool = True  # may start after a cached prefix (not when every prompt token's logprob is wanted)
 
     @property
     def prompt_len(self) -> int:
@@ -231,7 +232,7 @@ class PrefillScheduler:
         seq.computed = chunk.end
         self._end_if_dropped(seq)
 
-    def prefilled(self, seq: PrefillSeq, first_token: int, now: float = 0.0) -> None:
+    def prefilled(self, seq: PrefillSeq, first_token: int | None, now: float = 0.0) -> None:
         """The whole prompt is computed: hold the KV (leased from ``now``) until a decode worker pulls it."""
         self._expect_in_step(seq)
         seq.in_step = False
@@ -322,7 +323,8 @@ class PrefillScheduler:
     def _admit(self, seq: PrefillSeq) -> bool:
         """Give ``seq`` the KV blocks of its whole prompt (its cached prefix shared): True if it starts."""
         n = seq.prompt_len
-        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1)  # (the last token is computed: its logits)
+        # (the last token is computed: its logits; all of them when the prompt is scored)
+        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1 if seq.reuse else 0)
         if kv is None:
             return False  # not enough free KV blocks yet: it runs when requests release theirs
         self._waiting.remove(seq)

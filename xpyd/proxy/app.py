@@ -252,7 +252,8 @@ class Proxy:
         keys = await self._prompt_keys(req)
         failed: UpstreamError | None = None
         retries = self.config.retries
-        await self.queue.wait()  # returns when a decode worker has room; route before the next await
+        if not prefill_alone(req):
+            await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
             call = self._start(self._client, req, identity, failed, keys)
             if self.names is not None:  # (a retry on another pair names that one)
@@ -307,6 +308,8 @@ class Proxy:
     def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
                failed: UpstreamError | None, keys: PromptKeys | None) -> TrackedCall:
         began = time.perf_counter()
+        if prefill_alone(req):
+            return self._start_alone(client, req, identity, failed, keys, began)
         try:
             # (pairs whose path failed lately are avoided while the workers have others)
             decodes = self.registry.workers(Role.DECODE)
@@ -324,9 +327,25 @@ class Proxy:
         self.metrics.routed(time.perf_counter() - began)
         return call
 
+    def _start_alone(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
+                     failed: UpstreamError | None, keys: PromptKeys | None, began: float) -> TrackedCall:
+        """A request that needs no decode step goes to a prefill worker alone: no decode worker claims it, no
+        KV moves. Its id names that prefill worker in both places (``RequestId``)."""
+        try:
+            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys)
+        except NoWorkerError as e:
+            why = f" (after: {failed.message})" if failed is not None else ""
+            raise APIError(503, f"{e}{why}", type="server_error") from None
+        request_id = str(RequestId.new(prefill.signal_addr, prefill.signal_addr))
+        if self.config.log_requests:
+            log.info("%s -> %s (prefill %s alone)", identity.id, request_id, prefill.http_url)
+        call = self.inflight.start(client, req, prefill, None, request_id, identity, keys)
+        self.metrics.routed(time.perf_counter() - began)
+        return call
+
     def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:
         """What the client may read of an error of ``call``: its request id named by the response's."""
-        return lambda e: self.redactor.error(e, call.request_id, call.identity.id, call.pair)
+        return lambda e: self.redactor.error(e, call.request_id, call.identity.id, call.workers)
 
     def _decode_room(self) -> int | None:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))
@@ -344,6 +363,12 @@ class Proxy:
                             prefill.http_url, decode.http_url, cooldown, e.message)
         elif e.worker is not None:
             self.table.mark_down(e.worker, e.message, unreachable=e.fault is Fault.UNREACHABLE)
+
+
+def prefill_alone(req: CompletionRequest) -> bool:
+    """The request needs no decode step: at most one token (max_tokens 1, or 0 with echo: an evaluation
+    harness's loglikelihood requests), which prefill samples."""
+    return req.max_tokens is not None and req.max_tokens <= 1
 
 
 def create_app(config: ProxyConfig, registry: Registry) -> web.Application:

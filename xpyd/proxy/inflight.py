@@ -39,11 +39,11 @@ class TrackedCall(PDCall):
     """
 
     def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-                 decode: WorkerInfo, request_id: str, identity: ResponseIdentity, inflight: InFlight,
+                 decode: WorkerInfo | None, request_id: str, identity: ResponseIdentity, inflight: InFlight,
                  keys: PromptKeys | None = None) -> None:
         super().__init__(client, req, prefill, decode, request_id, identity)
         self._inflight = inflight
-        self._workers: tuple[WorkerInfo, ...] = (prefill, decode)
+        self._workers: tuple[WorkerInfo, ...] = self.workers
         self._slot: Slot | None = None
         self.tickets, self.pair_ticket = inflight.started(self, self._workers, keys)
 
@@ -68,7 +68,7 @@ class InFlight:
         self._calls: set[TrackedCall] = set()
 
     def start(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
-              decode: WorkerInfo, request_id: str, identity: ResponseIdentity,
+              decode: WorkerInfo | None, request_id: str, identity: ResponseIdentity,
               keys: PromptKeys | None = None) -> TrackedCall:
         return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys)
 
@@ -76,14 +76,15 @@ class InFlight:
                 keys: PromptKeys | None) -> tuple[tuple[int, ...], int]:
         """The router's ticket for each worker, and the pair's (``PairHealth.started``)."""
         tickets = tuple(self._router.started(worker, keys) for worker in workers)
-        pair_ticket = self._pairs.started(*workers)
+        pair_ticket = self._pairs.started(*workers) if len(workers) == 2 else 0  # (prefill alone: no pair)
         self._calls.add(call)
         return tickets, pair_ticket
 
     def ended(self, call: TrackedCall, workers: tuple[WorkerInfo, ...], slot: Slot | None) -> None:
         for worker, ticket in zip(workers, call.tickets):
             self._router.finished(worker, ticket)
-        self._pairs.ended(*workers, call.pair_ticket, completed=call.completed)
+        if len(workers) == 2:
+            self._pairs.ended(*workers, call.pair_ticket, completed=call.completed)
         self._calls.discard(call)
         if slot is not None:
             slot.release()

@@ -42,12 +42,14 @@ class PDCall:
         client: WorkerClient,
         req: CompletionRequest,
         prefill: WorkerInfo,
-        decode: WorkerInfo,
+        decode: WorkerInfo | None,
         request_id: str,
         identity: ResponseIdentity,
     ) -> None:
-        if prefill.role is not Role.PREFILL or decode.role is not Role.DECODE:
-            raise ValueError("PDCall needs a prefill worker and a decode worker")
+        """``decode`` None: a request that needs no decode step (max_tokens 1, or 0 with echo), answered by
+        prefill alone."""
+        if prefill.role is not Role.PREFILL or (decode is not None and decode.role is not Role.DECODE):
+            raise ValueError("PDCall needs a prefill worker and a decode worker (or none)")
         self._client = client
         self._req = req
         self._prefill = prefill
@@ -70,9 +72,14 @@ class PDCall:
         return self._prefill.http_url
 
     @property
-    def pair(self) -> tuple[WorkerInfo, WorkerInfo]:
-        """(prefill, decode)"""
+    def pair(self) -> tuple[WorkerInfo, WorkerInfo | None]:
+        """(prefill, decode); decode None for a request prefill alone answers"""
         return self._prefill, self._decode
+
+    @property
+    def workers(self) -> tuple[WorkerInfo, ...]:
+        """The workers called: prefill and decode, or prefill alone."""
+        return (self._prefill,) if self._decode is None else (self._prefill, self._decode)
 
     def prefill_lost(self, error: UpstreamError) -> bool:
         """The prefill worker died: end the call with ``error`` unless decode already has the KV.
@@ -96,6 +103,8 @@ class PDCall:
         kind = self._req.kind
         self._prefill_task = asyncio.create_task(self._client.prefill(
             self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
+        if self._decode is None:
+            return await self._prefill_alone()
         self._decode_task = asyncio.create_task(self._open_decode(kind))
         pending: set[asyncio.Task] = {self._prefill_task, self._decode_task}
         watch: asyncio.Task | None = None  # decode's stream, watched for its end while prefill works
@@ -121,6 +130,16 @@ class PDCall:
             if watch is not None and not watch.done():
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
+
+    async def _prefill_alone(self) -> FirstToken:
+        """Prefill's answer to a request it alone serves: it must have ended the request."""
+        assert self._prefill_task is not None
+        first = self._prefilled = await self._prefill_task
+        if first.finish_reason is None:
+            raise UpstreamError(502, f"{self._prefill.http_url} did not end a request that needs no decode step",
+                                worker=self._prefill, fault=Fault.NONE)
+        self._first = first
+        return first
 
     async def _open_decode(self, kind: RequestKind) -> DecodeStream:
         with self._path_faults():  # (decode refusing the prefill worker the id names: the pair's fault)
@@ -189,7 +208,7 @@ class PDCall:
         try:
             yield
         except UpstreamError as e:
-            if e.fault is Fault.PATH and e.pair is None:
+            if e.fault is Fault.PATH and e.pair is None and self._decode is not None:
                 e.pair = (self._prefill, self._decode)
             raise
 

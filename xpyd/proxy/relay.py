@@ -24,7 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
-from xpyd.api.responses import SSE_DONE, completion_response, sse, stream_chunk, usage_chunk
+from xpyd.api.responses import SSE_DONE, completion_response, merge_logprobs, sse, stream_chunk, usage_chunk
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
@@ -42,14 +42,17 @@ DONE = LastChunk(SSE_DONE)  # sent with the end of the chunked body
 async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
     """The whole (non-streaming) response, once decode has finished."""
     parts, finish_reason, stop_reason = [first.text], first.finish_reason, first.stop_reason
+    logprobs = [first.logprobs]
     async for delta in call.rest():
         timer.token()
         parts.append(delta.text)
+        logprobs.append(delta.logprobs)
         if delta.finish_reason is not None:
             finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
     usage, name = call.usage, call.identity
     return completion_response(name.id, name.created, name.model, req.kind, "".join(parts), finish_reason,
-                               usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, stop_reason)
+                               usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, stop_reason,
+                               merge_logprobs(logprobs), first.prompt_logprobs)
 
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
@@ -80,22 +83,23 @@ async def _stream(
     decoded: bytes | None = None
 
     def chunk(text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None) -> bytes:
+              stop_reason: str | int | None = None, logprobs: dict | None = None) -> bytes:
         return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role,
-                                stop_reason=stop_reason))
+                                stop_reason=stop_reason, logprobs=logprobs))
 
     try:
         if kind is RequestKind.CHAT:
             yield chunk(None, None, role=True)
         if first.finish_reason is not None:
-            yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason)
+            yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason,
+                        logprobs=first.logprobs)
             if req.include_usage:
                 usage = first.usage
                 yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,
                                       usage.completion_tokens, usage.cached_tokens))
         else:
-            if first.text:
-                yield chunk(first.text, None)
+            if first.text or first.logprobs is not None:
+                yield chunk(first.text, None, logprobs=first.logprobs)
             async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
                 if block.startswith(COMMENT_PREFIX):  # decode's timing, alone in the last block
                     decoded = block

@@ -40,6 +40,8 @@ class FirstToken:
     usage: Usage
     timing: WorkerTiming | None = None  # prefill's own (X-Xpyd-Timing), when the proxy asked for it
     stop_reason: str | int | None = None  # (ended on prefill) the stop string or token id that ended it
+    logprobs: dict | None = None  # its logprobs (and an echoed prompt's), in the response's shape
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class Delta:
     text: str
     finish_reason: str | None
     stop_reason: str | int | None = None  # with the finish_reason: the stop string or token id, if one
+    logprobs: dict | None = None  # of this chunk's tokens, when asked
 
 
 def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
@@ -62,9 +65,10 @@ def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
 
 def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseIdentity) -> dict:
     """Decode always streams; to a streaming client its chunks go as they are (the usage chunk only if
-    the client asked), while for a JSON answer the proxy needs decode's usage."""
+    the client asked), while for a JSON answer the proxy needs decode's usage. ``prompt_logprobs`` are
+    prefill's to compute (and streams have none): decode is not asked for them."""
     return {
-        **req.raw,
+        **{k: v for k, v in req.raw.items() if k != "prompt_logprobs"},  # (prefill's part of the answer)
         "model": worker.model_id,
         "stream": True,
         "stream_options": {"include_usage": req.include_usage or not req.stream},
@@ -103,13 +107,22 @@ def parse_first_token(data: dict, kind: RequestKind, timing: str | None = None) 
         own = decode_timing(timing) if timing is not None else None
     except ValueError:
         own = None
+    prompt_logprobs = (data if kind is RequestKind.CHAT else choice).get("prompt_logprobs")
     return FirstToken(
         text=_str_or_none(text) or "",
         finish_reason=_str_or_none(choice.get("finish_reason")),
         usage=parse_usage(data["usage"]),
         timing=own,
         stop_reason=_stop_reason(choice),
+        logprobs=_object_or_none(choice.get("logprobs"), dict),
+        prompt_logprobs=_object_or_none(prompt_logprobs, list),
     )
+
+
+def _object_or_none(v: object, kind: type) -> object:
+    if v is not None and not isinstance(v, kind):
+        raise TypeError(f"expected a {kind.__name__} or null, got {type(v).__name__}")
+    return v
 
 
 def parse_delta(choice: dict, kind: RequestKind) -> Delta | None:
@@ -120,6 +133,7 @@ def parse_delta(choice: dict, kind: RequestKind) -> Delta | None:
         text = choice.get("text")
     text = _str_or_none(text) or ""
     finish_reason = _str_or_none(choice.get("finish_reason"))
-    if not text and finish_reason is None:
+    logprobs = _object_or_none(choice.get("logprobs"), dict)
+    if not text and finish_reason is None and logprobs is None:
         return None  # e.g. the chat role chunk: the proxy sends its own
-    return Delta(text, finish_reason, _stop_reason(choice) if finish_reason is not None else None)
+    return Delta(text, finish_reason, _stop_reason(choice) if finish_reason is not None else None, logprobs)

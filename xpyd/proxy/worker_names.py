@@ -67,8 +67,10 @@ class WorkerNames:
     def of(self, worker: WorkerInfo) -> str:
         return self.name(worker.role.value, worker.http_url)
 
-    def pair(self, prefill: WorkerInfo, decode: WorkerInfo) -> str:
-        """The header's value for a P/D pair."""
+    def pair(self, prefill: WorkerInfo, decode: WorkerInfo | None) -> str:
+        """The header's value for a P/D pair (a request prefill alone answered: its prefill worker)."""
+        if decode is None:
+            return f"prefill={self.of(prefill)}"
         return f"prefill={self.of(prefill)}, decode={self.of(decode)}"
 
     def colocated(self, http_url: str) -> str:

@@ -36,6 +36,7 @@ from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_cont
 from xpyd.api.responses import (
     SSE_DONE,
     completion_response,
+    merge_logprobs,
     models_response,
     new_response_id,
     sse,
@@ -47,6 +48,7 @@ from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.kv_events import KVEventLog
 from xpyd.worker.kv_stream import register_kv_stream
+from xpyd.worker.logprob_format import ResponseExtras
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.loader import GenerationDefaults
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
@@ -146,7 +148,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
 
     @app.get("/xpyd/stats")
     async def stats() -> Response:
-        out = engine.stats() | {"max_model_len": engine.max_model_len}
+        out = engine.stats() | {"max_model_len": engine.max_model_len, "kv_event_streams": event_streams.active}
         if kv_backend is not None:
             out["kv_backend"] = kv_backend()
         return _json(out)
@@ -170,7 +172,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             return _error(APIError(400, "since must be a non-negative integer", param="since"))
         return _json(engine.kv_events.since(request.args.get("epoch"), int(since) if since is not None else None))
 
-    register_kv_stream(app, engine.kv_events)  # GET /xpyd/kv_events/stream: the same events, pushed
+    event_streams = register_kv_stream(app, engine.kv_events)  # GET /xpyd/kv_events/stream: the same, pushed
     register_vllm_routes(app, engine, tokenize)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
 
     @app.get("/metrics")
@@ -246,6 +248,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
                 engine.metrics.request_done("rejected")
             return _error(e)
         rid = str(item.request_id)
+        extras = ResponseExtras(req, item, engine.tokenizer, echo_here=config.role != "decode")
         engine.submit(item)
         if named is None:  # called directly (or by the colocated proxy): named by the id's random part only
             shape = StreamShape(kind, new_response_id(kind, item.request_id.uid), int(time.time()),
@@ -253,25 +256,27 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         else:  # the proxy's name; its stream has its own role chunk
             shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
         if req.stream:
-            gen = stream_events(engine, rid, shape, sink, single_event, clock, item)
+            gen = stream_events(engine, rid, shape, sink, single_event, clock, item, extras)
             resp = Response(gen, mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.timeout = None
             return resp
         ended = False
         try:
-            text, finish, prompt_tokens, completion_tokens, cached = [], None, 0, 0, 0
+            text, logprobs, finish, prompt_tokens, completion_tokens, cached = [], [], None, 0, 0, 0
             async for ev in _events(sink, single_event):
                 if isinstance(ev, ErrorEvent):
                     ended = True
                     return _error(APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else
                                            "invalid_request_error"))
-                text.append(ev.text)
+                text.append(extras.first_text(ev.text) if not text else ev.text)
+                logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
                 finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
                 cached = ev.cached_tokens
             ended = True
             resp = _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
-                                             prompt_tokens, completion_tokens, cached, _stop_reason(item)))
+                                             prompt_tokens, completion_tokens, cached, _stop_reason(item),
+                                             merge_logprobs(logprobs), extras.prompt_logprobs()))
             if clock is not None:
                 resp.headers[TIMING_HEADER] = clock.header()
             return resp
@@ -307,9 +312,9 @@ class StreamShape:
     role_chunk: bool  # chat: open with the assistant role chunk
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None) -> bytes:
+              stop_reason: str | int | None = None, logprobs: dict | None = None) -> bytes:
         return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
-                                stop_reason=stop_reason))
+                                stop_reason=stop_reason, logprobs=logprobs))
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
@@ -333,19 +338,21 @@ def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
 
 def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink,
                   single_event: bool, clock: AnswerClock | None = None,
-                  item: WorkItem | None = None) -> AsyncIterator[bytes]:
+                  item: WorkItem | None = None, extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
     request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
     cancelled between returning the response and its first iteration), when the generator object goes."""
     ended = _Ended()
-    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item)
+    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item, extras)
     weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
     return gen
 
 
 async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
-                  ended: _Ended, clock: AnswerClock | None, item: WorkItem | None = None) -> AsyncIterator[bytes]:
+                  ended: _Ended, clock: AnswerClock | None, item: WorkItem | None = None,
+                  extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
     prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
+    first = True
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
             yield shape.chunk(None, None, role=True)
@@ -357,11 +364,17 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 yield SSE_DONE
                 return
             prompt_tokens, completion_tokens, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
-            if ev.text or ev.finish_reason is not None:
-                if clock is not None and ev.text:
+            text, logprobs = ev.text, None
+            if extras is not None:
+                text = extras.first_text(text) if first else text
+                logprobs = extras.event_logprobs(ev.completion_tokens, ev.logprobs)
+            first = False
+            if text or ev.finish_reason is not None or logprobs is not None:
+                if clock is not None and text:
                     clock.chunk()
-                yield shape.chunk(ev.text, ev.finish_reason,
-                                  stop_reason=_stop_reason(item) if ev.finish_reason is not None else None)
+                yield shape.chunk(text, ev.finish_reason,
+                                  stop_reason=_stop_reason(item) if ev.finish_reason is not None else None,
+                                  logprobs=logprobs)
         ended.value = True
         if shape.include_usage:
             yield shape.usage(prompt_tokens, completion_tokens, cached)

@@ -83,14 +83,17 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     sampling = sampling_params(req, defaults, engine.eos_token_ids, len(engine.tokenizer))
     decode = config.role == "decode"
     limit = engine.max_model_len
-    tokenized = not decode or config.prefix_cache or sampling.needs_prompt
+    # (decode reads the prompt's tokens for a repetition penalty, and for echoed logprobs' text offsets)
+    tokenized = not decode or config.prefix_cache or sampling.needs_prompt or (req.echo and req.logprobs is not None)
     ids = _tokenize(engine.tokenizer, req, limit) if tokenized else []
     n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req, limit) or 1)  # (decode: at least one)
     kvp = req.kv_transfer_params or {}
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
+    least = 0 if req.echo and not decode else 1  # (0: the prompt alone, never a decode worker's part)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 1):
+                                   or max_tokens < least):
         raise APIError(400, "kv_transfer_params.max_tokens must be a positive integer", param="kv_transfer_params")
+    prompt_only = max_tokens == 0
     if n >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
                        f"{n} input tokens. Please reduce the length of the input.", param="prompt")
@@ -101,9 +104,10 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                        f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). Please "
                        "reduce the length of the input or the completion.", param="max_tokens")
-    stop = stop_params(req, max_tokens, engine.eos_token_ids)
+    stop = stop_params(req, max(1, max_tokens), engine.eos_token_ids)
     return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended,
-                    cache_salt=req.cache_salt)
+                    cache_salt=req.cache_salt, logprobs=req.logprobs,
+                    prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only)
 
 
 def _truncated(n: int, req: CompletionRequest, limit: int) -> int:

@@ -6,6 +6,12 @@ makes a request's random state (``new_generator``) and consumes the draw another
 Each row goes with its request's token history (``WorkItem.history``: None unless penalties, ``logit_bias``,
 ``min_tokens`` or ``min_p`` adjust its logits).
 
+Logprobs: a request that asks for them (``WorkItem.logprobs``) gets its sampled token's (``TokenLogprob``, from
+the runner's raw scores, as vLLM's default) set on the item for its next event; one that scores its prompt
+(``WorkItem.prompt_scores``: echo with logprobs, or ``prompt_logprobs``) gets every prompt token's appended to
+``WorkItem.prompt_logprobs`` as its chunks are computed (the runner's ``prefill_scored``). A prompt-only request
+(``max_tokens`` 0) is computed and scored, never sampled.
+
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
 ``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
 ``prompt_ids``) and a ``payload`` WorkItem whose output processor holds the tokens generated so far.
@@ -19,27 +25,63 @@ from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.work_item import WorkItem
 
 
-def prefill_and_sample(runner: Any, seq: Any) -> int:
-    """Run ``seq``'s prompt after its cached prefix into its blocks and sample its first token."""
+def sample_rows(runner: Any, rows: Sequence[Any], items: Sequence[WorkItem]) -> list[int]:
+    """One token per (row, item); the logprob of each where its item asks (``WorkItem.sampled_logprob``)."""
+    tokens = runner.sampler.sample(rows, [i.sampling for i in items], [i.generator for i in items],
+                                   [i.history() for i in items])
+    wanted = [j for j, item in enumerate(items) if item.logprobs is not None]
+    if wanted:
+        scored = runner.sampler.logprobs([rows[j] for j in wanted], [tokens[j] for j in wanted],
+                                         [items[j].logprobs for j in wanted])
+        for j, lp in zip(wanted, scored):
+            items[j].sampled_logprob = lp
+    return tokens
+
+
+def _prompt_spec(item: WorkItem, prompt_ids: Sequence[int], start: int, end: int) -> tuple[list[int], int] | None:
+    """What ``prefill_scored`` scores of the prompt chunk [start, end): each position against the prompt's next
+    token (the chunk's last position against the next chunk's first; the prompt's last against nothing)."""
+    if item.prompt_scores is None:
+        return None
+    return list(prompt_ids[start + 1 : end + 1]), item.prompt_scores
+
+
+def _prefill(runner: Any, parts: list, specs: list, items: Sequence[WorkItem]) -> Any:
+    if not any(spec is not None for spec in specs):
+        return runner.prefill_many(parts)
+    rows, scores = runner.prefill_scored(parts, specs)
+    for item, scored in zip(items, scores):
+        if scored is not None:
+            item.prompt_logprobs.extend(scored)
+    return rows
+
+
+def prefill_and_sample(runner: Any, seq: Any) -> int | None:
+    """Run ``seq``'s prompt after its cached prefix into its blocks and sample its first token (None for a
+    prompt-only request)."""
     item: WorkItem = seq.payload
-    logits = runner.prefill(seq.kv.blocks, seq.prompt_ids, start=seq.kv.cached_tokens)
-    return runner.sampler.sample([logits], [item.sampling], [item.generator], [item.history()])[0]
+    start = seq.kv.cached_tokens
+    rows = _prefill(runner, [(seq.kv.blocks, seq.prompt_ids, start)],
+                    [_prompt_spec(item, seq.prompt_ids, start, len(seq.prompt_ids))], [item])
+    if item.prompt_only:
+        return None
+    return sample_rows(runner, [rows[0]], [item])[0]
 
 
 def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
     """One forward pass over prompt chunks (each has ``seq``, ``start``, ``end``: the tokens [start, end) of
     ``seq``'s prompt, after the KV of [0, start) already in its blocks); float32 logits [chunks, vocab],
-    one row per chunk (of its last token)."""
-    return runner.prefill_many([(c.seq.kv.blocks, c.seq.prompt_ids[: c.end], c.start) for c in chunks])
+    one row per chunk (of its last token). Chunks whose request scores its prompt are scored on the way."""
+    items = [c.seq.payload for c in chunks]
+    return _prefill(runner, [(c.seq.kv.blocks, c.seq.prompt_ids[: c.end], c.start) for c in chunks],
+                    [_prompt_spec(i, c.seq.prompt_ids, c.start, c.end) for i, c in zip(items, chunks)], items)
 
 
-def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int]:
-    """The first token of each (chunk, logits row) whose chunk ended its prompt."""
-    if not rows:
-        return []
-    items = [chunk.seq.payload for chunk, _ in rows]
-    return runner.sampler.sample([row for _, row in rows], [i.sampling for i in items],
-                                 [i.generator for i in items], [i.history() for i in items])
+def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int | None]:
+    """The first token of each (chunk, logits row) whose chunk ended its prompt (None: a prompt-only request)."""
+    sampled = [(row, chunk.seq.payload) for chunk, row in rows if not chunk.seq.payload.prompt_only]
+    tokens = iter(sample_rows(runner, [r for r, _ in sampled], [i for _, i in sampled]) if sampled else [])
+    return [None if chunk.seq.payload.prompt_only else next(tokens) for chunk, _ in rows]
 
 
 def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[int]:
@@ -57,6 +99,4 @@ def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[
     logits = runner.decode_rows(cache.tables, rows, tokens, positions)
     for seq, token in zip(seqs, tokens):
         cache.append_tokens(seq.kv, (token,))
-    items = [s.payload for s in seqs]
-    return runner.sampler.sample(logits, [i.sampling for i in items], [i.generator for i in items],
-                                 [i.history() for i in items])
+    return sample_rows(runner, logits, [s.payload for s in seqs])

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from xpyd.model.logprobs import TokenLogprob
 from xpyd.model.output import OutputProcessor, StopParams
 from xpyd.model.sampling_params import SamplingParams, TokenHistory
 from xpyd.signal.request_id import RequestId
@@ -19,6 +20,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int  # generated so far, including the first token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the logprobs of the tokens this event adds (when asked for)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,11 @@ class WorkItem:
     open_ended: bool = False  # no max_tokens given: as many as the context allows (decode settles it when ready)
     cache_salt: str | None = None  # the request's cache_salt: its KV blocks are shared only with the same salt
     token_history: TokenHistory | None = None  # what penalties and min_tokens read (made by ``start_output``)
+    logprobs: int | None = None  # each sampled token's logprob with this many alternatives (None: not asked)
+    prompt_scores: int | None = None  # each prompt token's logprob with this many alternatives (None: not asked)
+    prompt_only: bool = False  # max_tokens 0 (with echo): the prompt is computed (and scored), nothing sampled
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as computed
+    sampled_logprob: TokenLogprob | None = None  # the last sampled token's (set by the step, taken by the engine)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)
@@ -102,6 +109,16 @@ class WorkItem:
         if not self.sampling.plain:  # (the output's ids: the first token too, on the decode worker prefill's)
             self.token_history = TokenHistory(self.prompt_ids if self.sampling.needs_prompt else (),
                                               self.output.token_ids)
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The logprob of the token just sampled, for its event (empty when not asked for)."""
+        lp, self.sampled_logprob = self.sampled_logprob, None
+        return () if lp is None else (lp,)
+
+    @property
+    def reuses_cache(self) -> bool:
+        """Whether its prompt may start after a cached prefix: not when every prompt token is scored."""
+        return self.prompt_scores is None
 
     def history(self) -> TokenHistory | None:
         """The token history as of now, for the sampler (None for plain sampling parameters)."""
