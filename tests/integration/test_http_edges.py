@@ -92,7 +92,7 @@ _WRONG = {  # field -> values that are wrong for it (type or range)
     "stop": ["", [""], [1], {}, ["a"] * 65, [None]],
     "stream": ["yes", 1, 0, [], {}],
     "ignore_eos": ["no", 1, []],
-    "n": [2, 0, "1"],
+    "n": [0, "1", 129, -1, 1.5],
     "best_of": [3],
     "logprobs": [21, -1, "5", 1.5],
     "top_logprobs": [3, 21],

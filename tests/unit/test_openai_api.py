@@ -95,7 +95,6 @@ BAD_COMPLETIONS = [
     (body(), "prompt"),
     (body(prompt=""), "prompt"),
     (body(prompt=[]), "prompt"),
-    (body(prompt=["a", "b"]), "prompt"),
     (body(prompt=[1, -2]), "prompt"),
     (body(prompt=[1, True]), "prompt"),
     (body(prompt=3), "prompt"),
@@ -123,8 +122,12 @@ BAD_COMPLETIONS = [
     (completion(stream=True, stream_options={"include_usage": "y"}), "include_usage"),
     (completion(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options"),
     (completion(kv_transfer_params="x"), "kv_transfer_params"),
-    (completion(n=2), "n"),
     (completion(n=True), "n"),
+    (completion(n=0), "n"),
+    (completion(n=129), "n"),
+    (completion(prompt=["a"] * 65, n=2), "n"),
+    (completion(prompt=["a", [1, 2]]), "prompt"),
+    (completion(prompt=["a", ""]), "prompt"),
     (completion(best_of=2), "best_of"),
     (completion(logprobs=21), "logprobs"),
     (completion(logprobs=-1), "logprobs"),
@@ -221,7 +224,6 @@ BAD_CHATS = [
     chat(tools=[{"type": "function", "function": {"name": "f"}}]),
     chat(tool_choice="auto"),
     chat(chat_template="{{ x }}"),
-    chat(n=3),
 ]
 
 

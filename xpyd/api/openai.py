@@ -4,7 +4,7 @@
 Shared by the proxy (which validates every client body before any worker sees
 it) and the workers (which parse the bodies the proxy forwards). Parsing is
 strict: a field we would silently ignore in a way that changes the output
-(``tools``, ``n > 1``, ``response_format`` ...) is a clear 400,
+(``tools``, ``response_format``, ``best_of`` ...) is a clear 400,
 never a quiet approximation. Sampling fields a request leaves out are None where the model's
 ``generation_config.json`` may give a default (temperature, top_p, top_k, min_p, repetition_penalty: the
 worker applies it, as vLLM does). Unknown fields are ignored, as vLLM does.
@@ -31,6 +31,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM default for /v1/completions
 MAX_CACHE_SALT_CHARS = 256  # (xpyd.prefix_hash.MAX_SALT_CHARS)
+MAX_CHOICES = 128  # n times the number of prompts (each choice is a request of its own on the workers)
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs; xpyd.model.logprobs)
 _UINT64 = 2**64
 
@@ -103,6 +104,8 @@ class CompletionRequest:
     echo: bool = False  # completions: the prompt comes back before the output (with its logprobs if asked)
     prompt_logprobs: int | None = None  # vLLM's: every prompt token's logprob, with this many alternatives
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    n: int = 1  # choices per prompt (``xpyd.api.choices`` splits a request with several)
+    prompts: tuple[str | list[int], ...] | None = None  # a completion's prompts when it sent a list of several
 
     @property
     def prompt_scores(self) -> int | None:
@@ -121,7 +124,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
 # Fields we do not implement, with the values that mean "feature off". Any
 # other value is rejected, because ignoring it would silently change the output.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "suffix": ("",),
     "length_penalty": (1, 1.0),
@@ -319,21 +321,37 @@ def _parse_token_list(v: list) -> list[int]:
     return list(v)
 
 
-def _parse_prompt(d: dict) -> str | list[int]:
-    v = d.get("prompt")
-    if v is None:
-        raise _bad("'prompt' is required", "prompt")
-    if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-        if len(v) != 1:
-            raise _bad("batched prompts are not supported: send one prompt per request", "prompt")
-        v = v[0]
+def _one_prompt(v: Any) -> str | list[int]:
     if isinstance(v, str):
         if not v:
             raise _bad("'prompt' must not be empty", "prompt")
         return v
     if isinstance(v, list):
         return _parse_token_list(v)
-    raise _bad("'prompt' must be a string or a list of token ids", "prompt")
+    raise _bad("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
+
+
+def _parse_prompts(d: dict) -> tuple[str | list[int], ...]:
+    """A completion's prompts: one (a string or token ids), or a list of several (strings or token-id lists)."""
+    v = d.get("prompt")
+    if v is None:
+        raise _bad("'prompt' is required", "prompt")
+    if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+        if not all(isinstance(p, type(v[0])) for p in v):
+            raise _bad("a list of prompts must hold only strings or only token-id lists", "prompt")
+        return tuple(_one_prompt(p) for p in v)
+    return (_one_prompt(v),)
+
+
+def _parse_n(d: dict, prompts: int) -> int:
+    v = d.get("n")
+    if v is None:
+        return 1
+    if not _is_int(v) or v < 1:
+        raise _bad(f"'n' must be an integer >= 1, got {v!r}", "n")
+    if v * prompts > MAX_CHOICES:
+        raise _bad(f"at most {MAX_CHOICES} choices a request (n x prompts), got {v * prompts}", "n")
+    return v
 
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -458,10 +476,11 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
                    "cache_salt")
 
     is_chat = kind is RequestKind.CHAT
+    prompts = None if is_chat else _parse_prompts(d)
     return CompletionRequest(
         kind=kind,
         model=model,
-        prompt=None if is_chat else _parse_prompt(d),
+        prompt=None if is_chat else prompts[0],
         messages=_parse_messages(d) if is_chat else None,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -491,4 +510,6 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         tokens_as_ids=_optional_bool(d, "return_tokens_as_token_ids"),
+        n=_parse_n(d, 1 if prompts is None else len(prompts)),
+        prompts=prompts if prompts is not None and len(prompts) > 1 else None,
     )

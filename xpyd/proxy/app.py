@@ -52,14 +52,16 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from xpyd.api.choices import several
 from xpyd.api.identity import ResponseIdentity, client_request_id
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
-from xpyd.discovery.types import Role
+from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.prefix_hash import hash_key
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
 from xpyd.proxy.cache_feed import CacheFeed
+from xpyd.proxy.choices import serve_choices
 from xpyd.proxy.client import WorkerClient, WorkerSessions, worker_sessions
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
@@ -74,7 +76,7 @@ from xpyd.proxy.relay import complete_body, stream_response
 from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
 from xpyd.proxy.upstream import Fault, UpstreamError
 from xpyd.proxy.vllm_routes import max_model_len, register_vllm_routes
-from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES
+from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES, FirstToken
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.proxy.workers import Health, WorkerState, WorkerTable
 from xpyd.signal.request_id import RequestId
@@ -249,6 +251,10 @@ class Proxy:
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
         req, identity, public_id = await self._read_request(request, kind)
+        if several(req):
+            if not prefill_alone(req):
+                await self.queue.wait()
+            return await serve_choices(self, req, identity, {REQUEST_ID_HEADER: public_id}, timer, slot)
         keys = await self._prompt_keys(req)
         failed: UpstreamError | None = None
         retries = self.config.retries
@@ -272,17 +278,43 @@ class Proxy:
                 timer.end(Outcome.OK)
                 return json_response(body, headers=headers)
             except UpstreamError as e:
-                self.worker_failed(e)
-                if e.fault in (Fault.UNREACHABLE, Fault.PATH) and retries > 0:
-                    log.warning("%s (%s): %s; retrying on another pair", identity.id, call.request_id, e.message)
-                    failed, retries = e, retries - 1
-                    continue
-                level = logging.INFO if e.status < 500 else logging.WARNING
-                log.log(level, "%s (%s): %s (HTTP %d)", identity.id, call.request_id, e.message, e.status)
-                raise self._public_error(call)(e) from None
+                retries = self._retry_or_raise(call, e, retries)
+                failed = e
             finally:
                 if not streaming:
                     await call.aclose()
+
+    def _retry_or_raise(self, call: TrackedCall, e: UpstreamError, retries: int) -> int:
+        """``call`` failed before the client got anything: the retries left after this one (it may start over
+        on a fresh pair), or the error as the client may read it, raised."""
+        self.worker_failed(e)
+        if e.fault in (Fault.UNREACHABLE, Fault.PATH) and retries > 0:
+            log.warning("%s (%s): %s; retrying on another pair", call.identity.id, call.request_id, e.message)
+            return retries - 1
+        level = logging.INFO if e.status < 500 else logging.WARNING
+        log.log(level, "%s (%s): %s (HTTP %d)", call.identity.id, call.request_id, e.message, e.status)
+        raise self._public_error(call)(e) from None
+
+    async def first_of(self, req: CompletionRequest, identity: ResponseIdentity,
+                       prefer: tuple | None = None) -> tuple[TrackedCall, FirstToken]:
+        """One choice of a request with several (``choices``): routed (to ``prefer``'s pair while it is up)
+        and called, retried as ``_generate`` does, up to its first token; the caller closes the call."""
+        if self._client is None:
+            raise APIError(503, "proxy is not serving yet", type="server_error")
+        keys = await self._prompt_keys(req)
+        failed: UpstreamError | None = None
+        retries = self.config.retries
+        while True:
+            call = self._start(self._client, req, identity, failed, keys, prefer if failed is None else None)
+            try:
+                return call, await call.first_token()
+            except UpstreamError as e:
+                await call.aclose()
+                retries = self._retry_or_raise(call, e, retries)
+                failed = e
+            except BaseException:  # (cancelled: the client left)
+                call.abort()
+                raise
 
     async def _prompt_keys(self, req: CompletionRequest) -> PromptKeys | None:
         """The prompt's block hashes for the cache-aware router; None when it has no use for them or they
@@ -306,10 +338,18 @@ class Proxy:
                    for role in Role)
 
     def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
-               failed: UpstreamError | None, keys: PromptKeys | None) -> TrackedCall:
+               failed: UpstreamError | None, keys: PromptKeys | None, prefer: tuple | None = None) -> TrackedCall:
+        """``prefer``: a (prefill, decode) pair to call while both are up (another choice's, whose prompt blocks
+        they cache)."""
         began = time.perf_counter()
         if prefill_alone(req):
             return self._start_alone(client, req, identity, failed, keys, began)
+        if prefer is not None and self._up(prefer[0]) and prefer[1] is not None and self._up(prefer[1]):
+            call = self.inflight.start(client, req, prefer[0], prefer[1],
+                                       str(RequestId.new(prefer[0].signal_addr, prefer[1].signal_addr)), identity,
+                                       keys)
+            self.metrics.routed(time.perf_counter() - began)
+            return call
         try:
             # (pairs whose path failed lately are avoided while the workers have others)
             decodes = self.registry.workers(Role.DECODE)
@@ -326,6 +366,10 @@ class Proxy:
         call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
         self.metrics.routed(time.perf_counter() - began)
         return call
+
+    def _up(self, worker: WorkerInfo) -> bool:
+        return any(s.info == worker and s.health is Health.UP
+                   for s in self.table.sync(worker.role, self.registry.workers(worker.role)))
 
     def _start_alone(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
                      failed: UpstreamError | None, keys: PromptKeys | None, began: float) -> TrackedCall:

@@ -69,6 +69,12 @@ def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, hea
     return StreamedResponse(body, status=200, content_type="text/event-stream", headers=headers)
 
 
+def stream_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer,
+                on_error: Callable[[APIError], None], public: Callable[[APIError], APIError]) -> AsyncIterator[bytes]:
+    """The SSE body of ``call`` (as ``stream_response`` sends it); it closes the call when it ends."""
+    return _stream(call, req, first, on_error, public, timer)
+
+
 def _abandon(call: PDCall, timer: RequestTimer) -> None:
     call.abort()
     timer.end(Outcome.ABORTED)  # no-op if the body ran to its end

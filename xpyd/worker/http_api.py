@@ -20,17 +20,19 @@ opened), so the proxy passes the stream on unchanged.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Protocol
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from xpyd.api.choices import Child, join_json, join_streams, several, split
 from xpyd.api.identity import response_identity
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import (
@@ -240,43 +242,41 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             body = await request.get_data(cache=False)
             req = parse_request(body, kind)
             named = response_identity(req.kv_transfer_params)
+            children = _children(req, config.role)
             loop = asyncio.get_running_loop()
-            sink = engine.metrics.sink(dispatch_for(loop))  # (counts the vllm:* tokens and ends)
-            item = await loop.run_in_executor(tokenize, build_work_item, engine, config, req, rid, sink, defaults)
+            items = []
+            for child in children:  # (a colocated worker's choices: one engine request each, ids of their own)
+                sink = engine.metrics.sink(dispatch_for(loop))  # (counts the vllm:* tokens and ends)
+                child_rid = rid if child is None else child_request_id(rid, child.index)
+                items.append(await loop.run_in_executor(tokenize, build_work_item, engine, config,
+                                                        req if child is None else child.req, child_rid, sink,
+                                                        defaults))
         except APIError as e:
             if e.status < 500:
                 engine.metrics.request_done("rejected")
             return _error(e)
-        rid = str(item.request_id)
-        extras = ResponseExtras(req, item, engine.tokenizer, echo_here=config.role != "decode")
-        engine.submit(item)
+        extras = [ResponseExtras(req if child is None else child.req, item, engine.tokenizer,
+                                 echo_here=config.role != "decode") for child, item in zip(children, items)]
+        for item in items:  # (a prompt's first choice first: the others find its blocks cached)
+            engine.submit(item)
         if named is None:  # called directly (or by the colocated proxy): named by the id's random part only
-            shape = StreamShape(kind, new_response_id(kind, item.request_id.uid), int(time.time()),
+            shape = StreamShape(kind, new_response_id(kind, items[0].request_id.uid), int(time.time()),
                                 engine.info.model_id, req.include_usage, role_chunk=True)
         else:  # the proxy's name; its stream has its own role chunk
             shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
+        if children[0] is not None:
+            return await _several(req, children, items, extras, shape)
+        item, rid = items[0], str(items[0].request_id)
         if req.stream:
-            gen = stream_events(engine, rid, shape, sink, single_event, clock, item, extras)
-            resp = Response(gen, mimetype="text/event-stream")
-            resp.headers["Cache-Control"] = "no-cache"
-            resp.timeout = None
-            return resp
+            gen = stream_events(engine, rid, shape, item.sink, single_event, clock, item, extras[0])
+            return _sse_response(gen)
         ended = False
         try:
-            text, logprobs, finish, prompt_tokens, completion_tokens, cached = [], [], None, 0, 0, 0
-            async for ev in _events(sink, single_event):
-                if isinstance(ev, ErrorEvent):
-                    ended = True
-                    return _error(APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else
-                                           "invalid_request_error"))
-                text.append(extras.first_text(ev.text) if not text else ev.text)
-                logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
-                finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
-                cached = ev.cached_tokens
+            answer = await _collect(item, extras[0], shape, single_event)
             ended = True
-            resp = _json(completion_response(shape.id, shape.created, shape.model, kind, "".join(text), finish,
-                                             prompt_tokens, completion_tokens, cached, _stop_reason(item),
-                                             merge_logprobs(logprobs), extras.prompt_logprobs()))
+            if isinstance(answer, APIError):
+                return _error(answer)
+            resp = _json(answer)
             if clock is not None:
                 resp.headers[TIMING_HEADER] = clock.header()
             return resp
@@ -284,7 +284,70 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             if not ended:  # the client went away: drop the request everywhere
                 engine.abort(rid)
 
+    async def _several(req: CompletionRequest, children: list[Child], items: list[WorkItem],
+                       extras: list[ResponseExtras], shape: StreamShape) -> Response:
+        """A colocated worker's answer to a request with several choices (``xpyd.api.choices``)."""
+        if req.stream:
+            child_shape = replace(shape, include_usage=True)
+            streams = [(child, stream_events(engine, str(item.request_id), child_shape, item.sink, False, None, item,
+                                             ex)) for child, item, ex in zip(children, items, extras)]
+            return _sse_response(join_streams(req, streams, (shape.id, shape.created, shape.model)))
+        ended = False
+        try:
+            answers = await asyncio.gather(*(_collect(item, ex, shape, False) for item, ex in zip(items, extras)))
+            ended = True
+            failed = next((a for a in answers if isinstance(a, APIError)), None)
+            if failed is not None:
+                for item in items:
+                    engine.abort(str(item.request_id))
+                return _error(failed)
+            return _json(join_json(req, list(zip(children, answers))))
+        finally:
+            if not ended:
+                for item in items:
+                    engine.abort(str(item.request_id))
+
     return app
+
+
+def _children(req: CompletionRequest, role: str) -> list[Child | None]:
+    """[None] for a one-choice request; a colocated worker's choices of one with several (the P/D proxy
+    splits those itself: prefill and decode workers take one choice a request)."""
+    if not several(req):
+        return [None]
+    if role != "colocated":
+        raise APIError(400, f"a {role} worker takes one choice a request (n 1, one prompt): the proxy splits "
+                            "the others", param="n")
+    return list(split(req))
+
+
+def child_request_id(rid: RequestId, index: int) -> RequestId:
+    """Choice ``index``'s id: the request's, its random part derived anew (unique per choice)."""
+    uid = hashlib.sha256(f"{rid.uid}/{index}".encode()).hexdigest()[:32]
+    return RequestId(uid, rid.prefill_addr, rid.decode_addr)
+
+
+def _sse_response(gen: AsyncIterator[bytes]) -> Response:
+    resp = Response(gen, mimetype="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.timeout = None
+    return resp
+
+
+async def _collect(item: WorkItem, extras: ResponseExtras, shape: StreamShape,
+                   single_event: bool) -> dict | APIError:
+    """The JSON answer of ``item`` once it ended (or its error)."""
+    text, logprobs, finish, prompt_tokens, completion_tokens, cached = [], [], None, 0, 0, 0
+    async for ev in _events(item.sink, single_event):
+        if isinstance(ev, ErrorEvent):
+            return APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else "invalid_request_error")
+        text.append(extras.first_text(ev.text) if not text else ev.text)
+        logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
+        finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
+        cached = ev.cached_tokens
+    return completion_response(shape.id, shape.created, shape.model, shape.kind, "".join(text), finish,
+                               prompt_tokens, completion_tokens, cached, _stop_reason(item),
+                               merge_logprobs(logprobs), extras.prompt_logprobs())
 
 
 def _stop_reason(item: WorkItem | None) -> str | int | None:
