@@ -71,7 +71,10 @@ def _tokenize_requests() -> list[dict]:
     for prompt in PROMPTS:
         out += [{"prompt": prompt}, {"prompt": prompt, "add_special_tokens": False, "return_token_strs": True}]
     out += [{"messages": CHAT}, {"messages": CHAT, "add_generation_prompt": False},
-            {"messages": CHAT, "add_special_tokens": True, "return_token_strs": True}]
+            {"messages": CHAT, "add_special_tokens": True, "return_token_strs": True},
+            {"messages": [*CHAT, {"role": "assistant", "content": "Sure, here "}], "add_generation_prompt": False,
+             "continue_final_message": True},
+            {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "d"}]}]
     return out
 
 
@@ -132,10 +135,8 @@ def test_tokenize_errors(urls, name):
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": ["x"]}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
-        ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}, 400,
-         "continue_final_message"),
-        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}, 400,
-         "chat_template_kwargs"),
+        ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
         ("/tokenize", {"messages": [{"role": "nobody", "content": "x"}]}, 400, "messages"),
         ("/tokenize", {"prompt": "x", "model": "another"}, 404, "model"),
         ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),

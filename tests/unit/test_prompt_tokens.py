@@ -229,3 +229,51 @@ def test_keyed_salted_keys_equal_the_workers(smollm, kind, salt):
     others = {tuple(worker.hashes(ids, s)) for s in (None, "tenant-a", "tenant-b") if s != salt}
     assert all(not set(o) & set(hashes) for o in others)
     assert not set(hashes) & set(PromptTokenizer(TokenizerSpec.from_json(served(tok))).keys(req).hashes)  # unkeyed
+
+
+TEMPLATE_ARGS = [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": False, "continue_final_message": True,
+     "messages_tail": [{"role": "assistant", "content": "Sure, the answer is"}]},
+    {"add_generation_prompt": False, "continue_final_message": True,
+     "messages_tail": [{"role": "assistant", "content": "  spaced out  "}]},
+    {"chat_template_kwargs": {"enable_thinking": False, "custom": [1, 2]}, "documents": [{"title": "t", "text": "x"}]},
+    {"add_special_tokens": True},
+]
+
+
+@pytest.mark.parametrize("args", TEMPLATE_ARGS, ids=range(len(TEMPLATE_ARGS)))
+def test_chat_template_arguments_tokenize_as_the_workers_do(smollm, args):
+    """add_generation_prompt, continue_final_message (transformers' cut after the final message), documents and
+    chat_template_kwargs: the proxy's copy renders what the workers' transformers tokenizer renders."""
+    tok, proxy = smollm
+    args = dict(args)
+    messages = [*CHATS[2], *args.pop("messages_tail", [])]
+    req = parse_request(json.dumps({"messages": messages, **args}).encode(), RequestKind.CHAT)
+    ids = encode_chat(tok, req.messages, add_special_tokens=bool(req.add_special_tokens),
+                      template_args=req.chat.as_kwargs())
+    assert proxy.token_ids(req) == ids
+    if req.chat.continue_final_message:  # the text ends with the final message, open
+        text = tok.decode(ids)
+        assert text.endswith(messages[-1]["content"].rstrip()) or text.endswith(messages[-1]["content"])
+        assert text.count("<|im_start|>assistant") == 2
+
+
+def test_template_variables_reach_the_template(smollm):
+    """A template reading documents and a chat_template_kwargs variable, in both renderers."""
+    from transformers import PreTrainedTokenizerFast
+
+    base, _ = smollm
+    template = ("{% for d in documents or [] %}[{{ d['text'] }}]{% endfor %}{% if shout %}LOUD {% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=template)
+    proxy = PromptTokenizer(TokenizerSpec.from_json(served(tok)))
+    body = {"messages": [{"role": "user", "content": "hi"}], "documents": [{"text": "doc one"}],
+            "chat_template_kwargs": {"shout": True}}
+    req = parse_request(json.dumps(body).encode(), RequestKind.CHAT)
+    ids = encode_chat(tok, req.messages, template_args=req.chat.as_kwargs())
+    assert proxy.token_ids(req) == ids
+    assert tok.decode(ids) == "[doc one]LOUD user: hi\n"
+    plain = parse_request(json.dumps({"messages": body["messages"]}).encode(), RequestKind.CHAT)
+    assert tok.decode(encode_chat(tok, plain.messages, template_args=plain.chat.as_kwargs())) == "user: hi\n"

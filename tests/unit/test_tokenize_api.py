@@ -57,7 +57,10 @@ def test_the_workers_tokenizer_and_the_proxys_copy_answer_alike(tokenizers, body
     ({"prompt": None}, "prompt"),
     ({"messages": []}, "messages"),
     ({"messages": CHAT, "add_generation_prompt": 1}, "add_generation_prompt"),
-    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),  # (with the generation prompt)
+    ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"messages": CHAT, "documents": "d"}, "documents"),
     ({"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": CHAT, "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -63,6 +63,37 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+# Names a chat template sees that chat_template_kwargs may not set (the renderer's own arguments and variables).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "return_dict", "chat_template", "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "sanitize_control_tokens", "bos_token", "eos_token", "unk_token", "pad_token"})
+MAX_DOCUMENTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateArgs:
+    """What a chat request gives its chat template besides the messages (vLLM's fields): the assistant turn's
+    opening (``add_generation_prompt``) or the final message left open to continue (``continue_final_message``),
+    ``documents`` and ``tools`` as template variables, and ``chat_template_kwargs`` (any other variables)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list | None = None
+    tools: list | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def as_kwargs(self) -> dict:
+        """The arguments of ``apply_chat_template`` (transformers' and ``xpyd.tokenization``'s alike)."""
+        out = {**self.kwargs, "add_generation_prompt": self.add_generation_prompt,
+               "continue_final_message": self.continue_final_message}
+        if self.documents is not None:
+            out["documents"] = self.documents
+        if self.tools is not None:
+            out["tools"] = self.tools
+        return out
 
 
 class RequestKind(str, Enum):
@@ -106,6 +137,7 @@ class CompletionRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     n: int = 1  # choices per prompt (``xpyd.api.choices`` splits a request with several)
     prompts: tuple[str | list[int], ...] | None = None  # a completion's prompts when it sent a list of several
+    chat: ChatTemplateArgs = ChatTemplateArgs()  # a chat's template arguments
 
     @property
     def prompt_scores(self) -> int | None:
@@ -142,7 +174,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
-    "chat_template": (),
+    "chat_template": (),  # (a request's own template: vLLM takes one only when told to trust requests' templates)
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -398,6 +430,33 @@ def _parse_messages(d: dict) -> list[dict]:
     return out
 
 
+def _parse_chat_args(d: dict) -> ChatTemplateArgs:
+    agp = _optional_bool(d, "add_generation_prompt", True)
+    cont = _optional_bool(d, "continue_final_message")
+    if agp and cont:
+        raise _bad("cannot set both 'continue_final_message' and 'add_generation_prompt' to true (set "
+                   "add_generation_prompt to false to continue the final message)", "continue_final_message")
+    docs = d.get("documents")
+    if docs is not None:
+        if not isinstance(docs, list) or not all(isinstance(doc, dict) and all(isinstance(k, str) for k in doc)
+                                                 for doc in docs):
+            raise _bad("'documents' must be a list of objects", "documents")
+        if len(docs) > MAX_DOCUMENTS:
+            raise _bad(f"at most {MAX_DOCUMENTS} documents are supported", "documents")
+    kwargs = d.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise _bad(f"'chat_template_kwargs' may not set {', '.join(reserved)} (the request's own fields do)",
+                   "chat_template_kwargs")
+    if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise _bad("'chat_template_kwargs' keys must be identifiers", "chat_template_kwargs")
+    return ChatTemplateArgs(agp, cont, docs, None, dict(kwargs))
+
+
 def _parse_stop(d: dict) -> tuple[str, ...]:
     v = d.get("stop")
     if v is None:
@@ -511,5 +570,6 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         prompt_logprobs=prompt_logprobs,
         tokens_as_ids=_optional_bool(d, "return_tokens_as_token_ids"),
         n=_parse_n(d, 1 if prompts is None else len(prompts)),
+        chat=_parse_chat_args(d) if is_chat else ChatTemplateArgs(),
         prompts=prompts if prompts is not None and len(prompts) > 1 else None,
     )

@@ -13,10 +13,11 @@ the proxy (its copy of the workers' tokenizer), so both answer with the same tok
 
 The chat form renders the messages through the model's chat template (the messages read as the chat endpoint
 reads them: ``xpyd.api.openai.parse_request``) and encodes the text with special tokens only if asked, as
-vLLM does. Fields that would change the tokens and are not implemented here (``continue_final_message``,
-``chat_template``, ``chat_template_kwargs``, ``tools``, multimodal kwargs) are a 400 that names them; other
+vLLM does, with the chat endpoint's template arguments (``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``, ``documents``). Fields that would change the tokens and are not implemented here
+(``chat_template``, ``tools``, multimodal kwargs) are a 400 that names them; other
 unknown fields are ignored, as vLLM ignores them. A tokenizer here is anything offering transformers' names:
-``encode(text, add_special_tokens=)``, ``apply_chat_template(messages, add_generation_prompt=, tokenize=False)``,
+``encode(text, add_special_tokens=)``, ``apply_chat_template(messages, tokenize=False, **template arguments)``,
 ``decode(ids)``, ``len(tok)`` and ``backend_tokenizer.id_to_token``.
 """
 
@@ -26,14 +27,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from xpyd.api.openai import APIError, RequestKind, parse_request
+from xpyd.api.openai import APIError, ChatTemplateArgs, RequestKind, parse_request
 
 # Fields of vLLM's TokenizeChatRequest that change the tokens and that this server does not implement yet,
 # with the values that mean "off".
 _CHAT_OFF: dict[str, tuple[Any, ...]] = {
-    "continue_final_message": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "tools": ([],),
     "media_io_kwargs": ({},),
     "mm_processor_kwargs": ({},),
@@ -52,6 +51,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
+    chat: ChatTemplateArgs = ChatTemplateArgs()  # the chat form's template arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +99,11 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
         v = d.get(key)
         if v is not None and not any(type(v) is type(o) and v == o for o in off):
             raise _bad(f"'{key}' is not supported by /tokenize on this server (got {v!r})", key)
-    agp = _flag(d, "add_generation_prompt", True)
-    # the messages exactly as /v1/chat/completions reads them, so that both tokenize them alike
-    messages = parse_request(json.dumps({"messages": d["messages"]}).encode(), RequestKind.CHAT).messages
-    return TokenizeRequest(d.get("model"), None, messages, _flag(d, "add_special_tokens", False), agp, strs)
+    # the messages and template arguments exactly as /v1/chat/completions reads them: both tokenize them alike
+    fields = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents")
+    chat = parse_request(json.dumps({k: d[k] for k in fields if k in d}).encode(), RequestKind.CHAT)
+    return TokenizeRequest(d.get("model"), None, chat.messages, _flag(d, "add_special_tokens", False),
+                           chat.chat.add_generation_prompt, strs, chat.chat)
 
 
 def parse_detokenize(body: bytes) -> DetokenizeRequest:
@@ -126,8 +127,7 @@ def tokenize(tok: Any, req: TokenizeRequest, max_model_len: int) -> dict:
         if not getattr(tok, "chat_template", None):
             raise _bad("this model's tokenizer has no chat template; tokenize a 'prompt' instead", "messages")
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                           tokenize=False)
+            text = tok.apply_chat_template(req.messages, tokenize=False, **req.chat.as_kwargs())
         except Exception as e:  # a template's raise_exception, or what it trips on
             raise _bad(f"chat template failed on these messages: {e}", "messages") from None
     else:

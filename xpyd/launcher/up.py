@@ -134,6 +134,7 @@ PASSED_ON = (
     ("--enforce-eager", ("prefill", "decode", "colocated")),
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
     ("--generation-config", ("prefill", "decode", "colocated")),
+    ("--chat-template", ("prefill", "decode", "colocated")),
     ("--engine", ("prefill", "decode", "colocated")),
     ("--sim-profile", ("prefill", "decode", "colocated")),
     ("--sim-speedup", ("prefill", "decode", "colocated")),

@@ -24,6 +24,7 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+
 def describe_tokenizer(tok: PreTrainedTokenizerBase) -> dict:
     """What another process needs to tokenize exactly as ``encode_prompt`` / ``encode_chat`` do without
     transformers: the fast tokenizer's JSON, the chat template and the special tokens' strings."""
@@ -74,18 +75,21 @@ def prompt_length_unrendered(tok: PreTrainedTokenizerBase, prompt: str | list[in
     return len(encode_prompt(tok, prompt if prompt is not None else ""))
 
 
-def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
-    """Chat messages -> prompt ids through the model's chat template, ending with the assistant turn; the
-    rendered text is tokenized without special tokens (the template writes them) unless
-    ``add_special_tokens`` (vLLM's chat field of that name)."""
+def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], add_special_tokens: bool = False,
+                template_args: dict | None = None) -> list[int]:
+    """Chat messages -> prompt ids through the model's chat template; the rendered text is tokenized without
+    special tokens (the template writes them) unless ``add_special_tokens`` (vLLM's chat field of that name).
+    ``template_args``: apply_chat_template's (``ChatTemplateArgs.as_kwargs``: add_generation_prompt,
+    continue_final_message, tools, documents, chat_template_kwargs); default: ending with the assistant turn."""
     if not getattr(tok, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
+    args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
     try:
         if add_special_tokens:
-            text = tok.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(normalized, tokenize=False, **args)
             return list(tok(text, add_special_tokens=True).input_ids)
-        encoded = tok.apply_chat_template(normalized, add_generation_prompt=True, tokenize=True, return_dict=True)
+        encoded = tok.apply_chat_template(normalized, tokenize=True, return_dict=True, **args)
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), KeyError, TypeError
         raise ValueError(f"chat template failed on these messages: {e}") from e
     return list(encoded["input_ids"])

@@ -17,6 +17,7 @@ import logging
 import time
 import json
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +32,7 @@ from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
 from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
 from xpyd.proxy.http_server import StreamedResponse, read_body
 from xpyd.proxy.metrics import Outcome, ProxyMetrics
+from xpyd.proxy.vllm_routes import register_vllm_routes
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.signal.request_id import RequestId
 
@@ -52,6 +54,26 @@ async def fetch_info(session: aiohttp.ClientSession, url: str, timeout: float) -
         if time.monotonic() > deadline:
             raise RuntimeError(f"colocated worker {url} not ready within {timeout:g}s")
         await asyncio.sleep(0.25)
+
+
+class _ColocatedWorker:
+    """The colocated worker as ``vllm_routes`` sees a cluster: one worker, asked for /tokenize and /detokenize."""
+
+    def __init__(self, state: dict, model: Callable[[], str]) -> None:
+        self._state = state
+        self._model = model
+
+    def served_model(self) -> str | None:
+        return self._model() if "info" in self._state else None
+
+    def up_workers(self) -> list:
+        return [SimpleNamespace(info=self._state["info"], stats=None)] if "info" in self._state else []
+
+    def prompt_tokenizer(self) -> None:
+        return None  # (forwarded: the worker's own tokenizer answers)
+
+    def control_session(self) -> aiohttp.ClientSession | None:
+        return self._state.get("session")
 
 
 def create_colocated_app(config, url: str) -> web.Application:
@@ -111,6 +133,7 @@ def create_colocated_app(config, url: str) -> web.Application:
     app.router.add_get("/metrics", metrics_route)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+    register_vllm_routes(app, _ColocatedWorker(state, model))  # /tokenize, /detokenize forwarded; /version
 
     async def forward(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         timer = metrics.request(_ENDPOINTS[kind])

@@ -112,7 +112,7 @@ class PromptTokenizer:
 
     def token_ids(self, req: CompletionRequest) -> list[int]:
         if req.kind is RequestKind.CHAT:
-            return self.encode_chat(req.messages or [])
+            return self.encode_chat(req.messages or [], req.chat.as_kwargs(), bool(req.add_special_tokens))
         return self.encode_prompt(req.prompt if req.prompt is not None else "")
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -129,18 +129,20 @@ class PromptTokenizer:
             raise ValueError("prompt is empty")
         return ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self._encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], template_args: dict | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
+        return self._encode(self.render_chat(messages, template_args), add_special_tokens=add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)  # (lets go of the GIL)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], template_args: dict | None = None) -> str:
         if self._tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        return self._tokenizer.render_chat([_message(i, m) for i, m in enumerate(messages)])
+        args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
+        return self._tokenizer.render_chat([_message(i, m) for i, m in enumerate(messages)], **args)
 
 
 def _message(index: int, message: Any) -> dict:

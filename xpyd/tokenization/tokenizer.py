@@ -95,18 +95,24 @@ class LightTokenizer:
         return _clean_up(text) if self._clean_up else text
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = False, tokenize: bool = True,
-                            return_dict: bool = False) -> Any:
-        text = self.render_chat(messages, add_generation_prompt)
+                            return_dict: bool = False, **template_args: Any) -> Any:
+        text = self.render_chat(messages, add_generation_prompt, **template_args)
         if not tokenize:
             return text
         ids = self.encode(text, add_special_tokens=False)
         return {"input_ids": ids} if return_dict else ids
 
-    def render_chat(self, messages: list, add_generation_prompt: bool = True) -> str:
-        """``messages`` through the chat template (ValueError without one, or when the template fails)."""
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` as the chat template (``--chat-template``)."""
+        self._template = compile_template(source)
+        self.chat_template = source
+
+    def render_chat(self, messages: list, add_generation_prompt: bool = True, **template_args: Any) -> str:
+        """``messages`` through the chat template (ValueError without one, or when the template fails);
+        ``template_args``: continue_final_message, tools, documents and more variables (``chat.render``)."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        return render(self._template, messages, self.special_tokens, add_generation_prompt)
+        return render(self._template, messages, self.special_tokens, add_generation_prompt, **template_args)
 
     # The special tokens' strings (None when the model has none), as transformers names them.
     bos_token = property(lambda self: self.special_tokens.get("bos_token"))

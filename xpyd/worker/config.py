@@ -61,6 +61,7 @@ class WorkerConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     generation_config: str = "auto"  # vLLM's flag: auto (the model folder's generation_config.json) | vllm | FOLDER
+    chat_template: str | None = None  # vLLM's --chat-template: a template file (or the template inline) over the model's
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
     engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
@@ -73,6 +74,10 @@ class WorkerConfig:
             raise ValueError(f"role must be prefill, decode or colocated, not {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.chat_template is not None:
+            from xpyd.tokenization.chat import read_chat_template
+
+            read_chat_template(self.chat_template)  # (a missing file or a broken template stops start-up)
         for name in ("port", "signal_port", "kv_port"):
             v = getattr(self, name)
             if not 0 <= v <= 65535:
@@ -253,6 +258,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests "
                              "that leave them out: auto reads the model folder's generation_config.json, vllm uses "
                              "vLLM's own defaults, a folder reads its generation_config.json (as vLLM's flag)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="the chat template to use instead of the model's: a Jinja file, or the template itself "
+                             "(as vLLM's flag); the proxy's cache-aware router reads it from the workers")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="turn prefix caching off: every prompt is computed, and its KV moved, whole")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="max prompt + output tokens")

@@ -40,6 +40,7 @@ from xpyd.model.loader import ResolvedModel, ensure_converted, generation_defaul
 from xpyd.model.sim.profile import SimProfile, default_profile
 from xpyd.model.sim.runner import ModelFacts, SimRunner
 from xpyd.model.tokenizer import load_tokenizer
+from xpyd.tokenization.chat import read_chat_template
 from xpyd.netaddr import WORKER_KEEP_ALIVE, fd_bind, host_port, reserve_listen
 from xpyd.tokenization.tokenizer import LightTokenizer
 from xpyd.transfer.auto import AutoTransferBackend
@@ -108,6 +109,12 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
     else:
         runner, resolved, transfer = build_torch_runner(config, transfer)
         tokenizer = load_tokenizer(resolved.path)
+    if config.chat_template is not None:  # (checked at start-up: `check_chat_template`)
+        template = read_chat_template(config.chat_template)
+        if isinstance(tokenizer, LightTokenizer):
+            tokenizer.set_chat_template(template)
+        else:
+            tokenizer.chat_template = template
     served = config.served_model_name or resolved.served_name
     defaults = generation_defaults(resolved.path, config.generation_config)
     if defaults.source is not None and defaults.named():

@@ -132,7 +132,7 @@ def _tokenize(tokenizer, req: CompletionRequest, limit: int) -> list[int]:
     add = req.add_special_tokens if req.add_special_tokens is not None else not chat
     try:
         if chat:
-            ids = encode_chat(tokenizer, req.messages or [], add_special_tokens=add)
+            ids = encode_chat(tokenizer, req.messages or [], add_special_tokens=add, template_args=req.chat.as_kwargs())
         else:
             ids = encode_prompt(tokenizer, req.prompt if req.prompt is not None else "", add_special_tokens=add)
     except ValueError as e:
