@@ -103,10 +103,11 @@ _WRONG = {  # field -> values that are wrong for it (type or range)
     "presence_penalty": [2.5, "x", True],
     "frequency_penalty": [-2.01, [], "x"],
     "repetition_penalty": [0, -1, "x", 101],
-    "tools": [[{"type": "function", "function": {"name": "f"}}]],
-    "tool_choice": ["auto"],
-    "response_format": [{"type": "json_object"}],
-    "guided_json": [{"type": "object"}],
+    "tools": [[{"type": "function", "function": {"name": "bad name"}}], "x", [{"type": "function"}]],
+    "tool_choice": ["sometimes", 5],
+    "response_format": [{"type": "yaml"}, "x", {"type": "json_schema"}],
+    "guided_json": ["[bad", 5],
+    "guided_regex": ["(unclosed", ""],
     "stream_options": [{"include_usage": True}, "x", {"continuous_usage_stats": True}],
     "model": [5, [], {}, "no-such-model", ""],
     "kv_transfer_params": ["x", 5, [], {"max_tokens": 0}, {"max_tokens": "x"},
@@ -129,7 +130,7 @@ def _good(kind: str, rng: random.Random) -> dict:
 def _field_case(rng: random.Random, kind: str, edge: str) -> Case:
     body = _good(kind, rng)
     fields = [f for f in _WRONG if not (f == "messages" and kind != "chat") and not (f == "prompt" and kind == "chat")
-              and not (f in ("max_completion_tokens", "top_logprobs") and kind != "chat")]
+              and not (f in ("max_completion_tokens", "top_logprobs", "tools", "tool_choice") and kind != "chat")]
     chosen = rng.sample(fields, rng.randint(1, 3))
     for name in chosen:
         value = rng.choice(_WRONG[name])

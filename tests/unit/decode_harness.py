@@ -114,7 +114,7 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
                               prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (no ids: prefill's names taken)
-                              take_logprobs=lambda: ())
+                              take_logprobs=lambda: (), grammar=None)
     payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload

@@ -168,8 +168,8 @@ BAD_COMPLETIONS = [
     (completion(truncate_prompt_tokens="5"), "truncate_prompt_tokens"),
     (completion(add_special_tokens="yes"), "add_special_tokens"),
     (completion(use_beam_search=True), "use_beam_search"),
-    (completion(response_format={"type": "json_object"}), "response_format"),
-    (completion(guided_json={}), "guided_json"),
+    (completion(response_format={"type": "yaml"}), "response_format"),
+    (completion(guided_json=[]), "guided_json"),
 ]
 
 
@@ -210,7 +210,7 @@ BAD_CHATS = [
     body(messages="hi"),
     body(messages=["hi"]),
     body(messages=[{"role": "robot", "content": "x"}]),
-    body(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+    body(messages=[{"role": "tool", "content": "x"}]),  # (no tool_call_id)
     body(messages=[{"role": "user"}]),
     body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
     body(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
@@ -221,7 +221,7 @@ BAD_CHATS = [
     chat(logprobs=1),
     chat(echo=True),
     chat(max_completion_tokens=0, echo=True),
-    chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat(tools=[{"type": "function", "function": {"name": "f g"}}]),
     chat(tool_choice="auto"),
     chat(chat_template="{{ x }}"),
 ]

@@ -277,3 +277,32 @@ def test_template_variables_reach_the_template(smollm):
     assert tok.decode(ids) == "[doc one]LOUD user: hi\n"
     plain = parse_request(json.dumps({"messages": body["messages"]}).encode(), RequestKind.CHAT)
     assert tok.decode(encode_chat(tok, plain.messages, template_args=plain.chat.as_kwargs())) == "user: hi\n"
+
+
+def test_tools_and_tool_calls_reach_the_template(smollm):
+    """tools and an assistant's tool_calls (arguments decoded from their JSON string, as vLLM hands them) and
+    tool messages render alike in the workers' transformers tokenizer and the proxy's copy."""
+    from transformers import PreTrainedTokenizerFast
+
+    base, _ = smollm
+    template = ("{% if tools %}<tools>{% for t in tools %}{{ t['function'] | tojson }}{% endfor %}</tools>\n{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ {'name': c['function']['name'], "
+                "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=template)
+    proxy = PromptTokenizer(TokenizerSpec.from_json(served(tok)))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    req = parse_request(json.dumps({"messages": messages, "tools": [tool]}).encode(), RequestKind.CHAT)
+    ids = encode_chat(tok, req.messages, template_args=req.chat.as_kwargs())
+    assert proxy.token_ids(req) == ids
+    text = tok.decode(ids)
+    assert text.startswith('<tools>{"name": "get_weather", "parameters": {"type": "object"}}</tools>\n')
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>tool\nsunny<|im_end|>" in text

@@ -132,7 +132,8 @@ def _decode_request(engine, broken_output: bool = False) -> tuple[str, _Sink]:
     rid, sink = str(RequestId.new(PREFILL, DECODE)), _Sink()
     payload = SimpleNamespace(arrival=time.monotonic(), sink=sink, sampling=SimpleNamespace(temperature=0),
                               output=_Output(broken_output), open_ended=False, stop=SimpleNamespace(max_tokens=4),
-                              cache_salt=None, prompt_ids=[], start_output=lambda tokenizer, sampler: None)  # (keeps its output)
+                              cache_salt=None, prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (keeps its output)
+                              grammar=None, take_logprobs=lambda: ())
     engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=payload, deadline=time.monotonic() + 60))
     return rid, sink
 

@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from xpyd.api.errors import APIError
+from xpyd.api.structured import Constraint, parse_constraint
+from xpyd.api.tools import Tools, history_calls, parse_tools, tool_message
+
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
@@ -34,35 +38,6 @@ MAX_CACHE_SALT_CHARS = 256  # (xpyd.prefix_hash.MAX_SALT_CHARS)
 MAX_CHOICES = 128  # n times the number of prompts (each choice is a request of its own on the workers)
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs; xpyd.model.logprobs)
 _UINT64 = 2**64
-
-
-class APIError(Exception):
-    """An error that becomes an OpenAI-style error response with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def to_dict(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 # Names a chat template sees that chat_template_kwargs may not set (the renderer's own arguments and variables).
@@ -138,6 +113,8 @@ class CompletionRequest:
     n: int = 1  # choices per prompt (``xpyd.api.choices`` splits a request with several)
     prompts: tuple[str | list[int], ...] | None = None  # a completion's prompts when it sent a list of several
     chat: ChatTemplateArgs = ChatTemplateArgs()  # a chat's template arguments
+    tools: Tools | None = None  # a chat's tools and tool_choice (``xpyd.api.tools``)
+    constraint: Constraint | None = None  # structured output (``xpyd.api.structured``)
 
     @property
     def prompt_scores(self) -> int | None:
@@ -164,16 +141,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (),
     "logits_processors": (),
     "prompt_embeds": (),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "chat_template": (),  # (a request's own template: vLLM takes one only when told to trust requests' templates)
     "audio": (),
     "modalities": (["text"],),
@@ -386,7 +355,7 @@ def _parse_n(d: dict, prompts: int) -> int:
     return v
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -416,21 +385,27 @@ def _parse_messages(d: dict) -> list[dict]:
             raise _bad(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
         if role not in _ROLES:
-            raise _bad(
-                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}"
-                " (tool messages are not supported)",
-                "messages",
-            )
-        if m.get("tool_calls") or m.get("function_call"):
-            raise _bad(f"messages[{i}]: tool calls are not supported", "messages")
-        msg = {"role": role, "content": _message_text(m.get("content"), i)}
+            raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+        if m.get("function_call"):
+            raise _bad(f"messages[{i}]: the legacy 'function_call' is not supported: use 'tool_calls'", "messages")
+        calls = m.get("tool_calls")
+        if calls and role != "assistant":
+            raise _bad(f"messages[{i}]: only an assistant message has 'tool_calls'", "messages")
+        content = m.get("content")
+        text = "" if content is None and (calls or role == "assistant") else _message_text(content, i)
+        if role == "tool":
+            out.append(tool_message(i, m, text))
+            continue
+        msg = {"role": role, "content": text}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if calls:
+            msg["tool_calls"] = history_calls(i, calls)
         out.append(msg)
     return out
 
 
-def _parse_chat_args(d: dict) -> ChatTemplateArgs:
+def _parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
     agp = _optional_bool(d, "add_generation_prompt", True)
     cont = _optional_bool(d, "continue_final_message")
     if agp and cont:
@@ -454,7 +429,7 @@ def _parse_chat_args(d: dict) -> ChatTemplateArgs:
                    "chat_template_kwargs")
     if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise _bad("'chat_template_kwargs' keys must be identifiers", "chat_template_kwargs")
-    return ChatTemplateArgs(agp, cont, docs, None, dict(kwargs))
+    return ChatTemplateArgs(agp, cont, docs, tools.definitions if tools is not None else None, dict(kwargs))
 
 
 def _parse_stop(d: dict) -> tuple[str, ...]:
@@ -536,6 +511,9 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
 
     is_chat = kind is RequestKind.CHAT
     prompts = None if is_chat else _parse_prompts(d)
+    tools = parse_tools(d) if is_chat else None
+    if tools is not None and tools.parsed and (logprobs is not None or echo):
+        raise _bad("'logprobs' cannot be combined with tool calls (tool_choice auto, required or named)", "logprobs")
     return CompletionRequest(
         kind=kind,
         model=model,
@@ -570,6 +548,8 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         prompt_logprobs=prompt_logprobs,
         tokens_as_ids=_optional_bool(d, "return_tokens_as_token_ids"),
         n=_parse_n(d, 1 if prompts is None else len(prompts)),
-        chat=_parse_chat_args(d) if is_chat else ChatTemplateArgs(),
+        chat=_parse_chat_args(d, tools) if is_chat else ChatTemplateArgs(),
+        tools=tools,
+        constraint=parse_constraint(d, tools),
         prompts=prompts if prompts is not None and len(prompts) > 1 else None,
     )

@@ -48,15 +48,19 @@ def completion_response(
     stop_reason: str | int | None = None,
     logprobs: dict | None = None,
     prompt_logprobs: list | None = None,
+    tool_calls: list | None = None,
 ) -> dict:
     """A complete non-streaming ``text_completion`` / ``chat.completion`` object; ``stop_reason`` (vLLM's): the
     stop string or stop token id that ended it; ``logprobs``: the choice's, in its kind's shape;
     ``prompt_logprobs`` (vLLM's): in the choice of a completion, at the top of a chat completion."""
     if kind is RequestKind.CHAT:
         obj = "chat.completion"
+        message = {"role": "assistant", "content": text}
+        if tool_calls is not None:  # (tools in play: the text left after the calls, None if none)
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -117,14 +121,15 @@ def stream_chunk(
     role: bool = False,
     stop_reason: str | int | None = None,
     logprobs: dict | None = None,
+    delta: dict | None = None,
 ) -> dict:
-    """One streaming chunk. Chat: ``role=True`` gives the opening role-only delta;
+    """One streaming chunk (chat: ``delta`` given whole, e.g. a tool call's, instead of ``text``). Chat: ``role=True`` gives the opening role-only delta;
     ``text=None`` gives an empty delta (the usual shape of a final chunk). ``stop_reason`` as vLLM's chunks
     carry it: in the last one only (with its ``finish_reason``); ``logprobs``: of this chunk's tokens."""
     if kind is RequestKind.CHAT:
         if role:
-            delta: dict = {"role": "assistant", "content": ""}
-        else:
+            delta = {"role": "assistant", "content": ""}
+        elif delta is None:
             delta = {} if text is None else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:

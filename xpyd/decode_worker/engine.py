@@ -323,6 +323,10 @@ class DecodeEngine(WorkerEngine):
         item: WorkItem = seq.payload
         if item.sampling.temperature >= GREEDY_BELOW:  # (the sampler's test: below it, greedy, nothing drawn)
             self.runner.sampler.skip_draw(item.generator)  # prefill used this draw for the first token
+        if item.grammar is not None and not item.grammar.accept(token):  # (another grammar engine or tokenizer)
+            self._fail_seq(seq, 502, f"the prefill worker's first token {token} breaks the request's grammar here",
+                           "prefill", release=True)
+            return
         _, finish = item.output.append(token)
         if finish is not None:  # the first token ended the request: no KV needed
             if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)

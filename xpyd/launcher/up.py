@@ -135,6 +135,7 @@ PASSED_ON = (
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
     ("--generation-config", ("prefill", "decode", "colocated")),
     ("--chat-template", ("prefill", "decode", "colocated")),
+    ("--tool-call-parser", ("colocated",)),  # (and the proxy's: _proxy_options)
     ("--engine", ("prefill", "decode", "colocated")),
     ("--sim-profile", ("prefill", "decode", "colocated")),
     ("--sim-speedup", ("prefill", "decode", "colocated")),
@@ -197,6 +198,8 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.proxy_workers is not None:
         out += ["--workers", str(args.proxy_workers)]
+    if getattr(args, "tool_call_parser", None) is not None:
+        out += ["--tool-call-parser", args.tool_call_parser]
     return (out + (["--log-requests"] if args.log_requests else [])
             + (["--expose-worker-names"] if args.expose_worker_names else [])
             + (["--expose-worker-timing"] if args.expose_worker_timing else []))

@@ -39,10 +39,13 @@ def skip_draw(generator: torch.Generator) -> None:
 
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-    histories: Sequence[TokenHistory | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None, masks: Sequence[bytes | None] | None = None,
 ) -> list[int]:
     """logits [B, vocab] -> one token id per row; ``histories``: each row's token history (needed by the rows
-    whose parameters are not plain; None for the others)."""
+    whose parameters are not plain; None for the others); ``masks``: each row's grammar mask
+    (`xpyd.model.grammar`; None: unconstrained), applied to a copy after the other adjustments. A row the
+    adjustments and its mask leave no token (min_tokens banning the end-of-sequence a finished grammar allows
+    alone) picks among the mask's tokens as if their logits were equal: the grammar wins."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"sample needs logits [B, vocab] with B params and generators; "
@@ -50,13 +53,27 @@ def sample(
         )
     if histories is not None and len(histories) != len(params):
         raise ValueError(f"sample needs one history per row; got {len(histories)} for {len(params)} rows")
+    if masks is not None and len(masks) != len(params):
+        raise ValueError(f"sample needs one mask (or None) per row; got {len(masks)} for {len(params)} rows")
     out = []
     for i, (p, g) in enumerate(zip(params, generators)):
         row = logits[i]
         if not p.plain:
             row = adjust_logits(row, p, histories[i] if histories is not None else None)
+        mask = masks[i] if masks is not None else None
+        if mask is not None:
+            row = _masked(row if not p.plain else row.to(torch.float32, copy=True), mask)
         out.append(_sample_row(row, p, g))
     return out
+
+
+def _masked(row: torch.Tensor, mask: bytes) -> torch.Tensor:
+    from xpyd.model.grammar_torch import apply_mask
+
+    apply_mask(row, mask)
+    if bool(torch.isneginf(row).all()):  # nothing left: the mask's tokens, alike
+        row = apply_mask(torch.zeros_like(row), mask)
+    return row
 
 
 def adjust_logits(row: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> torch.Tensor:
@@ -128,10 +145,11 @@ class TorchSampler:
 
     @staticmethod
     def sample(logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-               histories: Sequence[TokenHistory | None] | None = None) -> list[int]:
+               histories: Sequence[TokenHistory | None] | None = None,
+               masks: Sequence[bytes | None] | None = None) -> list[int]:
         if not isinstance(logits, torch.Tensor):
             logits = torch.stack(list(logits))
-        return sample(logits, params, generators, histories)
+        return sample(logits, params, generators, histories, masks)
 
     new_generator = staticmethod(make_generator)
     skip_draw = staticmethod(skip_draw)

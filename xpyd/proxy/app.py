@@ -54,6 +54,7 @@ from aiohttp import web
 
 from xpyd.api.choices import several
 from xpyd.api.identity import ResponseIdentity, client_request_id
+from xpyd.api.tool_output import check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
@@ -234,6 +235,7 @@ class Proxy:
         client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         check_content_type(request.headers.get("Content-Type"))
         req = parse_request(await read_body(request), kind)
+        check_tools(req.tools, self.config.tool_call_parser)
         model = self.served_model()
         if model is None:
             raise APIError(503, "no workers available", type="server_error")
@@ -273,8 +275,9 @@ class Proxy:
                     streaming = True  # from here the body owns the call, the timer and the slot
                     call.hold(slot)
                     return stream_response(call, req, first, headers, timer, self.worker_failed,
-                                           self._public_error(call), timing=self.config.expose_worker_timing)
-                body = await complete_body(call, req, first, timer)
+                                           self._public_error(call), timing=self.config.expose_worker_timing,
+                                           tool_parser=self.config.tool_call_parser)
+                body = await complete_body(call, req, first, timer, self.config.tool_call_parser)
                 timer.end(Outcome.OK)
                 return json_response(body, headers=headers)
             except UpstreamError as e:

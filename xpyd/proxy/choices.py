@@ -41,6 +41,8 @@ UNTIMED = _Untimed()
 
 
 class ChoiceProxy(Protocol):
+    config: object  # its ProxyConfig (the tool call parser)
+
     async def first_of(self, req: CompletionRequest, identity: ResponseIdentity,
                        prefer: tuple | None = None) -> tuple: ...
     def worker_failed(self, e: APIError) -> None: ...
@@ -88,7 +90,8 @@ async def serve_choices(proxy: ChoiceProxy, req: CompletionRequest, identity: Re
     timer.first_token()
     if not req.stream:
         try:
-            answers = await asyncio.gather(*(_json(child, call, first) for child, call, first in started))
+            answers = await asyncio.gather(*(_json(child, call, first, proxy.config.tool_call_parser)
+                                             for child, call, first in started))
         except APIError as e:
             proxy.worker_failed(e)
             raise
@@ -96,8 +99,9 @@ async def serve_choices(proxy: ChoiceProxy, req: CompletionRequest, identity: Re
             await asyncio.gather(*(call.aclose() for _, call, _ in started), return_exceptions=True)
         timer.end(Outcome.OK)
         return json_response(join_json(req, answers), headers=headers)
+    parser = proxy.config.tool_call_parser
     streams = [(child, stream_body(call, child.req, first, UNTIMED, proxy.worker_failed,
-                                   proxy._public_error(call))) for child, call, first in started]
+                                   proxy._public_error(call), parser)) for child, call, first in started]
     slot.handed_off = True
     body = _joined(req, streams, identity, timer, slot, [call for _, call, _ in started])
     weakref.finalize(body, _abandon, [call for _, call, _ in started], timer, slot)
@@ -105,8 +109,8 @@ async def serve_choices(proxy: ChoiceProxy, req: CompletionRequest, identity: Re
     return StreamedResponse(body, status=200, content_type="text/event-stream", headers=headers)
 
 
-async def _json(child: Child, call, first: FirstToken) -> tuple[Child, dict]:
-    return child, await complete_body(call, child.req, first, UNTIMED)
+async def _json(child: Child, call, first: FirstToken, tool_parser: str | None) -> tuple[Child, dict]:
+    return child, await complete_body(call, child.req, first, UNTIMED, tool_parser)
 
 
 async def _joined(req: CompletionRequest, streams: list, identity: ResponseIdentity, timer: RequestTimer,

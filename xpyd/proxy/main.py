@@ -25,6 +25,7 @@ from xpyd.netaddr import host_port, reserve_tcp
 from xpyd.proxy.app import create_app
 from xpyd.proxy.client import worker_headers
 from xpyd.proxy.http_server import serve
+from xpyd.api.tool_parsers import PARSERS
 from xpyd.proxy.config import ProxyConfig, default_policy
 from xpyd.proxy.processes import MAX_WORKERS, NAMES_KEY_ENV, process_label, run_processes
 from xpyd.proxy.routing import Policy
@@ -105,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "proxy runs (with a cluster token: in every proxy holding it), so that a benchmark "
                              "can report per worker (`xpyd bench` does); /cluster shows which worker has which "
                              "name (default: off, no header)")
+    parser.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                        help="read tool calls out of the answers for tool_choice auto in this format (hermes: "
+                             "<tool_call> JSON blocks, as Qwen and Hermes models write them; llama3_json); without "
+                             "it tool_choice auto is a 400, as in vLLM (required and named work without it)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is on with --tool-call-parser")
     parser.add_argument("--expose-worker-timing", action="store_true",
                         help="end every streamed answer with an SSE comment ': xpyd-timing {json}' (clients skip "
                              "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
@@ -165,6 +172,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         expose_worker_names=args.expose_worker_names,
         names_key=key,
         expose_worker_timing=args.expose_worker_timing,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, merge_logprobs, sse, stream_chunk, usage_chunk
+from xpyd.api.tool_output import ToolOutput
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
@@ -39,8 +40,10 @@ TOKEN_CHUNK_KEY = b'"finish_reason":'
 DONE = LastChunk(SSE_DONE)  # sent with the end of the chunked body
 
 
-async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer) -> dict:
-    """The whole (non-streaming) response, once decode has finished."""
+async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer,
+                        tool_parser: str | None = None) -> dict:
+    """The whole (non-streaming) response, once decode has finished; with tools in play, its content and tool
+    calls (``tool_parser``: the server's, for tool_choice auto)."""
     parts, finish_reason, stop_reason = [first.text], first.finish_reason, first.stop_reason
     logprobs = [first.logprobs]
     async for delta in call.rest():
@@ -50,18 +53,24 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
         if delta.finish_reason is not None:
             finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
     usage, name = call.usage, call.identity
-    return completion_response(name.id, name.created, name.model, req.kind, "".join(parts), finish_reason,
+    text, calls = "".join(parts), None
+    if req.tools is not None and req.tools.parsed:
+        tools = ToolOutput(req.tools, tool_parser)
+        message = tools.message(text)
+        text, calls, finish_reason = message["content"] or "", message["tool_calls"], tools.finish_reason(finish_reason)
+    return completion_response(name.id, name.created, name.model, req.kind, text, finish_reason,
                                usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, stop_reason,
-                               merge_logprobs(logprobs), first.prompt_logprobs)
+                               merge_logprobs(logprobs), first.prompt_logprobs, calls)
 
 
 def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, headers: dict,
                     timer: RequestTimer, on_error: Callable[[APIError], None],
-                    public: Callable[[APIError], APIError], timing: bool = False) -> StreamedResponse:
+                    public: Callable[[APIError], APIError], timing: bool = False,
+                    tool_parser: str | None = None) -> StreamedResponse:
     """A 200 SSE response relaying ``call``; it owns the call and ``timer`` from here. ``on_error`` sees a
     failure as it is; the client, as ``public`` makes it. ``timing``: end with the workers' timing comment
     (without it a timing comment from decode is dropped)."""
-    body = _stream(call, req, first, on_error, public, timer, timing)
+    body = _stream(call, req, first, on_error, public, timer, timing, tool_parser)
     # If the client leaves before the body starts, the generator never runs
     # its finally; drop the upstream calls when it is collected instead.
     weakref.finalize(body, _abandon, call, timer)
@@ -70,9 +79,10 @@ def stream_response(call: PDCall, req: CompletionRequest, first: FirstToken, hea
 
 
 def stream_body(call: PDCall, req: CompletionRequest, first: FirstToken, timer: RequestTimer,
-                on_error: Callable[[APIError], None], public: Callable[[APIError], APIError]) -> AsyncIterator[bytes]:
+                on_error: Callable[[APIError], None], public: Callable[[APIError], APIError],
+                tool_parser: str | None = None) -> AsyncIterator[bytes]:
     """The SSE body of ``call`` (as ``stream_response`` sends it); it closes the call when it ends."""
-    return _stream(call, req, first, on_error, public, timer)
+    return _stream(call, req, first, on_error, public, timer, tool_parser=tool_parser)
 
 
 def _abandon(call: PDCall, timer: RequestTimer) -> None:
@@ -83,20 +93,23 @@ def _abandon(call: PDCall, timer: RequestTimer) -> None:
 async def _stream(
     call: PDCall, req: CompletionRequest, first: FirstToken,
     on_error: Callable[[APIError], None], public: Callable[[APIError], APIError], timer: RequestTimer,
-    timing: bool = False,
+    timing: bool = False, tool_parser: str | None = None,
 ) -> AsyncIterator[bytes]:
     kind, name = req.kind, call.identity
     decoded: bytes | None = None
 
     def chunk(text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None) -> bytes:
+              stop_reason: str | int | None = None, logprobs: dict | None = None, delta: dict | None = None) -> bytes:
         return sse(stream_chunk(name.id, name.created, name.model, kind, text, finish_reason, role=role,
-                                stop_reason=stop_reason, logprobs=logprobs))
+                                stop_reason=stop_reason, logprobs=logprobs, delta=delta))
 
     try:
         if kind is RequestKind.CHAT:
             yield chunk(None, None, role=True)
-        if first.finish_reason is not None:
+        if req.tools is not None and req.tools.parsed:  # content and tool calls: decode's deltas read, not relayed
+            async for block in _with_tools(call, req, first, ToolOutput(req.tools, tool_parser), chunk, timer):
+                yield block
+        elif first.finish_reason is not None:
             yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason,
                         logprobs=first.logprobs)
             if req.include_usage:
@@ -132,6 +145,29 @@ async def _stream(
     finally:
         timer.end(Outcome.ABORTED)  # no-op unless the client went away
         await call.aclose()
+
+
+async def _with_tools(call: PDCall, req: CompletionRequest, first: FirstToken, tools: ToolOutput,
+                      chunk: Callable[..., bytes], timer: RequestTimer) -> AsyncIterator[bytes]:
+    """A streamed answer with tools in play: prefill's first token and decode's deltas through ``tools`` (content
+    deltas and tool call deltas), then the finish chunk and the usage chunk if asked."""
+    finish, stop = first.finish_reason, first.stop_reason
+    for delta in tools.delta(first.text):
+        yield chunk(None, None, delta=delta)
+    if finish is None:
+        async for piece in call.rest():
+            timer.token()
+            for delta in tools.delta(piece.text):
+                yield chunk(None, None, delta=delta)
+            if piece.finish_reason is not None:
+                finish, stop = piece.finish_reason, piece.stop_reason
+    for delta in tools.finish():
+        yield chunk(None, None, delta=delta)
+    yield chunk(None, tools.finish_reason(finish), stop_reason=stop)
+    if req.include_usage:
+        u, name = call.usage, call.identity
+        yield sse(usage_chunk(name.id, name.created, name.model, req.kind, u.prompt_tokens, u.completion_tokens,
+                              u.cached_tokens))
 
 
 def answer_timing(first: FirstToken, decoded: WorkerTiming | None) -> WorkerTiming:

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from xpyd.api.tool_parsers import PARSERS
 from xpyd.model.sim.profile import SimProfile
 from xpyd.signal.request_id import RequestIdError, check_signal_addr
 from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
@@ -61,6 +62,7 @@ class WorkerConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     generation_config: str = "auto"  # vLLM's flag: auto (the model folder's generation_config.json) | vllm | FOLDER
+    tool_call_parser: str | None = None  # colocated: how tool_choice auto reads calls (xpyd.api.tool_parsers)
     chat_template: str | None = None  # vLLM's --chat-template: a template file (or the template inline) over the model's
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
@@ -258,6 +260,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests "
                              "that leave them out: auto reads the model folder's generation_config.json, vllm uses "
                              "vLLM's own defaults, a folder reads its generation_config.json (as vLLM's flag)")
+    parser.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                        help="read tool calls out of a colocated worker's answers for tool_choice auto in this "
+                             "format (hermes: <tool_call> JSON blocks, Qwen and Hermes models; llama3_json); P/D: "
+                             "the proxy's flag")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is on with --tool-call-parser")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="the chat template to use instead of the model's: a Jinja file, or the template itself "
                              "(as vLLM's flag); the proxy's cache-aware router reads it from the workers")

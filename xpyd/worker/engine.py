@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,19 @@ class WorkerEngine(EngineThread):
         self.info: WorkerInfo | None = None
         self._items: weakref.WeakSet[WorkItem] = weakref.WeakSet()  # submitted, still referenced by the engine
         self._fault: FaultInjection | None = None
+        self._grammars = None  # (xpyd.model.grammar.Grammars: made by the first request with a constraint)
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self):
+        """The worker's grammar engine (``xpyd.model.grammar``), made on first use: the tokenizer's view for it
+        takes ~0.5 s to build, which workers that never see structured output do not pay (nor its memory)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from xpyd.model.grammar import Grammars
+
+                vocab = getattr(self.runner, "vocab_size", None) or len(self.tokenizer)
+                self._grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
+            return self._grammars
 
     def peer_compat(self) -> dict:
         """What a prefill and a decode worker must share to move KV between them, compared whole at their

@@ -34,6 +34,7 @@ from werkzeug.exceptions import HTTPException
 
 from xpyd.api.choices import Child, join_json, join_streams, several, split
 from xpyd.api.identity import response_identity
+from xpyd.api.tool_output import ToolOutput, check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import (
     SSE_DONE,
@@ -243,6 +244,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             req = parse_request(body, kind)
             named = response_identity(req.kv_transfer_params)
             children = _children(req, config.role)
+            if config.role == "colocated":
+                check_tools(req.tools, config.tool_call_parser)
             loop = asyncio.get_running_loop()
             items = []
             for child in children:  # (a colocated worker's choices: one engine request each, ids of their own)
@@ -255,8 +258,12 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             if e.status < 500:
                 engine.metrics.request_done("rejected")
             return _error(e)
+        answers = config.role == "colocated"  # (P/D: the proxy writes the client's answer from the two workers')
         extras = [ResponseExtras(req if child is None else child.req, item, engine.tokenizer,
-                                 echo_here=config.role != "decode") for child, item in zip(children, items)]
+                                 echo_here=config.role != "decode",
+                                 tools=ToolOutput(req.tools, config.tool_call_parser)
+                                 if answers and req.tools is not None and req.tools.parsed else None)
+                  for child, item in zip(children, items)]
         for item in items:  # (a prompt's first choice first: the others find its blocks cached)
             engine.submit(item)
         if named is None:  # called directly (or by the colocated proxy): named by the id's random part only
@@ -345,9 +352,13 @@ async def _collect(item: WorkItem, extras: ResponseExtras, shape: StreamShape,
         logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
         finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
         cached = ev.cached_tokens
-    return completion_response(shape.id, shape.created, shape.model, shape.kind, "".join(text), finish,
+    answer, calls = "".join(text), None
+    if extras.tools is not None:  # content and tool calls (a colocated answer)
+        message = extras.tools.message(answer)
+        answer, calls, finish = message["content"] or "", message["tool_calls"], extras.tools.finish_reason(finish)
+    return completion_response(shape.id, shape.created, shape.model, shape.kind, answer, finish,
                                prompt_tokens, completion_tokens, cached, _stop_reason(item),
-                               merge_logprobs(logprobs), extras.prompt_logprobs())
+                               merge_logprobs(logprobs), extras.prompt_logprobs(), calls)
 
 
 def _stop_reason(item: WorkItem | None) -> str | int | None:
@@ -375,9 +386,9 @@ class StreamShape:
     role_chunk: bool  # chat: open with the assistant role chunk
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None) -> bytes:
+              stop_reason: str | int | None = None, logprobs: dict | None = None, delta: dict | None = None) -> bytes:
         return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
-                                stop_reason=stop_reason, logprobs=logprobs))
+                                stop_reason=stop_reason, logprobs=logprobs, delta=delta))
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
@@ -432,6 +443,14 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 text = extras.first_text(text) if first else text
                 logprobs = extras.event_logprobs(ev.completion_tokens, ev.logprobs)
             first = False
+            if extras is not None and extras.tools is not None:  # content and tool calls (a colocated answer)
+                tools = extras.tools
+                ending = ev.finish_reason is not None
+                for delta in tools.delta(text) + (tools.finish() if ending else []):
+                    yield shape.chunk(None, None, delta=delta)
+                if ending:
+                    yield shape.chunk(None, tools.finish_reason(ev.finish_reason), stop_reason=_stop_reason(item))
+                continue
             if text or ev.finish_reason is not None or logprobs is not None:
                 if clock is not None and text:
                     clock.chunk()

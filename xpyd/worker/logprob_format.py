@@ -127,8 +127,9 @@ class ResponseExtras:
     the first token's texts. The engine fills ``item.prompt_logprobs`` before the request's first event, and
     appends every token to ``item.output.token_ids`` before the event that carries it."""
 
-    def __init__(self, req: CompletionRequest, item, tokenizer, echo_here: bool) -> None:
+    def __init__(self, req: CompletionRequest, item, tokenizer, echo_here: bool, tools=None) -> None:
         self.req = req
+        self.tools = tools  # a colocated answer's ToolOutput (content and tool calls), when tools are in play
         self.item = item
         self.echo_here = echo_here
         self.texts = TokenTexts(tokenizer, req.tokens_as_ids)

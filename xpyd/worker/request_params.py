@@ -107,7 +107,22 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     stop = stop_params(req, max(1, max_tokens), engine.eos_token_ids)
     return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended,
                     cache_salt=req.cache_salt, logprobs=req.logprobs,
-                    prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only)
+                    prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only,
+                    grammar=_matcher(engine, req))
+
+
+def _matcher(engine: Any, req: CompletionRequest):
+    """The request's grammar matcher (structured output), or None; a 400 naming the field for a grammar the engine
+    cannot compile."""
+    c = req.constraint
+    if c is None:
+        return None
+    from xpyd.model.grammar import GrammarError, GrammarSpec
+
+    try:
+        return engine.grammars().matcher(GrammarSpec(c.kind, c.value))
+    except GrammarError as e:
+        raise APIError(400, f"'{c.param}': {e}", param=c.param) from None
 
 
 def _truncated(n: int, req: CompletionRequest, limit: int) -> int:

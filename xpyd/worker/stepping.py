@@ -4,7 +4,7 @@ The runner (the model's `ModelRunner`, or the simulated engine's) does both: ``p
 ``decode_rows`` return one row of scores per request, its ``sampler`` turns rows into tokens (``sample``),
 makes a request's random state (``new_generator``) and consumes the draw another worker made (``skip_draw``).
 Each row goes with its request's token history (``WorkItem.history``: None unless penalties, ``logit_bias``,
-``min_tokens`` or ``min_p`` adjust its logits).
+``min_tokens`` or ``min_p`` adjust its logits), and its grammar's mask (structured output: ``WorkItem.grammar``).
 
 Logprobs: a request that asks for them (``WorkItem.logprobs``) gets its sampled token's (``TokenLogprob``, from
 the runner's raw scores, as vLLM's default) set on the item for its next event; one that scores its prompt
@@ -26,9 +26,16 @@ from xpyd.worker.work_item import WorkItem
 
 
 def sample_rows(runner: Any, rows: Sequence[Any], items: Sequence[WorkItem]) -> list[int]:
-    """One token per (row, item); the logprob of each where its item asks (``WorkItem.sampled_logprob``)."""
+    """One token per (row, item); the logprob of each where its item asks (``WorkItem.sampled_logprob``). A row
+    whose item has a grammar is masked by it, and its matcher takes the token."""
+    grammars = [i.grammar for i in items]
+    masks = [g.allowed() if g is not None else None for g in grammars] if any(grammars) else None
     tokens = runner.sampler.sample(rows, [i.sampling for i in items], [i.generator for i in items],
-                                   [i.history() for i in items])
+                                   [i.history() for i in items], *([masks] if masks is not None else []))
+    if masks is not None:
+        for g, token in zip(grammars, tokens):
+            if g is not None and not g.accept(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
     wanted = [j for j, item in enumerate(items) if item.logprobs is not None]
     if wanted:
         scored = runner.sampler.logprobs([rows[j] for j in wanted], [tokens[j] for j in wanted],

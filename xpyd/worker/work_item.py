@@ -102,6 +102,7 @@ class WorkItem:
     prompt_only: bool = False  # max_tokens 0 (with echo): the prompt is computed (and scored), nothing sampled
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as computed
     sampled_logprob: TokenLogprob | None = None  # the last sampled token's (set by the step, taken by the engine)
+    grammar: object | None = None  # structured output: its grammar matcher (``xpyd.model.grammar.Matcher``)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)

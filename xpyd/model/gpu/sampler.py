@@ -177,6 +177,10 @@ class DeviceSampler:
     @classmethod
     def sample(
         cls, logits, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-        histories: Sequence[TokenHistory | None] | None = None,
+        histories: Sequence[TokenHistory | None] | None = None, masks: Sequence[bytes | None] | None = None,
     ) -> list[int]:
+        if masks is not None and any(m is not None for m in masks):  # (grammar rows: the CPU sampler's path)
+            if not isinstance(logits, torch.Tensor):
+                logits = torch.stack(list(logits))
+            return sample(logits.float().cpu(), params, generators, histories, masks)
         return cls.sample_device(logits, params, generators, histories).cpu().tolist()

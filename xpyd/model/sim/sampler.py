@@ -66,15 +66,43 @@ class SimSampler:
 
     def sample(self, rows: Sequence[bytes], params: Sequence[SamplingParams],
                generators: Sequence[SimGenerator | None],
-               histories: Sequence[TokenHistory | None] | None = None) -> list[int]:
+               histories: Sequence[TokenHistory | None] | None = None,
+               masks: Sequence[bytes | None] | None = None) -> list[int]:
         if not len(rows) == len(params) == len(generators):
             raise ValueError(f"sample needs as many rows, params and generators; got {len(rows)}, {len(params)}, "
                              f"{len(generators)}")
         if histories is not None and len(histories) != len(rows):
             raise ValueError(f"sample needs one history per row; got {len(histories)} for {len(rows)} rows")
-        return [self._one(bytes(row), p, g) if p.plain else
-                self._adjusted(bytes(row), p, g, histories[i] if histories is not None else None)
-                for i, (row, p, g) in enumerate(zip(rows, params, generators))]
+        if masks is not None and len(masks) != len(rows):
+            raise ValueError(f"sample needs one mask (or None) per row; got {len(masks)} for {len(rows)} rows")
+        out = []
+        for i, (row, p, g) in enumerate(zip(rows, params, generators)):
+            history = histories[i] if histories is not None else None
+            if masks is not None and masks[i] is not None:
+                out.append(self._constrained(bytes(row), p, g, history, masks[i]))
+            else:
+                out.append(self._one(bytes(row), p, g) if p.plain else self._adjusted(bytes(row), p, g, history))
+        return out
+
+    def _constrained(self, digest: bytes, params: SamplingParams, generator: SimGenerator | None,
+                     history: TokenHistory | None, mask: bytes) -> int:
+        """Under a grammar mask: the best allowed candidate (greedy), or one of the allowed candidates picked by
+        the draw; when no candidate is allowed, one of the mask's tokens (end-of-sequence ids included: a
+        finished grammar allows only them), picked by the digest (greedy) or the draw. One draw when sampling."""
+        from xpyd.model.grammar import mask_allows, mask_tokens  # (llguidance: loaded by the first grammar)
+
+        logits = self.logits(digest, params, history)
+        order = [t for t in sorted(logits, key=lambda t: -logits[t]) if logits[t] > -math.inf]
+        allowed = [t for t in order if mask_allows(mask, t)]
+        key = int.from_bytes(digest, "little")
+        if not params.greedy:
+            key = int.from_bytes(blake2b(digest + self._draw(generator), digest_size=8).digest(), "little")
+        if allowed:
+            return allowed[0] if params.greedy else allowed[key % len(allowed)]
+        tokens = [t for t in mask_tokens(mask) if t < self.vocab_size]
+        if not tokens:
+            raise ValueError("a grammar mask allows no token")
+        return tokens[key % len(tokens)]
 
     def logprobs(self, rows: Sequence[bytes], tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
         """For row i (a digest), the raw logprob, rank and top ks[i] alternatives of tokens[i] (module docstring)."""
