@@ -115,3 +115,18 @@ def test_a_worker_with_a_broken_template_file_does_not_start(tmp_path, smollm_di
                           "--port", str(free_port()), "--chat-template", str(bad)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "chat template" in (out.stderr + out.stdout)
+
+
+def test_the_request_id_field_names_the_response(urls):
+    """vLLM's request_id field names the response as X-Request-Id does (the colocated proxy: its header)."""
+    for name in ("pd", "co"):
+        body = {"messages": CHAT, "max_tokens": 2, "request_id": f"job-{name}"}
+        req = urllib.request.Request(urls[name] + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer, header = json.loads(r.read()), r.headers["X-Request-Id"]
+        assert header == f"job-{name}"
+        if name == "pd":  # (the colocated proxy passes its worker's answer on, named by the worker)
+            assert answer["id"] == f"chatcmpl-job-{name}"
+    err = _call(urls["pd"], "/v1/chat/completions", {"messages": CHAT, "request_id": "bad id\n"}, status=400)
+    assert err["error"]["param"] == "request_id"

@@ -106,6 +106,8 @@ def test_add_special_tokens_and_truncation(bos_tok):
     assert request_params._tokenize(bos_tok, _req(C, add_special_tokens=False), 100) == plain
     assert request_params._tokenize(bos_tok, _req(C, truncate_prompt_tokens=2), 100) == plain[-2:]
     assert request_params._tokenize(bos_tok, _req(C, truncate_prompt_tokens=-1), 2) == plain[-2:]
+    assert request_params._tokenize(bos_tok, _req(C, truncate_prompt_tokens=2, truncation_side="right"),
+                                    100) == [1, plain[0]]  # (vLLM's truncation_side: keep the first k)
     chat = bos_tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     assert request_params._tokenize(bos_tok, _req(CHAT), 100) == chat  # chat: the template's tokens only
     assert request_params._tokenize(bos_tok, _req(CHAT, add_special_tokens=True), 100) == [1] + chat

@@ -91,13 +91,13 @@ def response_identity(kv_transfer_params: dict | None) -> ResponseIdentity | Non
     return ResponseIdentity(obj["id"], obj["created"], obj["model"])
 
 
-def client_request_id(value: str | None) -> str | None:
-    """A client's ``X-Request-Id`` header as the proxy takes it: None when absent or empty; APIError(400)
-    naming the header unless it is 1 to MAX_CLIENT_ID_CHARS visible ASCII characters without quotes or
-    backslashes (what a response id may hold)."""
+def client_request_id(value: str | None, name: str = CLIENT_ID_HEADER) -> str | None:
+    """A client's ``X-Request-Id`` header (or vLLM's ``request_id`` field: ``name``) as the proxy takes it: None
+    when absent or empty; APIError(400) naming it unless it is 1 to MAX_CLIENT_ID_CHARS visible ASCII characters
+    without quotes or backslashes (what a response id may hold)."""
     if not value:
         return None
     if len(value) > MAX_CLIENT_ID_CHARS or not _ID.fullmatch(value):
-        raise APIError(400, f"{CLIENT_ID_HEADER} must be 1 to {MAX_CLIENT_ID_CHARS} visible ASCII characters "
-                       "without quotes or backslashes", param=CLIENT_ID_HEADER)
+        raise APIError(400, f"{name} must be 1 to {MAX_CLIENT_ID_CHARS} visible ASCII characters "
+                       "without quotes or backslashes", param=name)
     return value

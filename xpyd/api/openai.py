@@ -105,11 +105,13 @@ class CompletionRequest:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model's context)
+    truncation_side: str = "left"  # vLLM's: which end truncate_prompt_tokens cuts ("right": keep the first k)
     add_special_tokens: bool | None = None  # None: completions True, chat False (the template has them)
     logprobs: int | None = None  # each generated token's logprob with this many top alternatives (None: none)
     echo: bool = False  # completions: the prompt comes back before the output (with its logprobs if asked)
     prompt_logprobs: int | None = None  # vLLM's: every prompt token's logprob, with this many alternatives
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    request_id: str | None = None  # vLLM's request_id field: names the response as X-Request-Id does
     n: int = 1  # choices per prompt (``xpyd.api.choices`` splits a request with several)
     prompts: tuple[str | list[int], ...] | None = None  # a completion's prompts when it sent a list of several
     chat: ChatTemplateArgs = ChatTemplateArgs()  # a chat's template arguments
@@ -147,6 +149,23 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
+    # vLLM's (0.32) fields this server does not implement: only their "off" values are taken
+    "watermarking": (),
+    "logprob_token_ids": (),
+    "priority": (0,),
+    "routed_experts_prompt_start": (0,),
+    "return_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "return_prompt_text": (False,),
+    "mm_payload": ("tensors",),
+    "return_mm_kwargs": (False,),
+    "ec_transfer_params": (),
+    "vllm_xargs": ({},),
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "stream_interval": (1,),
+    "media_io_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
 }
 
 
@@ -405,6 +424,22 @@ def _parse_messages(d: dict) -> list[dict]:
     return out
 
 
+def _parse_side(d: dict) -> str:
+    v = d.get("truncation_side")
+    if v is None:
+        return "left"
+    if v not in ("left", "right"):
+        raise _bad("'truncation_side' must be left or right", "truncation_side")
+    return v
+
+
+def _parse_request_id(d: dict) -> str | None:
+    v = d.get("request_id")
+    if v is not None and not (isinstance(v, str) and v):
+        raise _bad("'request_id' must be a non-empty string", "request_id")
+    return v
+
+
 def _parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
     agp = _optional_bool(d, "add_generation_prompt", True)
     cont = _optional_bool(d, "continue_final_message")
@@ -429,6 +464,14 @@ def _parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
                    "chat_template_kwargs")
     if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise _bad("'chat_template_kwargs' keys must be identifiers", "chat_template_kwargs")
+    effort = d.get("reasoning_effort")  # (a template variable, as vLLM hands it to reasoning models' templates)
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise _bad("'reasoning_effort' must be a string", "reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    include = d.get("include_reasoning")
+    if include is not None and not isinstance(include, bool):  # (no reasoning parser: no reasoning to include)
+        raise _bad("'include_reasoning' must be a boolean", "include_reasoning")
     return ChatTemplateArgs(agp, cont, docs, tools.definitions if tools is not None else None, dict(kwargs))
 
 
@@ -548,6 +591,8 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         prompt_logprobs=prompt_logprobs,
         tokens_as_ids=_optional_bool(d, "return_tokens_as_token_ids"),
         n=_parse_n(d, 1 if prompts is None else len(prompts)),
+        truncation_side=_parse_side(d),
+        request_id=_parse_request_id(d),
         chat=_parse_chat_args(d, tools) if is_chat else ChatTemplateArgs(),
         tools=tools,
         constraint=parse_constraint(d, tools),

@@ -235,6 +235,8 @@ class Proxy:
         client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         check_content_type(request.headers.get("Content-Type"))
         req = parse_request(await read_body(request), kind)
+        if client_id is None and req.request_id is not None:  # (vLLM's request_id field names it as the header)
+            client_id = client_request_id(req.request_id, "request_id")
         check_tools(req.tools, self.config.tool_call_parser)
         model = self.served_model()
         if model is None:

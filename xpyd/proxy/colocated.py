@@ -153,6 +153,8 @@ def create_colocated_app(config, url: str) -> web.Application:
             client_id = client_request_id(request.headers.get("X-Request-Id"))
             check_content_type(request.headers.get("Content-Type"))
             req = parse_request(await read_body(request), kind)
+            if client_id is None and req.request_id is not None:  # (vLLM's request_id field: as the header)
+                client_id = client_request_id(req.request_id, "request_id")
             if req.model is not None and req.model != model():
                 raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")

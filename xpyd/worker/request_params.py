@@ -126,7 +126,8 @@ def _matcher(engine: Any, req: CompletionRequest):
 
 
 def _truncated(n: int, req: CompletionRequest, limit: int) -> int:
-    """How many of a prompt's ``n`` tokens ``truncate_prompt_tokens`` keeps (its last ones)."""
+    """How many of a prompt's ``n`` tokens ``truncate_prompt_tokens`` keeps (its last ones, or with
+    ``truncation_side`` right its first)."""
     k = req.truncate_prompt_tokens
     return n if k is None else min(n, limit if k == -1 else k)
 
@@ -154,4 +155,5 @@ def _tokenize(tokenizer, req: CompletionRequest, limit: int) -> list[int]:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
-    return ids[len(ids) - _truncated(len(ids), req, limit):]
+    keep = _truncated(len(ids), req, limit)
+    return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep:]
