@@ -224,3 +224,37 @@ def _auto_without_parser(urls: dict, body: dict) -> None:
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_the_official_client_parses_and_calls_tools(urls):
+    """The openai client's ``.parse()`` with a pydantic model, and ``tool_choice="required"``, through the P/D
+    proxy: schema-valid every time (ten seeds)."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        celsius: int = Field(ge=-20, le=40)
+        sunny: bool
+
+    client = openai.OpenAI(base_url=urls["pd"] + "/v1", api_key="none", max_retries=0)
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}  # (a simulated model writes white space forever)
+    for seed in range(10):
+        done = client.beta.chat.completions.parse(model="m", messages=CHAT, response_format=Weather, seed=seed,
+                                                  temperature=1.0, max_tokens=120, extra_body=compact)
+        parsed = done.choices[0].message.parsed
+        assert isinstance(parsed, Weather) and -20 <= parsed.celsius <= 40, done
+        called = client.chat.completions.create(model="m", messages=CHAT, tools=[WEATHER, TIME], seed=seed,
+                                                tool_choice="required", temperature=1.0, max_tokens=200,
+                                                parallel_tool_calls=False,  # (a simulated model would list calls
+                                                extra_body=compact)         # at random, as long as max_tokens)
+        calls = called.choices[0].message.tool_calls
+        assert calls and called.choices[0].finish_reason == "tool_calls", called
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "get_weather":
+                assert args["city"] in ("Paris", "Rome") and args["unit"] in ("C", "F") and len(args) == 2
+            else:
+                assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET") and len(args) == 1
