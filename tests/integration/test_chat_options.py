@@ -71,6 +71,8 @@ CASES = {
     "continue": {"messages": OPEN, "add_generation_prompt": False, "continue_final_message": True},
     "kwargs-and-documents": {"messages": CHAT, "chat_template_kwargs": {"style": "terse"},
                              "documents": [{"text": "red is a colour"}]},
+    "own-template": {"messages": CHAT, "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                                                        "\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"},
 }
 RENDERED = {  # what the template file renders for each case (the sim tokenizer's text of the prompt)
     "plain": "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",
@@ -78,6 +80,7 @@ RENDERED = {  # what the template file renders for each case (the sim tokenizer'
     "continue": "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nThe colour is",
     "kwargs-and-documents": "<doc>red is a colour</doc>\n<|im_start|>user\nName a colour.<|im_end|>\n"
                             "<|im_start|>system\nstyle=terse<|im_end|>\n<|im_start|>assistant\n",
+    "own-template": "[user] Name a colour.\n>",
 }
 
 
@@ -99,7 +102,7 @@ def test_template_arguments_that_make_no_sense_are_400(urls):
                         ({"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
                          "chat_template_kwargs"),
                         ({"messages": CHAT, "documents": [1]}, "documents"),
-                        ({"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template")):
+                        ({"messages": CHAT, "chat_template": "{% for m in messages %}"}, "chat_template")):
         for name in ("pd", "co"):
             err = _call(urls[name], "/v1/chat/completions", body, status=400)
             assert err["error"]["param"] == param

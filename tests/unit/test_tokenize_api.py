@@ -61,7 +61,7 @@ def test_the_workers_tokenizer_and_the_proxys_copy_answer_alike(tokenizers, body
     ({"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": CHAT, "documents": "d"}, "documents"),
-    ({"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+    ({"messages": CHAT, "chat_template": 5}, "chat_template"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": CHAT, "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
 ])

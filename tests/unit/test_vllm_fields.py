@@ -53,7 +53,7 @@ HONOURED = {
     "truncate_prompt_tokens": OUTPUT, "truncation_side": OUTPUT, "add_special_tokens": OUTPUT,
     "response_format": STRUCTURED, "structured_outputs": STRUCTURED, "tools": STRUCTURED, "tool_choice": STRUCTURED,
     "parallel_tool_calls": STRUCTURED, "add_generation_prompt": CHAT_ARGS, "continue_final_message": CHAT_ARGS,
-    "documents": CHAT_ARGS, "chat_template_kwargs": CHAT_ARGS, "reasoning_effort": "unit/test_vllm_fields.py",
+    "documents": CHAT_ARGS, "chat_template_kwargs": CHAT_ARGS, "chat_template": CHAT_ARGS, "reasoning_effort": "unit/test_vllm_fields.py",
     "request_id": CHAT_ARGS, "cache_salt": "integration/test_proxy_cache_routing.py",
     "kv_transfer_params": "integration/test_workers.py",  # (xpyd's own between proxy and workers: the proxy sets it)
 }
@@ -66,7 +66,7 @@ REFUSED = {
     "priority": 1, "return_token_ids": True, "routed_experts_prompt_start": 3, "return_token_offsets": True,
     "mm_payload": "other", "return_mm_kwargs": True, "ec_transfer_params": {"x": 1}, "vllm_xargs": {"a": 1},
     "repetition_detection": {"max_pattern_size": 4}, "thinking_token_budget": 100, "stream_interval": 4,
-    "chat_template": "{{ messages }}", "media_io_kwargs": {"video": {}}, "mm_processor_kwargs": {"x": 1},
+    "media_io_kwargs": {"video": {}}, "mm_processor_kwargs": {"x": 1},
     "return_prompt_text": True,
 }
 

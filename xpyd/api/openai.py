@@ -46,6 +46,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_dict", "chat_template", "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs",
     "return_assistant_tokens_mask", "sanitize_control_tokens", "bos_token", "eos_token", "unk_token", "pad_token"})
 MAX_DOCUMENTS = 64
+MAX_TEMPLATE_CHARS = 64 * 1024  # a request's own chat template
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class ChatTemplateArgs:
     documents: list | None = None
     tools: list | None = None
     kwargs: dict = field(default_factory=dict)
+    template: str | None = None  # the request's own chat template (vLLM's chat_template field; sandboxed Jinja)
 
     def as_kwargs(self) -> dict:
         """The arguments of ``apply_chat_template`` (transformers' and ``xpyd.tokenization``'s alike)."""
@@ -68,6 +70,8 @@ class ChatTemplateArgs:
             out["documents"] = self.documents
         if self.tools is not None:
             out["tools"] = self.tools
+        if self.template is not None:
+            out["chat_template"] = self.template
         return out
 
 
@@ -145,7 +149,6 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "prompt_embeds": (),
     "functions": ([],),
     "function_call": ("none",),
-    "chat_template": (),  # (a request's own template: vLLM takes one only when told to trust requests' templates)
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -472,7 +475,10 @@ def _parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
     include = d.get("include_reasoning")
     if include is not None and not isinstance(include, bool):  # (no reasoning parser: no reasoning to include)
         raise _bad("'include_reasoning' must be a boolean", "include_reasoning")
-    return ChatTemplateArgs(agp, cont, docs, tools.definitions if tools is not None else None, dict(kwargs))
+    template = d.get("chat_template")
+    if template is not None and not (isinstance(template, str) and 0 < len(template) <= MAX_TEMPLATE_CHARS):
+        raise _bad(f"'chat_template' must be a template of 1 to {MAX_TEMPLATE_CHARS} characters", "chat_template")
+    return ChatTemplateArgs(agp, cont, docs, tools.definitions if tools is not None else None, dict(kwargs), template)
 
 
 def _parse_stop(d: dict) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ the proxy (its copy of the workers' tokenizer), so both answer with the same tok
 The chat form renders the messages through the model's chat template (the messages read as the chat endpoint
 reads them: ``xpyd.api.openai.parse_request``) and encodes the text with special tokens only if asked, as
 vLLM does, with the chat endpoint's template arguments (``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs``, ``documents``, ``tools``). Fields that would change the tokens and are not implemented
-here (``chat_template``, multimodal kwargs) are a 400 that names them; other
+``chat_template_kwargs``, ``documents``, ``tools``, ``chat_template``). Fields that would change the tokens and
+are not implemented here (multimodal kwargs) are a 400 that names them; other
 unknown fields are ignored, as vLLM ignores them. A tokenizer here is anything offering transformers' names:
 ``encode(text, add_special_tokens=)``, ``apply_chat_template(messages, tokenize=False, **template arguments)``,
 ``decode(ids)``, ``len(tok)`` and ``backend_tokenizer.id_to_token``.
@@ -32,7 +32,6 @@ from xpyd.api.openai import APIError, ChatTemplateArgs, RequestKind, parse_reque
 # Fields of vLLM's TokenizeChatRequest that change the tokens and that this server does not implement yet,
 # with the values that mean "off".
 _CHAT_OFF: dict[str, tuple[Any, ...]] = {
-    "chat_template": (),
     "media_io_kwargs": ({},),
     "mm_processor_kwargs": ({},),
 }
@@ -100,7 +99,7 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
             raise _bad(f"'{key}' is not supported by /tokenize on this server (got {v!r})", key)
     # the messages and template arguments exactly as /v1/chat/completions reads them: both tokenize them alike
     fields = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
-              "tools")
+              "tools", "chat_template")
     chat = parse_request(json.dumps({k: d[k] for k in fields if k in d}).encode(), RequestKind.CHAT)
     return TokenizeRequest(d.get("model"), None, chat.messages, _flag(d, "add_special_tokens", False),
                            chat.chat.add_generation_prompt, strs, chat.chat)
@@ -124,7 +123,7 @@ def check_model(model: str | None, served: str) -> None:
 def tokenize(tok: Any, req: TokenizeRequest, max_model_len: int) -> dict:
     """The ``/tokenize`` answer (run it off the event loop: a long prompt takes milliseconds)."""
     if req.messages is not None:
-        if not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None) and req.chat.template is None:
             raise _bad("this model's tokenizer has no chat template; tokenize a 'prompt' instead", "messages")
         try:
             text = tok.apply_chat_template(req.messages, tokenize=False, **req.chat.as_kwargs())

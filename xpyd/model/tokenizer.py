@@ -58,12 +58,12 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int], add_spe
 
 
 def prompt_length_unrendered(tok: PreTrainedTokenizerBase, prompt: str | list[int] | None,
-                             messages: list[dict] | None) -> int | None:
+                             messages: list[dict] | None, own_template: bool = False) -> int | None:
     """Every check of a prompt that needs no tokenizing or chat template: a token-id list in full (its
     length is then known and returned), a text prompt's emptiness, the messages' structure. None: the
     length is only known after tokenizing (a decode worker learns it from prefill)."""
     if messages is not None:
-        if not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None) and not own_template:
             raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
         for i, m in enumerate(_check_list(messages)):
             _check_message(i, m)
@@ -81,10 +81,10 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], add_special_
     special tokens (the template writes them) unless ``add_special_tokens`` (vLLM's chat field of that name).
     ``template_args``: apply_chat_template's (``ChatTemplateArgs.as_kwargs``: add_generation_prompt,
     continue_final_message, tools, documents, chat_template_kwargs); default: ending with the assistant turn."""
-    if not getattr(tok, "chat_template", None):
+    args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
+    if not getattr(tok, "chat_template", None) and not args.get("chat_template"):
         raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
-    args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
     try:
         if add_special_tokens:
             text = tok.apply_chat_template(normalized, tokenize=False, **args)

@@ -137,11 +137,11 @@ class PromptTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)  # (lets go of the GIL)
 
     def render_chat(self, messages: list[dict], template_args: dict | None = None) -> str:
-        if self._tokenizer.chat_template is None:
+        args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
+        if self._tokenizer.chat_template is None and not args.get("chat_template"):
             raise ValueError("this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        args = dict(template_args) if template_args is not None else {"add_generation_prompt": True}
         return self._tokenizer.render_chat([_message(i, m) for i, m in enumerate(messages)], **args)
 
 

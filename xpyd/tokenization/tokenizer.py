@@ -17,6 +17,8 @@ covered.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,15 +112,23 @@ class LightTokenizer:
     def render_chat(self, messages: list, add_generation_prompt: bool = True, **template_args: Any) -> str:
         """``messages`` through the chat template (ValueError without one, or when the template fails);
         ``template_args``: continue_final_message, tools, documents and more variables (``chat.render``)."""
-        if self._template is None:
+        source = template_args.pop("chat_template", None)  # (a request's own template)
+        template = _compiled(source) if source is not None else self._template
+        if template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        return render(self._template, messages, self.special_tokens, add_generation_prompt, **template_args)
+        return render(template, messages, self.special_tokens, add_generation_prompt, **template_args)
 
     # The special tokens' strings (None when the model has none), as transformers names them.
     bos_token = property(lambda self: self.special_tokens.get("bos_token"))
     eos_token = property(lambda self: self.special_tokens.get("eos_token"))
     unk_token = property(lambda self: self.special_tokens.get("unk_token"))
     pad_token = property(lambda self: self.special_tokens.get("pad_token"))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(source: str):
+    """A request's own chat template, compiled once (the same template comes with many requests)."""
+    return compile_template(source)
 
 
 def _read_json(path: Path) -> dict:

@@ -136,7 +136,8 @@ def _untokenized_length(tokenizer, req: CompletionRequest, limit: int) -> int | 
     """Decode's checks of the prompt (all but tokenizing): its length when that needs no tokenizer."""
     chat = req.kind is RequestKind.CHAT
     try:
-        n = prompt_length_unrendered(tokenizer, None if chat else req.prompt, (req.messages or []) if chat else None)
+        n = prompt_length_unrendered(tokenizer, None if chat else req.prompt, (req.messages or []) if chat else None,
+                                     own_template=req.chat.template is not None)
     except ValueError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     return None if n is None else _truncated(n, req, limit)
@@ -151,8 +152,9 @@ def _tokenize(tokenizer, req: CompletionRequest, limit: int) -> list[int]:
             ids = encode_chat(tokenizer, req.messages or [], add_special_tokens=add, template_args=req.chat.as_kwargs())
         else:
             ids = encode_prompt(tokenizer, req.prompt if req.prompt is not None else "", add_special_tokens=add)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+    except ValueError as e:  # (a request's own template is named when rendering failed)
+        param = ("chat_template" if req.chat.template is not None else "messages") if chat else "prompt"
+        raise APIError(400, str(e), param=param) from None
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
     keep = _truncated(len(ids), req, limit)
