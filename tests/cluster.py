@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,3 +262,37 @@ class UpProcess:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence[str] = (),
+                           colocated: Sequence[str] = (), pd_proxy: Sequence[str] = ()) -> dict[str, str]:
+    """1P1D with its proxy, and a colocated worker with its proxy, all started with ``options`` (and each the
+    extra options given): their URLs as prefill, decode, colocated, pd (the P/D proxy) and co (the colocated
+    one), once all are healthy. The caller stops ``c``."""
+    pp, ps, dp, dk, xp, wp, cp = (free_port() for _ in range(7))
+    urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
+            "colocated": f"http://127.0.0.1:{wp}", "pd": f"http://127.0.0.1:{xp}", "co": f"http://127.0.0.1:{cp}"}
+    c.start("prefill", ["prefill", *options, *prefill, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
+    c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
+    c.start("colocated", ["colocated", *options, *colocated, "--port", str(wp)], urls["colocated"])
+    c.wait_healthy()
+    c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"],
+                         *pd_proxy], urls["pd"])
+    c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"]], urls["co"])
+    c.wait_healthy()
+    return urls
+
+
+def post_json(url: str, path: str, body: dict, status: int = 200, headers: dict | None = None):
+    """POST ``body``; its JSON answer (``status`` expected), or a stream's events (data lines that are objects)."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            got, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        got, raw = e.code, e.read()
+    assert got == status, (got, raw[:500])
+    if not body.get("stream") or status != 200:
+        return json.loads(raw)
+    return [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]

@@ -6,13 +6,12 @@ of the tokenizer (read from the workers, template included) counts the tokens th
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, free_port, wait_until
+from tests.cluster import Cluster, free_port, post_json, start_pd_and_colocated, wait_until
 
 TEMPLATE = ("{% for d in documents or [] %}<doc>{{ d['text'] }}</doc>\n{% endfor %}"
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -23,16 +22,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 OPEN = [*CHAT, {"role": "assistant", "content": "The colour is"}]
 
 
-def _call(url: str, path: str, body: dict, status: int = 200) -> dict:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            got, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        got, raw = e.code, e.read()
-    assert got == status, (got, raw[:400])
-    return json.loads(raw)
+_call = post_json
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +34,7 @@ def urls(tmp_path_factory, smollm_dir: Path):
                "--max-model-len", "512", "--served-model-name", "m", "--chat-template", str(template)]
     c = Cluster(tmp)
     try:
-        pp, ps, dp, dk, wp, ap, cp = (free_port() for _ in range(7))
-        out = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
-               "colocated": f"http://127.0.0.1:{wp}", "pd": f"http://127.0.0.1:{ap}", "co": f"http://127.0.0.1:{cp}"}
-        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], out["prefill"])
-        c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], out["decode"])
-        c.start("colocated", ["colocated", *options, "--port", str(wp)], out["colocated"])
-        c.wait_healthy()
-        c.start("pd", ["proxy", "--port", str(ap), "--prefill", out["prefill"], "--decode", out["decode"],
-                       "--policy", "cache_aware"], out["pd"])
-        c.start("co", ["proxy", "--port", str(cp), "--colocated", out["colocated"]], out["co"])
-        c.wait_healthy()
+        out = start_pd_and_colocated(c, options, pd_proxy=["--policy", "cache_aware"])
         wait_until(lambda: _call(out["pd"], "/tokenize", {"prompt": "x"}) is not None
                    and json.loads(urllib.request.urlopen(out["pd"] + "/cluster", timeout=10).read())["tokenizer"],
                    60, "the cache-aware proxy's tokenizer")

@@ -7,31 +7,18 @@ find its blocks in the prefill worker's prefix cache instead of computing them a
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, free_port
+from tests.cluster import Cluster, post_json, start_pd_and_colocated
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog and then", "Once upon a time in a land far away, there"]
 SAMPLED = {"temperature": 0.9, "seed": 11, "max_tokens": 6, "ignore_eos": True}
 
 
-def _call(url: str, path: str, body: dict, status: int = 200, headers: dict | None = None):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read()
-            got = r.status
-    except urllib.error.HTTPError as e:
-        raw, got = e.read(), e.code
-    assert got == status, (got, raw[:500])
-    if not body.get("stream") or status != 200:
-        return json.loads(raw)
-    return [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+_call = post_json
 
 
 def _get(url: str) -> dict:
@@ -60,18 +47,7 @@ def cluster(tmp_path_factory, smollm_dir: Path):
                "--batch-size", "8", "--max-model-len", "256", "--served-model-name", "m"]
     c = Cluster(tmp_path_factory.mktemp("choices"))
     try:
-        pp, ps, dp, dk, xp, wp, cp = (free_port() for _ in range(7))
-        urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
-                "colocated": f"http://127.0.0.1:{wp}"}
-        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
-        c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
-        c.start("colocated", ["colocated", *options, "--port", str(wp)], urls["colocated"])
-        c.wait_healthy()
-        urls["pd"], urls["co"] = f"http://127.0.0.1:{xp}", f"http://127.0.0.1:{cp}"
-        c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
-                urls["pd"])
-        c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"]], urls["co"])
-        c.wait_healthy()
+        urls = start_pd_and_colocated(c, options)
     except BaseException:
         c.stop()
         raise

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, free_port
+from tests.cluster import Cluster, post_json, start_pd_and_colocated
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -26,17 +25,9 @@ GEN = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 
 def _call(url: str, path: str, body: dict):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"{url}: {e.code} {e.read()[:500]!r}") from None
-    if not body.get("stream"):
-        return json.loads(raw)
-    events = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
-    assert all("error" not in e for e in events), events
+    events = post_json(url, path, body)
+    if body.get("stream"):
+        assert all("error" not in e for e in events), events
     return events
 
 
@@ -94,20 +85,8 @@ def cluster(request, tmp_path_factory, smollm_dir: Path):
         options = ["--model", str(model), "--dtype", "float32"]
     options += ["--threads", "1", "--batch-size", "4", "--max-model-len", "256", "--served-model-name", "m"]
     c = Cluster(tmp_path_factory.mktemp(f"logprobs-{request.param}"))
-    try:
-        pp, ps, dp, dk, xp, wp, cp = (free_port() for _ in range(7))
-        urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
-                "colocated": f"http://127.0.0.1:{wp}"}
-        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps),
-                            "--prefill-chunk", "16"], urls["prefill"])  # (the prompt is scored across chunks)
-        c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
-        c.start("colocated", ["colocated", *options, "--port", str(wp)], urls["colocated"])
-        c.wait_healthy()
-        urls["pd"], urls["co"] = f"http://127.0.0.1:{xp}", f"http://127.0.0.1:{cp}"
-        c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
-                urls["pd"])
-        c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"]], urls["co"])
-        c.wait_healthy()
+    try:  # (prefill computes, and scores, prompts in chunks)
+        urls = start_pd_and_colocated(c, options, prefill=["--prefill-chunk", "16"])
     except BaseException:
         c.stop()
         raise

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, free_port
+from tests.cluster import Cluster, free_port, post_json, start_pd_and_colocated
 
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -30,18 +30,7 @@ SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "
           "required": ["colour", "size"], "additionalProperties": False}
 
 
-def _call(url: str, path: str, body: dict, status: int = 200):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            got, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        got, raw = e.code, e.read()
-    assert got == status, (got, raw[:500])
-    if not body.get("stream") or status != 200:
-        return json.loads(raw)
-    return [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+_call = post_json
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +39,8 @@ def urls(tmp_path_factory, smollm_dir: Path):
                "--max-model-len", "512", "--served-model-name", "m"]
     c = Cluster(tmp_path_factory.mktemp("structured"))
     try:
-        pp, ps, dp, dk, wp, ap, cp = (free_port() for _ in range(7))
-        out = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
-               "colocated": f"http://127.0.0.1:{wp}", "pd": f"http://127.0.0.1:{ap}", "co": f"http://127.0.0.1:{cp}"}
-        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], out["prefill"])
-        c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], out["decode"])
-        c.start("colocated", ["colocated", *options, "--port", str(wp), "--tool-call-parser", "hermes"],
-                out["colocated"])
-        c.wait_healthy()
-        c.start("pd", ["proxy", "--port", str(ap), "--prefill", out["prefill"], "--decode", out["decode"],
-                       "--tool-call-parser", "hermes"], out["pd"])
-        c.start("co", ["proxy", "--port", str(cp), "--colocated", out["colocated"]], out["co"])
-        c.wait_healthy()
+        out = start_pd_and_colocated(c, options, colocated=["--tool-call-parser", "hermes"],
+                                     pd_proxy=["--tool-call-parser", "hermes"])
     except BaseException:
         c.stop()
         raise
