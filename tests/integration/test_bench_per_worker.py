@@ -27,8 +27,9 @@ PROFILE = {
     "prefill": {"new_tokens": [1, 1024], "cached_tokens": [0, 1024], "seconds": [[0.001, 0.001], [0.01, 0.01]]},
     "decode": {"batch": [1, 8], "context_tokens": [1, 4096], "seconds": [[0.001, 0.002], [0.002, 0.003]]},
 }
+# (outputs of 2 tokens or more: a request of one is answered by a prefill worker alone, with no decode worker)
 ROWS = [(0, 40, 3, [0, 1]), (0, 40, 4, [0, 2]), (50, 30, 2, [3]), (50, 60, 3, [0, 1]),
-        (100, 20, 1, [6]), (100, 45, 5, [0, 7]), (150, 33, 2, [8, 9]), (150, 25, 3, [11])]
+        (100, 20, 2, [6]), (100, 45, 5, [0, 7]), (150, 33, 2, [8, 9]), (150, 25, 3, [11])]
 BLOCK = 32  # the trace's block (--trace-block-size); the workers' is 16
 
 

@@ -223,7 +223,7 @@ BAD_CHATS = [
     chat(max_completion_tokens=0, echo=True),
     chat(tools=[{"type": "function", "function": {"name": "f g"}}]),
     chat(tool_choice="auto"),
-    chat(chat_template="{{ x }}"),
+    chat(chat_template=5),
 ]
 
 
