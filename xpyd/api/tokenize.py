@@ -27,7 +27,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from xpyd.api.openai import APIError, ChatTemplateArgs, RequestKind, parse_request
+from xpyd.api.chat_request import ChatTemplateArgs
+from xpyd.api.openai import APIError, RequestKind, parse_request
 
 # Fields of vLLM's TokenizeChatRequest that change the tokens and that this server does not implement yet,
 # with the values that mean "off".
