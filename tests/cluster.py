@@ -265,7 +265,8 @@ class UpProcess:
 
 
 def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence[str] = (),
-                           colocated: Sequence[str] = (), pd_proxy: Sequence[str] = ()) -> dict[str, str]:
+                           colocated: Sequence[str] = (), pd_proxy: Sequence[str] = (),
+                           co_proxy: Sequence[str] = ()) -> dict[str, str]:
     """1P1D with its proxy, and a colocated worker with its proxy, all started with ``options`` (and each the
     extra options given): their URLs as prefill, decode, colocated, pd (the P/D proxy) and co (the colocated
     one), once all are healthy. The caller stops ``c``."""
@@ -278,7 +279,7 @@ def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence
     c.wait_healthy()
     c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"],
                          *pd_proxy], urls["pd"])
-    c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"]], urls["co"])
+    c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"], *co_proxy], urls["co"])
     c.wait_healthy()
     return urls
 

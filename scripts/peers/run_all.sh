@@ -36,7 +36,7 @@ wait_ready() {  # wait_ready URL PID NAME
     echo "$3 ready at $1"
 }
 
-XPYD=(--model "$MODEL_DIR" --dtype float32 --served-model-name "$NAME")
+XPYD=(--model "$MODEL_DIR" --dtype float32 --served-model-name "$NAME" --trust-request-chat-template)  # (as vLLM's start)
 scripts/peers/start_vllm.sh "$MODEL_DIR" $((B + 1)) "$NAME" >"$OUT/vllm.log" 2>&1 &
 PIDS+=($!); VLLM_PID=$!
 CMP=(--vllm "vllm=http://127.0.0.1:$((B + 1))")

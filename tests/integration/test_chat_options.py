@@ -31,10 +31,12 @@ def urls(tmp_path_factory, smollm_dir: Path):
     template = tmp / "template.jinja"
     template.write_text(TEMPLATE)
     options = ["--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "inf", "--threads", "1",
-               "--max-model-len", "512", "--served-model-name", "m", "--chat-template", str(template)]
+               "--max-model-len", "512", "--served-model-name", "m", "--chat-template", str(template),
+               "--trust-request-chat-template"]  # (a request's own template: the "own-template" case)
     c = Cluster(tmp)
     try:
-        out = start_pd_and_colocated(c, options, pd_proxy=["--policy", "cache_aware"])
+        trust = ["--trust-request-chat-template"]
+        out = start_pd_and_colocated(c, options, pd_proxy=["--policy", "cache_aware", *trust], co_proxy=trust)
         wait_until(lambda: _call(out["pd"], "/tokenize", {"prompt": "x"}) is not None
                    and json.loads(urllib.request.urlopen(out["pd"] + "/cluster", timeout=10).read())["tokenizer"],
                    60, "the cache-aware proxy's tokenizer")

@@ -111,3 +111,17 @@ def test_request_id_names_the_response_and_reasoning_effort_reaches_the_template
         with pytest.raises(APIError) as e:
             parse_request(_body(RequestKind.CHAT, **bad), RequestKind.CHAT)
         assert e.value.param == param
+
+
+def test_a_requests_own_chat_template_runs_only_where_trusted():
+    """As vLLM's --trust-request-chat-template: a template is code (sandboxed Jinja, yet a stranger's may spend the
+    server's CPU), so without the flag it is a 400 naming chat_template, in the chat endpoint and /tokenize."""
+    from xpyd.api.tokenize import parse_tokenize
+
+    body = _body(RequestKind.CHAT, chat_template="{{ messages[0]['content'] }}")
+    for parse in (lambda: parse_request(body, RequestKind.CHAT), lambda: parse_tokenize(body)):
+        with pytest.raises(APIError) as e:
+            parse()
+        assert (e.value.status, e.value.param) == (400, "chat_template") and "trust" in e.value.message
+    assert parse_request(body, RequestKind.CHAT, trusted_templates=True).chat.template is not None
+    assert parse_tokenize(body, trusted_templates=True).chat.template is not None

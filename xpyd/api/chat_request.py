@@ -99,7 +99,13 @@ def parse_messages(d: dict) -> list[dict]:
     return out
 
 
-def parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
+UNTRUSTED_TEMPLATE = ("a chat template was passed with the request, but this server does not run requests' templates "
+                      "(--trust-request-chat-template is not set)")
+
+
+def parse_chat_args(d: dict, tools: Tools | None, trusted_templates: bool = False) -> ChatTemplateArgs:
+    """``trusted_templates``: a request's own ``chat_template`` is run (vLLM's --trust-request-chat-template;
+    else a 400: a template is code, sandboxed, but a stranger's may still spend the server's CPU)."""
     agp = _optional_bool(d, "add_generation_prompt", True)
     cont = _optional_bool(d, "continue_final_message")
     if agp and cont:
@@ -134,4 +140,6 @@ def parse_chat_args(d: dict, tools: Tools | None) -> ChatTemplateArgs:
     template = d.get("chat_template")
     if template is not None and not (isinstance(template, str) and 0 < len(template) <= MAX_TEMPLATE_CHARS):
         raise _bad(f"'chat_template' must be a template of 1 to {MAX_TEMPLATE_CHARS} characters", "chat_template")
+    if template is not None and not trusted_templates:
+        raise _bad(UNTRUSTED_TEMPLATE, "chat_template")
     return ChatTemplateArgs(agp, cont, docs, tools.definitions if tools is not None else None, dict(kwargs), template)

@@ -367,8 +367,9 @@ def _check_unsupported(d: dict) -> None:
             raise _bad(f"'{key}' is not supported by this server (got {d[key]!r})", key)
 
 
-def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
-    """Parse and validate an OpenAI request body; raise APIError(400) if invalid."""
+def parse_request(body: bytes, kind: RequestKind, trusted_templates: bool = False) -> CompletionRequest:
+    """Parse and validate an OpenAI request body; raise APIError(400) if invalid. ``trusted_templates``: a
+    request's own chat_template is taken (the server's --trust-request-chat-template)."""
     d = _load_object(body)
     model = d.get("model")
     if model is not None and not isinstance(model, str):
@@ -454,7 +455,7 @@ def parse_request(body: bytes, kind: RequestKind) -> CompletionRequest:
         n=_parse_n(d, 1 if prompts is None else len(prompts)),
         truncation_side=_parse_side(d),
         request_id=_parse_request_id(d),
-        chat=parse_chat_args(d, tools) if is_chat else ChatTemplateArgs(),
+        chat=parse_chat_args(d, tools, trusted_templates) if is_chat else ChatTemplateArgs(),
         tools=tools,
         constraint=parse_constraint(d, tools),
         prompts=prompts if prompts is not None and len(prompts) > 1 else None,

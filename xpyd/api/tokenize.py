@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xpyd.api.chat_request import ChatTemplateArgs
+from xpyd.api.fields import optional_bool as _optional_bool
 from xpyd.api.openai import APIError, RequestKind, parse_request
 
 # Fields of vLLM's TokenizeChatRequest that change the tokens and that this server does not implement yet,
@@ -72,28 +73,19 @@ def _load(body: bytes) -> dict:
     return d
 
 
-def _flag(d: dict, key: str, default: bool) -> bool:
-    v = d.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(f"'{key}' must be a boolean", key)
-    return v
-
-
-def parse_tokenize(body: bytes) -> TokenizeRequest:
+def parse_tokenize(body: bytes, trusted_templates: bool = False) -> TokenizeRequest:
     """A ``/tokenize`` body, completion form (``prompt``) or chat form (``messages``); APIError(400) if bad."""
     d = _load(body)
     chat = "messages" in d
     if chat == ("prompt" in d):
         raise _bad("give either 'prompt' (a string) or 'messages' (a chat), not both or neither",
                    "messages" if chat else "prompt")
-    strs = _flag(d, "return_token_strs", False)
+    strs = _optional_bool(d, "return_token_strs", False)
     if not chat:
         prompt = d["prompt"]
         if not isinstance(prompt, str):
             raise _bad("'prompt' must be a string", "prompt")
-        return TokenizeRequest(d.get("model"), prompt, None, _flag(d, "add_special_tokens", True), False, strs)
+        return TokenizeRequest(d.get("model"), prompt, None, _optional_bool(d, "add_special_tokens", True), False, strs)
     for key, off in _CHAT_OFF.items():
         v = d.get(key)
         if v is not None and not any(type(v) is type(o) and v == o for o in off):
@@ -101,8 +93,9 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     # the messages and template arguments exactly as /v1/chat/completions reads them: both tokenize them alike
     fields = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
               "tools", "chat_template")
-    chat = parse_request(json.dumps({k: d[k] for k in fields if k in d}).encode(), RequestKind.CHAT)
-    return TokenizeRequest(d.get("model"), None, chat.messages, _flag(d, "add_special_tokens", False),
+    chat = parse_request(json.dumps({k: d[k] for k in fields if k in d}).encode(), RequestKind.CHAT,
+                         trusted_templates)
+    return TokenizeRequest(d.get("model"), None, chat.messages, _optional_bool(d, "add_special_tokens", False),
                            chat.chat.add_generation_prompt, strs, chat.chat)
 
 

@@ -135,7 +135,8 @@ PASSED_ON = (
     ("--no-prefix-cache", ("prefill", "decode", "colocated")),
     ("--generation-config", ("prefill", "decode", "colocated")),
     ("--chat-template", ("prefill", "decode", "colocated")),
-    ("--tool-call-parser", ("colocated",)),  # (and the proxy's: _proxy_options)
+    ("--tool-call-parser", ("colocated",)),
+    ("--trust-request-chat-template", ("prefill", "decode", "colocated")),  # (and the proxy's: _proxy_options)  # (and the proxy's: _proxy_options)
     ("--engine", ("prefill", "decode", "colocated")),
     ("--sim-profile", ("prefill", "decode", "colocated")),
     ("--sim-speedup", ("prefill", "decode", "colocated")),
@@ -198,6 +199,8 @@ def _proxy_options(args: argparse.Namespace) -> list[str]:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.proxy_workers is not None:
         out += ["--workers", str(args.proxy_workers)]
+    if getattr(args, "trust_request_chat_template", False):
+        out.append("--trust-request-chat-template")
     if getattr(args, "tool_call_parser", None) is not None:
         out += ["--tool-call-parser", args.tool_call_parser]
     return (out + (["--log-requests"] if args.log_requests else [])

@@ -234,7 +234,7 @@ class Proxy:
         ``X-Request-Id`` (the client's own, or the response id)."""
         client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         check_content_type(request.headers.get("Content-Type"))
-        req = parse_request(await read_body(request), kind)
+        req = parse_request(await read_body(request), kind, self.config.trust_request_chat_template)
         if client_id is None and req.request_id is not None:  # (vLLM's request_id field names it as the header)
             client_id = client_request_id(req.request_id, "request_id")
         check_tools(req.tools, self.config.tool_call_parser)
@@ -449,7 +449,7 @@ def create_app(config: ProxyConfig, registry: Registry) -> web.Application:
     app.router.add_get("/health", _route(proxy.health))
     app.router.add_get("/cluster", _route(proxy.cluster))
     app.router.add_get("/metrics", _route(proxy.metrics_response))
-    register_vllm_routes(app, proxy)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
+    register_vllm_routes(app, proxy, config.trust_request_chat_template)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
     return app
 
 

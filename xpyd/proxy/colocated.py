@@ -133,7 +133,7 @@ def create_colocated_app(config, url: str) -> web.Application:
     app.router.add_get("/metrics", metrics_route)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
-    register_vllm_routes(app, _ColocatedWorker(state, model))  # /tokenize, /detokenize forwarded; /version
+    register_vllm_routes(app, _ColocatedWorker(state, model), config.trust_request_chat_template)  # /tokenize, /detokenize forwarded; /version
 
     async def forward(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         timer = metrics.request(_ENDPOINTS[kind])
@@ -152,7 +152,7 @@ def create_colocated_app(config, url: str) -> web.Application:
         try:
             client_id = client_request_id(request.headers.get("X-Request-Id"))
             check_content_type(request.headers.get("Content-Type"))
-            req = parse_request(await read_body(request), kind)
+            req = parse_request(await read_body(request), kind, config.trust_request_chat_template)
             if client_id is None and req.request_id is not None:  # (vLLM's request_id field: as the header)
                 client_id = client_request_id(req.request_id, "request_id")
             if req.model is not None and req.model != model():

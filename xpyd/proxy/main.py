@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read tool calls out of the answers for tool_choice auto in this format (hermes: "
                              "<tool_call> JSON blocks, as Qwen and Hermes models write them; llama3_json); without "
                              "it tool_choice auto is a 400, as in vLLM (required and named work without it)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="run a request's own chat_template (sandboxed Jinja; as vLLM's flag: without it such "
+                             "a request is a 400); the workers need it too")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool_choice auto is on with --tool-call-parser")
     parser.add_argument("--expose-worker-timing", action="store_true",
@@ -173,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         names_key=key,
         expose_worker_timing=args.expose_worker_timing,
         tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -17,6 +17,7 @@ pair); None while none has. Requests are checked here first (400, 404, 415, as t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from typing import Protocol
@@ -50,8 +51,8 @@ def max_model_len(up: Sequence[WorkerState]) -> int | None:
     return min(lens) if lens else None
 
 
-def register_vllm_routes(app: web.Application, cluster: Cluster) -> None:
-    """Add the routes to ``app``."""
+def register_vllm_routes(app: web.Application, cluster: Cluster, trusted_templates: bool = False) -> None:
+    """Add the routes to ``app``; ``trusted_templates``: /tokenize runs a request's own chat_template."""
 
     async def read(request: web.Request, parse):
         check_content_type(request.headers.get("Content-Type"))
@@ -64,7 +65,7 @@ def register_vllm_routes(app: web.Application, cluster: Cluster) -> None:
         return req, body
 
     async def tokenize_route(request: web.Request) -> web.Response:
-        req, body = await read(request, parse_tokenize)
+        req, body = await read(request, functools.partial(parse_tokenize, trusted_templates=trusted_templates))
         copy, up = cluster.prompt_tokenizer(), cluster.up_workers()
         limit = max_model_len(up)
         if copy is None or limit is None:

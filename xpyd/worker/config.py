@@ -62,6 +62,7 @@ class WorkerConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
     generation_config: str = "auto"  # vLLM's flag: auto (the model folder's generation_config.json) | vllm | FOLDER
+    trust_request_chat_template: bool = False  # run a request's own chat_template (vLLM's flag of that name)
     tool_call_parser: str | None = None  # colocated: how tool_choice auto reads calls (xpyd.api.tool_parsers)
     chat_template: str | None = None  # vLLM's --chat-template: a template file (or the template inline) over the model's
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
@@ -264,6 +265,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="read tool calls out of a colocated worker's answers for tool_choice auto in this "
                              "format (hermes: <tool_call> JSON blocks, Qwen and Hermes models; llama3_json); P/D: "
                              "the proxy's flag")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="run a request's own chat_template (sandboxed Jinja; as vLLM's flag: without it such a "
+                             "request is a 400)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool_choice auto is on with --tool-call-parser")
     parser.add_argument("--chat-template", default=None, metavar="FILE",

@@ -176,7 +176,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         return _json(engine.kv_events.since(request.args.get("epoch"), int(since) if since is not None else None))
 
     event_streams = register_kv_stream(app, engine.kv_events)  # GET /xpyd/kv_events/stream: the same, pushed
-    register_vllm_routes(app, engine, tokenize)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
+    register_vllm_routes(app, engine, tokenize, config.trust_request_chat_template)  # POST /tokenize, POST /detokenize, GET /version (vLLM's)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -241,7 +241,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         try:
             check_content_type(request.headers.get("Content-Type"))
             body = await request.get_data(cache=False)
-            req = parse_request(body, kind)
+            req = parse_request(body, kind, config.trust_request_chat_template)
             named = response_identity(req.kv_transfer_params)
             children = _children(req, config.role)
             if config.role == "colocated":

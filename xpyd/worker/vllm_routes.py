@@ -9,6 +9,7 @@ prompt does not stop the event loop that streams other requests' tokens. Errors 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from concurrent.futures import Executor
 from typing import Any, Callable
@@ -25,8 +26,9 @@ def _answer(obj: dict, status: int = 200) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status, mimetype="application/json")
 
 
-def register_vllm_routes(app: Quart, engine: Any, executor: Executor) -> None:
-    """Add the routes to ``app``; ``engine`` offers ``tokenizer``, ``max_model_len`` and ``info.model_id``."""
+def register_vllm_routes(app: Quart, engine: Any, executor: Executor, trusted_templates: bool = False) -> None:
+    """Add the routes to ``app``; ``engine`` offers ``tokenizer``, ``max_model_len`` and ``info.model_id``;
+    ``trusted_templates``: /tokenize runs a request's own chat_template."""
 
     async def run(parse: Callable[[bytes], Any], answer: Callable[[Any], dict]) -> Response:
         try:
@@ -39,7 +41,8 @@ def register_vllm_routes(app: Quart, engine: Any, executor: Executor) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:
-        return await run(parse_tokenize, lambda req: tokenize(engine.tokenizer, req, engine.max_model_len))
+        return await run(functools.partial(parse_tokenize, trusted_templates=trusted_templates),
+                         lambda req: tokenize(engine.tokenizer, req, engine.max_model_len))
 
     @app.post("/detokenize")
     async def detokenize_route() -> Response:
