@@ -267,9 +267,9 @@ class PrefillEngine(WorkerEngine):
             if seq.state.is_final:  # aborted while running
                 self.held.ended(seq)
             elif finish is not None:
-                item.sink.put(event)  # (first: the HTTP call is answered, not failed, when the request ends)
                 self.held.release(seq.request_id)
                 self.held.record_end(seq.request_id, m.LookupStatus.FAILED, ENDED_HERE, seq.claimed)
+                item.sink.put(event)  # (last: the client has its answer once the request is counted as ended)
                 return
             elif seq.pull is not None:  # streamed: the parts still due go now (the last one at least)
                 self.connector.send_due(self.sched, seq)

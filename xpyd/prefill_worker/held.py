@@ -88,7 +88,9 @@ class HeldRequests:
                 self.memory.ended[seq.request_id] = m.LookupResult(seq.request_id, m.LookupStatus.SENDING,
                                                                    seq.first_token, seq.prompt_len)
         self.metrics.request_done(_outcome(seq))
-        if seq.first_token is None and seq.payload is not None and not seq.payload.sink.ended:
+        output = getattr(seq.payload, "output", None)
+        finished = output is not None and output.finished is not None  # (ended normally: a prompt-only request)
+        if seq.first_token is None and seq.payload is not None and not seq.payload.sink.ended and not finished:
             sink = seq.payload.sink
             if seq.state is RequestState.FAILED:
                 sink.put(ErrorEvent(500, seq.error or "prefill failed"))
