@@ -317,11 +317,12 @@ async def test_completion_non_stream_and_worker_bodies(cluster: Cluster):
     assert p.path == d.path == "/v1/completions"
     assert p.body["max_tokens"] == 1 and p.body["stream"] is False
     assert "stream_options" not in p.body
-    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5}
+    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5, "token_ids": True}
     assert d.body["stream"] is True and d.body["stream_options"] == {"include_usage": True}  # for the JSON body
     # decode names its chunks as the client's response is named
-    assert d.body["kv_transfer_params"] == {
-        "role": "decode", "response": {"id": data["id"], "created": data["created"], "model": MODEL}}
+    assert d.body["kv_transfer_params"] == {  # (and both name the tokens of what they answer: migration)
+        "role": "decode", "response": {"id": data["id"], "created": data["created"], "model": MODEL},
+        "token_ids": True}
     assert d.body["max_tokens"] == 5
     assert p.body["prompt"] == d.body["prompt"] == "Say hello"
     assert p.body["temperature"] == d.body["temperature"] == 0
@@ -343,7 +344,7 @@ async def test_chat_non_stream(cluster: Cluster):
     assert data["usage"]["completion_tokens"] == 5
     (p,) = cluster.prefill.received
     assert p.body["max_tokens"] == 1 and "max_completion_tokens" not in p.body
-    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5}
+    assert p.body["kv_transfer_params"] == {"role": "prefill", "max_tokens": 5, "token_ids": True}
 
 
 @pytest.mark.parametrize("include_usage", [True, False])

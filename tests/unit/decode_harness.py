@@ -20,6 +20,9 @@ from xpyd.signal.request_id import RequestId
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
 
+# What a reduced WorkItem needs of a migrated request's fields (none: not one)
+WORK_ITEM_RESUME = {"resumed": (), "reported": 0, "prompt_tokens": lambda n: n, "new_ids": lambda: ()}
+
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=16, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
 S = m.LookupStatus
@@ -114,7 +117,7 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
     payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
                               prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (no ids: prefill's names taken)
-                              take_logprobs=lambda: (), grammar=None)
+                              take_logprobs=lambda: (), grammar=None, **WORK_ITEM_RESUME)
     payload.output = Output(lambda: payload.stop)
     engine.sched.add(DecodeSeq(rid, PREFILL, payload=payload, deadline=clock.now + 30))
     return rid, payload

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.unit.decode_harness import WORK_ITEM_RESUME
 from xpyd.model.sampling import TorchSampler
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker import engine as engine_module
@@ -72,7 +73,8 @@ def prefill(monkeypatch):
 
 def _add(engine: PrefillEngine, prompt: list[int]) -> str:
     rid = str(RequestId.new(PREFILL, DECODE))
-    payload = SimpleNamespace(arrival=time.monotonic(), sink=_Sink(), output=_Output(), take_logprobs=lambda: ())
+    payload = SimpleNamespace(arrival=time.monotonic(), sink=_Sink(), output=_Output(), take_logprobs=lambda: (),
+                              **WORK_ITEM_RESUME)
     engine.sched.add(PrefillSeq(rid, prompt, payload=payload, peer=DECODE, hashes=engine.kv_cache.hashes(prompt)))
     return rid
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal, ready
 from tests.unit.kv_fixtures import next_prefill
+from tests.unit.decode_harness import WORK_ITEM_RESUME
 from xpyd.model.sampling import TorchSampler
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
@@ -133,7 +134,7 @@ def _decode_request(engine, broken_output: bool = False) -> tuple[str, _Sink]:
     payload = SimpleNamespace(arrival=time.monotonic(), sink=sink, sampling=SimpleNamespace(temperature=0),
                               output=_Output(broken_output), open_ended=False, stop=SimpleNamespace(max_tokens=4),
                               cache_salt=None, prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (keeps its output)
-                              grammar=None, take_logprobs=lambda: ())
+                              grammar=None, take_logprobs=lambda: (), **WORK_ITEM_RESUME)
     engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=payload, deadline=time.monotonic() + 60))
     return rid, sink
 

@@ -301,20 +301,25 @@ class DecodeEngine(WorkerEngine):
         if isinstance(hashes, str):
             self._fail_seq(seq, 502, hashes, "prefill", release=True)
             return False
-        limit, prompt_len = self.max_model_len, r.num_tokens
+        # (a migrated request's context is its prompt and the output it resumes: that output counts in max_tokens)
+        limit, prompt_len = self.max_model_len, item.prompt_tokens(r.num_tokens)
         if item.open_ended:
             item.stop = replace(item.stop, max_tokens=max(1, limit - prompt_len))
-        if prompt_len + item.stop.max_tokens > limit:  # (prefill refuses these first: a safety net)
+        if prompt_len + item.stop.max_tokens > limit or prompt_len < 1:  # (prefill refuses these first: a safety net)
             self._fail_seq(seq, 400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
                            f"{item.stop.max_tokens} in the completion).", "length", release=True)
             return False
         # (the chain's root is the seed salted with this request's cache_salt: its generated blocks chain from it)
         seq.hashes, seq.tail, seq.cached_tokens = self.kv_cache.chain(hashes, item.cache_salt), r.tail, r.cached_tokens
-        seq.prompt_len = prompt_len
+        seq.prompt_len = r.num_tokens
         seq.final_len = prompt_len + item.stop.max_tokens
         seq.known = True
-        item.start_output(self.tokenizer, self.runner.sampler)
+        try:
+            item.start_output(self.tokenizer, self.runner.sampler)
+        except ValueError as e:  # a resumed output that cannot be replayed here
+            self._fail_seq(seq, 400, str(e), "length", release=True)
+            return False
         return True
 
     def _first_token(self, seq: DecodeSeq, token: int) -> None:
@@ -328,13 +333,16 @@ class DecodeEngine(WorkerEngine):
                            "prefill", release=True)
             return
         _, finish = item.output.append(token)
+        item.reported = len(item.output.token_ids)  # (prefill's answer named it)
         if finish is not None:  # the first token ended the request: no KV needed
             if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)
                 self.receives.cancel(seq)
             self.sched.finish(seq)
             self._finished(item)
             self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
-            item.sink.put(TokenEvent("", finish.value, seq.prompt_len, 1, seq.cached_tokens))
+            n_out = len(item.output.token_ids)
+            item.sink.put(TokenEvent("", finish.value, item.prompt_tokens(seq.prompt_len), n_out,
+                                     min(seq.cached_tokens, item.prompt_tokens(seq.prompt_len)), (), item.new_ids()))
             return
         self.sched.mark_ready(seq.request_id, token)
         if seq.state is RequestState.TRANSFERRING and not seq.transfer_ids:
@@ -384,15 +392,17 @@ class DecodeEngine(WorkerEngine):
                 item: WorkItem = seq.payload
                 text, finish = item.output.append(tok)
                 n_out = len(item.output.token_ids)
-                if n_out > 2:  # its previous token came from the previous decode step (every step runs them all)
+                if n_out > len(item.resumed) + 2:  # its previous token came from the previous decode step (every
+                    # step runs them all)
                     self.metrics.observe_itl(now - self._last_decode_at)
                 if finish is not None:
                     self.sched.finish(seq)
                     self._finished(item)
                 logprobs = item.take_logprobs()
                 if text or finish is not None or logprobs:
-                    item.sink.put(TokenEvent(text, finish.value if finish else None, seq.prompt_len, n_out,
-                                             seq.cached_tokens, logprobs))
+                    prompt_len = item.prompt_tokens(seq.prompt_len)
+                    item.sink.put(TokenEvent(text, finish.value if finish else None, prompt_len, n_out,
+                                             min(seq.cached_tokens, prompt_len), logprobs, item.new_ids()))
         self._last_decode_at = now
 
     def _wake(self) -> None:

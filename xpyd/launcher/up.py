@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proxy: requests waiting when every decode worker is full, more get 503")
     p.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                    help="proxy: longest wait in that queue before a 503")
+    p.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                   help="proxy: times a request may move on to another pair when its workers fail mid-answer "
+                        "(default 3; 0: never)")
     p.add_argument("--restart-backoff", type=float, default=_RESTART.backoff, metavar="SECONDS",
                    help="seconds before a worker that exited is started again; doubles on each fast crash "
                         f"(default {_RESTART.backoff:g}, at most --max-restart-backoff)")
@@ -194,7 +197,7 @@ def _port_free(host: str, port: int) -> bool:
 def _proxy_options(args: argparse.Namespace) -> list[str]:
     """The routing and admission flags given to `xpyd up`, for `xpyd proxy` (the others: its defaults)."""
     out = []
-    for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout"):
+    for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout", "migration_limit"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.proxy_workers is not None:

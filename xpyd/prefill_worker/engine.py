@@ -175,7 +175,12 @@ class PrefillEngine(WorkerEngine):
                                           "gave up on it)"))
             self.metrics.request_done("aborted")
         else:
-            item.start_output(self.tokenizer, self.runner.sampler)
+            try:
+                item.start_output(self.tokenizer, self.runner.sampler)
+            except ValueError as e:  # a migrated request's output that cannot be replayed
+                item.sink.put(ErrorEvent(400, str(e)))
+                self.metrics.request_done("rejected")
+                return
             seq = PrefillSeq(rid, item.prompt_ids, payload=item, peer=item.request_id.decode_addr,
                              hashes=self.kv_cache.hashes(item.prompt_ids, item.cache_salt), reuse=item.reuses_cache)
             self.sched.add(seq)
@@ -258,9 +263,11 @@ class PrefillEngine(WorkerEngine):
         item: WorkItem = seq.payload
         self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token) if token is not None else item.output.end_without_output()
-        cached = seq.kv.cached_tokens
-        event = TokenEvent(text, finish.value if finish else None, len(seq.prompt_ids), 0 if token is None else 1,
-                           cached, item.take_logprobs())
+        prompt_tokens = item.prompt_tokens(len(seq.prompt_ids))  # (a migrated request's: without its output)
+        cached = min(seq.kv.cached_tokens, prompt_tokens)
+        event = TokenEvent(text, finish.value if finish else None, prompt_tokens,
+                           0 if token is None else len(item.output.token_ids), cached, item.take_logprobs(),
+                           item.new_ids() if token is not None else ())
         with self._lock:
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, ())
             self.sched.prefilled(seq, token, time.monotonic())

@@ -69,6 +69,7 @@ from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
 from xpyd.proxy.http_server import read_body
 from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
+from xpyd.proxy.migration import MigratingCall
 from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.poller import HealthPoller
 from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
@@ -272,6 +273,7 @@ class Proxy:
             try:
                 first = await call.first_token()
                 timer.first_token()
+                call = self._migrating(call, req, identity, first, keys)
                 headers = {REQUEST_ID_HEADER: public_id}
                 if req.stream:
                     streaming = True  # from here the body owns the call, the timer and the slot
@@ -301,16 +303,33 @@ class Proxy:
         raise self._public_error(call)(e) from None
 
     async def first_of(self, req: CompletionRequest, identity: ResponseIdentity,
-                       prefer: tuple | None = None) -> tuple[TrackedCall, FirstToken]:
+                       prefer: tuple | None = None) -> tuple[MigratingCall, FirstToken]:
         """One choice of a request with several (``choices``): routed (to ``prefer``'s pair while it is up)
         and called, retried as ``_generate`` does, up to its first token; the caller closes the call."""
+        keys = await self._prompt_keys(req)
+        call, first = await self._first_of(req, identity, keys, prefer)
+        return self._migrating(call, req, identity, first, keys), first
+
+    def _migrating(self, call: TrackedCall, req: CompletionRequest, identity: ResponseIdentity, first: FirstToken,
+                   keys: PromptKeys | None) -> MigratingCall:
+        """``call``, which has its first token, moving on to another pair if its workers fail mid-answer."""
+        async def restart(resume: tuple[int, ...], failed: UpstreamError) -> tuple[TrackedCall, FirstToken]:
+            return await self._first_of(req, identity, keys, resume=resume, failed=failed)
+
+        return MigratingCall(call, first, req, restart, self.config.migration_limit, self.worker_failed,
+                             self.metrics)
+
+    async def _first_of(self, req: CompletionRequest, identity: ResponseIdentity, keys: PromptKeys | None,
+                        prefer: tuple | None = None, resume: tuple[int, ...] = (),
+                        failed: UpstreamError | None = None) -> tuple[TrackedCall, FirstToken]:
+        """A call routed and started, retried as ``_generate`` does, up to its first token (``resume``: a
+        migrated request's, after the output its client has; ``failed``: why it moves)."""
         if self._client is None:
             raise APIError(503, "proxy is not serving yet", type="server_error")
-        keys = await self._prompt_keys(req)
-        failed: UpstreamError | None = None
         retries = self.config.retries
         while True:
-            call = self._start(self._client, req, identity, failed, keys, prefer if failed is None else None)
+            call = self._start(self._client, req, identity, failed, keys, prefer if failed is None else None,
+                               resume)
             try:
                 return call, await call.first_token()
             except UpstreamError as e:
@@ -343,16 +362,17 @@ class Proxy:
                    for role in Role)
 
     def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
-               failed: UpstreamError | None, keys: PromptKeys | None, prefer: tuple | None = None) -> TrackedCall:
+               failed: UpstreamError | None, keys: PromptKeys | None, prefer: tuple | None = None,
+               resume: tuple[int, ...] = ()) -> TrackedCall:
         """``prefer``: a (prefill, decode) pair to call while both are up (another choice's, whose prompt blocks
-        they cache)."""
+        they cache); ``resume``: a migrated request's output so far."""
         began = time.perf_counter()
         if prefill_alone(req):
             return self._start_alone(client, req, identity, failed, keys, began)
         if prefer is not None and self._up(prefer[0]) and prefer[1] is not None and self._up(prefer[1]):
             call = self.inflight.start(client, req, prefer[0], prefer[1],
                                        str(RequestId.new(prefer[0].signal_addr, prefer[1].signal_addr)), identity,
-                                       keys)
+                                       keys, resume)
             self.metrics.routed(time.perf_counter() - began)
             return call
         try:
@@ -368,7 +388,7 @@ class Proxy:
         request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
         if self.config.log_requests:
             log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
-        call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys)
+        call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys, resume)
         self.metrics.routed(time.perf_counter() - began)
         return call
 

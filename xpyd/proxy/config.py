@@ -24,6 +24,7 @@ class ProxyConfig:
     poll_interval: float = 0.2  # every worker's stats (UP) or health (DOWN) this often
     poll_timeout: float = 1.0  # one poll
     retries: int = 1  # a request whose worker was unreachable starts over this often
+    migration_limit: int = 3  # a request whose workers failed mid-answer moves on to another pair this often
     connect_timeout: float = 10.0  # TCP connect to a worker
     read_timeout: float = 300.0  # each read from a worker: prefill's answer, each stream chunk
     discovery_timeout: float = 120.0  # static discovery: wait this long for workers to be ready
@@ -95,6 +96,9 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0 <= self.retries <= 3:
             raise ValueError(f"retries must be in 0..3, got {self.retries}")
+        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
+                or not 0 <= self.migration_limit <= 16:
+            raise ValueError(f"migration_limit must be in 0..16, got {self.migration_limit!r}")
 
 
 def default_policy(etcd: str | None, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...]) -> Policy:

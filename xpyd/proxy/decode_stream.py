@@ -26,6 +26,7 @@ import aiohttp
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import DONE_DATA, chunk_head
+from xpyd.api.resume import split_ids
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
 from xpyd.api.timing import COMMENT_PREFIX
 from xpyd.discovery.types import WorkerInfo
@@ -35,6 +36,7 @@ from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
 HEARD_EVERY = 1.0  # a stream that brings bytes says its worker is alive at most this often
 _NOT_LAST = b'"finish_reason":null'  # in every token chunk but the last (as ``dumps`` writes it)
+TOKEN_CHUNK_KEY = b'"finish_reason":'  # in every token chunk (not in the usage chunk, an error, a comment)
 
 
 class DecodeStream:
@@ -49,6 +51,9 @@ class DecodeStream:
         self._heard = heard  # told (at most every HEARD_EVERY) that the worker sent bytes: it is alive
         self._heard_at = 0.0
         self._head = b""  # bytes ``watch()`` read before relay()/deltas() began (they come first)
+        # The tokens whose text went on from this stream, as its chunks named them (``xpyd.api.resume``); None
+        # once a token chunk named none (a worker that does not name them): the request cannot move on then.
+        self.token_ids: list[int] | None = []
 
     async def watch(self) -> None:
         """While prefill has not answered: wait for decode's first bytes. Before its KV arrived (after
@@ -98,6 +103,11 @@ class DecodeStream:
                         if data == DONE_DATA:
                             done = True
                             break
+                        try:
+                            data = self._named(data)
+                        except Exception as e:
+                            error = e
+                            break
                         if not (data.startswith(head) and _NOT_LAST in data):
                             try:
                                 finished = self._check(data, identity) or finished
@@ -144,7 +154,7 @@ class DecodeStream:
                     if data.strip() == DONE_DATA:
                         await self._release()
                         break
-                    obj = json.loads(data)
+                    obj = json.loads(self._named(data))
                     if "error" in obj:
                         raise in_stream_error(obj["error"], self._worker)
                     if obj.get("usage"):
@@ -156,6 +166,17 @@ class DecodeStream:
                             yield delta
         if not finished:
             raise self._unfinished()
+
+    def _named(self, data: bytes) -> bytes:
+        """An event's data without the token ids it names, which are noted (a token chunk without any: the
+        stream's tokens are unknown from here)."""
+        data, ids = split_ids(data)
+        if self.token_ids is not None:
+            if ids is not None:
+                self.token_ids.extend(ids)
+            elif TOKEN_CHUNK_KEY in data:
+                self.token_ids = None
+        return data
 
     def _unfinished(self) -> UpstreamError:
         return UpstreamError(502, f"decode worker {self._worker.http_url} ended the stream "

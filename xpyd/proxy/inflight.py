@@ -40,8 +40,8 @@ class TrackedCall(PDCall):
 
     def __init__(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
                  decode: WorkerInfo | None, request_id: str, identity: ResponseIdentity, inflight: InFlight,
-                 keys: PromptKeys | None = None) -> None:
-        super().__init__(client, req, prefill, decode, request_id, identity)
+                 keys: PromptKeys | None = None, resume: tuple[int, ...] = ()) -> None:
+        super().__init__(client, req, prefill, decode, request_id, identity, resume)
         self._inflight = inflight
         self._workers: tuple[WorkerInfo, ...] = self.workers
         self._slot: Slot | None = None
@@ -69,8 +69,8 @@ class InFlight:
 
     def start(self, client: WorkerClient, req: CompletionRequest, prefill: WorkerInfo,
               decode: WorkerInfo | None, request_id: str, identity: ResponseIdentity,
-              keys: PromptKeys | None = None) -> TrackedCall:
-        return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys)
+              keys: PromptKeys | None = None, resume: tuple[int, ...] = ()) -> TrackedCall:
+        return TrackedCall(client, req, prefill, decode, request_id, identity, self, keys, resume)
 
     def started(self, call: TrackedCall, workers: tuple[WorkerInfo, ...],
                 keys: PromptKeys | None) -> tuple[tuple[int, ...], int]:

@@ -128,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connections over them), each with its own event loop, worker discovery, health "
                              "polls and cache index (fed by its own KV event streams); SIGTERM/SIGINT stops all "
                              "(default: %(default)s)")
+    parser.add_argument("--migration-limit", type=int, default=_DEFAULTS.migration_limit, metavar="N",
+                        help="a request whose decode worker dies (or whose prefill worker dies before decode has "
+                             "the KV, or whose pair's path fails) after the client got tokens goes on on another "
+                             "pair with the prompt and the tokens sent so far, the client's stream uninterrupted; "
+                             "at most N times a request (0: such a request ends with the error; "
+                             "default: %(default)s)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -171,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         pair_cooldown=args.pair_cooldown,
+        migration_limit=args.migration_limit,
         log_requests=args.log_requests,
         expose_worker_names=args.expose_worker_names,
         names_key=key,

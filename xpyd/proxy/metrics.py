@@ -142,6 +142,9 @@ class ProxyMetrics:
         self._pair_failures = Counter("xpyd_proxy_pair_failures", "Requests that failed on the path between "
                                       "their prefill and decode worker (the pair is avoided for a while)",
                                       registry=r)
+        self._migrations = Counter("xpyd_proxy_migrations", "Requests moved on to another pair mid-answer "
+                                   "(their decode worker or the path failed; the client's stream went on)",
+                                   registry=r)
         self._routing = Histogram("xpyd_proxy_routing_seconds", "Picking a request's prefill and decode worker "
                                   "and starting its calls", buckets=ROUTING_BUCKETS, registry=r)
 
@@ -162,6 +165,9 @@ class ProxyMetrics:
 
     def pair_failed(self) -> None:
         self._pair_failures.inc()
+
+    def migrated(self) -> None:
+        self._migrations.inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

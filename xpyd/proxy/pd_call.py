@@ -45,9 +45,10 @@ class PDCall:
         decode: WorkerInfo | None,
         request_id: str,
         identity: ResponseIdentity,
+        resume: tuple[int, ...] = (),
     ) -> None:
         """``decode`` None: a request that needs no decode step (max_tokens 1, or 0 with echo), answered by
-        prefill alone."""
+        prefill alone. ``resume``: a migrated request's output so far (``xpyd.proxy.migration``)."""
         if prefill.role is not Role.PREFILL or (decode is not None and decode.role is not Role.DECODE):
             raise ValueError("PDCall needs a prefill worker and a decode worker (or none)")
         self._client = client
@@ -56,6 +57,7 @@ class PDCall:
         self._decode = decode
         self.request_id = request_id
         self.identity = identity  # the response's id, created and model, in decode's chunks too
+        self.resume = resume
         self._prefill_task: asyncio.Task[FirstToken] | None = None
         self._decode_task: asyncio.Task[DecodeStream] | None = None
         self._first: FirstToken | None = None
@@ -102,7 +104,7 @@ class PDCall:
         client while a dead decode worker could still mean a retry elsewhere)."""
         kind = self._req.kind
         self._prefill_task = asyncio.create_task(self._client.prefill(
-            self._prefill, kind, prefill_body(self._req, self._prefill), self.request_id))
+            self._prefill, kind, prefill_body(self._req, self._prefill, self.resume), self.request_id))
         if self._decode is None:
             return await self._prefill_alone()
         self._decode_task = asyncio.create_task(self._open_decode(kind))
@@ -144,7 +146,7 @@ class PDCall:
     async def _open_decode(self, kind: RequestKind) -> DecodeStream:
         with self._path_faults():  # (decode refusing the prefill worker the id names: the pair's fault)
             return await self._client.open_decode(
-                self._decode, kind, decode_body(self._req, self._decode, self.identity), self.request_id,
+                self._decode, kind, decode_body(self._req, self._decode, self.identity, self.resume), self.request_id,
                 self._decode_sent)
 
     async def _decode_connected(self) -> None:
@@ -198,6 +200,17 @@ class PDCall:
         self._completed = True
 
     @property
+    def client_tokens(self) -> list[int] | None:
+        """The output tokens whose text went to the client from this call (prefill's first, then what decode's
+        chunks named as they were passed on); None if a worker did not name them."""
+        if self._first is None or self._first.token_ids is None:
+            return None
+        stream = self._stream
+        if stream is None:
+            return list(self._first.token_ids)
+        return None if stream.token_ids is None else [*self._first.token_ids, *stream.token_ids]
+
+    @property
     def completed(self) -> bool:
         """Decode's part ended normally (the KV crossed from prefill to decode)."""
         return self._completed
@@ -222,7 +235,8 @@ class PDCall:
         if self._stream is not None and self._stream.usage is not None:
             return self._stream.usage
         # The decode worker sent no usage chunk: count what we saw.
-        return Usage(self._first.usage.prompt_tokens, 1 + self._decoded, self._first.usage.cached_tokens)
+        first = self._first.usage  # (a migrated request's counts its output before this call's)
+        return Usage(first.prompt_tokens, first.completion_tokens + self._decoded, first.cached_tokens)
 
     def abort(self) -> None:
         """Cancel both calls and drop the decode stream, without waiting.

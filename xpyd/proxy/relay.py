@@ -29,14 +29,14 @@ from xpyd.api.tool_output import ToolOutput
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
+from xpyd.proxy.decode_stream import TOKEN_CHUNK_KEY
 from xpyd.proxy.pd_call import PDCall
 from xpyd.proxy.worker_api import FirstToken
 
 log = logging.getLogger(__name__)
 
-# In every token chunk once, as its JSON key (a quote inside a generated text is escaped, so the text
-# cannot contain it): counting it finds the tokens of a relayed block without parsing.
-TOKEN_CHUNK_KEY = b'"finish_reason":'
+# ``TOKEN_CHUNK_KEY`` is in every token chunk once, as its JSON key (a quote inside a generated text is escaped, so
+# the text cannot contain it): counting it finds the tokens of a relayed block without parsing.
 DONE = LastChunk(SSE_DONE)  # sent with the end of the chunked body
 
 

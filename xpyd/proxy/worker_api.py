@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from xpyd.api.identity import WIRE_KEY, ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.api.resume import CHUNK_IDS_KEY, RESUME_KEY, TOKEN_IDS_KEY, ids_of
 from xpyd.api.timing import WorkerTiming, decode_timing
 from xpyd.discovery.types import WorkerInfo
 
@@ -42,6 +43,7 @@ class FirstToken:
     stop_reason: str | int | None = None  # (ended on prefill) the stop string or token id that ended it
     logprobs: dict | None = None  # its logprobs (and an echoed prompt's), in the response's shape
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
+    token_ids: tuple[int, ...] | None = None  # the output tokens it names (``xpyd.api.resume``); None: not named
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +54,36 @@ class Delta:
     logprobs: dict | None = None  # of this chunk's tokens, when asked
 
 
-def prefill_body(req: CompletionRequest, worker: WorkerInfo) -> dict:
-    body = {k: v for k, v in req.raw.items() if k not in ("stream_options", "max_completion_tokens")}
-    body.update(
-        model=worker.model_id,
-        max_tokens=1,
-        stream=False,
-        kv_transfer_params={"role": "prefill", "max_tokens": req.max_tokens},
-    )
+_RESUMED_DROPS = ("echo", "prompt_logprobs")  # a migrated request's client has its prompt's part already
+
+
+def prefill_body(req: CompletionRequest, worker: WorkerInfo, resume: tuple[int, ...] = ()) -> dict:
+    """``resume``: a migrated request's output so far (``xpyd.api.resume``)."""
+    drop = ("stream_options", "max_completion_tokens", *(_RESUMED_DROPS if resume else ()))
+    body = {k: v for k, v in req.raw.items() if k not in drop}
+    kvp = {"role": "prefill", "max_tokens": req.max_tokens, TOKEN_IDS_KEY: True}
+    if resume:
+        kvp[RESUME_KEY] = list(resume)
+    body.update(model=worker.model_id, max_tokens=1, stream=False, kv_transfer_params=kvp)
     return body
 
 
-def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseIdentity) -> dict:
+def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseIdentity,
+                resume: tuple[int, ...] = ()) -> dict:
     """Decode always streams; to a streaming client its chunks go as they are (the usage chunk only if
     the client asked), while for a JSON answer the proxy needs decode's usage. ``prompt_logprobs`` are
-    prefill's to compute (and streams have none): decode is not asked for them."""
+    prefill's to compute (and streams have none): decode is not asked for them. Its chunks name their tokens
+    (the proxy strips the names), so the request can move on if decode fails (``resume``: it has)."""
+    drop = _RESUMED_DROPS if resume else ("prompt_logprobs",)  # (prefill's part of the answer)
+    kvp = {"role": "decode", WIRE_KEY: identity.to_wire(), TOKEN_IDS_KEY: True}
+    if resume:
+        kvp[RESUME_KEY] = list(resume)
     return {
-        **{k: v for k, v in req.raw.items() if k != "prompt_logprobs"},  # (prefill's part of the answer)
+        **{k: v for k, v in req.raw.items() if k not in drop},
         "model": worker.model_id,
         "stream": True,
         "stream_options": {"include_usage": req.include_usage or not req.stream},
-        "kv_transfer_params": {"role": "decode", WIRE_KEY: identity.to_wire()},
+        "kv_transfer_params": kvp,
     }
 
 
@@ -116,7 +127,12 @@ def parse_first_token(data: dict, kind: RequestKind, timing: str | None = None) 
         stop_reason=_stop_reason(choice),
         logprobs=_object_or_none(choice.get("logprobs"), dict),
         prompt_logprobs=_object_or_none(prompt_logprobs, list),
+        token_ids=_ids_or_none(data.get(CHUNK_IDS_KEY)),
     )
+
+
+def _ids_or_none(v: object) -> tuple[int, ...] | None:
+    return None if v is None else tuple(ids_of(v))
 
 
 def _object_or_none(v: object, kind: type) -> object:

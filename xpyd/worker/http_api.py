@@ -36,6 +36,7 @@ from xpyd.api.choices import Child, join_json, join_streams, several, split
 from xpyd.api.identity import response_identity
 from xpyd.api.tool_output import ToolOutput, check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
+from xpyd.api.resume import CHUNK_IDS_KEY, TOKEN_IDS_KEY
 from xpyd.api.responses import (
     SSE_DONE,
     completion_response,
@@ -266,11 +267,13 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
                   for child, item in zip(children, items)]
         for item in items:  # (a prompt's first choice first: the others find its blocks cached)
             engine.submit(item)
+        token_ids = (req.kv_transfer_params or {}).get(TOKEN_IDS_KEY) is True  # (the P/D proxy asks)
         if named is None:  # called directly (or by the colocated proxy): named by the id's random part only
             shape = StreamShape(kind, new_response_id(kind, items[0].request_id.uid), int(time.time()),
-                                engine.info.model_id, req.include_usage, role_chunk=True)
+                                engine.info.model_id, req.include_usage, role_chunk=True, token_ids=token_ids)
         else:  # the proxy's name; its stream has its own role chunk
-            shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False)
+            shape = StreamShape(kind, named.id, named.created, named.model, req.include_usage, role_chunk=False,
+                                token_ids=token_ids)
         if children[0] is not None:
             return await _several(req, children, items, extras, shape)
         item, rid = items[0], str(items[0].request_id)
@@ -344,7 +347,7 @@ def _sse_response(gen: AsyncIterator[bytes]) -> Response:
 async def _collect(item: WorkItem, extras: ResponseExtras, shape: StreamShape,
                    single_event: bool) -> dict | APIError:
     """The JSON answer of ``item`` once it ended (or its error)."""
-    text, logprobs, finish, prompt_tokens, completion_tokens, cached = [], [], None, 0, 0, 0
+    text, logprobs, finish, prompt_tokens, completion_tokens, cached, ids = [], [], None, 0, 0, 0, []
     async for ev in _events(item.sink, single_event):
         if isinstance(ev, ErrorEvent):
             return APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else "invalid_request_error")
@@ -352,13 +355,17 @@ async def _collect(item: WorkItem, extras: ResponseExtras, shape: StreamShape,
         logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
         finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
         cached = ev.cached_tokens
+        ids.extend(ev.token_ids)
     answer, calls = "".join(text), None
     if extras.tools is not None:  # content and tool calls (a colocated answer)
         message = extras.tools.message(answer)
         answer, calls, finish = message["content"] or "", message["tool_calls"], extras.tools.finish_reason(finish)
-    return completion_response(shape.id, shape.created, shape.model, shape.kind, answer, finish,
-                               prompt_tokens, completion_tokens, cached, _stop_reason(item),
-                               merge_logprobs(logprobs), extras.prompt_logprobs(), calls)
+    answer = completion_response(shape.id, shape.created, shape.model, shape.kind, answer, finish,
+                                 prompt_tokens, completion_tokens, cached, _stop_reason(item),
+                                 merge_logprobs(logprobs), extras.prompt_logprobs(), calls)
+    if shape.token_ids:
+        answer[CHUNK_IDS_KEY] = ids
+    return answer
 
 
 def _stop_reason(item: WorkItem | None) -> str | int | None:
@@ -384,11 +391,16 @@ class StreamShape:
     model: str
     include_usage: bool  # end with the usage chunk
     role_chunk: bool  # chat: open with the assistant role chunk
+    token_ids: bool = False  # each token chunk names its tokens (``CHUNK_IDS_KEY``, last): the proxy asked
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None, delta: dict | None = None) -> bytes:
-        return sse(stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
-                                stop_reason=stop_reason, logprobs=logprobs, delta=delta))
+              stop_reason: str | int | None = None, logprobs: dict | None = None, delta: dict | None = None,
+              ids: list[int] | None = None) -> bytes:
+        obj = stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
+                           stop_reason=stop_reason, logprobs=logprobs, delta=delta)
+        if ids is not None:
+            obj[CHUNK_IDS_KEY] = ids
+        return sse(obj)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
         return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
@@ -427,6 +439,7 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                   extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
     prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
     first = True
+    ids: list[int] | None = [] if shape.token_ids else None  # the tokens of the next chunk's text
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
             yield shape.chunk(None, None, role=True)
@@ -443,6 +456,8 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                 text = extras.first_text(text) if first else text
                 logprobs = extras.event_logprobs(ev.completion_tokens, ev.logprobs)
             first = False
+            if ids is not None:
+                ids.extend(ev.token_ids)
             if extras is not None and extras.tools is not None:  # content and tool calls (a colocated answer)
                 tools = extras.tools
                 ending = ev.finish_reason is not None
@@ -456,7 +471,9 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
                     clock.chunk()
                 yield shape.chunk(text, ev.finish_reason,
                                   stop_reason=_stop_reason(item) if ev.finish_reason is not None else None,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, ids=ids)
+                if ids is not None:
+                    ids = []
         ended.value = True
         if shape.include_usage:
             yield shape.usage(prompt_tokens, completion_tokens, cached)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
+from xpyd.api.resume import RESUME_KEY
 from xpyd.model.loader import GenerationDefaults
 from xpyd.model.output import StopParams
 from xpyd.model.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     ids = _tokenize(engine.tokenizer, req, limit) if tokenized else []
     n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req, limit) or 1)  # (decode: at least one)
     kvp = req.kv_transfer_params or {}
+    resumed = _resumed(kvp, len(engine.tokenizer), limit)
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
     least = 0 if req.echo and not decode else 1  # (0: the prompt alone, never a decode worker's part)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
@@ -104,11 +106,27 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                        f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). Please "
                        "reduce the length of the input or the completion.", param="max_tokens")
+    if resumed and (len(resumed) >= max_tokens or req.echo or req.prompt_scores is not None):
+        raise APIError(400, f"{RESUME_KEY} must be shorter than max_tokens ({max_tokens}) and comes without echo "
+                       "or prompt_logprobs", param="kv_transfer_params")
     stop = stop_params(req, max(1, max_tokens), engine.eos_token_ids)
-    return WorkItem(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop, sink=sink, open_ended=open_ended,
-                    cache_salt=req.cache_salt, logprobs=req.logprobs,
+    return WorkItem(request_id=rid, prompt_ids=ids + list(resumed) if ids else ids, sampling=sampling, stop=stop,
+                    sink=sink, open_ended=open_ended, cache_salt=req.cache_salt, logprobs=req.logprobs,
                     prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only,
-                    grammar=_matcher(engine, req))
+                    grammar=_matcher(engine, req), resumed=resumed)
+
+
+def _resumed(kvp: dict, vocab: int, limit: int) -> tuple[int, ...]:
+    """A migrated request's output so far (``kv_transfer_params.resume_token_ids``, from the proxy): token ids
+    in the vocabulary, fewer than the context holds; () when it is not one."""
+    ids = kvp.get(RESUME_KEY)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not ids or len(ids) >= limit or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise APIError(400, f"kv_transfer_params.{RESUME_KEY} must be a non-empty list of at most {limit - 1} token "
+                       f"ids in [0, {vocab})", param="kv_transfer_params")
+    return tuple(ids)
 
 
 def _matcher(engine: Any, req: CompletionRequest):

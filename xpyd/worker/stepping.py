@@ -98,7 +98,7 @@ def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[
     rows, tokens, positions = [], [], []
     for seq in seqs:
         ids = seq.payload.output.token_ids
-        position = seq.prompt_len + len(ids) - 1
+        position = seq.prompt_len + len(ids) - len(seq.payload.resumed) - 1  # (a resumed output: in the prompt)
         cache.grow(seq.kv, position + 1)
         rows.append(cache.table_row(seq.kv))
         tokens.append(ids[-1])

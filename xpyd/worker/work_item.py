@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from xpyd.model.logprobs import TokenLogprob
 from xpyd.model.output import OutputProcessor, StopParams
-from xpyd.model.sampling_params import SamplingParams, TokenHistory
+from xpyd.model.sampling_params import GREEDY_BELOW, SamplingParams, TokenHistory
 from xpyd.signal.request_id import RequestId
 
 
@@ -21,6 +21,7 @@ class TokenEvent:
     completion_tokens: int  # generated so far, including the first token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     logprobs: tuple[TokenLogprob, ...] = ()  # the logprobs of the tokens this event adds (when asked for)
+    token_ids: tuple[int, ...] = ()  # the output's ids generated since the last event (its text is this one's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +104,44 @@ class WorkItem:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as computed
     sampled_logprob: TokenLogprob | None = None  # the last sampled token's (set by the step, taken by the engine)
     grammar: object | None = None  # structured output: its grammar matcher (``xpyd.model.grammar.Matcher``)
+    # A migrated request (``xpyd.proxy.migration``): the output tokens its client already has, in order. Its
+    # ``prompt_ids`` (where tokenized) end with them: their KV is computed as the prompt's; the output replays
+    # them (text, stop strings, penalties, grammar, one random draw each) before it samples the next.
+    resumed: tuple[int, ...] = ()
+    reported: int = 0  # output ids already named by an event (``new_ids``)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)
         self.output = OutputProcessor(tokenizer, self.stop)
         if not self.sampling.plain:  # (the output's ids: the first token too, on the decode worker prefill's)
-            self.token_history = TokenHistory(self.prompt_ids if self.sampling.needs_prompt else (),
-                                              self.output.token_ids)
+            prompt = self.prompt_ids[:len(self.prompt_ids) - len(self.resumed)] if self.resumed else self.prompt_ids
+            self.token_history = TokenHistory(prompt if self.sampling.needs_prompt else (), self.output.token_ids)
+        if self.resumed:
+            self._replay(sampler)
+
+    def _replay(self, sampler) -> None:
+        """Bring the output to where the migrated request stood: its client has these tokens' text."""
+        draws = self.sampling.temperature >= GREEDY_BELOW  # (greedy draws nothing)
+        for token in self.resumed:
+            _, finish = self.output.append(token)
+            if finish is not None:
+                raise ValueError(f"the resumed output ends at token {token}: nothing is left to generate")
+            if self.grammar is not None and not self.grammar.accept(token):
+                raise ValueError(f"the resumed output's token {token} breaks the request's grammar")
+            if draws:
+                sampler.skip_draw(self.generator)
+        self.reported = len(self.resumed)
+
+    def new_ids(self) -> tuple[int, ...]:
+        """The output's ids no event named yet (for the next event: its text is theirs)."""
+        ids = self.output.token_ids
+        new, self.reported = tuple(ids[self.reported:]), len(ids)
+        return new
+
+    def prompt_tokens(self, context_len: int) -> int:
+        """The client's prompt length, from the length of the context computed as prompt (a migrated request's
+        includes the output it resumes)."""
+        return context_len - len(self.resumed)
 
     def take_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprob of the token just sampled, for its event (empty when not asked for)."""

@@ -1,0 +1,183 @@
+"""Request migration (``xpyd.proxy.migration``) with real processes: 1P2D simulated workers behind the proxy; a
+request's decode worker is SIGKILLed while the client reads its stream, the proxy moves the request to the other
+decode worker, and the client's answer is the one an uninterrupted run gives, token for token (greedy, seeded
+sampling, chat, logprobs, a stop string, a JSON answer), with no error and the usage of the whole request.
+The killed worker is started again after each test (same port), and the proxy routes to it once it is up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import Cluster, Proc, free_port, post_json, wait_until
+
+MAX_TOKENS = 48
+KILL_AFTER = 6  # token chunks the client reads before the kill
+
+
+class Bed:
+    def __init__(self, c: Cluster, options: list[str], urls: dict[str, str], ports: dict[str, tuple[int, int]]):
+        self.c, self.options, self.urls, self.ports = c, options, urls, ports
+
+    def proc(self, url: str) -> Proc:
+        return next(p for p in self.c.procs if p.url == url and p.popen.poll() is None)
+
+    def decode_of(self, workers_header: str) -> str:
+        """The URL of the decode worker an ``x-xpyd-workers`` header names."""
+        name = dict(part.split("=") for part in workers_header.replace(" ", "").split(","))["decode"]
+        cluster = _get(self.urls["proxy"] + "/cluster")
+        return next(w["http_url"] for w in cluster["workers"] if w.get("name") == name)
+
+    def restart(self, url: str) -> None:
+        name = next(k for k, v in self.urls.items() if v == url)
+        port, kv = self.ports[name]
+        self.c.procs = [p for p in self.c.procs if p.popen.poll() is None]  # (the killed one)
+        self.c.start(name, ["decode", *self.options, "--port", str(port), "--kv-port", str(kv)], url)
+        self.c.wait_healthy()
+        wait_until(lambda: all(w["health"] == "up" for w in _get(self.urls["proxy"] + "/cluster")["workers"]),
+                   60, "the proxy to route to the restarted decode worker")
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory, smollm_dir: Path):
+    # speed-up 1 of the built-in profile: a stream lasts long enough to be cut in the middle
+    options = ["--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "1", "--threads", "1",
+               "--batch-size", "8", "--max-model-len", "512", "--served-model-name", "m"]
+    c = Cluster(tmp_path_factory.mktemp("migration"))
+    pp, ps, xp = free_port(), free_port(), free_port()
+    ports = {"decode0": (free_port(), free_port()), "decode1": (free_port(), free_port())}
+    urls = {"prefill": f"http://127.0.0.1:{pp}", "proxy": f"http://127.0.0.1:{xp}",
+            **{k: f"http://127.0.0.1:{p}" for k, (p, _) in ports.items()}}
+    try:
+        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
+        for name, (port, kv) in ports.items():
+            c.start(name, ["decode", *options, "--port", str(port), "--kv-port", str(kv)], urls[name])
+        c.wait_healthy()
+        c.start("proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode0"],
+                          "--decode", urls["decode1"], "--policy", "round_robin", "--expose-worker-names"],
+                urls["proxy"])
+        c.wait_healthy()
+        yield Bed(c, options, urls, ports)
+    finally:
+        c.stop()
+
+
+def _stream_and_kill(bed: Bed, path: str, body: dict) -> tuple[list[dict], str]:
+    """Stream ``body``; after KILL_AFTER token chunks SIGKILL the decode worker serving it; the events (all of them,
+    read to [DONE]) and the killed worker's URL."""
+    req = urllib.request.Request(bed.urls["proxy"] + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, killed, chunks = [], None, 0
+    with urllib.request.urlopen(req, timeout=60) as r:
+        decode = bed.decode_of(r.headers["x-xpyd-workers"])
+        for line in r:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            events.append(json.loads(data))
+            chunks += bool(events[-1].get("choices"))
+            if chunks == KILL_AFTER and killed is None:
+                killed = decode
+                bed.proc(decode).popen.send_signal(signal.SIGKILL)
+    assert killed is not None, f"the stream ended after {chunks} chunks, before the kill"
+    return events, killed
+
+
+def _text(events: list[dict], chat: bool) -> str:
+    out = []
+    for e in events:
+        assert "error" not in e, e
+        for c in e.get("choices") or ():
+            out.append((c["delta"].get("content") or "") if chat else c["text"])
+    return "".join(out)
+
+
+def _usage(events: list[dict]) -> dict:
+    return next(e["usage"] for e in events if e.get("usage"))
+
+
+def _migrations(bed: Bed) -> float:
+    with urllib.request.urlopen(bed.urls["proxy"] + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("xpyd_proxy_migrations_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
+CASES = {
+    "greedy completion": ("/v1/completions", {"prompt": "The history of the city begins", "temperature": 0}),
+    "seeded completion with logprobs": ("/v1/completions", {"prompt": "Once upon a time", "temperature": 0.8,
+                                                              "seed": 5, "logprobs": 2}),
+    "seeded chat with a penalty": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
+                                                            "temperature": 1.0, "seed": 9, "top_p": 0.9,
+                                                            "frequency_penalty": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stream_whose_decode_worker_is_killed_goes_on_token_exact(bed, case):
+    path, body = CASES[case]
+    chat = path.endswith("chat/completions")
+    body = {**body, "model": "m", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    before = _migrations(bed)
+    events, killed = _stream_and_kill(bed, path, body)
+    try:
+        uninterrupted = post_json(bed.urls["proxy"], path, {**body, "stream": True})
+        assert _text(events, chat) == _text(uninterrupted, chat)
+        assert _usage(events) == _usage(uninterrupted)
+        assert _usage(events)["completion_tokens"] == MAX_TOKENS
+        if "logprobs" in body:  # every token's logprobs once, in order
+            tokens = [t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+            again = [t for e in uninterrupted for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+            assert tokens == again and len(tokens) == MAX_TOKENS
+        ids = {e["id"] for e in events}
+        assert len(ids) == 1  # one response, as the client started it
+        assert _migrations(bed) == before + 1
+    finally:
+        bed.restart(killed)
+
+
+def test_a_json_answer_whose_decode_worker_is_killed_is_whole(bed):
+    body = {"model": "m", "prompt": "A list of rivers:", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0.7, "seed": 3, "stop": ["zzzz-never"]}
+    expected = post_json(bed.urls["proxy"], "/v1/completions", body)
+    got: dict = {}
+
+    def ask() -> None:
+        got["answer"] = post_json(bed.urls["proxy"], "/v1/completions", body)
+
+    t = threading.Thread(target=ask)
+    running = [None]
+
+    def decode_running() -> bool:
+        for name in ("decode0", "decode1"):
+            stats = _get(bed.urls[name] + "/xpyd/stats")
+            if stats.get("running"):
+                running[0] = bed.urls[name]
+                return True
+        return False
+
+    before = _migrations(bed)
+    t.start()
+    wait_until(decode_running, 30, "a decode worker running the request")
+    bed.proc(running[0]).popen.send_signal(signal.SIGKILL)
+    t.join(60)
+    try:
+        assert got["answer"]["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert got["answer"]["usage"] == expected["usage"]
+        assert _migrations(bed) == before + 1
+    finally:
+        bed.restart(running[0])
