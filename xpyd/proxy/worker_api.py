@@ -42,6 +42,7 @@ class FirstToken:
     stop_reason: str | int | None = None  # (ended on prefill) the stop string or token id that ended it
     logprobs: dict | None = None  # its logprobs (and an echoed prompt's), in the response's shape
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
+    span: tuple[float, float] | None = None  # the prefill call: started, answer read (the proxy's monotonic clock)
 
 
 @dataclass(frozen=True, slots=True)

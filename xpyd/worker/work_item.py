@@ -11,6 +11,7 @@ from xpyd.model.logprobs import TokenLogprob
 from xpyd.model.output import OutputProcessor, StopParams
 from xpyd.model.sampling_params import SamplingParams, TokenHistory
 from xpyd.signal.request_id import RequestId
+from xpyd.worker.phases import PhaseStamps
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,7 @@ class WorkItem:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., as computed
     sampled_logprob: TokenLogprob | None = None  # the last sampled token's (set by the step, taken by the engine)
     grammar: object | None = None  # structured output: its grammar matcher (``xpyd.model.grammar.Matcher``)
+    stamps: PhaseStamps = field(default_factory=PhaseStamps)  # when it passed each point (``xpyd.worker.phases``)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)
