@@ -7,7 +7,8 @@ part. A streaming response goes::
     [role chunk (chat)] -> first token            the proxy's own chunks
     -> tokens 2..n -> [usage chunk if asked]      decode's events, passed on as they came
     -> [: xpyd-timing {json}]                     with ``timing`` (--expose-worker-timing): the workers' own
-    -> [DONE]                                     (prefill's TTFT, decode's gaps; ``answer_timing``)
+    -> [DONE]                                     (prefill's TTFT, decode's gaps) and each side's phases,
+                                                  the proxy's too (``answer_timing``, ``xpyd.api.phases``)
 
 (a request that ended on prefill: the proxy writes the usage chunk itself).
 
