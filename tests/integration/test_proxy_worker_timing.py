@@ -158,3 +158,70 @@ def test_the_openai_client_streams_through_the_flag_as_without_it(cluster):
         finally:
             client.close()
     assert texts["timed"] and texts["timed"] == texts["plain"] == texts["colocated-timed"]
+
+
+def _phase_counts(url: str, name: str) -> dict[str, float]:
+    """``name``'s histogram counts by phase, from ``url``'s /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["phase"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name + "_count"}
+
+
+def test_every_ttft_is_split_into_phases_that_add_up(cluster, tmp_path, capsys):
+    """Through the P/D proxy each answer says where its TTFT went: the proxy's, prefill's and decode's phases,
+    each side's on its own clock. Their sum is the proxy's TTFT exactly, the client's TTFT is that sum and
+    what no server measured (the client <-> proxy hop, never negative: the proxy's interval lies inside the
+    client's), and each side's histograms count every request."""
+    before = {"proxy": _phase_counts(cluster["timed"], "xpyd_proxy_phase_seconds"),
+              "prefill": _phase_counts(cluster["prefill"], "xpyd_request_phase_seconds"),
+              "decode": _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")}
+    report = bench(cluster["timed"], tmp_path / "out.json")
+    assert (report["completed"], report["failed"]) == (8, 0), report["errors"]
+    split = [r for r in report["requests"] if r["phases"] is not None]
+    # (prefill's token may have no text of its own yet: then decode wrote the client's first chunk, no split)
+    assert len(split) == report["phases"]["requests"] and len(split) >= 4
+    for r in report["requests"]:
+        if r["phases"] is None:
+            assert len(r["worker_timing"]["worker_itl_ms"]) == len(r["chunks_s"]) - 1  # decode wrote them all
+            continue
+        p = r["phases"]
+        client_ttft_ms = (r["chunks_s"][0] - r["send_s"]) * 1000
+        assert list(p["ttft_ms"]) == ["proxy.ingress", "prefill.parse", "prefill.queue", "prefill.compute",
+                                      "prefill.respond", "proxy.network", "proxy.egress"]
+        assert all(v >= 0 for v in p["ttft_ms"].values()), p
+        assert p["ttft_ms"]["prefill.compute"] > 0
+        assert p["sum_ms"] == pytest.approx(sum(p["ttft_ms"].values()))
+        assert p["client_ttft_ms"] == pytest.approx(client_ttft_ms)
+        assert p["sum_ms"] + p["client_other_ms"] == pytest.approx(client_ttft_ms)
+        assert 0 <= p["client_other_ms"] < client_ttft_ms
+        assert p["ttft_ms"]["prefill.parse"] + p["ttft_ms"]["prefill.queue"] + p["ttft_ms"]["prefill.compute"] \
+            + p["ttft_ms"]["prefill.respond"] == pytest.approx(r["worker_timing"]["worker_ttft_ms"])
+        d = p["decode_ms"]
+        assert d is not None and set(d) == {"parse", "wait", "transfer", "queue", "step", "respond"}
+        assert all(v >= 0 for v in d.values()) and d["step"] > 0
+    ph = report["phases"]
+    assert ph["sum_over_client_ttft_p50"] is not None and 0 < ph["sum_over_client_ttft_p50"] <= 1
+    assert "where the time went" in capsys.readouterr().out
+    after = {"proxy": _phase_counts(cluster["timed"], "xpyd_proxy_phase_seconds"),
+             "prefill": _phase_counts(cluster["prefill"], "xpyd_request_phase_seconds"),
+             "decode": _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")}
+    expected = {"proxy": ("ingress", "prefill_call", "network", "egress"),
+                "prefill": ("parse", "queue", "compute", "respond"),
+                "decode": ("parse", "wait", "transfer", "queue", "step", "respond")}
+    for side, phases in expected.items():
+        for phase in phases:
+            grew = after[side][phase] - before[side].get(phase, 0)
+            # the proxy: the answers whose first token was prefill's; the workers: every request (and the
+            # bench's warm-up, if any)
+            assert grew >= (len(split) if side == "proxy" else 8), (side, phase, grew)
+
+
+def test_the_timing_comment_carries_each_sides_phases(cluster):
+    body = raw_stream(cluster["timed"])
+    t = timing_of_comment(next(line for line in body.splitlines() if line.startswith(b": xpyd-timing")))
+    assert t.prefill is not None and t.decode is not None and t.proxy is not None
+    assert t.prefill.total_us == t.ttft_us
+    assert t.proxy.network_us == t.proxy.prefill_call_us - t.prefill.total_us >= 0

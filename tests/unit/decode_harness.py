@@ -19,6 +19,7 @@ from xpyd.signal.client import PeerState
 from xpyd.signal.request_id import RequestId
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.phases import PhaseStamps
 
 # What a reduced WorkItem needs of a migrated request's fields (none: not one)
 WORK_ITEM_RESUME = {"resumed": (), "reported": 0, "prompt_tokens": lambda n: n, "new_ids": lambda: ()}
@@ -114,7 +115,8 @@ def add_request(engine: DecodeEngine, clock: Clock, max_tokens: int = 4,
                 open_ended: bool = False) -> tuple[str, SimpleNamespace]:
     """A request as ``_add`` takes it (claimed at the next step), with a recording output and sink."""
     rid = str(RequestId.new(PREFILL, DECODE))
-    payload = SimpleNamespace(arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
+    payload = SimpleNamespace(stamps=PhaseStamps(),
+                              arrival=clock.now, sink=Sink(), sampling=SimpleNamespace(temperature=0),
                               open_ended=open_ended, stop=StopParams(max_tokens=max_tokens), cache_salt=None,
                               prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (no ids: prefill's names taken)
                               take_logprobs=lambda: (), grammar=None, **WORK_ITEM_RESUME)

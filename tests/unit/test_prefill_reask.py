@@ -22,6 +22,7 @@ from xpyd.signal.request_id import RequestId, part_transfer_ids, transfer_id_of
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.phases import PhaseStamps
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=8, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
@@ -73,8 +74,8 @@ def prefill(monkeypatch):
 
 def _add(engine: PrefillEngine, prompt: list[int]) -> str:
     rid = str(RequestId.new(PREFILL, DECODE))
-    payload = SimpleNamespace(arrival=time.monotonic(), sink=_Sink(), output=_Output(), take_logprobs=lambda: (),
-                              **WORK_ITEM_RESUME)
+    payload = SimpleNamespace(stamps=PhaseStamps(), arrival=time.monotonic(), sink=_Sink(), output=_Output(),
+                              take_logprobs=lambda: (), **WORK_ITEM_RESUME)
     engine.sched.add(PrefillSeq(rid, prompt, payload=payload, peer=DECODE, hashes=engine.kv_cache.hashes(prompt)))
     return rid
 

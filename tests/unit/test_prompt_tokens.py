@@ -183,33 +183,34 @@ def test_spec_is_validated(change):
 
 
 async def test_tokenizing_in_a_thread_lets_the_event_loop_run(smollm):
-    """The proxy tokenizes long prompts in a thread; the tokenizer must let go of the GIL meanwhile."""
+    """The proxy tokenizes long prompts in a thread; the tokenizer must let go of the GIL meanwhile: the event
+    loop keeps turning while it runs (a tokenizer that held the GIL would let it turn at most at its ends). Counted
+    in turns, not timed: a loaded machine slows both alike."""
     import asyncio
     import time
 
     _, proxy = smollm
     req = parse_request(json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 4000}).encode(),
                         RequestKind.COMPLETION)
-    gaps = []
+    turns: list[float] = []
 
     async def tick(done: asyncio.Event) -> None:
-        last = time.perf_counter()
         while not done.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            await asyncio.sleep(0)
+            turns.append(time.perf_counter())
 
     done = asyncio.Event()
     ticker = asyncio.create_task(tick(done))
     await asyncio.sleep(0.01)
     t0 = time.perf_counter()
     keys = await asyncio.to_thread(proxy.keys, req)
-    took = time.perf_counter() - t0
+    t1 = time.perf_counter()
     done.set()
     await ticker
     assert keys.num_tokens > 40_000
-    assert max(gaps) < took / 3, f"the loop stood still {max(gaps) * 1e3:.0f} ms of {took * 1e3:.0f} ms"
+    during = sum(t0 < t < t1 for t in turns)
+    # (it turns tens of thousands of times here; held by a C call that keeps the GIL, ~10 times, at the ends)
+    assert during >= 1000, f"the loop turned {during} times in the {(t1 - t0) * 1e3:.0f} ms the tokenizer ran"
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-a", "tenant-b"])

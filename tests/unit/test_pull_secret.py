@@ -24,6 +24,7 @@ from xpyd.signal.request_id import RequestId, transfer_id_of
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
+from xpyd.worker.phases import PhaseStamps
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
@@ -54,7 +55,8 @@ def test_decode_sends_each_pull_the_fresh_secret_its_receive_expects():
     engine.signal = signal = RecordingSignal()
     rids = [str(RequestId.new(PREFILL, DECODE)) for _ in range(2)]
     for rid in rids:
-        engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=SimpleNamespace(arrival=time.monotonic()),
+        engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=SimpleNamespace(stamps=PhaseStamps(),
+                                                                                       arrival=time.monotonic()),
                                    deadline=time.monotonic() + 60))
         engine.sched.mark_ready(rid, 42)  # (prefill's ready is not this test's subject)
     engine.step()  # slots for both: their receives are expected and their pulls sent

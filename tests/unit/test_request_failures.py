@@ -26,6 +26,7 @@ from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.work_item import ErrorEvent
+from xpyd.worker.phases import PhaseStamps
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
@@ -131,7 +132,8 @@ def _decode_engine():
 
 def _decode_request(engine, broken_output: bool = False) -> tuple[str, _Sink]:
     rid, sink = str(RequestId.new(PREFILL, DECODE)), _Sink()
-    payload = SimpleNamespace(arrival=time.monotonic(), sink=sink, sampling=SimpleNamespace(temperature=0),
+    payload = SimpleNamespace(stamps=PhaseStamps(),
+                              arrival=time.monotonic(), sink=sink, sampling=SimpleNamespace(temperature=0),
                               output=_Output(broken_output), open_ended=False, stop=SimpleNamespace(max_tokens=4),
                               cache_salt=None, prompt_ids=[], start_output=lambda tokenizer, sampler: None,  # (keeps its output)
                               grammar=None, take_logprobs=lambda: (), **WORK_ITEM_RESUME)

@@ -28,6 +28,7 @@ from xpyd.signal import messages as m
 from xpyd.signal.request_id import RequestId, transfer_id_of
 from xpyd.transfer.auth import new_secret
 from xpyd.transfer.fake import FakeNetwork, FakeTransferBackend
+from xpyd.worker.phases import PhaseStamps
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", num_blocks=6, block_size=4)
 PREFILL, DECODE = "127.0.0.1:7000", "127.0.0.1:7001"
@@ -92,7 +93,7 @@ def test_decode_engine_drives_progress_while_a_pull_is_in_flight(tick):
     assert signal.timeouts[-1] == IDLE_SLEEP * 1000 and transfer.progress_calls == 0
 
     rid = str(RequestId.new(PREFILL, DECODE))
-    payload = SimpleNamespace(arrival=time.monotonic())
+    payload = SimpleNamespace(stamps=PhaseStamps(), arrival=time.monotonic())
     engine.sched.add(DecodeSeq(rid, PREFILL, prompt_len=3, payload=payload, deadline=time.monotonic() + 60))
     engine.sched.mark_ready(rid, 42)  # (prefill's lookup reply is not this test's subject)
     engine.step()  # gives it a slot and announces the receive

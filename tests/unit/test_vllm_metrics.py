@@ -37,7 +37,8 @@ def test_names_types_labels_and_buckets():
         "vllm:request_success": "counter", "vllm:request_prompt_tokens": "histogram",
         "vllm:request_generation_tokens": "histogram", "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram", "vllm:time_per_output_token_seconds": "histogram",
-        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
     }
     for reason in ("stop", "length", "abort", "error", "repetition"):
         assert value(v, "vllm:request_success_total", **L, finished_reason=reason) == 0
@@ -46,6 +47,7 @@ def test_names_types_labels_and_buckets():
     assert buckets(v, "vllm:inter_token_latency_seconds") == ITL
     assert buckets(v, "vllm:time_per_output_token_seconds") == ITL
     assert buckets(v, "vllm:e2e_request_latency_seconds") == E2E
+    assert buckets(v, "vllm:request_queue_time_seconds") == E2E == buckets(v, "vllm:request_prefill_time_seconds")
     assert buckets(v, "vllm:request_prompt_tokens") == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
     assert request_token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 

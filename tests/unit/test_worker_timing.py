@@ -25,7 +25,7 @@ from xpyd.worker.timing import AnswerClock
 def test_a_timing_goes_as_one_sse_comment_and_comes_back_equal():
     t = WorkerTiming(ttft_us=1500, gaps_us=(10, 20, 30), gaps=3)
     block = t.comment()
-    assert block == b': xpyd-timing {"v":1,"ttft_us":1500,"gaps_us":[10,20,30],"gaps":3}\n\n'
+    assert block == b': xpyd-timing {"v":2,"ttft_us":1500,"gaps_us":[10,20,30],"gaps":3}\n\n'
     assert timing_of_comment(block) == t
     assert timing_of_comment(b": keep-alive") is None
     assert decode_timing(t.to_json()) == t
@@ -47,10 +47,10 @@ def test_a_malformed_timing_is_a_value_error(doc):
 
 # --- the worker's clock --------------------------------------------------------------------------------------
 
-def test_the_clock_is_started_only_when_asked():
-    assert AnswerClock.asked(None) is None
-    assert AnswerClock.asked("yes") is None
-    assert isinstance(AnswerClock.asked("1"), AnswerClock)
+def test_the_clock_is_wanted_only_when_asked():
+    assert not AnswerClock.start(None).wanted
+    assert not AnswerClock.start("yes").wanted
+    assert AnswerClock.start("1").wanted
 
 
 def test_the_clock_records_the_first_chunk_and_the_gaps_after_it():
@@ -240,8 +240,13 @@ class _Timer:
     def __init__(self) -> None:
         self.tokens, self.outcomes = 0, []
 
+    phases = None
+
     def token(self) -> None:
         self.tokens += 1
+
+    def written(self, first) -> None:
+        pass
 
     def end(self, outcome) -> None:
         self.outcomes.append(outcome)

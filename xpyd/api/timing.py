@@ -15,6 +15,12 @@ first gaps, so a line stays under ~40 KB). Microseconds, integers.
 
 Through a P/D proxy the client gets one line per answer: prefill's TTFT (it wrote the first token) and
 decode's gaps (tokens 2..n, so one gap fewer than the client saw: the first, token 1 -> 2, is nobody's).
+
+Where the time went (version 2; ``xpyd.api.phases``): a prefill worker adds ``prefill``, its TTFT split into
+parse, queue, compute and respond; a decode worker ``decode``, its time to its first chunk split into parse,
+wait, transfer, queue, step and respond; the proxy ``proxy``, its own ingress, prefill call, network (the
+call less prefill's own time) and egress, which add up to the TTFT it served. A version 1 line (no phases)
+still reads.
 """
 
 from __future__ import annotations
@@ -23,14 +29,13 @@ from typing import Annotated
 
 import msgspec
 
+from xpyd.api.phases import MAX_US, DecodePhases, Micros, PrefillPhases, ProxyPhases
+
 TIMING_HEADER = "X-Xpyd-Timing"
 ASK = "1"  # the request header's value that asks for timing
 COMMENT_PREFIX = b": xpyd-timing "
-VERSION = 1
+VERSION = 2
 MAX_GAPS = 4096
-MAX_US = 1 << 40  # ~12.7 days: anything longer is not a measurement
-
-Micros = Annotated[int, msgspec.Meta(ge=0, le=MAX_US)]
 
 
 class WorkerTiming(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,17 +43,21 @@ class WorkerTiming(msgspec.Struct, frozen=True, kw_only=True):
     ttft_us: Micros | None = None
     gaps_us: Annotated[tuple[Micros, ...], msgspec.Meta(max_length=MAX_GAPS)] = ()
     gaps: Annotated[int, msgspec.Meta(ge=0, le=MAX_US)] = 0
+    prefill: PrefillPhases | None = None  # the prefill worker's answer, split (v2)
+    decode: DecodePhases | None = None  # the decode worker's time to its first chunk, split (v2)
+    proxy: ProxyPhases | None = None  # the proxy's TTFT, split (v2)
 
     def __post_init__(self) -> None:
         if self.gaps < len(self.gaps_us):
             raise ValueError("gaps counts every gap: it cannot be fewer than gaps_us")
 
     def to_json(self) -> bytes:
-        return _ENCODER.encode(self)
+        """Its JSON, without the phases no side said (null)."""
+        return _ENCODER.encode({k: v for k, v in msgspec.structs.asdict(self).items() if v is not None})
 
     def comment(self) -> bytes:
         """The SSE comment block that carries it."""
-        return COMMENT_PREFIX + _ENCODER.encode(self) + b"\n\n"
+        return COMMENT_PREFIX + self.to_json() + b"\n\n"
 
 
 _ENCODER = msgspec.json.Encoder()

@@ -29,6 +29,7 @@ from xpyd.bench.config import BenchConfig, SharedPrefixConfig, StallConfig, Work
 from xpyd.bench.conversation import Conversation, MultiTurnConfig, build_conversations
 from xpyd.bench.metrics import summarize, summarize_turns, summarize_workers
 from xpyd.bench.overhead import summarize_overhead
+from xpyd.bench.phases import summarize_phases
 from xpyd.bench.report import build_report, format_table, request_records, write_json
 from xpyd.bench.runner import Timed, closed_loop, conversations, open_loop, prefill_stall, timed
 from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, TraceRequests, load_trace, send_offsets, trace_stats
@@ -68,7 +69,10 @@ too. Without the header (any other server) there is no per-worker section.
 What the proxy adds: against an xpyd proxy started with --expose-worker-timing, each stream ends with its
 workers' own timing (an SSE comment) and the report adds the workers' TTFT, the proxy-added TTFT (client
 minus worker, per request), the workers' ITL and the client's over the same gaps, p50/p99 and their ratio
-(text, and "proxy_overhead" in --json; per request with --include-requests).
+(text, and "proxy_overhead" in --json; per request with --include-requests). Through a P/D proxy it also says
+where each TTFT went: the proxy's ingress, prefill's parse, queue, compute and respond, the network between
+them, the proxy's egress (they add up to the proxy's TTFT), what is left of the client's TTFT, and the decode
+worker's phases to token 2 (text, and "phases" in --json; per request with --include-requests).
 
 Exit status: 0 when the run completed (failed requests are reported, not fatal), 2 for bad
 arguments, 1 when the endpoint cannot be reached at all."""
@@ -358,9 +362,11 @@ def _report(config: BenchConfig, model: str, measured: Timed, warmup_failed: int
              else None)
     workers = summarize_workers(results, measured.duration_s, config.slo)  # None unless the server names them
     overhead = summarize_overhead(results)  # None unless the server sends the workers' own timing
+    phases = summarize_phases(results)  # None unless it splits the TTFT too (a P/D proxy)
     described = config.describe() | {"model": model}
-    print(format_table(overall, classes, described, model, turns, trace, workers, overhead))
-    report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers, overhead)
+    print(format_table(overall, classes, described, model, turns, trace, workers, overhead, phases))
+    report = build_report(overall, classes, described, model, warmup_failed, turns, trace, workers, overhead,
+                          phases)
     if config.include_requests:
         report["requests"] = request_records(results, measured.start)
         # The run's start on the machine's monotonic clock (time.perf_counter): another process on this

@@ -19,9 +19,13 @@ the workers of its answers: an xpyd proxy with ``--expose-worker-names``; ``pref
 ``ttft_ms``, ``tpot_ms``, ``errors``}, and ``unattributed``: requests no worker was named for),
 ``proxy_overhead`` (only when the server sent the workers' own timing: an xpyd proxy with
 ``--expose-worker-timing``; ``requests``, ``missing``, ``misaligned``, ``worker_ttft_ms``, ``proxy_ttft_ms``,
-``worker_itl_ms``, ``client_itl_ms``, ``itl_p50_ratio``, ``itl_p99_ratio``, see ``xpyd.bench.overhead``), and
+``worker_itl_ms``, ``client_itl_ms``, ``itl_p50_ratio``, ``itl_p99_ratio``, see ``xpyd.bench.overhead``),
+``phases`` (only when the server split the TTFT: an xpyd P/D proxy with ``--expose-worker-timing``;
+``requests``, ``missing``, ``ttft_ms`` per phase (``proxy.ingress``, ``prefill.parse`` ... ``proxy.egress``),
+``sum_ms``, ``client_ttft_ms``, ``client_other_ms``, ``sum_over_client_ttft_p50``, ``decode_ms`` per decode
+phase, ``client_first_gap_ms``, see ``xpyd.bench.phases``), and
 with ``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
-each its ``workers`` when named and its ``worker_timing`` when sent) with ``start_perf_counter``, the run's
+each its ``workers`` when named, its ``worker_timing`` and ``phases`` when sent) with ``start_perf_counter``, the run's
 start on the machine's monotonic clock (the timelines' zero).
 """
 
@@ -33,6 +37,7 @@ from pathlib import Path
 from xpyd.bench.client import RequestResult
 from xpyd.bench.metrics import CacheHits, Distribution, Summary, TurnSummary, WorkerSummaries
 from xpyd.bench.overhead import Overhead, RequestOverhead
+from xpyd.bench.phases import PhaseSummary, RequestPhases
 
 SCHEMA_VERSION = 1
 
@@ -58,6 +63,12 @@ DEFINITIONS = {
                       "worker_itl = the decode (colocated) worker's gaps between the chunks it wrote, client_itl "
                       "= the client's gaps between the same chunks (P/D: all but token 1 -> 2); ratios: client / "
                       "worker",
+    "phases": "where the TTFT went (--expose-worker-timing, P/D): each side's phases on its own clock; ttft_ms "
+              "per phase, in the order they pass (proxy ingress, prefill parse/queue/compute/respond, network = "
+              "the proxy's prefill call less prefill's own time, proxy egress); their sum is the proxy's TTFT; "
+              "client_other = client TTFT - sum (client <-> proxy hop, the client's reading); decode_ms: the decode "
+              "worker's time to token 2 (parse, wait, transfer, queue, step, respond), beside client_first_gap "
+              "(token 1 -> 2 at the client)",
     "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
                     "the completed requests reporting cached_tokens; null when none does",
 }
@@ -135,6 +146,19 @@ def overhead_dict(o: Overhead) -> dict:
             "itl_p50_ratio": o.itl_p50_ratio, "itl_p99_ratio": o.itl_p99_ratio}
 
 
+def phases_dict(p: PhaseSummary) -> dict:
+    return {"requests": p.requests, "missing": p.missing, "ttft_ms": {k: _dist(d) for k, d in p.ttft.items()},
+            "sum_ms": _dist(p.sum), "client_ttft_ms": _dist(p.client_ttft), "client_other_ms": _dist(p.other),
+            "sum_over_client_ttft_p50": p.sum_over_client_p50,
+            "decode_ms": {k: _dist(d) for k, d in p.decode.items()},
+            "client_first_gap_ms": _dist(p.client_first_gap)}
+
+
+def _request_phases(r: RequestResult) -> dict | None:
+    p = RequestPhases.of(r)
+    return None if p is None else p.as_dict()
+
+
 def _request_timing(r: RequestResult) -> dict | None:
     o = RequestOverhead.of(r)
     return None if o is None else o.as_dict()
@@ -154,13 +178,15 @@ def request_records(results: list[RequestResult], start: float) -> list[dict]:
         "trace_line": r.trace_line,
         "workers": r.workers,
         "worker_timing": _request_timing(r),
+        "phases": _request_phases(r),
         "error": r.error,
     } for r in results]
 
 
 def build_report(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
                  warmup_failed: int = 0, turns: TurnSummary | None = None, trace: dict | None = None,
-                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None) -> dict:
+                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None,
+                 phases: PhaseSummary | None = None) -> dict:
     out = summary_dict(overall)
     out.update({
         "schema_version": SCHEMA_VERSION,
@@ -180,6 +206,8 @@ def build_report(overall: Summary, classes: dict[str, Summary], config: dict, mo
         out["workers"] = workers_dict(workers)
     if overhead is not None:
         out["proxy_overhead"] = overhead_dict(overhead)
+    if phases is not None:
+        out["phases"] = phases_dict(phases)
     return out
 
 
@@ -276,9 +304,29 @@ def _overhead_section(o: Overhead) -> list[str]:
     return lines
 
 
+def _phases_section(p: PhaseSummary) -> list[str]:
+    ratio = "-" if p.sum_over_client_p50 is None else f"{p.sum_over_client_p50:.4f}"
+    lines = ["--- where the time went (each side's own phases) ".ljust(62, "-"),
+             f"{'requests with / without':<28}{p.requests} / {p.missing}",
+             f"{'TTFT phase (ms)':<24}{'mean':>8}{'p50':>10}{'p99':>10}{'max':>10}"]
+    for name, d in p.ttft.items():
+        lines.append(f"{name:<24}{_fmt(d.mean, 8)}{_fmt(d.p50)}{_fmt(d.p99)}{_fmt(d.max)}")
+    for name, d in (("= sum (proxy TTFT)", p.sum), ("client/other", p.other), ("client TTFT", p.client_ttft)):
+        lines.append(f"{name:<24}{_fmt(d.mean, 8)}{_fmt(d.p50)}{_fmt(d.p99)}{_fmt(d.max)}")
+    lines.append(f"{'sum p50 / client TTFT p50':<28}{ratio}")
+    if any(d.count for d in p.decode.values()):
+        lines.append(f"{'token 1 -> 2 (ms)':<24}{'mean':>8}{'p50':>10}{'p99':>10}{'max':>10}")
+        for name, d in p.decode.items():
+            lines.append(f"{'decode.' + name:<24}{_fmt(d.mean, 8)}{_fmt(d.p50)}{_fmt(d.p99)}{_fmt(d.max)}")
+        d = p.client_first_gap
+        lines.append(f"{'client first gap':<24}{_fmt(d.mean, 8)}{_fmt(d.p50)}{_fmt(d.p99)}{_fmt(d.max)}")
+    return lines
+
+
 def format_table(overall: Summary, classes: dict[str, Summary], config: dict, model: str,
                  turns: TurnSummary | None = None, trace: dict | None = None,
-                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None) -> str:
+                 workers: WorkerSummaries | None = None, overhead: Overhead | None = None,
+                 phases: PhaseSummary | None = None) -> str:
     if tc := config.get("trace"):
         load = f"trace {tc['path']} at {tc['time_scale']:g}x"
     elif config.get("rate") is not None:
@@ -307,6 +355,8 @@ def format_table(overall: Summary, classes: dict[str, Summary], config: dict, mo
         lines += _workers_section(workers)
     if overhead is not None:
         lines += _overhead_section(overhead)
+    if phases is not None:
+        lines += _phases_section(phases)
     lines.append("ITL is per streamed chunk; TPOT uses usage.completion_tokens.")
     if overall.cache.hit_rate is None:
         lines.append("prefix cache n/a: no usage.prompt_tokens_details.cached_tokens "

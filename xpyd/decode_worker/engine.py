@@ -156,6 +156,7 @@ class DecodeEngine(WorkerEngine):
                 self._fail_peer(peer.addr, peer.error or "prefill worker failed")
         self._fail_overdue(time.monotonic())
         ended = self.connector.finished()
+        self._landed(ended.done)
         joined, failed = self.sched.poll_transfers(ended.done, ended.failed)
         for seq in joined:
             with self.isolate(seq.request_id, seq.payload):
@@ -354,10 +355,13 @@ class DecodeEngine(WorkerEngine):
         once the first token is here). Pulled while prefill still computes the prompt, the blocks come in
         parts of the size prefill suggested, each as soon as it is computed."""
         bs = self.kv_cache.block_size
+        now = time.monotonic()
+        seq.payload.stamps.mark("pull_started", now)  # (xpyd.worker.phases)
         first = seq.kv.cached_tokens // bs
         blocks = seq.kv.blocks[first:]
         self.receives.reused(first)
         if not blocks:  # the whole prompt is cached here: nothing to move; prefill can drop its copy
+            seq.payload.stamps.mark("landed", now)
             self.sched.skip_transfer(seq)
             self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.tail)
             if seq.ready:
@@ -370,6 +374,15 @@ class DecodeEngine(WorkerEngine):
         seq.deadline = time.monotonic() + self.config.prefill_wait_timeout
         self.lookups.pull(seq.prefill_addr, m.LookupEntry(seq.request_id, tuple(blocks), first, order.secret,
                                                           part_blocks=order.part_blocks))
+
+    def _landed(self, request_ids) -> None:
+        """The KV of these requests landed (``xpyd.worker.phases``; they join the batch once their first
+        token is here too)."""
+        now = time.monotonic()
+        for rid in request_ids:
+            seq = self.sched.get(rid)
+            if seq is not None:
+                seq.payload.stamps.mark("landed", now)
 
     def _finished(self, item: WorkItem) -> None:
         self.metrics.request_done("finished")
@@ -390,6 +403,8 @@ class DecodeEngine(WorkerEngine):
         for seq, tok in zip(running, new):
             with self.isolate(seq.request_id, seq.payload):
                 item: WorkItem = seq.payload
+                if item.stamps.step_started is None:  # its first step (xpyd.worker.phases)
+                    item.stamps.step_started, item.stamps.step_ended = t0, now
                 text, finish = item.output.append(tok)
                 n_out = len(item.output.token_ids)
                 if n_out > len(item.resumed) + 2:  # its previous token came from the previous decode step (every

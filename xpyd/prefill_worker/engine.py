@@ -216,6 +216,8 @@ class PrefillEngine(WorkerEngine):
         """One forward pass over the step's chunks; requests whose prompt it ends get their first token.
         If a forward over several requests raises, each is run alone so the failure stays with its own."""
         t0 = time.monotonic()
+        for chunk in chunks:
+            chunk.seq.payload.stamps.mark("scheduled", t0)  # (its first chunk's pass: xpyd.worker.phases)
         try:
             logits = prefill_chunks(self.runner, chunks)
         except Exception as e:
@@ -261,6 +263,7 @@ class PrefillEngine(WorkerEngine):
         that ended with it (max_tokens 1, an end-of-sequence or stop token, or none) needs no decode step: its
         KV is freed now (its blocks stay in the prefix cache), and a decode worker that claimed it is told."""
         item: WorkItem = seq.payload
+        item.stamps.mark("sampled", time.monotonic())
         self.metrics.observe_ttft(now - item.arrival)
         text, finish = item.output.append(token) if token is not None else item.output.end_without_output()
         prompt_tokens = item.prompt_tokens(len(seq.prompt_ids))  # (a migrated request's: without its output)

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -181,13 +182,15 @@ class WorkerClient:
     async def prefill(
         self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str
     ) -> FirstToken:
+        began = time.monotonic()  # (its span: xpyd.proxy.phases)
         with upstream_errors(worker):
             async with await self._send(self._sessions.prefill, worker, kind, body, request_id) as resp:
                 await raise_for_status(resp, worker)
                 data = await resp.json(content_type=None)
             if self._heard is not None:
                 self._heard(worker)
-            return parse_first_token(data, kind, resp.headers.get(TIMING_HEADER) if self._ask else None)
+            first = parse_first_token(data, kind, resp.headers.get(TIMING_HEADER) if self._ask else None)
+            return replace(first, span=(began, time.monotonic()))
 
     async def open_decode(
         self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str,

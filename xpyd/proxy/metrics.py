@@ -7,6 +7,9 @@ xpyd_proxy_requests_total                  counter    endpoint, outcome (see ``O
 xpyd_proxy_time_to_first_token_seconds     histogram  request received -> first token ready to send
 xpyd_proxy_inter_token_latency_seconds     histogram  between two chunks of one response
 xpyd_proxy_e2e_request_latency_seconds     histogram  request received -> last token (ok requests)
+xpyd_proxy_phase_seconds                   histogram  phase=ingress|prefill_call|network|egress: a streamed
+                                                      answer's TTFT here, split (``xpyd.proxy.phases``;
+                                                      network only with --expose-worker-timing)
 xpyd_requests_in_flight                    gauge      role="proxy": requests being served
 xpyd_proxy_workers                         gauge      role, health=up|down: workers the proxy knows
 xpyd_proxy_queue_waiting                   gauge      requests waiting for room on a decode worker
@@ -35,8 +38,11 @@ from werkzeug.exceptions import HTTPException
 
 from xpyd.api.openai import APIError
 from xpyd.discovery.counts import EtcdOps
-from xpyd.histograms import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
+from xpyd.api.phases import PROXY_PHASES, ProxyPhases
+from xpyd.histograms import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS
+from xpyd.proxy.phases import proxy_phases
 from xpyd.proxy.upstream import UpstreamError
+from xpyd.proxy.worker_api import FirstToken
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # A pick takes microseconds to a millisecond (cache-aware with many workers): 1-2-5 steps from 5 us to 1 s.
@@ -73,18 +79,26 @@ def outcome_of(e: BaseException) -> Outcome:
 class RequestTimer:
     """One client request: counted in flight until ``end`` (idempotent: the first outcome counts)."""
 
-    __slots__ = ("_metrics", "_endpoint", "_start", "_last", "_ended")
+    __slots__ = ("_metrics", "_endpoint", "_start", "_last", "_ended", "phases")
 
     def __init__(self, metrics: "ProxyMetrics", endpoint: str) -> None:
         self._metrics = metrics
         self._endpoint = endpoint
         self._start = self._last = time.monotonic()
         self._ended = False
+        self.phases: ProxyPhases | None = None  # a streamed answer's, once its first token is written
         metrics._in_flight.inc()
 
     def first_token(self) -> None:
         self._last = time.monotonic()
         self._metrics._ttft.observe(self._last - self._start)
+
+    def written(self, first: FirstToken) -> None:
+        """The chunk of prefill's token ``first`` is written to the client: the TTFT's phases here (once)."""
+        if self.phases is None:
+            self.phases = proxy_phases(self._start, first, time.monotonic())
+            if self.phases is not None:
+                self._metrics.observe_phases(self.phases)
 
     def token(self) -> None:
         now = time.monotonic()
@@ -145,8 +159,17 @@ class ProxyMetrics:
         self._migrations = Counter("xpyd_proxy_migrations", "Requests moved on to another pair mid-answer "
                                    "(their decode worker or the path failed; the client's stream went on)",
                                    registry=r)
+        phase = Histogram("xpyd_proxy_phase_seconds", "A streamed answer's time to its first token here, by "
+                          "phase (xpyd.api.phases)", ("phase",), buckets=PHASE_BUCKETS, registry=r)
+        self._phase = {name: phase.labels(name) for name in PROXY_PHASES}
         self._routing = Histogram("xpyd_proxy_routing_seconds", "Picking a request's prefill and decode worker "
                                   "and starting its calls", buckets=ROUTING_BUCKETS, registry=r)
+
+    def observe_phases(self, p: ProxyPhases) -> None:
+        for name in PROXY_PHASES:
+            us = getattr(p, f"{name}_us")
+            if us is not None:
+                self._phase[name].observe(max(0, us) / 1e6)
 
     def routed(self, seconds: float) -> None:
         self._routing.observe(seconds)

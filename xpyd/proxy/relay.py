@@ -7,7 +7,8 @@ part. A streaming response goes::
     [role chunk (chat)] -> first token            the proxy's own chunks
     -> tokens 2..n -> [usage chunk if asked]      decode's events, passed on as they came
     -> [: xpyd-timing {json}]                     with ``timing`` (--expose-worker-timing): the workers' own
-    -> [DONE]                                     (prefill's TTFT, decode's gaps; ``answer_timing``)
+    -> [DONE]                                     (prefill's TTFT, decode's gaps) and each side's phases,
+                                                  the proxy's too (``answer_timing``, ``xpyd.api.phases``)
 
 (a request that ended on prefill: the proxy writes the usage chunk itself).
 
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
 from xpyd.api.responses import SSE_DONE, completion_response, merge_logprobs, sse, stream_chunk, usage_chunk
 from xpyd.api.tool_output import ToolOutput
+from xpyd.api.phases import ProxyPhases
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
@@ -112,6 +114,8 @@ async def _stream(
         elif first.finish_reason is not None:
             yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason,
                         logprobs=first.logprobs)
+            if first.text:
+                timer.written(first)
             if req.include_usage:
                 usage = first.usage
                 yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,
@@ -119,6 +123,8 @@ async def _stream(
         else:
             if first.text or first.logprobs is not None:
                 yield chunk(first.text, None, logprobs=first.logprobs)
+                if first.text:  # the client's first token is prefill's (xpyd.proxy.phases)
+                    timer.written(first)
             async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
                 if block.startswith(COMMENT_PREFIX):  # decode's timing, alone in the last block
                     decoded = block
@@ -128,7 +134,7 @@ async def _stream(
                 yield block
         timer.end(Outcome.OK)
         if timing:
-            yield answer_timing(first, _timing_or_none(decoded)).comment()
+            yield answer_timing(first, _timing_or_none(decoded), timer.phases).comment()
         yield DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
@@ -154,6 +160,7 @@ async def _with_tools(call: PDCall, req: CompletionRequest, first: FirstToken, t
     finish, stop = first.finish_reason, first.stop_reason
     for delta in tools.delta(first.text):
         yield chunk(None, None, delta=delta)
+        timer.written(first)
     if finish is None:
         async for piece in call.rest():
             timer.token()
@@ -170,16 +177,21 @@ async def _with_tools(call: PDCall, req: CompletionRequest, first: FirstToken, t
                               u.cached_tokens))
 
 
-def answer_timing(first: FirstToken, decoded: WorkerTiming | None) -> WorkerTiming:
+def answer_timing(first: FirstToken, decoded: WorkerTiming | None, proxy: ProxyPhases | None = None) -> WorkerTiming:
     """The workers' own timing of a P/D answer, as the client saw it: TTFT from the worker that wrote the
-    client's first content chunk (prefill, unless its token had no text), the gaps from decode's chunks."""
+    client's first content chunk (prefill, unless its token had no text), the gaps from decode's chunks; and
+    where the time went (``xpyd.api.phases``): prefill's phases, decode's, and the proxy's own."""
     prefill = first.timing
+    phases = {"prefill": prefill.prefill if prefill is not None else None,
+              "decode": decoded.decode if decoded is not None else None, "proxy": proxy}
     if first.text or first.finish_reason is not None:
         ttft = prefill.ttft_us if prefill is not None and first.text else None
         if decoded is None:
-            return WorkerTiming(ttft_us=ttft)
-        return WorkerTiming(ttft_us=ttft, gaps_us=decoded.gaps_us, gaps=decoded.gaps)
-    return decoded if decoded is not None else WorkerTiming()
+            return WorkerTiming(ttft_us=ttft, **phases)
+        return WorkerTiming(ttft_us=ttft, gaps_us=decoded.gaps_us, gaps=decoded.gaps, **phases)
+    if decoded is None:
+        return WorkerTiming(**phases)
+    return WorkerTiming(ttft_us=decoded.ttft_us, gaps_us=decoded.gaps_us, gaps=decoded.gaps, **phases)
 
 
 def _timing_or_none(block: bytes | None) -> WorkerTiming | None:

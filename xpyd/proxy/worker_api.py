@@ -44,6 +44,7 @@ class FirstToken:
     logprobs: dict | None = None  # its logprobs (and an echoed prompt's), in the response's shape
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
     token_ids: tuple[int, ...] | None = None  # the output tokens it names (``xpyd.api.resume``); None: not named
+    span: tuple[float, float] | None = None  # the prefill call: started, answer read (the proxy's monotonic clock)
 
 
 @dataclass(frozen=True, slots=True)

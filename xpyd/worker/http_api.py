@@ -228,7 +228,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         return _error(APIError(500, f"internal error in the {config.role} worker", "server_error"))
 
     async def _generate(kind: RequestKind) -> Response:
-        clock = AnswerClock.asked(request.headers.get(TIMING_HEADER))  # (xpyd.api.timing)
+        clock = AnswerClock.start(request.headers.get(TIMING_HEADER))  # (xpyd.api.timing, xpyd.api.phases)
         try:  # first: a forged id connects nothing and queues nothing
             rid = await gate.admit(request.headers.get(REQUEST_ID_HEADER))
         except APIError as e:
@@ -277,6 +277,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         if children[0] is not None:
             return await _several(req, children, items, extras, shape)
         item, rid = items[0], str(items[0].request_id)
+        clock.follow(config.role, item.stamps, item.arrival, engine.metrics.observe_phases)
         if req.stream:
             gen = stream_events(engine, rid, shape, item.sink, single_event, clock, item, extras[0])
             return _sse_response(gen)
@@ -287,7 +288,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             if isinstance(answer, APIError):
                 return _error(answer)
             resp = _json(answer)
-            if clock is not None:
+            clock.answered()
+            if clock.wanted:
                 resp.headers[TIMING_HEADER] = clock.header()
             return resp
         finally:
@@ -477,7 +479,7 @@ async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink
         ended.value = True
         if shape.include_usage:
             yield shape.usage(prompt_tokens, completion_tokens, cached)
-        if clock is not None:
+        if clock is not None and clock.wanted:
             yield clock.comment()
         yield SSE_DONE
     finally:

@@ -15,6 +15,11 @@ xpyd_requests_total                        counter    outcome=finished|failed|ab
 xpyd_time_to_first_token_seconds           histogram  arrival at the worker -> first token
 xpyd_inter_token_latency_seconds           histogram  between two tokens of one request
 xpyd_e2e_request_latency_seconds           histogram  arrival at the worker -> last token
+xpyd_request_phase_seconds                 histogram  phase: one phase of a request here (``xpyd.api.phases``):
+                                                      prefill parse|queue|compute|respond (they add up to its
+                                                      TTFT), decode parse|wait|transfer|queue|step|respond
+                                                      (to its first chunk); each request once, when its first
+                                                      chunk (prefill: its answer) is written
 xpyd_engine_step_seconds                   histogram  kind=prefill|decode: one forward pass + sampling
 xpyd_engine_batch_size                     histogram  kind=prefill|decode: requests in that pass
 xpyd_kv_transfer_bytes_total               counter    direction=send|recv: bytes of completed transfers
@@ -49,7 +54,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from xpyd.discovery.counts import EtcdOps
-from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS
+from xpyd.api.phases import DECODE_PHASES, PREFILL_PHASES, DecodePhases, PrefillPhases
+from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS
 from xpyd.signal.counts import MessageCounts
 from xpyd.worker.vllm_metrics import MeteredSink, VLLMMetrics
 from xpyd.worker.work_item import EventDispatch
@@ -59,6 +65,7 @@ OUTCOMES = ("finished", "failed", "aborted", "rejected")
 STEP_KINDS = ("prefill", "decode")
 DIRECTIONS = ("send", "recv")
 BLOCK_STATES = ("used", "cached", "free")
+ROLE_PHASES = {"prefill": PREFILL_PHASES, "decode": DECODE_PHASES}  # (a colocated worker's are not split)
 
 
 def _children(metric, role: str, values: tuple[str, ...]) -> dict:
@@ -119,6 +126,9 @@ class WorkerMetrics:
                               ("role",), buckets=INTER_TOKEN_BUCKETS, registry=r).labels(role)
         self._e2e = Histogram("xpyd_e2e_request_latency_seconds", "Arrival at the worker to the last token",
                               ("role",), buckets=LATENCY_BUCKETS, registry=r).labels(role)
+        phase = Histogram("xpyd_request_phase_seconds", "One phase of a request on this worker (xpyd.api.phases)",
+                          ("role", "phase"), buckets=PHASE_BUCKETS, registry=r)
+        self._phase = _children(phase, role, ROLE_PHASES.get(role, ()))
         step = Histogram("xpyd_engine_step_seconds", "One forward pass and sampling",
                          ("role", "kind"), buckets=LATENCY_BUCKETS, registry=r)
         self._step = _children(step, role, STEP_KINDS)
@@ -196,6 +206,13 @@ class WorkerMetrics:
     def observe_e2e(self, seconds: float) -> None:
         self._e2e.observe(seconds)
         self.vllm.e2e.observe(seconds)
+
+    def observe_phases(self, phases: PrefillPhases | DecodePhases) -> None:
+        """One request's phases on this worker (its role's: ``ROLE_PHASES``)."""
+        for name in ROLE_PHASES[self.role]:
+            _pick(self._phase, name, "phase").observe(getattr(phases, f"{name}_us") / 1e6)
+        if isinstance(phases, PrefillPhases):
+            self.vllm.observe_prefill(phases.queue_us / 1e6, phases.compute_us / 1e6)
 
     def observe_step(self, kind: str, seconds: float, batch: int) -> None:
         _pick(self._step, kind, "step kind").observe(seconds)

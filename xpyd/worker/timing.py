@@ -1,62 +1,97 @@
-"""A worker's own clock on one answer, for ``X-Xpyd-Timing`` (``xpyd.api.timing``: what is asked and answered).
+"""A worker's own clock on one answer, for ``X-Xpyd-Timing`` (``xpyd.api.timing``: what is asked and answered)
+and the phase histograms (``xpyd.api.phases``).
 
-``AnswerClock.asked(header)`` starts one when the request asked for it (None otherwise: nothing is recorded
-and nothing changes in the answer); the HTTP handler calls ``chunk()`` as it hands each content chunk (one
-with text) to the server, and ends the stream with ``comment()``, or a JSON answer with ``header()``.
-Memory is bounded: the first ``MAX_GAPS`` gaps are kept, the rest only counted.
+``AnswerClock.start(header)`` starts one as the request arrives; ``wanted`` says whether the request asked
+for its timing (``X-Xpyd-Timing: 1``: nothing else changes in the answer otherwise). ``follow`` gives it the
+request's engine stamps (``xpyd.worker.phases``) and what records its phases. The HTTP handler calls
+``chunk()`` as it hands each content chunk (one with text) to the server, or ``answered()`` when a JSON answer
+is built; at the first of those the request's phases are made and recorded. A streamed answer asked for its
+timing ends with ``comment()``, a JSON one has ``header()``. Memory is bounded: the first ``MAX_GAPS`` gaps
+are kept (only when asked), the rest only counted.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
+from xpyd.api.phases import DecodePhases, PrefillPhases
 from xpyd.api.timing import ASK, MAX_GAPS, TIMING_HEADER, WorkerTiming
+from xpyd.worker.phases import PhaseStamps
 
 __all__ = ["TIMING_HEADER", "AnswerClock"]
 
 _US = 1_000_000
+Phases = PrefillPhases | DecodePhases
 
 
 class AnswerClock:
-    """Arrival, the first content chunk, and the gaps between chunks, in ``time.perf_counter`` seconds."""
+    """Arrival, the first content chunk, and the gaps between chunks, in ``time.monotonic`` seconds."""
 
-    __slots__ = ("_arrived", "_first", "_last", "_gaps_us", "_gaps")
+    __slots__ = ("wanted", "_arrived", "_first", "_last", "_gaps_us", "_gaps", "_follow", "_phases")
 
-    def __init__(self, arrived: float) -> None:
+    def __init__(self, arrived: float, wanted: bool = True) -> None:
+        self.wanted = wanted  # the request asked for its timing
         self._arrived = arrived
         self._first: float | None = None
         self._last = 0.0
         self._gaps_us: list[int] = []
         self._gaps = 0
+        self._follow: tuple[str, PhaseStamps, float, Callable[[Phases], None]] | None = None
+        self._phases: Phases | None = None
 
     @classmethod
-    def asked(cls, header: str | None) -> AnswerClock | None:
-        """A clock started now if ``header`` (the request's ``X-Xpyd-Timing``) asks for one."""
-        return cls(time.perf_counter()) if header == ASK else None
+    def start(cls, header: str | None) -> AnswerClock:
+        """A clock started now; ``wanted`` if ``header`` (the request's ``X-Xpyd-Timing``) asks for it."""
+        return cls(time.monotonic(), wanted=header == ASK)
+
+    def follow(self, role: str, stamps: PhaseStamps, handed: float, record: Callable[[Phases], None]) -> None:
+        """The request's engine ``stamps`` (``handed``: when it went to the engine); at the first chunk they
+        become ``role``'s phases (prefill, decode; none for another role), given to ``record``."""
+        self._follow = (role, stamps, handed, record)
 
     def chunk(self, now: float | None = None) -> None:
         """A content chunk is written now."""
-        now = time.perf_counter() if now is None else now
+        now = time.monotonic() if now is None else now
         if self._first is None:
             self._first = now
+            self._split(now)
         else:
             self._gaps += 1
-            if len(self._gaps_us) < MAX_GAPS:
+            if self.wanted and len(self._gaps_us) < MAX_GAPS:
                 self._gaps_us.append(_micros(now - self._last))
         self._last = now
 
+    def answered(self) -> None:
+        """A JSON answer is built now (its first token is the answer)."""
+        if self._first is None:
+            self.chunk()
+
+    def _split(self, written: float) -> None:
+        if self._follow is None:
+            return
+        role, stamps, handed, record = self._follow
+        if role == "prefill":
+            self._phases = stamps.prefill(self._arrived, handed, written)
+        elif role == "decode":
+            self._phases = stamps.decode(self._arrived, handed, written)
+        if self._phases is not None:
+            record(self._phases)
+
     def timing(self) -> WorkerTiming:
         ttft = None if self._first is None else _micros(self._first - self._arrived)
-        return WorkerTiming(ttft_us=ttft, gaps_us=tuple(self._gaps_us), gaps=self._gaps)
+        phases = self._phases
+        return WorkerTiming(ttft_us=ttft, gaps_us=tuple(self._gaps_us), gaps=self._gaps,
+                            prefill=phases if isinstance(phases, PrefillPhases) else None,
+                            decode=phases if isinstance(phases, DecodePhases) else None)
 
     def comment(self) -> bytes:
         """The SSE comment that ends a streamed answer (before ``[DONE]``)."""
         return self.timing().comment()
 
     def header(self) -> str:
-        """``X-Xpyd-Timing``'s value on a JSON answer, built now (its first token is the answer)."""
-        if self._first is None:
-            self.chunk()
+        """``X-Xpyd-Timing``'s value on a JSON answer (built now if ``answered`` was not called)."""
+        self.answered()
         return self.timing().to_json().decode()
 
 

@@ -24,6 +24,8 @@ vllm:e2e_request_latency_seconds           none | arrival at the worker -> last 
                                            reaches its end there, those ended by token 1 too) | the same
 vllm:request_prompt_tokens,                one per request counted in request_success (the prompt's
   vllm:request_generation_tokens           length; all its generated tokens, token 1 included)
+vllm:request_queue_time_seconds            handed to the engine -> its first forward pass | none | none
+vllm:request_prefill_time_seconds          that pass started -> first token sampled | none | none
 =========================================  ==========================================================
 
 Tokens and request ends are read from the events an engine puts on a request's ``OutputSink`` (``MeteredSink``,
@@ -106,6 +108,10 @@ class VLLMMetrics:
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
                               "seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
                               INTER_TOKEN_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING "
+                                    "phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL "
+                                      "phase for request.", REQUEST_LATENCY_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
 
@@ -123,6 +129,11 @@ class VLLMMetrics:
     def observe_itl(self, seconds: float) -> None:
         self.itl.observe(seconds)
         self.tpot.observe(seconds)
+
+    def observe_prefill(self, queue_seconds: float, prefill_seconds: float) -> None:
+        """A prefilled request's wait for its first forward pass, and its prompt's computing to token 1."""
+        self.queue_time.observe(queue_seconds)
+        self.prefill_time.observe(prefill_seconds)
 
     def aborted(self) -> None:
         """A request dropped (the client went away): prefill's part of a request is not its end."""

@@ -11,6 +11,7 @@ from xpyd.model.logprobs import TokenLogprob
 from xpyd.model.output import OutputProcessor, StopParams
 from xpyd.model.sampling_params import GREEDY_BELOW, SamplingParams, TokenHistory
 from xpyd.signal.request_id import RequestId
+from xpyd.worker.phases import PhaseStamps
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,7 @@ class WorkItem:
     # them (text, stop strings, penalties, grammar, one random draw each) before it samples the next.
     resumed: tuple[int, ...] = ()
     reported: int = 0  # output ids already named by an event (``new_ids``)
+    stamps: PhaseStamps = field(default_factory=PhaseStamps)  # when it passed each point (``xpyd.worker.phases``)
 
     def start_output(self, tokenizer, sampler) -> None:
         self.generator = sampler.new_generator(self.sampling.seed)
