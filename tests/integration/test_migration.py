@@ -1,7 +1,8 @@
-"""Request migration (``xpyd.proxy.migration``) with real processes: 1P2D simulated workers behind the proxy; a
+"""Request migration (``xpyd.proxy.migration``) with real processes: 2P2D simulated workers behind the proxy; a
 request's decode worker is SIGKILLed while the client reads its stream, the proxy moves the request to the other
 decode worker, and the client's answer is the one an uninterrupted run gives, token for token (greedy, seeded
-sampling, chat, logprobs, a stop string, a JSON answer), with no error and the usage of the whole request.
+sampling, chat, logprobs, a stop string, a JSON answer), with no error and the usage of the whole request. A
+prefill worker killed while it computes a prompt costs the client nothing either (the request starts over).
 The killed worker is started again after each test (same port), and the proxy routes to it once it is up."""
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class Bed:
 
     def restart(self, url: str) -> None:
         name = next(k for k, v in self.urls.items() if v == url)
-        port, kv = self.ports[name]
+        port, other = self.ports[name]
         self.c.procs = [p for p in self.c.procs if p.popen.poll() is None]  # (the killed one)
-        self.c.start(name, ["decode", *self.options, "--port", str(port), "--kv-port", str(kv)], url)
+        role, flag = ("prefill", "--signal-port") if name.startswith("prefill") else ("decode", "--kv-port")
+        self.c.start(name, [role, *self.options, "--port", str(port), flag, str(other)], url)
         self.c.wait_healthy()
         wait_until(lambda: all(w["health"] == "up" for w in _get(self.urls["proxy"] + "/cluster")["workers"]),
                    60, "the proxy to route to the restarted decode worker")
@@ -54,18 +56,16 @@ def bed(tmp_path_factory, smollm_dir: Path):
     options = ["--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "1", "--threads", "1",
                "--batch-size", "8", "--max-model-len", "512", "--served-model-name", "m"]
     c = Cluster(tmp_path_factory.mktemp("migration"))
-    pp, ps, xp = free_port(), free_port(), free_port()
-    ports = {"decode0": (free_port(), free_port()), "decode1": (free_port(), free_port())}
-    urls = {"prefill": f"http://127.0.0.1:{pp}", "proxy": f"http://127.0.0.1:{xp}",
-            **{k: f"http://127.0.0.1:{p}" for k, (p, _) in ports.items()}}
+    xp = free_port()
+    ports = {name: (free_port(), free_port()) for name in ("prefill0", "prefill1", "decode0", "decode1")}
+    urls = {"proxy": f"http://127.0.0.1:{xp}", **{k: f"http://127.0.0.1:{p}" for k, (p, _) in ports.items()}}
     try:
-        c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
-        for name, (port, kv) in ports.items():
-            c.start(name, ["decode", *options, "--port", str(port), "--kv-port", str(kv)], urls[name])
+        for name, (port, other) in ports.items():
+            role, flag = ("prefill", "--signal-port") if name.startswith("prefill") else ("decode", "--kv-port")
+            c.start(name, [role, *options, "--port", str(port), flag, str(other)], urls[name])
         c.wait_healthy()
-        c.start("proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode0"],
-                          "--decode", urls["decode1"], "--policy", "round_robin", "--expose-worker-names"],
-                urls["proxy"])
+        c.start("proxy", ["proxy", "--port", str(xp), *(a for n in ports for a in (f"--{n[:-1]}", urls[n])),
+                          "--policy", "round_robin", "--expose-worker-names"], urls["proxy"])
         c.wait_healthy()
         yield Bed(c, options, urls, ports)
     finally:
@@ -105,7 +105,13 @@ def _text(events: list[dict], chat: bool) -> str:
 
 
 def _usage(events: list[dict]) -> dict:
-    return next(e["usage"] for e in events if e.get("usage"))
+    """A stream's usage, without the cached-token count (the second run of a prompt finds it cached)."""
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
+def _counts(answer: dict) -> tuple[int, int]:
+    return answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
 
 
 def _migrations(bed: Bed) -> float:
@@ -177,7 +183,34 @@ def test_a_json_answer_whose_decode_worker_is_killed_is_whole(bed):
     t.join(60)
     try:
         assert got["answer"]["choices"][0]["text"] == expected["choices"][0]["text"]
-        assert got["answer"]["usage"] == expected["usage"]
+        assert _counts(got["answer"]) == _counts(expected)
         assert _migrations(bed) == before + 1
+    finally:
+        bed.restart(running[0])
+
+
+def test_a_prefill_worker_killed_while_it_computes_the_prompt_costs_the_client_nothing(bed):
+    # a long prompt: the simulated prefill takes a while (speed-up 1), long enough to be caught running
+    body = {"model": "m", "prompt": "word " * 400, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    expected = post_json(bed.urls["proxy"], "/v1/completions", body)
+    got: dict = {}
+    running = [None]
+
+    def prefill_running() -> bool:
+        for name in ("prefill0", "prefill1"):
+            if _get(bed.urls[name] + "/xpyd/stats").get("running"):
+                running[0] = bed.urls[name]
+                return True
+        return False
+
+    t = threading.Thread(target=lambda: got.setdefault("answer", post_json(bed.urls["proxy"], "/v1/completions",
+                                                                           body)))
+    t.start()
+    wait_until(prefill_running, 30, "a prefill worker computing the prompt")
+    bed.proc(running[0]).popen.send_signal(signal.SIGKILL)
+    t.join(60)
+    try:
+        assert got["answer"]["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert _counts(got["answer"]) == _counts(expected)
     finally:
         bed.restart(running[0])
