@@ -17,7 +17,7 @@ import pytest
 
 from tests.cluster import Cluster, Proc, free_port, post_json, wait_until
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 KILL_AFTER = 6  # token chunks the client reads before the kill
 
 
@@ -72,27 +72,39 @@ def bed(tmp_path_factory, smollm_dir: Path):
         c.stop()
 
 
-def _stream_and_kill(bed: Bed, path: str, body: dict) -> tuple[list[dict], str]:
-    """Stream ``body``; after KILL_AFTER token chunks SIGKILL the decode worker serving it; the events (all of them,
-    read to [DONE]) and the killed worker's URL."""
-    req = urllib.request.Request(bed.urls["proxy"] + path, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    events, killed, chunks = [], None, 0
-    with urllib.request.urlopen(req, timeout=60) as r:
-        decode = bed.decode_of(r.headers["x-xpyd-workers"])
-        for line in r:
-            if not line.startswith(b"data: "):
-                continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
-                break
-            events.append(json.loads(data))
-            chunks += bool(events[-1].get("choices"))
-            if chunks == KILL_AFTER and killed is None:
-                killed = decode
-                bed.proc(decode).popen.send_signal(signal.SIGKILL)
-    assert killed is not None, f"the stream ended after {chunks} chunks, before the kill"
-    return events, killed
+def _streams_and_kill(bed: Bed, cases: list[tuple[str, dict]]) -> tuple[list[list[dict]], str, list[int]]:
+    """Stream every (path, body) at once; once each has KILL_AFTER token chunks, SIGKILL the decode worker serving
+    the first. Every stream's events (read to [DONE]), the killed worker's URL, and which streams it served."""
+    opened = []
+    for path, body in cases:
+        req = urllib.request.Request(bed.urls["proxy"] + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        r = urllib.request.urlopen(req, timeout=60)
+        opened.append((r, bed.decode_of(r.headers["x-xpyd-workers"])))
+    events: list[list[dict]] = [[] for _ in cases]
+    chunks = [0] * len(cases)
+
+    def read(i: int) -> None:
+        with opened[i][0] as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    return
+                events[i].append(json.loads(data))
+                chunks[i] += bool(events[i][-1].get("choices"))
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(cases))]
+    for t in readers:
+        t.start()
+    wait_until(lambda: min(chunks) >= KILL_AFTER, 30, f"{KILL_AFTER} token chunks on every stream")
+    killed = opened[0][1]
+    assert all(c < MAX_TOKENS for c in chunks), "a stream ended before the kill"
+    bed.proc(killed).popen.send_signal(signal.SIGKILL)
+    for t in readers:
+        t.join(60)
+    return events, killed, [i for i, (_, d) in enumerate(opened) if d == killed]
 
 
 def _text(events: list[dict], chat: bool) -> str:
@@ -132,26 +144,25 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_stream_whose_decode_worker_is_killed_goes_on_token_exact(bed, case):
-    path, body = CASES[case]
-    chat = path.endswith("chat/completions")
-    body = {**body, "model": "m", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+def test_streams_whose_decode_worker_is_killed_go_on_token_exact(bed):
+    cases = [(path, {**body, "model": "m", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                     "stream_options": {"include_usage": True}}) for path, body in CASES.values()]
     before = _migrations(bed)
-    events, killed = _stream_and_kill(bed, path, body)
+    events, killed, moved = _streams_and_kill(bed, cases)
     try:
-        uninterrupted = post_json(bed.urls["proxy"], path, {**body, "stream": True})
-        assert _text(events, chat) == _text(uninterrupted, chat)
-        assert _usage(events) == _usage(uninterrupted)
-        assert _usage(events)["completion_tokens"] == MAX_TOKENS
-        if "logprobs" in body:  # every token's logprobs once, in order
-            tokens = [t for e in events for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
-            again = [t for e in uninterrupted for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
-            assert tokens == again and len(tokens) == MAX_TOKENS
-        ids = {e["id"] for e in events}
-        assert len(ids) == 1  # one response, as the client started it
-        assert _migrations(bed) == before + 1
+        assert moved and 0 in moved  # (the first's worker was killed; round robin put another there or not)
+        for (path, body), got in zip(cases, events):
+            chat = path.endswith("chat/completions")
+            uninterrupted = post_json(bed.urls["proxy"], path, {**body, "stream": True})
+            assert _text(got, chat) == _text(uninterrupted, chat)
+            assert _usage(got) == _usage(uninterrupted)
+            assert _usage(got)["completion_tokens"] == MAX_TOKENS
+            if "logprobs" in body:  # every token's logprobs once, in order
+                tokens = [t for e in got for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+                again = [t for e in uninterrupted for c in e["choices"] for t in (c["logprobs"] or {}).get("tokens", [])]
+                assert tokens == again and len(tokens) == MAX_TOKENS
+            assert len({e["id"] for e in got}) == 1  # one response, as the client started it
+        assert _migrations(bed) == before + len(moved)
     finally:
         bed.restart(killed)
 

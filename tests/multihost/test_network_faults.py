@@ -12,10 +12,11 @@ transformers ``generate``. Each test restores the bed (heal, no loss, no shaping
   same, the victim request and a later one that reuses its cached blocks on decode token-exact;
 - 5% random loss on p0 and d0 (bursty: nftables drops whole GSO packets): every request completes,
   token-exact; how much slower is printed (no timed assertion);
-- the P-D link cut (p0-d0) while KV moves over a tbf-shaped link: the requests it hits end with an
-  error within the timeouts, the others complete, every pool returns to zero while the link is still
-  cut, the proxy then routes around the pair (everything completes on d1, both workers still up), and
-  after ``heal`` (and the pair's cool-down) d0 serves again;
+- the P-D link cut (p0-d0) while KV moves over a tbf-shaped link: the requests it hits move on to
+  another pair (migrated if the client had tokens, started over if not) and complete token-exact like
+  the others, every pool returns to zero while the link is still cut, the proxy then routes around the
+  pair (everything completes on d1, both workers still up), and after ``heal`` (and the pair's cool-down)
+  d0 serves again;
 - d0 cut off from etcd (not from the proxy or p0): its lease expires, the proxy stops routing to it, it
   drains, the other decode worker serves everything; after ``heal`` it registers again and serves.
 """
@@ -476,11 +477,10 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
     print(f"\ncut: {len(results)} requests, {len(failed)} failed, errors "
           f"{sorted(round(r.end - max(r.start, t_cut), 1) for r in failed)} s after the cut (or their start); "
           f"pools empty {emptied:.1f}s after the cut ({time.monotonic() - t_end:.1f}s after the last request)")
-    assert failed and all(r.end > t_cut for r in failed), [(r.error, r.end - t_cut) for r in failed]
-    for r in failed:  # a clear error, in time; never a hang
-        assert r.error.startswith(("error event:", "HTTP 5")) and "client:" not in r.error, r.error
-        assert r.end - max(r.start, t_cut) <= FAIL_BOUND, (r.error, r.end - max(r.start, t_cut))
-    check_exact(results, reference)  # (everything else completed)
+    # The requests whose KV was crossing the cut moved on to another pair (the proxy's migration, or a start over
+    # for one whose client had nothing yet): none failed, and every answer is the reference's.
+    assert not failed, [(r.error, r.end - t_cut) for r in failed]
+    check_exact(results, reference)
     assert metric(cluster.urls["d0"], "xpyd_kv_transfers_total", direction="recv", outcome="failed") > failed_recv
     assert metric(cluster.urls["p0"], "xpyd_kv_transfers_total", direction="send", outcome="failed") > failed_send
 
