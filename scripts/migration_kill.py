@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_kill import _cluster, _decode_up, _percentile, _port_of  # noqa: E402  (scripts beside this one)
-from scale_sim import PY, ROOT, _free_run, _kind, _tree, emit, stop  # noqa: E402
+from scale_sim import _kind, _tree, emit, start_up, stop, up_command  # noqa: E402
 
 WORDS = ("river", "mountain", "city", "garden", "window", "music", "paper", "engine", "forest", "ocean", "market",
          "bridge", "winter", "letter", "signal", "harbor")
@@ -133,30 +132,18 @@ def main() -> int:
     args = ap.parse_args()
 
     x, y = args.prefill, args.decode
-    port, etcd = _free_run(1), _free_run(2, 29000)
-    pp = _free_run(2 * x, 22000)
-    dp = _free_run(2 * y, pp + 2 * x)
     work = Path(tempfile.mkdtemp(prefix="xpyd-migration-"))
     log = work / "up.log"
     engine = (["--engine", "sim", "--sim-speedup", args.speedup] if args.model_engine == "sim"
               else ["--dtype", args.dtype])
-    cmd = [PY, "-m", "xpyd", "up", *engine, "--prefill", str(x), "--decode", str(y), "--port", str(port),
-           "--prefill-port", str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m",
-           "--batch-size", str(args.batch_size), "--max-queue", str(max(256, args.streams)),
-           "--max-concurrent-requests", str(max(1024, 2 * args.streams)), "--expose-worker-names"]
+    cmd, url = up_command(x, y, args.streams, *engine, "--batch-size", str(args.batch_size), "--expose-worker-names")
     env = {**os.environ, "XPYD_CLUSTER_TOKEN": secrets.token_hex(16)}
-    url = f"http://127.0.0.1:{port}"
     body = {"model": "m", "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
     result: dict = {k: getattr(args, k) for k in ("prefill", "decode", "streams", "kill", "kill_after", "model_engine",
                                                   "speedup", "batch_size", "prompt_words", "output_len")}
     started = time.monotonic()
-    up = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                          start_new_session=True)
+    up = start_up(cmd, log, env, timeout=900)
     try:
-        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
-            if up.poll() is not None or time.monotonic() - started > 900:
-                raise RuntimeError("xpyd up did not start:\n" + log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
         while _decode_up(url) < y:
             time.sleep(0.2)
         result["ready_s"] = round(time.monotonic() - started, 1)

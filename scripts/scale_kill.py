@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_sim import PY, ROOT, _free_run, _kind, _tree, emit, memory, stop  # noqa: E402  (a script beside this one)
+from scale_sim import PY, ROOT, _kind, _tree, emit, memory, start_up, stop, up_command  # noqa: E402  (a script beside this one)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -120,33 +120,21 @@ def main() -> int:
     args = ap.parse_args()
 
     x, y = args.prefill, args.decode
-    port, etcd = _free_run(1), _free_run(2, 29000)
-    pp = _free_run(2 * x, 22000)
-    dp = _free_run(2 * y, pp + 2 * x)
-    token = secrets.token_hex(16)
     work = Path(tempfile.mkdtemp(prefix="xpyd-kill-"))
     log = work / "up.log"
-    cmd = [PY, "-m", "xpyd", "up", "--engine", "sim", "--prefill", str(x), "--decode", str(y), "--port", str(port),
-           "--prefill-port", str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m",
-           "--sim-speedup", args.speedup, "--sim-kv-token-bytes", str(args.kv_token_bytes),
-           "--batch-size", str(args.batch_size), "--max-queue", str(max(256, args.streams)),
-           "--max-concurrent-requests", str(max(1024, 2 * args.streams)), "--expose-worker-names"]
+    cmd, url = up_command(x, y, args.streams, "--engine", "sim", "--sim-speedup", args.speedup,
+                          "--sim-kv-token-bytes", str(args.kv_token_bytes), "--batch-size", str(args.batch_size),
+                          "--expose-worker-names")
     if args.prefill_wait_timeout is not None:
         cmd += ["--prefill-wait-timeout", str(args.prefill_wait_timeout)]
-    env = {**os.environ, "XPYD_CLUSTER_TOKEN": token}
-    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "XPYD_CLUSTER_TOKEN": secrets.token_hex(16)}
     started = time.monotonic()
-    up = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                          start_new_session=True)
+    up = start_up(cmd, log, env)
     result: dict = {k: getattr(args, k) for k in ("prefill", "decode", "streams", "kill", "after", "window", "speedup",
                                                   "kv_token_bytes", "batch_size", "input_len", "output_len",
                                                   "prefill_wait_timeout", "seed")}
     bench = None
     try:
-        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
-            if up.poll() is not None or time.monotonic() - started > 600:
-                raise RuntimeError("xpyd up did not start:\n" + log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
         while _decode_up(url) < y:
             if time.monotonic() - started > 600:
                 raise RuntimeError("the proxy does not route to every decode worker")

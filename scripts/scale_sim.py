@@ -58,6 +58,32 @@ def _free_run(n: int, start: int = 21000) -> int:
     raise RuntimeError(f"no free run of {n} ports")
 
 
+def up_command(x: int, y: int, streams: int, *extra: str) -> tuple[list[str], str]:
+    """`xpyd up` of ``x`` prefill and ``y`` decode workers through etcd, on free ports, its queue and concurrency
+    limits sized for ``streams`` at once, served as "m", with ``extra`` flags; and the proxy's URL."""
+    port, etcd = _free_run(1), _free_run(2, 29000)
+    pp = _free_run(2 * x, 22000)
+    dp = _free_run(2 * y, pp + 2 * x)
+    cmd = [PY, "-m", "xpyd", "up", "--prefill", str(x), "--decode", str(y), "--port", str(port), "--prefill-port",
+           str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m", "--max-queue",
+           str(max(256, streams)), "--max-concurrent-requests", str(max(1024, 2 * streams)), *extra]
+    return cmd, f"http://127.0.0.1:{port}"
+
+
+def start_up(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 600.0) -> subprocess.Popen:
+    """Run ``cmd`` (an `xpyd up`), its output to ``log``, until it says it serves; RuntimeError with the log's
+    tail if it exits or takes longer than ``timeout``."""
+    started = time.monotonic()
+    up = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                          start_new_session=True)
+    while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
+        if up.poll() is not None or time.monotonic() - started > timeout:
+            stop(up)
+            raise RuntimeError("xpyd up did not start:\n" + log.read_text(errors="replace")[-3000:])
+        time.sleep(0.2)
+    return up
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -167,32 +193,22 @@ def main() -> int:
     args = ap.parse_args()
 
     x, y = args.prefill, args.decode
-    port, etcd = _free_run(1), _free_run(2, 29000)
-    pp = _free_run(2 * x, 22000)
-    dp = _free_run(2 * y, pp + 2 * x)
     work = Path(tempfile.mkdtemp(prefix="xpyd-scale-"))
     log = work / "up.log"
-    cmd = [PY, "-m", "xpyd", "up", "--engine", "sim", "--prefill", str(x), "--decode", str(y), "--port", str(port),
-           "--prefill-port", str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m",
-           "--sim-speedup", args.speedup, "--sim-kv-token-bytes", str(args.kv_token_bytes),
-           "--batch-size", str(args.batch_size), "--max-queue", str(max(256, args.streams)),
-           "--max-concurrent-requests", str(max(1024, 2 * args.streams)), "--expose-worker-timing"]
+    cmd, url = up_command(x, y, args.streams, "--engine", "sim", "--sim-speedup", args.speedup,
+                          "--sim-kv-token-bytes", str(args.kv_token_bytes), "--batch-size", str(args.batch_size),
+                          "--expose-worker-timing")
     if args.profile:
         cmd += ["--sim-profile", args.profile]
     if args.prefill_wait_timeout is not None:
         cmd += ["--prefill-wait-timeout", str(args.prefill_wait_timeout)]
-    url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    up = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    up = start_up(cmd, log)
     result: dict = {"prefill": x, "decode": y, "streams": args.streams, "speedup": args.speedup,
                     "prefill_wait_timeout": args.prefill_wait_timeout,
                     "kv_token_bytes": args.kv_token_bytes, "batch_size": args.batch_size,
                     "input_len": args.input_len, "output_len": args.output_len}
     try:
-        while "Press Ctrl-C to stop" not in log.read_text(errors="replace"):
-            if up.poll() is not None or time.monotonic() - started > 600:
-                raise RuntimeError("xpyd up did not start:\n" + log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
         result["ready_s"] = round(time.monotonic() - started, 1)
         while _routed(url) < x + y:
             if time.monotonic() - started > 600:

@@ -167,61 +167,45 @@ def test_streams_whose_decode_worker_is_killed_go_on_token_exact(bed):
         bed.restart(killed)
 
 
+def _ask_and_kill(bed: Bed, body: dict, role: str) -> tuple[dict, dict, str]:
+    """``body``'s JSON answer uninterrupted, then again with the ``role`` worker that runs it SIGKILLed meanwhile:
+    (expected, got, the killed worker's URL)."""
+    expected = post_json(bed.urls["proxy"], "/v1/completions", body)
+    got: dict = {}
+    running: list[str] = []
+
+    def one_running() -> bool:
+        running[:] = [bed.urls[n] for n in (f"{role}0", f"{role}1") if _get(bed.urls[n] + "/xpyd/stats").get("running")]
+        return bool(running)
+
+    t = threading.Thread(target=lambda: got.setdefault("answer", post_json(bed.urls["proxy"], "/v1/completions",
+                                                                           body)))
+    t.start()
+    wait_until(one_running, 30, f"a {role} worker running the request")
+    bed.proc(running[0]).popen.send_signal(signal.SIGKILL)
+    t.join(60)
+    return expected, got.get("answer", {}), running[0]
+
+
 def test_a_json_answer_whose_decode_worker_is_killed_is_whole(bed):
     body = {"model": "m", "prompt": "A list of rivers:", "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0.7, "seed": 3, "stop": ["zzzz-never"]}
-    expected = post_json(bed.urls["proxy"], "/v1/completions", body)
-    got: dict = {}
-
-    def ask() -> None:
-        got["answer"] = post_json(bed.urls["proxy"], "/v1/completions", body)
-
-    t = threading.Thread(target=ask)
-    running = [None]
-
-    def decode_running() -> bool:
-        for name in ("decode0", "decode1"):
-            stats = _get(bed.urls[name] + "/xpyd/stats")
-            if stats.get("running"):
-                running[0] = bed.urls[name]
-                return True
-        return False
-
     before = _migrations(bed)
-    t.start()
-    wait_until(decode_running, 30, "a decode worker running the request")
-    bed.proc(running[0]).popen.send_signal(signal.SIGKILL)
-    t.join(60)
+    expected, got, killed = _ask_and_kill(bed, body, "decode")
     try:
-        assert got["answer"]["choices"][0]["text"] == expected["choices"][0]["text"]
-        assert _counts(got["answer"]) == _counts(expected)
+        assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert _counts(got) == _counts(expected)
         assert _migrations(bed) == before + 1
     finally:
-        bed.restart(running[0])
+        bed.restart(killed)
 
 
 def test_a_prefill_worker_killed_while_it_computes_the_prompt_costs_the_client_nothing(bed):
     # a long prompt: the simulated prefill takes a while (speed-up 1), long enough to be caught running
     body = {"model": "m", "prompt": "word " * 400, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    expected = post_json(bed.urls["proxy"], "/v1/completions", body)
-    got: dict = {}
-    running = [None]
-
-    def prefill_running() -> bool:
-        for name in ("prefill0", "prefill1"):
-            if _get(bed.urls[name] + "/xpyd/stats").get("running"):
-                running[0] = bed.urls[name]
-                return True
-        return False
-
-    t = threading.Thread(target=lambda: got.setdefault("answer", post_json(bed.urls["proxy"], "/v1/completions",
-                                                                           body)))
-    t.start()
-    wait_until(prefill_running, 30, "a prefill worker computing the prompt")
-    bed.proc(running[0]).popen.send_signal(signal.SIGKILL)
-    t.join(60)
+    expected, got, killed = _ask_and_kill(bed, body, "prefill")
     try:
-        assert got["answer"]["choices"][0]["text"] == expected["choices"][0]["text"]
-        assert _counts(got["answer"]) == _counts(expected)
+        assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+        assert _counts(got) == _counts(expected)
     finally:
-        bed.restart(running[0])
+        bed.restart(killed)
