@@ -81,6 +81,7 @@ class DecodeEngine(WorkerEngine):
         self.local = LocalPrefill(runner, tokenizer, self.kv_cache, self.metrics, config.local_prefill_chunk,
                                   self.max_model_len)
         self.signal: SignalClient | None = None
+        self.identity: str | None = None  # this worker's address in request ids (its KV endpoint's), once started
         self.lookups = Lookups()  # claims, re-asks and pulls owed to the prefill workers
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
@@ -89,8 +90,8 @@ class DecodeEngine(WorkerEngine):
 
     def start(self) -> None:
         endpoint = self.connector.register()
-        identity = endpoint.address  # the decode worker's address in request ids: where prefill sends KV
-        layout = self.pool.layout
+        identity = self.identity = endpoint.address  # the decode worker's address in request ids: where prefill
+        # sends KV        layout = self.pool.layout
         self.signal = SignalClient(
             identity,
             m.Handshake(identity, self.model_id, self.peer_compat()),
@@ -207,7 +208,7 @@ class DecodeEngine(WorkerEngine):
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
             return
-        own = item.request_id.prefill_addr == self.signal.identity
+        own = item.request_id.prefill_addr == self.identity
         if item.local_prefill != own:  # (a request prefilled here names this worker; no other does)
             item.sink.put(ErrorEvent(400, "a request prefilled on its decode worker (kv_transfer_params."
                                      "local_prefill) must name that worker as its prefill worker, and only it"))
