@@ -90,8 +90,9 @@ class DecodeEngine(WorkerEngine):
 
     def start(self) -> None:
         endpoint = self.connector.register()
-        identity = self.identity = endpoint.address  # the decode worker's address in request ids: where prefill
-        # sends KV        layout = self.pool.layout
+        # the decode worker's address in request ids: where prefill sends KV
+        identity = self.identity = endpoint.address
+        layout = self.pool.layout
         self.signal = SignalClient(
             identity,
             m.Handshake(identity, self.model_id, self.peer_compat()),
