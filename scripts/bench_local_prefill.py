@@ -6,10 +6,12 @@ through the proxy with cold prompts (no shared prefixes) of each --input-lens le
 xpyd_proxy_prefill_path_total); writes each bench's JSON under --out.
 
     .venv/bin/python scripts/bench_local_prefill.py [--input-lens 64,1024] [--requests 32] [--concurrency 4] \
-        [--output-len 32] [--rounds 2] [--out DIR] [--up-args "--dtype bfloat16"]
+        [--output-len 32] [--rounds 3] [--out DIR] [--up-args "--dtype bfloat16"]
 
-The two configurations alternate, --rounds times (a shared machine's load moves); each row is the median of the
-rounds' p50s. Starts its own clusters on free ports and stops them; nothing but 127.0.0.1 is contacted.
+Both configurations serve from the same workers: `xpyd up`'s proxy (the default) and a second proxy with
+--local-prefill-max-tokens 0 in front of them; their benches alternate, --rounds times (a shared machine's load
+moves), and each row is the median of the rounds' p50s. Starts its own cluster on free ports and stops it;
+nothing but 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-
-CONFIGS = {"remote (0)": ["--local-prefill-max-tokens", "0"], "conditional (default)": []}
-
 
 def _free_base(n: int) -> int:
     for base in range(23000, 30000, 10):
@@ -54,44 +53,36 @@ def _paths(port: int) -> dict[str, int]:
     return {m[0]: int(float(m[1])) for m in re.findall(r'xpyd_proxy_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
 
 
-def _run(args, name: str, extra: list[str], round_: int, env: dict) -> dict[int, dict]:
-    """One cluster of configuration ``name``: a bench per input length; {length: summary}."""
-    base = _free_base(30)
-    out = args.out / f"{name.split()[0]}-{round_}"
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "up.log"
-    rows = {}
-    with log_path.open("wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "xpyd", "up", "--port", str(base), "--prefill-port",
-                               str(base + 10), "--decode-port", str(base + 20), *extra, *shlex.split(args.up_args)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while "Press Ctrl-C to stop" not in log_path.read_text(errors="replace"):
-                if up.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("xpyd up did not start:\n" + log_path.read_text()[-2000:])
-                time.sleep(0.5)
-            for n in args.input_lens:
-                before = _paths(base)
-                report = out / f"bench-{n}.json"
-                subprocess.run([sys.executable, "-m", "xpyd", "bench", "--url", f"http://127.0.0.1:{base}",
-                                "--no-progress", "--num-requests", str(args.requests), "--concurrency",
-                                str(args.concurrency), "--input-len", str(n), "--output-len", str(args.output_len),
-                                "--warmup", "2", "--seed", str(1000 * round_ + n), "--json", str(report)],
-                               check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
-                after = _paths(base)
-                r = json.loads(report.read_text())
-                rows[n] = {"ttft_p50": r["ttft_ms"]["p50"], "ttft_p90": r["ttft_ms"]["p90"],
-                           "itl_p50": r["itl_ms"]["p50"],
-                           "paths": {k: after.get(k, 0) - before.get(k, 0) for k in ("remote", "local")}}
-        finally:
-            os.killpg(up.pid, signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
-    return rows
+def _wait_for(log_path: Path, proc: subprocess.Popen, text: str) -> None:
+    deadline = time.monotonic() + 600
+    while text not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{log_path.name}: did not start:\n" + log_path.read_text()[-2000:])
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _bench(args, port: int, n: int, seed: int, report: Path, env: dict) -> dict:
+    before = _paths(port)
+    subprocess.run([sys.executable, "-m", "xpyd", "bench", "--url", f"http://127.0.0.1:{port}", "--no-progress",
+                    "--num-requests", str(args.requests), "--concurrency", str(args.concurrency), "--input-len",
+                    str(n), "--output-len", str(args.output_len), "--warmup", "2", "--seed", str(seed), "--json",
+                    str(report)], check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
+    after = _paths(port)
+    r = json.loads(report.read_text())
+    return {"ttft_p50": r["ttft_ms"]["p50"], "ttft_p90": r["ttft_ms"]["p90"], "itl_p50": r["itl_ms"]["p50"],
+            "paths": {k: after.get(k, 0) - before.get(k, 0) for k in ("remote", "local")},
+            "load": os.getloadavg()[0]}
 
 
 def main() -> int:
@@ -100,36 +91,61 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench-local-prefill"))
     ap.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     env.pop("XPYD_LOCAL_PREFILL_MAX_TOKENS", None)  # (the proxy's default is what is measured)
-    results: dict[str, list[dict[int, dict]]] = {name: [] for name in CONFIGS}
-    loads = []
-    for round_ in range(args.rounds):
-        for name, extra in CONFIGS.items():
-            loads.append(os.getloadavg()[0])
-            results[name].append(_run(args, name, extra, round_, env))
-    print(f"load average (1 min) at each cluster's start: {', '.join(f'{x:.2f}' for x in loads)}")
+    base = _free_base(30)
+    ports = {"remote (0)": base + 5, "conditional (default)": base}
+    up_log, proxy_log = args.out / "up.log", args.out / "proxy-remote.log"
+    runs: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in args.input_lens} for name in ports}
+    with up_log.open("wb") as log, proxy_log.open("wb") as plog:
+        up = subprocess.Popen([sys.executable, "-m", "xpyd", "up", "--port", str(base), "--prefill-port",
+                               str(base + 10), "--decode-port", str(base + 20), *shlex.split(args.up_args)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        remote = None
+        try:
+            _wait_for(up_log, up, "Press Ctrl-C to stop")
+            # the same workers behind a second proxy that sends every prompt to the prefill worker
+            remote = subprocess.Popen([sys.executable, "-m", "xpyd", "proxy", "--port", str(base + 5), "--prefill",
+                                       f"http://127.0.0.1:{base + 10}", "--decode", f"http://127.0.0.1:{base + 20}",
+                                       "--local-prefill-max-tokens", "0"], stdout=plog, stderr=subprocess.STDOUT,
+                                      env=env, start_new_session=True)
+            _wait_for(proxy_log, remote, "proxy on http")
+            for round_ in range(args.rounds):
+                for n in args.input_lens:
+                    order = list(ports) if round_ % 2 == 0 else list(reversed(ports))
+                    for name in order:
+                        report = args.out / f"{name.split()[0]}-{n}-{round_}.json"
+                        runs[name][n].append(_bench(args, ports[name], n, 1000 * round_ + n, report, env))
+        finally:
+            if remote is not None:
+                _stop(remote)
+            _stop(up)
+    loads = [r["load"] for name in runs for n in runs[name] for r in runs[name][n]]
+    print(f"load average (1 min) after each bench: min {min(loads):.2f}, median {statistics.median(loads):.2f}, "
+          f"max {max(loads):.2f}")
     print("| input tokens | prefill | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | requests remote / local |")
     print("|---:|---|---:|---:|---:|---:|")
-    summary = {}
+    med = {}
     for n in args.input_lens:
-        for name in CONFIGS:
-            runs = [r[n] for r in results[name]]
-            med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_p50", "ttft_p90", "itl_p50")}
-            paths = {k: sum(r["paths"][k] for r in runs) for k in ("remote", "local")}
-            summary[(n, name)] = med
-            print(f"| {n} | {name} | {med['ttft_p50']:.1f} | {med['ttft_p90']:.1f} | {med['itl_p50']:.1f} | "
+        for name in ports:
+            rs = runs[name][n]
+            m = med[(n, name)] = {k: statistics.median(r[k] for r in rs) for k in ("ttft_p50", "ttft_p90", "itl_p50")}
+            paths = {k: sum(r["paths"][k] for r in rs) for k in ("remote", "local")}
+            print(f"| {n} | {name} | {m['ttft_p50']:.1f} | {m['ttft_p90']:.1f} | {m['itl_p50']:.1f} | "
                   f"{paths['remote']} / {paths['local']} |")
     for n in args.input_lens:
-        ratio = summary[(n, "conditional (default)")]["ttft_p50"] / summary[(n, "remote (0)")]["ttft_p50"]
-        print(f"{n} tokens: TTFT p50 conditional / remote = {ratio:.3f}")
-    (args.out / "summary.json").write_text(json.dumps(
-        {"loads": loads, "runs": {name: [{str(k): v for k, v in r.items()} for r in rs]
-                                  for name, rs in results.items()}}, indent=1))
+        per_round = [c["ttft_p50"] / r["ttft_p50"] for c, r in zip(runs["conditional (default)"][n],
+                                                                    runs["remote (0)"][n])]
+        ratio = med[(n, "conditional (default)")]["ttft_p50"] / med[(n, "remote (0)")]["ttft_p50"]
+        print(f"{n} tokens: TTFT p50 conditional / remote = {ratio:.3f} (per round: "
+              f"{', '.join(f'{x:.3f}' for x in per_round)})")
+    (args.out / "summary.json").write_text(json.dumps({name: {str(n): rs for n, rs in by.items()}
+                                                       for name, by in runs.items()}, indent=1))
     return 0
 
 
