@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Conditional disaggregation, measured: `xpyd up` (1P1D, the default model) with the decode worker prefilling
-short prompts itself (the default --local-prefill-max-tokens) against always remote (0), driven by `xpyd bench`
+short prompts itself (--local-prefill-max-tokens --threshold, 256) against always remote (0), driven by `xpyd bench`
 through the proxy with cold prompts (no shared prefixes) of each --input-lens length. Prints one table row per
 (length, configuration): client TTFT p50/p90, ITL p50, and how many requests each path served (the proxy's
 xpyd_proxy_prefill_path_total); writes each bench's JSON under --out.
 
     .venv/bin/python scripts/bench_local_prefill.py [--input-lens 64,1024] [--requests 32] [--concurrency 4] \
-        [--output-len 32] [--rounds 3] [--out DIR] [--up-args "--dtype bfloat16"]
+        [--output-len 32] [--rounds 3] [--threshold 256] [--out DIR] [--up-args "--dtype bfloat16"]
 
-Both configurations serve from the same workers: `xpyd up`'s proxy (the default) and a second proxy with
+Both configurations serve from the same workers: `xpyd up`'s proxy (conditional) and a second proxy with
 --local-prefill-max-tokens 0 in front of them; their benches alternate, --rounds times (a shared machine's load
 moves), and each row is the median of the rounds' p50s. Starts its own cluster on free ports and stops it;
 nothing but 127.0.0.1 is contacted.
@@ -94,17 +94,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench-local-prefill"))
     ap.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
+    ap.add_argument("--threshold", type=int, default=256, help="`xpyd up`'s --local-prefill-max-tokens")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    env.pop("XPYD_LOCAL_PREFILL_MAX_TOKENS", None)  # (the proxy's default is what is measured)
     base = _free_base(30)
-    ports = {"remote (0)": base + 5, "conditional (default)": base}
+    ports = {"remote (0)": base + 5, "conditional": base}
     up_log, proxy_log = args.out / "up.log", args.out / "proxy-remote.log"
     runs: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in args.input_lens} for name in ports}
     with up_log.open("wb") as log, proxy_log.open("wb") as plog:
         up = subprocess.Popen([sys.executable, "-m", "xpyd", "up", "--port", str(base), "--prefill-port",
-                               str(base + 10), "--decode-port", str(base + 20), *shlex.split(args.up_args)],
+                               str(base + 10), "--decode-port", str(base + 20), "--local-prefill-max-tokens",
+                               str(args.threshold), *shlex.split(args.up_args)],
                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         remote = None
         try:
@@ -139,9 +140,9 @@ def main() -> int:
             print(f"| {n} | {name} | {m['ttft_p50']:.1f} | {m['ttft_p90']:.1f} | {m['itl_p50']:.1f} | "
                   f"{paths['remote']} / {paths['local']} |")
     for n in args.input_lens:
-        per_round = [c["ttft_p50"] / r["ttft_p50"] for c, r in zip(runs["conditional (default)"][n],
+        per_round = [c["ttft_p50"] / r["ttft_p50"] for c, r in zip(runs["conditional"][n],
                                                                     runs["remote (0)"][n])]
-        ratio = med[(n, "conditional (default)")]["ttft_p50"] / med[(n, "remote (0)")]["ttft_p50"]
+        ratio = med[(n, "conditional")]["ttft_p50"] / med[(n, "remote (0)")]["ttft_p50"]
         print(f"{n} tokens: TTFT p50 conditional / remote = {ratio:.3f} (per round: "
               f"{', '.join(f'{x:.3f}' for x in per_round)})")
     (args.out / "summary.json").write_text(json.dumps({name: {str(n): rs for n, rs in by.items()}

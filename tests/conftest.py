@@ -10,9 +10,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as xpyd.discovery 
 # and removes a veth in this namespace while other test files run, and an agent whose metadata names an
 # interface gone since cannot be connected to (tests/integration/test_transfer_nixl_stale_interface.py)
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# The proxies tests start prefill every prompt on a prefill worker, as the P/D tests mean them to; a test of
-# conditional disaggregation (a decode worker prefilling short prompts itself) passes --local-prefill-max-tokens
-os.environ.setdefault("XPYD_LOCAL_PREFILL_MAX_TOKENS", "0")
 
 from pathlib import Path
 

@@ -24,9 +24,10 @@ from enum import Enum
 from xpyd.api.openai import CompletionRequest
 from xpyd.proxy.prefix_index import PromptKeys
 
-# Measured (docs/benchmarks.md, "Conditional disaggregation"): 1P1D SmolLM2-135M, the first token of a cold
-# prompt comes sooner from the decode worker up to about this many tokens.
-DEFAULT_MAX_TOKENS = 256
+# Off unless asked for: measured on the CPU (docs/benchmarks.md, "Conditional disaggregation"), a 64-token cold
+# prompt's first token came no sooner from its decode worker than from a prefill worker (the prompt's compute is
+# the TTFT there, the hop and the transfer ~5 ms of it); measure the hardware served on (scripts/bench_local_prefill.py).
+DEFAULT_MAX_TOKENS = 0
 MAX_TOKENS_LIMIT = 1 << 20
 
 
