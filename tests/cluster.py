@@ -266,7 +266,7 @@ class UpProcess:
 
 def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence[str] = (),
                            colocated: Sequence[str] = (), pd_proxy: Sequence[str] = (),
-                           co_proxy: Sequence[str] = ()) -> dict[str, str]:
+                           co_proxy: Sequence[str] = (), decode: Sequence[str] = ()) -> dict[str, str]:
     """1P1D with its proxy, and a colocated worker with its proxy, all started with ``options`` (and each the
     extra options given): their URLs as prefill, decode, colocated, pd (the P/D proxy) and co (the colocated
     one), once all are healthy. The caller stops ``c``."""
@@ -274,7 +274,7 @@ def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence
     urls = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
             "colocated": f"http://127.0.0.1:{wp}", "pd": f"http://127.0.0.1:{xp}", "co": f"http://127.0.0.1:{cp}"}
     c.start("prefill", ["prefill", *options, *prefill, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
-    c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
+    c.start("decode", ["decode", *options, *decode, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     c.start("colocated", ["colocated", *options, *colocated, "--port", str(wp)], urls["colocated"])
     c.wait_healthy()
     c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"],

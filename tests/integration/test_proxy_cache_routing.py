@@ -264,7 +264,8 @@ async def make_env() -> AsyncIterator:
         for w in (*prefill, *decode):
             w.serve_tokenizer, w.key = serve_tokenizer, key
             await w.start()
-        config = ProxyConfig(port=free_port(), poll_interval=0.05, **config_kw)
+        # (every prompt prefilled on a prefill worker: the routing of P/D pairs is what these tests look at)
+        config = ProxyConfig(port=free_port(), poll_interval=0.05, **{"local_prefill_max_tokens": 0, **config_kw})
         stop = asyncio.Event()
         task = asyncio.create_task(serve(create_app(config, FakeRegistry([*prefill, *decode])), stop,
                                          reserve_tcp("127.0.0.1", config.port), graceful_timeout=1))

@@ -65,7 +65,7 @@ def test_worker_metrics_render_names_types_and_values():
         "xpyd_kv_blocks": "gauge", "xpyd_prefix_cache_queries": "counter", "xpyd_prefix_cache_hits": "counter",
         "xpyd_kv_reuse_saved_bytes": "counter", "xpyd_signal_messages": "counter",
         "xpyd_etcd_operations": "counter", "xpyd_http_requests": "counter",
-        "xpyd_request_phase_seconds": "histogram",
+        "xpyd_request_phase_seconds": "histogram", "xpyd_local_prefills": "counter",
     } | {name: "gauge" for name in types if name.endswith("_created")}
     assert all(name.startswith("xpyd_") for name in types)
     assert all(dict(labels).get("role") == "decode" for name, labels in v if not name.startswith("vllm:")), \

@@ -251,7 +251,7 @@ def test_cluster_view_of_a_worker():
         "load": {"waiting": 1, "running": 1, "transferring": 1, "assigned": 1, "score": 1.0,
                  "queued_tokens": None, "assigned_blocks": 5},
         "cache": {"blocks_total": 100, "blocks_used": 20, "blocks_cached": 30, "hit_rate": 0.3333},
-        "requests": 2,
+        "requests": 2, "prefill_paths": {"remote": 0, "local": 0},
     }
     report(table, w)  # an older worker: no block counts, no hit rate
     assert state.to_dict()["cache"]["hit_rate"] is None and state.to_dict()["load"]["assigned_blocks"] == 0

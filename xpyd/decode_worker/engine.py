@@ -18,6 +18,10 @@ backend's threads as a slow fallback), so running decodes never wait; with nothi
 in flight the loop sleeps until a receive ends and the connector wakes it (or every ``progress_tick`` of
 a backend that needs its ``progress()`` called).
 
+A request the proxy sends to be prefilled here (``WorkItem.local_prefill``: its id names this worker as both
+workers) claims nothing and pulls nothing: it waits for room, then its prompt is computed in chunks before
+each decode step (``local_prefill``), and its first token, sampled here, is streamed like the rest.
+
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout`` of the last time its prefill
 worker's queue was seen to move (its answers to the re-asks carry the worker's forward passes so far), or
 whose KV does not arrive within it once the pull started, fails with 504;
@@ -35,6 +39,7 @@ from collections import Counter
 from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.decode_worker.local_prefill import LocalPrefill
 from xpyd.decode_worker.lookups import Lookups
 from xpyd.decode_worker.prompt_facts import prompt_hashes
 from xpyd.decode_worker.receives import Receives
@@ -73,7 +78,10 @@ class DecodeEngine(WorkerEngine):
         self.connector.bind(self.pool, self._wake)
         self.receives = Receives(self.connector, self.metrics, self.pool.layout.block_bytes)
         self.sched = DecodeScheduler(config.batch_size, self.kv_cache)
+        self.local = LocalPrefill(runner, tokenizer, self.kv_cache, self.metrics, config.local_prefill_chunk,
+                                  self.max_model_len)
         self.signal: SignalClient | None = None
+        self.identity: str | None = None  # this worker's address in request ids (its KV endpoint's), once started
         self.lookups = Lookups()  # claims, re-asks and pulls owed to the prefill workers
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
@@ -82,7 +90,8 @@ class DecodeEngine(WorkerEngine):
 
     def start(self) -> None:
         endpoint = self.connector.register()
-        identity = endpoint.address  # the decode worker's address in request ids: where prefill sends KV
+        # the decode worker's address in request ids: where prefill sends KV
+        identity = self.identity = endpoint.address
         layout = self.pool.layout
         self.signal = SignalClient(
             identity,
@@ -100,15 +109,18 @@ class DecodeEngine(WorkerEngine):
     # --- HTTP side ---------------------------------------------------------
     def idle(self) -> bool:
         s = self._stats
-        return not (s.get("waiting") or s.get("running") or s.get("transferring"))
+        return not (s.get("waiting") or s.get("running") or s.get("transferring") or s.get("prefilling"))
 
     def stats(self) -> dict:
         return dict(self._stats)
 
     def _update_stats(self) -> None:
-        held = self.sched.num_waiting + self.sched.num_running + self.sched.num_transferring
-        self._stats = {"role": "decode", "waiting": self.sched.num_waiting, "running": self.sched.num_running,
-                       "transferring": self.sched.num_transferring, "requests_held": held,
+        sched = self.sched
+        held = sched.num_waiting + sched.num_running + sched.num_transferring + sched.num_prefilling
+        self._stats = {"role": "decode", "waiting": sched.num_waiting, "running": sched.num_running,
+                       "transferring": sched.num_transferring, "prefilling": sched.num_prefilling,
+                       "requests_held": held, "local_prefills": self.local.prefilled,
+                       "local_prefill_tokens": self.local.tokens,
                        "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
                        "kv_reused_blocks": self.receives.reused_blocks,
                        "transfers_in_flight": self.connector.in_flight(),
@@ -116,7 +128,8 @@ class DecodeEngine(WorkerEngine):
                        "signal_pending": self.signal.pending_requests() if self.signal else 0,
                        "pulls": dict(self.receives.pulls), "failures": dict(self._failures),
                        "claims": self.lookups.claims, "status_polls": self.lookups.status_polls}
-        self.metrics.set_queue(self.sched.num_waiting, self.sched.num_running, self.sched.num_transferring)
+        # (a local prefill holds its blocks and a batch place as a receive does: counted with them)
+        self.metrics.set_queue(sched.num_waiting, sched.num_running, sched.num_transferring + sched.num_prefilling)
         self.metrics.set_kv(self.pool.used_bytes(), self.pool.layout.total_bytes)
         self.metrics.set_kv_cache(self.kv_cache.stats())
         self.publish_kv_events()
@@ -136,7 +149,7 @@ class DecodeEngine(WorkerEngine):
                     self._peer_left(addr)
             else:
                 self.admit(item, self._add)
-        busy = bool(self.sched.running())
+        busy = bool(self.sched.running() or self.sched.prefilling() or self._local_waiting())
         if busy:
             timeout_ms = 0
         elif self.sched.num_transferring and self.connector.progress_tick is not None:
@@ -173,6 +186,7 @@ class DecodeEngine(WorkerEngine):
             with self.isolate(seq.request_id, seq.payload):
                 self._start_pull(seq)
         self.lookups.send(self.signal, self.sched, time.monotonic())
+        self._prefill_step()
         if self.sched.running():
             self._decode_step()
         self._update_stats()
@@ -195,9 +209,23 @@ class DecodeEngine(WorkerEngine):
             item.sink.put(ErrorEvent(409, f"duplicate request id {rid}"))
             self.metrics.request_done("rejected")
             return
+        own = item.request_id.prefill_addr == self.identity
+        if item.local_prefill != own:  # (a request prefilled here names this worker; no other does)
+            item.sink.put(ErrorEvent(400, "a request prefilled on its decode worker (kv_transfer_params."
+                                     "local_prefill) must name that worker as its prefill worker, and only it"))
+            self.metrics.request_done("rejected")
+            return
         seq = DecodeSeq(rid, item.request_id.prefill_addr, payload=item,
-                        deadline=item.arrival + self.config.prefill_wait_timeout)
+                        deadline=item.arrival + self.config.prefill_wait_timeout, local=item.local_prefill)
+        if seq.local:
+            error = self.local.facts(seq)
+            if error is not None:
+                item.sink.put(ErrorEvent(400, error))
+                self.metrics.request_done("rejected")
+                return
         self.sched.add(seq)
+        if seq.local:
+            return
         peer = self.signal.peer(seq.prefill_addr)  # connect on demand
         if peer.state is PeerState.FAILED:
             self._fail_seq(seq, 502, peer.error or "prefill worker unreachable", "peer")
@@ -213,7 +241,7 @@ class DecodeEngine(WorkerEngine):
             self.receives.cancel(seq)  # (neither landed nor failed)
         self.sched.abort(request_id)
         self.metrics.request_done("aborted")
-        if state in (RequestState.WAITING, RequestState.TRANSFERRING):
+        if state in (RequestState.WAITING, RequestState.TRANSFERRING) and not seq.local:
             self.lookups.release(self.signal, seq.prefill_addr, [request_id])
 
     def _fail_seq(self, seq: DecodeSeq, status: int, error: str, cause: str, release: bool = False) -> None:
@@ -226,7 +254,7 @@ class DecodeEngine(WorkerEngine):
         self.metrics.request_done("failed")
         self._failures[cause] += 1
         seq.payload.sink.put(ErrorEvent(status, error, kv_path=cause in KV_PATH_CAUSES))
-        if release and state in (RequestState.WAITING, RequestState.TRANSFERRING):
+        if release and state in (RequestState.WAITING, RequestState.TRANSFERRING) and not seq.local:
             self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
 
     def fail_held(self, request_id: str, item: WorkItem | None, error: str) -> bool:
@@ -383,6 +411,38 @@ class DecodeEngine(WorkerEngine):
             seq = self.sched.get(rid)
             if seq is not None:
                 seq.payload.stamps.mark("landed", now)
+
+    def _local_waiting(self) -> bool:
+        return self.sched.num_waiting > len(self.sched.waiting())
+
+    def _prefill_step(self) -> None:
+        """This step's local prefill chunks (``local_prefill``); each prompt that ended emits its first token."""
+        try:
+            ended = self.local.step(self.sched)
+        except Exception as e:
+            log.exception("local prefill step failed")
+            for seq in self.sched.prefilling():
+                self._fail_seq(seq, 500, f"prefill failed: {type(e).__name__}: {e}", "prefill")
+            return
+        now = time.monotonic()
+        for chunk, token in ended:
+            seq = chunk.seq
+            with self.isolate(seq.request_id, seq.payload):
+                self._local_first_token(seq, token, now)
+
+    def _local_first_token(self, seq: DecodeSeq, token: int, now: float) -> None:
+        """The first token of a request prefilled here: its event goes out (usage counts the prompt tokens this
+        worker's cache served); it ends the request, or the request runs from the next decode step."""
+        item: WorkItem = seq.payload
+        item.stamps.mark("sampled", now)
+        self.metrics.observe_ttft(now - item.arrival)
+        text, finish = item.output.append(token)
+        if finish is not None:
+            self.sched.finish(seq)
+            self._finished(item)
+        prompt_len = item.prompt_tokens(seq.prompt_len)
+        item.sink.put(TokenEvent(text, finish.value if finish else None, prompt_len, len(item.output.token_ids),
+                                 min(seq.cached_tokens, prompt_len), item.take_logprobs(), item.new_ids()))
 
     def _finished(self, item: WorkItem) -> None:
         self.metrics.request_done("finished")

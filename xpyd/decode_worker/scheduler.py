@@ -21,8 +21,18 @@ prompt (``skip_transfer``).
 A request that waits too long for its prefill, or whose KV does not arrive in
 time, is ``overdue`` (its ``deadline``, set by the engine, has passed).
 
-Invariants: RUNNING + TRANSFERRING <= batch_size; RUNNING <= batch_size; a
-request runs only after its KV arrived; every TRANSFERRING/RUNNING request
+A request the proxy sends here to be prefilled locally (``local``: a short or mostly cached prompt, see
+``xpyd.api.local_prefill``) moves through its own queues::
+
+    waiting (local, oldest first) --(room in the batch and the pool: blocks for prompt + max_tokens, its
+    cached prefix reused)--> prefilling (its prompt computed here, ``plan_prefill``: at most ``budget`` prompt
+    tokens a step over all such requests, oldest first, so the running streams' steps stay short)
+    --(its last chunk computed: the first token sampled here)--> running
+
+It never waits on a prefill worker, so it is never claimed, pulled or ``overdue``.
+
+Invariants: RUNNING + TRANSFERRING + PREFILLING <= batch_size; RUNNING <= batch_size; a
+request runs only after its KV arrived (or was computed here); every TRANSFERRING/PREFILLING/RUNNING request
 holds the blocks of its prompt (and of the tokens it generated) plus a reservation for the rest
 (prompt + max_tokens: it never waits for a block once admitted); a waiting request holds none.
 """
@@ -32,7 +42,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from xpyd.worker.request import DECODE_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
@@ -63,6 +73,9 @@ class DecodeSeq:
     tail: tuple[int, ...] = ()  # the prompt's tokens after its full blocks (from prefill)
     cached_tokens: int = 0  # prompt tokens prefill reused from its cache (reported in usage)
     prefill_steps: int | None = None  # not ready: the prefill worker's forward passes when it last said so
+    local: bool = False  # its prompt is computed here (``plan_prefill``), not pulled from a prefill worker
+    prompt_ids: Sequence[int] = ()  # local: the prompt's tokens (known, with its facts, when it is added)
+    computed: int = 0  # local: leading prompt tokens whose KV is in its blocks (its cached prefix, then chunks)
 
     @property
     def needs_kv(self) -> bool:
@@ -74,6 +87,21 @@ class DecodeSeq:
         self.state = new
 
 
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """Prompt tokens [start, end) of a local request, computed in this step (the shape
+    ``xpyd.worker.stepping.prefill_chunks`` takes)."""
+
+    seq: DecodeSeq
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        """Does it end the prompt (its logits give the first token)?"""
+        return self.end == self.seq.prompt_len
+
+
 @dataclass(slots=True)
 class DecodeScheduler:
     batch_size: int
@@ -81,6 +109,8 @@ class DecodeScheduler:
     _waiting: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
     _transferring: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
     _running: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
+    _local: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)  # local requests waiting
+    _prefilling: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -88,14 +118,19 @@ class DecodeScheduler:
 
     # --- queries -----------------------------------------------------------
     def get(self, request_id: str) -> DecodeSeq | None:
-        for q in (self._waiting, self._transferring, self._running):
+        for q in (self._waiting, self._transferring, self._running, self._local, self._prefilling):
             if request_id in q:
                 return q[request_id]
         return None
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests holding no blocks yet: waiting on their prefill worker, or (local) for room."""
+        return len(self._waiting) + len(self._local)
+
+    @property
+    def num_prefilling(self) -> int:
+        return len(self._prefilling)
 
     @property
     def num_transferring(self) -> int:
@@ -106,7 +141,11 @@ class DecodeScheduler:
         return len(self._running)
 
     def waiting(self) -> list[DecodeSeq]:
+        """The requests waiting on their prefill worker (not the local ones)."""
         return list(self._waiting.values())
+
+    def prefilling(self) -> list[DecodeSeq]:
+        return list(self._prefilling.values())
 
     def transferring(self) -> list[DecodeSeq]:
         return list(self._transferring.values())
@@ -120,13 +159,19 @@ class DecodeScheduler:
         return late + [s for s in self._transferring.values() if s.deadline <= now]
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._transferring or self._running)
+        return bool(self._waiting or self._transferring or self._running or self._local or self._prefilling)
+
+    def _places_taken(self) -> int:
+        return self.num_running + self.num_transferring + self.num_prefilling
 
     # --- transitions -------------------------------------------------------
     def add(self, seq: DecodeSeq) -> None:
+        """A new request; a local one comes with its prompt's facts (``known``)."""
         if self.get(seq.request_id) is not None:
             raise ValueError(f"duplicate request id {seq.request_id}")
-        self._waiting[seq.request_id] = seq
+        if seq.local and not (seq.known and len(seq.prompt_ids) == seq.prompt_len >= 1):
+            raise ValueError(f"local request {seq.request_id} without its prompt")
+        (self._local if seq.local else self._waiting)[seq.request_id] = seq
 
     def mark_ready(self, request_id: str, first_token: int) -> DecodeSeq | None:
         seq = self._waiting.get(request_id) or self._transferring.get(request_id)
@@ -144,7 +189,7 @@ class DecodeScheduler:
         """
         started = []
         for seq in list(self._waiting.values()):
-            if self.num_running + self.num_transferring >= self.batch_size:
+            if self._places_taken() >= self.batch_size:
                 break
             if not seq.known or not seq.needs_kv:
                 continue
@@ -158,6 +203,47 @@ class DecodeScheduler:
             self._transferring[seq.request_id] = seq
             started.append(seq)
         return started
+
+    def plan_prefill(self, budget: int) -> list[PromptChunk]:
+        """This step's local prefill work: waiting local requests admitted (oldest first) while the batch and
+        the pool have room (blocks for prompt + max_tokens; the cached prefix reused, its last token always
+        computed: its logits give the first token), then chunks of the prefilling requests' prompts, oldest
+        first, at most ``budget`` tokens in all. Report each chunk back (``prefill_done``) before the next plan."""
+        if budget < 1:
+            raise ValueError("a prefill step's budget is at least one token")
+        for seq in list(self._local.values()):
+            if self._places_taken() >= self.batch_size:
+                break
+            kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
+                               reuse_tokens=seq.prompt_len - 1)
+            if kv is None:
+                break  # the oldest waits for blocks rather than being overtaken
+            seq.kv, seq.computed, seq.cached_tokens = kv, kv.cached_tokens, kv.cached_tokens
+            seq.set_state(S.PREFILLING)
+            del self._local[seq.request_id]
+            self._prefilling[seq.request_id] = seq
+        chunks = []
+        for seq in self._prefilling.values():
+            if budget == 0:
+                break
+            n = min(budget, seq.prompt_len - seq.computed)
+            chunks.append(PromptChunk(seq, seq.computed, seq.computed + n))
+            budget -= n
+        return chunks
+
+    def prefill_done(self, chunk: PromptChunk, first_token: int | None = None) -> None:
+        """``chunk`` is computed; the last of its prompt comes with the first token, and its request joins the
+        batch (the engine finishes it instead when that token ended it)."""
+        seq = chunk.seq
+        require(seq.state is S.PREFILLING and seq.computed == chunk.start, "not the chunk planned")
+        seq.computed = chunk.end
+        if not chunk.last:
+            return
+        require(first_token is not None, "the last chunk comes with the first token")
+        seq.first_token, seq.ready, seq.landed = first_token, True, True
+        seq.set_state(S.RUNNING)
+        del self._prefilling[seq.request_id]
+        self._running[seq.request_id] = seq
 
     def set_recv_token(self, seq: DecodeSeq, token: TransferHandle) -> None:
         require(seq.state is S.TRANSFERRING and seq.recv_token is None, "not awaiting a transfer")
@@ -220,7 +306,7 @@ class DecodeScheduler:
     # --- internals ---------------------------------------------------------
     def _end(self, seq: DecodeSeq, state: RequestState) -> None:
         seq.set_state(state)
-        for q in (self._waiting, self._transferring, self._running):
+        for q in (self._waiting, self._transferring, self._running, self._local, self._prefilling):
             q.pop(seq.request_id, None)
         if seq.kv is not None:
             self.kv.free(seq.kv)
@@ -228,7 +314,7 @@ class DecodeScheduler:
 
     def check_invariants(self) -> None:
         """Raise InvariantError if the scheduling rules are broken (used by tests)."""
-        require(self.num_running + self.num_transferring <= self.batch_size, "batch exceeded")
+        require(self._places_taken() <= self.batch_size, "batch exceeded")
         require(self.num_running <= self.batch_size, "too many running")
         for seq in self._running.values():
             require(seq.state is S.RUNNING and self._holds_prompt(seq), "bad running seq")
@@ -236,8 +322,12 @@ class DecodeScheduler:
             require(seq.ready and seq.first_token is not None, "running before its first token")
         for seq in self._transferring.values():
             require(seq.state is S.TRANSFERRING and self._holds_prompt(seq), "bad transferring seq")
-        for seq in self._waiting.values():
+        for seq in self._prefilling.values():
+            require(seq.state is S.PREFILLING and seq.local and self._holds_prompt(seq), "bad prefilling seq")
+            require(seq.kv.cached_tokens <= seq.computed < seq.prompt_len, "bad prefill progress")
+        for seq in (*self._waiting.values(), *self._local.values()):
             require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")
+            require(seq.local == (seq.request_id in self._local), "a local request in the wrong queue")
 
     def _holds_prompt(self, seq: DecodeSeq) -> bool:
         return seq.kv is not None and len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len)

@@ -22,6 +22,7 @@ from xpyd.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
 from xpyd.proxy.config import ProxyConfig
+from xpyd.proxy.prefill_path import DEFAULT_MAX_TOKENS as DEFAULT_LOCAL_PREFILL
 from xpyd.proxy.routing import Policy
 from xpyd.transfer.selection import KV_BACKENDS
 from xpyd.worker.config import (CLUSTER_TOKEN_ENV, DEFAULT_PORTS, DTYPES, WorkerConfig, add_worker_arguments,
@@ -98,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=None, metavar="N",
                    help="proxy: times a request may move on to another pair when its workers fail mid-answer "
                         "(default 3; 0: never)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
+                   help="proxy: a prompt with at most N tokens its decode worker does not cache is prefilled "
+                        f"there, not on a prefill worker (default {DEFAULT_LOCAL_PREFILL}; 0: always remote)")
     p.add_argument("--restart-backoff", type=float, default=_RESTART.backoff, metavar="SECONDS",
                    help="seconds before a worker that exited is started again; doubles on each fast crash "
                         f"(default {_RESTART.backoff:g}, at most --max-restart-backoff)")
@@ -124,6 +128,7 @@ PASSED_ON = (
     ("--no-kv-stream", ("prefill",)),
     ("--peer-timeout", ("prefill",)),
     ("--prefill-wait-timeout", ("decode",)),
+    ("--local-prefill-chunk", ("decode",)),
     ("--signal-timeout", ("decode",)),
     ("--drain-timeout", ("prefill", "decode", "colocated")),
     ("--lease-ttl", ("prefill", "decode")),
@@ -197,7 +202,8 @@ def _port_free(host: str, port: int) -> bool:
 def _proxy_options(args: argparse.Namespace) -> list[str]:
     """The routing and admission flags given to `xpyd up`, for `xpyd proxy` (the others: its defaults)."""
     out = []
-    for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout", "migration_limit"):
+    for flag in ("policy", "max_concurrent_requests", "max_queue", "queue_timeout", "migration_limit",
+                 "local_prefill_max_tokens"):
         if getattr(args, flag) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.proxy_workers is not None:

@@ -6,10 +6,13 @@ A request moves through::
     -> read body (size limit, 413) -> parse_request (400s stop here) -> model check (404)
     -> cache_aware: the prompt's token ids and block hashes (in a thread; none if it cannot be tokenized)
     -> every decode worker full: wait in the bounded queue (503 when full or timed out)
-    -> Router picks prefill + decode among the UP workers (503 if a role has none), avoiding pairs
-       whose path failed lately while there are others (``pairs.PairHealth``)
+    -> Router picks the decode worker, then ``prefill_path`` decides where the prompt is computed: a short
+       prompt, or one that decode worker mostly caches, is prefilled there (local: one call, to decode alone,
+       whose stream brings the first token too); any other gets a prefill worker, avoiding pairs whose path
+       failed lately while there are others (``pairs.PairHealth``); 503 if a role needed has no UP worker
     -> RequestId.new(p, d) -> PDCall: prefill and decode called at once (the id, which names both
-       workers' addresses, goes to the workers only: the client's is the response id, see below)
+       workers' addresses, goes to the workers only: the client's is the response id, see below; a local
+       prefill's names the decode worker twice)
     -> a worker unreachable (or the path between the two failed) before the client got anything: it
        is marked down (the pair avoided) and the request starts over once on a fresh pair (new id)
     -> prefill's first token goes to the client as soon as it arrives (TTFT)
@@ -19,7 +22,8 @@ A request moves through::
        prefill worker going down before decode has the KV: see ``InFlight.worker_down``)
 
 Where each step lives: admission (401, 429, the queue), routing (the pick; for
-cache_aware also prompt_tokens, prefix_index and cache_feed, which the poller drives; pairs),
+cache_aware, and for the local prefill decision, also prompt_tokens, prefix_index and cache_feed, which the
+poller drives; pairs), prefill_path (remote or local),
 pd_call (the two worker calls; their HTTP in client, worker_api, decode_stream,
 upstream), inflight (calls in flight), relay (the JSON body or SSE stream),
 http_errors (errors in OpenAI's shape).
@@ -72,6 +76,7 @@ from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.migration import MigratingCall
 from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.poller import HealthPoller
+from xpyd.proxy.prefill_path import PrefillDecider, PrefillPath
 from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
 from xpyd.proxy.prompt_tokens import PromptTokenizer
 from xpyd.proxy.relay import complete_body, stream_response
@@ -100,8 +105,10 @@ class Proxy:
         self.config = config
         self.registry = registry
         self.table = WorkerTable()
-        # cache_aware: which blocks each worker caches, fed by the poller through the CacheFeed (open()).
-        self.index = PrefixIndex() if config.policy is Policy.CACHE_AWARE else None
+        self.decider = PrefillDecider(config.local_prefill_max_tokens)
+        # cache_aware, or local prefills: which blocks each worker caches, fed by the poller through the CacheFeed
+        # (open()); the prompt's tokens come from its tokenizer
+        self.index = PrefixIndex() if config.policy is Policy.CACHE_AWARE or self.decider.enabled else None
         self.router: Router = make_router(config.policy, self.table, self.index)
         self.metrics = ProxyMetrics(etcd=getattr(registry, "ops", None))  # (an etcd registry counts its calls)
         self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
@@ -344,7 +351,7 @@ class Proxy:
         """The prompt's block hashes for the cache-aware router; None when it has no use for them or they
         cannot be had (no tokenizer yet, a prompt the workers will refuse): routed by load then."""
         tokenizer = self._feed.tokenizer if self._feed is not None else None
-        if tokenizer is None or not self._have_choice():
+        if tokenizer is None or not (self._have_choice() or self.decider.eligible(req)):
             return None
         try:
             if isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS:
@@ -369,28 +376,46 @@ class Proxy:
         began = time.perf_counter()
         if prefill_alone(req):
             return self._start_alone(client, req, identity, failed, keys, began)
-        if prefer is not None and self._up(prefer[0]) and prefer[1] is not None and self._up(prefer[1]):
-            call = self.inflight.start(client, req, prefer[0], prefer[1],
-                                       str(RequestId.new(prefer[0].signal_addr, prefer[1].signal_addr)), identity,
-                                       keys, resume)
-            self.metrics.routed(time.perf_counter() - began)
-            return call
         try:
-            # (pairs whose path failed lately are avoided while the workers have others)
-            decodes = self.registry.workers(Role.DECODE)
-            up = [s.info for s in self.table.sync(Role.DECODE, decodes) if s.health is Health.UP]
-            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys,
-                                       avoid=lambda p: self.pairs.stranded(p, up))
-            decode = self.router.pick(Role.DECODE, decodes, keys, avoid=lambda d: not self.pairs.usable(prefill, d))
+            decode = self._decode_for(keys, prefer)
+            path = self.decider.decide(req, keys, self._cached_blocks(decode, keys), resume)
+            prefill = self._prefill_for(decode, keys, prefer) if path is PrefillPath.REMOTE else None
         except NoWorkerError as e:
             why = f" (after: {failed.message})" if failed is not None else ""
             raise APIError(503, f"{e}{why}", type="server_error") from None
-        request_id = str(RequestId.new(prefill.signal_addr, decode.signal_addr))
+        request_id = str(RequestId.new((prefill or decode).signal_addr, decode.signal_addr))
         if self.config.log_requests:
-            log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id, prefill.http_url, decode.http_url)
+            log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id,
+                     prefill.http_url if prefill is not None else "on decode", decode.http_url)
         call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys, resume)
+        self.metrics.prefill_path(path)
+        self.table.prefill_path(decode, path.value)
         self.metrics.routed(time.perf_counter() - began)
         return call
+
+    def _decode_for(self, keys: PromptKeys | None, prefer: tuple | None) -> WorkerInfo:
+        """``prefer``'s decode worker while it is up; else the router's pick, avoiding decode workers each of
+        whose pairs failed lately (while there are others)."""
+        if prefer is not None and prefer[1] is not None and self._up(prefer[1]):
+            return prefer[1]
+        prefills = self.registry.workers(Role.PREFILL)
+        up = [s.info for s in self.table.sync(Role.PREFILL, prefills) if s.health is Health.UP]
+        return self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE), keys,
+                                avoid=lambda d: self.pairs.stranded_decode(d, up))
+
+    def _prefill_for(self, decode: WorkerInfo, keys: PromptKeys | None, prefer: tuple | None) -> WorkerInfo:
+        """``prefer``'s prefill worker while it is up (and ``decode`` is its pair's); else the router's pick,
+        avoiding those whose path to ``decode`` failed lately (while there are others)."""
+        if prefer is not None and prefer[0] is not None and prefer[1] == decode and self._up(prefer[0]):
+            return prefer[0]
+        return self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys,
+                                avoid=lambda p: not self.pairs.usable(p, decode))
+
+    def _cached_blocks(self, decode: WorkerInfo, keys: PromptKeys | None) -> int:
+        """The prompt's leading full blocks ``decode`` holds, as far as the prefix index knows."""
+        if keys is None or self.index is None or not self.decider.enabled:
+            return 0
+        return self.index.match(decode, keys.hashes)
 
     def _up(self, worker: WorkerInfo) -> bool:
         return any(s.info == worker and s.health is Health.UP

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from xpyd.api.identity import MAX_MODEL_CHARS
 from xpyd.proxy.pairs import MAX_COOLDOWN as MAX_PAIR_COOLDOWN
+from xpyd.proxy.prefill_path import DEFAULT_MAX_TOKENS as DEFAULT_LOCAL_PREFILL, PrefillDecider
 from xpyd.proxy.routing import Policy
 
 
@@ -25,6 +26,8 @@ class ProxyConfig:
     poll_timeout: float = 1.0  # one poll
     retries: int = 1  # a request whose worker was unreachable starts over this often
     migration_limit: int = 3  # a request whose workers failed mid-answer moves on to another pair this often
+    # a prompt with at most this many tokens its decode worker does not cache is prefilled there (0: never)
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL
     connect_timeout: float = 10.0  # TCP connect to a worker
     read_timeout: float = 300.0  # each read from a worker: prefill's answer, each stream chunk
     discovery_timeout: float = 120.0  # static discovery: wait this long for workers to be ready
@@ -99,6 +102,7 @@ class ProxyConfig:
         if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
                 or not 0 <= self.migration_limit <= 16:
             raise ValueError(f"migration_limit must be in 0..16, got {self.migration_limit!r}")
+        PrefillDecider(self.local_prefill_max_tokens)  # (raises naming the field)
 
 
 def default_policy(etcd: str | None, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...]) -> Policy:

@@ -1,6 +1,8 @@
 """Reading the decode worker's SSE answer: tokens 2..n, then usage, then ``[DONE]``.
 
-``xpyd.api.sse`` splits the body into events. Two ways to read it::
+``xpyd.api.sse`` splits the body into events. A request the decode worker prefills itself
+(``xpyd.api.local_prefill``) streams its first token too: ``first()`` reads that token's chunk (and, if it
+ended the request, the rest of the stream) before either of::
 
     relay(identity)  streaming client: each read's events as they came, for the client as they are;
                      only events that do not look like an ordinary token chunk of this response
@@ -26,12 +28,12 @@ import aiohttp
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import DONE_DATA, chunk_head
-from xpyd.api.resume import split_ids
+from xpyd.api.resume import ids_of, split_ids
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
 from xpyd.api.timing import COMMENT_PREFIX
 from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.upstream import Fault, UpstreamError, in_stream_error, upstream_errors, who
-from xpyd.proxy.worker_api import Delta, Usage, parse_delta, parse_usage
+from xpyd.proxy.worker_api import Delta, FirstToken, Usage, parse_delta, parse_usage
 
 DRAIN_TIMEOUT = 1.0  # after [DONE], wait this long for the stream's end before dropping it
 HEARD_EVERY = 1.0  # a stream that brings bytes says its worker is alive at most this often
@@ -68,6 +70,60 @@ class DecodeStream:
             raise UpstreamError(502, f"{who(self._worker)} closed its stream before its first token",
                                 worker=self._worker, fault=Fault.UNREACHABLE)
         self._head += data
+
+    async def first(self) -> FirstToken:
+        """The first token's chunk of a request prefilled on the decode worker, as prefill's answer would have
+        said it; the bytes after it stay for ``relay()``/``deltas()``. If it ended the request, the stream is read
+        to its end (its usage chunk, if any, is the FirstToken's usage). A stream that ends before its first
+        event is a decode worker that died or cut it: UpstreamError (UNREACHABLE: the client has seen nothing)."""
+        with upstream_errors(self._worker):
+            delta, ids = await self._first_delta()
+            usage = Usage(0, max(1, len(ids or ())), 0)  # (the counts are the usage chunk's, when there is one)
+            if delta.finish_reason is not None:
+                usage = await self._usage_to_end() or usage
+        return FirstToken(delta.text, delta.finish_reason, usage, stop_reason=delta.stop_reason,
+                          logprobs=delta.logprobs, token_ids=None if ids is None else tuple(ids))
+
+    async def _first_delta(self) -> tuple[Delta, list[int] | None]:
+        buf = b""
+        while True:
+            end = buf.find(b"\n\n")  # (a worker ends every event with a blank line: ``sse``)
+            if end < 0:
+                data = await self._resp.content.readany()
+                if not data:
+                    raise UpstreamError(502, f"{who(self._worker)} closed its stream before its first token",
+                                        worker=self._worker, fault=Fault.UNREACHABLE)
+                self._alive()
+                buf += data
+                continue
+            event, buf = buf[:end + 2], buf[end + 2:]
+            for data in SSEParser().feed(event):
+                if data == DONE_DATA:
+                    raise self._unfinished()
+                data, ids = split_ids(data)
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise in_stream_error(obj["error"], self._worker)
+                for choice in obj.get("choices") or ():
+                    delta = parse_delta(choice, self._kind)
+                    if delta is not None:
+                        self._head = buf
+                        return delta, None if ids is None else ids_of(ids)
+
+    async def _usage_to_end(self) -> Usage | None:
+        """The rest of a stream whose request ended: its usage chunk's counts (None without one)."""
+        usage = None
+        async with contextlib.aclosing(sse_data(self._chunks())) as events:
+            async for data in events:
+                if data.strip() == DONE_DATA:
+                    await self._release()
+                    break
+                obj = json.loads(split_ids(data)[0])
+                if "error" in obj:
+                    raise in_stream_error(obj["error"], self._worker)
+                if obj.get("usage"):
+                    usage = parse_usage(obj["usage"])
+        return usage
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         if self._head:

@@ -134,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pair with the prompt and the tokens sent so far, the client's stream uninterrupted; "
                              "at most N times a request (0: such a request ends with the error; "
                              "default: %(default)s)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=_DEFAULTS.local_prefill_max_tokens,
+                        metavar="N",
+                        help="conditional disaggregation: a prompt with at most N tokens that its decode worker "
+                             "does not cache (short, or mostly cached there: the proxy's prefix index) is "
+                             "prefilled by that decode worker between its steps, with no prefill worker, KV "
+                             "transfer or second call; longer ones go to a prefill worker. 0: always a prefill "
+                             f"worker (default: %(default)s: on the CPU it did not pay, docs/benchmarks.md; "
+                             "scripts/bench_local_prefill.py measures yours)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -178,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         pair_cooldown=args.pair_cooldown,
         migration_limit=args.migration_limit,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         log_requests=args.log_requests,
         expose_worker_names=args.expose_worker_names,
         names_key=key,

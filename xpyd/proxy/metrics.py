@@ -159,6 +159,10 @@ class ProxyMetrics:
         self._migrations = Counter("xpyd_proxy_migrations", "Requests moved on to another pair mid-answer "
                                    "(their decode worker or the path failed; the client's stream went on)",
                                    registry=r)
+        paths = Counter("xpyd_proxy_prefill_path", "P/D requests by where their prompt was computed: remote (a "
+                        "prefill worker) or local (their decode worker: a short or mostly cached prompt)",
+                        ("path",), registry=r)
+        self._paths = {path: paths.labels(path) for path in ("remote", "local")}
         phase = Histogram("xpyd_proxy_phase_seconds", "A streamed answer's time to its first token here, by "
                           "phase (xpyd.api.phases)", ("phase",), buckets=PHASE_BUCKETS, registry=r)
         self._phase = {name: phase.labels(name) for name in PROXY_PHASES}
@@ -188,6 +192,10 @@ class ProxyMetrics:
 
     def pair_failed(self) -> None:
         self._pair_failures.inc()
+
+    def prefill_path(self, path: Enum) -> None:
+        """A P/D request was routed; its prompt is computed on ``path`` (``xpyd.proxy.prefill_path``)."""
+        self._paths[path.value].inc()
 
     def migrated(self) -> None:
         self._migrations.inc()

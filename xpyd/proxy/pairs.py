@@ -99,6 +99,11 @@ class PairHealth:
         decodes = list(decodes)
         return bool(self._pairs) and bool(decodes) and not any(self.usable(prefill, d) for d in decodes)
 
+    def stranded_decode(self, decode: WorkerInfo, prefills: Iterable[WorkerInfo]) -> bool:
+        """Is every pair of ``decode`` with ``prefills`` being avoided (and there are some)?"""
+        prefills = list(prefills)
+        return bool(self._pairs) and bool(prefills) and not any(self.usable(p, decode) for p in prefills)
+
     def to_dict(self) -> list[dict]:
         """The pairs avoided now or tried again after a failure (``/cluster``)."""
         now = self._clock()

@@ -11,13 +11,19 @@ Both upstream calls start at once::
     aclose():      cancel what still runs; tell prefill to drop KV decode never pulled
 
 The first error from either side is the call's error (an ``UpstreamError``).
+
+Without a prefill worker the decode worker prefills the request itself (``xpyd.api.local_prefill``): one
+call, whose stream's first token chunk is ``first_token()`` (``DecodeStream.first``) and whose chunks after
+it are ``relay()``/``rest()``, as a P/D call's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
@@ -41,16 +47,18 @@ class PDCall:
         self,
         client: WorkerClient,
         req: CompletionRequest,
-        prefill: WorkerInfo,
+        prefill: WorkerInfo | None,
         decode: WorkerInfo | None,
         request_id: str,
         identity: ResponseIdentity,
         resume: tuple[int, ...] = (),
     ) -> None:
         """``decode`` None: a request that needs no decode step (max_tokens 1, or 0 with echo), answered by
-        prefill alone. ``resume``: a migrated request's output so far (``xpyd.proxy.migration``)."""
-        if prefill.role is not Role.PREFILL or (decode is not None and decode.role is not Role.DECODE):
-            raise ValueError("PDCall needs a prefill worker and a decode worker (or none)")
+        prefill alone; ``prefill`` None: a request its decode worker prefills itself. ``resume``: a migrated
+        request's output so far (``xpyd.proxy.migration``)."""
+        if (prefill is None and decode is None) or (prefill is not None and prefill.role is not Role.PREFILL) \
+                or (decode is not None and decode.role is not Role.DECODE):
+            raise ValueError("PDCall needs a prefill worker and a decode worker (or one of them)")
         self._client = client
         self._req = req
         self._prefill = prefill
@@ -70,18 +78,24 @@ class PDCall:
         self._lost: asyncio.Future[UpstreamError] = asyncio.get_running_loop().create_future()
 
     @property
-    def prefill_url(self) -> str:
-        return self._prefill.http_url
+    def prefill_url(self) -> str | None:
+        return self._prefill.http_url if self._prefill is not None else None
 
     @property
-    def pair(self) -> tuple[WorkerInfo, WorkerInfo | None]:
-        """(prefill, decode); decode None for a request prefill alone answers"""
+    def pair(self) -> tuple[WorkerInfo | None, WorkerInfo | None]:
+        """(prefill, decode); decode None for a request prefill alone answers, prefill None for one its decode
+        worker prefills"""
         return self._prefill, self._decode
 
     @property
+    def local(self) -> bool:
+        """The decode worker prefills the request itself."""
+        return self._prefill is None
+
+    @property
     def workers(self) -> tuple[WorkerInfo, ...]:
-        """The workers called: prefill and decode, or prefill alone."""
-        return (self._prefill,) if self._decode is None else (self._prefill, self._decode)
+        """The workers called: prefill and decode, or one of them alone."""
+        return tuple(w for w in (self._prefill, self._decode) if w is not None)
 
     def prefill_lost(self, error: UpstreamError) -> bool:
         """The prefill worker died: end the call with ``error`` unless decode already has the KV.
@@ -103,6 +117,8 @@ class PDCall:
         """Prefill's answer, once decode has the request too (so nothing reaches the
         client while a dead decode worker could still mean a retry elsewhere)."""
         kind = self._req.kind
+        if self._prefill is None:
+            return await self._local_first(kind)
         self._prefill_task = asyncio.create_task(self._client.prefill(
             self._prefill, kind, prefill_body(self._req, self._prefill, self.resume), self.request_id))
         if self._decode is None:
@@ -133,6 +149,18 @@ class PDCall:
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
 
+    async def _local_first(self, kind: RequestKind) -> FirstToken:
+        """The first token of a request its decode worker prefills: its stream's first token chunk."""
+        began = time.monotonic()  # (its span: xpyd.proxy.phases)
+        self._decode_task = asyncio.create_task(self._open_decode(kind))
+        stream = await self._decode_task
+        first = await stream.first()
+        first = self._prefilled = replace(first, span=(began, time.monotonic()))
+        if first.finish_reason is not None:
+            self._completed = True  # (``first()`` read the stream to its end)
+        self._first = first
+        return first
+
     async def _prefill_alone(self) -> FirstToken:
         """Prefill's answer to a request it alone serves: it must have ended the request."""
         assert self._prefill_task is not None
@@ -146,8 +174,9 @@ class PDCall:
     async def _open_decode(self, kind: RequestKind) -> DecodeStream:
         with self._path_faults():  # (decode refusing the prefill worker the id names: the pair's fault)
             return await self._client.open_decode(
-                self._decode, kind, decode_body(self._req, self._decode, self.identity, self.resume), self.request_id,
-                self._decode_sent)
+                self._decode, kind, decode_body(self._req, self._decode, self.identity, self.resume,
+                                                local=self._prefill is None),
+                self.request_id, self._decode_sent)
 
     async def _decode_connected(self) -> None:
         """Wait until decode's request is sent or has failed (usually long done by now)."""
@@ -221,7 +250,7 @@ class PDCall:
         try:
             yield
         except UpstreamError as e:
-            if e.fault is Fault.PATH and e.pair is None and self._decode is not None:
+            if e.fault is Fault.PATH and e.pair is None and self._decode is not None and self._prefill is not None:
                 e.pair = (self._prefill, self._decode)
             raise
 

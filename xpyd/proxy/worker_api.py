@@ -6,6 +6,8 @@ For one client request::
     decode worker   <- decode_body: body + stream=true + the response's identity
                        -> streaming: the chunks the client gets for tokens 2..n (+ usage if asked)
                        -> not streaming: parse_delta per SSE choice, and the usage chunk
+                       (``local``: decode prefills the request itself and its stream has token 1 too,
+                       read by ``DecodeStream.first``: ``xpyd.api.local_prefill``)
 
 Both carry the request's id in ``X-Request-Id``; decode's ``kv_transfer_params.response`` names the
 response (``xpyd.api.identity``) so its chunks need no rewriting. The parsers raise ValueError,
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from xpyd.api.identity import WIRE_KEY, ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.api.local_prefill import LOCAL_PREFILL_KEY
 from xpyd.api.resume import CHUNK_IDS_KEY, RESUME_KEY, TOKEN_IDS_KEY, ids_of
 from xpyd.api.timing import WorkerTiming, decode_timing
 from xpyd.discovery.types import WorkerInfo
@@ -70,7 +73,7 @@ def prefill_body(req: CompletionRequest, worker: WorkerInfo, resume: tuple[int, 
 
 
 def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseIdentity,
-                resume: tuple[int, ...] = ()) -> dict:
+                resume: tuple[int, ...] = (), local: bool = False) -> dict:
     """Decode always streams; to a streaming client its chunks go as they are (the usage chunk only if
     the client asked), while for a JSON answer the proxy needs decode's usage. ``prompt_logprobs`` are
     prefill's to compute (and streams have none): decode is not asked for them. Its chunks name their tokens
@@ -79,6 +82,8 @@ def decode_body(req: CompletionRequest, worker: WorkerInfo, identity: ResponseId
     kvp = {"role": "decode", WIRE_KEY: identity.to_wire(), TOKEN_IDS_KEY: True}
     if resume:
         kvp[RESUME_KEY] = list(resume)
+    if local:
+        kvp[LOCAL_PREFILL_KEY] = True
     return {
         **{k: v for k, v in req.raw.items() if k not in drop},
         "model": worker.model_id,

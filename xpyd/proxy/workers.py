@@ -116,6 +116,9 @@ class WorkerState:
     down_reason: str = ""
     since: float = field(default_factory=time.monotonic)  # of the current health
     heard_at: float = 0.0  # when this proxy last got bytes from it outside probes (a stream, a KV event line)
+    # decode: the requests routed here by where their prompt was computed ("remote": a prefill worker; "local":
+    # this one, ``xpyd.proxy.prefill_path``)
+    prefill_paths: dict[str, int] = field(default_factory=lambda: {"remote": 0, "local": 0})
 
     @property
     def assigned(self) -> int:
@@ -168,6 +171,7 @@ class WorkerState:
                 "hit_rate": round(hit_rate, 4) if hit_rate is not None else None,
             },
             "requests": self.requests,
+            "prefill_paths": dict(self.prefill_paths) if self.info.role is Role.DECODE else None,
         }
 
 
@@ -222,6 +226,12 @@ class WorkerTable:
             state.in_flight -= 1
             if state.pending_blocks.pop(ticket, None) is None:
                 state.released_blocks += state.covered_blocks.pop(ticket, 0)  # the report's numbers include it
+
+    def prefill_path(self, decode: WorkerInfo, path: str) -> None:
+        """A request routed to ``decode`` has its prompt computed on ``path`` (remote or local)."""
+        state = self._states.get(_key(decode))
+        if state is not None:
+            state.prefill_paths[path] = state.prefill_paths.get(path, 0) + 1
 
     def heard(self, worker: WorkerInfo) -> None:
         """Bytes came from ``worker`` (a token stream, its KV events): it is alive, however slow its probes."""

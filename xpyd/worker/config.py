@@ -66,6 +66,7 @@ class WorkerConfig:
     tool_call_parser: str | None = None  # colocated: how tool_choice auto reads calls (xpyd.api.tool_parsers)
     chat_template: str | None = None  # vLLM's --chat-template: a template file (or the template inline) over the model's
     prefill_chunk: int = 512  # prefill: prompt tokens per forward pass (longer prompts run in chunks; 0: off)
+    local_prefill_chunk: int = 256  # decode: prompt tokens per step of the prompts it prefills itself
     kv_stream: bool = True  # prefill: send each chunk's KV while the next computes (False: after the prompt)
     engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
     sim_profile: str | None = None  # sim: the timing profile's JSON file (None: the built-in one)
@@ -150,6 +151,8 @@ class WorkerConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if not 0 <= self.prefill_chunk <= 1 << 20:
             raise ValueError("--prefill-chunk must be in [0, 1048576] tokens (0 = whole prompts)")
+        if not 1 <= self.local_prefill_chunk <= 1 << 20:
+            raise ValueError("--local-prefill-chunk must be in [1, 1048576] tokens")
         check_kv_backend(self.kv_backend)
         check_device(self.device)
         self._check_sim()
@@ -309,6 +312,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                             help="a prefill worker that leaves a signal-plane request (claim, pull, heartbeat) "
                                  "unanswered this many seconds is taken for unreachable: its requests here "
                                  "fail, and the proxy routes around the pair (default: %(default)s)")
+        parser.add_argument("--local-prefill-chunk", type=int, default=d.local_prefill_chunk, metavar="N",
+                            help="prompt tokens computed per step for the requests the proxy sends this worker to "
+                                 "prefill itself (short or mostly cached prompts: the proxy's "
+                                 "--local-prefill-max-tokens); each such step runs between two decode steps, so "
+                                 f"it bounds what the running streams wait (default {d.local_prefill_chunk})")
         parser.add_argument("--prefill-peers", action="append", default=[], metavar="HOST:PORT[,...]",
                             help="without --cluster-token: the prefill workers (signal-plane addresses) this "
                                  "worker may be sent to, besides those registered in etcd; a request naming "

@@ -153,6 +153,9 @@ class WorkerMetrics:
         self._saved = Counter("xpyd_kv_reuse_saved_bytes", "KV bytes not transferred because this worker's prefix "
                               "cache held them", ("role",), registry=r).labels(role)
         self._counted = (0, 0)  # prefix-cache queries and hits already counted
+        self._local_prefills = Counter("xpyd_local_prefills", "Requests whose prompt a decode worker computed "
+                                       "itself (the proxy's conditional disaggregation)", ("role",),
+                                       registry=r).labels(role)
         self.signal = MessageCounts()  # given to the signal server (prefill) or client (decode)
         self.etcd = EtcdOps()  # given to the etcd registration and watcher
         r.register(_PlaneCounts(role, self.signal, self.etcd))
@@ -182,6 +185,10 @@ class WorkerMetrics:
         self._hits.inc(hits - self._counted[1])
         self.vllm.set_kv_cache(stats, queries - self._counted[0], hits - self._counted[1])
         self._counted = (queries, hits)
+
+    def local_prefilled(self) -> None:
+        """A decode worker computed a request's prompt itself (``xpyd.decode_worker.local_prefill``)."""
+        self._local_prefills.inc()
 
     def kv_reused(self, nbytes: int) -> None:
         self._saved.inc(nbytes)

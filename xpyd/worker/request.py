@@ -9,6 +9,7 @@ class RequestState(str, Enum):
     WAITING = "waiting"  # queued (decode: also waiting for prefill to be ready)
     RUNNING = "running"  # prefill forward (prefill) / in the decode batch (decode)
     TRANSFERRING = "transferring"  # KV held for / being sent to decode (prefill); being received (decode)
+    PREFILLING = "prefilling"  # decode: its prompt computed on this worker, in chunks between decode steps
     FINISHED = "finished"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -27,8 +28,9 @@ PREFILL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.TRANSFERRING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
 }
 DECODE_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    S.WAITING: frozenset({S.TRANSFERRING, S.FINISHED, S.FAILED, S.ABORTED}),
+    S.WAITING: frozenset({S.TRANSFERRING, S.PREFILLING, S.FINISHED, S.FAILED, S.ABORTED}),
     S.TRANSFERRING: frozenset({S.RUNNING, S.FINISHED, S.FAILED, S.ABORTED}),  # (finished: by its first token)
+    S.PREFILLING: frozenset({S.RUNNING, S.FINISHED, S.FAILED, S.ABORTED}),  # (a local prefill: ``DecodeScheduler``)
     S.RUNNING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
 }
 

@@ -4,7 +4,8 @@
                        (before the body is read; /health and /metrics stay open for probes and scrapers)
     X-Request-Id    -> parsed strictly (400)
                     -> with a cluster token: the proxy's MAC over the id (403 when missing or wrong)
-                    -> decode without a token: the prefill worker it names must be known (403 otherwise)
+                    -> decode without a token: the prefill worker it names must be known (403 otherwise), or
+                       be this decode worker itself (a request it prefills locally: ``xpyd.api.local_prefill``)
 
 A decode worker connects to the prefill worker a request id names. With a cluster token only the proxy
 can name one (it signs the id). Without one, the decode worker takes the prefill workers it knows
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from xpyd.api.openai import APIError
 from xpyd.signal.request_id import ClusterKeys, RequestId, RequestIdError, SignatureError, split_signature
@@ -93,10 +94,14 @@ class PrefillPeers:
 class RequestGate:
     """A worker's checks of a request's credentials and id (see the module docstring)."""
 
-    def __init__(self, role: str, cluster_token: str | None, peers: PrefillPeers | None = None) -> None:
+    def __init__(self, role: str, cluster_token: str | None, peers: PrefillPeers | None = None,
+                 own_addr: Callable[[], str | None] | None = None) -> None:
+        """``own_addr()``: a decode worker's own signal address (None until it is known): an id naming it as
+        both workers is a request it prefills itself, which connects to nobody."""
         self.role = role
         self._keys = ClusterKeys(cluster_token) if cluster_token else None
         self._peers = peers if role == "decode" and self._keys is None else None
+        self._own_addr = own_addr
 
     def guards(self, path: str) -> bool:
         """Whether ``path`` needs the cluster's bearer."""
@@ -119,9 +124,13 @@ class RequestGate:
     async def admit(self, text: str | None) -> RequestId:
         """``parse``, and for a decode worker without a token: the prefill worker named must be known (403)."""
         rid = self.parse(text)
-        if self._peers is not None and not await self._peers.admits(rid.prefill_addr):
+        if self._peers is not None and not self._names_itself(rid) and not await self._peers.admits(rid.prefill_addr):
             raise APIError(403, f"{REQUEST_ID_HEADER}: prefill worker {rid.prefill_addr} is not one this decode "
                            f"worker knows ({self._peers.describe()}); list it with --prefill-peers, register it "
                            "in etcd, or give the proxy and every worker a --cluster-token",
                            "permission_error", param=REQUEST_ID_HEADER)
         return rid
+
+    def _names_itself(self, rid: RequestId) -> bool:
+        own = self._own_addr() if self._own_addr is not None else None
+        return own is not None and rid.prefill_addr == own == rid.decode_addr

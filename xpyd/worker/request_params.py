@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind
+from xpyd.api.local_prefill import LOCAL_PREFILL_KEY
 from xpyd.api.resume import RESUME_KEY
 from xpyd.model.loader import GenerationDefaults
 from xpyd.model.output import StopParams
@@ -85,10 +86,12 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     decode = config.role == "decode"
     limit = engine.max_model_len
     # (decode reads the prompt's tokens for a repetition penalty, and for echoed logprobs' text offsets)
-    tokenized = not decode or config.prefix_cache or sampling.needs_prompt or (req.echo and req.logprobs is not None)
+    kvp = req.kv_transfer_params or {}
+    local = decode and _local_prefill(kvp)  # (a decode worker that prefills the request itself reads its prompt)
+    tokenized = (not decode or local or config.prefix_cache or sampling.needs_prompt
+                 or (req.echo and req.logprobs is not None))
     ids = _tokenize(engine.tokenizer, req, limit) if tokenized else []
     n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req, limit) or 1)  # (decode: at least one)
-    kvp = req.kv_transfer_params or {}
     resumed = _resumed(kvp, len(engine.tokenizer), limit)
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
     least = 0 if req.echo and not decode else 1  # (0: the prompt alone, never a decode worker's part)
@@ -113,7 +116,15 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     return WorkItem(request_id=rid, prompt_ids=ids + list(resumed) if ids else ids, sampling=sampling, stop=stop,
                     sink=sink, open_ended=open_ended, cache_salt=req.cache_salt, logprobs=req.logprobs,
                     prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only,
-                    grammar=_matcher(engine, req), resumed=resumed)
+                    grammar=_matcher(engine, req), resumed=resumed, local_prefill=local)
+
+
+def _local_prefill(kvp: dict) -> bool:
+    """Whether the proxy asks this decode worker to prefill the request itself (``xpyd.api.local_prefill``)."""
+    value = kvp.get(LOCAL_PREFILL_KEY, False)
+    if not isinstance(value, bool):
+        raise APIError(400, f"kv_transfer_params.{LOCAL_PREFILL_KEY} must be true or false", param="kv_transfer_params")
+    return value
 
 
 def _resumed(kvp: dict, vocab: int, limit: int) -> tuple[int, ...]:

@@ -109,6 +109,7 @@ class WorkItem:
     # ``prompt_ids`` (where tokenized) end with them: their KV is computed as the prompt's; the output replays
     # them (text, stop strings, penalties, grammar, one random draw each) before it samples the next.
     resumed: tuple[int, ...] = ()
+    local_prefill: bool = False  # a decode worker computes its prompt and samples its first token itself
     reported: int = 0  # output ids already named by an event (``new_ids``)
     stamps: PhaseStamps = field(default_factory=PhaseStamps)  # when it passed each point (``xpyd.worker.phases``)
 
