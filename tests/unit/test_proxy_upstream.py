@@ -46,7 +46,7 @@ def test_an_in_stream_error_on_the_kv_path_blames_the_pair_not_the_worker(flag: 
 
 
 def test_a_decode_worker_marks_its_path_failures_in_the_error_event():
-    from xpyd.worker.http_api import error_body
+    from xpyd.worker.answers import error_body
     from xpyd.worker.work_item import ErrorEvent
 
     body = error_body(ErrorEvent(504, "KV from prefill worker p did not arrive within 30s", kv_path=True))

@@ -11,7 +11,7 @@ import threading
 
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import chunk_head
-from xpyd.worker.http_api import StreamShape, stream_events
+from xpyd.worker.answers import StreamShape, stream_events
 from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent
 
 

@@ -24,9 +24,8 @@ import hashlib
 import json
 import logging
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Protocol
 
 from quart import Quart, Response, request
@@ -36,18 +35,10 @@ from xpyd.api.choices import Child, join_json, join_streams, several, split
 from xpyd.api.identity import response_identity
 from xpyd.api.tool_output import ToolOutput, check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
-from xpyd.api.resume import CHUNK_IDS_KEY, TOKEN_IDS_KEY
-from xpyd.api.responses import (
-    SSE_DONE,
-    completion_response,
-    merge_logprobs,
-    models_response,
-    new_response_id,
-    sse,
-    stream_chunk,
-    usage_chunk,
-)
+from xpyd.api.resume import TOKEN_IDS_KEY
+from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.types import WorkerInfo
+from xpyd.worker.answers import StreamShape, collect, error_body, stream_events
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.kv_events import KVEventLog
@@ -55,7 +46,7 @@ from xpyd.worker.kv_stream import register_kv_stream
 from xpyd.worker.logprob_format import ResponseExtras
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.model.loader import GenerationDefaults
-from xpyd.worker.work_item import ErrorEvent, EventDispatch, OutputSink, TokenEvent, WorkItem
+from xpyd.worker.work_item import EventDispatch, WorkItem
 from xpyd.worker.request_params import build_work_item
 from xpyd.model.tokenizer import describe_tokenizer
 from xpyd.signal.request_id import RequestId
@@ -80,16 +71,6 @@ class Engine(Protocol):
     def stats(self) -> dict: ...
     kv_cache: KVCache
     kv_events: KVEventLog
-
-
-def error_body(ev: ErrorEvent) -> dict:
-    """An in-stream error event's body: the status as an integer ``code`` (as vLLM does: the proxy answers with
-    it, a 504 stays 504), and ``"kv_path": true`` when the failure lies between the two workers of the request
-    (the proxy then avoids that pair for a while)."""
-    body = APIError(ev.status, ev.message, "server_error", code=ev.status).to_dict()
-    if ev.kv_path:
-        body["error"]["kv_path"] = True
-    return body
 
 
 def _error(e: APIError) -> Response:
@@ -284,7 +265,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             return _sse_response(gen)
         ended = False
         try:
-            answer = await _collect(item, extras[0], shape, single_event)
+            answer = await collect(item, extras[0], shape, single_event)
             ended = True
             if isinstance(answer, APIError):
                 return _error(answer)
@@ -307,7 +288,7 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
             return _sse_response(join_streams(req, streams, (shape.id, shape.created, shape.model)))
         ended = False
         try:
-            answers = await asyncio.gather(*(_collect(item, ex, shape, False) for item, ex in zip(items, extras)))
+            answers = await asyncio.gather(*(collect(item, ex, shape, False) for item, ex in zip(items, extras)))
             ended = True
             failed = next((a for a in answers if isinstance(a, APIError)), None)
             if failed is not None:
@@ -345,143 +326,3 @@ def _sse_response(gen: AsyncIterator[bytes]) -> Response:
     resp.headers["Cache-Control"] = "no-cache"
     resp.timeout = None
     return resp
-
-
-async def _collect(item: WorkItem, extras: ResponseExtras, shape: StreamShape,
-                   single_event: bool) -> dict | APIError:
-    """The JSON answer of ``item`` once it ended (or its error)."""
-    text, logprobs, finish, prompt_tokens, completion_tokens, cached, ids = [], [], None, 0, 0, 0, []
-    async for ev in _events(item.sink, single_event):
-        if isinstance(ev, ErrorEvent):
-            return APIError(ev.status, ev.message, "server_error" if ev.status >= 500 else "invalid_request_error")
-        text.append(extras.first_text(ev.text) if not text else ev.text)
-        logprobs.append(extras.event_logprobs(ev.completion_tokens, ev.logprobs))
-        finish, prompt_tokens, completion_tokens = ev.finish_reason, ev.prompt_tokens, ev.completion_tokens
-        cached = ev.cached_tokens
-        ids.extend(ev.token_ids)
-    answer, calls = "".join(text), None
-    if extras.tools is not None:  # content and tool calls (a colocated answer)
-        message = extras.tools.message(answer)
-        answer, calls, finish = message["content"] or "", message["tool_calls"], extras.tools.finish_reason(finish)
-    answer = completion_response(shape.id, shape.created, shape.model, shape.kind, answer, finish,
-                                 prompt_tokens, completion_tokens, cached, _stop_reason(item),
-                                 merge_logprobs(logprobs), extras.prompt_logprobs(), calls)
-    if shape.token_ids:
-        answer[CHUNK_IDS_KEY] = ids
-    return answer
-
-
-def _stop_reason(item: WorkItem | None) -> str | int | None:
-    """The stop string or token id that ended ``item`` (the engine set it before it put the last event)."""
-    return item.output.stop_reason if item is not None and item.output is not None else None
-
-
-async def _events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEvent | ErrorEvent]:
-    while True:
-        ev = await sink.queue.get()
-        yield ev
-        if isinstance(ev, ErrorEvent) or ev.finish_reason is not None or single_event:
-            return
-
-
-@dataclass(frozen=True, slots=True)
-class StreamShape:
-    """How a response is written around its tokens: its name, and the chunks it opens and ends with."""
-
-    kind: RequestKind
-    id: str
-    created: int
-    model: str
-    include_usage: bool  # end with the usage chunk
-    role_chunk: bool  # chat: open with the assistant role chunk
-    token_ids: bool = False  # each token chunk names its tokens (``CHUNK_IDS_KEY``, last): the proxy asked
-
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              stop_reason: str | int | None = None, logprobs: dict | None = None, delta: dict | None = None,
-              ids: list[int] | None = None) -> bytes:
-        obj = stream_chunk(self.id, self.created, self.model, self.kind, text, finish_reason, role=role,
-                           stop_reason=stop_reason, logprobs=logprobs, delta=delta)
-        if ids is not None:
-            obj[CHUNK_IDS_KEY] = ids
-        return sse(obj)
-
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
-        return sse(usage_chunk(self.id, self.created, self.model, self.kind, prompt_tokens, completion_tokens,
-                               cached_tokens))
-
-
-class _Ended:
-    """Whether a stream ended (answered to its end, or its request already dropped)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = False
-
-
-def _abort_unless_ended(engine: Engine, rid: str, ended: _Ended) -> None:
-    if not ended.value:
-        ended.value = True
-        engine.abort(rid)
-
-
-def stream_events(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink,
-                  single_event: bool, clock: AnswerClock | None = None,
-                  item: WorkItem | None = None, extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
-    request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
-    cancelled between returning the response and its first iteration), when the generator object goes."""
-    ended = _Ended()
-    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item, extras)
-    weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
-    return gen
-
-
-async def _stream(engine: Engine, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
-                  ended: _Ended, clock: AnswerClock | None, item: WorkItem | None = None,
-                  extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
-    prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
-    first = True
-    ids: list[int] | None = [] if shape.token_ids else None  # the tokens of the next chunk's text
-    try:
-        if shape.kind is RequestKind.CHAT and shape.role_chunk:
-            yield shape.chunk(None, None, role=True)
-        async for ev in _events(sink, single_event):
-            if isinstance(ev, ErrorEvent):
-                ended.value = True
-                # the status as an integer `code`, as vLLM does: the proxy answers with it (a 504 stays 504)
-                yield sse(error_body(ev))
-                yield SSE_DONE
-                return
-            prompt_tokens, completion_tokens, cached = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
-            text, logprobs = ev.text, None
-            if extras is not None:
-                text = extras.first_text(text) if first else text
-                logprobs = extras.event_logprobs(ev.completion_tokens, ev.logprobs)
-            first = False
-            if ids is not None:
-                ids.extend(ev.token_ids)
-            if extras is not None and extras.tools is not None:  # content and tool calls (a colocated answer)
-                tools = extras.tools
-                ending = ev.finish_reason is not None
-                for delta in tools.delta(text) + (tools.finish() if ending else []):
-                    yield shape.chunk(None, None, delta=delta)
-                if ending:
-                    yield shape.chunk(None, tools.finish_reason(ev.finish_reason), stop_reason=_stop_reason(item))
-                continue
-            if text or ev.finish_reason is not None or logprobs is not None:
-                if clock is not None and text:
-                    clock.chunk()
-                yield shape.chunk(text, ev.finish_reason,
-                                  stop_reason=_stop_reason(item) if ev.finish_reason is not None else None,
-                                  logprobs=logprobs, ids=ids)
-                if ids is not None:
-                    ids = []
-        ended.value = True
-        if shape.include_usage:
-            yield shape.usage(prompt_tokens, completion_tokens, cached)
-        if clock is not None and clock.wanted:
-            yield clock.comment()
-        yield SSE_DONE
-    finally:
-        _abort_unless_ended(engine, rid, ended)  # the client went away: drop the request everywhere
