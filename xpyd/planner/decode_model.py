@@ -76,6 +76,7 @@ class DecodeWorker:
         self.version = 0  # bumped when the planned segment end moves
         self._times = np.empty(0)  # the planned segment's step seconds
         self._ends = np.empty(0)  # ... and when each step ends
+        self._start = 0.0  # when the planned segment begins
         self._steps = 0  # steps of the segment that will run (<= len(_ends))
         self.gaps: list[tuple[np.ndarray, int]] = []  # (gaps, how many requests had each)
         self.first_gaps: list[float] = []  # one per request and segment: the gap before its segment's first step
@@ -92,6 +93,8 @@ class DecodeWorker:
             return self._plan(now)
         if len(self.running) >= self.batch:
             return None
+        if now <= self._start:  # the segment has not begun: plan it again with this request in
+            return self._plan(self._start)
         cut = int(np.searchsorted(self._ends[: self._steps], now, side="left")) + 1
         if cut >= self._steps:
             return None
@@ -129,6 +132,7 @@ class DecodeWorker:
         contexts = sum(r.context for r in self.running) + b * np.arange(k, dtype=np.float64)
         self._times = self.steps.at(b, contexts)
         self._ends = now + np.cumsum(self._times)
+        self._start = now
         self._steps = k
         self.version += 1
         return float(self._ends[-1])

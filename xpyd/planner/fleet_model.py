@@ -99,6 +99,8 @@ class FleetResult:
     itl_p90_s: float
     cached_tokens: int  # prompt tokens reused from the prefill workers' prefix caches
     input_tokens: int
+    prefill_worker: np.ndarray  # int: the prefill worker of each request
+    decode_worker: np.ndarray  # int: ... and its decode worker
 
     @property
     def attainment(self) -> float:
@@ -138,6 +140,7 @@ def simulate(profile: SimProfile, workload: Workload, config: FleetConfig, slo: 
     last_token = np.zeros(n)
     max_gap = np.full(n, np.nan)
     to_decode = [0] * n
+    to_prefill = [0] * n
     cached_total = 0
     events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, subject, version)
     seq = 0
@@ -154,6 +157,7 @@ def simulate(profile: SimProfile, workload: Workload, config: FleetConfig, slo: 
         if kind == _ARRIVE:
             r = reqs[subject]
             w, reused = _pick_prefill(prefill, r.hash_ids, r.input_tokens, bs, config.prefill_batch)
+            to_prefill[subject] = w
             reused = min(reused, r.input_tokens - 1)  # the last prompt token is always computed
             cached_total += reused
             worker = prefill[w]
@@ -202,7 +206,8 @@ def simulate(profile: SimProfile, workload: Workload, config: FleetConfig, slo: 
     met = _met(slo, ttft, mean_itl, max_gap, e2e)
     p50, p90 = _gap_percentiles(decode, (50, 90))
     return FleetResult(config, ttft, mean_itl, max_gap, e2e, met, float(last_token.max() - arrival.min()),
-                       p50, p90, cached_total, sum(r.input_tokens for r in reqs))
+                       p50, p90, cached_total, sum(r.input_tokens for r in reqs), np.array(to_prefill),
+                       np.array(to_decode))
 
 
 def _pick_prefill(workers: list[PrefillWorker], hash_ids: tuple[int, ...], input_tokens: int, block_size: int,

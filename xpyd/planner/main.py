@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="8,16,32", metavar="B,B,...",
                    help="decode batch sizes to try (default %(default)s)")
     p.add_argument("--all", action="store_true",
-                   help="try every total up to --max-workers, not only up to the first that meets the SLO")
+                   help="model every configuration up to --max-workers (default: stop after the fewest workers that "
+                        "meet the SLO, and skip the prefill counts whose TTFT alone misses it)")
     d = FleetConfig(1, 1)
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
                    help="prompt tokens per prefill step, as the workers' --prefill-chunk (default %(default)s)")

@@ -6,7 +6,8 @@ never cheaper (``exhaustive`` tries every total up to ``max_workers`` anyway). A
 answer is the one with the fewest workers, then the highest goodput, then the fewest prefill workers.
 
 A request's TTFT does not depend on the decode side in the fleet model, so once x prefill workers alone miss the
-attainment on TTFT, every configuration with x prefill workers is skipped (listed with that reason).
+attainment on TTFT, every configuration with x prefill workers is skipped (listed with that reason), unless
+the sweep is ``exhaustive``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class SearchConfig:
     max_workers: int = 8
     batch_sizes: tuple[int, ...] = (8, 16, 32)
     base: FleetConfig = field(default_factory=lambda: FleetConfig(1, 1))  # everything but the split and batch
-    exhaustive: bool = False  # try every total up to max_workers, not only up to the first that meets the SLO
+    exhaustive: bool = False  # model every configuration up to max_workers: no early stop, nothing skipped
 
     def __post_init__(self) -> None:
         if isinstance(self.max_workers, bool) or not isinstance(self.max_workers, int) or self.max_workers < 2:
@@ -84,7 +85,7 @@ def search(profile: SimProfile, workload: Workload, slo: PlanSLO, config: Search
         for x in range(1, total):
             for b in config.batch_sizes:
                 fleet = replace(config.base, prefill_workers=x, decode_workers=total - x, decode_batch=b)
-                if x in ttft_short:
+                if x in ttft_short and not config.exhaustive:
                     attempt = Attempt(fleet, None, False, f"TTFT alone met by {ttft_short[x]:.1%} with {x} "
                                                           f"prefill workers")
                 else:
