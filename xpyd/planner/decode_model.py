@@ -86,8 +86,9 @@ class DecodeWorker:
         return self._steps == 0
 
     def arrive(self, index: int, now: float, first_token_s: float, context: int, tokens: int) -> float | None:
-        """A request's KV is here at ``now`` (its first token came at ``first_token_s``): it waits for room. When the segment end to wait for moves (an idle
-        worker starts one, a running segment is cut to let it in) returns that end, else None."""
+        """A request's KV is here at ``now`` (its first token came at ``first_token_s``): it waits for room.
+        When the segment end to wait for moves (an idle worker starts one; one not begun is planned again with
+        it; a running one is cut to let it in), returns that end, else None."""
         self.waiting.append(Running(index, tokens, context, first_token_s))
         if self.idle:
             return self._plan(now)
