@@ -1,11 +1,14 @@
 """A piece of a Mooncake-format trace scaled down for a small model: `xpyd plan` against the sim cluster.
 
-    python scripts/scale_trace.py IN.jsonl OUT.jsonl --requests 40 --divide 16 --output-divide 8 --max-len 2000
+    python scripts/scale_trace.py IN.jsonl OUT.jsonl --requests 40 --divide 16 --output-divide 8 --max-len 2000 \
+        [--poisson-rate R --seed S]
 
 Takes the first requests of IN (in timestamp order) whose scaled prompt + output fit --max-len, and writes them
 with input_length / --divide and output_length / --output-divide (rounded up), timestamps unchanged. The hash
 ids stay as they are: each now names a block of 512 / --divide tokens (replay with --trace-block-size 32 for
---divide 16), so the requests share the same prefixes, in fewer tokens.
+--divide 16), so the requests share the same prefixes, in fewer tokens. --poisson-rate R replaces the
+timestamps (the release's come in 3-second steps, ten requests at a time) with Poisson arrivals at R requests
+per second of trace time.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 
 from xpyd.bench.trace import MOONCAKE_BLOCK_SIZE, load_trace
@@ -26,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--divide", type=int, default=16, help="input tokens and block size divided by this")
     p.add_argument("--output-divide", type=int, default=8)
     p.add_argument("--max-len", type=int, default=2000, help="scaled prompt + output tokens at most")
+    p.add_argument("--poisson-rate", type=float, default=None, metavar="R",
+                   help="Poisson arrivals at R requests/s instead of the trace's timestamps")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if MOONCAKE_BLOCK_SIZE % args.divide:
         print(f"--divide must divide {MOONCAKE_BLOCK_SIZE}", file=sys.stderr)
@@ -39,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                          "hash_ids": list(r.hash_ids)})
         if len(kept) == args.requests:
             break
+    if args.poisson_rate is not None:
+        rng, t = random.Random(args.seed), 0.0
+        for k in kept:
+            k["timestamp"] = round(t * 1000.0, 3)
+            t += rng.expovariate(args.poisson_rate)
     with open(args.out, "w") as f:
         f.writelines(json.dumps(k) + "\n" for k in kept)
     print(f"{len(kept)} requests, block size {MOONCAKE_BLOCK_SIZE // args.divide}, span "
