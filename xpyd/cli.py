@@ -1,4 +1,4 @@
-"""The `xpyd` command: up | proxy | prefill | decode | colocated | bench | status.
+"""The `xpyd` command: up | proxy | prefill | decode | colocated | bench | plan | status.
 
 The top of the import graph. Each command's package is imported only when that command runs, so
 `xpyd proxy` or `xpyd bench` never import torch, and `--help` answers at once. `xpyd bench calibrate`
@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (or: xpyd bench transfer | "
                                      "calibrate)", epilog=CALIBRATE_EPILOG)
     bench_main.add_arguments(p)
+    from xpyd.planner import main as plan_main
+
+    p = sub.add_parser("plan", help="the offline SLO planner: the prefill:decode split and batch for a workload",
+                       description="Model a P/D fleet on a trace with a timing profile and find the prefill:decode "
+                                   "split and decode batch that meet the SLO at the least workers, with the "
+                                   "predicted goodput.")
+    plan_main.add_arguments(p)
     p = sub.add_parser("status", help="list the workers registered in etcd",
                        description="Print the workers registered under /workers/ in etcd.")
     p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="the cluster's etcd")
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             from xpyd.bench import main as bench_main
 
             return bench_main.run(args)
+        if args.command == "plan":
+            from xpyd.planner import main as plan_main
+
+            return plan_main.run(args)
         if args.command == "status":
             from xpyd.discovery import status
 

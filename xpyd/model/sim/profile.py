@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROFILE", "FORMAT", "SimProfile", "Table", "default_profile"]
+__all__ = ["DEFAULT_PROFILE", "FORMAT", "SimProfile", "Table", "default_profile", "shipped_profile", "shipped_profiles"]
 
 FORMAT = "xpyd-sim-profile/1"
 DEFAULT_PROFILE = "smollm2-135m-instruct-float32.json"  # in xpyd/model/sim/profiles/
@@ -159,5 +159,18 @@ class SimProfile:
 def default_profile() -> SimProfile:
     """The built-in profile (measured with `xpyd bench calibrate` for the default model; its metadata says
     on which machine)."""
-    text = resources.files("xpyd.model.sim").joinpath("profiles", DEFAULT_PROFILE).read_text()
+    return shipped_profile(DEFAULT_PROFILE.removesuffix(".json"))
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the profiles that ship in xpyd/model/sim/profiles/ (their file names less ``.json``)."""
+    folder = resources.files("xpyd.model.sim").joinpath("profiles")
+    return sorted(f.name.removesuffix(".json") for f in folder.iterdir() if f.name.endswith(".json"))
+
+
+def shipped_profile(name: str) -> SimProfile:
+    """The shipped profile ``name`` (see `shipped_profiles`); ValueError listing them for another name."""
+    if name not in shipped_profiles():
+        raise ValueError(f"no shipped profile {name!r} (shipped: {', '.join(shipped_profiles())})")
+    text = resources.files("xpyd.model.sim").joinpath("profiles", f"{name}.json").read_text()
     return SimProfile.from_dict(json.loads(text))
