@@ -150,8 +150,11 @@ def _tree_cpu(pid: int) -> float:
 
 
 def stop(up: subprocess.Popen) -> None:
-    """SIGTERM `xpyd up`'s process group, wait (SIGKILL after 120 s)."""
-    os.killpg(up.pid, signal.SIGTERM)
+    """SIGTERM `xpyd up`'s process group, wait (SIGKILL after 120 s); nothing if it is gone."""
+    try:
+        os.killpg(up.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
     try:
         up.wait(120)
     except subprocess.TimeoutExpired:
