@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--after", type=float, default=120.0, help="kill at the latest this long into the round")
     ap.add_argument("--model-engine", choices=("sim", "real"), default="sim")
     ap.add_argument("--speedup", default="1", help="sim: --sim-speedup")
+    ap.add_argument("--kv-token-bytes", type=int, default=2048,
+                    help="sim: --sim-kv-token-bytes (the model's own size makes 64 workers' pools outgrow the memory)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--prompt-words", type=int, default=60)
     ap.add_argument("--output-len", type=int, default=128)
@@ -134,13 +136,14 @@ def main() -> int:
     x, y = args.prefill, args.decode
     work = Path(tempfile.mkdtemp(prefix="xpyd-migration-"))
     log = work / "up.log"
-    engine = (["--engine", "sim", "--sim-speedup", args.speedup] if args.model_engine == "sim"
-              else ["--dtype", args.dtype])
+    engine = (["--engine", "sim", "--sim-speedup", args.speedup, "--sim-kv-token-bytes", str(args.kv_token_bytes)]
+              if args.model_engine == "sim" else ["--dtype", args.dtype])
     cmd, url = up_command(x, y, args.streams, *engine, "--batch-size", str(args.batch_size), "--expose-worker-names")
     env = {**os.environ, "XPYD_CLUSTER_TOKEN": secrets.token_hex(16)}
     body = {"model": "m", "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
     result: dict = {k: getattr(args, k) for k in ("prefill", "decode", "streams", "kill", "kill_after", "model_engine",
-                                                  "speedup", "batch_size", "prompt_words", "output_len")}
+                                                  "speedup", "kv_token_bytes", "batch_size", "prompt_words",
+                                                  "output_len")}
     started = time.monotonic()
     up = start_up(cmd, log, env, timeout=900)
     try:
