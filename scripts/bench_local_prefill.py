@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,21 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-def _free_base(n: int) -> int:
-    for base in range(23000, 30000, 10):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_sim import _free_run  # noqa: E402  (a script beside this one)
 
 
 def _paths(port: int) -> dict[str, int]:
@@ -98,7 +84,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    base = _free_base(30)
+    base = _free_run(30, 23000)
     ports = {"remote (0)": base + 5, "conditional": base}
     up_log, proxy_log = args.out / "up.log", args.out / "proxy-remote.log"
     runs: dict[str, dict[int, list[dict]]] = {name: {n: [] for n in args.input_lens} for name in ports}

@@ -16,30 +16,15 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_sim import _free_run  # noqa: E402  (a script beside this one)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_base(n: int) -> int:
-    for base in range(23000, 30000, 10):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def main() -> int:
@@ -52,7 +37,7 @@ def main() -> int:
     ap.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    base = _free_base(30)
+    base = _free_run(30, 23000)
     port = base
     log_path = args.out / "up.log"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
