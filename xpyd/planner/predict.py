@@ -70,8 +70,8 @@ class Predictor:
         if self._last is None:
             self._rate = rate
         else:
-            rise = rate - self._last
-            self._trend = 0.0 if rise < 0 else c.trend_alpha * rise + (1 - c.trend_alpha) * self._trend  # a fall ends a ramp
+            rise = rate - self._last  # a fall ends a ramp
+            self._trend = 0.0 if rise < 0 else c.trend_alpha * rise + (1 - c.trend_alpha) * self._trend
             self._rate = c.alpha * rate + (1 - c.alpha) * self._rate
         self._last = rate
         if interval.lengths_measured or self._input is None:
