@@ -13,8 +13,15 @@ One module per job:
 - ``search``: the sweep over prefill:decode splits and batch sizes, and the cheapest that meets the SLO;
 - ``main``: the CLI (``add_arguments`` / ``run``), its table and JSON.
 
-The fleet model takes requests and returns latencies for one configuration, so an online planner can feed it
-the load it predicts for the next interval.
+The online planner (docs/planner.md, "Online planner") reuses the fleet model on the load it forecasts:
+
+- ``observe``: one interval of a running cluster (arrivals/s, mean lengths, TTFT/ITL quantiles, queue) from two
+  scrapes of the proxy's and the workers' Prometheus text;
+- ``predict``: the next interval's load (rate EWMA, last rate plus trend, backlog);
+- ``online_model``: how x prefill + y decode workers would do under a forecast (``FleetModel``; the real one
+  runs ``fleet_model`` on a synthetic workload);
+- ``controller``: start or drain a worker of a role, with hysteresis, a dwell time and ``max_workers``, each
+  decision with its reason.
 
 May import: numpy, the simulated engine's profile (`xpyd.model.sim.profile`) and the trace reader
 (`xpyd.bench.trace`); no worker, proxy or network code.
