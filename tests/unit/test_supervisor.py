@@ -106,3 +106,18 @@ def test_describe_exit_and_policy_checks():
         RestartPolicy(backoff=5, max_backoff=1)
     with pytest.raises(ValueError):
         RestartPolicy(max_fast_crashes=0)
+
+
+def test_a_drained_worker_gets_sigterm_is_not_restarted_and_is_forgotten_once_it_exits():
+    sup, said = _supervisor(backoff=0.05)
+    child = sup.spawn("decode 1", ["30", "0"])  # (SIGTERM ends it: a worker finishes its work, then exits)
+    other = sup.spawn("decode 0", ["30", "0"])
+    try:
+        sup.drain("decode 1")
+        assert child.state is ChildState.DRAINING and "decode 1" not in sup.dead()
+        _check_until(sup, lambda: "decode 1" not in sup.children)
+        assert child.proc.returncode == -signal.SIGTERM and child.restarts == 0
+        assert any(s.startswith("decode 1 drained (killed by SIGTERM)") for s in said)
+        assert other.state is ChildState.RUNNING and list(sup.children) == ["decode 0"]
+    finally:
+        sup.stop()

@@ -5,7 +5,11 @@ command line after a back-off that doubles from ``backoff`` up to ``max_backoff`
 soon after each start (``max_fast_crashes`` times in a row, each within ``fast_crash`` seconds of its
 start) is given up on, and so is a child started with ``restart=False`` (the proxy) the first time it
 exits: `check` raises `GiveUp` and the caller stops the cluster. Every child runs in its own session and
-dies with this process (``die_with_parent``), so nothing outlives `xpyd up`.
+dies with this process (``die_with_parent``), so nothing outlives `xpyd up`. A child the caller ``drain``s (the
+planner scaling a role down) gets SIGTERM, finishes its work as a worker does on SIGTERM, and is forgotten when
+it exits: never restarted.
+
+    RUNNING -> BACKOFF (exited) -> RUNNING (restarted) ...;  RUNNING | BACKOFF -> DRAINING -> gone;  any -> STOPPED
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class RestartPolicy:
 class ChildState(str, Enum):
     RUNNING = "running"
     BACKOFF = "backoff"  # exited; waiting to be started again
+    DRAINING = "draining"  # told to stop (SIGTERM): finishing its work; forgotten once it exits
     STOPPED = "stopped"
 
 
@@ -84,13 +89,28 @@ class Supervisor:
         return child
 
     def dead(self) -> list[str]:
-        """Children that are not running now (exited and not restarted yet)."""
-        return [c.name for c in self.children.values() if c.proc is None or c.proc.poll() is not None]
+        """Children that are not running now (exited and not restarted yet; not those draining)."""
+        return [c.name for c in self.children.values()
+                if c.state is not ChildState.DRAINING and (c.proc is None or c.proc.poll() is not None)]
+
+    def drain(self, name: str) -> None:
+        """Ask child ``name`` to stop (SIGTERM) and let it finish; it is not restarted, and is forgotten once it
+        has exited (``check``)."""
+        child = self.children[name]
+        if child.state is ChildState.RUNNING and child.proc is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        child.state = ChildState.DRAINING
+        self._say(f"{name} draining (SIGTERM: it finishes its requests, then exits)")
 
     def check(self, now: float | None = None) -> None:
         """Notice exits, restart what is due; `GiveUp` when the cluster cannot go on."""
         now = time.monotonic() if now is None else now
-        for child in self.children.values():
+        for child in list(self.children.values()):
+            if child.state is ChildState.DRAINING:
+                if child.proc is None or child.proc.poll() is not None:
+                    del self.children[child.name]
+                    self._say(f"{child.name} drained ({describe_exit(child.proc.returncode) if child.proc else 'never started'})")
+                continue
             if child.state is ChildState.RUNNING and child.proc.poll() is not None:
                 self._exited(child, now)
             if child.state is ChildState.BACKOFF and now >= child.next_start:

@@ -18,9 +18,11 @@ import time
 import urllib.request
 
 from xpyd.discovery.local_etcd import LocalEtcd
+from xpyd.launcher.planner_loop import add_planner_options, planner_from_args
 from xpyd.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
+from xpyd.planner.slo import PlanSLO
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.prefill_path import DEFAULT_MAX_TOKENS as DEFAULT_LOCAL_PREFILL
 from xpyd.proxy.routing import Policy
@@ -79,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "see docs/devices.md)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     _add_worker_options(p)
+    add_planner_options(p)
     # --- proxy routing and admission (passed to `xpyd proxy`; see its --help) ---
     p.add_argument("--policy", choices=[policy.value for policy in Policy], default=None,
                    help="proxy: how workers are chosen (default: cache_aware with --prefill/--decode, "
@@ -250,6 +253,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _metrics(url: str, args: argparse.Namespace) -> str:
+    """The proxy's Prometheus text (with its API key, if one is set)."""
+    key = args.api_key or os.environ.get("XPYD_API_KEY")
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()
+
+
 def _wait_ready(cluster: Supervisor, urls: dict[str, str], deadline: float, stopping) -> None:
     pending = dict(urls)
     while pending:
@@ -278,6 +289,14 @@ def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
         if args.policy is not None:
             raise ValueError("--policy chooses between P/D workers; the colocated baseline has one worker")
         return False, 0, 1
+    if args.planner and not dynamic:
+        raise ValueError("--planner moves workers through etcd: give --prefill X --decode Y")
+    if args.planner:
+        if args.slo is None:
+            raise ValueError("--planner needs --slo (e.g. ttft=2s,itl=200ms)")
+        PlanSLO.parse(args.slo)  # (named in its error)
+    if args.planner and (args.prefill or 1) + (args.decode or 1) > args.max_workers:
+        raise ValueError(f"--prefill + --decode is more than --max-workers {args.max_workers}")
     x, y = args.prefill or 1, args.decode or 1
     if not (1 <= x <= MAX_WORKERS and 1 <= y <= MAX_WORKERS):  # (each takes two ports of its role's range)
         raise ValueError(f"--prefill and --decode must be between 1 and {MAX_WORKERS}")
@@ -341,17 +360,25 @@ def run(args: argparse.Namespace) -> int:
             endpoint = etcd.start()
             discovery = ["--etcd", endpoint]
         worker_urls = {}
-        for i, p in enumerate(prefill_ports):
-            cluster.spawn(f"prefill {i}", ["prefill", *common, *prefill_args, *worker_options(args, "prefill"),
-                                           *discovery, "--port", str(p),
-                                           "--signal-port", str(p + 1)], child_env(args))
-            worker_urls[f"prefill {i}"] = http_url(host, p)
-        for j, p in enumerate(decode_ports):
-            extra = [] if args.colocated else ["--kv-port", str(p + 1),
-                                               "--kv-backend", args.kv_backend]
-            cluster.spawn(f"{role} {j}", [role, *common, *decode_args, *worker_options(args, role), *discovery,
-                                          "--port", str(p), *extra], child_env(args))
-            worker_urls[f"{role} {j}"] = http_url(host, p)
+
+        def spawn_worker(kind: str, i: int) -> str:
+            """Worker ``i`` of role ``kind`` on its role's i-th port pair; its name."""
+            if kind == "prefill":
+                p = args.prefill_port + 2 * i
+                argv = ["prefill", *common, *prefill_args, *worker_options(args, "prefill"), *discovery,
+                        "--port", str(p), "--signal-port", str(p + 1)]
+            else:
+                p = args.decode_port + 2 * i
+                extra = [] if args.colocated else ["--kv-port", str(p + 1), "--kv-backend", args.kv_backend]
+                argv = [kind, *common, *decode_args, *worker_options(args, kind), *discovery, "--port", str(p), *extra]
+            cluster.spawn(f"{kind} {i}", argv, child_env(args))
+            worker_urls[f"{kind} {i}"] = http_url(host, p)
+            return f"{kind} {i}"
+
+        for i in range(x):
+            spawn_worker("prefill", i)
+        for j in range(y):
+            spawn_worker(role, j)
         deadline = time.monotonic() + args.startup_timeout
         _wait_ready(cluster, worker_urls, deadline, lambda: stop_requested)
         if dynamic:
@@ -374,9 +401,19 @@ def run(args: argparse.Namespace) -> int:
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n"
               + (f"  xpyd status --etcd {discovery[1]}\n" if dynamic else "")
               + "Press Ctrl-C to stop.\n", flush=True)
+        planner = None
+        if args.planner:
+            def port_free(kind, i: int) -> bool:
+                base = args.prefill_port if kind.value == "prefill" else args.decode_port
+                return _port_free(host, base + 2 * i) and _port_free(host, base + 2 * i + 1)
+
+            planner = planner_from_args(args, cluster, spawn_worker, x, y, lambda: {"proxy": _metrics(proxy_url, args)},
+                                        port_free, lambda line: print(f"xpyd up: {line}", file=sys.stderr, flush=True))
         while not stop_requested:  # workers that exit are restarted; the proxy or etcd exiting stops us
             try:
                 cluster.check()
+                if planner is not None:
+                    planner.tick(time.monotonic())
             except GiveUp as e:
                 print(f"xpyd up: {e}; stopping the cluster", file=sys.stderr)
                 return 1
