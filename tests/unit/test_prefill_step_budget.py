@@ -87,12 +87,12 @@ def test_a_step_computes_a_token_at_least_however_long_the_prefix():
 def test_until_the_cost_is_learned_steps_are_budgeted_in_tokens():
     cost = StepCost()
     sched, kv = scheduler(cost, batch_size=2)
-    sched.add(seq("long", 120))
+    sched.add(seq("long", 200))
     for i in range(MIN_STEPS):
         got = step(sched)
         assert got == [("long", 16 * i, 16 * (i + 1))]
         cost.observe([(16 * i, 16)], float(pairs(16 * i, 16)))  # as the engine does: its chunks, its seconds
     assert cost.known and abs(cost.step_seconds([(96, 16)]) - pairs(96, 16)) < 0.01 * pairs(96, 16)
-    (got,) = step(sched)  # now sized by time: after 64 tokens, far fewer than 16 fit
-    assert got[:2] == ("long", 64) and got[2] - got[1] < 4
+    (got,) = step(sched)  # now sized by time: after 128 tokens, far fewer than 16 fit
+    assert got[:2] == ("long", 16 * MIN_STEPS) and got[2] - got[1] < 4
     finish(sched, kv)

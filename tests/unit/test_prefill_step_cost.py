@@ -77,3 +77,16 @@ def test_bad_values_are_refused():
         StepCost(decay=0.0)
     with pytest.raises(ValueError):
         StepCost().observe([(0, 1)], float("nan"))
+
+
+def test_a_stall_moves_the_fit_a_little_only():
+    true = Coefficients(overhead=0.01, per_token=5e-4, per_pair=8e-7)
+    cost = StepCost()
+    shapes = [[(0, 128)], [(0, 512)], [(512, 512)], [(1024, 512)], [(1536, 364)], [(0, 128), (0, 128)]]
+    for i in range(60):
+        chunks = shapes[i % len(shapes)]
+        cost.observe(chunks, true.overhead + sum(true.chunk_seconds(s, n) for s, n in chunks))
+    before = cost.step_seconds([(1024, 512)])
+    cost.observe([(0, 128)], 5.0)  # another process held the cores: 70 times the usual
+    assert cost.step_seconds([(1024, 512)]) == pytest.approx(before, rel=0.05)
+    assert cost.step_seconds([(0, 128)]) < 1.5 * (true.overhead + true.chunk_seconds(0, 128))
