@@ -96,3 +96,18 @@ def test_until_the_cost_is_learned_steps_are_budgeted_in_tokens():
     (got,) = step(sched)  # now sized by time: after 128 tokens, far fewer than 16 fit
     assert got[:2] == ("long", 16 * MIN_STEPS) and got[2] - got[1] < 4
     finish(sched, kv)
+
+
+def test_a_streamed_prompt_cut_at_its_last_part_does_not_join_a_step_with_first_tokens():
+    sched, kv = scheduler(StepCost())  # (tokens alone)
+    long = seq("long", 40)
+    sched.add(long)
+    assert step(sched) == [("long", 0, 16)]
+    long.split_at = 36  # (its pull: the last KV part starts at 36)
+    assert step(sched) == [("long", 16, 32)]
+    sched.add(seq("s1", 3))
+    # long's remaining 8 tokens would fit after s1, but the chunk stops at 36 and would not end the prompt
+    assert step(sched) == [("s1", 0, 3)]
+    assert step(sched) == [("long", 32, 36)]
+    assert step(sched) == [("long", 36, 40)]
+    finish(sched, kv)

@@ -227,15 +227,15 @@ class PrefillScheduler:
                 seq.starved += 1
                 continue
             want = min(budget, seq.remaining)
-            n = want if seconds is None else self.cost.coefficients.tokens_within(seq.computed, seconds)
-            n = min(n, want) or (0 if steps else 1)  # (a step computes at least one token)
+            fits = want if seconds is None else min(want, self.cost.coefficients.tokens_within(seq.computed, seconds))
+            n = self._cut(seq, fits or (0 if steps else 1))  # (a step computes a token at least)
             if n == 0 or (first and n < seq.remaining and seq.starved < aged):
                 seq.starved += 1
                 continue
             steps.append(self._take(seq, n))
             first = first or (waiting and steps[-1].last)
             taken = steps[-1].end - steps[-1].start
-            budget = budget - taken if n == want else 0  # (cut short by the step's time: the step is full)
+            budget = budget - taken if fits == want else 0  # (cut short by the step's time: the step is full)
             if seconds is not None:
                 seconds -= self.cost.coefficients.chunk_seconds(steps[-1].start, taken)
         return steps
@@ -360,9 +360,14 @@ class PrefillScheduler:
         self._running[seq.request_id] = seq
         return True
 
+    @staticmethod
+    def _cut(seq: PrefillSeq, n: int) -> int:
+        """``n`` tokens, or fewer if they would cross ``split_at`` (its last chunk computes only what its last
+        KV part holds)."""
+        return seq.split_at - seq.computed if seq.computed < seq.split_at < seq.computed + n else n
+
     def _take(self, seq: PrefillSeq, n: int) -> Chunk:
-        if seq.computed < seq.split_at < seq.computed + n:
-            n = seq.split_at - seq.computed  # (its last chunk computes only what its last KV part holds)
+        n = self._cut(seq, n)
         seq.in_step = True
         seq.starved = 0
         return Chunk(seq, seq.computed, seq.computed + n)

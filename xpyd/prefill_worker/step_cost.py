@@ -6,8 +6,9 @@ A step's seconds ~ ``overhead + per_token * tokens + per_pair * pairs``, where `
 a 512-token chunk after 1,024 tokens takes twice what the prompt's first 512 do); on a GPU the overhead
 does. The coefficients are a least-squares fit over the steps seen, recent ones weighted more (``decay``
 per step), each kept >= 0. Once known, a step counts as at most ``SLOWER`` times what the fit expected of
-it (and at least 1/SLOWER): a stall (another process took the cores) moves the fit a little, a lasting
-change moves it step by step. Until ``MIN_STEPS`` steps are seen nothing is known (``known`` is False) and
+it, and at least 1/``FASTER``: another process on the cores only ever slows a step, by however much, so the
+fit follows the steps that ran unhindered (what the scheduler needs is how the costs of steps compare, which
+a slowdown of every step leaves as it is), and a lasting change still moves it step by step. Until ``MIN_STEPS`` steps are seen nothing is known (``known`` is False) and
 the scheduler budgets tokens alone.
 """
 
@@ -20,7 +21,7 @@ from typing import Sequence
 
 MIN_STEPS = 8  # steps seen before the fit is used
 DECAY = 0.97  # weight of a step seen one step earlier
-SLOWER = 1.5  # a step counts as at most this many times what the fit expected of it (at least 1/SLOWER)
+SLOWER, FASTER = 1.1, 4.0  # a step counts as at most 1.1 times what the fit expected of it, at least 1/4
 # Features are scaled so the normal equations stay well conditioned: tokens in thousands, pairs in millions.
 _TOKENS, _PAIRS = 1e3, 1e6
 _RIDGE = 1e-9  # (relative to the fit's weight: keeps a direction no step has shown yet at zero, not undefined)
@@ -87,7 +88,7 @@ class StepCost:
             raise ValueError(f"a step's seconds must be finite and >= 0, not {seconds}")
         if self.coefficients is not None:  # (a stall, e.g. another process on the cores, moves the fit a step)
             expected = self.step_seconds(chunks)
-            seconds = min(max(seconds, expected / SLOWER), expected * SLOWER)
+            seconds = min(max(seconds, expected / FASTER), expected * SLOWER)
         x = (1.0, sum(n for _, n in chunks) / _TOKENS, sum(pairs(s, n) for s, n in chunks) / _PAIRS)
         for i in range(3):
             self._xty[i] = self.decay * self._xty[i] + x[i] * seconds
