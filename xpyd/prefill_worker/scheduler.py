@@ -18,8 +18,8 @@ runs much longer than the first, and a prompt that arrives waits for at most one
 taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones and
 several share one forward pass. A step that computes a new prompt whole (its first token comes from it) is
 topped up only with chunks that end their prompts: a long prompt does not lengthen it, and continues in the
-next step from its own KV (measured: topping such a step up with the long prompt made a short prompt's TTFT
-p99 two steps, not one step and its own tokens; docs/benchmarks.md "Chunked prefill"). A prompt whose KV
+next step from its own KV (a short prompt behind a long one waits for one step, then its own tokens:
+docs/benchmarks.md "Mixed steps sized by a learned step cost"). A prompt whose KV
 streams to its decode worker ends with a chunk of just its last KV part (``split_at``): what is left to
 move once the prompt is computed is that part alone.
 Aging: a request that could have run but got no token for ``age_steps`` steps in a
