@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PY = str(ROOT / ".venv" / "bin" / "python")
+PY = sys.executable  # (the venv running this script: its workers import xpyd as it does)
 
 
 def get_json(url: str) -> dict:
@@ -84,7 +84,8 @@ def run_one(chunk: int, args: argparse.Namespace, tokenizer: str) -> dict:
                 "short_completed": s["completed"], "long_ttft_p50_ms": l["ttft_ms"]["p50"],
                 "long_completed": l["completed"], "prefill_tokens": tokens, "seconds": round(elapsed, 1),
                 "prefill_tokens_per_s": round(tokens / elapsed, 1),
-                "steps": after["prefill_steps"] - before["prefill_steps"]}
+                "steps": after["prefill_steps"] - before["prefill_steps"],
+                "step_cost": after.get("prefill_step_cost")}
     finally:
         up.send_signal(signal.SIGINT)
         try:

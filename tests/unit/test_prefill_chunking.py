@@ -46,17 +46,48 @@ def test_a_long_prompt_runs_in_chunks_continuing_from_its_own_kv():
     assert step(sched) == [] and sched.queued_tokens() == 0
 
 
-def test_short_prompts_overtake_a_long_one_and_share_a_step():
+def test_short_prompts_overtake_a_long_one_and_share_a_step_without_it():
     sched = PrefillScheduler(batch_size=8, kv=kv_cache(64, block_size=4), chunk=16)
     sched.add(seq("long", 48))
     assert step(sched) == [("long", 0, 16)]
     sched.add(seq("s1", 5))
     sched.add(seq("s2", 6))
-    # the short prompts first (shortest first), whole, in one forward; the long one gets what is left
-    assert step(sched) == [("s1", 0, 5), ("s2", 0, 6), ("long", 16, 21)]
+    # the short prompts first (shortest first), whole, in one forward; the long one is not continued in a
+    # step that starts prompts (their first token comes after their own tokens alone)
+    assert step(sched) == [("s1", 0, 5), ("s2", 0, 6)]
     assert [sched.get(r).state for r in ("s1", "s2")] == [S.TRANSFERRING, S.TRANSFERRING]
-    assert step(sched) == [("long", 21, 37)]
-    assert step(sched) == [("long", 37, 48)]
+    assert step(sched) == [("long", 16, 32)]
+    assert step(sched) == [("long", 32, 48)]
+
+
+def test_a_running_prompt_that_ends_in_the_step_joins_the_new_prompts():
+    sched = PrefillScheduler(batch_size=8, kv=kv_cache(64, block_size=4), chunk=16)
+    sched.add(seq("long", 44))
+    assert step(sched) == [("long", 0, 16)]
+    assert step(sched) == [("long", 16, 32)]
+    sched.add(seq("s1", 3))
+    sched.add(seq("s2", 14))
+    # s1 starts the step; long's last 12 tokens fit after it (its prompt ends: its first token); s2 waits
+    assert step(sched) == [("s1", 0, 3), ("long", 32, 44)]
+    assert step(sched) == [("s2", 0, 14)]
+    assert not sched.running() and sched.num_transferring == 3
+
+
+def test_an_aged_running_prompt_is_continued_in_a_step_that_starts_new_ones():
+    sched = PrefillScheduler(batch_size=8, kv=kv_cache(128, block_size=4), chunk=8, age_steps=2)
+    sched.add(seq("long", 40))
+    assert step(sched) == [("long", 0, 8)]
+    sched.add(seq("s1", 4))
+    sched.add(seq("s2", 4))
+    assert step(sched) == [("s1", 0, 4), ("s2", 0, 4)]  # long: no token (1)
+    sched.add(seq("s3", 2))
+    sched.add(seq("s4", 8))
+    assert step(sched) == [("s3", 0, 2)]  # s4 would not end in it: no token for it (1) nor for long (2: aged)
+    sched.add(seq("s5", 1))
+    assert step(sched) == [("long", 8, 16)]  # aged first; its chunk fills the step (s4: 2, aged)
+    assert step(sched) == [("s4", 0, 8)]  # aged, older than s5
+    assert step(sched) == [("s5", 0, 1)]  # (long, not aged, would not end after it)
+    assert step(sched) == [("long", 16, 24)]
 
 
 def test_a_short_prompt_waiting_behind_a_running_long_one_runs_next_step():

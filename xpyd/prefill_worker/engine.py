@@ -49,6 +49,7 @@ from xpyd.prefill_worker.expiry import claim_ttl, late_kv
 from xpyd.prefill_worker.held import RELEASED_EARLY, HeldRequests
 from xpyd.prefill_worker.scheduler import Chunk, PrefillScheduler, PrefillSeq
 from xpyd.prefill_worker.signal_plane import PrefillSignalPlane
+from xpyd.prefill_worker.step_cost import StepCost
 from xpyd.signal import messages as m
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class PrefillEngine(WorkerEngine):
         super().__init__(runner, tokenizer, config, served_name)
         self.connector = sender_for(kv)
         self.connector.bind(self.pool, self._wake)
-        self.sched = PrefillScheduler(config.batch_size, self.kv_cache, chunk=config.prefill_chunk)
+        self.sched = PrefillScheduler(config.batch_size, self.kv_cache, chunk=config.prefill_chunk,
+                                      cost=StepCost() if config.prefill_chunk else None)
         # What this thread and the signal server's share (under held.lock), and the server's handler.
         self.held = HeldRequests(self.sched, self.connector, self.metrics, config.kv_stream, config.kv_ttl)
         self._lock, self._peers = self.held.lock, self.held.peers
@@ -110,9 +112,18 @@ class PrefillEngine(WorkerEngine):
                     "released_on_arrival": self.held.counts["released_on_arrival"],
                     "notifies_undelivered": self.held.counts["notifies_undelivered"],
                     "orphaned": self.held.counts["orphaned"],
-                    "prefill_chunk": self.sched.chunk, "prefill_steps": self._steps["steps"],
+                    "prefill_chunk": self.sched.chunk, "prefill_step_cost": self._step_cost(), "prefill_steps": self._steps["steps"],
                     "prefill_partial_chunks": self._steps["partial"], "prefill_tokens": self._steps["tokens"],
                     "kv_stream": self.held.streams, "kv_parts_streamed": self._steps["streamed_parts"]}
+
+    def _step_cost(self) -> dict | None:
+        """The learned cost of a chunked step (None: unchunked, or not learned yet)."""
+        cost = self.sched.cost
+        if cost is None or not cost.known:
+            return None
+        c = cost.coefficients
+        return {"overhead_s": c.overhead, "per_token_s": c.per_token, "per_pair_s": c.per_pair,
+                "step_s": cost.step_seconds([(0, self.sched.chunk)]), "steps_seen": cost.steps}
 
     # --- engine thread -----------------------------------------------------
     def step(self) -> float:
@@ -234,6 +245,8 @@ class PrefillEngine(WorkerEngine):
         last = [(c, row) for c, row in zip(chunks, logits) if c.last]
         tokens = sample_first(self.runner, last)
         with self._lock:
+            if self.sched.cost is not None:  # (what the next steps are sized by)
+                self.sched.cost.observe([(c.start, c.end - c.start) for c in chunks], now - t0)
             for chunk in chunks:
                 if not chunk.last:
                     with self.isolate(chunk.seq.request_id, chunk.seq.payload):

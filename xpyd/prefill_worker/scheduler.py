@@ -11,12 +11,17 @@ Queues a request moves through::
     is pulled, released, or its decode worker is gone (the engine decides that).
 
 Steps (``plan``): unchunked (``chunk=0``), a step is one whole prompt, oldest eligible request first, and
-nothing else starts until it is done. Chunked (``chunk=N``), a step computes at most N prompt tokens,
-taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones,
-several short prompts share one forward pass, and a long prompt continues from its own KV with whatever
-the step has left (measured: running the new short prompts alone instead cut their TTFT p50 by a third
-but cost ~3% prefill throughput; docs/benchmarks.md "Chunked prefill"). A prompt whose KV streams to its decode worker ends with a chunk of just its last KV
-part (``split_at``): what is left to move once the prompt is computed is that part alone.
+nothing else starts until it is done. Chunked (``chunk=N``), a step computes at most N prompt tokens, and
+once the step cost is learned (``cost``: ``step_cost.StepCost``) at most what N tokens of a fresh prompt
+take: a long prompt's later chunks, whose attention covers more of the prompt, get fewer tokens, so no step
+runs much longer than the first, and a prompt that arrives waits for at most one such step. Tokens are
+taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones and
+several share one forward pass. A step that computes a new prompt whole (its first token comes from it) is
+topped up only with chunks that end their prompts: a long prompt does not lengthen it, and continues in the
+next step from its own KV (a short prompt behind a long one waits for one step, then its own tokens:
+docs/benchmarks.md "Mixed steps sized by a learned step cost"). A prompt whose KV
+streams to its decode worker ends with a chunk of just its last KV part (``split_at``): what is left to
+move once the prompt is computed is that part alone.
 Aging: a request that could have run but got no token for ``age_steps`` steps in a
 row goes first (oldest first among those), so a long prompt is never starved by a stream of short ones.
 
@@ -43,6 +48,7 @@ from typing import Any
 from xpyd.worker.request import PREFILL_TRANSITIONS, RequestState, check_transition, require
 from xpyd.worker.kv_cache import KVCache, RequestKV
 from xpyd.prefill_worker.admission import admissible
+from xpyd.prefill_worker.step_cost import StepCost
 from xpyd.worker.kv_connector import TransferHandle
 
 S = RequestState
@@ -129,6 +135,7 @@ class PrefillScheduler:
     kv: KVCache
     chunk: int = 0  # prompt tokens per step (0: whole prompts, one at a time)
     age_steps: int = AGE_STEPS
+    cost: StepCost | None = None  # what a step costs, learned (chunked: each step takes what `chunk` fresh tokens do)
     _waiting: deque[PrefillSeq] = field(default_factory=deque)
     _live: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)  # not final
     _running: "OrderedDict[str, PrefillSeq]" = field(default_factory=OrderedDict)
@@ -207,18 +214,30 @@ class PrefillScheduler:
             seq = next(iter(self._admissible()), None)
             return [self._take(seq, seq.remaining)] if seq is not None and self._admit(seq) else []
         budget, aged = self.chunk, self.age_steps
+        seconds = self._step_seconds()  # (None: nothing learned yet, tokens alone)
         candidates = [s for s in self._running.values() if not s.cancel_requested] + self._admissible()
         candidates.sort(key=lambda s: (s.starved < aged, s.remaining if s.kv else s.prompt_len, s.order))
         steps: list[Chunk] = []
         blocked = False  # an aged request waits for KV blocks: no waiting request overtakes it
+        first = False  # the step computes a new prompt whole: other chunks join it only to end their prompt
         for seq in candidates:
             waiting = seq.state is S.WAITING
             if budget == 0 or (waiting and (blocked or not self._admit(seq))):
                 blocked = blocked or (waiting and seq.starved >= aged)
                 seq.starved += 1
                 continue
-            steps.append(self._take(seq, min(budget, seq.remaining)))
-            budget -= steps[-1].end - steps[-1].start
+            want = min(budget, seq.remaining)
+            fits = want if seconds is None else min(want, self.cost.coefficients.tokens_within(seq.computed, seconds))
+            n = self._cut(seq, fits or (0 if steps else 1))  # (a step computes a token at least)
+            if n == 0 or (first and n < seq.remaining and seq.starved < aged):
+                seq.starved += 1
+                continue
+            steps.append(self._take(seq, n))
+            first = first or (waiting and steps[-1].last)
+            taken = steps[-1].end - steps[-1].start
+            budget = budget - taken if fits == want else 0  # (cut short by the step's time: the step is full)
+            if seconds is not None:
+                seconds -= self.cost.coefficients.chunk_seconds(steps[-1].start, taken)
         return steps
 
     def chunk_done(self, chunk: Chunk) -> None:
@@ -320,6 +339,13 @@ class PrefillScheduler:
         return admissible(self._waiting, holding, room, self.batch_size, self.kv.allocator.num_blocks,
                           self.kv.blocks_for)
 
+    def _step_seconds(self) -> float | None:
+        """A chunked step's time for its chunks (its overhead apart): what ``chunk`` tokens of a fresh prompt
+        take. None while no cost is known (the step is budgeted in tokens alone)."""
+        if self.cost is None or not self.cost.known:
+            return None
+        return self.cost.coefficients.chunk_seconds(0, self.chunk)
+
     def _admit(self, seq: PrefillSeq) -> bool:
         """Give ``seq`` the KV blocks of its whole prompt (its cached prefix shared): True if it starts."""
         n = seq.prompt_len
@@ -334,9 +360,14 @@ class PrefillScheduler:
         self._running[seq.request_id] = seq
         return True
 
+    @staticmethod
+    def _cut(seq: PrefillSeq, n: int) -> int:
+        """``n`` tokens, or fewer if they would cross ``split_at`` (its last chunk computes only what its last
+        KV part holds)."""
+        return seq.split_at - seq.computed if seq.computed < seq.split_at < seq.computed + n else n
+
     def _take(self, seq: PrefillSeq, n: int) -> Chunk:
-        if seq.computed < seq.split_at < seq.computed + n:
-            n = seq.split_at - seq.computed  # (its last chunk computes only what its last KV part holds)
+        n = self._cut(seq, n)
         seq.in_step = True
         seq.starved = 0
         return Chunk(seq, seq.computed, seq.computed + n)
