@@ -101,3 +101,15 @@ def test_the_built_in_profile_loads_and_grows_with_the_work():
     assert p.model and p.machine and p.dtype == "float32" and p.created
     assert 0 < p.prefill_seconds(16, 0) < p.prefill_seconds(512, 0) < p.prefill_seconds(512, 2048)
     assert 0 < p.decode_seconds(1, 64) < p.decode_seconds(16, 16 * 512)
+
+
+def test_a_faster_profile_takes_its_share_of_every_time():
+    from xpyd.model.sim.profile import default_profile
+
+    p = default_profile()
+    q = p.faster(4)
+    for new, cached in ((16, 0), (700, 300), (5000, 0)):
+        assert q.prefill_seconds(new, cached) == pytest.approx(p.prefill_seconds(new, cached) / 4)
+    assert q.decode_seconds(8, 2000) == pytest.approx(p.decode_seconds(8, 2000) / 4)
+    with pytest.raises(ValueError):
+        p.faster(float("inf"))

@@ -157,6 +157,8 @@ def planner_from_args(args, cluster, spawn: Callable[[str, int], str], prefill: 
         raise ValueError("--planner needs --slo (e.g. ttft=2s,itl=200ms)")
     slo = PlanSLO.parse(args.slo)
     profile = SimProfile.load(args.sim_profile) if args.sim_profile else default_profile()
+    if args.engine == "sim" and math.isfinite(args.sim_speedup) and args.sim_speedup != 1:
+        profile = profile.faster(args.sim_speedup)  # (the sim workers run that much faster than the profile)
     config = PlannerConfig(slo=slo, max_workers=args.max_workers, dwell_s=args.planner_dwell)
     model = SimFleetModel(profile, slo, FleetConfig(1, 1, decode_batch=args.batch_size))
     loop_config = PlannerLoopConfig(args.planner_interval,

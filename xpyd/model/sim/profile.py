@@ -22,6 +22,7 @@ The file (JSON)::
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import json
 import math
@@ -98,6 +99,17 @@ class SimProfile:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"profile threads must be an int >= 1 or null, got {self.threads!r}")
+
+    def faster(self, speedup: float) -> SimProfile:
+        """The same profile ``speedup`` times faster (what a sim worker run with ``--sim-speedup`` takes)."""
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"a profile can be made faster by a finite factor > 0, got {speedup!r}")
+
+        def scaled(t: Table) -> Table:
+            return Table(t.x, t.y, tuple(tuple(v / speedup for v in row) for row in t.seconds))
+
+        return dataclasses.replace(self, prefill=scaled(self.prefill), decode=scaled(self.decode),
+                                   notes=f"{self.notes} (x{speedup:g} faster)".strip())
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         return self.prefill.at(new_tokens, cached_tokens)
