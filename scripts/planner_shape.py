@@ -79,7 +79,7 @@ def run(x: int, y: int, args: argparse.Namespace, trace: Path, work: Path, plann
     if planner:
         extra += ["--planner", "--slo", args.slo, "--max-workers", str(args.max_workers), "--planner-interval",
                   str(args.interval), "--planner-dwell", str(args.dwell), "--planner-decisions", str(decisions)]
-    cmd, url = up_command(x, y, 256, *extra)
+    cmd, url = up_command(x, y, 256, *extra, room=args.max_workers)
     up = start_up(cmd, work / f"{name}.up.log")
     try:
         report = work / f"{name}.bench.json"

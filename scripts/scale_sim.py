@@ -58,12 +58,13 @@ def _free_run(n: int, start: int = 21000) -> int:
     raise RuntimeError(f"no free run of {n} ports")
 
 
-def up_command(x: int, y: int, streams: int, *extra: str) -> tuple[list[str], str]:
-    """`xpyd up` of ``x`` prefill and ``y`` decode workers through etcd, on free ports, its queue and concurrency
-    limits sized for ``streams`` at once, served as "m", with ``extra`` flags; and the proxy's URL."""
+def up_command(x: int, y: int, streams: int, *extra: str, room: int = 0) -> tuple[list[str], str]:
+    """`xpyd up` of ``x`` prefill and ``y`` decode workers through etcd, on free ports (``room``: ports for that many
+    workers of each role, for a planner that starts more), its queue and concurrency limits sized for ``streams``
+    at once, served as "m", with ``extra`` flags; and the proxy's URL."""
     port, etcd = _free_run(1), _free_run(2, 29000)
-    pp = _free_run(2 * x, 22000)
-    dp = _free_run(2 * y, pp + 2 * x)
+    pp = _free_run(2 * max(x, room), 22000)
+    dp = _free_run(2 * max(y, room), pp + 2 * max(x, room))
     cmd = [PY, "-m", "xpyd", "up", "--prefill", str(x), "--decode", str(y), "--port", str(port), "--prefill-port",
            str(pp), "--decode-port", str(dp), "--etcd-port", str(etcd), "--served-model-name", "m", "--max-queue",
            str(max(256, streams)), "--max-concurrent-requests", str(max(1024, 2 * streams)), *extra]

@@ -297,6 +297,14 @@ def _plan(args: argparse.Namespace) -> tuple[bool, int, int]:
         PlanSLO.parse(args.slo)  # (named in its error)
     if args.planner and (args.prefill or 1) + (args.decode or 1) > args.max_workers:
         raise ValueError(f"--prefill + --decode is more than --max-workers {args.max_workers}")
+    if args.planner:  # (the planner starts worker i of a role on its role's i-th port pair)
+        n = args.max_workers
+        ranges = {"--prefill-port": (args.prefill_port, args.prefill_port + 2 * n),
+                  "--decode-port": (args.decode_port, args.decode_port + 2 * n)}
+        (a, (a0, a1)), (b, (b0, b1)) = ranges.items()
+        if a0 < b1 and b0 < a1:
+            raise ValueError(f"with --planner each role takes {2 * n} ports from its base (--max-workers {n}): "
+                             f"{a} {a0}-{a1 - 1} and {b} {b0}-{b1 - 1} overlap")
     x, y = args.prefill or 1, args.decode or 1
     if not (1 <= x <= MAX_WORKERS and 1 <= y <= MAX_WORKERS):  # (each takes two ports of its role's range)
         raise ValueError(f"--prefill and --decode must be between 1 and {MAX_WORKERS}")
