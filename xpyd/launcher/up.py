@@ -253,9 +253,9 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _metrics(url: str, args: argparse.Namespace) -> str:
-    """The proxy's Prometheus text (with its API key, if one is set)."""
-    key = args.api_key or os.environ.get("XPYD_API_KEY")
+def _metrics(url: str, args: argparse.Namespace, auth: bool = True) -> str:
+    """A process's Prometheus text (the proxy's with its API key, if one is set: ``auth``)."""
+    key = (args.api_key or os.environ.get("XPYD_API_KEY")) if auth else None
     req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
     with urllib.request.urlopen(req, timeout=5) as r:
         return r.read().decode()
@@ -415,7 +415,17 @@ def run(args: argparse.Namespace) -> int:
                 base = args.prefill_port if kind.value == "prefill" else args.decode_port
                 return _port_free(host, base + 2 * i) and _port_free(host, base + 2 * i + 1)
 
-            planner = planner_from_args(args, cluster, spawn_worker, x, y, lambda: {"proxy": _metrics(proxy_url, args)},
+            def scrape() -> dict[str, str]:  # the proxy's, and each running worker's (their prompt/output lengths)
+                out = {"proxy": _metrics(proxy_url, args)}
+                for name, url in worker_urls.items():
+                    if name in cluster.children and name not in cluster.dead():
+                        try:
+                            out[name] = _metrics(url, args, auth=False)
+                        except OSError:
+                            continue  # (starting or draining: its counts come next time)
+                return out
+
+            planner = planner_from_args(args, cluster, spawn_worker, x, y, scrape,
                                         port_free, lambda line: print(f"xpyd up: {line}", file=sys.stderr, flush=True))
         while not stop_requested:  # workers that exit are restarted; the proxy or etcd exiting stops us
             try:
