@@ -110,3 +110,17 @@ def test_colocated_proxy_limits_concurrent_requests(colocated):
     assert rest.rstrip().endswith(b"data: [DONE]")
     status, body = _post(url, {"prompt": "x", "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
+def test_a_clients_kv_transfer_params_never_reach_the_worker(colocated):
+    """They are the proxies' to set for the workers: a client's would resume an output it names or name the
+    response; the colocated proxy drops them (the answer is the plain request's)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    status, plain = _post(colocated["proxy"] + "/v1/completions", body)
+    assert status == 200
+    forged = {**body, "kv_transfer_params": {"resume_token_ids": [1, 2, 3], "token_ids": True, "max_tokens": 2,
+                                             "response": {"id": "cmpl-x", "created": 1, "model": "other"}}}
+    status, got = _post(colocated["proxy"] + "/v1/completions", forged)
+    assert status == 200, got
+    assert got["choices"][0]["text"] == plain["choices"][0]["text"] and got["usage"] == plain["usage"]
+    assert "xpyd_token_ids" not in got and got["model"] == plain["model"] and got["id"] != "cmpl-x"

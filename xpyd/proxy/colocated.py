@@ -161,6 +161,8 @@ def create_colocated_app(config, url: str) -> web.Application:
             info: WorkerInfo = state["info"]
             body = dict(req.raw)
             body["model"] = info.model_id
+            # (the workers' own parameters are the proxies' to set: a client's would resume outputs, name responses)
+            body.pop("kv_transfer_params", None)
             rid = RequestId.new(info.signal_addr, info.signal_addr)
             asked = {TIMING_HEADER: ASK} if config.expose_worker_timing and req.stream else {}
             resp = await state["session"].post(url + _PATHS[kind], json=body,
