@@ -443,6 +443,7 @@ FAIL_BOUND = min(SIGNAL_TIMEOUT, PREFILL_WAIT) + 3.0  # from the cut (or the req
 POOL_BOUND = KV_TTL + PEER_TIMEOUT  # from the last request's end to every pool empty, link still cut
 
 
+@pytest.mark.timeout(600)  # (every request now completes and is checked against the reference: more to compute)
 def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
     p0, d0 = cluster.hosts["p0"], cluster.hosts["d0"]
     failed_recv = metric(cluster.urls["d0"], "xpyd_kv_transfers_total", direction="recv", outcome="failed")
@@ -454,7 +455,8 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
                    30, "KV moving from p0 to d0")
         bed.cut(p0, d0)
         t_cut = time.monotonic()
-        wait_until(lambda: load.ended_all_started_before(t_cut), FAIL_BOUND + 5,
+        # (they move on to another pair once their KV path failed, then decode to their end there)
+        wait_until(lambda: load.ended_all_started_before(t_cut), FAIL_BOUND + 60,
                    "the requests in flight at the cut ended")
         results = load.stop()  # (and those that started since, under the cut)
         t_end = time.monotonic()
@@ -496,6 +498,7 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
 # -- a decode host cut off from etcd -----------------------------------------------------------------
 
 
+@pytest.mark.timeout(600)  # (its reference answers are computed on a loaded 2-core machine: a hang guard, not a bound)
 def test_a_decode_host_cut_off_from_etcd_drains_and_comes_back(cluster, bed, reference):
     d0, etcd = cluster.hosts["d0"], cluster.hosts["etcd"]
     d0_url = cluster.urls["d0"]
