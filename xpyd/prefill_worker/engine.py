@@ -109,6 +109,7 @@ class PrefillEngine(WorkerEngine):
                     "peers": self._peers.num_registered, "handshaken": self._peers.num_handshaken,
                     "sends": dict(self.held.sends),
                     "expired": self.held.counts["expired"],
+                    "released_early": self.held.counts["released_early"],
                     "released_on_arrival": self.held.counts["released_on_arrival"],
                     "notifies_undelivered": self.held.counts["notifies_undelivered"],
                     "orphaned": self.held.counts["orphaned"],

@@ -46,7 +46,7 @@ class HeldRequests:
         self.memory = RequestMemory(max(MIN_RETENTION, kv_ttl), MAX_REMEMBERED)
         self.claims: dict[str, set[str]] = {}  # decode worker -> ids of its live claimed requests
         self.sends: Counter[str] = Counter()  # KV sends started, by decode worker
-        # expired, released_on_arrival, notifies_undelivered (the decode worker asks again), orphaned (freed
+        # expired, released_early (a release heard before its request), released_on_arrival, notifies_undelivered (the decode worker asks again), orphaned (freed
         # because the session of their decode worker ended)
         self.counts: Counter[str] = Counter()
         self.notify: Callable[[str, m.Message], None] | None = None  # the signal server's push (set by main)

@@ -190,4 +190,5 @@ class PrefillSignalPlane:
                     n += 1
                 elif rid not in self.held.memory.ended:
                     self.held.memory.released_early[rid] = True  # dropped if it arrives later
+                    self.held.counts["released_early"] += 1
         return m.ReleaseReply(n)

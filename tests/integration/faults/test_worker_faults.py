@@ -81,6 +81,7 @@ def test_unpulled_kv_is_freed_after_kv_ttl_and_a_later_pull_is_told_expired(faul
 def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_workers):
     _, urls = fault_workers
     rid = _rid(urls)
+    early_before = stats(urls["prefill"])["released_early"]
     t0 = time.monotonic()
     status, body = post(urls["decode"], _decode_body(), rid)
     elapsed = time.monotonic() - t0
@@ -89,7 +90,9 @@ def test_prefill_never_ready_times_out_then_the_late_prefill_is_dropped(fault_wo
     assert PREFILL_WAIT * 0.9 <= elapsed <= PREFILL_WAIT + SWEEP_SLACK, elapsed  # (the wait starts after t0)
     s = wait_idle(urls["decode"])
     assert s["failures"].get("timeout", 0) >= 1
-    # The decode worker released it: the prefill request arriving now is refused, no KV is held for it.
+    # The decode worker released it (over the signal plane: wait until prefill heard it): the prefill request
+    # arriving now is refused, no KV is held for it.
+    _wait_for(urls["prefill"], "released_early", early_before + 1)
     released_before = stats(urls["prefill"])["released_on_arrival"]
     status, body = post(urls["prefill"], _prefill_body(), rid)
     assert status == 409 and "already released" in body["error"]["message"], body
