@@ -752,7 +752,7 @@ async def test_worker_down_is_retried_and_proxy_keeps_serving():
             data = await r.json()
         assert_openai_error(data)
         assert "no decode worker available" in data["error"]["message"]
-        assert "(after: decode worker unreachable: ClientConnectorError" in data["error"]["message"]  # what led there
+        assert "(after: decode worker unreachable: ConnectFailed" in data["error"]["message"]  # what led there
         assert not internal_names(c, data["error"]["message"])
         async with c.http.get(c.url + "/health") as r:
             assert r.status == 503

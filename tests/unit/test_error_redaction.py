@@ -27,6 +27,10 @@ def redactor() -> Redactor:
      "ssl:default [Connect call failed ('fd00::2', 8200, 0, 0)]",
      f"decode worker unreachable: ClientConnectorError: Cannot connect to host {A} ssl:default "
      f"[Connect call failed {A}]"),
+    (f"decode worker {D.http_url} unreachable: ConnectFailed: cannot connect to [fd00::2]:8200: Connection refused",
+     f"decode worker unreachable: ConnectFailed: cannot connect to {A}: Connection refused"),
+    ("prefill worker http://10.0.0.5:8100 unreachable: ConnectFailed: cannot connect to 10.0.0.5:8100: Connection "
+     "refused", f"prefill worker unreachable: ConnectFailed: cannot connect to {A}: Connection refused"),
     ("cannot reach prefill-0:9100 (dotless, but a known worker's)", f"cannot reach {A} (dotless, but a known worker's)"),
     (f"X-Request-Id: malformed, got {RID!r}", "X-Request-Id: malformed, got 'cmpl-pub'"),
     (f"{SIGNED} and its parts xpyd-{'ab' * 16}.0, xpyd-{'ab' * 16}.1", "cmpl-pub and its parts cmpl-pub, cmpl-pub"),

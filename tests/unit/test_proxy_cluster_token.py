@@ -86,7 +86,7 @@ async def test_every_call_carries_the_credential_and_every_id_goes_signed(aiohtt
         async with sessions.control.get(url + "/xpyd/stats") as resp:  # (the poller's and the cache feed's calls)
             await resp.read()
         await client._release(worker, rid)
-        async with sessions.decode.get(url + "/health") as resp:  # (the decode streams' pool)
+        async with await sessions.decode.request("GET", url, "/health") as resp:  # (the decode streams' pool)
             await resp.read()
     finally:
         await sessions.close()
@@ -107,13 +107,16 @@ async def test_a_worker_refusing_the_proxy_is_a_502_to_the_client(aiohttp_server
     rec = Recorder(status, {"error": {"message": "refused", "type": "authentication_error"}})
     url = await rec.serve(aiohttp_server)
     worker = WorkerInfo(role, url, "127.0.0.1:1", "m", 1, 8)
-    async with aiohttp.ClientSession() as session:
-        client = WorkerClient(WorkerSessions(session, session, session, session), 5)
+    sessions = worker_sessions(5, 5, 4)
+    try:
+        client = WorkerClient(sessions, 5)
         with pytest.raises(UpstreamError) as caught:
             if role is Role.DECODE:
                 await client.open_decode(worker, RequestKind.COMPLETION, {}, "xpyd-x")
             else:
                 await client.prefill(worker, RequestKind.COMPLETION, {}, "xpyd-x")
+    finally:
+        await sessions.close()
     e = caught.value
     assert e.status == 502 and e.fault is fault and "--cluster-token" in e.message
     assert e.to_dict()["error"]["type"] == "server_error"
@@ -136,7 +139,8 @@ async def test_the_proxy_lets_idle_connections_go_before_a_worker_would():
 
     sessions = worker_sessions(5, 5, 4)
     try:
-        for session in (sessions.prefill, sessions.decode, sessions.control):
-            assert session.connector._keepalive_timeout == PROXY_KEEP_ALIVE < WORKER_KEEP_ALIVE
+        assert sessions.control.connector._keepalive_timeout == PROXY_KEEP_ALIVE < WORKER_KEEP_ALIVE
+        for pool in (sessions.prefill, sessions.decode):
+            assert pool.keepalive == PROXY_KEEP_ALIVE
     finally:
         await sessions.close()

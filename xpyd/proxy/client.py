@@ -5,11 +5,15 @@ for a whole generation, prefill POSTs wait for a prompt's first token, and contr
 probes, KV events, releases) are short and must get through whatever the others hold: with one pool, 1,000
 streams waiting on their prefill held every connection, probes timed out and workers were marked down.
 
+Prefill POSTs and decode streams, two calls a client request, go over ``xpyd.proxy.h1client`` (a lean HTTP/1.1
+client: with instant workers it costs the proxy 38 us a JSON call where aiohttp's took 85); control calls,
+a few a second, over aiohttp.
+
 A POST that the worker's side of a pooled connection cut before answering (the worker let the connection go
 as idle just as the proxy reused it: the two keep-alive clocks race, and on a loaded machine the proxy's event
-loop lags seconds behind its own timer) is sent once more on a new connection (the fourth session, ``fresh``:
-no pooling), not counted as the worker being unreachable: 64 workers on 2 cores lost 600 of 1,000 requests
-to this. A worker that refuses connections is unreachable at once (no second try).
+loop lags seconds behind its own timer) is sent once more on a new connection, not counted as the worker being
+unreachable: 64 workers on 2 cores lost 600 of 1,000 requests to this. A worker that refuses connections is
+unreachable at once (no second try).
 
 ``WorkerClient.prefill`` returns prefill's first token; ``open_decode`` returns
 the decode worker's open SSE stream (``DecodeStream``); ``release_later`` asks a
@@ -25,6 +29,7 @@ keeps, logs and names its calls by stays the unsigned one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +43,7 @@ from xpyd.api.timing import ASK, TIMING_HEADER
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.decode_stream import DecodeStream
+from xpyd.proxy.h1client import Disconnected, H1Pool, Response
 from xpyd.proxy.upstream import Fault, UpstreamError, raise_for_status, upstream_errors, who
 from xpyd.proxy.worker_api import ABORT_PATH, REQUEST_ID_HEADER, ROUTES, FirstToken, parse_first_token
 from xpyd.signal.request_id import ClusterKeys
@@ -63,56 +69,41 @@ def worker_headers(cluster_token: str | None) -> dict[str, str]:
 class WorkerSessions:
     """The proxy's pools to its workers, one per kind of call (see the module's docstring)."""
 
-    prefill: aiohttp.ClientSession  # prefill POSTs: up to max_connections
-    decode: aiohttp.ClientSession  # decode streams: up to max_connections, each held for a generation
+    prefill: H1Pool  # prefill POSTs: up to max_connections in use
+    decode: H1Pool  # decode streams: up to max_connections in use, each held for a generation
     control: aiohttp.ClientSession  # probes, KV events, tokenizer, releases: CONTROL_PER_WORKER per worker
-    fresh: aiohttp.ClientSession  # a POST's second try after its pooled connection was cut: a new connection
 
     async def close(self) -> None:
-        for session in (self.prefill, self.decode, self.control, self.fresh):
+        for session in (self.prefill, self.decode, self.control):
             await session.close()
 
 
 def worker_sessions(connect_timeout: float, read_timeout: float, max_connections: int,
                     cluster_token: str | None = None) -> WorkerSessions:
     """The three pools, each with the cluster's bearer on every call when ``cluster_token`` is set."""
+    headers = worker_headers(cluster_token)
     return WorkerSessions(
-        prefill=worker_session(connect_timeout, read_timeout, max_connections, cluster_token),
-        decode=worker_session(connect_timeout, read_timeout, max_connections, cluster_token, traced=True),
+        prefill=H1Pool(connect_timeout, read_timeout, max_connections, PROXY_KEEP_ALIVE, headers),
+        decode=H1Pool(connect_timeout, read_timeout, max_connections, PROXY_KEEP_ALIVE, headers),
         control=worker_session(connect_timeout, read_timeout, 0, cluster_token, per_worker=CONTROL_PER_WORKER),
-        fresh=worker_session(connect_timeout, read_timeout, max_connections, cluster_token, pooled=False,
-                             traced=True),
     )
 
 
 def worker_session(
     connect_timeout: float, read_timeout: float, max_connections: int, cluster_token: str | None = None,
-    per_worker: int = 0, pooled: bool = True, traced: bool = False,
+    per_worker: int = 0,
 ) -> aiohttp.ClientSession:
     """A pooled session to workers of at most ``max_connections`` connections (0: no total limit) and
     ``per_worker`` to one worker (0: no limit), with the cluster's bearer on every call when ``cluster_token``
-    is set; ``pooled=False``: a new connection for every call, closed after it; ``traced``: a call's ``sent``
-    event (``_post``) is set once its request is on the wire (aiohttp's tracing costs every call on the session
-    a few signals, so only the sessions that carry decode's calls have it)."""
+    is set (the control calls' pool)."""
     timeout = aiohttp.ClientTimeout(
         total=None,  # streams may run long; every read has its own limit instead
         sock_connect=connect_timeout,
         sock_read=read_timeout,
     )
-    traces: list[aiohttp.TraceConfig] = []
-    if traced:
-        traces.append(aiohttp.TraceConfig())
-        traces[0].on_request_headers_sent.append(_on_headers_sent)
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker, force_close=not pooled,
-                                     keepalive_timeout=PROXY_KEEP_ALIVE if pooled else None)  # (below the workers')
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=traces,
-                                 headers=worker_headers(cluster_token))
-
-
-async def _on_headers_sent(_session, ctx, _params) -> None:
-    flag = (ctx.trace_request_ctx or {}).get("sent")
-    if flag is not None:
-        flag.set()
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=per_worker,
+                                     keepalive_timeout=PROXY_KEEP_ALIVE)  # (below the workers')
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=worker_headers(cluster_token))
 
 
 class WorkerClient:
@@ -151,33 +142,26 @@ class WorkerClient:
         except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:  # RuntimeError: session closed
             log.debug("%s: abort on %s failed: %s", request_id, worker.http_url, e)
 
-    async def _send(self, session: aiohttp.ClientSession, worker: WorkerInfo, kind: RequestKind, body: dict,
-                    request_id: str, sent: asyncio.Event | None = None) -> aiohttp.ClientResponse:
-        """POST over ``session``'s pool; if the worker cut the connection before answering (not a refused
-        connect: that worker is unreachable), once more over a new connection (see the module's docstring)."""
+    async def _send(self, pool: H1Pool, worker: WorkerInfo, kind: RequestKind, body: dict,
+                    request_id: str, sent: asyncio.Event | None = None) -> Response:
+        """POST over ``pool``; if the worker cut the connection before answering (not a refused connect: that
+        worker is unreachable), once more over a new connection (see the module's docstring)."""
+        data = dumps(body)
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id), **self._ask}
         try:
-            return await self._post(session, worker, kind, body, request_id, sent)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            if isinstance(e, aiohttp.ClientConnectorError):
+            return await pool.post(worker.http_url, ROUTES[kind], data, headers, sent)
+        except Disconnected as e:
+            if e.answered:
                 raise
-            log.info("%s: %s cut its pooled connection before answering (%s); once more on a new one",
-                     request_id, worker.http_url, type(e).__name__)
-            resp = await self._post(self._sessions.fresh, worker, kind, body, request_id, sent)
+            log.info("%s: %s cut its %sconnection before answering; once more on a new one", request_id,
+                     worker.http_url, "pooled " if e.reused else "")
+            resp = await pool.post(worker.http_url, ROUTES[kind], data, headers, sent, fresh=True)
             if resp.status == 409:  # it had taken the first one after all (then lost its answer): a duplicate
                 resp.close()
                 self.release_later(worker, request_id)  # (the first one, which nobody waits for)
                 raise UpstreamError(502, f"{who(worker)} cut the connection of a request it had taken (its second "
                                     "try was a duplicate)", worker=worker, fault=Fault.UNREACHABLE) from e
             return resp
-
-    def _post(self, session: aiohttp.ClientSession, worker: WorkerInfo, kind: RequestKind, body: dict,
-              request_id: str, sent: asyncio.Event | None = None):
-        return session.post(
-            worker.http_url + ROUTES[kind],
-            data=dumps(body),
-            headers={"Content-Type": "application/json", REQUEST_ID_HEADER: self.wire_id(request_id), **self._ask},
-            trace_request_ctx={"sent": sent},
-        )
 
     async def prefill(
         self, worker: WorkerInfo, kind: RequestKind, body: dict, request_id: str
@@ -186,7 +170,7 @@ class WorkerClient:
         with upstream_errors(worker):
             async with await self._send(self._sessions.prefill, worker, kind, body, request_id) as resp:
                 await raise_for_status(resp, worker)
-                data = await resp.json(content_type=None)
+                data = json.loads(await resp.read())
             if self._heard is not None:
                 self._heard(worker)
             first = parse_first_token(data, kind, resp.headers.get(TIMING_HEADER) if self._ask else None)

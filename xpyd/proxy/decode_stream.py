@@ -23,8 +23,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
-import aiohttp
-
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
 from xpyd.api.responses import DONE_DATA, chunk_head
@@ -32,6 +30,7 @@ from xpyd.api.resume import ids_of, split_ids
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
 from xpyd.api.timing import COMMENT_PREFIX
 from xpyd.discovery.types import WorkerInfo
+from xpyd.proxy.h1client import ConnectionFailed, Response
 from xpyd.proxy.upstream import Fault, UpstreamError, in_stream_error, upstream_errors, who
 from xpyd.proxy.worker_api import Delta, FirstToken, Usage, parse_delta, parse_usage
 
@@ -44,7 +43,7 @@ TOKEN_CHUNK_KEY = b'"finish_reason":'  # in every token chunk (not in the usage 
 class DecodeStream:
     """The decode worker's SSE response: ``relay()`` or ``deltas()`` (once), then ``close()``."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, worker: WorkerInfo, kind: RequestKind,
+    def __init__(self, resp: Response, worker: WorkerInfo, kind: RequestKind,
                  heard: Callable[[WorkerInfo], None] | None = None) -> None:
         self._resp = resp
         self._worker = worker
@@ -240,7 +239,7 @@ class DecodeStream:
 
     async def _release(self) -> None:
         """Read the (empty) rest of the body so the connection goes back to the pool."""
-        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+        with contextlib.suppress(TimeoutError, ConnectionFailed):
             async with asyncio.timeout(DRAIN_TIMEOUT):
                 while await self._resp.content.readany():
                     pass

@@ -19,6 +19,7 @@ import aiohttp
 
 from xpyd.api.openai import APIError
 from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.proxy.h1client import ConnectionFailed, Response
 
 MAX_ERROR_BODY = 64 * 1024  # bytes of a worker's error body we read and pass on
 _KEPT_5XX = (503, 504)  # a worker starting or overloaded, or timed out itself: the client hears the same
@@ -75,7 +76,7 @@ def upstream_errors(worker: WorkerInfo) -> Iterator[None]:
         yield
     except TimeoutError as e:  # also aiohttp's ServerTimeoutError
         raise UpstreamError(504, f"{name} timed out", worker=worker, fault=Fault.UNHEALTHY) from e
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+    except (ConnectionFailed, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         raise UpstreamError(502, f"{name} unreachable: {type(e).__name__}: {e}", worker=worker,
                             fault=Fault.UNREACHABLE) from e
     except aiohttp.ClientError as e:
@@ -84,7 +85,7 @@ def upstream_errors(worker: WorkerInfo) -> Iterator[None]:
         raise UpstreamError(502, f"{name} sent an invalid response: {e}", worker=worker) from e
 
 
-async def raise_for_status(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> None:
+async def raise_for_status(resp: Response | aiohttp.ClientResponse, worker: WorkerInfo) -> None:
     """UpstreamError unless ``resp`` is a 2xx (reads at most MAX_ERROR_BODY of an error body)."""
     if 200 <= resp.status < 300:
         return
