@@ -311,3 +311,38 @@ async def test_set_exception_ends_a_waiting_read(serve):
         await reader
     resp.close()
     assert pool.in_use == 0
+
+
+class _Wire:
+    """A transport that keeps what is written (for a test that must order events within one loop turn)."""
+
+    def __init__(self) -> None:
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_an_answer_arriving_after_its_caller_was_cancelled_closes_the_connection():
+    """The caller is cancelled and, before its task runs again, the answer's head arrives: the connection is closed
+    (never pooled), nothing raises in the transport's callback."""
+    from xpyd.proxy.h1client import _Connection
+
+    pool = H1Pool(5, 5)
+    conn = _Connection(pool, ("127.0.0.1", 1))
+    wire = _Wire()
+    conn.connection_made(wire)
+    pool._in_use.add(conn)
+    pool._taken = 1
+    call = asyncio.create_task(conn.exchange(b"POST / HTTP/1.1\r\n\r\n", None))
+    await asyncio.sleep(0)
+    assert wire.written and conn._head is not None
+    call.cancel()  # (its future is cancelled now; the task runs later)
+    conn.data_received(ok())  # (within the same turn: the answer came)
+    assert wire.closed
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert pool.in_use == 0 and pool.idle() == 0

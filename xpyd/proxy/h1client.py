@@ -340,6 +340,8 @@ class _Connection(asyncio.Protocol):
             self._buf.clear()
 
     def _start(self, head: bytes) -> None:
+        if self._head is None or self._head.done():  # (its caller was cancelled as the answer came)
+            raise BadResponse("an answer nobody waits for")
         lines = head.split(b"\r\n")
         version, _, rest = lines[0].partition(b" ")
         code = rest[:3]

@@ -17,6 +17,7 @@ ignored. Everything runs on the proxy's event loop: no locks.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,7 @@ class WorkerState:
 class WorkerTable:
     def __init__(self) -> None:
         self._states: dict[tuple[Role, str], WorkerState] = {}
+        self._synced: dict[Role, tuple[list[WorkerInfo], list[WorkerState]]] = {}  # role -> its last sync
         self._down_listeners: list[Callable[[WorkerInfo, str, bool], None]] = []
 
     def on_down(self, listener: Callable[[WorkerInfo, str, bool], None]) -> None:
@@ -191,6 +193,9 @@ class WorkerTable:
         whose registration changed (e.g. restarted with a new capacity) keeps its
         health and counts under the new info.
         """
+        last = self._synced.get(role)  # (the same registry list as last time, object for object: nothing changed)
+        if last is not None and len(last[0]) == len(workers) and all(map(operator.is_, workers, last[0])):
+            return list(last[1])
         listed = {_key(w): w for w in workers if w.role is role}
         for key in [k for k in self._states if k[0] is role and k not in listed]:
             del self._states[key]
@@ -202,6 +207,7 @@ class WorkerTable:
             elif state.info != info:
                 state.info = info
             states.append(state)
+        self._synced[role] = (list(workers), list(states))
         return states
 
     def get(self, worker: WorkerInfo) -> WorkerState | None:
