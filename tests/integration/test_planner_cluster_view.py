@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -183,14 +187,12 @@ def test_the_planners_decisions_reach_the_proxys_cluster_view_through_etcd(sim_c
     _wait(lambda: _cluster(proxy)["planner"] is None, 10, "the launcher's state gone with it")
 
 
-def test_planner_command_refuses_what_it_cannot_run(tmp_path: Path):
-    import subprocess
-    import sys
+def test_planner_command_refuses_what_it_cannot_run():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "xpyd", "planner", *args], capture_output=True, text=True,
-                              timeout=60, env={k: v for k, v in __import__("os").environ.items()
-                                               if not k.startswith("KUBERNETES_")})
+                              timeout=60, env=env)
 
     base = ("--proxy-url", "http://127.0.0.1:1", "--slo", "ttft=1s")
     done = run("--mode", "scale", *base, "--prefill-deployment", "p", "--decode-deployment", "d")

@@ -1,6 +1,7 @@
-"""`xpyd planner --mode scale`'s Kubernetes client (``xpyd.launcher.kube``) and its ``Deployments`` workers against a
-fake API server on a real socket: an aiohttp app serving the scale subresource of two Deployments as the API server
-does (GET and PATCH .../deployments/{name}/scale, a bearer token, a merge patch, Status objects for refusals).
+"""`xpyd planner --mode scale`'s Kubernetes client (``xpyd.launcher.kube``), its ``Deployments`` workers and the
+service around them (``planner_service.serve``, in process) against a fake API server on a real socket: an aiohttp
+app serving the scale subresource of two Deployments as the API server does (GET and PATCH
+.../deployments/{name}/scale, a bearer token, a merge patch, Status objects for refusals).
 
 There is no Kubernetes here: what a real API server does beyond this (admission, RBAC evaluation, the Deployment
 controller acting on the new replicas) is not exercised.
@@ -10,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from argparse import Namespace
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.cluster import free_port
+from xpyd.discovery.planner_state import PlannerMode
+from xpyd.launcher import planner_service
 from xpyd.launcher.kube import MERGE_PATCH, KubeConfig, KubeError, ScaleClient
 from xpyd.launcher.planner_loop import PlannerLoop, PlannerLoopConfig, WorkersError
 from xpyd.launcher.planner_workers import Deployments
@@ -228,3 +234,52 @@ async def test_the_planner_scales_the_deployments_and_records_what_the_api_refus
     assert state.target.prefill == 2 and state.target.decode == 3
     assert all("HTTP 403" in d.error for d in state.decisions[2:]) and len(state.decisions) == 4
     assert json.dumps(state.to_dict())
+
+
+# --- `xpyd planner --mode scale`, in process: the service's loop, thread and API calls together ----------------
+
+
+async def test_the_scale_mode_service_patches_the_deployments_and_serves_its_gauges(api, monkeypatch):
+    fake, client, _ = api
+    monkeypatch.setattr(planner_service.KubeConfig, "in_cluster",
+                        lambda namespace, timeout: client.config)  # (no pod here: the fake API server instead)
+    metrics = ProxyMetrics()
+
+    async def proxy_metrics(_request: web.Request) -> web.Response:
+        for _ in range(20):  # 20 requests between two reads: more than 1P2D meets a 1 ms TTFT for
+            metrics.request("/v1/completions").end(Outcome.OK)
+        return web.Response(body=metrics.render()[0], content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", proxy_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    proxy = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    port = free_port()
+    config = planner_service.PlannerServiceConfig(PlannerMode.SCALE, proxy, port=port, deployments=NAMES,
+                                                  kube_timeout_s=1.0)
+    args = Namespace(slo="ttft=1ms,itl=1ms", max_workers=5, planner_interval=0.5, planner_dwell=600.0,
+                     planner_decisions=None, sim_profile=None, batch_size=8)
+    stop = asyncio.Event()
+    parts = planner_service.parts_from_args(args, PlannerMode.SCALE)
+    serving = asyncio.create_task(planner_service.serve(config, parts, stop))
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = asyncio.get_running_loop().time() + 60
+            while fake.replicas != {NAMES[Role.PREFILL]: 2, NAMES[Role.DECODE]: 3}:
+                assert asyncio.get_running_loop().time() < deadline, fake.replicas
+                await asyncio.sleep(0.2)
+            async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                assert r.status == 200 and (await r.json())["mode"] == "scale"
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert 'xpyd_planner_desired_replicas{role="prefill"} 2.0' in text
+            assert 'xpyd_planner_desired_replicas{role="decode"} 3.0' in text
+            assert 'xpyd_planner_decisions_total{direction="up",role="decode"} 1.0' in text
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 60)
+        await runner.cleanup()
+    assert [(m, ct) for m, _, ct, _ in fake.seen if m == "PATCH"] == [("PATCH", MERGE_PATCH)] * 2
