@@ -10,8 +10,8 @@ Every ``interval_s`` (``tick``)::
     -> every decision logged with its reason, kept among the last ``MAX_DECISIONS`` (``state``: what the
        proxy's /cluster shows, through etcd) and written as a JSON line to ``decisions_file``
 
-What ``Workers`` are: `xpyd up`'s child processes (``SupervisedWorkers``, below), a Kubernetes Deployment's
-replicas (``kube_workers``) or a desired count for an autoscaler (``desired_replicas``). A scrape that fails (the
+What ``Workers`` are: `xpyd up`'s child processes (``SupervisedWorkers``, below), Kubernetes Deployments' replicas
+or a desired count for an autoscaler (``planner_workers``: `xpyd planner`). A scrape that fails (the
 proxy restarting, a timeout) or a fleet that cannot be read (``WorkersError``) skips the interval; a start or drain
 that fails is logged and recorded with its error; the controller's hysteresis and dwell time
 (``xpyd.planner.controller``) keep it from flapping.
