@@ -105,8 +105,8 @@ def test_the_planner_owns_the_worker_replicas_in_scale_mode(helm: Helm) -> None:
 
 
 def test_the_planners_command_line_is_one_xpyd_accepts(helm: Helm, parser) -> None:
-    from xpyd.launcher.planner_service import config_from_args, parts_from_args
     from xpyd.discovery.planner_state import PlannerMode
+    from xpyd.launcher.planner_service import config_from_args, parts_from_args
     from xpyd.planner.controller import Role
 
     docs = helm.template(VALUE_SETS["planner"], sets=("decode.batchSize=16",),
@@ -124,6 +124,18 @@ def test_the_planners_command_line_is_one_xpyd_accepts(helm: Helm, parser) -> No
         10, 120, 15)
     assert parts.controller.config.slo.ttft_s == 2 and args.batch_size == 16
     assert args.sim_profile == "llama3-8b-h100-estimate"
+
+
+@pytest.mark.parametrize("value_set", ["planner-metrics", "planner-keda"])
+def test_the_metrics_mode_command_line_is_one_xpyd_accepts(helm: Helm, parser, value_set: str) -> None:
+    from xpyd.discovery.planner_state import PlannerMode
+    from xpyd.launcher.planner_service import config_from_args, parts_from_args
+
+    args = parser.parse_args(_argv(helm.template(VALUE_SETS[value_set])))
+    config = config_from_args(args)
+    parts = parts_from_args(args, config.mode)
+    assert (config.mode, config.deployments, parts.controller.config.max_workers) == (PlannerMode.METRICS, {}, 12)
+    assert parts.controller.config.slo.itl_s == 0.1
 
 
 def test_the_planner_has_the_api_key_for_the_proxys_metrics(helm: Helm) -> None:
