@@ -1,4 +1,4 @@
-"""The `xpyd` command: up | proxy | prefill | decode | colocated | bench | plan | status.
+"""The `xpyd` command: up | proxy | prefill | decode | colocated | bench | plan | planner | status.
 
 The top of the import graph. Each command's package is imported only when that command runs, so
 `xpyd proxy` or `xpyd bench` never import torch, and `--help` answers at once. `xpyd bench calibrate`
@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "split and decode batch that meet the SLO at the least workers, with the "
                                    "predicted goodput.")
     plan_main.add_arguments(p)
+    from xpyd.launcher import planner_service
+
+    p = sub.add_parser("planner", help="the online SLO planner as a service (Kubernetes): scale the prefill and "
+                                       "decode Deployments, or expose their desired replicas for an HPA or KEDA",
+                       description="Every --planner-interval read the proxy's metrics, forecast the next interval and "
+                                   "size the prefill and decode workers for --slo (as `xpyd up --planner`); --mode "
+                                   "scale sets the Deployments' replicas through the Kubernetes API, --mode metrics "
+                                   "exposes xpyd_planner_desired_replicas{role} on /metrics. Its target and "
+                                   "decisions go to etcd (the proxy's /cluster shows them). docs/planner.md")
+    planner_service.add_arguments(p)
     p = sub.add_parser("status", help="list the workers registered in etcd",
                        description="Print the workers registered under /workers/ in etcd.")
     p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="the cluster's etcd")
@@ -114,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             from xpyd.planner import main as plan_main
 
             return plan_main.run(args)
+        if args.command == "planner":
+            from xpyd.launcher import planner_service
+
+            return planner_service.run(args)
         if args.command == "status":
             from xpyd.discovery import status
 

@@ -25,6 +25,9 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
     "network-policy": ("network-policy.yaml",),
+    "planner": ("planner.yaml",),
+    "planner-metrics": ("planner-metrics.yaml",),
+    "planner-keda": ("planner-keda.yaml",),
 }
 
 

@@ -40,6 +40,14 @@ SCHEMA_ERRORS = [
                  id="peer-not-an-object"),
     pytest.param((), ("networkPolicy.proxyFrom[0].namespaceSelecter.matchLabels.a=b",),
                  "'namespaceSelecter' not allowed", id="typo-in-peer"),
+    pytest.param((), ("planner.mode=auto",), "/planner/mode", id="unknown-planner-mode"),
+    pytest.param((), ("planner.slo=fast",), "/planner/slo", id="slo-not-key-value"),
+    pytest.param((), ("planner.slo=ttft=2s\\,latency=1s",), "/planner/slo", id="unknown-slo-key"),
+    pytest.param(("planner.maxWorkers=1",), (), "/planner/maxWorkers", id="planner-one-worker"),
+    pytest.param(("planner.intervalSeconds=0",), (), "/planner/intervalSeconds", id="planner-zero-interval"),
+    pytest.param(("planner.metrics.hpa.enable=true",), (), "'enable' not allowed", id="typo-in-planner-hpa"),
+    pytest.param((), ("planner.metrics.keda.serverAddress=prometheus:9090",), "/planner/metrics/keda/serverAddress",
+                 id="keda-address-without-scheme"),
 ]
 
 TEMPLATE_ERRORS = [
@@ -57,6 +65,19 @@ TEMPLATE_ERRORS = [
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
     pytest.param(("apiKey.value=short",), "8-512", id="short-api-key"),
     pytest.param(("apiKey.value=has a space",), "without spaces", id="api-key-with-space"),
+    pytest.param(("planner.enabled=true", "prefill.autoscaling.enabled=true"), "prefill.autoscaling.enabled makes an "
+                 "HPA set them too", id="planner-scale-and-hpa"),
+    pytest.param(("planner.enabled=true", "planner.mode=metrics", "planner.metrics.hpa.enabled=true",
+                  "decode.autoscaling.enabled=true"), "decode.autoscaling.enabled", id="planner-hpa-and-hpa"),
+    pytest.param(("planner.enabled=true", "planner.metrics.hpa.enabled=true"), "with planner.mode=scale the planner "
+                 "sets the replicas itself", id="planner-scale-with-metrics-hpa"),
+    pytest.param(("planner.metrics.hpa.enabled=true", "planner.metrics.keda.enabled=true"), "enable one",
+                 id="planner-hpa-and-keda"),
+    pytest.param(("planner.enabled=true", "planner.mode=metrics", "planner.metrics.keda.enabled=true"),
+                 "planner.metrics.keda.serverAddress", id="keda-without-prometheus"),
+    pytest.param(("planner.enabled=true", "proxy.replicas=2"), "keep proxy.replicas 1", id="planner-two-proxies"),
+    pytest.param(("planner.enabled=true", "planner.mode=metrics", "prefill.replicas=5", "decode.replicas=4"),
+                 "more than planner.maxWorkers", id="replicas-above-planner-max"),
 ]
 
 

@@ -241,7 +241,7 @@ def test_up_refuses_a_device_this_machine_lacks_before_starting_anything(tiny_mo
     assert "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("cmd", ["up", "proxy", "prefill", "decode"])
+@pytest.mark.parametrize("cmd", ["up", "proxy", "prefill", "decode", "planner"])
 def test_help(cmd):
     r = subprocess.run([sys.executable, "-m", "xpyd", cmd, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0

@@ -2,10 +2,11 @@
 
 Owns: the worker record (`types.WorkerInfo`, `Role`), the `Registry` protocol (`base`) with its static
 (`static`, addresses on the command line) and etcd implementations (`etcd`: list + watch + resync;
-`etcd_registration`: a worker's key under a kept-alive lease), a local etcd for `xpyd up`
-(`local_etcd`) and `xpyd status` (`status`).
+`etcd_registration`: a worker's key under a kept-alive lease), the online planner's state that the proxy's
+/cluster shows (`planner_state`: the bounded struct; `planner_etcd`: its writer and the proxy's watch), a local etcd
+for `xpyd up` (`local_etcd`) and `xpyd status` (`status`).
 
-May import: aetcd, the standard library and the leaf modules; no model, no worker, no role.
+May import: aetcd, msgspec, the standard library and the leaf modules; no model, no worker, no role.
 """
 
 import os

@@ -1,33 +1,37 @@
-"""`xpyd up --planner`: the online planner acting on the cluster `xpyd up` runs.
+"""The online planner's loop: `xpyd up --planner` (local worker processes) and `xpyd planner` (Kubernetes).
 
 Every ``interval_s`` (``tick``)::
 
     the proxy's /metrics (a Prometheus text) -> Scrape -> with the one before: the interval (``observe``)
-    -> Controller.decide(now, interval, the fleet now) -> each Decision:
-         +n: start n workers of its role (``Workers.start``: the next port pair of that role)
-         -1: drain the role's newest worker (``Workers.drain``: SIGTERM; it leaves etcd, finishes what it holds,
-             its streams move on through the proxy's migration, and it exits; it is never restarted)
-    -> every decision logged with its reason, and written as a JSON line to ``decisions_file``
+    -> Controller.decide(now, interval, the fleet now: ``Workers.fleet``) -> each Decision:
+         +n: start n workers of its role (``Workers.start``)
+         -1: drain one worker of the role (``Workers.drain``: it leaves etcd, finishes what it holds, its
+             streams move on through the proxy's migration, and it exits)
+    -> every decision logged with its reason, kept among the last ``MAX_DECISIONS`` (``state``: what the
+       proxy's /cluster shows, through etcd) and written as a JSON line to ``decisions_file``
 
-A scrape that fails (the proxy restarting, a timeout) skips the interval; the controller's hysteresis and dwell
-time (``xpyd.planner.controller``) keep it from flapping.
+What ``Workers`` are: `xpyd up`'s child processes (``SupervisedWorkers``, below), Kubernetes Deployments' replicas
+or a desired count for an autoscaler (``planner_workers``: `xpyd planner`). A scrape that fails (the
+proxy restarting, a timeout) or a fleet that cannot be read (``WorkersError``) skips the interval; a start or drain
+that fails is logged and recorded with its error; the controller's hysteresis and dwell time
+(``xpyd.planner.controller``) keep it from flapping.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from xpyd.model.sim.profile import SimProfile, default_profile
-from xpyd.planner.controller import Controller, Decision, Fleet, PlannerConfig, Role
-from xpyd.planner.fleet_model import FleetConfig
+from xpyd.discovery.planner_state import MAX_DECISIONS, DecisionRecord, PlannerMode, PlannerState, Target
+from xpyd.discovery.types import Role as WorkerRole
+from xpyd.planner.controller import Controller, Decision, Fleet, Role
 from xpyd.planner.observe import Lengths, Scrape, observe
-from xpyd.planner.online_model import SimFleetModel
-from xpyd.planner.slo import PlanSLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +39,19 @@ class PlannerLoopConfig:
     interval_s: float = 15.0  # between two scrapes (an interval the controller judges)
     decisions_file: Path | None = None  # JSON lines, one per decision
     defaults: Lengths = Lengths()  # prompt and output lengths until the workers' metrics say
+    mode: PlannerMode = PlannerMode.LOCAL  # what its workers are (shown on /cluster)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.interval_s) and self.interval_s > 0):
             raise ValueError(f"--planner-interval must be > 0 s, got {self.interval_s!r}")
 
 
+class WorkersError(RuntimeError):
+    """The fleet could not be read or changed (an API that did not answer, refused, or answered nonsense)."""
+
+
 class Workers(Protocol):
-    """The cluster's workers as the planner moves them."""
+    """The cluster's workers as the planner moves them; each method may raise ``WorkersError``."""
 
     def fleet(self) -> Fleet: ...
     def start(self, role: Role) -> str: ...  # the started worker's name
@@ -51,21 +60,33 @@ class Workers(Protocol):
 
 class PlannerLoop:
     def __init__(self, controller: Controller, workers: Workers, scrape: Callable[[], dict[str, str]],
-                 config: PlannerLoopConfig, say: Callable[[str], None]) -> None:
+                 config: PlannerLoopConfig, say: Callable[[str], None],
+                 clock: Callable[[], float] = time.time) -> None:
         """``scrape()``: source name -> Prometheus text (the proxy's under "proxy"); it may raise OSError or
-        ValueError (the interval is skipped)."""
+        ValueError (the interval is skipped). ``clock``: the Unix time decisions are stamped with."""
         self._controller = controller
         self._workers = workers
         self._scrape = scrape
         self.config = config
         self._say = say
+        self._clock = clock
         self._last: Scrape | None = None
         self._next = 0.0
-        self.decisions: list[Decision] = []
+        self.recent: deque[DecisionRecord] = deque(maxlen=MAX_DECISIONS)  # the last decisions, oldest first
+        self.target: Fleet | None = None  # the fleet after the last interval's decisions
+        self.updated_at = 0.0  # Unix time of the last interval judged
+
+    def due(self, now: float) -> bool:
+        return now >= self._next
+
+    @property
+    def next_at(self) -> float:
+        """When the next interval is due (the ``now`` of ``tick``'s clock)."""
+        return self._next
 
     def tick(self, now: float) -> list[Decision]:
         """Judge the interval that ended now, if one is due; the decisions it acted on."""
-        if now < self._next:
+        if not self.due(now):
             return []
         self._next = now + self.config.interval_s
         try:
@@ -77,26 +98,55 @@ class PlannerLoop:
         if last is None:
             return []
         interval = observe(last, scrape, self.config.defaults)
-        fleet = self._workers.fleet()
+        try:
+            fleet = self._workers.fleet()
+        except WorkersError as e:
+            self._say(f"planner: the fleet is unknown this interval ({e})")
+            return []
         decisions = self._controller.decide(now, interval, fleet)
         for note in self._controller.notes:
             self._say(f"planner: held: {note}")
+        counts = {role: fleet.count(role) for role in Role}
         for d in decisions:
-            self._act(d)
+            counts[d.role] += self._act(d)
+        self.target = Fleet(counts[Role.PREFILL], counts[Role.DECODE])
+        self.updated_at = self._clock()
         return decisions
 
-    def _act(self, d: Decision) -> None:
+    def state(self) -> PlannerState:
+        """What /cluster shows of this planner."""
+        c = self._controller.config
+        target = None if self.target is None else Target(self.target.prefill, self.target.decode)
+        return PlannerState(self.config.mode, c.slo.describe(), c.max_workers, self.config.interval_s,
+                            self.updated_at, target, tuple(self.recent))
+
+    def _act(self, d: Decision) -> int:
+        """Start or drain as ``d`` says; the change made (0 when it failed)."""
+        names: list[str] = []
+        error = None
+        try:
+            if d.delta > 0:
+                for _ in range(d.delta):
+                    names.append(self._workers.start(d.role))
+            else:
+                for _ in range(-d.delta):
+                    if (name := self._workers.drain(d.role)) is not None:
+                        names.append(name)
+        except WorkersError as e:
+            error = str(e)
+        done = len(names) if d.delta > 0 else -len(names)
         if d.delta > 0:
-            names = [self._workers.start(d.role) for _ in range(d.delta)]
-            what = f"started {', '.join(names)}"
+            what = f"started {', '.join(names)}" if names else "started nothing"
         else:
-            names = [n for n in (self._workers.drain(d.role) for _ in range(-d.delta)) if n is not None]
             what = f"draining {', '.join(names) or 'nothing'}"
-        self.decisions.append(d)
-        self._say(f"planner: {d.role.value} {d.delta:+d} -> {d.target}: {what}; {d.reason}")
+        self._say(f"planner: {d.role.value} {d.delta:+d} -> {d.target}: {what}; {d.reason}"
+                  + (f" (failed: {error})" if error else ""))
+        self.recent.append(DecisionRecord.of(self._clock(), WorkerRole(d.role.value), d.delta, d.target, d.reason,
+                                             names, error))
         if self.config.decisions_file is not None:
             with self.config.decisions_file.open("a") as f:
-                f.write(json.dumps({**d.as_dict(), "workers": names}) + "\n")
+                f.write(json.dumps({**d.as_dict(), "workers": names, **({"error": error} if error else {})}) + "\n")
+        return done
 
 
 class SupervisedWorkers:
@@ -130,38 +180,3 @@ class SupervisedWorkers:
         name = self._names[role].pop()  # the newest
         self._cluster.drain(name)
         return name
-
-
-def add_planner_options(p) -> None:
-    """`xpyd up`'s planner flags."""
-    g = p.add_argument_group("online planner (with --prefill/--decode: through etcd)")
-    g.add_argument("--planner", action="store_true",
-                   help="start and drain prefill and decode workers to meet --slo at the least workers: every "
-                        "--planner-interval the proxy's metrics, a forecast of the next interval, the fleet "
-                        "model (xpyd plan's) timed by --sim-profile (default: the built-in profile); hysteresis "
-                        "and a dwell time; each decision logged with its reason (docs/planner.md)")
-    g.add_argument("--slo", default=None, metavar="ttft=2s,itl=200ms[,attainment=0.95]",
-                   help="the planner's target (as `xpyd plan --slo`)")
-    g.add_argument("--max-workers", type=int, default=8, metavar="N", help="prefill + decode workers at most (8)")
-    g.add_argument("--planner-interval", type=float, default=15.0, metavar="S", help="seconds an interval (15)")
-    g.add_argument("--planner-dwell", type=float, default=60.0, metavar="S",
-                   help="no change of a role within this long of its last one (60)")
-    g.add_argument("--planner-decisions", default=None, metavar="FILE", help="append each decision here (JSON lines)")
-
-
-def planner_from_args(args, cluster, spawn: Callable[[str, int], str], prefill: int, decode: int,
-                      scrape: Callable[[], dict[str, str]], port_free: Callable[[Role, int], bool],
-                      say: Callable[[str], None]) -> PlannerLoop:
-    """The planner `xpyd up --planner` runs; ValueError naming the flag that is wrong."""
-    if args.slo is None:
-        raise ValueError("--planner needs --slo (e.g. ttft=2s,itl=200ms)")
-    slo = PlanSLO.parse(args.slo)
-    profile = SimProfile.load(args.sim_profile) if args.sim_profile else default_profile()
-    if args.engine == "sim" and math.isfinite(args.sim_speedup) and args.sim_speedup != 1:
-        profile = profile.faster(args.sim_speedup)  # (the sim workers run that much faster than the profile)
-    config = PlannerConfig(slo=slo, max_workers=args.max_workers, dwell_s=args.planner_dwell)
-    model = SimFleetModel(profile, slo, FleetConfig(1, 1, decode_batch=args.batch_size))
-    loop_config = PlannerLoopConfig(args.planner_interval,
-                                    Path(args.planner_decisions) if args.planner_decisions else None)
-    workers = SupervisedWorkers(cluster, spawn, prefill, decode, port_free)
-    return PlannerLoop(Controller(config, model), workers, scrape, loop_config, say)

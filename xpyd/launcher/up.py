@@ -18,7 +18,8 @@ import time
 import urllib.request
 
 from xpyd.discovery.local_etcd import LocalEtcd
-from xpyd.launcher.planner_loop import add_planner_options, planner_from_args
+from xpyd.launcher.planner_options import add_planner_options, planner_from_args
+from xpyd.launcher.planner_publish import BlockingPublisher
 from xpyd.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
 from xpyd.model.loader import ensure_converted
 from xpyd.netaddr import http_url, is_ipv6
@@ -361,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = Supervisor(RestartPolicy(backoff=args.restart_backoff, max_backoff=args.max_restart_backoff))
     etcd = None
+    publisher = None
     try:
         discovery: list[str] = []
         if dynamic:
@@ -427,11 +429,14 @@ def run(args: argparse.Namespace) -> int:
 
             planner = planner_from_args(args, cluster, spawn_worker, x, y, scrape,
                                         port_free, lambda line: print(f"xpyd up: {line}", file=sys.stderr, flush=True))
+            publisher = BlockingPublisher(discovery[1], args.planner_interval)  # (its state: the proxy's /cluster)
+            publisher.publish(planner.state())
         while not stop_requested:  # workers that exit are restarted; the proxy or etcd exiting stops us
             try:
                 cluster.check()
-                if planner is not None:
-                    planner.tick(time.monotonic())
+                if planner is not None and planner.due(now := time.monotonic()):
+                    planner.tick(now)
+                    publisher.publish(planner.state())
             except GiveUp as e:
                 print(f"xpyd up: {e}; stopping the cluster", file=sys.stderr)
                 return 1
@@ -448,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("xpyd up: stopping...", file=sys.stderr, flush=True)
         cluster.stop()
+        if publisher is not None:
+            publisher.close()
         if etcd is not None:
             etcd.stop()  # last: workers deregister on the way out
         if share:

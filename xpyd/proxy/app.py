@@ -36,7 +36,8 @@ a generation's ``X-Request-Id`` is its response id. Nothing the client reads nam
 worker's address or the workers' request id (errors go through ``http_errors.Redactor``); with
 ``expose_worker_names`` every answer of a dispatched request (errors too) says which pair served it in
 ``x-xpyd-workers``, by opaque names (``worker_names``), set before the first byte of a stream.
-``GET /cluster`` shows every worker with its health and load; ``GET /metrics``
+``GET /cluster`` shows every worker with its health and load (and the online planner's target and recent
+decisions, ``planner``: null when none runs); ``GET /metrics``
 the proxy's Prometheus metrics (``xpyd.proxy.metrics``). With an API key set,
 everything but ``GET /health`` needs ``Authorization: Bearer KEY`` (``/cluster``
 shows internal addresses, ``/metrics`` traffic; Prometheus can send the key). The registry's
@@ -62,6 +63,7 @@ from xpyd.api.tool_output import check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
+from xpyd.discovery.planner_state import PlannerSource
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.prefix_hash import hash_key
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
@@ -101,9 +103,10 @@ _WORKERS = web.RequestKey("xpyd_workers", str) if hasattr(web, "RequestKey") els
 class Proxy:
     """Request handling; one instance per app, holding the router and the worker client."""
 
-    def __init__(self, config: ProxyConfig, registry: Registry) -> None:
+    def __init__(self, config: ProxyConfig, registry: Registry, planner: PlannerSource | None = None) -> None:
         self.config = config
         self.registry = registry
+        self.planner = planner  # the online planner's state, if one may run (etcd)
         self.table = WorkerTable()
         self.decider = PrefillDecider(config.local_prefill_max_tokens)
         # cache_aware, or local prefills: which blocks each worker caches, fed by the poller through the CacheFeed
@@ -190,9 +193,11 @@ class Proxy:
                 workers.append(view)
         queue = {"waiting": self.queue.waiting, "max": self.config.max_queue,
                  "active_requests": self.limit.active}
+        planner = self.planner.state if self.planner is not None else None
         return json_response({"workers": workers, "policy": self.router.policy.value,
                               "tokenizer": self._feed.describe() if self._feed is not None else None,
-                              "queue": queue, "avoided_pairs": self.pairs.to_dict()})
+                              "queue": queue, "avoided_pairs": self.pairs.to_dict(),
+                              "planner": planner.to_dict() if planner is not None else None})
 
     def metrics_response(self) -> web.Response:
         for role in Role:
@@ -465,9 +470,10 @@ def prefill_alone(req: CompletionRequest) -> bool:
     return req.max_tokens is not None and req.max_tokens <= 1
 
 
-def create_app(config: ProxyConfig, registry: Registry) -> web.Application:
-    """An OpenAI-compatible proxy over ``registry``'s workers (start the registry first)."""
-    proxy = Proxy(config, registry)
+def create_app(config: ProxyConfig, registry: Registry, planner: PlannerSource | None = None) -> web.Application:
+    """An OpenAI-compatible proxy over ``registry``'s workers (start the registry first); ``planner``: where
+    ``/cluster`` reads the online planner's state (its lifecycle is the caller's, as the registry's)."""
+    proxy = Proxy(config, registry, planner)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[error_middleware(config.max_body_bytes, proxy.redactor,
                                                         before=proxy.check_api_key, after=proxy.add_headers)])

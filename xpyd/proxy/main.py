@@ -241,6 +241,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
     except BaseException:
         sock.close()
         raise
+    planner = None
     try:
         starting = asyncio.create_task(_start_registry(registry, config))
         stopping = asyncio.create_task(stop.wait())
@@ -250,7 +251,12 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
             starting.cancel()
             return
         starting.result()  # raises RegistryError
-        app = create_app(config, registry)
+        if config.etcd is not None:  # (the online planner writes its state there: /cluster shows it)
+            from xpyd.discovery.planner_etcd import PlannerWatch
+
+            planner = PlannerWatch(config.etcd)
+            planner.start()
+        app = create_app(config, registry, planner)
         source = f"workers from etcd {config.etcd}" if config.etcd else "static workers"
         log.info("proxy on http://%s serving %s (%s, policy %s, API key %s, cluster token %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
@@ -260,6 +266,8 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         sock.close()  # (if it was not served: stopped or failed before serving)
         try:
             async with asyncio.timeout(REGISTRY_CLOSE_SECONDS):
+                if planner is not None:
+                    await planner.close()
                 await registry.close()
         except TimeoutError:
             log.warning("worker discovery did not close within %gs", REGISTRY_CLOSE_SECONDS)

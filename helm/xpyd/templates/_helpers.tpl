@@ -205,3 +205,28 @@ initContainers:
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
 checksum/secrets: {{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
 {{- end -}}
+
+{{/* The online planner's name (its Deployment, Service, ServiceAccount, Role). */}}
+{{- define "xpyd.plannerName" -}}
+{{- printf "%s-planner" (include "xpyd.fullname" .) -}}
+{{- end -}}
+
+{{/* What acts on the planner's desired replicas in metrics mode: "hpa", "keda" or "" (nothing in the chart). */}}
+{{- define "xpyd.plannerScaler" -}}
+{{- $p := .Values.planner -}}
+{{- if and $p.enabled (eq $p.mode "metrics") -}}
+{{- if $p.metrics.hpa.enabled }}hpa{{ else if $p.metrics.keda.enabled }}keda{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+"true" when something else sets a worker Deployment's replicas (its HPA, the planner in scale mode, or an
+HPA/KEDA on the planner's metrics): the Deployment then leaves replicas out, so an upgrade never resets them.
+Call with (dict "root" $ "role" "prefill").
+*/}}
+{{- define "xpyd.replicasOwnedElsewhere" -}}
+{{- $p := .root.Values.planner -}}
+{{- if or (index .root.Values .role).autoscaling.enabled (and $p.enabled (eq $p.mode "scale")) (include "xpyd.plannerScaler" .root) -}}
+true
+{{- end -}}
+{{- end -}}

@@ -27,6 +27,7 @@ Rendering stops with a message that names the values to change.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- include "xpyd.validatePlanner" . -}}
 {{- range $component := list "etcd" "proxy" "prefill" "decode" -}}
 {{- $pdb := (index $v $component).podDisruptionBudget -}}
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
@@ -47,5 +48,35 @@ Rendering stops with a message that names the values to change.
 {{- end -}}
 {{- if and $v.clusterToken.value (or (lt (len $v.clusterToken.value) 8) (gt (len $v.clusterToken.value) 256)) -}}
 {{- fail "clusterToken.value must be 8-256 characters" -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/* The planner's settings against each other and against the rest. */}}
+{{- define "xpyd.validatePlanner" -}}
+{{- $v := .Values -}}
+{{- $p := $v.planner -}}
+{{- if and $p.metrics.hpa.enabled $p.metrics.keda.enabled -}}
+{{- fail "planner.metrics.hpa and planner.metrics.keda both act on the planner's desired replicas: enable one" -}}
+{{- end -}}
+{{- if $p.enabled -}}
+{{- if and (ne $p.mode "metrics") (or $p.metrics.hpa.enabled $p.metrics.keda.enabled) -}}
+{{- fail (printf "planner.metrics.hpa/keda act on the desired replicas of planner.mode=metrics; with planner.mode=%s the planner sets the replicas itself: turn them off or set planner.mode=metrics" $p.mode) -}}
+{{- end -}}
+{{- if and $p.metrics.keda.enabled (not $p.metrics.keda.serverAddress) -}}
+{{- fail "planner.metrics.keda needs planner.metrics.keda.serverAddress: the Prometheus that scrapes the planner" -}}
+{{- end -}}
+{{- $scaling := or (eq $p.mode "scale") $p.metrics.hpa.enabled $p.metrics.keda.enabled -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- if and $scaling (index $v $role).autoscaling.enabled -}}
+{{- fail (printf "the planner (planner.mode=%s%s) sets the %s Deployment's replicas and %s.autoscaling.enabled makes an HPA set them too: turn one off" $p.mode (ternary "" (printf ", planner.metrics.%s" (include "xpyd.plannerScaler" $)) (eq $p.mode "scale")) $role $role) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $v.proxy.replicas) 1 -}}
+{{- fail (printf "the planner reads one proxy's /metrics through the proxy Service: with proxy.replicas %v it would see each proxy's counters in turn (a share of the traffic, counters that jump); keep proxy.replicas 1 with planner.enabled" $v.proxy.replicas) -}}
+{{- end -}}
+{{- if and (not $scaling) (gt (add (int $v.prefill.replicas) (int $v.decode.replicas)) (int $p.maxWorkers)) -}}
+{{- fail (printf "prefill.replicas + decode.replicas (%d) is more than planner.maxWorkers (%v)" (add (int $v.prefill.replicas) (int $v.decode.replicas)) $p.maxWorkers) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

@@ -18,7 +18,7 @@ metadata:
   labels:
     {{- include "xpyd.labels" (dict "root" $root "component" $role) | nindent 4 }}
 spec:
-  {{- if not $w.autoscaling.enabled }}
+  {{- if not (include "xpyd.replicasOwnedElsewhere" (dict "root" $root "role" $role)) }}
   replicas: {{ $w.replicas }}
   {{- end }}
   selector:

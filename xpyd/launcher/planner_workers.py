@@ -1,0 +1,97 @@
+"""The planner's ``Workers`` on Kubernetes (`xpyd planner`), one per ``--mode``:
+
+- ``Deployments`` (scale): the fleet is the prefill and decode Deployments' replicas (spec.replicas, read at
+  each interval); a start is a scale-up by one, a drain a scale-down by one (Kubernetes picks the pod and sends
+  it SIGTERM; an xpyd worker then leaves etcd, finishes what it holds and exits).
+- ``DesiredReplicas`` (metrics): the fleet is the count the planner wants and publishes for an autoscaler
+  (``xpyd_planner_desired_replicas``), which makes the Deployments follow; it starts from the workers the proxy
+  knows (``seed``: after a restart the planner goes on from the fleet that runs, not from a default).
+
+The planner's tick runs in a thread of its own (the fleet model takes CPU seconds: the event loop keeps answering
+/health and /metrics); ``Deployments`` runs each API call on the event loop that owns the client and waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine, Mapping
+
+from xpyd.launcher.kube import KubeError, ScaleClient
+from xpyd.launcher.planner_loop import WorkersError
+from xpyd.planner.controller import Fleet, Role
+from xpyd.planner.observe import PROXY, Scrape
+
+__all__ = ["DesiredReplicas", "Deployments"]
+
+WORKERS_GAUGE = "xpyd_proxy_workers"  # the proxy's workers by role and health
+
+
+class Deployments:
+    def __init__(self, client: ScaleClient, names: Mapping[Role, str], loop: asyncio.AbstractEventLoop) -> None:
+        """``names``: each role's Deployment; ``loop``: the (running) loop the client belongs to."""
+        self._client = client
+        self._names = dict(names)
+        self._loop = loop
+        self._counts: dict[Role, int] = {}
+
+    def fleet(self) -> Fleet:
+        self._counts = {role: self._call(self._client.replicas(self._names[role])) for role in Role}
+        return Fleet(self._counts[Role.PREFILL], self._counts[Role.DECODE])
+
+    def start(self, role: Role) -> str:
+        return self._set(role, self._counts[role] + 1)
+
+    def drain(self, role: Role) -> str | None:
+        if self._counts[role] <= 1:
+            return None
+        return self._set(role, self._counts[role] - 1)
+
+    def _set(self, role: Role, replicas: int) -> str:
+        name, before = self._names[role], self._counts[role]
+        self._counts[role] = self._call(self._client.scale(name, replicas))
+        return f"{name} {before} -> {self._counts[role]} replicas"
+
+    def _call(self, call: Coroutine) -> int:
+        future = asyncio.run_coroutine_threadsafe(call, self._loop)
+        try:
+            return future.result(self._client.config.timeout_s + 1)
+        except KubeError as e:
+            raise WorkersError(str(e)) from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise WorkersError(f"the Kubernetes API did not answer within {self._client.config.timeout_s:g}s")
+
+
+class DesiredReplicas:
+    def __init__(self) -> None:
+        self._counts: dict[Role, int] | None = None
+
+    @property
+    def seeded(self) -> bool:
+        return self._counts is not None
+
+    def seed(self, proxy_metrics: str) -> None:
+        """The first time: each role's count from the proxy's ``xpyd_proxy_workers`` (up and down, at least one);
+        ValueError if the text is not Prometheus'."""
+        if self._counts is not None:
+            return
+        scrape = Scrape.parse(0.0, {PROXY: proxy_metrics})
+        self._counts = {role: max(1, round(scrape.total(WORKERS_GAUGE, PROXY, role=role.value))) for role in Role}
+
+    def fleet(self) -> Fleet:
+        if self._counts is None:
+            raise WorkersError("no fleet yet: the proxy's worker counts were not read")
+        return Fleet(self._counts[Role.PREFILL], self._counts[Role.DECODE])
+
+    def start(self, role: Role) -> str:
+        return self._set(role, self.fleet().count(role) + 1)
+
+    def drain(self, role: Role) -> str | None:
+        n = self.fleet().count(role)
+        return self._set(role, n - 1) if n > 1 else None
+
+    def _set(self, role: Role, n: int) -> str:
+        before = self._counts[role]
+        self._counts[role] = n
+        return f"desired {role.value} replicas {before} -> {n}"
