@@ -42,7 +42,7 @@ __all__ = ["PREFIX", "EtcdRegistration", "EtcdRegistry", "worker_key"]
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = 5.0  # seconds start() keeps trying to reach etcd before RegistryError
+START_TIMEOUT = 30.0  # seconds start() keeps trying to reach etcd before RegistryError (it may start later)
 
 
 class EtcdRegistry:

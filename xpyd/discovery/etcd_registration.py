@@ -36,7 +36,8 @@ from xpyd.discovery.types import WorkerInfo
 log = logging.getLogger(__name__)
 
 MIN_TTL = 2  # etcd's minimum lease TTL, seconds
-START_TIMEOUT = 10.0  # seconds start() keeps trying before it raises
+START_TIMEOUT = 30.0  # seconds start() keeps trying before it raises (etcd may start after the workers: a
+#                       Kubernetes rollout, 64 workers starting on a loaded machine)
 
 
 class EtcdRegistration:
