@@ -17,6 +17,7 @@ from xpyd.api.phases import ColocatedPhases, DecodePhases, PrefillPhases, ProxyP
 from xpyd.api.responses import SSE_DONE, has_text, sse, stream_chunk
 from xpyd.api.timing import WorkerTiming, decode_timing, timing_of_comment
 from xpyd.bench.client import Endpoint, RequestResult, StreamingClient, answer_text
+from xpyd.bench.metrics import RequestLatency
 from xpyd.bench.phases import RequestPhases, summarize_phases
 from xpyd.bench.workload import RequestSpec
 from xpyd.proxy.metrics import ProxyMetrics
@@ -181,6 +182,10 @@ def test_bench_asks_for_json_answers_and_several_choices():
     body = c.body(RequestSpec(prompt="hi", max_tokens=4))
     assert body["stream"] is False and "stream_options" not in body and body["n"] == 3
     assert answer_text({"message": {"content": "hey"}}, Endpoint.CHAT) == "hey"
+    json_answer = RequestResult(label="fixed", send_time=1.0, chunk_times=[1.5], end_time=1.5, output_tokens=8,
+                                streamed=False)
+    lat = RequestLatency.of(json_answer)
+    assert lat.ttft_s == lat.e2e_s == 0.5 and lat.tpot_s is None  # (no TPOT: the tokens came at once)
     assert answer_text({"text": "yo"}, Endpoint.COMPLETIONS) == "yo" and answer_text(None, Endpoint.CHAT) == ""
 
 

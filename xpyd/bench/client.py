@@ -94,6 +94,7 @@ class RequestResult:
     trace_line: int | None = None  # the spec's line in the trace file (trace replay)
     workers: dict[str, str] | None = None  # {role: name} from x-xpyd-workers (None: the server did not say)
     worker_timing: WorkerTiming | None = None  # the workers' own, from `: xpyd-timing` (None: not sent, or broken)
+    streamed: bool = True  # False: a JSON answer (its one chunk arrived with its end)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -195,7 +196,7 @@ class StreamingClient:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = self.body(spec)
         result = RequestResult(label=spec.label, send_time=time.perf_counter(), turn=spec.turn,
-                               trace_line=spec.trace_line)
+                               trace_line=spec.trace_line, streamed=self._stream)
         try:
             async with self._session.post(self._url, json=body) as resp:
                 result.workers = parse_workers(resp.headers.get(WORKERS_HEADER))
