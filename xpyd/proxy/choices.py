@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Protocol
 
 from aiohttp import web
@@ -57,7 +57,7 @@ class _ChoiceTimer:
         self.decoded_at = time.monotonic()
 
 
-def _latest(times) -> float | None:
+def _latest(times: Iterable[float | None]) -> float | None:
     return max((t for t in times if t is not None), default=None)
 
 
