@@ -4,7 +4,10 @@
 (the goal: sum p50 within 2% of client TTFT p50), and writes the bench's JSON.
 
     .venv/bin/python scripts/bench_phases.py [--requests 64] [--concurrency 4] [--input-len 256] \
-        [--output-len 32] [--out DIR] [--up-args "--dtype bfloat16"]
+        [--output-len 32] [--out DIR] [--up-args "--dtype bfloat16"] [--bench-args "--no-stream"]
+
+``--up-args --colocated`` measures a colocated worker behind its proxy; ``--bench-args "--no-stream"`` JSON
+answers (the time to the answer, split), ``--bench-args "--n 2"`` several choices.
 
 Starts its own cluster on free ports and stops it; nothing but 127.0.0.1 is contacted.
 """
@@ -35,6 +38,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench-phases"))
     ap.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
+    ap.add_argument("--bench-args", default="", help="more `xpyd bench` options, one string")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     base = _free_run(30, 23000)
@@ -56,7 +60,8 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "xpyd", "bench", "--url", f"http://127.0.0.1:{port}",
                             "--no-progress", "--num-requests", str(args.requests), "--concurrency",
                             str(args.concurrency), "--input-len", str(args.input_len), "--output-len",
-                            str(args.output_len), "--warmup", "2", "--include-requests", "--json", str(report)],
+                            str(args.output_len), "--warmup", "2", "--include-requests", "--json", str(report),
+                            *shlex.split(args.bench_args)],
                            check=True, env=env, timeout=1800)
         finally:
             os.killpg(up.pid, signal.SIGTERM)

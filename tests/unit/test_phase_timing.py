@@ -66,7 +66,7 @@ def test_phases_travel_in_the_timing_and_absent_ones_are_left_out():
     t = WorkerTiming(ttft_us=5, prefill=PREFILL, decode=DECODE, proxy=proxy)
     assert timing_of_comment(t.comment()) == t
     plain = json.loads(WorkerTiming(ttft_us=5).to_json())
-    assert plain == {"v": 2, "ttft_us": 5, "gaps_us": [], "gaps": 0}
+    assert plain == {"v": 3, "ttft_us": 5, "gaps_us": [], "gaps": 0}
     assert decode_timing('{"v":1,"ttft_us":5}') == WorkerTiming(v=1, ttft_us=5)  # a version 1 line still reads
 
 

@@ -25,7 +25,7 @@ from xpyd.worker.timing import AnswerClock
 def test_a_timing_goes_as_one_sse_comment_and_comes_back_equal():
     t = WorkerTiming(ttft_us=1500, gaps_us=(10, 20, 30), gaps=3)
     block = t.comment()
-    assert block == b': xpyd-timing {"v":2,"ttft_us":1500,"gaps_us":[10,20,30],"gaps":3}\n\n'
+    assert block == b': xpyd-timing {"v":3,"ttft_us":1500,"gaps_us":[10,20,30],"gaps":3}\n\n'
     assert timing_of_comment(block) == t
     assert timing_of_comment(b": keep-alive") is None
     assert decode_timing(t.to_json()) == t

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from xpyd.api.openai import CompletionRequest, RequestKind
-from xpyd.api.responses import DONE_DATA, SSE_DONE, sse, usage_chunk
+from xpyd.api.responses import DONE_DATA, SSE_DONE, has_text, sse, usage_chunk
 from xpyd.api.sse import sse_data
 
 _SEED_LIMIT = 2**64
@@ -90,9 +90,12 @@ def join_json(req: CompletionRequest, answers: Sequence[tuple[Child, dict]]) -> 
 
 
 async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, AsyncIterator[bytes]]],
-                       name: tuple[str, int, str]) -> AsyncIterator[bytes]:
+                       name: tuple[str, int, str], first_text: Callable[[], None] | None = None,
+                       trailer: Callable[[], bytes] | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of ``req`` from its children's streams (each a whole one-choice stream with its usage
-    chunk); ``name``: the response's (id, created, model). Closing it closes every child stream."""
+    chunk); ``name``: the response's (id, created, model). Closing it closes every child stream.
+    ``first_text``: called once the first chunk with text is written (its yield came back); ``trailer``: what
+    goes just before ``[DONE]`` when every child ended (a timing comment)."""
     queue: asyncio.Queue[tuple[Child, bytes | None]] = asyncio.Queue()
     usages: dict[int, dict] = {}
 
@@ -124,10 +127,15 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
             for choice in event.get("choices", ()):
                 choice["index"] = child.index
             yield sse(event)
+            if first_text is not None and has_text(event):
+                first_text()
+                first_text = None
         else:
             if req.include_usage:
                 u = _usage([c for c, _ in streams], usages)
                 yield sse({**usage_chunk(*name, req.kind, 0, 0), "usage": u})
+            if trailer is not None:
+                yield trailer()
         yield SSE_DONE
     finally:
         for t in tasks:
@@ -138,3 +146,4 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+

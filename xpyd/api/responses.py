@@ -140,6 +140,19 @@ def stream_chunk(
     return {**_chunk_base(request_id, created, model, kind), "choices": [choice]}
 
 
+def has_text(chunk: dict) -> bool:
+    """A stream chunk with generated text in a choice (a completion's ``text``, a chat delta's ``content``): a
+    content chunk, as a client's TTFT counts it."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(choice, dict) and (choice.get("text") or (isinstance(delta, dict) and delta.get("content"))):
+            return True
+    return False
+
+
 def usage_chunk(
     request_id: str,
     created: int,

@@ -5,7 +5,10 @@ Asked for with the request header ``X-Xpyd-Timing: 1`` (the proxy sends it only 
 
     streamed answer   an SSE comment just before ``data: [DONE]``:   ``: xpyd-timing {json}`` + blank line
                       (SSE clients skip comments; the OpenAI client does)
-    JSON answer       the response header ``X-Xpyd-Timing: {json}`` (prefill's first token: its TTFT)
+    JSON answer       the response header ``X-Xpyd-Timing: {json}`` (prefill's first token: its TTFT; a
+                      colocated worker's answer: its time to the answer); a proxy under
+                      ``--expose-worker-timing`` answers a JSON request the same way (no gaps: the client
+                      saw none), with each side's phases of the time to the answer
 
 ``ttft_us``: the request's arrival at the worker's HTTP handler -> the first content chunk written (or the JSON
 answer built); None where the worker did not write the client's first token. ``gaps_us``: the gaps between
@@ -19,8 +22,9 @@ decode's gaps (tokens 2..n, so one gap fewer than the client saw: the first, tok
 Where the time went (version 2; ``xpyd.api.phases``): a prefill worker adds ``prefill``, its TTFT split into
 parse, queue, compute and respond; a decode worker ``decode``, its time to its first chunk split into parse,
 wait, transfer, queue, step and respond; the proxy ``proxy``, its own ingress, prefill call, network (the
-call less prefill's own time) and egress, which add up to the TTFT it served. A version 1 line (no phases)
-still reads.
+call less prefill's own time) and egress, which add up to the TTFT it served. Version 3: a colocated worker's
+``colocated`` (parse, queue, compute, [rest], respond, and a stream's first decode step), the proxy's ``choices``
+and ``rest`` (several choices; a JSON answer). Earlier lines still read.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ from typing import Annotated
 
 import msgspec
 
-from xpyd.api.phases import MAX_US, DecodePhases, Micros, PrefillPhases, ProxyPhases
+from xpyd.api.phases import MAX_US, ColocatedPhases, DecodePhases, Micros, PrefillPhases, ProxyPhases
 
 TIMING_HEADER = "X-Xpyd-Timing"
 ASK = "1"  # the request header's value that asks for timing
 COMMENT_PREFIX = b": xpyd-timing "
-VERSION = 2
+VERSION = 3
 MAX_GAPS = 4096
 
 
@@ -46,6 +50,7 @@ class WorkerTiming(msgspec.Struct, frozen=True, kw_only=True):
     prefill: PrefillPhases | None = None  # the prefill worker's answer, split (v2)
     decode: DecodePhases | None = None  # the decode worker's time to its first chunk, split (v2)
     proxy: ProxyPhases | None = None  # the proxy's TTFT, split (v2)
+    colocated: ColocatedPhases | None = None  # a colocated worker's time to its first chunk or answer, split (v3)
 
     def __post_init__(self) -> None:
         if self.gaps < len(self.gaps_us):
@@ -54,6 +59,10 @@ class WorkerTiming(msgspec.Struct, frozen=True, kw_only=True):
     def to_json(self) -> bytes:
         """Its JSON, without the phases no side said (null)."""
         return _ENCODER.encode({k: v for k, v in msgspec.structs.asdict(self).items() if v is not None})
+
+    def header(self) -> str:
+        """``X-Xpyd-Timing``'s value on a JSON answer (its JSON: ASCII, one line)."""
+        return self.to_json().decode()
 
     def comment(self) -> bytes:
         """The SSE comment block that carries it."""

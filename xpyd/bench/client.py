@@ -9,6 +9,10 @@ when the server reports it), the workers that served it when the server names th
 with ``--expose-worker-names``: ``x-xpyd-workers: prefill=NAME, decode=NAME``, see ``parse_workers``), the
 workers' own timing when the server ends the stream with it (an xpyd proxy with ``--expose-worker-timing``:
 the SSE comment ``: xpyd-timing {json}``, ``xpyd.api.timing``), or an error kind. Errors are returned, never raised: a benchmark counts them.
+
+Asked for JSON answers (``stream=False``: ``xpyd bench --no-stream``) the answer is one "chunk" arriving with
+its body: its arrival is the TTFT (and the end), the text is choice 0's, and the workers' timing is the
+answer's ``X-Xpyd-Timing`` header. ``n`` > 1 asks for that many choices.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import aiohttp
 
 from xpyd.api.responses import DONE_DATA
 from xpyd.api.sse import SSEParser, sse_data
-from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
+from xpyd.api.timing import COMMENT_PREFIX, TIMING_HEADER, WorkerTiming, decode_timing, timing_of_comment
 from xpyd.bench.workload import RequestSpec
 
 
@@ -90,6 +94,7 @@ class RequestResult:
     trace_line: int | None = None  # the spec's line in the trace file (trace replay)
     workers: dict[str, str] | None = None  # {role: name} from x-xpyd-workers (None: the server did not say)
     worker_timing: WorkerTiming | None = None  # the workers' own, from `: xpyd-timing` (None: not sent, or broken)
+    streamed: bool = True  # False: a JSON answer (its one chunk arrived with its end)
     error: str | None = None  # error key (ErrorKind value, or http_<status>); None = completed
     error_detail: str = ""
 
@@ -138,12 +143,15 @@ class _StreamFailure(Exception):
 
 
 class StreamingClient:
-    """Sends streaming requests over one session: ``async with StreamingClient(...) as c``."""
+    """Sends streaming (or, ``stream=False``, JSON) requests over one session: ``async with StreamingClient(...)
+    as c``."""
 
     def __init__(self, base_url: str, endpoint: Endpoint, model: str, *, timeout_s: float,
-                 max_connections: int, api_key: str | None = None) -> None:
-        if timeout_s <= 0 or max_connections < 1:
-            raise ValueError("timeout_s must be > 0 and max_connections >= 1")
+                 max_connections: int, api_key: str | None = None, stream: bool = True, n: int = 1) -> None:
+        if timeout_s <= 0 or max_connections < 1 or n < 1:
+            raise ValueError("timeout_s must be > 0, max_connections >= 1 and n >= 1")
+        self._stream = stream
+        self._n = n
         self._url = normalize_base_url(base_url) + endpoint.path
         self._endpoint = endpoint
         self._model = model
@@ -164,9 +172,14 @@ class StreamingClient:
             self._session = None
 
     def body(self, spec: RequestSpec) -> dict:
-        """The JSON body: always streaming with usage, ``ignore_eos`` so ``max_tokens`` is exact."""
-        body: dict = {"model": self._model, "max_tokens": spec.max_tokens, "stream": True,
-                      "stream_options": {"include_usage": True}, "ignore_eos": True}
+        """The JSON body: streaming with usage (unless ``stream`` is off), ``ignore_eos`` so ``max_tokens`` is
+        exact."""
+        body: dict = {"model": self._model, "max_tokens": spec.max_tokens, "stream": self._stream,
+                      "ignore_eos": True}
+        if self._stream:
+            body["stream_options"] = {"include_usage": True}
+        if self._n > 1:
+            body["n"] = self._n
         if self._endpoint is Endpoint.CHAT:
             if isinstance(spec.prompt, tuple):
                 raise ValueError("a prompt of token ids needs the completions endpoint")
@@ -183,14 +196,17 @@ class StreamingClient:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = self.body(spec)
         result = RequestResult(label=spec.label, send_time=time.perf_counter(), turn=spec.turn,
-                               trace_line=spec.trace_line)
+                               trace_line=spec.trace_line, streamed=self._stream)
         try:
             async with self._session.post(self._url, json=body) as resp:
                 result.workers = parse_workers(resp.headers.get(WORKERS_HEADER))
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     raise _StreamFailure(f"{ErrorKind.HTTP.value}_{resp.status}", text)
-                await self._read_stream(resp, result)
+                if self._stream:
+                    await self._read_stream(resp, result)
+                else:
+                    await self._read_answer(resp, result)
         except _StreamFailure as e:
             result.error, result.error_detail = e.kind, str(e)
         except asyncio.TimeoutError:
@@ -232,7 +248,46 @@ class StreamingClient:
             raise _StreamFailure(ErrorKind.EMPTY.value, "no content chunk in the stream")
 
 
+    async def _read_answer(self, resp: aiohttp.ClientResponse, result: RequestResult) -> None:
+        """A JSON answer: its arrival is its one chunk's."""
+        data = await resp.read()
+        now = time.perf_counter()
+        answer = parse_event(data)
+        if answer is DONE or "error" in answer:
+            raise _StreamFailure(ErrorKind.BAD_RESPONSE.value, f"not a completion: {data[:100]!r}")
+        choices = answer.get("choices")
+        texts = [answer_text(c, self._endpoint) for c in choices] if isinstance(choices, list) else []
+        if any(texts):
+            result.chunk_times.append(now)
+        result.text = texts[0] if texts else ""
+        if isinstance(answer.get("usage"), dict):
+            read_usage(answer["usage"], result)
+        result.worker_timing = _header_timing(resp.headers.get(TIMING_HEADER))
+        if not result.chunk_times:
+            raise _StreamFailure(ErrorKind.EMPTY.value, "no text in the answer")
+
+
 DONE = object()  # the `data: [DONE]` event
+
+
+def _header_timing(value: str | None) -> WorkerTiming | None:
+    """The workers' timing from a JSON answer's ``X-Xpyd-Timing``; None without one, or for a broken one."""
+    try:
+        return decode_timing(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def answer_text(choice: object, endpoint: Endpoint) -> str:
+    """A JSON answer's choice's text ('' if it has none)."""
+    if not isinstance(choice, dict):
+        return ""
+    if endpoint is Endpoint.CHAT:
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def _timing(comment: bytes | None) -> WorkerTiming | None:

@@ -89,6 +89,8 @@ class BenchConfig:
     shared_prefix: SharedPrefixConfig = field(default_factory=SharedPrefixConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     trace: TraceConfig | None = None  # with --workload trace (given by --trace FILE)
+    stream: bool = True  # False (--no-stream): JSON answers, the client's TTFT is the answer's arrival
+    n: int = 1  # choices per request (--n)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -105,6 +107,10 @@ class BenchConfig:
             raise ValueError("--input-len and --output-len must be >= 1")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.n < 1:
+            raise ValueError(f"--n must be >= 1, got {self.n}")
+        if self.n > 1 and self.workload is Workload.MULTI_TURN:
+            raise ValueError("--n > 1 does not go with multi-turn (the next turn is built from one answer)")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError(f"--duration must be > 0, got {self.duration_s}")
         if not self.timeout_s > 0:
@@ -171,7 +177,7 @@ class BenchConfig:
             "prompts": str(self.prompts_path) if self.prompts_path else None,
             "tokenizer": str(self.tokenizer_path) if self.tokenizer_path else None,
             "warmup": self.warmup, "duration_s": self.duration_s, "seed": self.seed,
-            "timeout_s": self.timeout_s, "slo_ms": self.slo.as_ms(),
+            "timeout_s": self.timeout_s, "slo_ms": self.slo.as_ms(), "stream": self.stream, "n": self.n,
         }
         if self.workload is Workload.PREFILL_STALL:
             out["stall"] = {"long_input": self.stall.long_input, "long_output": self.stall.long_output,
@@ -237,7 +243,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=SLO.parse(args.slo or ""), json_path=Path(args.json) if args.json else None,
         plot_dir=Path(args.plot) if args.plot else None, progress=not args.no_progress,
         include_requests=args.include_requests, stall=stall, shared_prefix=shared_prefix, multi_turn=multi_turn,
-        trace=trace,
+        trace=trace, stream=not args.no_stream, n=args.n,
     )
 
 

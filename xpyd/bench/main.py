@@ -72,7 +72,10 @@ minus worker, per request), the workers' ITL and the client's over the same gaps
 (text, and "proxy_overhead" in --json; per request with --include-requests). Through a P/D proxy it also says
 where each TTFT went: the proxy's ingress, prefill's parse, queue, compute and respond, the network between
 them, the proxy's egress (they add up to the proxy's TTFT), what is left of the client's TTFT, and the decode
-worker's phases to token 2 (text, and "phases" in --json; per request with --include-requests).
+worker's phases to token 2 (text, and "phases" in --json; per request with --include-requests). So does a
+colocated proxy (the worker's parse, queue, compute, respond and its first decode step), and with --no-stream
+(from each answer's X-Xpyd-Timing header: the split of the time to the answer, with the wait for its last
+token) or --n (the split follows choice 0, with the wait for the other choices' first tokens).
 
 Exit status: 0 when the run completed (failed requests are reported, not fatal), 2 for bad
 arguments, 1 when the endpoint cannot be reached at all."""
@@ -119,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="per-request timeout, whole stream (default: %(default)s)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="ask for JSON answers (stream: false): TTFT is then the whole answer's arrival, with no "
+                        "ITL; against an xpyd proxy with --expose-worker-timing each answer's phases come in its "
+                        "X-Xpyd-Timing header (default: streamed)")
+    g.add_argument("--n", type=int, default=1, metavar="N",
+                   help="choices per request (OpenAI's n); the token counts are every choice's and a stream's "
+                        "chunks are every choice's, interleaved (default: %(default)s)")
 
     g = parser.add_argument_group("load")
     g.add_argument("--num-requests", type=int, metavar="N",
@@ -318,7 +328,8 @@ async def _measure(config: BenchConfig, plan: Plan, client: StreamingClient) -> 
 async def _bench(config: BenchConfig, plan: Plan) -> tuple[str, Timed, int]:
     model = await _resolve_model(config)
     async with StreamingClient(config.url, config.endpoint, model, timeout_s=config.timeout_s,
-                               max_connections=config.max_connections, api_key=config.api_key) as client:
+                               max_connections=config.max_connections, api_key=config.api_key,
+                               stream=config.stream, n=config.n) as client:
         warmup_failed = 0
         if plan.warmup:
             warm = await closed_loop(client.send, plan.warmup, min(config.effective_concurrency, len(plan.warmup)))

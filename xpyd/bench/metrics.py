@@ -6,7 +6,8 @@ Definitions (client side, as in vLLM's ``benchmark_serving`` / ``vllm bench serv
 - ITL: every gap between consecutive content chunks. A chunk may carry more than one token, so ITL
   is per chunk, not per token.
 - TPOT: (E2E - TTFT) / (output_tokens - 1), with output_tokens from ``usage.completion_tokens``
-  (the number of content chunks when the server sends no usage); undefined for one-token outputs.
+  (the number of content chunks when the server sends no usage); undefined for one-token outputs and for
+  JSON answers (``--no-stream``: the first token arrives with the last, TTFT is the answer's arrival).
 - E2E: end of the stream (``[DONE]``) - send time.
 - Percentiles are ``numpy.percentile`` with its default method ("linear"), as ``vllm bench serve``
   computes them: the p-th percentile of sorted x[0..n-1] is x[k] + (x[k+1] - x[k]) * f with
@@ -150,7 +151,7 @@ class RequestLatency:
         itls = tuple(b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]))
         missing = r.output_tokens is None
         tokens = len(r.chunk_times) if missing else r.output_tokens
-        tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
+        tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 and r.streamed else None
         return cls(ttft, tpot, itls, e2e, tokens, missing)
 
 

@@ -1,15 +1,18 @@
 """Where each request's time went, against the client's own times (``xpyd.api.phases``).
 
-An xpyd P/D proxy with ``--expose-worker-timing`` ends each stream with the phases each side measured on its
-own clock: the proxy's (ingress, its prefill call, egress), prefill's (parse, queue, compute, respond) and
-decode's (parse, wait, transfer, queue, step, respond). Per request:
+An xpyd proxy with ``--expose-worker-timing`` ends each stream (a JSON answer: in its ``X-Xpyd-Timing`` header)
+with the phases each side measured on its own clock: the proxy's (ingress, its first-token call, egress;
+several choices' wait for the others, a JSON answer's for its last token), the first token's worker's (prefill,
+or a colocated worker: parse, queue, compute, respond) and decode's (parse, wait, transfer, queue, step,
+respond; a colocated worker's first decode step: queue, step, respond). Per request:
 
-- the TTFT split, ``TTFT_PHASES`` order: proxy ingress, prefill parse/queue/compute/respond, network (the
-  proxy's prefill call less prefill's own time), proxy egress; their sum is the proxy's TTFT, exactly;
-- ``client/other`` = the client's TTFT (first content chunk - send) - that sum: the hop between the client and
-  the proxy and the client's own reading, the one part no server measured;
-- decode's phases (its time to token 2, which ran alongside the TTFT), next to the client's first gap
-  (token 1 -> token 2).
+- the TTFT split, in the order it passed (``TTFT_PHASES`` for a streamed P/D answer): proxy ingress, the
+  worker's parse/queue/compute/[rest]/respond, network (the proxy's call less the worker's own time),
+  [proxy choices], [proxy rest], proxy egress; their sum is the proxy's TTFT, exactly;
+- ``client/other`` = the client's TTFT (first content chunk - send; a JSON answer: its arrival - send) - that
+  sum: the hop between the client and the proxy and the client's own reading, the one part no server measured;
+- decode's phases (its time to token 2, which ran alongside the TTFT; colocated: its first decode step), next
+  to the client's first gap (token 1 -> token 2; none for a JSON answer).
 
 Over a run: each phase's distribution, the sum's and the client's TTFT, and ``sum_p50 / client_ttft_p50``
 (the goal: within 2%). Completed requests only; those without a full split are counted as ``missing``.
@@ -20,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from xpyd.api.phases import DECODE_PHASES, TTFT_PHASES, ttft_split
+from xpyd.api.phases import DECODE_PHASES, STEP_PHASES, TTFT_PHASES, ttft_split
+from xpyd.api.timing import WorkerTiming
 from xpyd.bench.client import RequestResult
 from xpyd.bench.metrics import Distribution
 
@@ -33,8 +37,8 @@ class RequestPhases:
     """One completed request's split, in seconds."""
 
     client_ttft_s: float
-    ttft_s: dict[str, float]  # TTFT_KEYS -> seconds; they add up to the proxy's TTFT
-    decode_s: dict[str, float] | None  # DECODE_PHASES -> seconds (None: decode did not say)
+    ttft_s: dict[str, float]  # side.phase (TTFT_KEYS, streamed P/D) -> seconds; they add up to the proxy's TTFT
+    decode_s: dict[str, float] | None  # DECODE_PHASES (colocated: STEP_PHASES) -> seconds (None: not said)
     client_first_gap_s: float | None  # token 1 -> token 2 at the client (None: one chunk only)
 
     @property
@@ -51,10 +55,10 @@ class RequestPhases:
         t = r.worker_timing
         if t is None or not r.ok or not r.chunk_times:
             return None
-        split = ttft_split(t.prefill, t.proxy)
+        split = ttft_split(t.prefill if t.prefill is not None else t.colocated, t.proxy)
         if split is None:
             return None
-        decode = None if t.decode is None else {p: getattr(t.decode, f"{p}_us") * _US for p in DECODE_PHASES}
+        decode = _token_two(t)
         gap = r.chunk_times[1] - r.chunk_times[0] if len(r.chunk_times) > 1 else None
         return cls(r.chunk_times[0] - r.send_time, {k: v * _US for k, v in split.items()}, decode, gap)
 
@@ -66,15 +70,29 @@ class RequestPhases:
                 "client_first_gap_ms": None if self.client_first_gap_s is None else self.client_first_gap_s * ms}
 
 
+def _token_two(t: WorkerTiming) -> dict[str, float] | None:
+    """Decode's phases to token 2 (P/D), or a colocated worker's first decode step, in seconds."""
+    if t.decode is not None:
+        return {p: getattr(t.decode, f"{p}_us") * _US for p in DECODE_PHASES}
+    step = t.colocated.step if t.colocated is not None else None
+    return None if step is None else {p: getattr(step, f"{p}_us") * _US for p in STEP_PHASES}
+
+
+def _keys(dicts: Iterable[dict]) -> list[str]:
+    """Every key, in the order first seen (one run's requests all have the same ones)."""
+    return list({k: None for d in dicts for k in d})
+
+
 @dataclass(frozen=True, slots=True)
 class PhaseSummary:
     requests: int  # completed with a full split
     missing: int  # completed without one
-    ttft: dict[str, Distribution]  # per TTFT phase
+    ttft: dict[str, Distribution]  # per TTFT phase (side.phase)
     sum: Distribution  # the phases' sum per request (the proxy's TTFT)
     client_ttft: Distribution
     other: Distribution  # client/other per request
-    decode: dict[str, Distribution]  # per decode phase (requests whose decode worker said them)
+    decode: dict[str, Distribution]  # per decode phase (requests whose decode worker said them; colocated: its
+    # first decode step's)
     client_first_gap: Distribution
 
     @property
@@ -93,11 +111,12 @@ def summarize_phases(results: Iterable[RequestResult]) -> PhaseSummary | None:
     return PhaseSummary(
         requests=len(each),
         missing=len(done) - len(each),
-        ttft={k: Distribution.of_seconds([p.ttft_s[k] for p in each]) for k in TTFT_KEYS},
+        ttft={k: Distribution.of_seconds([p.ttft_s[k] for p in each if k in p.ttft_s])
+              for k in _keys(p.ttft_s for p in each)},
         sum=Distribution.of_seconds([p.sum_s for p in each]),
         client_ttft=Distribution.of_seconds([p.client_ttft_s for p in each]),
         other=Distribution.of_seconds([p.other_s for p in each]),
-        decode={k: Distribution.of_seconds([d[k] for d in decoded]) for k in DECODE_PHASES},
+        decode={k: Distribution.of_seconds([d[k] for d in decoded if k in d]) for k in _keys(decoded)},
         client_first_gap=Distribution.of_seconds([p.client_first_gap_s for p in each
                                                   if p.client_first_gap_s is not None]),
     )

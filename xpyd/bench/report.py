@@ -20,10 +20,10 @@ the workers of its answers: an xpyd proxy with ``--expose-worker-names``; ``pref
 ``proxy_overhead`` (only when the server sent the workers' own timing: an xpyd proxy with
 ``--expose-worker-timing``; ``requests``, ``missing``, ``misaligned``, ``worker_ttft_ms``, ``proxy_ttft_ms``,
 ``worker_itl_ms``, ``client_itl_ms``, ``itl_p50_ratio``, ``itl_p99_ratio``, see ``xpyd.bench.overhead``),
-``phases`` (only when the server split the TTFT: an xpyd P/D proxy with ``--expose-worker-timing``;
-``requests``, ``missing``, ``ttft_ms`` per phase (``proxy.ingress``, ``prefill.parse`` ... ``proxy.egress``),
-``sum_ms``, ``client_ttft_ms``, ``client_other_ms``, ``sum_over_client_ttft_p50``, ``decode_ms`` per decode
-phase, ``client_first_gap_ms``, see ``xpyd.bench.phases``), and
+``phases`` (only when the server split the TTFT: an xpyd proxy with ``--expose-worker-timing``;
+``requests``, ``missing``, ``ttft_ms`` per phase (``proxy.ingress``, ``prefill.parse`` or ``colocated.parse``
+... ``proxy.egress``), ``sum_ms``, ``client_ttft_ms``, ``client_other_ms``, ``sum_over_client_ttft_p50``,
+``decode_ms`` per decode phase, ``client_first_gap_ms``, see ``xpyd.bench.phases``), and
 with ``--include-requests`` every request's timeline (``requests``; a trace's carry their ``trace_line``, and
 each its ``workers`` when named, its ``worker_timing`` and ``phases`` when sent) with ``start_perf_counter``, the run's
 start on the machine's monotonic clock (the timelines' zero).
@@ -63,12 +63,15 @@ DEFINITIONS = {
                       "worker_itl = the decode (colocated) worker's gaps between the chunks it wrote, client_itl "
                       "= the client's gaps between the same chunks (P/D: all but token 1 -> 2); ratios: client / "
                       "worker",
-    "phases": "where the TTFT went (--expose-worker-timing, P/D): each side's phases on its own clock; ttft_ms "
-              "per phase, in the order they pass (proxy ingress, prefill parse/queue/compute/respond, network = "
-              "the proxy's prefill call less prefill's own time, proxy egress); their sum is the proxy's TTFT; "
-              "client_other = client TTFT - sum (client <-> proxy hop, the client's reading); decode_ms: the decode "
-              "worker's time to token 2 (parse, wait, transfer, queue, step, respond), beside client_first_gap "
-              "(token 1 -> 2 at the client)",
+    "phases": "where the TTFT went (--expose-worker-timing): each side's phases on its own clock; ttft_ms "
+              "per phase, in the order they pass (proxy ingress, the first token's worker's parse/queue/compute/"
+              "[rest]/respond (prefill, or colocated), network = the proxy's call less that worker's own time, "
+              "[proxy choices: several choices' wait for the others' first tokens], [proxy rest: a JSON answer's "
+              "wait for its last token], proxy egress); their sum is the proxy's TTFT (a JSON answer: its time "
+              "to the answer); client_other = client TTFT - sum (client <-> proxy hop, the client's reading); "
+              "decode_ms: the decode worker's time to token 2 (parse, wait, transfer, queue, step, respond; "
+              "colocated: its first decode step's queue, step, respond), beside client_first_gap (token 1 -> 2 "
+              "at the client)",
     "prefix_cache": "hit_rate = sum(usage.prompt_tokens_details.cached_tokens) / sum(usage.prompt_tokens) over "
                     "the completed requests reporting cached_tokens; null when none does",
 }

@@ -102,6 +102,7 @@ class ColocatedEngine(WorkerEngine):
     def _prefill(self, seq: ColocatedSeq) -> None:
         item: WorkItem = seq.payload
         t0 = time.monotonic()
+        item.stamps.mark("scheduled", t0)  # (xpyd.worker.phases)
         try:
             token = prefill_and_sample(self.runner, seq)
         except Exception as e:
@@ -111,6 +112,7 @@ class ColocatedEngine(WorkerEngine):
             item.sink.put(ErrorEvent(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
         now = time.monotonic()
+        item.stamps.mark("sampled", now)
         self.kv_cache.prompt_done(seq.kv, seq.prompt_len, seq.prompt_ids[len(seq.kv.hashes) * self.kv_cache.block_size:])
         self.metrics.observe_step("prefill", now - t0, 1)
         self.metrics.observe_ttft(now - item.arrival)
@@ -133,6 +135,9 @@ class ColocatedEngine(WorkerEngine):
         self.metrics.observe_step("decode", now - t0, len(running))
         for seq, tok in zip(running, new):
             with self.isolate(seq.request_id, seq.payload):
+                stamps = seq.payload.stamps
+                if stamps.step_started is None:  # its first decode step (xpyd.worker.phases)
+                    stamps.step_started, stamps.step_ended = t0, now
                 self.metrics.observe_itl(now - self._last_token_at.get(seq.request_id, now))
                 self._emit(seq, tok, now)
 
@@ -143,6 +148,7 @@ class ColocatedEngine(WorkerEngine):
         self._last_token_at[seq.request_id] = now
         cached = seq.kv.cached_tokens if seq.kv is not None else 0
         if finish is not None:
+            item.stamps.mark("finished", now)
             self.sched.finish(seq)
             self._last_token_at.pop(seq.request_id, None)
             self.metrics.request_done("finished")

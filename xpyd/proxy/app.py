@@ -59,6 +59,7 @@ from aiohttp import web
 
 from xpyd.api.choices import several
 from xpyd.api.identity import ResponseIdentity, client_request_id
+from xpyd.api.timing import TIMING_HEADER
 from xpyd.api.tool_output import check_tools
 from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_content_type, parse_request
 from xpyd.api.responses import models_response, new_response_id
@@ -77,6 +78,7 @@ from xpyd.proxy.inflight import InFlight, TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.migration import MigratingCall
 from xpyd.proxy.pairs import PairHealth
+from xpyd.proxy.phases import joined
 from xpyd.proxy.poller import HealthPoller
 from xpyd.proxy.prefill_path import PrefillDecider, PrefillPath
 from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
@@ -294,8 +296,12 @@ class Proxy:
                                            self._public_error(call), timing=self.config.expose_worker_timing,
                                            tool_parser=self.config.tool_call_parser)
                 body = await complete_body(call, req, first, timer, self.config.tool_call_parser)
+                answer = json_response(body, headers=headers)
+                timer.answered(first)  # (where its time went: xpyd.proxy.phases)
                 timer.end(Outcome.OK)
-                return json_response(body, headers=headers)
+                if self.config.expose_worker_timing:
+                    answer.headers[TIMING_HEADER] = joined(first, call.decode_timing, timer.phases).header()
+                return answer
             except UpstreamError as e:
                 retries = self._retry_or_raise(call, e, retries)
                 failed = e

@@ -6,8 +6,10 @@ and the worker's answer (JSON or SSE) is passed back unchanged, but for its erro
 no internal address or request id reaches the client (``http_errors.Redactor``), and ``X-Request-Id`` is
 the client's own or the response id. With ``expose_worker_names`` every answer the worker gave carries
 ``x-xpyd-workers: colocated=<name>`` (an opaque name: ``worker_names``). With ``expose_worker_timing`` the
-worker is asked for its own timing of a streamed answer and its comment (``xpyd.api.timing``) is passed on;
-without, a timing comment is dropped.
+worker is asked for its own timing (``xpyd.api.timing``) and the client gets it with the proxy's phases joined
+(``xpyd.api.phases``: ingress, the worker's call to its first chunk with text or its answer, network, egress):
+in the stream's timing comment, or a JSON answer's ``X-Xpyd-Timing`` header; without, a timing comment is
+dropped. The proxy's phases are recorded (``xpyd_proxy_phase_seconds``) either way, network only with it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from aiohttp import web
 
 from xpyd.api.identity import client_request_id
 from xpyd.api.openai import APIError, RequestKind, check_content_type, parse_request
-from xpyd.api.responses import dumps, models_response, new_response_id
-from xpyd.api.timing import ASK, COMMENT_PREFIX, TIMING_HEADER
+from xpyd.api.responses import dumps, has_text, models_response, new_response_id
+from xpyd.api.timing import ASK, COMMENT_PREFIX, TIMING_HEADER, WorkerTiming, decode_timing, timing_of_comment
 from xpyd.discovery.types import WorkerInfo
 from xpyd.netaddr import PROXY_KEEP_ALIVE
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, Slot
 from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
 from xpyd.proxy.http_server import StreamedResponse, read_body
-from xpyd.proxy.metrics import Outcome, ProxyMetrics
+from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer
+from xpyd.proxy.phases import colocated_own_us, split
 from xpyd.proxy.vllm_routes import register_vllm_routes
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.signal.request_id import RequestId
@@ -164,7 +167,8 @@ def create_colocated_app(config, url: str) -> web.Application:
             # (the workers' own parameters are the proxies' to set: a client's would resume outputs, name responses)
             body.pop("kv_transfer_params", None)
             rid = RequestId.new(info.signal_addr, info.signal_addr)
-            asked = {TIMING_HEADER: ASK} if config.expose_worker_timing and req.stream else {}
+            asked = {TIMING_HEADER: ASK} if config.expose_worker_timing else {}
+            began = time.monotonic()  # (the worker's call: xpyd.proxy.phases)
             resp = await state["session"].post(url + _PATHS[kind], json=body,
                                                headers={"X-Request-Id": str(rid), **asked})
         except APIError as e:
@@ -180,19 +184,26 @@ def create_colocated_app(config, url: str) -> web.Application:
             headers[WORKERS_HEADER] = worker_name
         if resp.status != 200 or not req.stream:
             data = await resp.read()
+            read = time.monotonic()
             resp.release()
             if resp.status == 200:
                 timer.first_token()
             else:
                 data = _redacted(data, redactor, str(rid), headers["X-Request-Id"])
+            answer = web.Response(body=data, status=resp.status, content_type="application/json", headers=headers)
+            if resp.status == 200:
+                own = _header_timing(resp.headers.get(TIMING_HEADER)) if asked else None
+                timer.settle(split(timer.received, (began, read), time.monotonic(), colocated_own_us(own)))
+                if asked:
+                    answer.headers[TIMING_HEADER] = _joined(own, timer).header()
             timer.end(Outcome.OK if resp.status == 200 else
                       (Outcome.CLIENT_ERROR if resp.status < 500 else Outcome.UPSTREAM_ERROR))
-            return web.Response(body=data, status=resp.status, content_type="application/json", headers=headers)
+            return answer
         slot.handed_off = True  # the stream now holds the place until it ends
 
         def redact(data: bytes) -> bytes:
             return _redacted(data, redactor, str(rid), headers["X-Request-Id"])
-        return StreamedResponse(_relay(resp, timer, slot, redact, timing=bool(asked)), status=200,
+        return StreamedResponse(_relay(resp, timer, slot, redact, began, timing=bool(asked)), status=200,
                                 content_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
 
     return app
@@ -211,15 +222,54 @@ def _redacted(data: bytes, redactor: Redactor, request_id: str, public_id: str) 
     return dumps(doc)
 
 
-async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot,
-                 redact: Callable[[bytes], bytes], timing: bool = False) -> AsyncIterator[bytes]:
+def _header_timing(value: str | None) -> WorkerTiming | None:
+    try:
+        return decode_timing(value) if value is not None else None
+    except ValueError:  # a worker's broken timing never fails an answer: it is left out
+        return None
+
+
+def _has_text(line: bytes) -> bool:
+    """A ``data:`` line with generated text (a content chunk, as the worker's TTFT and the client's count it)."""
+    try:
+        chunk = json.loads(line[len(b"data: "):])
+    except ValueError:  # (not the proxy's to judge: passed on as it came)
+        return False
+    return isinstance(chunk, dict) and has_text(chunk)
+
+
+def _joined(own: WorkerTiming | None, timer: RequestTimer) -> WorkerTiming:
+    """The worker's own timing with the proxy's phases (``timer.phases``) added."""
+    own = own if own is not None else WorkerTiming()
+    return WorkerTiming(ttft_us=own.ttft_us, gaps_us=own.gaps_us, gaps=own.gaps, colocated=own.colocated,
+                        proxy=timer.phases)
+
+
+async def _relay(resp: aiohttp.ClientResponse, timer: RequestTimer, slot: Slot,
+                 redact: Callable[[bytes], bytes], began: float, timing: bool = False) -> AsyncIterator[bytes]:
+    """The worker's stream, line by line; the proxy's phases once its timing comment (or its end) says the
+    worker's own part: ``span``, the call up to its first chunk with text read, ``written``, that chunk sent."""
     outcome = Outcome.ABORTED
     first = True
+    span: tuple[float, float] | None = None
+    written = 0.0
+
+    def settle(own: WorkerTiming | None) -> None:
+        if span is not None:
+            timer.settle(split(timer.received, span, written, colocated_own_us(own)))
+
     try:
         async for line in resp.content:  # line by line: an error event is redacted before it is sent
-            if line.startswith(COMMENT_PREFIX) and not timing:
-                continue  # (the blank line after it goes on: an empty event, skipped by every reader)
-            if line.startswith(b'data: {"error"'):
+            if line.startswith(COMMENT_PREFIX):
+                if not timing:
+                    continue  # (the blank line after it goes on: an empty event, skipped by every reader)
+                try:
+                    own = timing_of_comment(line)
+                except ValueError:
+                    own = None
+                settle(own)
+                line = COMMENT_PREFIX + _joined(own, timer).to_json() + b"\n"
+            elif line.startswith(b'data: {"error"'):
                 line = b"data: " + redact(line[6:].strip()) + b"\n"
             elif line.startswith(b"data: {"):
                 if first:
@@ -227,8 +277,14 @@ async def _relay(resp: aiohttp.ClientResponse, timer, slot: Slot,
                     first = False
                 else:
                     timer.token()
+                if span is None and _has_text(line):  # (parsed until the first with text)
+                    span = (began, time.monotonic())
+                    yield line
+                    written = time.monotonic()
+                    continue
             yield line
         outcome = Outcome.OK
+        settle(None)  # (no timing comment: the proxy's phases without network; a no-op after one)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         outcome = Outcome.UPSTREAM_ERROR
         log.warning("colocated stream failed: %s", e)

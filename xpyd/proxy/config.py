@@ -43,7 +43,7 @@ class ProxyConfig:
     log_requests: bool = False  # log each dispatch: response id -> the workers' request id and both workers
     expose_worker_names: bool = False  # x-xpyd-workers on every answer: opaque names of the workers that served it
     names_key: bytes | None = field(default=None, repr=False)  # names' key without a token (--workers: shared)
-    expose_worker_timing: bool = False  # streamed answers end with the workers' own timing (xpyd.api.timing)
+    expose_worker_timing: bool = False  # answers carry the workers' own timing and phases (xpyd.api.timing)
     trust_request_chat_template: bool = False  # run a request's own chat_template (vLLM's flag of that name)
     tool_call_parser: str | None = None  # how tool_choice auto reads calls out of an answer (xpyd.api.tool_parsers)
 

@@ -10,6 +10,8 @@ ended the request, the rest of the stream) before either of::
                      worker's timing comment (``xpyd.api.timing``), if any, as a block of its own at the end
     deltas()         JSON client: every event parsed into Deltas, and ``usage`` set
 
+Either way the worker's timing comment, when it sent one, is kept as ``timing`` (``xpyd.proxy.phases``).
+
 An error event ends the stream with an UpstreamError (``in_stream_error``), and so
 does a stream that ends without a finish reason. After ``[DONE]`` the (empty) rest
 of the body is read briefly so the connection goes back to the pool.
@@ -28,7 +30,7 @@ from xpyd.api.openai import RequestKind
 from xpyd.api.responses import DONE_DATA, chunk_head
 from xpyd.api.resume import ids_of, split_ids
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
-from xpyd.api.timing import COMMENT_PREFIX
+from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
 from xpyd.discovery.types import WorkerInfo
 from xpyd.proxy.h1client import ConnectionFailed, Response
 from xpyd.proxy.upstream import Fault, UpstreamError, in_stream_error, upstream_errors, who
@@ -49,6 +51,7 @@ class DecodeStream:
         self._worker = worker
         self._kind = kind
         self.usage: Usage | None = None  # set by deltas()
+        self.timing: WorkerTiming | None = None  # the worker's own, from its timing comment (when asked, and sound)
         self._heard = heard  # told (at most every HEARD_EVERY) that the worker sent bytes: it is alive
         self._heard_at = 0.0
         self._head = b""  # bytes ``watch()`` read before relay()/deltas() began (they come first)
@@ -181,6 +184,7 @@ class DecodeStream:
         if not finished:
             raise self._unfinished()
         if parser.kept is not None:
+            self.timing = _timing(parser.kept)
             yield parser.kept + b"\n\n"
 
     def _check(self, data: bytes, identity: ResponseIdentity) -> bool:
@@ -202,8 +206,9 @@ class DecodeStream:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         finished = False
+        parser = SSEParser(keep=COMMENT_PREFIX)
         with upstream_errors(self._worker):
-            async with contextlib.aclosing(sse_data(self._chunks())) as events:
+            async with contextlib.aclosing(sse_data(self._chunks(), parser=parser)) as events:
                 async for data in events:
                     self._alive()
                     if data.strip() == DONE_DATA:
@@ -221,6 +226,8 @@ class DecodeStream:
                             yield delta
         if not finished:
             raise self._unfinished()
+        if parser.kept is not None:
+            self.timing = _timing(parser.kept)
 
     def _named(self, data: bytes) -> bytes:
         """An event's data without the token ids it names, which are noted (a token chunk without any: the
@@ -251,3 +258,10 @@ class DecodeStream:
 
     def close(self) -> None:
         self._resp.close()
+
+
+def _timing(comment: bytes) -> WorkerTiming | None:
+    try:
+        return timing_of_comment(comment)
+    except ValueError:  # a worker's broken comment never fails an answer: its timing is left out
+        return None

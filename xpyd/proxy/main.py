@@ -117,9 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accepted for vLLM's command lines: tool_choice auto is on with --tool-call-parser")
     parser.add_argument("--expose-worker-timing", action="store_true",
                         help="end every streamed answer with an SSE comment ': xpyd-timing {json}' (clients skip "
-                             "comments): the workers' own TTFT and gaps between chunks, so that a benchmark can "
-                             "tell what the proxy adds (`xpyd bench` does; default: off, the workers are not "
-                             "asked and the stream is unchanged)")
+                             "comments), and give every JSON answer the header X-Xpyd-Timing: {json}: the workers' "
+                             "own TTFT and gaps between chunks and where the time went, each side's phases, so that "
+                             "a benchmark can tell what the proxy adds (`xpyd bench` does; default: off, the "
+                             "workers are not asked and the answers are unchanged)")
     parser.add_argument("--event-loop", choices=EVENT_LOOPS, default=None,
                         help="the proxy's event loop: uvloop (libuv: cheaper socket writes and loop turns) or "
                              "asyncio's own (default: uvloop where it is installed, else asyncio)")

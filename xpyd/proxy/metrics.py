@@ -7,9 +7,11 @@ xpyd_proxy_requests_total                  counter    endpoint, outcome (see ``O
 xpyd_proxy_time_to_first_token_seconds     histogram  request received -> first token ready to send
 xpyd_proxy_inter_token_latency_seconds     histogram  between two chunks of one response
 xpyd_proxy_e2e_request_latency_seconds     histogram  request received -> last token (ok requests)
-xpyd_proxy_phase_seconds                   histogram  phase=ingress|prefill_call|network|egress: a streamed
-                                                      answer's TTFT here, split (``xpyd.proxy.phases``;
-                                                      network only with --expose-worker-timing)
+xpyd_proxy_phase_seconds                   histogram  phase=ingress|prefill_call|network|choices|rest|egress:
+                                                      an answer's time to its first token here (a JSON
+                                                      answer: to the answer), split (``xpyd.proxy.phases``;
+                                                      network only with --expose-worker-timing, choices
+                                                      with several, rest for a JSON answer)
 xpyd_requests_in_flight                    gauge      role="proxy": requests being served
 xpyd_proxy_workers                         gauge      role, health=up|down: workers the proxy knows
 xpyd_proxy_queue_waiting                   gauge      requests waiting for room on a decode worker
@@ -79,26 +81,49 @@ def outcome_of(e: BaseException) -> Outcome:
 class RequestTimer:
     """One client request: counted in flight until ``end`` (idempotent: the first outcome counts)."""
 
-    __slots__ = ("_metrics", "_endpoint", "_start", "_last", "_ended", "phases")
+    __slots__ = ("_metrics", "_endpoint", "_start", "_last", "_ended", "phases", "decoded_at")
 
     def __init__(self, metrics: "ProxyMetrics", endpoint: str) -> None:
         self._metrics = metrics
         self._endpoint = endpoint
         self._start = self._last = time.monotonic()
         self._ended = False
-        self.phases: ProxyPhases | None = None  # a streamed answer's, once its first token is written
+        self.phases: ProxyPhases | None = None  # once the client's first token is written (or the answer built)
+        self.decoded_at: float | None = None  # a JSON answer's last token read (``decoded``)
         metrics._in_flight.inc()
+
+    @property
+    def received(self) -> float:
+        """When the request's handler started (``time.monotonic``)."""
+        return self._start
 
     def first_token(self) -> None:
         self._last = time.monotonic()
         self._metrics._ttft.observe(self._last - self._start)
 
-    def written(self, first: FirstToken) -> None:
-        """The chunk of prefill's token ``first`` is written to the client: the TTFT's phases here (once)."""
+    def written(self, first: FirstToken, choices: float | None = None) -> None:
+        """The chunk of prefill's token ``first`` is written to the client: the TTFT's phases here (once);
+        ``choices``: when the other choices' first tokens were read (several choices)."""
         if self.phases is None:
-            self.phases = proxy_phases(self._start, first, time.monotonic())
-            if self.phases is not None:
-                self._metrics.observe_phases(self.phases)
+            self.settle(proxy_phases(self._start, first, time.monotonic(), choices))
+
+    def decoded(self) -> None:
+        """A JSON answer's last token is read."""
+        self.decoded_at = time.monotonic()
+
+    def answered(self, first: FirstToken, choices: float | None = None, rest: float | None = None) -> None:
+        """A JSON answer whose first token was prefill's ``first`` is built now: its phases here (once);
+        ``rest``: when its last token was read (default: ``decoded``)."""
+        if self.phases is None:
+            now = time.monotonic()
+            rest = rest if rest is not None else self.decoded_at if self.decoded_at is not None else now
+            self.settle(proxy_phases(self._start, first, now, choices, rest))
+
+    def settle(self, phases: ProxyPhases | None) -> None:
+        """The answer's phases here, recorded once (None: not timed)."""
+        if self.phases is None and phases is not None:
+            self.phases = phases
+            self._metrics.observe_phases(phases)
 
     def token(self) -> None:
         now = time.monotonic()
@@ -163,8 +188,9 @@ class ProxyMetrics:
                         "prefill worker) or local (their decode worker: a short or mostly cached prompt)",
                         ("path",), registry=r)
         self._paths = {path: paths.labels(path) for path in ("remote", "local")}
-        phase = Histogram("xpyd_proxy_phase_seconds", "A streamed answer's time to its first token here, by "
-                          "phase (xpyd.api.phases)", ("phase",), buckets=PHASE_BUCKETS, registry=r)
+        phase = Histogram("xpyd_proxy_phase_seconds", "An answer's time to its first token here (a JSON "
+                          "answer: to the answer), by phase (xpyd.api.phases)", ("phase",), buckets=PHASE_BUCKETS,
+                          registry=r)
         self._phase = {name: phase.labels(name) for name in PROXY_PHASES}
         self._routing = Histogram("xpyd_proxy_routing_seconds", "Picking a request's prefill and decode worker "
                                   "and starting its calls", buckets=ROUTING_BUCKETS, registry=r)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from xpyd.api.openai import APIError, CompletionRequest
 from xpyd.api.responses import sse, stream_chunk, usage_chunk
+from xpyd.api.timing import WorkerTiming
 from xpyd.proxy.admission import Slot
 from xpyd.proxy.inflight import TrackedCall
 from xpyd.proxy.metrics import ProxyMetrics
@@ -83,6 +84,12 @@ class MigratingCall:
     @property
     def usage(self) -> Usage:
         return self._call.usage
+
+    @property
+    def decode_timing(self) -> WorkerTiming | None:
+        """Decode's own timing (``PDCall.decode_timing``); None once the request moved on (it would be another
+        decode worker's, after a resumed first token)."""
+        return self._call.decode_timing if self.migrations == 0 else None
 
     def hold(self, slot: Slot) -> None:
         """The request's concurrency slot, released when the last call ends (not when one moves on)."""

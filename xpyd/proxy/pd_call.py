@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.api.timing import WorkerTiming
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient
 from xpyd.proxy.decode_stream import DecodeStream
@@ -243,6 +244,11 @@ class PDCall:
     def completed(self) -> bool:
         """Decode's part ended normally (the KV crossed from prefill to decode)."""
         return self._completed
+
+    @property
+    def decode_timing(self) -> WorkerTiming | None:
+        """Decode's own timing, once its stream ended with it (``DecodeStream.timing``)."""
+        return self._stream.timing if self._stream is not None else None
 
     @contextlib.contextmanager
     def _path_faults(self) -> Iterator[None]:

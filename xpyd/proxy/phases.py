@@ -1,23 +1,50 @@
-"""The proxy's part of a streamed answer's TTFT (``xpyd.api.phases``), on its own monotonic clock::
+"""The proxy's part of an answer's TTFT (``xpyd.api.phases``), on its own monotonic clock::
 
-    received (the request's handler started) -> the prefill call started -> prefill's answer read
-    -> the first token's chunk written to the client's connection (``RequestTimer.written``)
+    received (the request's handler started) -> the first-token call started -> its answer read
+    [-> the other choices' first tokens read]   several choices
+    [-> the answer's last token read]           a JSON answer
+    -> the first token's chunk written to the client's connection, or the JSON answer built (``written``)
 
-``network`` is the prefill call less the prefill worker's own time (when it said it: ``--expose-worker-timing``),
-the remainder neither side measured.
+The first-token call is prefill's (or, colocated, the worker's call up to its first chunk with text).
+``network`` is that call less the worker's own time (when it said it: ``--expose-worker-timing``), the remainder
+neither side measured. ``joined`` is what a JSON answer, or one of several choices, tells the client: each
+side's phases, without the gaps between chunks (the client saw none of them, or an interleaving of several).
 """
 
 from __future__ import annotations
 
-from xpyd.api.phases import ProxyPhases, spans_us
+from xpyd.api.phases import ColocatedPhases, ProxyPhases, spans_us
+from xpyd.api.timing import WorkerTiming
 from xpyd.proxy.worker_api import FirstToken
 
 
-def proxy_phases(received: float, first: FirstToken, written: float) -> ProxyPhases | None:
-    """None when the prefill call was not timed (``FirstToken.span``)."""
+def split(received: float, span: tuple[float, float], written: float, own_us: int | None,
+          choices: float | None = None, rest: float | None = None) -> ProxyPhases:
+    """``span``: the first-token call (started, answer read); ``own_us``: the worker's own time in it (None: not
+    said); ``choices``, ``rest``: when the other choices' first tokens, and the answer's last token, were read."""
+    marks = [m for m in (choices, rest) if m is not None]
+    ingress, call, *waits, egress = spans_us(received, *span, *marks, written)
+    named = dict(zip([n for n, m in (("choices_us", choices), ("rest_us", rest)) if m is not None], waits))
+    return ProxyPhases(ingress_us=ingress, prefill_call_us=call, egress_us=egress,
+                       network_us=None if own_us is None else call - own_us, **named)
+
+
+def proxy_phases(received: float, first: FirstToken, written: float, choices: float | None = None,
+                 rest: float | None = None) -> ProxyPhases | None:
+    """A P/D answer's; None when the prefill call was not timed (``FirstToken.span``)."""
     if first.span is None:
         return None
-    ingress, call, egress = spans_us(received, *first.span, written)
     own = first.timing.prefill if first.timing is not None else None
-    return ProxyPhases(ingress_us=ingress, prefill_call_us=call, egress_us=egress,
-                       network_us=None if own is None else call - own.total_us)
+    return split(received, first.span, written, None if own is None else own.total_us, choices, rest)
+
+
+def colocated_own_us(timing: WorkerTiming | None) -> int | None:
+    """A colocated worker's own time to its first chunk or answer, as its timing says it (None: not said)."""
+    phases: ColocatedPhases | None = timing.colocated if timing is not None else None
+    return None if phases is None else phases.total_us
+
+
+def joined(first: FirstToken, decoded: WorkerTiming | None, proxy: ProxyPhases | None) -> WorkerTiming:
+    """Each side's phases of a P/D answer (no TTFT and no gaps: see the module's docstring)."""
+    prefill = first.timing.prefill if first.timing is not None else None
+    return WorkerTiming(prefill=prefill, decode=decoded.decode if decoded is not None else None, proxy=proxy)

@@ -54,6 +54,7 @@ async def complete_body(call: PDCall, req: CompletionRequest, first: FirstToken,
         logprobs.append(delta.logprobs)
         if delta.finish_reason is not None:
             finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+    timer.decoded()  # (its last token read: xpyd.proxy.phases)
     usage, name = call.usage, call.identity
     text, calls = "".join(parts), None
     if req.tools is not None and req.tools.parsed:

@@ -18,8 +18,12 @@ xpyd_e2e_request_latency_seconds           histogram  arrival at the worker -> l
 xpyd_request_phase_seconds                 histogram  phase: one phase of a request here (``xpyd.api.phases``):
                                                       prefill parse|queue|compute|respond (they add up to its
                                                       TTFT), decode parse|wait|transfer|queue|step|respond
-                                                      (to its first chunk); each request once, when its first
-                                                      chunk (prefill: its answer) is written
+                                                      (to its first chunk), colocated parse|queue|compute|
+                                                      rest|respond (to its first chunk or JSON answer; rest:
+                                                      a JSON answer's tokens after the first) and its first
+                                                      decode step decode_queue|decode_step|decode_respond
+                                                      (streamed); each request once, when its first chunk
+                                                      (prefill: its answer; decode_*: its second) is written
 xpyd_engine_step_seconds                   histogram  kind=prefill|decode: one forward pass + sampling
 xpyd_engine_batch_size                     histogram  kind=prefill|decode: requests in that pass
 xpyd_kv_transfer_bytes_total               counter    direction=send|recv: bytes of completed transfers
@@ -54,7 +58,10 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from xpyd.discovery.counts import EtcdOps
-from xpyd.api.phases import DECODE_PHASES, PREFILL_PHASES, DecodePhases, PrefillPhases
+from xpyd.api.phases import (
+    COLOCATED_PHASES, DECODE_PHASES, PREFILL_PHASES, STEP_PHASES, ColocatedPhases, DecodePhases, PrefillPhases,
+    StepPhases,
+)
 from xpyd.histograms import BATCH_BUCKETS, INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, PHASE_BUCKETS
 from xpyd.signal.counts import MessageCounts
 from xpyd.worker.vllm_metrics import MeteredSink, VLLMMetrics
@@ -65,7 +72,8 @@ OUTCOMES = ("finished", "failed", "aborted", "rejected")
 STEP_KINDS = ("prefill", "decode")
 DIRECTIONS = ("send", "recv")
 BLOCK_STATES = ("used", "cached", "free")
-ROLE_PHASES = {"prefill": PREFILL_PHASES, "decode": DECODE_PHASES}  # (a colocated worker's are not split)
+ROLE_PHASES = {"prefill": PREFILL_PHASES, "decode": DECODE_PHASES,
+               "colocated": COLOCATED_PHASES + tuple(f"decode_{p}" for p in STEP_PHASES)}
 
 
 def _children(metric, role: str, values: tuple[str, ...]) -> dict:
@@ -214,11 +222,15 @@ class WorkerMetrics:
         self._e2e.observe(seconds)
         self.vllm.e2e.observe(seconds)
 
-    def observe_phases(self, phases: PrefillPhases | DecodePhases) -> None:
-        """One request's phases on this worker (its role's: ``ROLE_PHASES``)."""
-        for name in ROLE_PHASES[self.role]:
-            _pick(self._phase, name, "phase").observe(getattr(phases, f"{name}_us") / 1e6)
-        if isinstance(phases, PrefillPhases):
+    def observe_phases(self, phases: PrefillPhases | DecodePhases | ColocatedPhases | StepPhases) -> None:
+        """One request's phases on this worker (its role's: ``ROLE_PHASES``; a colocated worker's first decode
+        step, ``StepPhases``, as ``decode_*``); a phase that did not apply (None) is not observed."""
+        prefix = "decode_" if isinstance(phases, StepPhases) else ""
+        for field in phases.__struct_fields__:
+            us = getattr(phases, field)
+            if field.endswith("_us") and us is not None:
+                _pick(self._phase, prefix + field[:-3], "phase").observe(us / 1e6)
+        if isinstance(phases, (PrefillPhases, ColocatedPhases)):  # (vLLM's: the wait for, and the prompt's pass)
             self.vllm.observe_prefill(phases.queue_us / 1e6, phases.compute_us / 1e6)
 
     def observe_step(self, kind: str, seconds: float, batch: int) -> None:

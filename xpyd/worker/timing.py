@@ -5,7 +5,8 @@ and the phase histograms (``xpyd.api.phases``).
 for its timing (``X-Xpyd-Timing: 1``: nothing else changes in the answer otherwise). ``follow`` gives it the
 request's engine stamps (``xpyd.worker.phases``) and what records its phases. The HTTP handler calls
 ``chunk()`` as it hands each content chunk (one with text) to the server, or ``answered()`` when a JSON answer
-is built; at the first of those the request's phases are made and recorded. A streamed answer asked for its
+is built; at the first of those the request's phases are made and recorded (a colocated stream's first decode
+step at its second chunk). A streamed answer asked for its
 timing ends with ``comment()``, a JSON one has ``header()``. Memory is bounded: the first ``MAX_GAPS`` gaps
 are kept (only when asked), the rest only counted.
 """
@@ -15,20 +16,22 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from xpyd.api.phases import DecodePhases, PrefillPhases
+import msgspec
+
+from xpyd.api.phases import ColocatedPhases, DecodePhases, PrefillPhases, StepPhases
 from xpyd.api.timing import ASK, MAX_GAPS, TIMING_HEADER, WorkerTiming
 from xpyd.worker.phases import PhaseStamps
 
 __all__ = ["TIMING_HEADER", "AnswerClock"]
 
 _US = 1_000_000
-Phases = PrefillPhases | DecodePhases
+Phases = PrefillPhases | DecodePhases | ColocatedPhases | StepPhases
 
 
 class AnswerClock:
     """Arrival, the first content chunk, and the gaps between chunks, in ``time.monotonic`` seconds."""
 
-    __slots__ = ("wanted", "_arrived", "_first", "_last", "_gaps_us", "_gaps", "_follow", "_phases")
+    __slots__ = ("wanted", "_arrived", "_first", "_last", "_gaps_us", "_gaps", "_follow", "_phases", "_answer")
 
     def __init__(self, arrived: float, wanted: bool = True) -> None:
         self.wanted = wanted  # the request asked for its timing
@@ -38,7 +41,8 @@ class AnswerClock:
         self._gaps_us: list[int] = []
         self._gaps = 0
         self._follow: tuple[str, PhaseStamps, float, Callable[[Phases], None]] | None = None
-        self._phases: Phases | None = None
+        self._phases: PrefillPhases | DecodePhases | ColocatedPhases | None = None
+        self._answer = False  # a JSON answer (``answered``)
 
     @classmethod
     def start(cls, header: str | None) -> AnswerClock:
@@ -47,7 +51,8 @@ class AnswerClock:
 
     def follow(self, role: str, stamps: PhaseStamps, handed: float, record: Callable[[Phases], None]) -> None:
         """The request's engine ``stamps`` (``handed``: when it went to the engine); at the first chunk they
-        become ``role``'s phases (prefill, decode; none for another role), given to ``record``."""
+        become ``role``'s phases (prefill, decode, colocated), given to ``record`` (and a colocated stream's
+        first decode step at its second chunk)."""
         self._follow = (role, stamps, handed, record)
 
     def chunk(self, now: float | None = None) -> None:
@@ -57,6 +62,8 @@ class AnswerClock:
             self._first = now
             self._split(now)
         else:
+            if self._gaps == 0:
+                self._first_step(now)
             self._gaps += 1
             if self.wanted and len(self._gaps_us) < MAX_GAPS:
                 self._gaps_us.append(_micros(now - self._last))
@@ -65,6 +72,7 @@ class AnswerClock:
     def answered(self) -> None:
         """A JSON answer is built now (its first token is the answer)."""
         if self._first is None:
+            self._answer = True
             self.chunk()
 
     def _split(self, written: float) -> None:
@@ -75,15 +83,28 @@ class AnswerClock:
             self._phases = stamps.prefill(self._arrived, handed, written)
         elif role == "decode":
             self._phases = stamps.decode(self._arrived, handed, written)
+        elif role == "colocated":
+            self._phases = stamps.colocated(self._arrived, handed, written, self._answer)
         if self._phases is not None:
             record(self._phases)
+
+    def _first_step(self, written: float) -> None:
+        """The second chunk with text is written: a colocated stream's first decode step, split."""
+        phases = self._phases
+        if not isinstance(phases, ColocatedPhases) or self._follow is None:
+            return
+        step = self._follow[1].first_step(written)
+        if step is not None:
+            self._phases = msgspec.structs.replace(phases, step=step)
+            self._follow[3](step)
 
     def timing(self) -> WorkerTiming:
         ttft = None if self._first is None else _micros(self._first - self._arrived)
         phases = self._phases
         return WorkerTiming(ttft_us=ttft, gaps_us=tuple(self._gaps_us), gaps=self._gaps,
                             prefill=phases if isinstance(phases, PrefillPhases) else None,
-                            decode=phases if isinstance(phases, DecodePhases) else None)
+                            decode=phases if isinstance(phases, DecodePhases) else None,
+                            colocated=phases if isinstance(phases, ColocatedPhases) else None)
 
     def comment(self) -> bytes:
         """The SSE comment that ends a streamed answer (before ``[DONE]``)."""

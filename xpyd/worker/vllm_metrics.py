@@ -24,8 +24,8 @@ vllm:e2e_request_latency_seconds           none | arrival at the worker -> last 
                                            reaches its end there, those ended by token 1 too) | the same
 vllm:request_prompt_tokens,                one per request counted in request_success (the prompt's
   vllm:request_generation_tokens           length; all its generated tokens, token 1 included)
-vllm:request_queue_time_seconds            handed to the engine -> its first forward pass | none | none
-vllm:request_prefill_time_seconds          that pass started -> first token sampled | none | none
+vllm:request_queue_time_seconds            handed to the engine -> its first forward pass | none | the same
+vllm:request_prefill_time_seconds          that pass started -> first token sampled | none | the same
 =========================================  ==========================================================
 
 Tokens and request ends are read from the events an engine puts on a request's ``OutputSink`` (``MeteredSink``,
