@@ -114,3 +114,23 @@ def test_decode_engine_drives_progress_while_a_pull_is_in_flight(tick):
     assert signal.timeouts[-1] == IDLE_SLEEP * 1000 and transfer.progress_calls == calls
     assert engine.sched.num_transferring == 0 and engine.pool.num_used == 0 and transfer.outstanding() == set()
     transfer.close()
+
+
+def test_a_decode_step_that_took_posted_work_polls_without_waiting():
+    """What the inbox brought is acted on after the step's signal poll (a new request's claim goes out then):
+    that poll must not sleep IDLE_SLEEP first. An idle decode worker sent every claim 50 ms late, so token 2
+    of every request at low load waited 50 ms for prefill's word however fast prefill was."""
+    from xpyd.worker.engine import Abort
+
+    transfer = FakeTransferBackend()
+    engine = DecodeEngine(_runner(), None, WorkerConfig(role="decode", port=8100), transfer, "m")
+    transfer.register(engine.pool.buffer())
+    engine.signal = signal = FakeSignal()
+    engine.step()
+    assert signal.timeouts[-1] == IDLE_SLEEP * 1000  # (idle: nothing posted, nothing to do)
+    engine.post(Abort(str(RequestId.new(PREFILL, DECODE))))
+    engine.step()
+    assert signal.timeouts[-1] == 0
+    engine.step()
+    assert signal.timeouts[-1] == IDLE_SLEEP * 1000
+    transfer.close()

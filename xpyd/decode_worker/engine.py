@@ -140,7 +140,8 @@ class DecodeEngine(WorkerEngine):
 
     def step(self) -> float:
         assert self.signal is not None
-        for item in self.drain_inbox():
+        posted = self.drain_inbox()
+        for item in posted:
             if isinstance(item, Abort):
                 with self.isolate(item.request_id):
                     self._abort(item.request_id)
@@ -149,7 +150,9 @@ class DecodeEngine(WorkerEngine):
                     self._peer_left(addr)
             else:
                 self.admit(item, self._add)
-        busy = bool(self.sched.running() or self.sched.prefilling() or self._local_waiting())
+        # A request just posted has its claim sent after this poll (``lookups.send``): poll without waiting, or an
+        # idle worker's claim would go out an IDLE_SLEEP late (token 2 of every request at low load was 50 ms late).
+        busy = bool(posted or self.sched.running() or self.sched.prefilling() or self._local_waiting())
         if busy:
             timeout_ms = 0
         elif self.sched.num_transferring and self.connector.progress_tick is not None:
