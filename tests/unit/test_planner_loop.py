@@ -133,7 +133,7 @@ class BrokenAPI:
     def start(self, role: Role) -> str:
         raise WorkersError("PATCH .../scale: HTTP 403: forbidden")
 
-    def drain(self, role: Role) -> str | None:
+    def drain(self, role: Role, busy=None) -> str | None:
         raise WorkersError("PATCH .../scale: HTTP 403: forbidden")
 
 
@@ -159,3 +159,20 @@ def test_a_change_that_fails_is_recorded_with_its_error_and_the_fleet_stays(tmp_
     assert any("started nothing" in s and "(failed: PATCH" in s for s in said)
     lines = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert [d["error"] for d in lines] == ["PATCH .../scale: HTTP 403: forbidden"] * 2
+
+
+def test_the_least_busy_worker_drains_by_the_last_scrape_and_the_newest_on_a_tie_or_without_one():
+    from xpyd.planner.observe import Scrape
+
+    cluster = FakeCluster()
+    workers = SupervisedWorkers(cluster, lambda kind, i: f"{kind} {i}", 1, 4, port_free=lambda role, i: True)
+    gauges = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {r}\n" \
+             "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {w}\n"
+    scrape = Scrape.parse(0.0, {"decode 0": gauges.format(r=5, w=1), "decode 1": gauges.format(r=1, w=0),
+                                "decode 2": gauges.format(r=0, w=1), "decode 3": gauges.format(r=3, w=0)})
+    assert scrape.busy("decode 0") == 6 and scrape.busy("decode 1") == 1 and scrape.busy("decode 9") is None
+    assert workers.drain(Role.DECODE, scrape.busy) == "decode 2"  # (1 request, the newest of the two with 1)
+    assert workers.drain(Role.DECODE, scrape.busy) == "decode 1"
+    assert workers.drain(Role.DECODE) == "decode 3"  # (nothing known: the newest)
+    assert workers.drain(Role.DECODE, scrape.busy) is None  # (the last one stays)
+    assert cluster.drained == ["decode 2", "decode 1", "decode 3"] and workers.fleet() == Fleet(1, 1)

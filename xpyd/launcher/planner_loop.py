@@ -55,7 +55,9 @@ class Workers(Protocol):
 
     def fleet(self) -> Fleet: ...
     def start(self, role: Role) -> str: ...  # the started worker's name
-    def drain(self, role: Role) -> str | None: ...  # the draining worker's name (None: none to drain)
+    # the draining worker's name (None: none to drain); ``busy(name)``: the requests a worker holds by the last
+    # scrape (None: unknown), for a Workers that can choose which one drains
+    def drain(self, role: Role, busy: Callable[[str], float | None] = lambda name: None) -> str | None: ...
 
 
 class PlannerLoop:
@@ -120,6 +122,9 @@ class PlannerLoop:
         return PlannerState(self.config.mode, c.slo.describe(), c.max_workers, self.config.interval_s,
                             self.updated_at, target, tuple(self.recent))
 
+    def _busy(self, name: str) -> float | None:
+        return self._last.busy(name) if self._last is not None else None
+
     def _act(self, d: Decision) -> int:
         """Start or drain as ``d`` says; the change made (0 when it failed)."""
         names: list[str] = []
@@ -130,7 +135,7 @@ class PlannerLoop:
                     names.append(self._workers.start(d.role))
             else:
                 for _ in range(-d.delta):
-                    if (name := self._workers.drain(d.role)) is not None:
+                    if (name := self._workers.drain(d.role, self._busy)) is not None:
                         names.append(name)
         except WorkersError as e:
             error = str(e)
@@ -174,9 +179,15 @@ class SupervisedWorkers:
         self._names[role].append(name)
         return name
 
-    def drain(self, role: Role) -> str | None:
-        if len(self._names[role]) <= 1:
+    def drain(self, role: Role, busy: Callable[[str], float | None] = lambda name: None) -> str | None:
+        """The least busy worker of ``role`` by the last scrape (its streams are the fewest to finish or move; on
+        a tie, or unknown, the newest) starts draining."""
+        names = self._names[role]
+        if len(names) <= 1:
             return None
-        name = self._names[role].pop()  # the newest
+        loads = [busy(n) for n in names]
+        known = [(load, -i) for i, load in enumerate(loads) if load is not None]
+        i = -min(known)[1] if known else len(names) - 1
+        name = names.pop(i)
         self._cluster.drain(name)
         return name

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 
 from xpyd.launcher.kube import KubeError, ScaleClient
 from xpyd.launcher.planner_loop import WorkersError
@@ -42,7 +42,8 @@ class Deployments:
     def start(self, role: Role) -> str:
         return self._set(role, self._counts[role] + 1)
 
-    def drain(self, role: Role) -> str | None:
+    def drain(self, role: Role, busy: Callable[[str], float | None] = lambda name: None) -> str | None:
+        """One replica fewer (Kubernetes picks which pod: ``busy`` is not used)."""
         if self._counts[role] <= 1:
             return None
         return self._set(role, self._counts[role] - 1)
@@ -87,7 +88,7 @@ class DesiredReplicas:
     def start(self, role: Role) -> str:
         return self._set(role, self.fleet().count(role) + 1)
 
-    def drain(self, role: Role) -> str | None:
+    def drain(self, role: Role, busy: Callable[[str], float | None] = lambda name: None) -> str | None:
         n = self.fleet().count(role)
         return self._set(role, n - 1) if n > 1 else None
 

@@ -39,6 +39,8 @@ ITL = "xpyd_proxy_inter_token_latency_seconds"
 PHASE = "xpyd_proxy_phase_seconds"
 PROMPT_TOKENS = "vllm:request_prompt_tokens"
 OUTPUT_TOKENS = "vllm:request_generation_tokens"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,13 @@ class Scrape:
             except (ValueError, TypeError, IndexError) as e:
                 raise ValueError(f"metrics of {source} are not Prometheus text: {e}") from None
         return cls(at_s, MappingProxyType(samples))
+
+    def busy(self, source: str) -> float | None:
+        """The requests ``source`` (a worker) holds: running + waiting (vLLM's gauges); None if it was not
+        scraped."""
+        if not any(src == source for src, _, _ in self.samples):
+            return None
+        return self.total(RUNNING, source) + self.total(WAITING, source)
 
     def total(self, name: str, source: str | None = None, **labels: str) -> float:
         """The sum of ``name``'s samples (of ``source`` only, if given) whose labels include ``labels``."""
