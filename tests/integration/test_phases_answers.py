@@ -2,8 +2,8 @@
 simulated time) behind a P/D proxy and a colocated proxy with ``--expose-worker-timing`` (and one of each
 without it).
 
-For a JSON answer through the P/D proxy (its ``X-Xpyd-Timing`` header), several choices (streamed and JSON)
-and a colocated worker (streamed and JSON), the phases each side measured add up exactly to the time the proxy
+For a JSON answer through the P/D proxy (its ``X-Xpyd-Timing`` header), several choices (streamed and JSON),
+a colocated worker (streamed and JSON) and a prompt its decode worker prefilled itself (streamed and JSON), the phases each side measured add up exactly to the time the proxy
 measured (its TTFT; a JSON answer: its time to the answer), the worker's own part adds up to the worker's, the
 client's time is that sum and a remainder that is never negative, the histograms count every request, and
 ``xpyd bench`` (streamed, ``--no-stream``, ``--n``) splits every request it sent.
@@ -41,8 +41,9 @@ def cluster(tmp_path_factory, smollm_dir: Path):
     try:
         urls = start_pd_and_colocated(c, options, pd_proxy=["--expose-worker-timing"],
                                       co_proxy=["--expose-worker-timing"])
-        for name, extra in (("pd-plain", ["--prefill", urls["prefill"], "--decode", urls["decode"]]),
-                            ("co-plain", ["--colocated", urls["colocated"]])):
+        pair = ["--prefill", urls["prefill"], "--decode", urls["decode"]]
+        for name, extra in (("pd-plain", pair), ("co-plain", ["--colocated", urls["colocated"]]),
+                            ("pd-local", [*pair, "--local-prefill-max-tokens", "256", "--expose-worker-timing"])):
             urls[name] = f"http://127.0.0.1:{free_port()}"
             c.start(name, ["proxy", "--port", urls[name].rsplit(":", 1)[1], *extra], urls[name])
         c.wait_healthy()
@@ -207,3 +208,22 @@ def test_the_openai_client_reads_a_timed_json_answer(cluster):
             assert raw.parse().choices[0].text and decode_timing(raw.headers[TIMING_HEADER]).proxy is not None
         finally:
             client.close()
+
+
+# --- a prompt its decode worker prefilled itself (conditional disaggregation) --------------------------------
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_locally_prefilled_answer_says_where_its_time_went(cluster, stream):
+    """The proxy sent the short prompt to its decode worker alone: decode's own split of the first token (parse,
+    queue, compute, respond) joins the proxy's, network is the decode call less it, and they add up."""
+    before = _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")
+    headers, raw, client_us = post(cluster["pd-local"], {"prompt": PROMPT, "stream": stream})
+    t = streamed_timing(raw) if stream else decode_timing(headers[TIMING_HEADER])
+    assert t.prefill is None and t.colocated is not None, t  # (no prefill worker took part)
+    split = check_split(t, client_us)
+    assert set(split) == {"proxy.ingress", "colocated.parse", "colocated.queue", "colocated.compute",
+                          "colocated.respond", "proxy.network", "proxy.egress"} | ({"proxy.rest"} if not stream else set())
+    after = _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")
+    assert after["compute"] == before.get("compute", 0) + 1  # (decode's histogram: its local prefill's phases)
+    with urllib.request.urlopen(cluster["pd-local"] + "/metrics", timeout=10) as r:
+        assert 'xpyd_proxy_prefill_path_total{path="local"}' in r.read().decode()

@@ -65,6 +65,10 @@ proxy adds its ingress, call (``prefill_call``), network and egress as the P/D p
 and, streamed, the first decode step after it (``StepPhases``): token 1 sampled -> the first decode step it
 ran in started (``queue``: the prefills run before it), that step (``step``), -> the next chunk with text
 written (``respond``).
+
+A prompt its decode worker prefilled itself (``xpyd.api.local_prefill``: no prefill worker took part) splits
+the same way: decode's parse, queue, compute and respond to its first token's chunk (in ``colocated``), and
+the P/D proxy's ingress, call (the decode call up to that chunk), network and egress.
 """
 
 from __future__ import annotations

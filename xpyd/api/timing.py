@@ -50,7 +50,9 @@ class WorkerTiming(msgspec.Struct, frozen=True, kw_only=True):
     prefill: PrefillPhases | None = None  # the prefill worker's answer, split (v2)
     decode: DecodePhases | None = None  # the decode worker's time to its first chunk, split (v2)
     proxy: ProxyPhases | None = None  # the proxy's TTFT, split (v2)
-    colocated: ColocatedPhases | None = None  # a colocated worker's time to its first chunk or answer, split (v3)
+    # a colocated worker's time to its first chunk or answer, split (v3); a decode worker's to the first token of a
+    # prompt it prefilled itself (xpyd.api.local_prefill), split the same way
+    colocated: ColocatedPhases | None = None
 
     def __post_init__(self) -> None:
         if self.gaps < len(self.gaps_us):

@@ -5,13 +5,16 @@
     [-> the answer's last token read]           a JSON answer
     -> the first token's chunk written to the client's connection, or the JSON answer built (``written``)
 
-The first-token call is prefill's (or, colocated, the worker's call up to its first chunk with text).
+The first-token call is prefill's (or, colocated, the worker's call up to its first chunk with text; a prompt its
+decode worker prefilled itself, the decode call up to its first token's chunk: ``with_local``).
 ``network`` is that call less the worker's own time (when it said it: ``--expose-worker-timing``), the remainder
 neither side measured. ``joined`` is what a JSON answer, or one of several choices, tells the client: each
 side's phases, without the gaps between chunks (the client saw none of them, or an interleaving of several).
 """
 
 from __future__ import annotations
+
+import msgspec
 
 from xpyd.api.phases import ColocatedPhases, ProxyPhases, spans_us
 from xpyd.api.timing import WorkerTiming
@@ -44,7 +47,23 @@ def colocated_own_us(timing: WorkerTiming | None) -> int | None:
     return None if phases is None else phases.total_us
 
 
+def with_local(first: FirstToken, decoded: WorkerTiming | None,
+               proxy: ProxyPhases | None) -> tuple[ColocatedPhases | None, ProxyPhases | None]:
+    """A prompt its decode worker prefilled itself (``first`` came from decode's stream, not a prefill answer):
+    decode's own split of its first token (parse, queue, compute, respond: its timing comment's ``colocated``),
+    and the proxy's phases with ``network`` = the call less that (known only once decode's stream ended);
+    otherwise (None, ``proxy``) as they were."""
+    if first.timing is not None or decoded is None or decoded.decode is not None or decoded.colocated is None:
+        return None, proxy
+    local = decoded.colocated
+    if proxy is not None and proxy.network_us is None:
+        proxy = msgspec.structs.replace(proxy, network_us=proxy.prefill_call_us - local.total_us)
+    return local, proxy
+
+
 def joined(first: FirstToken, decoded: WorkerTiming | None, proxy: ProxyPhases | None) -> WorkerTiming:
     """Each side's phases of a P/D answer (no TTFT and no gaps: see the module's docstring)."""
     prefill = first.timing.prefill if first.timing is not None else None
-    return WorkerTiming(prefill=prefill, decode=decoded.decode if decoded is not None else None, proxy=proxy)
+    local, proxy = with_local(first, decoded, proxy)
+    return WorkerTiming(prefill=prefill, decode=decoded.decode if decoded is not None else None, proxy=proxy,
+                        colocated=local)

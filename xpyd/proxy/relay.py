@@ -33,6 +33,7 @@ from xpyd.proxy.http_server import LastChunk, StreamedResponse
 from xpyd.proxy.metrics import Outcome, RequestTimer, outcome_of
 from xpyd.proxy.decode_stream import TOKEN_CHUNK_KEY
 from xpyd.proxy.pd_call import PDCall
+from xpyd.proxy.phases import with_local
 from xpyd.proxy.worker_api import FirstToken
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,9 @@ def answer_timing(first: FirstToken, decoded: WorkerTiming | None, proxy: ProxyP
     client's first content chunk (prefill, unless its token had no text), the gaps from decode's chunks; and
     where the time went (``xpyd.api.phases``): prefill's phases, decode's, and the proxy's own."""
     prefill = first.timing
+    local, proxy = with_local(first, decoded, proxy)
     phases = {"prefill": prefill.prefill if prefill is not None else None,
-              "decode": decoded.decode if decoded is not None else None, "proxy": proxy}
+              "decode": decoded.decode if decoded is not None else None, "proxy": proxy, "colocated": local}
     if first.text or first.finish_reason is not None:
         ttft = prefill.ttft_us if prefill is not None and first.text else None
         if decoded is None:

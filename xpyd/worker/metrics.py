@@ -72,8 +72,9 @@ OUTCOMES = ("finished", "failed", "aborted", "rejected")
 STEP_KINDS = ("prefill", "decode")
 DIRECTIONS = ("send", "recv")
 BLOCK_STATES = ("used", "cached", "free")
-ROLE_PHASES = {"prefill": PREFILL_PHASES, "decode": DECODE_PHASES,
-               "colocated": COLOCATED_PHASES + tuple(f"decode_{p}" for p in STEP_PHASES)}
+_AS_COLOCATED = COLOCATED_PHASES + tuple(f"decode_{p}" for p in STEP_PHASES)
+ROLE_PHASES = {"prefill": PREFILL_PHASES, "colocated": _AS_COLOCATED,  # (decode: its local prefills as colocated)
+               "decode": DECODE_PHASES + tuple(p for p in _AS_COLOCATED if p not in DECODE_PHASES)}
 
 
 def _children(metric, role: str, values: tuple[str, ...]) -> dict:

@@ -6,7 +6,8 @@ for its timing (``X-Xpyd-Timing: 1``: nothing else changes in the answer otherwi
 request's engine stamps (``xpyd.worker.phases``) and what records its phases. The HTTP handler calls
 ``chunk()`` as it hands each content chunk (one with text) to the server, or ``answered()`` when a JSON answer
 is built; at the first of those the request's phases are made and recorded (a colocated stream's first decode
-step at its second chunk). A streamed answer asked for its
+step at its second chunk). A decode worker's request whose prompt it prefilled itself (``xpyd.api.local_prefill``)
+is split as a colocated worker's. A streamed answer asked for its
 timing ends with ``comment()``, a JSON one has ``header()``. Memory is bounded: the first ``MAX_GAPS`` gaps
 are kept (only when asked), the rest only counted.
 """
@@ -83,6 +84,8 @@ class AnswerClock:
             self._phases = stamps.prefill(self._arrived, handed, written)
         elif role == "decode":
             self._phases = stamps.decode(self._arrived, handed, written)
+            if self._phases is None and stamps.pull_started is None:  # a prompt it prefilled itself: as colocated
+                self._phases = stamps.colocated(self._arrived, handed, written, self._answer)
         elif role == "colocated":
             self._phases = stamps.colocated(self._arrived, handed, written, self._answer)
         if self._phases is not None:
