@@ -346,3 +346,23 @@ async def test_an_answer_arriving_after_its_caller_was_cancelled_closes_the_conn
     with pytest.raises(asyncio.CancelledError):
         await call
     assert pool.in_use == 0 and pool.idle() == 0
+
+
+async def test_a_body_larger_than_the_buffer_limit_pauses_reading_and_arrives_whole(serve):
+    """A body over PAUSE_AT (a prefill answer with many prompt logprobs) is buffered up to the limit, the socket's
+    reading paused until the reader takes it, and every byte arrives in order."""
+    from xpyd.proxy import h1client
+
+    big = bytes(range(256)) * (3 * h1client.PAUSE_AT // 256 + 7)
+    _, pool, url = await serve([ok(big)[i:i + 65536] for i in range(0, len(ok(big)), 65536)])
+    resp = await pool.post(url, "/p", b"", {})
+    await until(lambda: resp._conn._paused, "reading paused at the buffer limit")
+    # (at most one socket read past the limit: asyncio's transports read up to 256 KiB at a time)
+    assert h1client.PAUSE_AT < resp.content._size <= h1client.PAUSE_AT + 256 * 1024
+    got = bytearray()
+    while data := await resp.content.readany():
+        got += data
+        await asyncio.sleep(0)
+    assert bytes(got) == big and not resp._conn._paused
+    resp.release()
+    assert pool.idle() == 1
