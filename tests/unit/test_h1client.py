@@ -329,10 +329,10 @@ class _Wire:
 async def test_an_answer_arriving_after_its_caller_was_cancelled_closes_the_connection():
     """The caller is cancelled and, before its task runs again, the answer's head arrives: the connection is closed
     (never pooled), nothing raises in the transport's callback."""
-    from xpyd.proxy.h1client import _Connection
+    from xpyd.proxy.h1_conn import Connection
 
     pool = H1Pool(5, 5)
-    conn = _Connection(pool, ("127.0.0.1", 1))
+    conn = Connection(pool, ("127.0.0.1", 1))
     wire = _Wire()
     conn.connection_made(wire)
     pool._in_use.add(conn)
