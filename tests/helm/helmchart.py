@@ -21,7 +21,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "default": (),
     "external-etcd": ("external-etcd.yaml",),
     "autoscaling": ("autoscaling.yaml",),
-    "neuron": ("neuron.yaml",),
+    "gpu-efa": ("gpu-efa.yaml",),
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
     "network-policy": ("network-policy.yaml",),

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 from kubernetes_validate.utils import latest_version
 
-from helmchart import CHART, EXAMPLES, NAMESPACE, RELEASE, VALUE_SETS, Helm
+from helmchart import CHART, EXAMPLES, NAMESPACE, RELEASE, VALUE_SETS, Helm, RenderError
 
 FULLNAME = f"{RELEASE}-xpyd"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
@@ -261,8 +261,8 @@ def test_external_etcd_replaces_the_statefulset(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize(("value_set", "resource", "count"), [
-    ("neuron", "aws.amazon.com/neuron", 1),
-    ("neuron", "vpc.amazonaws.com/efa", 1),
+    ("gpu-efa", "vpc.amazonaws.com/efa", 1),
+    ("gpu-efa", "nvidia.com/gpu", 1),
     ("gpu", "nvidia.com/gpu", 1),
 ])
 def test_devices_are_requested_and_limited(helm: Helm, value_set: str, resource: str, count: int) -> None:
@@ -274,6 +274,59 @@ def test_devices_are_requested_and_limited(helm: Helm, value_set: str, resource:
         assert pod_spec(w)["tolerations"]
     proxy = container(one(docs, "Deployment", f"{FULLNAME}-proxy"))["resources"]
     assert resource not in proxy["requests"] and resource not in proxy.get("limits", {})
+
+
+def test_workers_use_the_devices_they_hold(rendered: list[dict]) -> None:
+    """Every example: a pod that holds a GPU computes on it, one without computes on the CPU; a pod that
+    holds an EFA interface moves KV with nixl, may lock memory and has the libfabric environment; no pod
+    holds a Neuron device (no worker could use it); /dev/shm is a sized memory volume; both roles agree on
+    the KV backend."""
+    backends = set()
+    for role in ROLES:
+        w = one(rendered, "Deployment", f"{FULLNAME}-{role}")
+        c, spec = container(w), pod_spec(w)
+        limits = c["resources"].get("limits", {})
+        gpus, efas = limits.get("nvidia.com/gpu", 0), limits.get("vpc.amazonaws.com/efa", 0)
+        assert flag(c["args"], "device") == ("cuda" if gpus else "cpu"), role
+        assert gpus <= 1 and "aws.amazon.com/neuron" not in limits
+        backend = flag(c["args"], "kv-backend")
+        backends.add(backend)
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        caps = c["securityContext"].get("capabilities", {}).get("add", [])
+        if efas:
+            assert backend == "nixl" and "IPC_LOCK" in caps and env["FI_PROVIDER"] == "efa", role
+            assert env.get("FI_EFA_USE_DEVICE_RDMA") == ("1" if gpus else None)
+        else:
+            assert "IPC_LOCK" not in caps and "FI_PROVIDER" not in env, role
+        if backend == "nixl":
+            assert efas or gpus, f"{role}: nixl without a device it could use"
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        if gpus and "runtimeClassName" in spec:
+            assert spec["runtimeClassName"] == "nvidia"
+    assert len(backends) == 1, f"prefill and decode disagree on --kv-backend: {backends}"
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("prefill.devices.neuron=1",), "no Neuron device path"),
+    (("decode.devices.gpu=2",), "one device"),
+    (("decode.devices.efa=1",), "only kvBackend=nixl"),
+    (("kvBackend=cuda_ipc",), "one GPU"),
+    (("kvBackend=neuron",), "refuses to start"),
+])
+def test_devices_nothing_would_use_are_refused(helm: Helm, sets: tuple[str, ...], message: str) -> None:
+    with pytest.raises(RenderError, match=message):
+        helm.template(sets=sets)
+
+
+def test_shm_size_and_runtime_class_follow_values(helm: Helm) -> None:
+    docs = helm.template(sets=("decode.shmSize=", "prefill.shmSize=20Gi", "prefill.runtimeClassName=nvidia"))
+    prefill, decode = (one(docs, "Deployment", f"{FULLNAME}-{r}") for r in ROLES)
+    (shm,) = [v for v in pod_spec(prefill)["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["sizeLimit"] == "20Gi" and pod_spec(prefill)["runtimeClassName"] == "nvidia"
+    assert not [v for v in pod_spec(decode)["volumes"] if v["name"] == "dshm"]
+    assert "runtimeClassName" not in pod_spec(decode)
 
 
 def test_topology_spread_defaults_to_the_roles_own_pods(helm: Helm) -> None:

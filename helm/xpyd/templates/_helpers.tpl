@@ -124,6 +124,20 @@ Call with (dict "resources" .resources "devices" .devices).
 {{- end -}}
 
 {{/*
+A worker container's securityContext: containerSecurityContext, plus IPC_LOCK where EFA is requested (libfabric
+pins the memory it registers). Call with (dict "root" $ "efa" true).
+*/}}
+{{- define "xpyd.workerSecurityContext" -}}
+{{- $sc := deepCopy (default dict .root.Values.containerSecurityContext) -}}
+{{- if .efa -}}
+{{- $caps := deepCopy (default dict $sc.capabilities) -}}
+{{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
+{{- end -}}
+{{- toYaml $sc -}}
+{{- end -}}
+
+{{/*
 topologySpreadConstraints with labelSelector defaulting to the component's own pods.
 Call with (dict "root" $ "component" "prefill" "constraints" .topologySpreadConstraints).
 */}}

@@ -13,8 +13,20 @@ Rendering stops with a message that names the values to change.
 {{- if and $v.etcd.enabled (gt (int $v.etcd.replicas) 1) (not $v.etcd.persistence.enabled) -}}
 {{- fail "etcd.replicas > 1 needs etcd.persistence.enabled=true (a member restarted with an empty data dir cannot rejoin)" -}}
 {{- end -}}
+{{- if has $v.kvBackend (list "cuda_ipc" "neuron") -}}
+{{- fail (printf "kvBackend=%s cannot work between pods: cuda_ipc needs prefill and decode on one GPU (a pod holds whole GPUs), and neuron refuses to start (the workers keep the KV pool in host or CUDA memory; docs/transfer.md). Use auto, tcp, shm or nixl" $v.kvBackend) -}}
+{{- end -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $w := index $v $role -}}
+{{- if gt (int $w.devices.neuron) 0 -}}
+{{- fail (printf "%s.devices.neuron: xpyd's workers compute on the CPU or one CUDA device (--device cpu|cuda) and have no Neuron device path, so a pod holding a Neuron device would leave it idle; set %s.devices.neuron=0" $role $role) -}}
+{{- end -}}
+{{- if gt (int $w.devices.gpu) 1 -}}
+{{- fail (printf "%s.devices.gpu=%v: a worker computes on one device (--device cuda); run more replicas instead" $role $w.devices.gpu) -}}
+{{- end -}}
+{{- if and (gt (int $w.devices.efa) 0) (ne $v.kvBackend "nixl") -}}
+{{- fail (printf "%s.devices.efa: only kvBackend=nixl can move KV over an EFA interface (with kvBackend=%s it moves over TCP/shared memory); set kvBackend=nixl or %s.devices.efa=0" $role $v.kvBackend $role) -}}
+{{- end -}}
 {{- if lt (float64 $w.terminationGracePeriodSeconds) (addf $w.drainTimeout 5) -}}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be at least %s.drainTimeout + 5 (%v): Kubernetes kills the worker before it has drained" $role $w.terminationGracePeriodSeconds $role (addf $w.drainTimeout 5)) -}}
 {{- end -}}

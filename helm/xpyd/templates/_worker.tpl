@@ -11,6 +11,8 @@ milliseconds), then drains for up to drainTimeout; terminationGracePeriodSeconds
 {{- $role := .role -}}
 {{- $w := index $root.Values $role -}}
 {{- $tokenSecret := include "xpyd.clusterTokenSecretName" $root -}}
+{{- $gpu := gt (int $w.devices.gpu) 0 -}}
+{{- $efa := gt (int $w.devices.efa) 0 -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -51,6 +53,9 @@ spec:
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
       terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+      {{- with $w.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
       {{- with include "xpyd.scheduling" (dict "root" $root "component" $role "values" $w) | trim }}{{ . | nindent 6 }}{{ end }}
       {{- with include "xpyd.waitForEtcd" $root | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
@@ -68,6 +73,9 @@ spec:
             {{- end }}
             - --kv-port={{ $w.kvPort }}
             - --etcd=$(XPYD_ETCD)
+            # the device follows devices.gpu; the KV backend is the release's kvBackend (both roles agree)
+            - --device={{ ternary "cuda" "cpu" $gpu }}
+            - --kv-backend={{ $root.Values.kvBackend }}
             {{- if $root.Values.model.path }}
             - --model=$(XPYD_MODEL)
             {{- end }}
@@ -104,6 +112,17 @@ spec:
                   name: {{ $tokenSecret }}
                   key: {{ $root.Values.clusterToken.secretKey }}
             {{- end }}
+            {{- if $efa }}
+            # EFA through libfabric (NIXL's transport where the image's NIXL/UCX reaches it)
+            - name: FI_PROVIDER
+              value: efa
+            - name: FI_EFA_FORK_SAFE
+              value: "1"
+            {{- if $gpu }}
+            - name: FI_EFA_USE_DEVICE_RDMA
+              value: "1"
+            {{- end }}
+            {{- end }}
             {{- with $w.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -129,12 +148,16 @@ spec:
           resources:
             {{- include "xpyd.resources" (dict "resources" $w.resources "devices" $w.devices) | nindent 12 }}
           securityContext:
-            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+            {{- include "xpyd.workerSecurityContext" (dict "root" $root "efa" $efa) | nindent 12 }}
           volumeMounts:
             - name: cache
               mountPath: /var/cache/xpyd
             - name: tmp
               mountPath: /tmp
+            {{- if $w.shmSize }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
             {{- if $root.Values.model.volume }}
             - name: model
               mountPath: {{ $root.Values.model.mountPath }}
@@ -150,6 +173,13 @@ spec:
         - name: tmp
           emptyDir:
             sizeLimit: 1Gi
+        {{- with $w.shmSize }}
+        # /dev/shm: the shm KV backend's pools, torch's shared tensors (memory: counts toward the memory limit)
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ . }}
+        {{- end }}
         {{- with $root.Values.model.volume }}
         - name: model
           {{- toYaml . | nindent 10 }}
