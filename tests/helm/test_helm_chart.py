@@ -157,10 +157,17 @@ def test_workers_get_their_role_the_etcd_endpoint_and_their_pod_ip(rendered: lis
 
 
 def test_termination_grace_covers_the_drain(rendered: list[dict]) -> None:
-    for role in ROLES:
+    """One drain time everywhere: the proxy and the workers drain for as long, and each pod's grace period
+    covers its preStop sleep, that drain and a margin to exit."""
+    drains = set()
+    for role in ("proxy", *ROLES):
         w = one(rendered, "Deployment", f"{FULLNAME}-{role}")
-        drain = float(flag(container(w)["args"], "drain-timeout"))
-        assert pod_spec(w)["terminationGracePeriodSeconds"] >= drain + 5
+        c = container(w)
+        drain = int(flag(c["args"], "drain-timeout"))
+        drains.add(drain)
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+        assert pod_spec(w)["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain + 1, role
+    assert len(drains) == 1 and drains.pop() > 30
 
 
 def test_every_pod_waits_for_etcd(rendered: list[dict]) -> None:
@@ -176,7 +183,11 @@ def test_config_changes_roll_the_pods(helm: Helm) -> None:
                 for n, d in objects(docs, "Deployment").items()}
 
     before, after = checksum(helm.template()), checksum(helm.template(sets=("model.maxModelLen=4096",)))
-    assert before.keys() == after.keys() and all(before[n] != after[n] for n in before)
+    assert before.keys() == after.keys()
+    # the workers read the model settings and roll; the proxy does not, and stays
+    assert {n for n in before if before[n] != after[n]} == {f"{FULLNAME}-{r}" for r in ROLES}
+    env = checksum(helm.template(sets=("config.env.LOG_LEVEL=debug",)))
+    assert all(env[n] != before[n] for n in before)
 
 
 # --- value sets -----------------------------------------------------------------------------
@@ -191,7 +202,7 @@ def test_default_is_1p1d_with_etcd_in_the_release(helm: Helm) -> None:
     assert etcd["spec"]["replicas"] == 1 and "volumeClaimTemplates" not in etcd["spec"]
     assert one(docs, "Service", f"{FULLNAME}-etcd-headless")["spec"]["clusterIP"] == "None"
     assert not objects(docs, "HorizontalPodAutoscaler") and not objects(docs, "ServiceMonitor")
-    assert not objects(docs, "Secret")
+    assert set(objects(docs, "Secret")) == {f"{FULLNAME}-cluster-token"}  # generated (test_helm_rollout)
     assert set(objects(docs, "PodDisruptionBudget")) == {f"{FULLNAME}-{c}" for c in ("etcd", "proxy", *ROLES)}
 
 
@@ -389,7 +400,7 @@ def test_cluster_token_reaches_every_pod_in_its_environment_only(helm: Helm) -> 
 
 
 def test_no_secret_env_without_secrets(helm: Helm) -> None:
-    docs = helm.template()
+    docs = helm.template(sets=("clusterToken.generate=false",))
     for name, w in objects(docs, "Deployment").items():
         env = _env(container(w))
         assert "XPYD_API_KEY" not in env and "XPYD_CLUSTER_TOKEN" not in env, name

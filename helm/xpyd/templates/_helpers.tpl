@@ -86,9 +86,36 @@ app.kubernetes.io/part-of: xpyd
 {{- define "xpyd.clusterTokenSecretName" -}}
 {{- if .Values.clusterToken.existingSecret -}}
 {{- .Values.clusterToken.existingSecret -}}
-{{- else if .Values.clusterToken.value -}}
+{{- else if or .Values.clusterToken.value .Values.clusterToken.generate -}}
 {{- printf "%s-cluster-token" (include "xpyd.fullname" .) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The cluster token of a Secret the chart makes: clusterToken.value; else the token already in the release's
+Secret (lookup: kept across upgrades); else 48 random characters (a first install, and every `helm
+template`, which cannot look up). Resolved once per render (kept in .Values.clusterToken.resolved), so
+the Secret and the pods' checksum see the same token.
+*/}}
+{{- define "xpyd.clusterTokenValue" -}}
+{{- $t := .Values.clusterToken -}}
+{{- if not (hasKey $t "resolved") -}}
+{{- $token := $t.value -}}
+{{- if not $token -}}
+{{- $found := lookup "v1" "Secret" .Release.Namespace (include "xpyd.clusterTokenSecretName" .) | default dict -}}
+{{- $token = dig "data" $t.secretKey "" $found | b64dec -}}
+{{- end -}}
+{{- $_ := set $t "resolved" (default (randAlphaNum 48) $token) -}}
+{{- end -}}
+{{- $t.resolved -}}
+{{- end -}}
+
+{{/*
+A pod's terminationGracePeriodSeconds: its preStop sleep, then drain.seconds of draining, then
+drain.marginSeconds to exit. Call with (dict "root" $ "preStop" 5).
+*/}}
+{{- define "xpyd.terminationGrace" -}}
+{{- add (int .preStop) (int .root.Values.drain.seconds) (int .root.Values.drain.marginSeconds) -}}
 {{- end -}}
 
 {{/* An HTTP probe: the chart fixes path and port, values give the timing. */}}
@@ -214,10 +241,44 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* Pod annotations that roll the pods when the shared settings or chart-made secrets change. */}}
+{{/*
+Pod annotations that roll a component's pods when something they read changes, and only then:
+  checksum/config        workers: the whole ConfigMap (model, dtype, lengths, etcd, config.env);
+                         proxy and planner: the part they read (etcd endpoint, config.env), so a model
+                         setting rolls the workers and leaves the proxy alone
+  checksum/api-key       proxy and planner (the planner reads the proxy's /metrics with it)
+  checksum/cluster-token proxy, prefill and decode (one change rolls the three in the same upgrade)
+A secret the chart makes is hashed from the values; an existingSecret from its data in the cluster
+(`lookup`, on install and upgrade), so `helm upgrade` after rotating it rolls the pods that read it.
+`helm template` cannot look up: there the hash is of nothing, stable.
+Call with (dict "root" $ "component" "proxy").
+*/}}
 {{- define "xpyd.configChecksum" -}}
-checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
-checksum/secrets: {{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
+{{- $v := .root.Values -}}
+{{- $worker := has .component (list "prefill" "decode") -}}
+{{- if $worker }}
+checksum/config: {{ include (print .root.Template.BasePath "/configmap.yaml") .root | sha256sum }}
+{{- else }}
+checksum/config: {{ list (include "xpyd.etcdEndpoint" .root) $v.config.env | toJson | sha256sum }}
+{{- end }}
+{{- if and (has .component (list "proxy" "planner")) (include "xpyd.apiKeySecretName" .root) }}
+checksum/api-key: {{ include "xpyd.secretChecksum" (dict "root" .root "secret" $v.apiKey "name" (include "xpyd.apiKeySecretName" .root)) }}
+{{- end }}
+{{- if and (ne .component "planner") (include "xpyd.clusterTokenSecretName" .root) }}
+checksum/cluster-token: {{ include "xpyd.secretChecksum" (dict "root" .root "secret" $v.clusterToken "name" (include "xpyd.clusterTokenSecretName" .root)) }}
+{{- end }}
+{{- end -}}
+
+{{/* sha256 of one secret value: from the values, or from the existing Secret's data (lookup). */}}
+{{- define "xpyd.secretChecksum" -}}
+{{- if .secret.existingSecret -}}
+{{- $found := lookup "v1" "Secret" .root.Release.Namespace .name | default dict -}}
+{{- dig "data" .secret.secretKey "" $found | sha256sum -}}
+{{- else if eq .name (include "xpyd.clusterTokenSecretName" .root) -}}
+{{- include "xpyd.clusterTokenValue" .root | sha256sum -}}
+{{- else -}}
+{{- .secret.value | sha256sum -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The online planner's name (its Deployment, Service, ServiceAccount, Role). */}}

@@ -27,9 +27,6 @@ Rendering stops with a message that names the values to change.
 {{- if and (gt (int $w.devices.efa) 0) (ne $v.kvBackend "nixl") -}}
 {{- fail (printf "%s.devices.efa: only kvBackend=nixl can move KV over an EFA interface (with kvBackend=%s it moves over TCP/shared memory); set kvBackend=nixl or %s.devices.efa=0" $role $v.kvBackend $role) -}}
 {{- end -}}
-{{- if lt (float64 $w.terminationGracePeriodSeconds) (addf $w.drainTimeout 5) -}}
-{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be at least %s.drainTimeout + 5 (%v): Kubernetes kills the worker before it has drained" $role $w.terminationGracePeriodSeconds $role (addf $w.drainTimeout 5)) -}}
-{{- end -}}
 {{- if $w.autoscaling.enabled -}}
 {{- if gt (int $w.autoscaling.minReplicas) (int $w.autoscaling.maxReplicas) -}}
 {{- fail (printf "%s.autoscaling.minReplicas (%v) is above maxReplicas (%v)" $role $w.autoscaling.minReplicas $w.autoscaling.maxReplicas) -}}
@@ -45,9 +42,6 @@ Rendering stops with a message that names the values to change.
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
 {{- fail (printf "%s.podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" $component) -}}
 {{- end -}}
-{{- end -}}
-{{- if le (int $v.proxy.terminationGracePeriodSeconds) (add (int $v.proxy.preStopSleepSeconds) 5) -}}
-{{- fail (printf "proxy.terminationGracePeriodSeconds (%v) must exceed proxy.preStopSleepSeconds + 5 s of request draining (%v)" $v.proxy.terminationGracePeriodSeconds (add (int $v.proxy.preStopSleepSeconds) 5)) -}}
 {{- end -}}
 {{- if and $v.apiKey.value $v.apiKey.existingSecret -}}
 {{- fail "set apiKey.existingSecret or apiKey.value, not both" -}}

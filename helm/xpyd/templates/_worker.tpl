@@ -4,7 +4,9 @@ A worker Deployment (prefill or decode). Call with (dict "root" $ "role" "prefil
 The worker binds 0.0.0.0 and advertises its pod IP: that address goes into its etcd key
 /workers/{role}/{ip}/{port} and into the request ids peers use to reach its signal plane and
 KV listener. On SIGTERM it revokes its etcd lease first (the proxy stops routing to it within
-milliseconds), then drains for up to drainTimeout; terminationGracePeriodSeconds covers both.
+milliseconds), then drains for up to drain.seconds; terminationGracePeriodSeconds covers both.
+That revoke is the worker's leaving etcd: no preStop hook is needed for it (nothing reaches a worker through
+a Service, whose endpoints would lag; the proxy follows etcd), and SIGTERM is its first step.
 */}}
 {{- define "xpyd.worker" -}}
 {{- $root := .root -}}
@@ -38,7 +40,7 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
       annotations:
-        {{- include "xpyd.configChecksum" $root | nindent 8 }}
+        {{- include "xpyd.configChecksum" (dict "root" $root "component" $role) | nindent 8 }}
         {{- with $w.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -52,7 +54,7 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+      terminationGracePeriodSeconds: {{ include "xpyd.terminationGrace" (dict "root" $root "preStop" 0) }}
       {{- with $w.runtimeClassName }}
       runtimeClassName: {{ . }}
       {{- end }}
@@ -87,7 +89,7 @@ spec:
             - --batch-size={{ $w.batchSize }}
             - --threads={{ $w.threads }}
             - --lease-ttl={{ $w.leaseTTL }}
-            - --drain-timeout={{ $w.drainTimeout }}
+            - --drain-timeout={{ $root.Values.drain.seconds }}
             {{- if eq $role "prefill" }}
             - --kv-ttl={{ $w.kvTTL }}
             {{- else }}
