@@ -74,16 +74,28 @@ def _expected(docs: list[dict], proxy_from: list[dict], metrics_from: list[dict]
             for c, rules in specs.items()}
 
 
-# --- off by default ------------------------------------------------------------------------
+# --- on by default -------------------------------------------------------------------------
 
 
-def test_no_network_policy_by_default(helm: Helm) -> None:
-    assert not _objects(helm.template(), "NetworkPolicy")
+def test_network_policies_are_on_by_default(helm: Helm) -> None:
+    names = set(_objects(helm.template(), "NetworkPolicy"))
+    assert names == {f"{FULLNAME}-{c}" for c in ("proxy", "prefill", "decode", "etcd")}
+    assert not _objects(helm.template(sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
 
 
-@pytest.mark.parametrize("name", sorted(set(VALUE_SETS) - {"network-policy"}))
-def test_no_network_policy_in_value_sets_that_do_not_ask(helm: Helm, name: str) -> None:
-    assert not _objects(helm.template(VALUE_SETS[name]), "NetworkPolicy")
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_value_set_keeps_the_workers_closed(helm: Helm, name: str) -> None:
+    """Every example: the other role's pods are the only peers on every port; whoever else is let in (the
+    proxy, the planner, metricsFrom) reaches the HTTP port only."""
+    docs = helm.template(VALUE_SETS[name])
+    policies = _objects(docs, "NetworkPolicy")
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        for rule in policies[f"{FULLNAME}-{role}"]["spec"]["ingress"]:
+            if "ports" in rule:
+                assert rule["ports"] == [{"port": "http", "protocol": "TCP"}], (name, role, rule)
+            else:
+                (only,) = rule["from"]
+                assert only["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == peer, (name, role)
 
 
 # --- the example value set -----------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_no_planner_by_default(helm: Helm) -> None:
 def test_scale_mode_renders_exactly_the_planner_and_its_rbac(helm: Helm) -> None:
     docs = helm.template(VALUE_SETS["planner"])
     assert _planner_kinds(docs) == {("ServiceAccount", PLANNER), ("Service", PLANNER), ("Deployment", PLANNER),
-                                    ("Role", PLANNER), ("RoleBinding", PLANNER)}
+                                    ("Role", PLANNER), ("RoleBinding", PLANNER), ("NetworkPolicy", PLANNER)}
 
 
 def test_the_role_allows_get_and_patch_on_the_two_deployments_scale_and_nothing_else(helm: Helm) -> None:

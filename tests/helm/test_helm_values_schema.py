@@ -60,6 +60,8 @@ TEMPLATE_ERRORS = [
                  "no metric", id="hpa-without-metrics"),
     pytest.param(("proxy.podDisruptionBudget.minAvailable=1",), "not both", id="pdb-min-and-max"),
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
+    pytest.param(("etcd.security.clientTLS=true",), "plain HTTP with no certificate", id="etcd-client-tls"),
+    pytest.param(("etcd.security.auth=true",), "etcd.security.auth", id="etcd-auth"),
     pytest.param(("apiKey.value=short",), "8-512", id="short-api-key"),
     pytest.param(("apiKey.value=has a space",), "without spaces", id="api-key-with-space"),
     pytest.param(("planner.enabled=true", "prefill.autoscaling.enabled=true"), "prefill.autoscaling.enabled makes an "

@@ -13,6 +13,11 @@ Rendering stops with a message that names the values to change.
 {{- if and $v.etcd.enabled (gt (int $v.etcd.replicas) 1) (not $v.etcd.persistence.enabled) -}}
 {{- fail "etcd.replicas > 1 needs etcd.persistence.enabled=true (a member restarted with an empty data dir cannot rejoin)" -}}
 {{- end -}}
+{{- range $what := list "clientTLS" "auth" -}}
+{{- if index $v.etcd.security $what -}}
+{{- fail (printf "etcd.security.%s: xpyd's discovery (xpyd/discovery/etcd*.py) connects to etcd over plain HTTP with no certificate or user, so the proxy and the workers could not register or watch; keep it false and let networkPolicy (on by default) limit etcd's client port to this release's pods (docs/kubernetes.md, \"etcd\")" $what) -}}
+{{- end -}}
+{{- end -}}
 {{- if has $v.kvBackend (list "cuda_ipc" "neuron") -}}
 {{- fail (printf "kvBackend=%s cannot work between pods: cuda_ipc needs prefill and decode on one GPU (a pod holds whole GPUs), and neuron refuses to start (the workers keep the KV pool in host or CUDA memory; docs/transfer.md). Use auto, tcp, shm or nixl" $v.kvBackend) -}}
 {{- end -}}
