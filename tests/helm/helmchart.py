@@ -22,6 +22,7 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "external-etcd": ("external-etcd.yaml",),
     "autoscaling": ("autoscaling.yaml",),
     "gpu-efa": ("gpu-efa.yaml",),
+    "model-download": ("model-download.yaml",),
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
     "network-policy": ("network-policy.yaml",),

@@ -41,6 +41,15 @@ SCHEMA_ERRORS = [
     pytest.param((), ("networkPolicy.proxyFrom[0].namespaceSelecter.matchLabels.a=b",),
                  "'namespaceSelecter' not allowed", id="typo-in-peer"),
     pytest.param((), ("planner.mode=auto",), "/planner/mode", id="unknown-planner-mode"),
+    pytest.param((), ("prefill.extraVolumes[0].emptyDir.medium=Memory",), "/prefill/extraVolumes/0",
+                 id="volume-without-name"),
+    pytest.param((), ("decode.initContainers[0].name=fetch",), "/decode/initContainers/0", id="init-without-image"),
+    pytest.param((), ("proxy.extraVolumeMounts[0].name=x", "proxy.extraVolumeMounts[0].mountPath=relative"),
+                 "/proxy/extraVolumeMounts/0/mountPath", id="relative-mount-path"),
+    pytest.param((), ("prefill.env[0].name=A",), "'env' not allowed", id="env-is-now-extraEnv"),
+    pytest.param((), ("model.download.source=git",), "/model/download/source", id="unknown-download-source"),
+    pytest.param((), ("model.download.s3.uri=https://bucket/x",), "/model/download/s3/uri", id="s3-uri-scheme"),
+    pytest.param((), ("model.download.file=model.bin",), "/model/download/file", id="download-file-not-gguf"),
     pytest.param((), ("planner.slo=fast",), "/planner/slo", id="slo-not-key-value"),
     pytest.param((), ("planner.slo=ttft=2s\\,latency=1s",), "/planner/slo", id="unknown-slo-key"),
     pytest.param(("planner.maxWorkers=1",), (), "/planner/maxWorkers", id="planner-one-worker"),
@@ -62,6 +71,12 @@ TEMPLATE_ERRORS = [
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
     pytest.param(("etcd.security.clientTLS=true",), "plain HTTP with no certificate", id="etcd-client-tls"),
     pytest.param(("etcd.security.auth=true",), "etcd.security.auth", id="etcd-auth"),
+    pytest.param(("model.download.source=hf",), "model.download.hf.repo", id="hf-without-repo"),
+    pytest.param(("model.download.source=s3",), "model.download.s3.uri", id="s3-without-uri"),
+    pytest.param(("model.download.source=s3", "model.download.s3.uri=s3://b/m",
+                  "model.volume.hostPath.path=/models"), "leave model.volume empty", id="download-and-volume"),
+    pytest.param(("prefill.extraVolumes[0].name=tmp", "prefill.extraVolumes[0].emptyDir.medium=Memory"),
+                 "the name tmp is the chart's own", id="volume-name-clash"),
     pytest.param(("apiKey.value=short",), "8-512", id="short-api-key"),
     pytest.param(("apiKey.value=has a space",), "without spaces", id="api-key-with-space"),
     pytest.param(("planner.enabled=true", "prefill.autoscaling.enabled=true"), "prefill.autoscaling.enabled makes an "
@@ -132,5 +147,8 @@ def test_schema_is_strict_where_it_matters() -> None:
 
     walk(schema, "")
     allowed_open = {"/definitions/env/items", "/definitions/topologySpreadConstraints/items",
-                    "/definitions/autoscaling/properties/metrics/items"}
+                    "/definitions/autoscaling/properties/metrics/items",
+                    # Kubernetes objects passed through (extraVolumes, extraVolumeMounts, initContainers,
+                    # extraContainers): the schema requires their names, kubernetes-validate checks the rest
+                    "/definitions/namedObjects/items", "/definitions/volumeMounts/items", "/definitions/containers/items"}
     assert set(open_objects) <= allowed_open

@@ -204,40 +204,54 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* The init container that waits for etcd (uses the xpyd image's Python). */}}
+{{/*
+A pod's initContainers: wait-for-etcd, then the chart's own steps (yaml list items in .steps, e.g. the
+model download), then the component's initContainers value. Call with
+(dict "root" $ "steps" "" "extra" .Values.prefill.initContainers); nothing when there are none.
+*/}}
+{{- define "xpyd.initContainers" -}}
+{{- $items := trim (include "xpyd.waitForEtcd" .root) -}}
+{{- with trim (default "" .steps) }}{{ $items = printf "%s\n%s" $items . | trim }}{{ end -}}
+{{- with .extra }}{{ $items = printf "%s\n%s" $items (toYaml .) | trim }}{{ end -}}
+{{- with $items }}
+initContainers:
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that waits for etcd (uses the xpyd image's Python): a list item. */}}
 {{- define "xpyd.waitForEtcd" -}}
 {{- if .Values.waitForEtcd.enabled }}
-initContainers:
-  - name: wait-for-etcd
-    image: {{ include "xpyd.image" . }}
-    imagePullPolicy: {{ .Values.image.pullPolicy }}
-    command:
-      - python
-      - -c
-      - |
-        import socket, sys, time
-        endpoint, limit = sys.argv[1], float(sys.argv[2])
-        host, _, port = endpoint.rpartition(":")
-        deadline = time.monotonic() + limit
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=2).close()
-                print(f"etcd {endpoint} is reachable", flush=True)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    sys.exit(f"etcd {endpoint} unreachable for {limit:g}s: {e}")
-                print(f"waiting for etcd {endpoint}: {e}", flush=True)
-                time.sleep(2)
-      - "$(XPYD_ETCD)"
-      - {{ .Values.waitForEtcd.timeoutSeconds | quote }}
-    envFrom:
-      - configMapRef:
-          name: {{ include "xpyd.configMapName" . }}
-    resources:
-      {{- toYaml .Values.waitForEtcd.resources | nindent 6 }}
-    securityContext:
-      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
+- name: wait-for-etcd
+  image: {{ include "xpyd.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import socket, sys, time
+      endpoint, limit = sys.argv[1], float(sys.argv[2])
+      host, _, port = endpoint.rpartition(":")
+      deadline = time.monotonic() + limit
+      while True:
+          try:
+              socket.create_connection((host, int(port)), timeout=2).close()
+              print(f"etcd {endpoint} is reachable", flush=True)
+              break
+          except OSError as e:
+              if time.monotonic() > deadline:
+                  sys.exit(f"etcd {endpoint} unreachable for {limit:g}s: {e}")
+              print(f"waiting for etcd {endpoint}: {e}", flush=True)
+              time.sleep(2)
+    - "$(XPYD_ETCD)"
+    - {{ .Values.waitForEtcd.timeoutSeconds | quote }}
+  envFrom:
+    - configMapRef:
+        name: {{ include "xpyd.configMapName" . }}
+  resources:
+    {{- toYaml .Values.waitForEtcd.resources | nindent 6 }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 6 }}
 {{- end }}
 {{- end -}}
 
@@ -303,5 +317,158 @@ Call with (dict "root" $ "role" "prefill").
 {{- $p := .root.Values.planner -}}
 {{- if or (index .root.Values .role).autoscaling.enabled (and $p.enabled (eq $p.mode "scale")) (include "xpyd.plannerScaler" .root) -}}
 true
+{{- end -}}
+{{- end -}}
+
+{{/* The model download's folder under model.mountPath (download.dir, else from the repo or the URI). */}}
+{{- define "xpyd.modelDownloadDir" -}}
+{{- $d := .Values.model.download -}}
+{{- if $d.dir -}}
+{{- $d.dir -}}
+{{- else if eq $d.source "hf" -}}
+{{- $d.hf.repo | replace "/" "--" -}}
+{{- else -}}
+{{- $d.s3.uri | trimSuffix "/" | base -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+XPYD_MODEL with model.download: the downloaded folder, or the folder its .gguf (download.file) is converted
+into once, next to it; else model.path.
+*/}}
+{{- define "xpyd.modelPath" -}}
+{{- $d := .Values.model.download -}}
+{{- if $d.source -}}
+{{- $dir := printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (include "xpyd.modelDownloadDir" .) -}}
+{{- if $d.file -}}
+{{- printf "%s/%s" $dir (trimSuffix ".gguf" (base $d.file)) -}}
+{{- else -}}
+{{- $dir -}}
+{{- end -}}
+{{- else -}}
+{{- .Values.model.path -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "xpyd.modelClaimName" -}}
+{{- default (printf "%s-models" (include "xpyd.fullname" .)) .Values.model.download.claim.existingClaim -}}
+{{- end -}}
+
+{{/*
+The model download's init containers (list items; "" without model.download.source). Each worker pod runs
+them; the first pod does the work under a file lock on the shared claim, the others find it done:
+  model-download  hf: huggingface_hub into <mountPath>/<dir> (HF_TOKEN from hf.tokenSecret);
+                  s3: `aws s3 sync` in the AWS CLI image (credentials from s3.credentialsSecret or the
+                  service account, e.g. IRSA)
+  model-convert   with download.file (a .gguf): converted once into <dir>/<file's stem>, a safetensors
+                  folder the workers load without converting
+Call with (dict "root" $).
+*/}}
+{{- define "xpyd.modelDownload" -}}
+{{- $root := .root -}}
+{{- $d := $root.Values.model.download -}}
+{{- if $d.source -}}
+{{- $dir := printf "%s/%s" ($root.Values.model.mountPath | trimSuffix "/") (include "xpyd.modelDownloadDir" $root) -}}
+{{- $mounts := list (dict "name" "model" "mountPath" $root.Values.model.mountPath) (dict "name" "tmp" "mountPath" "/tmp") -}}
+- name: model-download
+  {{- if eq $d.source "hf" }}
+  image: {{ include "xpyd.image" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import fcntl, sys
+      from pathlib import Path
+      repo, revision, dest, file = sys.argv[1:5]
+      dest = Path(dest)
+      dest.parent.mkdir(parents=True, exist_ok=True)
+      with open(dest.parent / f".{dest.name}.lock", "a+") as lock:
+          fcntl.flock(lock, fcntl.LOCK_EX)
+          if (dest / ".xpyd-downloaded").is_file():
+              print(f"{repo}@{revision} already in {dest}", flush=True)
+              sys.exit(0)
+          from huggingface_hub import snapshot_download
+          snapshot_download(repo, revision=revision, local_dir=dest, allow_patterns=[file] if file else None)
+          (dest / ".xpyd-downloaded").write_text(f"{repo}@{revision}\n")
+          print(f"downloaded {repo}@{revision} into {dest}", flush=True)
+    - {{ $d.hf.repo | quote }}
+    - {{ $d.hf.revision | quote }}
+    - {{ $dir | quote }}
+    - {{ $d.file | quote }}
+  env:
+    - name: HOME
+      value: /tmp
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $d.hf.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $d.hf.tokenSecret.key }}
+    {{- end }}
+  {{- else }}
+  image: "{{ $d.s3.image.repository }}:{{ $d.s3.image.tag }}"
+  imagePullPolicy: {{ $d.s3.image.pullPolicy }}
+  command: [sh, -c]
+  args:
+    - |
+      set -e
+      if [ -f "$DEST/.xpyd-downloaded" ]; then echo "$URI already in $DEST"; exit 0; fi
+      aws s3 sync --no-progress "$URI" "$DEST"
+      echo "$URI" > "$DEST/.xpyd-downloaded"
+  env:
+    - name: URI
+      value: {{ $d.s3.uri | quote }}
+    - name: DEST
+      value: {{ $dir | quote }}
+    - name: HOME
+      value: /tmp
+  {{- with $d.s3.credentialsSecret }}
+  envFrom:
+    - secretRef:
+        name: {{ . }}
+  {{- end }}
+  {{- end }}
+  resources:
+    {{- toYaml $d.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    {{- toYaml $mounts | nindent 4 }}
+{{- if $d.file }}
+- name: model-convert
+  image: {{ include "xpyd.image" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import fcntl, os, sys
+      from pathlib import Path
+      gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
+      os.environ["XPYD_CACHE_DIR"] = str(out.parent / ".xpyd-cache")  # same volume: the result is renamed
+      os.environ["HF_HOME"] = "/tmp/huggingface"
+      with open(out.parent / f".{out.name}.convert.lock", "a+") as lock:
+          fcntl.flock(lock, fcntl.LOCK_EX)
+          if (out / "config.json").is_file():
+              print(f"{gguf} already converted into {out}", flush=True)
+              sys.exit(0)
+          from xpyd.model.loader import ensure_converted
+          os.replace(ensure_converted(str(gguf), progress=False).path, out)
+          print(f"converted {gguf} into {out}", flush=True)
+    - {{ printf "%s/%s" $dir $d.file | quote }}
+    - {{ include "xpyd.modelPath" $root | quote }}
+  envFrom:
+    - configMapRef:
+        name: {{ include "xpyd.configMapName" $root }}
+  resources:
+    {{- toYaml $d.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    {{- toYaml $mounts | nindent 4 }}
+{{- end }}
 {{- end -}}
 {{- end -}}

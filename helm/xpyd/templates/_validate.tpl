@@ -42,6 +42,7 @@ Rendering stops with a message that names the values to change.
 {{- end -}}
 {{- end -}}
 {{- include "xpyd.validatePlanner" . -}}
+{{- include "xpyd.validateExtensions" . -}}
 {{- range $component := list "etcd" "proxy" "prefill" "decode" -}}
 {{- $pdb := (index $v $component).podDisruptionBudget -}}
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
@@ -88,6 +89,32 @@ Rendering stops with a message that names the values to change.
 {{- end -}}
 {{- if and (not $scaling) (gt (add (int $v.prefill.replicas) (int $v.decode.replicas)) (int $p.maxWorkers)) -}}
 {{- fail (printf "prefill.replicas + decode.replicas (%d) is more than planner.maxWorkers (%v)" (add (int $v.prefill.replicas) (int $v.decode.replicas)) $p.maxWorkers) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/* The model download and the pods' extensions. */}}
+{{- define "xpyd.validateExtensions" -}}
+{{- $v := .Values -}}
+{{- $d := $v.model.download -}}
+{{- if and (eq $d.source "hf") (not $d.hf.repo) -}}
+{{- fail "model.download.source=hf needs model.download.hf.repo (e.g. HuggingFaceTB/SmolLM2-1.7B-Instruct)" -}}
+{{- end -}}
+{{- if and (eq $d.source "s3") (not $d.s3.uri) -}}
+{{- fail "model.download.source=s3 needs model.download.s3.uri (s3://bucket/prefix/)" -}}
+{{- end -}}
+{{- if and $d.source $v.model.volume -}}
+{{- fail "model.download fills its own claim (model.download.claim) and mounts it as the model volume: leave model.volume empty, or set model.download.claim.existingClaim to your PVC" -}}
+{{- end -}}
+{{- range $component := list "proxy" "prefill" "decode" -}}
+{{- $c := index $v $component -}}
+{{- range $kind, $reserved := dict "extraVolumes" (list "cache" "tmp" "dshm" "model") "initContainers" (list "wait-for-etcd" "model-download" "model-convert") "extraContainers" (list $component) -}}
+{{- range (index $c $kind) -}}
+{{- if has .name $reserved -}}
+{{- fail (printf "%s.%s: the name %s is the chart's own (%s): pick another" $component $kind .name (join ", " $reserved)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -59,7 +59,7 @@ spec:
       runtimeClassName: {{ . }}
       {{- end }}
       {{- with include "xpyd.scheduling" (dict "root" $root "component" $role "values" $w) | trim }}{{ . | nindent 6 }}{{ end }}
-      {{- with include "xpyd.waitForEtcd" $root | trim }}{{ . | nindent 6 }}{{ end }}
+      {{- with include "xpyd.initContainers" (dict "root" $root "steps" (include "xpyd.modelDownload" (dict "root" $root)) "extra" $w.initContainers) | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: {{ $role }}
           image: {{ include "xpyd.image" $root }}
@@ -78,7 +78,7 @@ spec:
             # the device follows devices.gpu; the KV backend is the release's kvBackend (both roles agree)
             - --device={{ ternary "cuda" "cpu" $gpu }}
             - --kv-backend={{ $root.Values.kvBackend }}
-            {{- if $root.Values.model.path }}
+            {{- if include "xpyd.modelPath" $root }}
             - --model=$(XPYD_MODEL)
             {{- end }}
             {{- with $root.Values.model.servedModelName }}
@@ -125,7 +125,7 @@ spec:
               value: "1"
             {{- end }}
             {{- end }}
-            {{- with $w.env }}
+            {{- with $w.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:
@@ -160,11 +160,17 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- end }}
-            {{- if $root.Values.model.volume }}
+            {{- if or $root.Values.model.volume $root.Values.model.download.source }}
             - name: model
               mountPath: {{ $root.Values.model.mountPath }}
               readOnly: true
             {{- end }}
+            {{- with $w.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+        {{- with $w.extraContainers }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         - name: cache
           emptyDir:
@@ -182,8 +188,15 @@ spec:
             medium: Memory
             sizeLimit: {{ . }}
         {{- end }}
-        {{- with $root.Values.model.volume }}
+        {{- if $root.Values.model.download.source }}
         - name: model
-          {{- toYaml . | nindent 10 }}
+          persistentVolumeClaim:
+            claimName: {{ include "xpyd.modelClaimName" $root }}
+        {{- else if $root.Values.model.volume }}
+        - name: model
+          {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- end }}
+        {{- with $w.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end -}}
