@@ -67,7 +67,7 @@ TEMPLATE_ERRORS = [
                  id="hpa-min-above-max"),
     pytest.param(("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null"),
                  "no metric", id="hpa-without-metrics"),
-    pytest.param(("proxy.podDisruptionBudget.minAvailable=1",), "not both", id="pdb-min-and-max"),
+    pytest.param(("proxy.podDisruptionBudget.maxUnavailable=1",), "not both", id="pdb-min-and-max"),
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
     pytest.param(("etcd.security.clientTLS=true",), "plain HTTP with no certificate", id="etcd-client-tls"),
     pytest.param(("etcd.security.auth=true",), "etcd.security.auth", id="etcd-auth"),
@@ -115,8 +115,8 @@ def test_lint_strict_reports_schema_errors(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("sets", [
-    ("prefill.podDisruptionBudget.minAvailable=1", "prefill.podDisruptionBudget.maxUnavailable=null"),
-    ("decode.podDisruptionBudget.maxUnavailable=50%",),
+    ("prefill.podDisruptionBudget.minAvailable=50%",),
+    ("decode.podDisruptionBudget.minAvailable=null", "decode.podDisruptionBudget.maxUnavailable=50%"),
     ("etcd.replicas=3", "etcd.persistence.enabled=true"),
     ("proxy.service.type=NodePort", "proxy.service.nodePort=30080"),
     ("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null",

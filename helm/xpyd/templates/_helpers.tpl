@@ -181,6 +181,44 @@ Call with (dict "root" $ "component" "prefill" "constraints" .topologySpreadCons
 {{- toYaml $out -}}
 {{- end -}}
 
+{{/*
+A pod's affinity: the component's affinity value, plus
+  antiAffinity soft|hard   its pods on different nodes (preferred, weight 100 | required)
+  placement.workersTogether preferred|required (prefill and decode only): every worker pod of the release
+                           in one placement.topologyKey domain (a zone, or a node label naming a placement
+                           group), so KV never crosses it. One term for both roles, matching both: the
+                           first worker pod may go anywhere (it matches its own term), the others follow.
+Call with (dict "root" $ "component" "prefill" "values" .Values.prefill).
+*/}}
+{{- define "xpyd.affinity" -}}
+{{- $a := deepCopy (default dict .values.affinity) -}}
+{{- $own := include "xpyd.selectorLabels" (dict "root" .root "component" .component) | fromYaml -}}
+{{- with .values.antiAffinity -}}
+{{- $term := dict "labelSelector" (dict "matchLabels" $own) "topologyKey" "kubernetes.io/hostname" -}}
+{{- $anti := deepCopy (default dict $a.podAntiAffinity) -}}
+{{- if eq . "hard" -}}
+{{- $_ := set $anti "requiredDuringSchedulingIgnoredDuringExecution" (append (default list $anti.requiredDuringSchedulingIgnoredDuringExecution) $term) -}}
+{{- else -}}
+{{- $_ := set $anti "preferredDuringSchedulingIgnoredDuringExecution" (append (default list $anti.preferredDuringSchedulingIgnoredDuringExecution) (dict "weight" 100 "podAffinityTerm" $term)) -}}
+{{- end -}}
+{{- $_ := set $a "podAntiAffinity" $anti -}}
+{{- end -}}
+{{- $together := .root.Values.placement.workersTogether -}}
+{{- if and $together (has .component (list "prefill" "decode")) -}}
+{{- $release := dict "app.kubernetes.io/name" (include "xpyd.name" .root) "app.kubernetes.io/instance" .root.Release.Name -}}
+{{- $workers := list (dict "key" "app.kubernetes.io/component" "operator" "In" "values" (list "prefill" "decode")) -}}
+{{- $term := dict "labelSelector" (dict "matchLabels" $release "matchExpressions" $workers) "topologyKey" .root.Values.placement.topologyKey -}}
+{{- $pa := deepCopy (default dict $a.podAffinity) -}}
+{{- if eq $together "required" -}}
+{{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append (default list $pa.requiredDuringSchedulingIgnoredDuringExecution) $term) -}}
+{{- else -}}
+{{- $_ := set $pa "preferredDuringSchedulingIgnoredDuringExecution" (append (default list $pa.preferredDuringSchedulingIgnoredDuringExecution) (dict "weight" 100 "podAffinityTerm" $term)) -}}
+{{- end -}}
+{{- $_ := set $a "podAffinity" $pa -}}
+{{- end -}}
+{{- if $a }}{{ toYaml $a }}{{ end -}}
+{{- end -}}
+
 {{/* Scheduling fields shared by every pod template. Call with the component's values. */}}
 {{- define "xpyd.scheduling" -}}
 {{- with .values.nodeSelector }}
@@ -191,7 +229,7 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .values.affinity }}
+{{- with include "xpyd.affinity" . | fromYaml }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -470,5 +508,23 @@ Call with (dict "root" $).
   volumeMounts:
     {{- toYaml $mounts | nindent 4 }}
 {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+How many pods of a component always run: its replicas, an HPA's minReplicas; 1 where the planner or an
+autoscaler on its metrics owns a worker Deployment's replicas (it may go down to one).
+Call with (dict "root" $ "component" "prefill").
+*/}}
+{{- define "xpyd.guaranteedPods" -}}
+{{- $c := index .root.Values .component -}}
+{{- if not (has .component (list "prefill" "decode")) -}}
+{{- int $c.replicas -}}
+{{- else if $c.autoscaling.enabled -}}
+{{- int $c.autoscaling.minReplicas -}}
+{{- else if include "xpyd.replicasOwnedElsewhere" (dict "root" .root "role" .component) -}}
+1
+{{- else -}}
+{{- int $c.replicas -}}
 {{- end -}}
 {{- end -}}
