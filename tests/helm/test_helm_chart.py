@@ -198,7 +198,7 @@ def test_default_is_1p1d_with_etcd_in_the_release(helm: Helm) -> None:
     for role in ROLES:
         assert one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["replicas"] == 1
     assert config_data(docs)["XPYD_ETCD"] == f"{FULLNAME}-etcd.{NAMESPACE}.svc.cluster.local:2379"
-    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd-m1")
     assert etcd["spec"]["replicas"] == 1 and "volumeClaimTemplates" not in etcd["spec"]
     assert one(docs, "Service", f"{FULLNAME}-etcd-headless")["spec"]["clusterIP"] == "None"
     assert not objects(docs, "HorizontalPodAutoscaler") and not objects(docs, "ServiceMonitor")
@@ -210,10 +210,10 @@ def test_2p3d_replicas_and_etcd_members(helm: Helm) -> None:
     docs = helm.template(VALUE_SETS["2p3d"])
     assert one(docs, "Deployment", f"{FULLNAME}-prefill")["spec"]["replicas"] == 2
     assert one(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["replicas"] == 3
-    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd-m3p")
     assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["podManagementPolicy"] == "Parallel"
     members = flag(container(etcd)["args"], "initial-cluster").split(",")
-    assert [m.split("=")[0] for m in members] == [f"{FULLNAME}-etcd-{i}" for i in range(3)]
+    assert [m.split("=")[0] for m in members] == [f"{FULLNAME}-etcd-m3p-{i}" for i in range(3)]
     assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
 
 

@@ -32,11 +32,15 @@ def _policies(docs: list[dict]) -> dict[str, dict]:
 
 
 def _workload(docs: list[dict], component: str) -> dict:
-    return _objects(docs, WORKLOADS[component])[f"{FULLNAME}-{component}"]
+    (found,) = [w for w in _objects(docs, WORKLOADS[component]).values()
+                if w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+    return found
 
 
 def _selector(docs: list[dict], component: str) -> dict[str, str]:
-    return _workload(docs, component)["spec"]["selector"]["matchLabels"]
+    """The component's selector labels (etcd's policy covers every generation of its StatefulSet)."""
+    labels = _workload(docs, component)["spec"]["selector"]["matchLabels"]
+    return {k: v for k, v in labels.items() if k != "xpyd.io/etcd-generation"}
 
 
 def _container_ports(docs: list[dict], component: str) -> dict[str, int]:

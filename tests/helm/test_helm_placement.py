@@ -14,14 +14,18 @@ def _kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"].removeprefix(f"{FULLNAME}-"): d for d in docs if d["kind"] == kind}
 
 
-def _affinity(docs: list[dict], name: str) -> dict:
-    workloads = {**_kind(docs, "Deployment"), **_kind(docs, "StatefulSet")}
-    return workloads[name]["spec"]["template"]["spec"].get("affinity", {})
+def _workload(docs: list[dict], component: str) -> dict:
+    (found,) = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+                and d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+    return found
 
 
-def _labels(docs: list[dict], name: str) -> dict[str, str]:
-    workloads = {**_kind(docs, "Deployment"), **_kind(docs, "StatefulSet")}
-    return workloads[name]["spec"]["template"]["metadata"]["labels"]
+def _affinity(docs: list[dict], component: str) -> dict:
+    return _workload(docs, component)["spec"]["template"]["spec"].get("affinity", {})
+
+
+def _labels(docs: list[dict], component: str) -> dict[str, str]:
+    return _workload(docs, component)["spec"]["template"]["metadata"]["labels"]
 
 
 def _matches(selector: dict, labels: dict[str, str]) -> bool:

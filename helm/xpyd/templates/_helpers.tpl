@@ -61,6 +61,17 @@ app.kubernetes.io/part-of: xpyd
 {{- printf "%s-etcd" (include "xpyd.fullname" .) -}}
 {{- end -}}
 
+{{/* etcd's generation: its member count, and "p" with persistence (e.g. m1, m3p). */}}
+{{- define "xpyd.etcdGeneration" -}}
+{{- printf "m%d%s" (int .Values.etcd.replicas) (ternary "p" "" .Values.etcd.persistence.enabled) -}}
+{{- end -}}
+
+{{/* The pods of the current etcd generation (Services, PDB, the StatefulSet's selector). */}}
+{{- define "xpyd.etcdSelectorLabels" -}}
+{{ include "xpyd.selectorLabels" (dict "root" . "component" "etcd") }}
+xpyd.io/etcd-generation: {{ include "xpyd.etcdGeneration" . | quote }}
+{{- end -}}
+
 {{- define "xpyd.etcdHeadlessName" -}}
 {{- printf "%s-etcd-headless" (include "xpyd.fullname" .) -}}
 {{- end -}}

@@ -43,6 +43,7 @@ Rendering stops with a message that names the values to change.
 {{- end -}}
 {{- include "xpyd.validatePlanner" . -}}
 {{- include "xpyd.validateExtensions" . -}}
+{{- include "xpyd.validateEtcdUpgrade" . -}}
 {{- range $component := list "etcd" "proxy" "prefill" "decode" -}}
 {{- $pdb := (index $v $component).podDisruptionBudget -}}
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
@@ -114,6 +115,25 @@ Rendering stops with a message that names the values to change.
 {{- if has .name $reserved -}}
 {{- fail (printf "%s.%s: the name %s is the chart's own (%s): pick another" $component $kind .name (join ", " $reserved)) -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A change of etcd.persistence (size, storageClass, accessModes) at the same member count would edit the
+StatefulSet's volumeClaimTemplates, which Kubernetes refuses; said here, on install and upgrade (lookup; not
+with helm template, which sees no cluster).
+*/}}
+{{- define "xpyd.validateEtcdUpgrade" -}}
+{{- $e := .Values.etcd -}}
+{{- if and $e.enabled $e.persistence.enabled -}}
+{{- $name := printf "%s-%s" (include "xpyd.etcdName" .) (include "xpyd.etcdGeneration" .) -}}
+{{- $found := lookup "apps/v1" "StatefulSet" .Release.Namespace $name | default dict -}}
+{{- range (dig "spec" "volumeClaimTemplates" list $found) -}}
+{{- $size := dig "spec" "resources" "requests" "storage" "" . -}}
+{{- if and $size (ne (toString $size) (toString $e.persistence.size)) -}}
+{{- fail (printf "etcd.persistence.size: the running StatefulSet %s has %s claims and Kubernetes cannot change a StatefulSet's volumeClaimTemplates; keep %s, or change etcd.replicas in the same upgrade (a new etcd generation with new claims; docs/kubernetes.md, \"etcd\")" $name $size $size) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
