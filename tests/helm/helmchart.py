@@ -23,6 +23,8 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
     "autoscaling": ("autoscaling.yaml",),
     "gpu-efa": ("gpu-efa.yaml",),
     "model-download": ("model-download.yaml",),
+    "keda": ("keda.yaml",),
+    "inference-gateway": ("inference-gateway.yaml",),
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
     "network-policy": ("network-policy.yaml",),

@@ -16,7 +16,8 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ROLES = ("prefill", "decode")
 # The newest Kubernetes kubernetes-validate knows, and the oldest the chart supports (Chart.yaml).
 KUBE_VERSIONS = (latest_version(), "1.29.0")
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject"),
+             ("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 
 
 def objects(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -235,8 +236,10 @@ def test_autoscaling_hands_replicas_to_the_hpa(helm: Helm) -> None:
         assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]
     decode = hpas[f"{FULLNAME}-decode"]["spec"]
     assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
-    assert [m["type"] for m in decode["metrics"]] == ["Resource", "Pods"]
+    assert [m["type"] for m in decode["metrics"]] == ["External", "Pods"]  # no CPU target (null)
     assert decode["metrics"][1]["pods"]["metric"]["name"] == "xpyd_requests_in_flight"
+    prefill = hpas[f"{FULLNAME}-prefill"]["spec"]
+    assert [m["type"] for m in prefill["metrics"]] == ["Resource", "External"]
 
 
 def test_service_monitor_scrapes_proxy_and_workers(helm: Helm) -> None:

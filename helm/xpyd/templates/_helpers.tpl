@@ -364,7 +364,8 @@ Call with (dict "root" $ "role" "prefill").
 */}}
 {{- define "xpyd.replicasOwnedElsewhere" -}}
 {{- $p := .root.Values.planner -}}
-{{- if or (index .root.Values .role).autoscaling.enabled (and $p.enabled (eq $p.mode "scale")) (include "xpyd.plannerScaler" .root) -}}
+{{- $w := index .root.Values .role -}}
+{{- if or $w.autoscaling.enabled $w.keda.enabled (and $p.enabled (eq $p.mode "scale")) (include "xpyd.plannerScaler" .root) -}}
 true
 {{- end -}}
 {{- end -}}

@@ -44,6 +44,17 @@ Rendering stops with a message that names the values to change.
 {{- include "xpyd.validatePlanner" . -}}
 {{- include "xpyd.validateExtensions" . -}}
 {{- include "xpyd.validateEtcdUpgrade" . -}}
+{{- include "xpyd.validateKeda" . -}}
+{{- $ip := $v.inferencePool -}}
+{{- if and $ip.enabled (not $ip.endpointPicker.name) -}}
+{{- fail "inferencePool.enabled needs inferencePool.endpointPicker.name: the Service of the endpoint picker (EPP) you run" -}}
+{{- end -}}
+{{- if and $ip.enabled $ip.httpRoute.enabled (not $ip.httpRoute.parentRefs) -}}
+{{- fail "inferencePool.httpRoute needs parentRefs: the Gateway it attaches to, e.g. [{name: inference-gateway}]" -}}
+{{- end -}}
+{{- if and $v.networkPolicy.enabled $v.serviceMonitor.enabled (not $v.networkPolicy.metricsFrom) -}}
+{{- fail "serviceMonitor.enabled: the NetworkPolicies (networkPolicy.enabled) let nobody scrape the workers, etcd or the planner; set networkPolicy.metricsFrom to your Prometheus (e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}])" -}}
+{{- end -}}
 {{- range $component := list "etcd" "proxy" "prefill" "decode" -}}
 {{- $pdb := (index $v $component).podDisruptionBudget -}}
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
@@ -134,6 +145,31 @@ with helm template, which sees no cluster).
 {{- $size := dig "spec" "resources" "requests" "storage" "" . -}}
 {{- if and $size (ne (toString $size) (toString $e.persistence.size)) -}}
 {{- fail (printf "etcd.persistence.size: the running StatefulSet %s has %s claims and Kubernetes cannot change a StatefulSet's volumeClaimTemplates; keep %s, or change etcd.replicas in the same upgrade (a new etcd generation with new claims; docs/kubernetes.md, \"etcd\")" $name $size $size) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Per-role KEDA against the other owners of a worker Deployment's replicas. */}}
+{{- define "xpyd.validateKeda" -}}
+{{- $v := .Values -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $k := (index $v $role).keda -}}
+{{- if $k.enabled -}}
+{{- if (index $v $role).autoscaling.enabled -}}
+{{- fail (printf "%s.keda and %s.autoscaling both make an HPA for the %s Deployment: enable one" $role $role $role) -}}
+{{- end -}}
+{{- if and $v.planner.enabled (or (eq $v.planner.mode "scale") (include "xpyd.plannerScaler" $)) -}}
+{{- fail (printf "%s.keda: the planner already sets the %s Deployment's replicas (planner.mode=%s): turn one off" $role $role $v.planner.mode) -}}
+{{- end -}}
+{{- if not $k.serverAddress -}}
+{{- fail (printf "%s.keda needs serverAddress: the Prometheus that scrapes the pods" $role) -}}
+{{- end -}}
+{{- if not $k.triggers -}}
+{{- fail (printf "%s.keda needs at least one trigger ({query, threshold})" $role) -}}
+{{- end -}}
+{{- if gt (int $k.minReplicaCount) (int $k.maxReplicaCount) -}}
+{{- fail (printf "%s.keda.minReplicaCount (%v) is above maxReplicaCount (%v)" $role $k.minReplicaCount $k.maxReplicaCount) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
