@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from kubernetes_validate.utils import all_versions
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "xpyd"
@@ -15,6 +16,10 @@ EXAMPLES = ROOT / "helm" / "examples"
 RELEASE = "demo"
 NAMESPACE = "serving"
 HELM_TIMEOUT = 60  # seconds for one helm command
+# What rendered objects are validated against: the two newest Kubernetes minors kubernetes-validate knows, and
+# the oldest the chart supports (Chart.yaml's kubeVersion).
+NEWEST_MINORS = sorted(set(all_versions()), key=lambda v: tuple(map(int, v.split("."))))[-2:]
+KUBE_VERSIONS = (*NEWEST_MINORS, "1.29.0")
 
 # The value sets CI renders and validates: name -> values files under helm/examples/.
 VALUE_SETS: dict[str, tuple[str, ...]] = {

@@ -7,15 +7,12 @@ import re
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import CHART, EXAMPLES, NAMESPACE, RELEASE, VALUE_SETS, Helm, RenderError
+from helmchart import CHART, EXAMPLES, KUBE_VERSIONS, NAMESPACE, RELEASE, VALUE_SETS, Helm, RenderError
 
 FULLNAME = f"{RELEASE}-xpyd"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ROLES = ("prefill", "decode")
-# The newest Kubernetes kubernetes-validate knows, and the oldest the chart supports (Chart.yaml).
-KUBE_VERSIONS = (latest_version(), "1.29.0")
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject"),
              ("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 

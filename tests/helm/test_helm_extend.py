@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import VALUE_SETS, Helm
+from helmchart import KUBE_VERSIONS, VALUE_SETS, Helm
 
 FULLNAME = "demo-xpyd"
 COMPONENTS = ("proxy", "prefill", "decode")
@@ -51,7 +50,7 @@ def test_extensions_without_wait_for_etcd(helm: Helm) -> None:
     assert "initContainers" not in helm.template(sets=("waitForEtcd.enabled=false",))[0].get("spec", {})
 
 
-@pytest.mark.parametrize("kube_version", [latest_version(), "1.29.0"])
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_extended_and_download_renders_pass_kubernetes_validate_strict(helm: Helm, extended: list[dict],
                                                                       kube_version: str) -> None:
     s3 = helm.template(sets=("model.download.source=s3", "model.download.s3.uri=s3://models/llama-3.2-1b/",

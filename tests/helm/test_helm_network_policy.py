@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import VALUE_SETS, Helm
+from helmchart import KUBE_VERSIONS, VALUE_SETS, Helm
 
 FULLNAME = "demo-xpyd"
 WORKLOADS = {"proxy": "Deployment", "prefill": "Deployment", "decode": "Deployment", "etcd": "StatefulSet"}
@@ -210,7 +209,7 @@ def test_policies_follow_name_overrides(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("sets", [ENABLED, ENABLED + MONITORING, ENABLED + ("proxy.service.type=LoadBalancer",)])
-@pytest.mark.parametrize("kube_version", [latest_version(), "1.29.0"])
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_variants_pass_kubernetes_validate_strict(helm: Helm, sets: tuple[str, ...], kube_version: str) -> None:
     policies = _objects(helm.template(sets=sets), "NetworkPolicy")
     assert len(policies) == 4

@@ -10,9 +10,8 @@ import re
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import NAMESPACE, VALUE_SETS, Helm
+from helmchart import KUBE_VERSIONS, NAMESPACE, VALUE_SETS, Helm
 
 FULLNAME = "demo-xpyd"
 PLANNER = f"{FULLNAME}-planner"
@@ -236,7 +235,7 @@ def test_network_policies_let_the_planner_reach_etcd_the_proxy_and_the_workers(h
     assert _objects(no_metrics, "NetworkPolicy")[PLANNER]["spec"]["ingress"] == []
 
 
-@pytest.mark.parametrize("kube_version", (latest_version(), "1.29.0"))
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 @pytest.mark.parametrize("sets", [
     ("planner.enabled=true", "networkPolicy.enabled=true",
      "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"),

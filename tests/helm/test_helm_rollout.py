@@ -5,6 +5,7 @@ and each render generates; the upgrade path that reads the Secret back cannot ru
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import pytest
 
@@ -86,7 +87,6 @@ def test_a_cluster_token_is_generated_by_default(helm: Helm) -> None:
         assert env["XPYD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
             "name": f"{FULLNAME}-cluster-token", "key": "cluster-token"}, name
     # the Secret and the pods' checksum were made from the same token (one per render)
-    import hashlib
     sums = {a["checksum/cluster-token"] for a in _annotations(docs).values()}
     assert sums == {hashlib.sha256(token.encode()).hexdigest()}
 
