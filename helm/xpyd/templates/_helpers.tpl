@@ -540,3 +540,14 @@ Call with (dict "root" $ "component" "prefill").
 {{- int $c.replicas -}}
 {{- end -}}
 {{- end -}}
+
+{{/* A worker role's size for NOTES.txt: "2", "1-6 (HPA)" or "1-6 (KEDA)". Call with the role's values. */}}
+{{- define "xpyd.roleCount" -}}
+{{- if .autoscaling.enabled -}}
+{{ .autoscaling.minReplicas }}-{{ .autoscaling.maxReplicas }} (HPA)
+{{- else if .keda.enabled -}}
+{{ .keda.minReplicaCount }}-{{ .keda.maxReplicaCount }} (KEDA)
+{{- else -}}
+{{ .replicas }}
+{{- end -}}
+{{- end -}}
