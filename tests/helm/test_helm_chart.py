@@ -325,6 +325,7 @@ def test_workers_use_the_devices_they_hold(rendered: list[dict]) -> None:
     (("decode.devices.efa=1",), "only kvBackend=nixl"),
     (("kvBackend=cuda_ipc",), "one GPU"),
     (("kvBackend=neuron",), "refuses to start"),
+    (("kvBackend=shm",), "never share them"),
 ])
 def test_devices_nothing_would_use_are_refused(helm: Helm, sets: tuple[str, ...], message: str) -> None:
     with pytest.raises(RenderError, match=message):

@@ -56,7 +56,7 @@ def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: s
         assert (config.role, config.etcd, config.host, config.public_host) == (role, endpoint, "0.0.0.0", POD_IP)
         assert config.drain_timeout > 0 and config.port > 0 and config.kv_port > 0
         gpus = "nvidia.com/gpu" in str(docs)
-        assert (config.device, config.kv_backend) == ("cuda" if gpus else "cpu", "nixl" if value_set == "gpu-efa" else "auto")
+        assert (config.device, config.kv_backend) == ("cuda" if gpus else "cpu", "nixl" if value_set == "gpu-efa" else "tcp")
         if role == "prefill":
             assert config.signal_port > 0
 

@@ -18,8 +18,8 @@ Rendering stops with a message that names the values to change.
 {{- fail (printf "etcd.security.%s: xpyd's discovery (xpyd/discovery/etcd*.py) connects to etcd over plain HTTP with no certificate or user, so the proxy and the workers could not register or watch; keep it false and let networkPolicy (on by default) limit etcd's client port to this release's pods (docs/kubernetes.md, \"etcd\")" $what) -}}
 {{- end -}}
 {{- end -}}
-{{- if has $v.kvBackend (list "cuda_ipc" "neuron") -}}
-{{- fail (printf "kvBackend=%s cannot work between pods: cuda_ipc needs prefill and decode on one GPU (a pod holds whole GPUs), and neuron refuses to start (the workers keep the KV pool in host or CUDA memory; docs/transfer.md). Use auto, tcp, shm or nixl" $v.kvBackend) -}}
+{{- if has $v.kvBackend (list "shm" "cuda_ipc" "neuron") -}}
+{{- fail (printf "kvBackend=%s cannot work between pods: shm needs prefill and decode in one /dev/shm and network namespace (two pods never share them), cuda_ipc needs them on one GPU (a pod holds whole GPUs), and neuron refuses to start (the workers keep the KV pool in host or CUDA memory; docs/transfer.md). Use auto (TCP between pods), tcp or nixl" $v.kvBackend) -}}
 {{- end -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $w := index $v $role -}}
