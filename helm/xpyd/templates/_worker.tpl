@@ -40,7 +40,7 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
       annotations:
-        {{- include "xpyd.configChecksum" (dict "root" $root "component" $role) | nindent 8 }}
+        {{- include "xpyd.configChecksum" (dict "root" $root "component" $role) | trim | nindent 8 }}
         {{- with $w.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
