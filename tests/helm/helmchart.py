@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from kubernetes_validate.utils import all_versions
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "xpyd"
@@ -15,13 +16,20 @@ EXAMPLES = ROOT / "helm" / "examples"
 RELEASE = "demo"
 NAMESPACE = "serving"
 HELM_TIMEOUT = 60  # seconds for one helm command
+# What rendered objects are validated against: the two newest Kubernetes minors kubernetes-validate knows, and
+# the oldest the chart supports (Chart.yaml's kubeVersion).
+NEWEST_MINORS = sorted(set(all_versions()), key=lambda v: tuple(map(int, v.split("."))))[-2:]
+KUBE_VERSIONS = (*NEWEST_MINORS, "1.29.0")
 
 # The value sets CI renders and validates: name -> values files under helm/examples/.
 VALUE_SETS: dict[str, tuple[str, ...]] = {
     "default": (),
     "external-etcd": ("external-etcd.yaml",),
     "autoscaling": ("autoscaling.yaml",),
-    "neuron": ("neuron.yaml",),
+    "gpu-efa": ("gpu-efa.yaml",),
+    "model-download": ("model-download.yaml",),
+    "keda": ("keda.yaml",),
+    "inference-gateway": ("inference-gateway.yaml",),
     "2p3d": ("2p3d.yaml",),
     "gpu": ("gpu.yaml",),
     "network-policy": ("network-policy.yaml",),

@@ -7,16 +7,14 @@ import re
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import CHART, EXAMPLES, NAMESPACE, RELEASE, VALUE_SETS, Helm
+from helmchart import CHART, EXAMPLES, KUBE_VERSIONS, NAMESPACE, RELEASE, VALUE_SETS, Helm, RenderError
 
 FULLNAME = f"{RELEASE}-xpyd"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ROLES = ("prefill", "decode")
-# The newest Kubernetes kubernetes-validate knows, and the oldest the chart supports (Chart.yaml).
-KUBE_VERSIONS = (latest_version(), "1.29.0")
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject"),
+             ("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 
 
 def objects(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -157,16 +155,23 @@ def test_workers_get_their_role_the_etcd_endpoint_and_their_pod_ip(rendered: lis
 
 
 def test_termination_grace_covers_the_drain(rendered: list[dict]) -> None:
-    for role in ROLES:
+    """One drain time everywhere: the proxy and the workers drain for as long, and each pod's grace period
+    covers its preStop sleep, that drain and a margin to exit."""
+    drains = set()
+    for role in ("proxy", *ROLES):
         w = one(rendered, "Deployment", f"{FULLNAME}-{role}")
-        drain = float(flag(container(w)["args"], "drain-timeout"))
-        assert pod_spec(w)["terminationGracePeriodSeconds"] >= drain + 5
+        c = container(w)
+        drain = int(flag(c["args"], "drain-timeout"))
+        drains.add(drain)
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+        assert pod_spec(w)["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain + 1, role
+    assert len(drains) == 1 and drains.pop() > 30
 
 
 def test_every_pod_waits_for_etcd(rendered: list[dict]) -> None:
     for name in (f"{FULLNAME}-proxy", *(f"{FULLNAME}-{r}" for r in ROLES)):
         init = pod_spec(one(rendered, "Deployment", name))["initContainers"]
-        assert [c["name"] for c in init] == ["wait-for-etcd"]
+        assert init[0]["name"] == "wait-for-etcd", name  # first: the chart's other steps and the user's follow
         assert "$(XPYD_ETCD)" in init[0]["command"]
 
 
@@ -176,7 +181,11 @@ def test_config_changes_roll_the_pods(helm: Helm) -> None:
                 for n, d in objects(docs, "Deployment").items()}
 
     before, after = checksum(helm.template()), checksum(helm.template(sets=("model.maxModelLen=4096",)))
-    assert before.keys() == after.keys() and all(before[n] != after[n] for n in before)
+    assert before.keys() == after.keys()
+    # the workers read the model settings and roll; the proxy does not, and stays
+    assert {n for n in before if before[n] != after[n]} == {f"{FULLNAME}-{r}" for r in ROLES}
+    env = checksum(helm.template(sets=("config.env.LOG_LEVEL=debug",)))
+    assert all(env[n] != before[n] for n in before)
 
 
 # --- value sets -----------------------------------------------------------------------------
@@ -187,22 +196,22 @@ def test_default_is_1p1d_with_etcd_in_the_release(helm: Helm) -> None:
     for role in ROLES:
         assert one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]["replicas"] == 1
     assert config_data(docs)["XPYD_ETCD"] == f"{FULLNAME}-etcd.{NAMESPACE}.svc.cluster.local:2379"
-    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd-m1")
     assert etcd["spec"]["replicas"] == 1 and "volumeClaimTemplates" not in etcd["spec"]
     assert one(docs, "Service", f"{FULLNAME}-etcd-headless")["spec"]["clusterIP"] == "None"
     assert not objects(docs, "HorizontalPodAutoscaler") and not objects(docs, "ServiceMonitor")
-    assert not objects(docs, "Secret")
-    assert set(objects(docs, "PodDisruptionBudget")) == {f"{FULLNAME}-{c}" for c in ("etcd", "proxy", *ROLES)}
+    assert set(objects(docs, "Secret")) == {f"{FULLNAME}-cluster-token"}  # generated (test_helm_rollout)
+    assert not objects(docs, "PodDisruptionBudget")  # one pod each: test_helm_placement
 
 
 def test_2p3d_replicas_and_etcd_members(helm: Helm) -> None:
     docs = helm.template(VALUE_SETS["2p3d"])
     assert one(docs, "Deployment", f"{FULLNAME}-prefill")["spec"]["replicas"] == 2
     assert one(docs, "Deployment", f"{FULLNAME}-decode")["spec"]["replicas"] == 3
-    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd")
+    etcd = one(docs, "StatefulSet", f"{FULLNAME}-etcd-m3p")
     assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["podManagementPolicy"] == "Parallel"
     members = flag(container(etcd)["args"], "initial-cluster").split(",")
-    assert [m.split("=")[0] for m in members] == [f"{FULLNAME}-etcd-{i}" for i in range(3)]
+    assert [m.split("=")[0] for m in members] == [f"{FULLNAME}-etcd-m3p-{i}" for i in range(3)]
     assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
 
 
@@ -224,8 +233,10 @@ def test_autoscaling_hands_replicas_to_the_hpa(helm: Helm) -> None:
         assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-{role}")["spec"]
     decode = hpas[f"{FULLNAME}-decode"]["spec"]
     assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
-    assert [m["type"] for m in decode["metrics"]] == ["Resource", "Pods"]
+    assert [m["type"] for m in decode["metrics"]] == ["External", "Pods"]  # no CPU target (null)
     assert decode["metrics"][1]["pods"]["metric"]["name"] == "xpyd_requests_in_flight"
+    prefill = hpas[f"{FULLNAME}-prefill"]["spec"]
+    assert [m["type"] for m in prefill["metrics"]] == ["Resource", "External"]
 
 
 def test_service_monitor_scrapes_proxy_and_workers(helm: Helm) -> None:
@@ -261,8 +272,8 @@ def test_external_etcd_replaces_the_statefulset(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize(("value_set", "resource", "count"), [
-    ("neuron", "aws.amazon.com/neuron", 1),
-    ("neuron", "vpc.amazonaws.com/efa", 1),
+    ("gpu-efa", "vpc.amazonaws.com/efa", 1),
+    ("gpu-efa", "nvidia.com/gpu", 1),
     ("gpu", "nvidia.com/gpu", 1),
 ])
 def test_devices_are_requested_and_limited(helm: Helm, value_set: str, resource: str, count: int) -> None:
@@ -274,6 +285,60 @@ def test_devices_are_requested_and_limited(helm: Helm, value_set: str, resource:
         assert pod_spec(w)["tolerations"]
     proxy = container(one(docs, "Deployment", f"{FULLNAME}-proxy"))["resources"]
     assert resource not in proxy["requests"] and resource not in proxy.get("limits", {})
+
+
+def test_workers_use_the_devices_they_hold(rendered: list[dict]) -> None:
+    """Every example: a pod that holds a GPU computes on it, one without computes on the CPU; a pod that
+    holds an EFA interface moves KV with nixl, may lock memory and has the libfabric environment; no pod
+    holds a Neuron device (no worker could use it); /dev/shm is a sized memory volume; both roles agree on
+    the KV backend."""
+    backends = set()
+    for role in ROLES:
+        w = one(rendered, "Deployment", f"{FULLNAME}-{role}")
+        c, spec = container(w), pod_spec(w)
+        limits = c["resources"].get("limits", {})
+        gpus, efas = limits.get("nvidia.com/gpu", 0), limits.get("vpc.amazonaws.com/efa", 0)
+        assert flag(c["args"], "device") == ("cuda" if gpus else "cpu"), role
+        assert gpus <= 1 and "aws.amazon.com/neuron" not in limits
+        backend = flag(c["args"], "kv-backend")
+        backends.add(backend)
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        caps = c["securityContext"].get("capabilities", {}).get("add", [])
+        if efas:
+            assert backend == "nixl" and "IPC_LOCK" in caps and env["FI_PROVIDER"] == "efa", role
+            assert env.get("FI_EFA_USE_DEVICE_RDMA") == ("1" if gpus else None)
+        else:
+            assert "IPC_LOCK" not in caps and "FI_PROVIDER" not in env, role
+        if backend == "nixl":
+            assert efas or gpus, f"{role}: nixl without a device it could use"
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        if gpus and "runtimeClassName" in spec:
+            assert spec["runtimeClassName"] == "nvidia"
+    assert len(backends) == 1, f"prefill and decode disagree on --kv-backend: {backends}"
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("prefill.devices.neuron=1",), "no Neuron device path"),
+    (("decode.devices.gpu=2",), "one device"),
+    (("decode.devices.efa=1",), "only kvBackend=nixl"),
+    (("kvBackend=cuda_ipc",), "one GPU"),
+    (("kvBackend=neuron",), "refuses to start"),
+    (("kvBackend=shm",), "never share them"),
+])
+def test_devices_nothing_would_use_are_refused(helm: Helm, sets: tuple[str, ...], message: str) -> None:
+    with pytest.raises(RenderError, match=message):
+        helm.template(sets=sets)
+
+
+def test_shm_size_and_runtime_class_follow_values(helm: Helm) -> None:
+    docs = helm.template(sets=("decode.shmSize=", "prefill.shmSize=20Gi", "prefill.runtimeClassName=nvidia"))
+    prefill, decode = (one(docs, "Deployment", f"{FULLNAME}-{r}") for r in ROLES)
+    (shm,) = [v for v in pod_spec(prefill)["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["sizeLimit"] == "20Gi" and pod_spec(prefill)["runtimeClassName"] == "nvidia"
+    assert not [v for v in pod_spec(decode)["volumes"] if v["name"] == "dshm"]
+    assert "runtimeClassName" not in pod_spec(decode)
 
 
 def test_topology_spread_defaults_to_the_roles_own_pods(helm: Helm) -> None:
@@ -336,7 +401,7 @@ def test_cluster_token_reaches_every_pod_in_its_environment_only(helm: Helm) -> 
 
 
 def test_no_secret_env_without_secrets(helm: Helm) -> None:
-    docs = helm.template()
+    docs = helm.template(sets=("clusterToken.generate=false",))
     for name, w in objects(docs, "Deployment").items():
         env = _env(container(w))
         assert "XPYD_API_KEY" not in env and "XPYD_CLUSTER_TOKEN" not in env, name

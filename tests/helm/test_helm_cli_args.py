@@ -40,10 +40,14 @@ def parser():
     return build_parser()
 
 
-@pytest.mark.parametrize("value_set", ["default", "2p3d", "neuron", "external-etcd"])
-def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: str) -> None:
+@pytest.mark.parametrize("value_set", ["default", "2p3d", "gpu", "gpu-efa", "external-etcd"])
+def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from xpyd.worker import config as worker_config
     from xpyd.worker.config import config_from_args
 
+    # no CUDA here: accept the device name (the pattern check is the parser's); everything else is validated
+    monkeypatch.setattr(worker_config, "check_device", lambda device: device)
     docs = helm.template(VALUE_SETS[value_set])
     endpoint = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["XPYD_ETCD"]
     for role in ("prefill", "decode"):
@@ -51,6 +55,8 @@ def test_worker_args_make_a_valid_worker_config(helm: Helm, parser, value_set: s
         config = config_from_args(args, args.command)  # raises ValueError on anything invalid
         assert (config.role, config.etcd, config.host, config.public_host) == (role, endpoint, "0.0.0.0", POD_IP)
         assert config.drain_timeout > 0 and config.port > 0 and config.kv_port > 0
+        gpus = "nvidia.com/gpu" in str(docs)
+        assert (config.device, config.kv_backend) == ("cuda" if gpus else "cpu", "nixl" if value_set == "gpu-efa" else "tcp")
         if role == "prefill":
             assert config.signal_port > 0
 

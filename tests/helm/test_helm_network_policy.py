@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import VALUE_SETS, Helm
+from helmchart import KUBE_VERSIONS, VALUE_SETS, Helm
 
 FULLNAME = "demo-xpyd"
 WORKLOADS = {"proxy": "Deployment", "prefill": "Deployment", "decode": "Deployment", "etcd": "StatefulSet"}
@@ -32,11 +31,15 @@ def _policies(docs: list[dict]) -> dict[str, dict]:
 
 
 def _workload(docs: list[dict], component: str) -> dict:
-    return _objects(docs, WORKLOADS[component])[f"{FULLNAME}-{component}"]
+    (found,) = [w for w in _objects(docs, WORKLOADS[component]).values()
+                if w["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component]
+    return found
 
 
 def _selector(docs: list[dict], component: str) -> dict[str, str]:
-    return _workload(docs, component)["spec"]["selector"]["matchLabels"]
+    """The component's selector labels (etcd's policy covers every generation of its StatefulSet)."""
+    labels = _workload(docs, component)["spec"]["selector"]["matchLabels"]
+    return {k: v for k, v in labels.items() if k != "xpyd.io/etcd-generation"}
 
 
 def _container_ports(docs: list[dict], component: str) -> dict[str, int]:
@@ -74,16 +77,28 @@ def _expected(docs: list[dict], proxy_from: list[dict], metrics_from: list[dict]
             for c, rules in specs.items()}
 
 
-# --- off by default ------------------------------------------------------------------------
+# --- on by default -------------------------------------------------------------------------
 
 
-def test_no_network_policy_by_default(helm: Helm) -> None:
-    assert not _objects(helm.template(), "NetworkPolicy")
+def test_network_policies_are_on_by_default(helm: Helm) -> None:
+    names = set(_objects(helm.template(), "NetworkPolicy"))
+    assert names == {f"{FULLNAME}-{c}" for c in ("proxy", "prefill", "decode", "etcd")}
+    assert not _objects(helm.template(sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
 
 
-@pytest.mark.parametrize("name", sorted(set(VALUE_SETS) - {"network-policy"}))
-def test_no_network_policy_in_value_sets_that_do_not_ask(helm: Helm, name: str) -> None:
-    assert not _objects(helm.template(VALUE_SETS[name]), "NetworkPolicy")
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_value_set_keeps_the_workers_closed(helm: Helm, name: str) -> None:
+    """Every example: the other role's pods are the only peers on every port; whoever else is let in (the
+    proxy, the planner, metricsFrom) reaches the HTTP port only."""
+    docs = helm.template(VALUE_SETS[name])
+    policies = _objects(docs, "NetworkPolicy")
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        for rule in policies[f"{FULLNAME}-{role}"]["spec"]["ingress"]:
+            if "ports" in rule:
+                assert rule["ports"] == [{"port": "http", "protocol": "TCP"}], (name, role, rule)
+            else:
+                (only,) = rule["from"]
+                assert only["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == peer, (name, role)
 
 
 # --- the example value set -----------------------------------------------------------------
@@ -194,7 +209,7 @@ def test_policies_follow_name_overrides(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("sets", [ENABLED, ENABLED + MONITORING, ENABLED + ("proxy.service.type=LoadBalancer",)])
-@pytest.mark.parametrize("kube_version", [latest_version(), "1.29.0"])
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_variants_pass_kubernetes_validate_strict(helm: Helm, sets: tuple[str, ...], kube_version: str) -> None:
     policies = _objects(helm.template(sets=sets), "NetworkPolicy")
     assert len(policies) == 4

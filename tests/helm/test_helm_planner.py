@@ -10,9 +10,8 @@ import re
 
 import kubernetes_validate
 import pytest
-from kubernetes_validate.utils import latest_version
 
-from helmchart import NAMESPACE, VALUE_SETS, Helm
+from helmchart import KUBE_VERSIONS, NAMESPACE, VALUE_SETS, Helm
 
 FULLNAME = "demo-xpyd"
 PLANNER = f"{FULLNAME}-planner"
@@ -68,7 +67,7 @@ def test_no_planner_by_default(helm: Helm) -> None:
 def test_scale_mode_renders_exactly_the_planner_and_its_rbac(helm: Helm) -> None:
     docs = helm.template(VALUE_SETS["planner"])
     assert _planner_kinds(docs) == {("ServiceAccount", PLANNER), ("Service", PLANNER), ("Deployment", PLANNER),
-                                    ("Role", PLANNER), ("RoleBinding", PLANNER)}
+                                    ("Role", PLANNER), ("RoleBinding", PLANNER), ("NetworkPolicy", PLANNER)}
 
 
 def test_the_role_allows_get_and_patch_on_the_two_deployments_scale_and_nothing_else(helm: Helm) -> None:
@@ -236,7 +235,7 @@ def test_network_policies_let_the_planner_reach_etcd_the_proxy_and_the_workers(h
     assert _objects(no_metrics, "NetworkPolicy")[PLANNER]["spec"]["ingress"] == []
 
 
-@pytest.mark.parametrize("kube_version", (latest_version(), "1.29.0"))
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 @pytest.mark.parametrize("sets", [
     ("planner.enabled=true", "networkPolicy.enabled=true",
      "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"),

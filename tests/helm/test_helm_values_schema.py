@@ -41,6 +41,15 @@ SCHEMA_ERRORS = [
     pytest.param((), ("networkPolicy.proxyFrom[0].namespaceSelecter.matchLabels.a=b",),
                  "'namespaceSelecter' not allowed", id="typo-in-peer"),
     pytest.param((), ("planner.mode=auto",), "/planner/mode", id="unknown-planner-mode"),
+    pytest.param((), ("prefill.extraVolumes[0].emptyDir.medium=Memory",), "/prefill/extraVolumes/0",
+                 id="volume-without-name"),
+    pytest.param((), ("decode.initContainers[0].name=fetch",), "/decode/initContainers/0", id="init-without-image"),
+    pytest.param((), ("proxy.extraVolumeMounts[0].name=x", "proxy.extraVolumeMounts[0].mountPath=relative"),
+                 "/proxy/extraVolumeMounts/0/mountPath", id="relative-mount-path"),
+    pytest.param((), ("prefill.env[0].name=A",), "'env' not allowed", id="env-is-now-extraEnv"),
+    pytest.param((), ("model.download.source=git",), "/model/download/source", id="unknown-download-source"),
+    pytest.param((), ("model.download.s3.uri=https://bucket/x",), "/model/download/s3/uri", id="s3-uri-scheme"),
+    pytest.param((), ("model.download.file=model.bin",), "/model/download/file", id="download-file-not-gguf"),
     pytest.param((), ("planner.slo=fast",), "/planner/slo", id="slo-not-key-value"),
     pytest.param((), ("planner.slo=ttft=2s\\,latency=1s",), "/planner/slo", id="unknown-slo-key"),
     pytest.param(("planner.maxWorkers=1",), (), "/planner/maxWorkers", id="planner-one-worker"),
@@ -54,15 +63,20 @@ TEMPLATE_ERRORS = [
     pytest.param(("etcd.enabled=false",), "etcd.external.endpoint", id="no-etcd-at-all"),
     pytest.param(("etcd.external.endpoint=etcd:2379",), "not both", id="two-etcds"),
     pytest.param(("etcd.replicas=3",), "etcd.persistence.enabled", id="members-without-persistence"),
-    pytest.param(("decode.terminationGracePeriodSeconds=30",), "decode.drainTimeout", id="grace-below-drain"),
-    pytest.param(("prefill.drainTimeout=120",), "prefill.terminationGracePeriodSeconds", id="drain-above-grace"),
     pytest.param(("prefill.autoscaling.enabled=true", "prefill.autoscaling.minReplicas=5"), "maxReplicas",
                  id="hpa-min-above-max"),
     pytest.param(("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null"),
                  "no metric", id="hpa-without-metrics"),
-    pytest.param(("proxy.podDisruptionBudget.minAvailable=1",), "not both", id="pdb-min-and-max"),
-    pytest.param(("proxy.preStopSleepSeconds=30",), "proxy.terminationGracePeriodSeconds", id="prestop-too-long"),
+    pytest.param(("proxy.podDisruptionBudget.maxUnavailable=1",), "not both", id="pdb-min-and-max"),
     pytest.param(("clusterToken.value=short",), "8-256", id="short-cluster-token"),
+    pytest.param(("etcd.security.clientTLS=true",), "plain HTTP with no certificate", id="etcd-client-tls"),
+    pytest.param(("etcd.security.auth=true",), "etcd.security.auth", id="etcd-auth"),
+    pytest.param(("model.download.source=hf",), "model.download.hf.repo", id="hf-without-repo"),
+    pytest.param(("model.download.source=s3",), "model.download.s3.uri", id="s3-without-uri"),
+    pytest.param(("model.download.source=s3", "model.download.s3.uri=s3://b/m",
+                  "model.volume.hostPath.path=/models"), "leave model.volume empty", id="download-and-volume"),
+    pytest.param(("prefill.extraVolumes[0].name=tmp", "prefill.extraVolumes[0].emptyDir.medium=Memory"),
+                 "the name tmp is the chart's own", id="volume-name-clash"),
     pytest.param(("apiKey.value=short",), "8-512", id="short-api-key"),
     pytest.param(("apiKey.value=has a space",), "without spaces", id="api-key-with-space"),
     pytest.param(("planner.enabled=true", "prefill.autoscaling.enabled=true"), "prefill.autoscaling.enabled makes an "
@@ -101,8 +115,8 @@ def test_lint_strict_reports_schema_errors(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("sets", [
-    ("prefill.podDisruptionBudget.minAvailable=1", "prefill.podDisruptionBudget.maxUnavailable=null"),
-    ("decode.podDisruptionBudget.maxUnavailable=50%",),
+    ("prefill.podDisruptionBudget.minAvailable=50%",),
+    ("decode.podDisruptionBudget.minAvailable=null", "decode.podDisruptionBudget.maxUnavailable=50%"),
     ("etcd.replicas=3", "etcd.persistence.enabled=true"),
     ("proxy.service.type=NodePort", "proxy.service.nodePort=30080"),
     ("decode.autoscaling.enabled=true", "decode.autoscaling.targetCPUUtilizationPercentage=null",
@@ -133,5 +147,8 @@ def test_schema_is_strict_where_it_matters() -> None:
 
     walk(schema, "")
     allowed_open = {"/definitions/env/items", "/definitions/topologySpreadConstraints/items",
-                    "/definitions/autoscaling/properties/metrics/items"}
+                    "/definitions/autoscaling/properties/metrics/items",
+                    # Kubernetes objects passed through (extraVolumes, extraVolumeMounts, initContainers,
+                    # extraContainers): the schema requires their names, kubernetes-validate checks the rest
+                    "/definitions/namedObjects/items", "/definitions/volumeMounts/items", "/definitions/containers/items"}
     assert set(open_objects) <= allowed_open

@@ -11,6 +11,8 @@ from xpyd.proxy.pairs import MAX_COOLDOWN as MAX_PAIR_COOLDOWN
 from xpyd.proxy.prefill_path import DEFAULT_MAX_TOKENS as DEFAULT_LOCAL_PREFILL, PrefillDecider
 from xpyd.proxy.routing import Policy
 
+MAX_DRAIN_SECONDS = 3600.0  # the longest --drain-timeout (a stream may take this long to finish)
+
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
@@ -39,6 +41,7 @@ class ProxyConfig:
     max_concurrent_requests: int = 1024  # generation requests in the proxy at once (queued included); 429 beyond
     max_queue: int = 256  # requests waiting for room on a decode worker; 503 beyond
     queue_timeout: float = 30.0  # longest wait in that queue; 503 after it
+    drain_timeout: float = 5.0  # on SIGTERM: in-flight requests (streams) finish for up to this long
     pair_cooldown: float = 5.0  # a prefill/decode pair whose path failed is avoided this long (doubling, max 60 s)
     log_requests: bool = False  # log each dispatch: response id -> the workers' request id and both workers
     expose_worker_names: bool = False  # x-xpyd-workers on every answer: opaque names of the workers that served it
@@ -63,6 +66,8 @@ class ProxyConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.drain_timeout) and 0 <= self.drain_timeout <= MAX_DRAIN_SECONDS):
+            raise ValueError(f"drain_timeout must be 0..{MAX_DRAIN_SECONDS:g} seconds, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_connections < 1:

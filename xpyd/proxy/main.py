@@ -34,7 +34,6 @@ log = logging.getLogger("xpyd.proxy")
 
 API_KEY_ENV = "XPYD_API_KEY"
 CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
-GRACEFUL_SHUTDOWN_SECONDS = 5.0
 REGISTRY_CLOSE_SECONDS = 5.0
 _DEFAULTS = ProxyConfig()
 EVENT_LOOPS = ("uvloop", "asyncio")
@@ -143,6 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transfer or second call; longer ones go to a prefill worker. 0: always a prefill "
                              f"worker (default: %(default)s: on the CPU it did not pay, docs/benchmarks.md; "
                              "scripts/bench_local_prefill.py measures yours)")
+    parser.add_argument("--drain-timeout", type=float, default=_DEFAULTS.drain_timeout, metavar="SECONDS",
+                        help="on SIGTERM: stop accepting, then let in-flight requests (streams) finish for up "
+                             "to this long before closing them (default: %(default)s; keep it under the "
+                             "pod's terminationGracePeriodSeconds)")
     parser.add_argument("--pair-cooldown", type=float, default=_DEFAULTS.pair_cooldown, metavar="SECONDS",
                         help="when a request fails between its prefill and decode worker (decode cannot "
                              "reach prefill, the KV does not arrive), route around that pair this long "
@@ -186,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         pair_cooldown=args.pair_cooldown,
+        drain_timeout=args.drain_timeout,
         migration_limit=args.migration_limit,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         log_requests=args.log_requests,
@@ -235,7 +239,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         from xpyd.proxy.colocated import create_colocated_app
 
         log.info("proxy on http://%s in front of the colocated worker %s", address, config.colocated_url)
-        await serve(create_colocated_app(config, config.colocated_url), stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
+        await serve(create_colocated_app(config, config.colocated_url), stop, sock, config.drain_timeout)
         return
     try:
         registry = make_registry(config)
@@ -262,7 +266,7 @@ async def serve_proxy(config: ProxyConfig, stop: asyncio.Event, reuse_port: bool
         log.info("proxy on http://%s serving %s (%s, policy %s, API key %s, cluster token %s)", address,
                  config.model_name or "the workers' model", source, config.policy.value,
                  "required" if config.api_key else "not required", "set" if config.cluster_token else "not set")
-        await serve(app, stop, sock, GRACEFUL_SHUTDOWN_SECONDS)
+        await serve(app, stop, sock, config.drain_timeout)
     finally:
         sock.close()  # (if it was not served: stopped or failed before serving)
         try:

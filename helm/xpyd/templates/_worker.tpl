@@ -4,13 +4,17 @@ A worker Deployment (prefill or decode). Call with (dict "root" $ "role" "prefil
 The worker binds 0.0.0.0 and advertises its pod IP: that address goes into its etcd key
 /workers/{role}/{ip}/{port} and into the request ids peers use to reach its signal plane and
 KV listener. On SIGTERM it revokes its etcd lease first (the proxy stops routing to it within
-milliseconds), then drains for up to drainTimeout; terminationGracePeriodSeconds covers both.
+milliseconds), then drains for up to drain.seconds; terminationGracePeriodSeconds covers both.
+That revoke is the worker's leaving etcd: no preStop hook is needed for it (nothing reaches a worker through
+a Service, whose endpoints would lag; the proxy follows etcd), and SIGTERM is its first step.
 */}}
 {{- define "xpyd.worker" -}}
 {{- $root := .root -}}
 {{- $role := .role -}}
 {{- $w := index $root.Values $role -}}
 {{- $tokenSecret := include "xpyd.clusterTokenSecretName" $root -}}
+{{- $gpu := gt (int $w.devices.gpu) 0 -}}
+{{- $efa := gt (int $w.devices.efa) 0 -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -36,7 +40,7 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
       annotations:
-        {{- include "xpyd.configChecksum" $root | nindent 8 }}
+        {{- include "xpyd.configChecksum" (dict "root" $root "component" $role) | trim | nindent 8 }}
         {{- with $w.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -50,9 +54,12 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
+      terminationGracePeriodSeconds: {{ include "xpyd.terminationGrace" (dict "root" $root "preStop" 0) }}
+      {{- with $w.runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
       {{- with include "xpyd.scheduling" (dict "root" $root "component" $role "values" $w) | trim }}{{ . | nindent 6 }}{{ end }}
-      {{- with include "xpyd.waitForEtcd" $root | trim }}{{ . | nindent 6 }}{{ end }}
+      {{- with include "xpyd.initContainers" (dict "root" $root "steps" (include "xpyd.modelDownload" (dict "root" $root)) "extra" $w.initContainers) | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: {{ $role }}
           image: {{ include "xpyd.image" $root }}
@@ -68,7 +75,10 @@ spec:
             {{- end }}
             - --kv-port={{ $w.kvPort }}
             - --etcd=$(XPYD_ETCD)
-            {{- if $root.Values.model.path }}
+            # the device follows devices.gpu; the KV backend is the release's kvBackend (both roles agree)
+            - --device={{ ternary "cuda" "cpu" $gpu }}
+            - --kv-backend={{ $root.Values.kvBackend }}
+            {{- if include "xpyd.modelPath" $root }}
             - --model=$(XPYD_MODEL)
             {{- end }}
             {{- with $root.Values.model.servedModelName }}
@@ -79,7 +89,7 @@ spec:
             - --batch-size={{ $w.batchSize }}
             - --threads={{ $w.threads }}
             - --lease-ttl={{ $w.leaseTTL }}
-            - --drain-timeout={{ $w.drainTimeout }}
+            - --drain-timeout={{ $root.Values.drain.seconds }}
             {{- if eq $role "prefill" }}
             - --kv-ttl={{ $w.kvTTL }}
             {{- else }}
@@ -104,7 +114,18 @@ spec:
                   name: {{ $tokenSecret }}
                   key: {{ $root.Values.clusterToken.secretKey }}
             {{- end }}
-            {{- with $w.env }}
+            {{- if $efa }}
+            # EFA through libfabric (NIXL's transport where the image's NIXL/UCX reaches it)
+            - name: FI_PROVIDER
+              value: efa
+            - name: FI_EFA_FORK_SAFE
+              value: "1"
+            {{- if $gpu }}
+            - name: FI_EFA_USE_DEVICE_RDMA
+              value: "1"
+            {{- end }}
+            {{- end }}
+            {{- with $w.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:
@@ -129,17 +150,27 @@ spec:
           resources:
             {{- include "xpyd.resources" (dict "resources" $w.resources "devices" $w.devices) | nindent 12 }}
           securityContext:
-            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+            {{- include "xpyd.workerSecurityContext" (dict "root" $root "efa" $efa) | nindent 12 }}
           volumeMounts:
             - name: cache
               mountPath: /var/cache/xpyd
             - name: tmp
               mountPath: /tmp
-            {{- if $root.Values.model.volume }}
+            {{- if $w.shmSize }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- if or $root.Values.model.volume $root.Values.model.download.source }}
             - name: model
               mountPath: {{ $root.Values.model.mountPath }}
               readOnly: true
             {{- end }}
+            {{- with $w.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+        {{- with $w.extraContainers }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         - name: cache
           emptyDir:
@@ -150,8 +181,22 @@ spec:
         - name: tmp
           emptyDir:
             sizeLimit: 1Gi
-        {{- with $root.Values.model.volume }}
+        {{- with $w.shmSize }}
+        # /dev/shm: the shm KV backend's pools, torch's shared tensors (memory: counts toward the memory limit)
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ . }}
+        {{- end }}
+        {{- if $root.Values.model.download.source }}
         - name: model
-          {{- toYaml . | nindent 10 }}
+          persistentVolumeClaim:
+            claimName: {{ include "xpyd.modelClaimName" $root }}
+        {{- else if $root.Values.model.volume }}
+        - name: model
+          {{- toYaml $root.Values.model.volume | nindent 10 }}
+        {{- end }}
+        {{- with $w.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end -}}
