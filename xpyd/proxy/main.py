@@ -315,7 +315,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     if args.workers > 1:
         try:
             sys.exit(run_processes(args.workers, sys.argv[1:] if argv is None else argv, config.host, config.port,
-                                   names_key=config.cluster_token is None))
+                                   names_key=config.cluster_token is None, drain_timeout=config.drain_timeout))
         except OSError as e:
             sys.exit(f"xpyd proxy: cannot serve on {host_port(config.host, config.port)}: {e.strerror or e}")
     try:

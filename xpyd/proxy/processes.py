@@ -8,7 +8,8 @@
                 own event loop, registry watch, health poller and cache index fed by its own KV event streams;
                 logs as ``proxy.i``
     SIGTERM / SIGINT to the parent -> SIGTERM to every child (each finishes its requests for a few seconds),
-                SIGKILL to any still running after STOP_SECONDS; the parent exits once all are gone
+                SIGKILL to any still running after their --drain-timeout and STOP_MARGIN; the parent exits once all
+                are gone
     a child exits on its own       -> the others are stopped the same way and the parent exits 1 (whoever
                 started it restarts the whole proxy: `xpyd up` does)
 
@@ -34,7 +35,7 @@ log = logging.getLogger("xpyd.proxy")
 
 PROCESS_ENV = "XPYD_PROXY_PROCESS"  # "i/N" in child i of N
 NAMES_KEY_ENV = "XPYD_PROXY_NAMES_KEY"  # hex: the worker-names key the children share (no cluster token)
-STOP_SECONDS = 15.0  # after SIGTERM, a child's graceful shutdown (5 s) and its registry close (5 s)
+STOP_MARGIN = 10.0  # after SIGTERM, a child's --drain-timeout and then this long (its registry close: 5 s)
 MAX_WORKERS = 64
 
 
@@ -60,7 +61,7 @@ def process_label(environ: dict[str, str] | os._Environ = os.environ) -> str | N
     return f"proxy.{index}"
 
 
-def run_processes(n: int, argv: list[str], host: str, port: int, names_key: bool) -> int:
+def run_processes(n: int, argv: list[str], host: str, port: int, names_key: bool, drain_timeout: float = 5.0) -> int:
     """Start ``n`` children with ``argv`` and wait (see the module's docstring); the exit code. ``names_key``:
     give them one worker-names key (no cluster token)."""
     if not 2 <= n <= MAX_WORKERS:
@@ -90,16 +91,16 @@ def run_processes(n: int, argv: list[str], host: str, port: int, names_key: bool
             if signal.sigwait(waited) in (signal.SIGTERM, signal.SIGINT):
                 break
     finally:
-        _stop(children)
+        _stop(children, drain_timeout + STOP_MARGIN)
         sock.close()
     return code
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
+def _stop(children: list[subprocess.Popen], seconds: float) -> None:
     running = [c for c in children if c.poll() is None]
     for c in running:
         c.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_SECONDS
+    deadline = time.monotonic() + seconds
     for c in running:
         try:
             c.wait(max(0.1, deadline - time.monotonic()))
