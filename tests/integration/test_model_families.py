@@ -153,3 +153,20 @@ def test_what_is_refused_at_start_says_why(tmp_path):
                 sliding_window=32).save_pretrained(tmp_path / "qwen3-window")
     with pytest.raises(UnsupportedModel, match="sliding"):
         ModelRunner(tmp_path / "qwen3-window", torch.float32, num_blocks=1, max_seq_len=64)
+
+
+def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
+    """A one-line error naming the type and every supported one, exit code 2, before any weights load."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2Config
+
+    from tests.cluster import free_port
+
+    GPT2Config(n_layer=1, n_embd=64, n_head=4).save_pretrained(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "xpyd", "colocated", "--model", str(tmp_path), "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"model type 'gpt2' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -39,13 +39,19 @@ def rope_type(config) -> str:
     return "default"
 
 
-def check_supported(config, max_model_len: int) -> None:
-    """UnsupportedModel, saying why and what is supported, for a model this engine cannot serve exactly."""
+def check_model_type(config) -> None:
+    """UnsupportedModel, listing what is supported, for a model type outside `SUPPORTED_MODEL_TYPES`."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
             f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+
+
+def check_supported(config, max_model_len: int) -> None:
+    """UnsupportedModel, saying why and what is supported, for a model this engine cannot serve exactly."""
+    check_model_type(config)
+    model_type = config.model_type
     window = getattr(config, "sliding_window", None)
     if model_type in _WINDOW_WHEN_ASKED and not getattr(config, "use_sliding_window", False):
         window = None

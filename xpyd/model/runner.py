@@ -373,6 +373,7 @@ def _drop_fused_copies(model) -> None:
 def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
     config = AutoConfig.from_pretrained(str(model_dir))
+    families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
