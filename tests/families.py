@@ -19,39 +19,39 @@ import torch
 FAMILIES = ("qwen3", "llama3", "phi3", "mixtral", "qwen3_moe")
 
 
-def tiny_config(family: str, vocab_size: int, max_positions: int = 256, **ids):
-    """The family's config (``ids``: bos/eos/pad token ids, as the tokenizer saved with it has them)."""
+def tiny_config(family: str, vocab_size: int, max_positions: int = 256, **extra):
+    """The family's config (``extra``: fields to set or override, e.g. the tokenizer's bos/eos/pad ids)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                  initializer_range=0.5, tie_word_embeddings=False, **ids)
+                  initializer_range=0.5, tie_word_embeddings=False)
     if family == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=32)
+        return tf.Qwen3Config(**{**common, "head_dim": 32, **extra})
     if family == "llama3":
-        return tf.LlamaConfig(**common, rope_parameters={
+        return tf.LlamaConfig(**{**common, "rope_parameters": {
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, **extra})
     if family in ("phi3", "phi3-partial"):
-        for name, default in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
-            common.setdefault(name, default)  # (phi3's defaults, 32000 and up, lie outside a small vocabulary)
+        # (phi3's default token ids, 32000 and up, lie outside a small vocabulary)
         rope = {"rope_type": "default", "rope_theta": 10000.0}
         if family == "phi3-partial":
             rope["partial_rotary_factor"] = 0.5
-        return tf.Phi3Config(**common, sliding_window=None, rope_parameters=rope)
+        return tf.Phi3Config(**{**common, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                                "sliding_window": None, "rope_parameters": rope, **extra})
     if family == "mixtral":
-        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        return tf.MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2, **extra})
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                 mlp_only_layers=[1], norm_topk_prob=True)
+        return tf.Qwen3MoeConfig(**{**common, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                    "mlp_only_layers": [1], "norm_topk_prob": True, **extra})
     raise ValueError(f"no tiny model for {family!r}")
 
 
-def tiny_model(family: str, vocab_size: int, max_positions: int = 256, seed: int = 0, **ids):
+def tiny_model(family: str, vocab_size: int, max_positions: int = 256, seed: int = 0, **extra):
     """The family's tiny model (float32, eval mode), its weights drawn from ``seed``."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, vocab_size, max_positions, **ids)
+    config = tiny_config(family, vocab_size, max_positions, **extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -61,13 +61,13 @@ def tiny_model(family: str, vocab_size: int, max_positions: int = 256, seed: int
     return model
 
 
-def save_tiny(family: str, out: Path, vocab_size: int, max_positions: int = 256, seed: int = 0, tokenizer=None):
+def save_tiny(family: str, out: Path, vocab_size: int, max_positions: int = 256, seed: int = 0, tokenizer=None,
+              **extra):
     """`tiny_model` saved as safetensors in ``out`` (with ``tokenizer`` when given); the model."""
-    ids = {}
     if tokenizer is not None:
-        ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
-    model = tiny_model(family, vocab_size, max_positions, seed, **ids)
+        extra = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, **extra)
+    model = tiny_model(family, vocab_size, max_positions, seed, **extra)
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

