@@ -170,3 +170,30 @@ def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
     assert r.returncode == 2, r.stderr
     assert f"model type 'gpt2' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "phi3", "phi3-partial"])
+def test_runner_on_a_device_keeps_every_step_of_the_familys_parts_there(tmp_path, family):
+    """q/k norms, fused projections, partial rotary: on another device ('meta' here), on every path that
+    covers the family, no per-step tensor is made on the host and nothing comes back but the logits' device.
+    (Not the mixtures of experts: transformers' routing reads which experts were picked on the host.)"""
+    from tests.integration.test_engine_device import DeviceLedger, tensor_devices
+
+    save_tiny(family, tmp_path, VOCAB)
+    runner = ModelRunner(tmp_path, torch.float32, num_blocks=8, max_seq_len=64, block_size=4, device="meta")
+    assert tensor_devices(runner.model) == {"meta"} and runner.pool.tensor.device.type == "meta"
+    for path in _paths(runner):
+        tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
+        with DeviceLedger(fill=0) as ledger:
+            runner.prefill(tables[0], [1, 5, 9, 2, 7])
+            runner.prefill(tables[1], [4, 4, 8])
+            runner.pool.blocks.acquire(tables[0][:1])
+            tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
+            runner.prefill(tables[2], [1, 5, 9, 2, 6, 6], start=4)  # after the first one's first block
+            logits = runner.decode(tables, [3, 6, 9], [5, 3, 6])
+        assert logits.device.type == "meta" and logits.shape == (3, runner.vocab_size)
+        assert ledger.mixed == [], (path, ledger.mixed)
+        assert ledger.to_host() == [], (path, ledger.copies)
+        for table in tables:
+            runner.pool.blocks.release(table)
+        assert runner.pool.num_used == 0
