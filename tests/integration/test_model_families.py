@@ -22,7 +22,7 @@ VOCAB = 500
 BLOCK = 5  # odd: blocks end part-way through chunks and prompts
 CHUNK = 8
 # What covers each family: the lean forward (and the general path next to it) or the general path alone.
-LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": False, "qwen3_moe": False}
+LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True}
 
 torch.set_num_threads(1)
 
@@ -104,10 +104,10 @@ def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
     assert_no_block_held(runner)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "mixtral"])
 def test_bfloat16_lean_forward_runs_close_to_transformers(tmp_path, family):
     """The lean forward's bfloat16 path (oneDNN linears, native norms and rotary where they build) with the
-    family's own parts: q/k norms, fused projections."""
+    family's own parts: q/k norms, fused projections, experts."""
     save_tiny(family, tmp_path, VOCAB)
     runner = ModelRunner(tmp_path, torch.bfloat16, num_blocks=16, max_seq_len=64, block_size=4)
     assert runner.fast_path_active
@@ -176,7 +176,7 @@ def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
 def test_runner_on_a_device_keeps_every_step_of_the_familys_parts_there(tmp_path, family):
     """q/k norms, fused projections, partial rotary: on another device ('meta' here), on every path that
     covers the family, no per-step tensor is made on the host and nothing comes back but the logits' device.
-    (Not the mixtures of experts: transformers' routing reads which experts were picked on the host.)"""
+    (Not the mixtures of experts: transformers' grouped expert GEMM does not run on 'meta'.)"""
     from tests.integration.test_engine_device import DeviceLedger, tensor_devices
 
     save_tiny(family, tmp_path, VOCAB)

@@ -1,4 +1,5 @@
-"""A lean forward pass for Llama-family models (llama, mistral, qwen2, qwen3, phi3) over the KV pool.
+"""A lean forward pass for Llama-family models (llama, mistral, qwen2, qwen3, phi3; mixtral and qwen3_moe with
+their experts run by transformers' block) over the KV pool.
 
 Same math as transformers' modules, with less per-step work:
 - fused QKV and gate/up weights (concatenated once at load, or the model's own fused ones: phi3), called
@@ -49,9 +50,10 @@ def why_not_covered(model) -> str | None:
         for names in (_QKV_NAMES, (("o_proj",),)):
             if not _plain(attn, names):
                 return f"attention without plain {_either(names)}"
-        for names in (_GATE_UP_NAMES, (("down_proj",),)):
-            if not _plain(mlp, names):
-                return f"MLP without plain {_either(names)}"
+        if not _is_sparse_moe(mlp):
+            for names in (_GATE_UP_NAMES, (("down_proj",),)):
+                if not _plain(mlp, names):
+                    return f"MLP without plain {_either(names)}"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
             if not all(_is_rms_norm(n) and n.weight.shape == (head_dim,) for n in norms):
@@ -70,6 +72,12 @@ _GATE_UP_NAMES = (("gate_proj", "up_proj"), ("gate_up_proj",))
 def _plain(module, options) -> bool:
     """The module has plain Linear layers under all the names of one of ``options`` (tuples of names)."""
     return any(all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in option) for option in options)
+
+
+def _is_sparse_moe(mlp) -> bool:
+    """A mixture-of-experts block (mixtral's, qwen3_moe's): a router (``gate``) and the ``experts``, called
+    as the module on [1, tokens, hidden]."""
+    return type(mlp).__name__.endswith("SparseMoeBlock") and hasattr(mlp, "gate") and hasattr(mlp, "experts")
 
 
 def _either(options) -> str:
@@ -124,7 +132,7 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _Layer:
-    __slots__ = ("ln1", "eps1", "qkv", "q_norm", "k_norm", "o", "ln2", "eps2", "gate_up", "down")
+    __slots__ = ("ln1", "eps1", "qkv", "q_norm", "k_norm", "o", "ln2", "eps2", "gate_up", "down", "experts")
 
     def __init__(self, layer, pack: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -137,8 +145,12 @@ class _Layer:
         self.o = _Linear(attn.o_proj.weight.detach(), _detach(attn.o_proj.bias), pack)
         self.ln2 = layer.post_attention_layernorm.weight.detach()
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
-        self.gate_up = _Linear(*_fuse(_linears(mlp, _GATE_UP_NAMES)), pack)
-        self.down = _Linear(mlp.down_proj.weight.detach(), _detach(mlp.down_proj.bias), pack)
+        # a dense MLP (gate_up, down), or a mixture of experts: transformers' block (`experts`), the rest None
+        self.experts = mlp if _is_sparse_moe(mlp) else None
+        self.gate_up = self.down = None
+        if self.experts is None:
+            self.gate_up = _Linear(*_fuse(_linears(mlp, _GATE_UP_NAMES)), pack)
+            self.down = _Linear(mlp.down_proj.weight.detach(), _detach(mlp.down_proj.bias), pack)
 
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,7 +213,8 @@ class FastLlama:
         half = self.head_dim // 2  # sin with rotate_half's sign folded in: see _rope
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).contiguous()
         if pack:
-            linears = [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)] + [self.lm_head]
+            linears = [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down) if lin is not None]
+            linears.append(self.lm_head)
             keep_packed = self._packed_matches()
             for lin in linears:
                 if keep_packed:
@@ -295,7 +308,14 @@ class FastLlama:
         k = self._norm(qkv[:, nh : nh + nkv].reshape(rows * nkv, hd), *layer.k_norm).view(rows, nkv, hd)
         return torch.cat((q, k, qkv[:, nh + nkv :]), dim=1)
 
+    @property
+    def experts(self) -> bool:
+        """Some layer is a mixture of experts (run by transformers' block: mixtral, qwen3_moe)."""
+        return any(layer.experts is not None for layer in self.layers)
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.experts is not None:
+            return x + layer.experts(self._norm(x, layer.ln2, layer.eps2).unsqueeze(0))[0]
         gate, up = layer.gate_up(self._norm(x, layer.ln2, layer.eps2)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate).mul_(up))
 
