@@ -300,10 +300,15 @@ class FastLlama:
     def qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the residual stream) -> the layer's q, k, v [T, heads + 2 kv_heads, hd], before rotary."""
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(x.shape[0], nh + 2 * nkv, hd)
+        return self.head_norms(layer, layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(x.shape[0], nh + 2 * nkv, hd))
+
+    def head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` [T, heads + 2 kv_heads, hd] with the layer's q/k norms applied (a new tensor), or as it is
+        when the layer has none."""
         if layer.q_norm is None:
             return qkv
-        rows = x.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        rows = qkv.shape[0]
         q = self._norm(qkv[:, :nh].reshape(rows * nh, hd), *layer.q_norm).view(rows, nh, hd)
         k = self._norm(qkv[:, nh : nh + nkv].reshape(rows * nkv, hd), *layer.k_norm).view(rows, nkv, hd)
         return torch.cat((q, k, qkv[:, nh + nkv :]), dim=1)
