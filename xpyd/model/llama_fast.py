@@ -292,15 +292,10 @@ class FastLlama:
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
         return (qk * cos.unsqueeze(1)).add_(swapped.mul_(sin.unsqueeze(1)))
 
-    @property
-    def head_norms(self) -> bool:
-        """q and k are RMS-normed per head before rotary (qwen3)."""
-        return self.layers[0].q_norm is not None
-
     def qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the residual stream) -> the layer's q, k, v [T, heads + 2 kv_heads, hd], before rotary."""
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        return self.head_norms(layer, layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(x.shape[0], nh + 2 * nkv, hd))
+        qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
+        return self.head_norms(layer, qkv.view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim))
 
     def head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """``qkv`` [T, heads + 2 kv_heads, hd] with the layer's q/k norms applied (a new tensor), or as it is
