@@ -32,9 +32,20 @@ def _prefilled(runner: ModelRunner, prompts: list[list[int]], room: int):
     return tables, tokens
 
 
+@pytest.fixture(params=["llama", "qwen3"])
+def model_dir(request, tmp_path):
+    """The tiny Llama, and a tiny Qwen3 (q/k norms before rotary, head_dim 32 of a 64-wide hidden)."""
+    if request.param == "llama":
+        return request.getfixturevalue("tiny_model_dir")
+    from tests.families import save_tiny
+
+    save_tiny("qwen3", tmp_path, 500)
+    return tmp_path
+
+
 @pytest.mark.parametrize("use_fused", [True, False], ids=["fused-kernels", "torch-ops"])
-def test_paged_decoder_steps_match_the_lean_forward_and_padding_writes_nothing(tiny_model_dir, interpreter, use_fused):
-    runner = ModelRunner(tiny_model_dir, torch.float32, num_blocks=48, max_seq_len=128, block_size=4)
+def test_paged_decoder_steps_match_the_lean_forward_and_padding_writes_nothing(model_dir, interpreter, use_fused):
+    runner = ModelRunner(model_dir, torch.float32, num_blocks=48, max_seq_len=128, block_size=4)
     fast, pool = runner.fast_path, runner.pool.tensor
     g = torch.Generator().manual_seed(3)
     for weight in [w for layer in fast.layers for w in (layer.ln1, layer.ln2)] + [fast.norm]:

@@ -1,9 +1,11 @@
-"""A lean forward pass for Llama-family models (llama, mistral, qwen2) over the KV pool.
+"""A lean forward pass for Llama-family models (llama, mistral, qwen2, qwen3, phi3; mixtral and qwen3_moe with
+their experts run by transformers' block) over the KV pool.
 
 Same math as transformers' modules, with less per-step work:
-- fused QKV and gate/up weights (concatenated once at load), called through `F.linear` on plain
-  tensors instead of module `forward`s; in bfloat16, through oneDNN with weights prepacked once
-  (about 2x faster than `F.linear` for these small GEMVs on AVX-512-bf16 CPUs);
+- fused QKV and gate/up weights (concatenated once at load, or the model's own fused ones: phi3), called
+  through `F.linear` on plain tensors instead of module `forward`s; in bfloat16, through oneDNN with
+  weights prepacked once (about 2x faster than `F.linear` for these small GEMVs on AVX-512-bf16 CPUs);
+- q/k norms (qwen3) as the same RMSNorm over each head;
 - rotary cos/sin tables built once by the model's own rotary module, indexed by position per step,
   applied to q and k in one go;
 - K/V written in place into the pool; attention over each request's live tokens only.
@@ -36,21 +38,58 @@ def why_not_covered(model) -> str | None:
         return f"rope type {rope_type!r} depends on the sequence length"
     if not _is_rms_norm(inner.norm):
         return "final norm is not RMSNorm"
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        return "a rotary embedding without inv_freq"
+    rotary_dim = 2 * inv_freq.shape[-1]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rotary_dim != head_dim:
+        return f"partial rotary ({rotary_dim} of {head_dim} dimensions)"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not isinstance(getattr(attn, name, None), torch.nn.Linear):
-                return f"attention without a plain {name}"
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            if not isinstance(getattr(mlp, name, None), torch.nn.Linear):
-                return f"MLP without a plain {name}"
-        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
-            return "q/k norms"
+        for names in (_QKV_NAMES, (("o_proj",),)):
+            if not _plain(attn, names):
+                return f"attention without plain {_either(names)}"
+        if not _is_sparse_moe(mlp):
+            for names in (_GATE_UP_NAMES, (("down_proj",),)):
+                if not _plain(mlp, names):
+                    return f"MLP without plain {_either(names)}"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+            if not all(_is_rms_norm(n) and n.weight.shape == (head_dim,) for n in norms):
+                return "q/k norms that are not RMSNorms over each head"
         if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
             return "layer norms are not RMSNorm"
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention"
     return None
+
+
+_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))  # separate, or fused as phi3's
+_GATE_UP_NAMES = (("gate_proj", "up_proj"), ("gate_up_proj",))
+
+
+def _plain(module, options) -> bool:
+    """The module has plain Linear layers under all the names of one of ``options`` (tuples of names)."""
+    return any(all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in option) for option in options)
+
+
+def _is_sparse_moe(mlp) -> bool:
+    """A mixture-of-experts block (mixtral's, qwen3_moe's): a router (``gate``) and the ``experts``, called
+    as the module on [1, tokens, hidden]."""
+    return type(mlp).__name__.endswith("SparseMoeBlock") and hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _either(options) -> str:
+    return " or ".join("/".join(option) for option in options)
+
+
+def _linears(module, options) -> list:
+    """The Linear layers of the first of ``options`` (tuples of names) the module has, in order."""
+    for option in options:
+        if all(hasattr(module, n) for n in option):
+            return [getattr(module, n) for n in option]
+    raise ValueError(f"{type(module).__name__} has none of {options}")
 
 
 def _is_rms_norm(module) -> bool:
@@ -93,18 +132,25 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _Layer:
-    __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down")
+    __slots__ = ("ln1", "eps1", "qkv", "q_norm", "k_norm", "o", "ln2", "eps2", "gate_up", "down", "experts")
 
     def __init__(self, layer, pack: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight.detach()
         self.eps1 = layer.input_layernorm.variance_epsilon
-        self.qkv = _Linear(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), pack)
+        self.qkv = _Linear(*_fuse(_linears(attn, _QKV_NAMES)), pack)
+        # per-head RMSNorms of q and k before rotary (qwen3): (weight [head_dim], eps), or None
+        self.q_norm = (attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
+        self.k_norm = (attn.k_norm.weight.detach(), attn.k_norm.variance_epsilon) if hasattr(attn, "k_norm") else None
         self.o = _Linear(attn.o_proj.weight.detach(), _detach(attn.o_proj.bias), pack)
         self.ln2 = layer.post_attention_layernorm.weight.detach()
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
-        self.gate_up = _Linear(*_fuse([mlp.gate_proj, mlp.up_proj]), pack)
-        self.down = _Linear(mlp.down_proj.weight.detach(), _detach(mlp.down_proj.bias), pack)
+        # a dense MLP (gate_up, down), or a mixture of experts: transformers' block (`experts`), the rest None
+        self.experts = mlp if _is_sparse_moe(mlp) else None
+        self.gate_up = self.down = None
+        if self.experts is None:
+            self.gate_up = _Linear(*_fuse(_linears(mlp, _GATE_UP_NAMES)), pack)
+            self.down = _Linear(mlp.down_proj.weight.detach(), _detach(mlp.down_proj.bias), pack)
 
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -167,7 +213,8 @@ class FastLlama:
         half = self.head_dim // 2  # sin with rotate_half's sign folded in: see _rope
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).contiguous()
         if pack:
-            linears = [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)] + [self.lm_head]
+            linears = [lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down) if lin is not None]
+            linears.append(self.lm_head)
             keep_packed = self._packed_matches()
             for lin in linears:
                 if keep_packed:
@@ -245,7 +292,30 @@ class FastLlama:
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
         return (qk * cos.unsqueeze(1)).add_(swapped.mul_(sin.unsqueeze(1)))
 
+    def qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the residual stream) -> the layer's q, k, v [T, heads + 2 kv_heads, hd], before rotary."""
+        qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
+        return self.head_norms(layer, qkv.view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+
+    def head_norms(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` [T, heads + 2 kv_heads, hd] with the layer's q/k norms applied (a new tensor), or as it is
+        when the layer has none."""
+        if layer.q_norm is None:
+            return qkv
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        rows = qkv.shape[0]
+        q = self._norm(qkv[:, :nh].reshape(rows * nh, hd), *layer.q_norm).view(rows, nh, hd)
+        k = self._norm(qkv[:, nh : nh + nkv].reshape(rows * nkv, hd), *layer.k_norm).view(rows, nkv, hd)
+        return torch.cat((q, k, qkv[:, nh + nkv :]), dim=1)
+
+    @property
+    def experts(self) -> bool:
+        """Some layer is a mixture of experts (run by transformers' block: mixtral, qwen3_moe)."""
+        return any(layer.experts is not None for layer in self.layers)
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.experts is not None:
+            return x + layer.experts(self._norm(x, layer.ln2, layer.eps2).unsqueeze(0))[0]
         gate, up = layer.gate_up(self._norm(x, layer.ln2, layer.eps2)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate).mul_(up))
 
@@ -308,7 +378,7 @@ class FastLlama:
             cos, sin = self.cos[pos], self.sin[pos]
         for index, layer in enumerate(self.layers):
             self.on_layer()
-            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(total, nh + 2 * nkv, hd)
+            qkv = self.qkv(layer, x)
             qk = self._rope(qkv, cos, sin)
             k_all, v_all = qk[:, nh:], qkv[:, nh + nkv :]
             paged.write(pool, index, where, k_all, v_all)
@@ -350,7 +420,7 @@ class FastLlama:
         attend = self._attention_plan(pool, tables, positions, pos_t)
         for index, layer in enumerate(self.layers):
             self.on_layer()
-            qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
+            qkv = self.qkv(layer, x)
             qk = self._rope(qkv, cos, sin)
             attn = attend(index, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :])  # [B, heads, hd]
             x = x + layer.o(attn.reshape(batch, nh * hd))

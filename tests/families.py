@@ -1,0 +1,88 @@
+"""Tiny random models of each family the engine serves, saved as safetensors folders (the tests' models).
+
+Each is a few layers of hidden size 64 with a fixed seed, weights drawn with a large initializer range (0.5)
+so the outputs depend on the context, and every RMSNorm's weight drawn too (transformers starts them at
+one, which would hide a norm applied with the wrong weight). What makes each family itself:
+- qwen3: q/k norms over each head, and a head_dim that is not hidden / heads;
+- llama3: Llama with rope scaling "llama3", its original context (32) shorter than the prompts;
+- phi3: fused qkv_proj and gate_up_proj (``partial`` : rotary over half of each head, as Phi-4-mini);
+- mixtral: 4 experts, 2 per token, in every layer;
+- qwen3_moe: q/k norms, 4 experts, 2 per token, the last layer a dense MLP (mlp_only_layers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3", "llama3", "phi3", "mixtral", "qwen3_moe")
+
+
+def tiny_config(family: str, vocab_size: int, max_positions: int = 256, **extra):
+    """The family's config (``extra``: fields to set or override, e.g. the tokenizer's bos/eos/pad ids)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  initializer_range=0.5, tie_word_embeddings=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**{**common, "head_dim": 32, **extra})
+    if family == "llama3":
+        return tf.LlamaConfig(**{**common, "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, **extra})
+    if family in ("phi3", "phi3-partial"):
+        # (phi3's default token ids, 32000 and up, lie outside a small vocabulary)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if family == "phi3-partial":
+            rope["partial_rotary_factor"] = 0.5
+        return tf.Phi3Config(**{**common, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                                "sliding_window": None, "rope_parameters": rope, **extra})
+    if family == "mixtral":
+        return tf.MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2, **extra})
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**{**common, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                    "mlp_only_layers": [1], "norm_topk_prob": True, **extra})
+    raise ValueError(f"no tiny model for {family!r}")
+
+
+def tiny_model(family: str, vocab_size: int, max_positions: int = 256, seed: int = 0, **extra):
+    """The family's tiny model (float32, eval mode), its weights drawn from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, vocab_size, max_positions, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def save_tiny(family: str, out: Path, vocab_size: int, max_positions: int = 256, seed: int = 0, tokenizer=None,
+              **extra):
+    """`tiny_model` saved as safetensors in ``out`` (with ``tokenizer`` when given); the model."""
+    if tokenizer is not None:
+        extra = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, **extra)
+    model = tiny_model(family, vocab_size, max_positions, seed, **extra)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return model
+
+
+def float64_copy(model):
+    """``model`` in float64, for exact references (experts run eagerly: the grouped GEMM has no float64)."""
+    import copy
+
+    exact = copy.deepcopy(model).double().eval()
+    if _has_experts(exact):
+        exact.set_experts_implementation("eager")
+    return exact
+
+
+def _has_experts(model) -> bool:
+    return any(type(m).__name__.endswith("Experts") for m in model.modules())

@@ -1,0 +1,83 @@
+"""GGUF files of the families transformers reads GGUF for (tests/gguf_files.py: float32 tensors, llama.cpp's
+layout, a byte-level tokenizer) through the loader's conversion: the converted folder holds the
+original weights, and the runner greedy-decodes from it what transformers generates from the original model,
+a second request after the first one's cached blocks included. A GGUF whose rope scaling the conversion would
+drop, or that lacks weights of its model, is refused, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.families import float64_copy, tiny_model
+from tests.gguf_files import EOS, VOCAB, write_gguf
+from tests.integration.test_model_runner import (assert_exact_greedy, assert_no_block_held, decode, hf_generate,
+                                                 new_seq, prefill_chunked, release)
+from xpyd.model.loader import ensure_converted
+from xpyd.model.runner import ModelRunner
+
+IDS = dict(bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XPYD_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("qwen3", {}), ("qwen3", {"head_dim": 128}), ("phi3", {}),
+    ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 40}),  # (llama.cpp's qwen3moe: experts everywhere)
+], ids=["qwen3-head-dim-32", "qwen3-head-dim-128", "phi3", "qwen3_moe"])
+def test_converted_gguf_serves_what_the_original_model_generates(tmp_path, cache, family, extra):
+    hf = tiny_model(family, VOCAB, 256, **IDS, **extra)
+    converted = ensure_converted(str(write_gguf(hf, tmp_path / f"tiny-{family}.gguf")),
+                                 progress=False).path
+    runner = ModelRunner(converted, torch.float32, num_blocks=40, max_seq_len=128, block_size=5)
+    theirs = hf.state_dict()
+    ours = runner.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    a_prompt = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    b_prompt = a_prompt[:15] + [17, 200, 23]
+    n = 10
+    expected = [hf_generate(hf, p, n) for p in (a_prompt, b_prompt)]
+    hf64 = float64_copy(hf)
+    for p, tokens in zip((a_prompt, b_prompt), expected):
+        assert_exact_greedy(hf, hf64, p, tokens, family)
+    a = new_seq(runner.pool, a_prompt, seed=1)
+    prefill_chunked(runner, a, 8)
+    b = new_seq(runner.pool, b_prompt, seed=2, prefix=a.table[:3])
+    prefill_chunked(runner, b, 8)
+    try:
+        while len(b.out) < n:
+            decode(runner, [a, b])
+    finally:
+        release(runner.pool, [a, b])
+    assert [a.out, b.out] == expected
+    assert_no_block_held(runner)
+
+
+def test_gguf_whose_rope_scaling_the_conversion_drops_is_refused(tmp_path, cache):
+    import numpy as np
+
+    hf = tiny_model("llama3", VOCAB, 256, **IDS)
+    freqs = np.linspace(1.0, 8.0, 8)  # what llama.cpp's converter writes for rope_type "llama3"
+    path = write_gguf(hf, tmp_path / "tiny-llama3.gguf", rope_freqs=freqs)
+    with pytest.raises(ValueError, match="rope_freqs.*safetensors folder"):
+        ensure_converted(str(path))
+
+
+def test_gguf_lacking_weights_of_its_model_is_refused(tmp_path, cache, monkeypatch):
+    """transformers starts missing weights from random values (a Mixtral GGUF, whose experts the llama reader
+    does not know, would serve noise): the conversion refuses, naming them."""
+    import tests.gguf_files as files
+
+    split = files._split_experts
+    monkeypatch.setattr(files, "_split_experts", lambda state: {
+        name: t for name, t in split(state).items() if name != "model.layers.1.mlp.gate_proj.weight"})
+    path = write_gguf(tiny_model("qwen3", VOCAB, 256, **IDS), tmp_path / "tiny-qwen3.gguf")
+    with pytest.raises(ValueError, match="lacks weights a qwen3 model needs: model.layers.1.mlp.gate_proj.weight"):
+        ensure_converted(str(path))
