@@ -217,6 +217,7 @@ def test_a_locally_prefilled_answer_says_where_its_time_went(cluster, stream):
     """The proxy sent the short prompt to its decode worker alone: decode's own split of the first token (parse,
     queue, compute, respond) joins the proxy's, network is the decode call less it, and they add up."""
     before = _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")
+    proxy_before = _phase_counts(cluster["pd-local"], "xpyd_proxy_phase_seconds")
     headers, raw, client_us = post(cluster["pd-local"], {"prompt": PROMPT, "stream": stream})
     t = streamed_timing(raw) if stream else decode_timing(headers[TIMING_HEADER])
     assert t.prefill is None and t.colocated is not None, t  # (no prefill worker took part)
@@ -225,5 +226,8 @@ def test_a_locally_prefilled_answer_says_where_its_time_went(cluster, stream):
                           "colocated.respond", "proxy.network", "proxy.egress"} | ({"proxy.rest"} if not stream else set())
     after = _phase_counts(cluster["decode"], "xpyd_request_phase_seconds")
     assert after["compute"] == before.get("compute", 0) + 1  # (decode's histogram: its local prefill's phases)
+    proxy_after = _phase_counts(cluster["pd-local"], "xpyd_proxy_phase_seconds")
+    for phase in ("ingress", "prefill_call", "network", "egress"):  # (network: once decode's own time came)
+        assert proxy_after[phase] == proxy_before.get(phase, 0) + 1, phase
     with urllib.request.urlopen(cluster["pd-local"] + "/metrics", timeout=10) as r:
         assert 'xpyd_proxy_prefill_path_total{path="local"}' in r.read().decode()

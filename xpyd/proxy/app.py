@@ -300,7 +300,10 @@ class Proxy:
                 timer.answered(first)  # (where its time went: xpyd.proxy.phases)
                 timer.end(Outcome.OK)
                 if self.config.expose_worker_timing:
-                    answer.headers[TIMING_HEADER] = joined(first, call.decode_timing, timer.phases).header()
+                    said = joined(first, call.decode_timing, timer.phases)
+                    if said.proxy is not None:
+                        timer.network_known(said.proxy)
+                    answer.headers[TIMING_HEADER] = said.header()
                 return answer
             except UpstreamError as e:
                 retries = self._retry_or_raise(call, e, retries)

@@ -125,6 +125,13 @@ class RequestTimer:
             self.phases = phases
             self._metrics.observe_phases(phases)
 
+    def network_known(self, phases: ProxyPhases) -> None:
+        """``phases`` = the recorded ones with ``network`` learned later (a prompt its decode worker prefilled: its
+        own time came at the stream's end): that phase recorded now, once."""
+        if self.phases is not None and self.phases.network_us is None and phases.network_us is not None:
+            self.phases = phases
+            self._metrics._phase["network"].observe(max(0, phases.network_us) / 1e6)
+
     def token(self) -> None:
         now = time.monotonic()
         self._metrics._itl.observe(now - self._last)

@@ -136,7 +136,10 @@ async def _stream(
                 yield block
         timer.end(Outcome.OK)
         if timing:
-            yield answer_timing(first, _timing_or_none(decoded), timer.phases).comment()
+            said = answer_timing(first, _timing_or_none(decoded), timer.phases)
+            if said.proxy is not None:
+                timer.network_known(said.proxy)
+            yield said.comment()
         yield DONE
     except APIError as e:  # the status line is already sent: report in-stream, as vLLM does
         timer.end(outcome_of(e))
