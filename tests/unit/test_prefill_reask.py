@@ -121,3 +121,20 @@ def test_a_request_sent_whole_is_answered_the_same_after_its_send(prefill):
     # A release that comes after the send ended (decode's, or the proxy's abort) changes nothing.
     assert engine.on_release(DECODE, m.Release(DECODE, (rid,))).released == 0
     assert rid not in engine.held.memory.released_early
+
+
+def test_a_claim_then_an_abort_before_the_request_tells_the_claimant_at_once(prefill):
+    """Decode claimed a request prefill has not seen, then the proxy's abort (its client left) reached prefill
+    before the request itself: the claimant is told FAILED now, not at its prefill-wait timeout, and the request
+    is still dropped when it arrives."""
+    from xpyd.prefill_worker.held import RELEASED_EARLY
+    from xpyd.worker.engine import Abort
+
+    engine, _, pushed = prefill
+    rid = str(RequestId.new(PREFILL, DECODE))
+    assert [r.status for r in _ask(engine, m.LookupEntry(rid, None))] == [S.UNKNOWN]  # claimed early
+    engine.post(Abort(rid))
+    engine.step()
+    assert [(r.request_id, r.status, r.error) for r in pushed] == [(rid, S.FAILED, RELEASED_EARLY)]
+    assert rid in engine.held.memory.released_early  # (the request is refused when it arrives)
+    assert [r.status for r in _ask(engine, m.LookupEntry(rid, None))] == [S.FAILED]  # a re-ask: the same

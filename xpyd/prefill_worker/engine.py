@@ -140,6 +140,9 @@ class PrefillEngine(WorkerEngine):
                             # The proxy gave up before the request itself got here (its two HTTP calls raced):
                             # drop it on arrival instead of holding its KV for a whole lease.
                             self.held.memory.released_early[item.request_id] = True
+                            if self.held.memory.claimed_early.pop(item.request_id, False):  # its decode worker
+                                # asked first and waits to be told: tell it now, not at its timeout
+                                self.held.record_end(item.request_id, m.LookupStatus.FAILED, RELEASED_EARLY, True)
                 elif isinstance(item, PeersLeft):
                     self._drop_peers(item.addrs)
                     for addr in item.joined:  # (one that had left and is back: its KV is kept as any other's)
