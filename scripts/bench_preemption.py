@@ -60,11 +60,26 @@ def prompts(n: int, tokens: int, tokenizer) -> list[list[dict]]:
     return out
 
 
-def _post(url: str, body: dict) -> dict:
+def _chat(url: str, messages: list[dict]) -> tuple[str, int, str]:
+    """A greedy chat request without max_tokens, streamed (bytes keep coming however long it runs): its text,
+    completion tokens and finish reason."""
+    body = {"messages": messages, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.loads(r.read())
+    text, n, reason = "", 0, ""
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            for c in event["choices"]:
+                text += c["delta"].get("content") or ""
+                reason = c.get("finish_reason") or reason
+            if event.get("usage"):
+                n = event["usage"]["completion_tokens"]
+    return text, n, reason
 
 
 def _stats(url: str) -> dict:
@@ -93,23 +108,22 @@ def run(args, kv_tokens: int, conversations: list, name: str, env: dict) -> dict
                     polls.append({"t": round(time.monotonic() - t0, 2), **{k: s.get(k, 0) for k in (
                         "running", "waiting", "prefilling", "transferring", "preempted", "preemptions",
                         "blocks_used", "blocks_total")}})
+                    if len(polls) % int(30 / args.poll) == 1:
+                        print(f"{name}: {polls[-1]}", flush=True)
                     done.wait(args.poll)
 
             poller = threading.Thread(target=poll, daemon=True)
             t0 = time.monotonic()
             poller.start()
             with cf.ThreadPoolExecutor(len(conversations)) as ex:
-                answers = list(ex.map(lambda m: _post(f"http://127.0.0.1:{base}", {"messages": m, "temperature": 0}),
-                                      conversations))
+                answers = list(ex.map(lambda m: _chat(f"http://127.0.0.1:{base}", m), conversations))
             wall = time.monotonic() - t0
             done.set()
             poller.join()
             end = _stats(worker)
         finally:
             _stop(up)
-    texts = [a["choices"][0]["message"]["content"] for a in answers]
-    lens = [a["usage"]["completion_tokens"] for a in answers]
-    reasons = [a["choices"][0]["finish_reason"] for a in answers]
+    texts, lens, reasons = (list(x) for x in zip(*answers))
     busy = [p for p in polls if p["running"] + p["waiting"] + p["prefilling"] + p["transferring"] > 0]
     result = {"name": name, "kv_cache_tokens": kv_tokens, "wall_s": round(wall, 1), "answers": len(answers),
               "output_tokens": sum(lens), "output_min": min(lens), "output_max": max(lens),
