@@ -10,7 +10,7 @@ run under test is the reference's; writes the answers and the polls to --out.
 
     .venv/bin/python scripts/bench_preemption.py [--mode colocated|pd] [--requests 64] [--prompt-tokens 256] \
         [--batch-size 64] [--kv-cache-tokens 16384] [--reference-kv-cache-tokens 131072] [--out DIR] \
-        [--up-args "--dtype float32"] [--skip-reference]
+        [--up-args "--dtype float32"] [--skip-reference] [--instruction TEXT] [--direct]
 
 Starts its own cluster on free ports for each run and stops it; nothing but 127.0.0.1 is contacted.
 """
@@ -39,7 +39,7 @@ WORDS = ("river", "market", "engine", "garden", "letter", "winter", "signal", "c
          "anchor", "castle", "dragon", "feather", "glacier", "lantern", "orchard", "pyramid", "saddle", "tunnel")
 
 
-def prompts(n: int, tokens: int, tokenizer) -> list[list[dict]]:
+def prompts(n: int, tokens: int, tokenizer, instruction: str) -> list[list[dict]]:
     """``n`` distinct chat conversations whose templated prompts are ``tokens`` tokens at most (and within a
     word of it)."""
     def length(messages: list[dict]) -> int:
@@ -52,7 +52,7 @@ def prompts(n: int, tokens: int, tokenizer) -> list[list[dict]]:
         words = [rng.choice(WORDS) for _ in range(tokens)]
         while True:  # (the longest that fits: one word fewer at a time)
             messages = [{"role": "user", "content": f"Notes #{i}: " + " ".join(words) +
-                         "\n\nWrite a short story that uses these notes."}]
+                         "\n\n" + instruction}]
             if length(messages) <= tokens or not words:
                 break
             words.pop()
@@ -63,9 +63,14 @@ def prompts(n: int, tokens: int, tokenizer) -> list[list[dict]]:
 def _chat(url: str, messages: list[dict]) -> tuple[str, int, str]:
     """A greedy chat request without max_tokens, streamed (bytes keep coming however long it runs): its text,
     completion tokens and finish reason."""
+    from xpyd.signal.request_id import RequestId
+
     body = {"messages": messages, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    addr = url.removeprefix("http://")  # (a worker called directly: an id naming it as both workers, as the
+    # colocated proxy's do; the proxy makes its own)
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "X-Request-Id": str(RequestId.new(addr, addr))})
     text, n, reason = "", 0, ""
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
@@ -90,6 +95,7 @@ def _stats(url: str) -> dict:
 def run(args, kv_tokens: int, conversations: list, name: str, env: dict) -> dict:
     base = _free_run(30, 23000)
     worker = f"http://127.0.0.1:{base + 20}"  # the decode (or colocated) worker
+    target = worker if args.direct else f"http://127.0.0.1:{base}"
     log_path = args.out / f"{name}-up.log"
     argv = [sys.executable, "-m", "xpyd", "up", "--port", str(base), "--prefill-port", str(base + 10),
             "--decode-port", str(base + 20), "--batch-size", str(args.batch_size), "--kv-cache-tokens", str(kv_tokens),
@@ -116,7 +122,7 @@ def run(args, kv_tokens: int, conversations: list, name: str, env: dict) -> dict
             t0 = time.monotonic()
             poller.start()
             with cf.ThreadPoolExecutor(len(conversations)) as ex:
-                answers = list(ex.map(lambda m: _chat(f"http://127.0.0.1:{base}", m), conversations))
+                answers = list(ex.map(lambda m: _chat(target, m), conversations))
             wall = time.monotonic() - t0
             done.set()
             poller.join()
@@ -152,7 +158,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-preemption"))
     ap.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--instruction", default="Summarize these notes in two sentences.",
+                    help="what each prompt asks after its notes (how long the answers are)")
+    ap.add_argument("--direct", action="store_true", help="colocated: send the requests to the worker itself, not "
+                    "through the proxy (whose --read-timeout, 300 s between two chunks, a request preempted for "
+                    "minutes on a slow machine outlasts)")
     args = ap.parse_args()
+    if args.direct and args.mode != "colocated":
+        ap.error("--direct: colocated only (a P/D request needs the proxy)")
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     from transformers import AutoTokenizer
@@ -161,7 +174,8 @@ def main() -> int:
 
     up = shlex.split(args.up_args)
     folder = up[up.index("--model") + 1] if "--model" in up else ensure_converted(None, progress=False).path
-    conversations = prompts(args.requests, args.prompt_tokens, AutoTokenizer.from_pretrained(str(folder)))
+    conversations = prompts(args.requests, args.prompt_tokens, AutoTokenizer.from_pretrained(str(folder)),
+                            args.instruction)
     tested = run(args, args.kv_cache_tokens, conversations, f"{args.mode}-{args.kv_cache_tokens}", env)
     if args.skip_reference:
         return 0
