@@ -72,7 +72,8 @@ def _chat(url: str, messages: list[dict]) -> tuple[str, int, str]:
                                  headers={"Content-Type": "application/json",
                                           "X-Request-Id": str(RequestId.new(addr, addr))})
     text, n, reason = "", 0, ""
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=7200) as r:  # (a request preempted behind long answers on a slow
+        # machine hears nothing for as long as they take: over 10 minutes here)
         for line in r:
             if not line.startswith(b"data: {"):
                 continue
@@ -129,6 +130,7 @@ def run(args, kv_tokens: int, conversations: list, name: str, env: dict) -> dict
             end = _stats(worker)
         finally:
             _stop(up)
+            (args.out / f"{name}-polls.json").write_text(json.dumps(polls))
     texts, lens, reasons = (list(x) for x in zip(*answers))
     busy = [p for p in polls if p["running"] + p["waiting"] + p["prefilling"] + p["transferring"] > 0]
     result = {"name": name, "kv_cache_tokens": kv_tokens, "wall_s": round(wall, 1), "answers": len(answers),
