@@ -283,7 +283,7 @@ def _assert_workers_idle(cluster, timeout: float = 10.0) -> None:
     while True:
         stats = [json.loads(urllib.request.urlopen(cluster[r] + "/xpyd/stats", timeout=5).read())
                  for r in ("prefill", "decode")]
-        idle = all(s["kv_used_bytes"] == 0 and s["blocks_used"] == s["blocks_reserved"] == 0 and s["waiting"] == 0
+        idle = all(s["kv_used_bytes"] == 0 and s["blocks_used"] == 0 and s["waiting"] == 0
                    and s["running"] == 0 and s["transferring"] == 0 for s in stats)
         if idle or time.monotonic() > deadline:
             assert idle, stats

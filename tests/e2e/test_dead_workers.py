@@ -174,7 +174,7 @@ def _wait_idle(procs: list[Proc], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = {p.name: _stats(p.url) for p in procs}
-        if all(s["waiting"] == s["running"] == s["transferring"] == s["blocks_used"] == s["blocks_reserved"] == s.get("requests_held", 0) == 0
+        if all(s["waiting"] == s["running"] == s["transferring"] == s["blocks_used"] == s.get("requests_held", 0) == 0
                for s in stats.values()):
             return
         assert time.monotonic() < deadline, stats

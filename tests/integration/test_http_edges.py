@@ -240,7 +240,7 @@ def assert_idle(urls: dict[str, str]) -> None:
     deadline = time.monotonic() + 5
     while True:
         stats = {role: _get(urls[role] + "/xpyd/stats") for role in ("prefill", "decode")}
-        idle = all(s["waiting"] == s["running"] == s["transferring"] == 0 and s["blocks_used"] == s["blocks_reserved"] == 0
+        idle = all(s["waiting"] == s["running"] == s["transferring"] == 0 and s["blocks_used"] == 0
                    and s["kv_used_bytes"] == 0 and s.get("requests_held", 0) == 0 for s in stats.values())
         if idle:
             return

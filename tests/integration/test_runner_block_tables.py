@@ -28,8 +28,8 @@ def scatter(pool: KVPool, seed: int) -> None:
     alloc.release(everything)
 
 
-def admit(runner: ModelRunner, cache: KVCache, prompt: list[int], final: int) -> tuple[RequestKV, int]:
-    kv = cache.admit([], len(prompt), final, 0)
+def admit(runner: ModelRunner, cache: KVCache, prompt: list[int]) -> tuple[RequestKV, int]:
+    kv = cache.admit([], len(prompt), 0)
     return kv, int(runner.prefill(kv.blocks, prompt).argmax())
 
 
@@ -61,7 +61,7 @@ def test_decode_over_kept_rows_equals_decode_over_lists(tiny_model_dir, dtype, p
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 2, 31, 9)]
     steps = 7
-    seqs = [admit(runner, cache, p, len(p) + steps) for p in prompts]
+    seqs = [admit(runner, cache, p) for p in prompts]
     outs = [[first] for _, first in seqs]
     # each round: all four (one long among short ones: per-request attention), the three short ones (padded),
     # then one alone; the long one joins at the second round (its row opened last)
@@ -77,14 +77,14 @@ def test_decode_over_kept_rows_equals_decode_over_lists(tiny_model_dir, dtype, p
     assert [cache.tables.blocks(kv.row) for kv, _ in seqs] == [kv.blocks for kv, _ in seqs]
     for kv, _ in seqs:
         cache.free(kv)
-    assert cache.tables.num_open == 0 and runner.pool.num_used == 0 and cache.reserved == 0
+    assert cache.tables.num_open == 0 and runner.pool.num_used == 0
 
 
 def test_a_bad_step_over_rows_is_refused_and_writes_nothing(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, torch.bfloat16, num_blocks=16, max_seq_len=64, block_size=BS)
     cache = KVCache(runner.pool.blocks, BS, seed=0)
-    a, first = admit(runner, cache, [5, 6, 7], 8)
-    b, _ = admit(runner, cache, [9, 9], 8)
+    a, first = admit(runner, cache, [5, 6, 7])
+    b, _ = admit(runner, cache, [9, 9])
     rows = [cache.table_row(a), cache.table_row(b)]
     runner.pool.blocks.acquire(b.blocks[:1])  # b's block shared (a caller's bug): not written
     before = runner.pool.tensor.clone()

@@ -91,7 +91,7 @@ def _assert_idle(url: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = json.loads(urllib.request.urlopen(url + "/xpyd/stats", timeout=5).read())
-        idle = stats["blocks_used"] == stats["blocks_reserved"] == 0 and stats["waiting"] == 0 and stats["running"] == 0
+        idle = stats["blocks_used"] == 0 and stats["waiting"] == 0 and stats["running"] == 0
         if idle or time.monotonic() > deadline:
             assert idle, stats
             return

@@ -136,7 +136,7 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-IDLE_KEYS = ("waiting", "running", "transferring", "blocks_used", "blocks_reserved", "kv_used_bytes",
+IDLE_KEYS = ("waiting", "running", "transferring", "blocks_used", "kv_used_bytes",
              "transfers_in_flight")
 
 

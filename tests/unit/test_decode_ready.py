@@ -1,4 +1,4 @@
-"""The decode worker takes the prompt's length from prefill's "ready" (it does not tokenize): it sizes an
+"""The decode worker takes the prompt's length from prefill's "ready" (here without tokens of its own): it sizes an
 open-ended request by it, and refuses one that would overrun the context (prefill refuses those first; this
 is the safety net). Engine stepped by hand with a fake signal client."""
 

@@ -107,7 +107,7 @@ def test_the_runner_hands_the_decoder_its_kept_rows_as_it_hands_it_lists(tiny_mo
                                   max_batch=4, graphs=False)
     cache = KVCache(runner.pool.blocks, 4, seed=0)
     prompts = [[5, 9, 13, 2, 7, 7, 1], [4, 8, 15, 16, 23, 42, 3, 3, 9, 11, 30], [6, 6, 1]]
-    kvs = [cache.admit([], len(p), len(p) + 8, 0) for p in prompts]
+    kvs = [cache.admit([], len(p) + 8, 0) for p in prompts]
     tokens = [int(runner.prefill(kv.blocks, p).argmax()) for kv, p in zip(kvs, prompts)]
     positions = [len(p) for p in prompts]
     pool = runner.pool.tensor

@@ -52,6 +52,8 @@ def test_worker_metrics_render_names_types_and_values():
     m.set_kv_cache(stats)
     m.set_kv_cache(stats | {"prefix_query_tokens": 150, "prefix_hit_tokens": 80})  # counters grow by the difference
     m.kv_reused(4096)
+    m.preempted()
+    m.preempted()
 
     types, v = parse(m.render())
     types = {name: t for name, t in types.items() if not name.startswith("vllm:")}  # (tests/unit/test_vllm_metrics.py)
@@ -66,6 +68,7 @@ def test_worker_metrics_render_names_types_and_values():
         "xpyd_kv_reuse_saved_bytes": "counter", "xpyd_signal_messages": "counter",
         "xpyd_etcd_operations": "counter", "xpyd_http_requests": "counter",
         "xpyd_request_phase_seconds": "histogram", "xpyd_local_prefills": "counter",
+        "xpyd_preemptions": "counter",
     } | {name: "gauge" for name in types if name.endswith("_created")}
     assert all(name.startswith("xpyd_") for name in types)
     assert all(dict(labels).get("role") == "decode" for name, labels in v if not name.startswith("vllm:")), \
@@ -105,6 +108,7 @@ def test_worker_metrics_render_names_types_and_values():
     assert value(v, "xpyd_prefix_cache_queries_total", **r) == 150
     assert value(v, "xpyd_prefix_cache_hits_total", **r) == 80
     assert value(v, "xpyd_kv_reuse_saved_bytes_total", **r) == 4096
+    assert value(v, "xpyd_preemptions_total", **r) == 2
 
 
 def test_worker_latency_buckets_span_milliseconds_to_tens_of_seconds():

@@ -112,8 +112,6 @@ def test_add_special_tokens_and_truncation(bos_tok):
     assert request_params._tokenize(bos_tok, _req(CHAT), 100) == chat  # chat: the template's tokens only
     assert request_params._tokenize(bos_tok, _req(CHAT, add_special_tokens=True), 100) == [1] + chat
     assert request_params._tokenize(bos_tok, _req(CHAT, truncate_prompt_tokens=3), 100) == chat[-3:]
-    assert request_params._untokenized_length(bos_tok, _req(C, prompt=list(range(10)), truncate_prompt_tokens=4),
-                                              100) == 4
 
 
 # --- generation_config.json defaults --------------------------------------------------------------------------

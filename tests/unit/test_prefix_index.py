@@ -185,7 +185,7 @@ def test_a_salted_cache_matches_only_requests_with_its_salt():
     cache = KVCache(BlockAllocator(16), 4, seed=9, key=key)
     events = KVEventLog()
     ids = list(range(100, 118))  # 4 full blocks + 2
-    kv = cache.admit(cache.hashes(ids, "alice"), len(ids), len(ids), len(ids))
+    kv = cache.admit(cache.hashes(ids, "alice"), len(ids), len(ids))
     cache.prompt_done(kv, len(ids), ids[16:])
     events.record(*cache.allocator.take_events())
     index, w = PrefixIndex(), worker(1)

@@ -370,7 +370,7 @@ def test_a_simulated_decode_step_through_the_kv_cache_imports_no_torch_and_no_nu
     code = ("import sys; from pathlib import Path; from xpyd.model.sim import SimRunner; "
             "from xpyd.worker.kv_cache import KVCache; "
             f"r = SimRunner(Path({str(tiny_model_dir)!r}), num_blocks=4, max_seq_len=32); "
-            "c = KVCache(r.pool.blocks, r.block_size, seed=0); kv = c.admit([], 3, 5, 0); "
+            "c = KVCache(r.pool.blocks, r.block_size, seed=0); kv = c.admit([], 5, 0); "
             "r.prefill(kv.blocks, [1, 2, 3]); c.grow(kv, 4); "
             "print(len(r.decode_rows(c.tables, [c.table_row(kv)], [4], [3])), "
             "sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")

@@ -38,7 +38,7 @@ def test_names_types_labels_and_buckets():
         "vllm:request_generation_tokens": "histogram", "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram", "vllm:time_per_output_token_seconds": "histogram",
         "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
-        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram", "vllm:num_preemptions": "counter",
     }
     for reason in ("stop", "length", "abort", "error", "repetition"):
         assert value(v, "vllm:request_success_total", **L, finished_reason=reason) == 0
@@ -63,6 +63,7 @@ def test_hooks_feed_the_vllm_series():
     m.observe_itl(0.03)
     m.observe_e2e(1.2)
     m.request_done("aborted")
+    m.preempted()
     _, v = parse(m.render())
     assert value(v, "vllm:num_requests_running", **L) == 2
     assert value(v, "vllm:num_requests_waiting", **L) == 7  # decode: + those waiting for their KV
@@ -78,6 +79,7 @@ def test_hooks_feed_the_vllm_series():
     assert value(v, "vllm:e2e_request_latency_seconds_bucket", **L, le="1.5") == 1
     assert value(v, "vllm:e2e_request_latency_seconds_bucket", **L, le="1.0") == 0
     assert value(v, "vllm:request_success_total", **L, finished_reason="abort") == 1
+    assert value(v, "vllm:num_preemptions_total", **L) == 1
 
     p = WorkerMetrics("prefill", model_name="m")
     p.set_queue(waiting=3, running=2, transferring=4)

@@ -22,6 +22,12 @@ A request the proxy sends to be prefilled here (``WorkItem.local_prefill``: its 
 workers) claims nothing and pulls nothing: it waits for room, then its prompt is computed in chunks before
 each decode step (``local_prefill``), and its first token, sampled here, is streamed like the rest.
 
+Requests take KV blocks as they grow: before the pulls and local prefills are admitted (and again before the
+decode step, for the requests that joined since), each step gives the running requests the blocks of their
+next token (``DecodeScheduler.reserve_decode``), preempting the newest when the pool is full; a preempted request computes its prompt and output so far again here, in the local
+prefill's chunks, and continues with the tokens it would have generated (its output never left this worker).
+Its prefill worker is not asked again. Preemptions are counted (stats ``preemptions``, metrics).
+
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout`` of the last time its prefill
 worker's queue was seen to move (its answers to the re-asks carry the worker's forward passes so far), or
 whose KV does not arrive within it once the pull started, fails with 504;
@@ -50,8 +56,9 @@ from xpyd.worker.config import WorkerConfig
 from xpyd.worker.kv_connector import KVReceiver, receiver_for
 from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
+from xpyd.worker.preemption import outgrown
 from xpyd.worker.request import RequestState
-from xpyd.worker.stepping import decode_and_sample
+from xpyd.worker.stepping import context_ids, context_len, decode_and_sample
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
@@ -120,7 +127,8 @@ class DecodeEngine(WorkerEngine):
         self._stats = {"role": "decode", "waiting": sched.num_waiting, "running": sched.num_running,
                        "transferring": sched.num_transferring, "prefilling": sched.num_prefilling,
                        "requests_held": held, "local_prefills": self.local.prefilled,
-                       "local_prefill_tokens": self.local.tokens,
+                       "local_prefill_tokens": self.local.tokens, "preemptions": sched.preemptions,
+                       "preempted": sched.num_preempted, "recomputed_tokens": self.local.recomputed,
                        "kv_used_bytes": self.pool.used_bytes(), **self.kv_cache.stats(),
                        "kv_reused_blocks": self.receives.reused_blocks,
                        "transfers_in_flight": self.connector.in_flight(),
@@ -185,11 +193,15 @@ class DecodeEngine(WorkerEngine):
                 self._failures["transfer"] += 1
                 seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}", kv_path=True))
                 self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
+        if self.sched.running():
+            self._make_room()
         for seq in self.sched.schedule_transfers():
             with self.isolate(seq.request_id, seq.payload):
                 self._start_pull(seq)
         self.lookups.send(self.signal, self.sched, time.monotonic())
         self._prefill_step()
+        if self.sched.running():  # (again for those that joined since: a prompt this worker's cache held whole)
+            self._make_room()
         if self.sched.running():
             self._decode_step()
         self._update_stats()
@@ -342,6 +354,9 @@ class DecodeEngine(WorkerEngine):
                            f"requested {prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
                            f"{item.stop.max_tokens} in the completion).", "length", release=True)
             return False
+        if not self.kv_cache.fits(r.num_tokens + 1):  # (its prompt and one token: it could never run here)
+            self._fail_seq(seq, 400, outgrown(r.num_tokens + 1, self.kv_cache), "length", release=True)
+            return False
         # (the chain's root is the seed salted with this request's cache_salt: its generated blocks chain from it)
         seq.hashes, seq.tail, seq.cached_tokens = self.kv_cache.chain(hashes, item.cache_salt), r.tail, r.cached_tokens
         seq.prompt_len = r.num_tokens
@@ -451,6 +466,26 @@ class DecodeEngine(WorkerEngine):
         self.metrics.request_done("finished")
         self.metrics.observe_e2e(time.monotonic() - item.arrival)
 
+    def _make_room(self) -> None:
+        """The blocks of this step's decode for every running request, preempting the newest while the pool
+        has none (``reserve_decode``)."""
+        try:
+            room = self.sched.reserve_decode(context_len, context_ids)
+        except Exception as e:  # (a bug: the scheduler stays consistent; its running requests fail)
+            log.exception("making room for the decode step failed")
+            for seq in self.sched.running():
+                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}", "decode")
+            return
+        for seq in room.preempted:
+            self.metrics.preempted()
+            item: WorkItem = seq.payload
+            if seq.stalled_since is None and len(item.output.token_ids) > len(item.resumed) + 1:
+                seq.stalled_since = self._last_decode_at  # (it decoded here: its next gap counts from its last token)
+        for seq in room.failed:
+            self.metrics.request_done("failed")
+            self._failures["kv_cache"] += 1
+            seq.payload.sink.put(ErrorEvent(500, seq.error))
+
     def _decode_step(self) -> None:
         running = self.sched.running()
         t0 = time.monotonic()
@@ -470,7 +505,10 @@ class DecodeEngine(WorkerEngine):
                     item.stamps.step_started, item.stamps.step_ended = t0, now
                 text, finish = item.output.append(tok)
                 n_out = len(item.output.token_ids)
-                if n_out > len(item.resumed) + 2:  # its previous token came from the previous decode step (every
+                if seq.stalled_since is not None:  # its first token since it was preempted
+                    self.metrics.observe_itl(now - seq.stalled_since)
+                    seq.stalled_since = None
+                elif n_out > len(item.resumed) + 2:  # its previous token came from the previous decode step (every
                     # step runs them all)
                     self.metrics.observe_itl(now - self._last_decode_at)
                 if finish is not None:

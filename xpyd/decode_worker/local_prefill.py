@@ -8,6 +8,9 @@
                  first token of each prompt that ended sampled with its request's first random draw
                  -> [(seq, first token)] for the engine to emit; the prompts' blocks are cached
 
+A preempted request's recompute (its prompt and output so far, ``DecodeSeq.prefill_ids``) runs in the same
+chunks and passes; nothing is sampled from it, and it joins the batch when its last chunk is computed.
+
 A prompt longer than the step's budget runs over several steps, each between two decode steps of the running
 requests, so their inter-token latency grows by at most one ``chunk``-token forward pass.
 """
@@ -20,6 +23,7 @@ from dataclasses import replace
 from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq, PromptChunk
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.metrics import WorkerMetrics
+from xpyd.worker.preemption import outgrown
 from xpyd.worker.stepping import prefill_chunks, sample_first
 from xpyd.worker.work_item import WorkItem
 
@@ -39,6 +43,7 @@ class LocalPrefill:
         self._max_model_len = max_model_len
         self.prefilled = 0  # requests whose prompt was computed here (stats, metrics)
         self.tokens = 0  # prompt tokens computed here (their cached prefixes not counted)
+        self.recomputed = 0  # tokens preempted requests computed again (their cached prefixes not counted)
 
     def facts(self, seq: DecodeSeq) -> str | None:
         """Set ``seq``'s prompt facts from its own tokens and start its output; why not, if it cannot run
@@ -52,6 +57,8 @@ class LocalPrefill:
             return (f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{prompt_len + item.stop.max_tokens} tokens ({prompt_len} in the input, "
                     f"{item.stop.max_tokens} in the completion).")
+        if not self._kv_cache.fits(len(ids) + 1):
+            return outgrown(len(ids) + 1, self._kv_cache)
         hashes = self._kv_cache.hashes(ids, item.cache_salt)
         bs = self._kv_cache.block_size
         seq.prompt_ids, seq.prompt_len, seq.hashes = ids, len(ids), hashes
@@ -73,17 +80,22 @@ class LocalPrefill:
             return []
         t0 = time.monotonic()
         for c in chunks:
-            c.seq.payload.stamps.mark("scheduled", t0)
+            if not c.replay:
+                c.seq.payload.stamps.mark("scheduled", t0)
         rows = prefill_chunks(self._runner, chunks)
-        ended = [(c, rows[i]) for i, c in enumerate(chunks) if c.last]
+        ended = [(c, rows[i]) for i, c in enumerate(chunks) if c.last and not c.replay]
         firsts = sample_first(self._runner, ended) if ended else []
         now = time.monotonic()
         self._metrics.observe_step("prefill", now - t0, len(chunks))
-        self.tokens += sum(c.end - c.start for c in chunks)
+        self.tokens += sum(c.end - c.start for c in chunks if not c.replay)
+        self.recomputed += sum(c.end - c.start for c in chunks if c.replay)
         first_of = {id(c): t for (c, _), t in zip(ended, firsts)}
         done = []
         for c in chunks:
-            if c.last:
+            if c.last and c.replay:
+                sched.prefill_done(c)
+                self._kv_cache.prompt_done(c.seq.kv, len(c.seq.prefill_ids), c.seq.tail)
+            elif c.last:
                 token = first_of[id(c)]
                 sched.prefill_done(c, token)
                 self._kv_cache.prompt_done(c.seq.kv, c.seq.prompt_len, c.seq.tail)

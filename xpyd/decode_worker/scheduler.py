@@ -24,17 +24,32 @@ time, is ``overdue`` (its ``deadline``, set by the engine, has passed).
 A request the proxy sends here to be prefilled locally (``local``: a short or mostly cached prompt, see
 ``xpyd.api.local_prefill``) moves through its own queues::
 
-    waiting (local, oldest first) --(room in the batch and the pool: blocks for prompt + max_tokens, its
-    cached prefix reused)--> prefilling (its prompt computed here, ``plan_prefill``: at most ``budget`` prompt
-    tokens a step over all such requests, oldest first, so the running streams' steps stay short)
-    --(its last chunk computed: the first token sampled here)--> running
+    waiting (local, oldest first) --(room in the batch and the pool: blocks for its prompt and its first
+    decoded token, its cached prefix reused)--> prefilling (its prompt computed here, ``plan_prefill``: at
+    most ``budget`` prompt tokens a step over all such requests, oldest first, so the running streams' steps
+    stay short) --(its last chunk computed: the first token sampled here)--> running
 
 It never waits on a prefill worker, so it is never claimed, pulled or ``overdue``.
 
+Blocks are taken as requests grow, nothing is reserved for the output to come: before each decode step
+``reserve_decode`` gives every running request the blocks of that step, oldest first, and when the pool has
+none left it preempts the newest request holding blocks it can give back (running or prefilling; not one
+receiving KV: ``xpyd.worker.preemption``)::
+
+    running | prefilling --(preempted: its blocks freed, its full ones left in the prefix cache)--> preempted
+    (holds nothing; oldest first, ahead of every request that never ran: none is admitted while one waits)
+    --(room: blocks for what it recomputes and its next token)--> prefilling (its prompt and the output so
+    far but the last token computed here, ``prefill_ids``, in chunks like a local prompt, its cached prefix
+    skipped; nothing sampled: its output's state never left this worker) --(the last chunk)--> running
+
+A request preempted before its first token (a local prompt being computed) computes its prompt again and
+samples its first token as any local request does.
+
 Invariants: RUNNING + TRANSFERRING + PREFILLING <= batch_size; RUNNING <= batch_size; a
 request runs only after its KV arrived (or was computed here); every TRANSFERRING/PREFILLING/RUNNING request
-holds the blocks of its prompt (and of the tokens it generated) plus a reservation for the rest
-(prompt + max_tokens: it never waits for a block once admitted); a waiting request holds none.
+holds the blocks of its prompt (and of the tokens it generated; after ``reserve_decode``, of the next step's);
+a waiting or preempted request holds none; a preempted request that had its first token has the tokens to
+compute again (its prompt and output but the last).
 """
 
 from __future__ import annotations
@@ -42,11 +57,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from xpyd.worker.request import DECODE_TRANSITIONS, RequestState, check_transition, require
-from xpyd.worker.kv_cache import KVCache, RequestKV
+from xpyd.worker.kv_cache import BlockChain, KVCache, RequestKV
 from xpyd.worker.kv_connector import TransferHandle
+from xpyd.worker.preemption import Room, make_room
 
 S = RequestState
 
@@ -68,19 +84,29 @@ class DecodeSeq:
     error: str | None = None
     deadline: float = math.inf  # monotonic time by which prefill must be ready / the KV must have arrived
     prompt_len: int = 0  # prompt tokens (their KV comes from prefill): known once prefill says "ready"
-    final_len: int = 0  # prompt + max_tokens: the most tokens it can reach (its KV reservation)
+    final_len: int = 0  # prompt + max_tokens: the most tokens it can reach
     hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks (from prefill)
     tail: tuple[int, ...] = ()  # the prompt's tokens after its full blocks (from prefill)
     cached_tokens: int = 0  # prompt tokens prefill reused from its cache (reported in usage)
     prefill_steps: int | None = None  # not ready: the prefill worker's forward passes when it last said so
     local: bool = False  # its prompt is computed here (``plan_prefill``), not pulled from a prefill worker
     prompt_ids: Sequence[int] = ()  # local: the prompt's tokens (known, with its facts, when it is added)
-    computed: int = 0  # local: leading prompt tokens whose KV is in its blocks (its cached prefix, then chunks)
+    computed: int = 0  # prefilling: leading ``prefill_ids`` whose KV is in its blocks (its cached prefix, then chunks)
+    order: int = 0  # arrival order (set by the scheduler): the newest is preempted first
+    preemptions: int = 0  # times it gave its blocks back
+    recompute: Sequence[int] = ()  # preempted after its first token: its prompt and output but the last token
+    stalled_since: float | None = None  # preempted while it ran: when its last token came (the engine's)
 
     @property
     def needs_kv(self) -> bool:
         """False when prefill's first token is its last (max_tokens 1): nothing is decoded after it."""
         return self.final_len != self.prompt_len + 1
+
+    @property
+    def prefill_ids(self) -> Sequence[int]:
+        """What this worker computes before the request (re)joins the batch: a local prompt, or what a request
+        preempted after its first token recomputes."""
+        return self.recompute if self.ready else self.prompt_ids
 
     def set_state(self, new: RequestState) -> None:
         check_transition(DECODE_TRANSITIONS, self.request_id, self.state, new)
@@ -95,11 +121,17 @@ class PromptChunk:
     seq: DecodeSeq
     start: int
     end: int
+    replay: bool = False  # of a recompute (``DecodeSeq.recompute``): nothing is sampled from it
 
     @property
     def last(self) -> bool:
-        """Does it end the prompt (its logits give the first token)?"""
-        return self.end == self.seq.prompt_len
+        """Does it end what the request computes (a prompt's last: its logits give the first token)?"""
+        return self.end == (len(self.seq.recompute) if self.replay else self.seq.prompt_len)
+
+    @property
+    def ids(self) -> Sequence[int]:
+        """The tokens up to its end."""
+        return (self.seq.recompute if self.replay else self.seq.prompt_ids)[: self.end]
 
 
 @dataclass(slots=True)
@@ -111,6 +143,9 @@ class DecodeScheduler:
     _running: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
     _local: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)  # local requests waiting
     _prefilling: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)
+    _preempted: "OrderedDict[str, DecodeSeq]" = field(default_factory=OrderedDict)  # oldest first
+    _arrivals: int = 0
+    preemptions: int = 0  # requests preempted, ever
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -118,15 +153,20 @@ class DecodeScheduler:
 
     # --- queries -----------------------------------------------------------
     def get(self, request_id: str) -> DecodeSeq | None:
-        for q in (self._waiting, self._transferring, self._running, self._local, self._prefilling):
+        for q in self._queues():
             if request_id in q:
                 return q[request_id]
         return None
 
     @property
     def num_waiting(self) -> int:
-        """Requests holding no blocks yet: waiting on their prefill worker, or (local) for room."""
-        return len(self._waiting) + len(self._local)
+        """Requests holding no blocks: waiting on their prefill worker, or (local, preempted) for room."""
+        return len(self._waiting) + len(self._local) + len(self._preempted)
+
+    @property
+    def num_preempted(self) -> int:
+        """Preempted requests waiting to compute their KV again."""
+        return len(self._preempted)
 
     @property
     def num_prefilling(self) -> int:
@@ -147,6 +187,9 @@ class DecodeScheduler:
     def prefilling(self) -> list[DecodeSeq]:
         return list(self._prefilling.values())
 
+    def preempted(self) -> list[DecodeSeq]:
+        return list(self._preempted.values())
+
     def transferring(self) -> list[DecodeSeq]:
         return list(self._transferring.values())
 
@@ -159,7 +202,7 @@ class DecodeScheduler:
         return late + [s for s in self._transferring.values() if s.deadline <= now]
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._transferring or self._running or self._local or self._prefilling)
+        return any(self._queues())
 
     def _places_taken(self) -> int:
         return self.num_running + self.num_transferring + self.num_prefilling
@@ -171,6 +214,8 @@ class DecodeScheduler:
             raise ValueError(f"duplicate request id {seq.request_id}")
         if seq.local and not (seq.known and len(seq.prompt_ids) == seq.prompt_len >= 1):
             raise ValueError(f"local request {seq.request_id} without its prompt")
+        seq.order = self._arrivals
+        self._arrivals += 1
         (self._local if seq.local else self._waiting)[seq.request_id] = seq
 
     def mark_ready(self, request_id: str, first_token: int) -> DecodeSeq | None:
@@ -182,19 +227,18 @@ class DecodeScheduler:
 
     def schedule_transfers(self) -> list[DecodeSeq]:
         """Give KV blocks to requests whose prompt is known, oldest first, while the batch and the pool have
-        room (none to one that needs no KV).
+        room (none to one that needs no KV); none while a preempted request waits (it goes first).
 
         The caller then announces each receive to the KV connector and
         asks prefill to send (``set_recv_token``).
         """
         started = []
         for seq in list(self._waiting.values()):
-            if self._places_taken() >= self.batch_size:
+            if self._places_taken() >= self.batch_size or self._preempted:
                 break
             if not seq.known or not seq.needs_kv:
                 continue
-            kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
-                               reuse_tokens=seq.prompt_len)
+            kv = self.kv.admit(seq.hashes, seq.prompt_len, reuse_tokens=seq.prompt_len)
             if kv is None:
                 break  # the oldest waits for blocks rather than being overtaken
             seq.kv = kv
@@ -205,42 +249,55 @@ class DecodeScheduler:
         return started
 
     def plan_prefill(self, budget: int) -> list[PromptChunk]:
-        """This step's local prefill work: waiting local requests admitted (oldest first) while the batch and
-        the pool have room (blocks for prompt + max_tokens; the cached prefix reused, its last token always
-        computed: its logits give the first token), then chunks of the prefilling requests' prompts, oldest
-        first, at most ``budget`` tokens in all. Report each chunk back (``prefill_done``) before the next plan."""
+        """This step's prefill work on this worker: preempted requests, then waiting local ones, admitted
+        (oldest first) while the batch and the pool have room (blocks for ``prefill_ids`` and the first token
+        decoded after them; the cached prefix reused, its last token always computed: its logits give a
+        prompt's first token), then chunks of the prefilling requests' ``prefill_ids``, oldest first, at most
+        ``budget`` tokens in all. Report each chunk back (``prefill_done``) before the next plan."""
         if budget < 1:
             raise ValueError("a prefill step's budget is at least one token")
-        for seq in list(self._local.values()):
-            if self._places_taken() >= self.batch_size:
-                break
-            kv = self.kv.admit(seq.hashes, seq.prompt_len, max(seq.final_len, seq.prompt_len),
-                               reuse_tokens=seq.prompt_len - 1)
-            if kv is None:
-                break  # the oldest waits for blocks rather than being overtaken
-            seq.kv, seq.computed, seq.cached_tokens = kv, kv.cached_tokens, kv.cached_tokens
-            seq.set_state(S.PREFILLING)
-            del self._local[seq.request_id]
-            self._prefilling[seq.request_id] = seq
+        for queue in (self._preempted, self._local):
+            for seq in list(queue.values()):
+                if self._places_taken() >= self.batch_size or not self._admit_here(seq, queue):
+                    return self._chunks(budget)  # the oldest waits for blocks rather than being overtaken
+        return self._chunks(budget)
+
+    def _admit_here(self, seq: DecodeSeq, queue: "OrderedDict[str, DecodeSeq]") -> bool:
+        n = len(seq.prefill_ids)
+        kv = self.kv.admit(seq.hashes, n + 1, reuse_tokens=n - 1)
+        if kv is None:
+            return False
+        seq.kv, seq.computed = kv, kv.cached_tokens
+        if not seq.ready and not seq.preemptions:  # (usage reports the prompt tokens its first admission found)
+            seq.cached_tokens = kv.cached_tokens
+        seq.set_state(S.PREFILLING)
+        del queue[seq.request_id]
+        self._prefilling[seq.request_id] = seq
+        return True
+
+    def _chunks(self, budget: int) -> list[PromptChunk]:
         chunks = []
         for seq in self._prefilling.values():
             if budget == 0:
                 break
-            n = min(budget, seq.prompt_len - seq.computed)
-            chunks.append(PromptChunk(seq, seq.computed, seq.computed + n))
+            n = min(budget, len(seq.prefill_ids) - seq.computed)
+            chunks.append(PromptChunk(seq, seq.computed, seq.computed + n, replay=seq.ready))
             budget -= n
         return chunks
 
     def prefill_done(self, chunk: PromptChunk, first_token: int | None = None) -> None:
-        """``chunk`` is computed; the last of its prompt comes with the first token, and its request joins the
-        batch (the engine finishes it instead when that token ended it)."""
+        """``chunk`` is computed; the last of a prompt comes with the first token (the last of a recompute with
+        none), and its request joins the batch (the engine finishes it instead when that token ended it)."""
         seq = chunk.seq
         require(seq.state is S.PREFILLING and seq.computed == chunk.start, "not the chunk planned")
         seq.computed = chunk.end
         if not chunk.last:
             return
-        require(first_token is not None, "the last chunk comes with the first token")
-        seq.first_token, seq.ready, seq.landed = first_token, True, True
+        if chunk.replay:
+            require(first_token is None, "a recompute samples nothing")
+        else:
+            require(first_token is not None, "the last chunk comes with the first token")
+            seq.first_token, seq.ready, seq.landed = first_token, True, True
         seq.set_state(S.RUNNING)
         del self._prefilling[seq.request_id]
         self._running[seq.request_id] = seq
@@ -289,6 +346,16 @@ class DecodeScheduler:
                 joined.append(seq)
         return joined, failed_seqs
 
+    def reserve_decode(self, length: Callable[[DecodeSeq], int],
+                       context: Callable[[DecodeSeq], Sequence[int]]) -> Room[DecodeSeq]:
+        """Before a decode step: every running request (oldest first) gets the blocks of ``length(seq)`` tokens,
+        its KV after the step; when the pool has none left, the newest running or prefilling request is
+        preempted (``xpyd.worker.preemption``). ``context(seq)``: a running request's prompt and output but its
+        last token, what it computes again when it re-enters. A request longer than the whole pool fails."""
+        return make_room(self.kv, list(self._running.values()), length,
+                         lambda: (*self._running.values(), *self._prefilling.values()),
+                         lambda seq: self._preempt(seq, context), self.fail)
+
     def finish(self, seq: DecodeSeq) -> None:
         self._end(seq, S.FINISHED)
 
@@ -304,9 +371,35 @@ class DecodeScheduler:
         return seq
 
     # --- internals ---------------------------------------------------------
+    def _queues(self) -> tuple["OrderedDict[str, DecodeSeq]", ...]:
+        return (self._waiting, self._transferring, self._running, self._local, self._prefilling, self._preempted)
+
+    def _preempt(self, seq: DecodeSeq, context: Callable[[DecodeSeq], Sequence[int]]) -> None:
+        """Free ``seq``'s blocks (its full ones stay cached under the hashes its KV named) and queue it, oldest
+        first, to compute its KV again."""
+        if seq.state is S.RUNNING:
+            seq.recompute = context(seq)
+            require(len(seq.recompute) >= seq.prompt_len, "a preempted request's context is shorter than its prompt")
+        kv = seq.kv
+        if seq.ready:  # (its chain so far: the prompt's and every full block of its output)
+            seq.hashes = BlockChain(kv.hashes, kv.root) if kv.root is not None else list(kv.hashes)
+            seq.tail = tuple(seq.recompute[len(seq.hashes) * self.kv.block_size:])
+        seq.set_state(S.PREEMPTED)
+        self._running.pop(seq.request_id, None)
+        self._prefilling.pop(seq.request_id, None)
+        self.kv.free(kv)
+        seq.kv, seq.computed = None, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        older = [s for s in self._preempted.values() if s.order < seq.order]
+        newer = [s for s in self._preempted.values() if s.order > seq.order]
+        self._preempted.clear()
+        for s in (*older, seq, *newer):
+            self._preempted[s.request_id] = s
+
     def _end(self, seq: DecodeSeq, state: RequestState) -> None:
         seq.set_state(state)
-        for q in (self._waiting, self._transferring, self._running, self._local, self._prefilling):
+        for q in self._queues():
             q.pop(seq.request_id, None)
         if seq.kv is not None:
             self.kv.free(seq.kv)
@@ -323,11 +416,19 @@ class DecodeScheduler:
         for seq in self._transferring.values():
             require(seq.state is S.TRANSFERRING and self._holds_prompt(seq), "bad transferring seq")
         for seq in self._prefilling.values():
-            require(seq.state is S.PREFILLING and seq.local and self._holds_prompt(seq), "bad prefilling seq")
-            require(seq.kv.cached_tokens <= seq.computed < seq.prompt_len, "bad prefill progress")
+            require(seq.state is S.PREFILLING and (seq.local or seq.ready) and self._holds_prompt(seq),
+                    "bad prefilling seq")
+            require(seq.kv.cached_tokens <= seq.computed < len(seq.prefill_ids), "bad prefill progress")
+            require(len(seq.kv.blocks) >= self.kv.blocks_for(len(seq.prefill_ids) + 1), "no block for its next token")
         for seq in (*self._waiting.values(), *self._local.values()):
             require(seq.state is S.WAITING and seq.kv is None, "bad waiting seq")
             require(seq.local == (seq.request_id in self._local), "a local request in the wrong queue")
+        orders = [s.order for s in self._preempted.values()]
+        require(orders == sorted(orders), "the preempted queue is not oldest first")
+        for seq in self._preempted.values():
+            require(seq.state is S.PREEMPTED and seq.kv is None and seq.preemptions > 0, "bad preempted seq")
+            require(seq.local or seq.ready, "a preempted request that can compute nothing here")
+            require(not seq.ready or len(seq.recompute) >= seq.prompt_len, "a preempted request without its context")
 
     def _holds_prompt(self, seq: DecodeSeq) -> bool:
         return seq.kv is not None and len(seq.kv.blocks) >= self.kv.blocks_for(seq.prompt_len)

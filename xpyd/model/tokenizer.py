@@ -57,24 +57,6 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: str | list[int], add_spe
     return ids
 
 
-def prompt_length_unrendered(tok: PreTrainedTokenizerBase, prompt: str | list[int] | None,
-                             messages: list[dict] | None, own_template: bool = False) -> int | None:
-    """Every check of a prompt that needs no tokenizing or chat template: a token-id list in full (its
-    length is then known and returned), a text prompt's emptiness, the messages' structure. None: the
-    length is only known after tokenizing (a decode worker learns it from prefill)."""
-    if messages is not None:
-        if not getattr(tok, "chat_template", None) and not own_template:
-            raise ValueError("this model's tokenizer has no chat template; use a text completion instead")
-        for i, m in enumerate(_check_list(messages)):
-            _check_message(i, m)
-        return None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty")
-        return None
-    return len(encode_prompt(tok, prompt if prompt is not None else ""))
-
-
 def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], add_special_tokens: bool = False,
                 template_args: dict | None = None) -> list[int]:
     """Chat messages -> prompt ids through the model's chat template; the rendered text is tokenized without

@@ -28,8 +28,10 @@ row goes first (oldest first among those), so a long prompt is never starved by 
 Invariants: RUNNING + TRANSFERRING <= batch_size; unchunked, at most one request RUNNING; every
 RUNNING/TRANSFERRING request holds the KV blocks of its whole prompt (its cached prefix shared with other
 requests, the rest its own); a waiting request holds none. A request starts only when the pool has the
-blocks it still needs (`KVCache.admit`); an aged request that cannot get them holds back every waiting
-request behind it rather than being overtaken.
+blocks of its whole prompt (`KVCache.admit`), and never takes another: its later chunks write into blocks it
+already holds, so the pool cannot run out in the middle of a prompt and nothing is ever preempted here (a
+request that finds no blocks waits in the queue until held KV is pulled, released or expires); an aged
+request that cannot get them holds back every waiting request behind it rather than being overtaken.
 
 Admission per decode worker (``admission``): KV waits here for the decode worker named in the request id.
 Places go only to decode workers with requests waiting or held here, however many others are live: one
@@ -124,6 +126,11 @@ class Chunk:
     def last(self) -> bool:
         """Does it end the prompt (its logits give the first token)?"""
         return self.end == self.seq.prompt_len
+
+    @property
+    def ids(self) -> list[int]:
+        """The prompt's tokens up to its end."""
+        return self.seq.prompt_ids[: self.end]
 
 
 AGE_STEPS = 8  # steps a runnable request may go without a token before it goes first
@@ -350,7 +357,7 @@ class PrefillScheduler:
         """Give ``seq`` the KV blocks of its whole prompt (its cached prefix shared): True if it starts."""
         n = seq.prompt_len
         # (the last token is computed: its logits; all of them when the prompt is scored)
-        kv = self.kv.admit(seq.hashes, n, n, reuse_tokens=n - 1 if seq.reuse else 0)
+        kv = self.kv.admit(seq.hashes, n, reuse_tokens=n - 1 if seq.reuse else 0)
         if kv is None:
             return False  # not enough free KV blocks yet: it runs when requests release theirs
         self._waiting.remove(seq)

@@ -1,11 +1,10 @@
-"""The worker's paged KV cache as the schedulers see it: the blocks each request holds, prefix reuse,
-and reservations.
+"""The worker's paged KV cache as the schedulers see it: the blocks each request holds and prefix reuse.
 
-A request is admitted with the blocks it needs now (cached prefix blocks reused, the rest allocated)
-and a *reservation* for the blocks it may still grow into (prompt + max_tokens): admission never
-promises memory the pool cannot give, so a running request never waits for a block and nothing is
-preempted. Reserved blocks are a count, not particular blocks: until a request grows into them they
-keep holding cached prefixes of finished requests.
+A request is admitted with the blocks it needs now (cached prefix blocks reused, the rest allocated) and
+takes more as it grows (``grow``), one block at a time: nothing is reserved for the output it may still
+generate, so the pool runs as many requests as their tokens so far fit in. When a running request needs a
+block and none is free, its scheduler preempts a request (``xpyd.worker.preemption``); ``can_grow`` says
+whether it must, ``fits`` whether a request could ever run here at all.
 
 Prefix reuse: a full block is named by a hash chained over the tokens so far (`prefix_hash`); a
 request's leading full blocks that the cache holds are shared (reference-counted), not computed or
@@ -49,7 +48,6 @@ class RequestKV:
     blocks: list[int]
     hashes: list[int]  # chain hashes of the request's full blocks known so far (prompt, then generated)
     cached_tokens: int  # leading tokens found in the cache (not computed / not moved)
-    reserved: int  # blocks it may still grow into
     committed: int = 0  # leading blocks whose hashes are recorded in the cache (or skipped as duplicates)
     tail: list[int] = field(default_factory=list)  # tokens after the last hashed block (decode's chain)
     root: int | None = None  # h_-1 of its chain (the seed salted with its cache_salt); None: the cache's seed
@@ -62,7 +60,6 @@ class KVCache:
         self.block_size = block_size
         self.seed = seed
         self.key = key  # the deployment's block-hash key (prefix_hash.hash_key); b"": unkeyed
-        self.reserved = 0  # blocks promised to admitted requests and not yet allocated
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # ... and found there
         self.tables = BlockTables(allocator.num_blocks)  # the decoding requests' blocks (``table_row``)
@@ -85,21 +82,19 @@ class KVCache:
         """``hashes`` (named by another worker) as the chain of a request with ``cache_salt`` = ``salt``."""
         return BlockChain(hashes, salted_seed(self.seed, salt, self.key))
 
-    def can_admit(self, blocks: int) -> bool:
-        """Could a request needing ``blocks`` in all (now and later) be admitted, ignoring cache hits?"""
-        return self.allocator.num_free - self.reserved >= blocks
+    def fits(self, num_tokens: int) -> bool:
+        """Could a request of ``num_tokens`` tokens run here at all (with the whole pool to itself)?"""
+        return self.blocks_for(num_tokens) <= self.allocator.num_blocks
 
-    def admit(self, hashes: Sequence[int], num_tokens: int, final_tokens: int, reuse_tokens: int) -> RequestKV | None:
-        """Blocks for a request of ``num_tokens`` tokens now, growing to ``final_tokens``: the cached blocks
-        of its longest cached prefix (at most ``reuse_tokens`` tokens of it, whole blocks), new blocks for
-        the rest, and a reservation for the growth. None (nothing changed) when that does not fit."""
-        if final_tokens < num_tokens:
-            raise ValueError(f"a request cannot end ({final_tokens} tokens) before it starts ({num_tokens})")
+    def admit(self, hashes: Sequence[int], num_tokens: int, reuse_tokens: int) -> RequestKV | None:
+        """Blocks for a request of ``num_tokens`` tokens: the cached blocks of its longest cached prefix (at most
+        ``reuse_tokens`` tokens of it, whole blocks) and new blocks for the rest. None (nothing changed) when
+        they do not fit."""
         alloc = self.allocator
         hits = alloc.match(hashes[: max(0, reuse_tokens) // self.block_size]) if self.caching else []
-        now, total = self.blocks_for(num_tokens), self.blocks_for(final_tokens)
+        now = self.blocks_for(num_tokens)
         taken_from_free = sum(1 for b in hits if alloc.ref(b) == 0)  # acquiring them takes them off the free list
-        if alloc.num_free - self.reserved < taken_from_free + (total - len(hits)):
+        if alloc.num_free < taken_from_free + (now - len(hits)):
             return None
         alloc.acquire(hits)
         try:
@@ -107,14 +102,17 @@ class KVCache:
         except PoolFull:  # (cannot happen after the check above; keep the pool consistent if it does)
             alloc.release(hits)
             return None
-        self.reserved += total - now
         self.query_tokens += num_tokens if self.caching else 0
         self.hit_tokens += len(hits) * self.block_size
-        return RequestKV(hits + fresh, list(hashes), len(hits) * self.block_size, total - now, committed=len(hits),
+        return RequestKV(hits + fresh, list(hashes), len(hits) * self.block_size, committed=len(hits),
                          root=hashes.root if isinstance(hashes, BlockChain) else None)
 
+    def can_grow(self, kv: RequestKV, num_tokens: int) -> bool:
+        """Are there free (or evictable) blocks for ``kv`` to hold ``num_tokens`` tokens?"""
+        return self.blocks_for(num_tokens) - len(kv.blocks) <= self.allocator.num_free
+
     def grow(self, kv: RequestKV, num_tokens: int) -> None:
-        """Make ``kv`` hold ``num_tokens`` tokens, from its reservation (beyond it only if blocks are free)."""
+        """Make ``kv`` hold ``num_tokens`` tokens (PoolFull, and nothing taken, when the blocks are not free)."""
         extra = self.blocks_for(num_tokens) - len(kv.blocks)
         if extra <= 0:
             return
@@ -122,9 +120,6 @@ class KVCache:
         kv.blocks.extend(fresh)
         if kv.row is not None:
             self.tables.extend(kv.row, fresh)
-        from_reservation = min(extra, kv.reserved)
-        kv.reserved -= from_reservation
-        self.reserved -= from_reservation
 
     def table_row(self, kv: RequestKV) -> int:
         """``kv``'s row of ``tables`` (opened with its blocks the first time), kept up to date by ``grow``."""
@@ -164,17 +159,15 @@ class KVCache:
             self.cache_blocks(kv, len(kv.hashes) * self.block_size)
 
     def free(self, kv: RequestKV) -> None:
-        """The request ended: drop its references (cached blocks stay for reuse) and its reservation."""
+        """The request ended or was preempted: drop its references (cached blocks stay for reuse)."""
         self.allocator.release(kv.blocks)
         kv.blocks = []
         if kv.row is not None:
             self.tables.close(kv.row)
             kv.row = None
-        self.reserved -= kv.reserved
-        kv.reserved = 0
 
     def stats(self) -> dict:
         a = self.allocator
         return {"blocks_total": a.num_blocks, "blocks_used": a.num_referenced, "blocks_cached": a.num_cached,
-                "blocks_free": a.num_free, "blocks_evictable": a.num_evictable, "blocks_reserved": self.reserved,
+                "blocks_free": a.num_free, "blocks_evictable": a.num_evictable,
                 "prefix_query_tokens": self.query_tokens, "prefix_hit_tokens": self.hit_tokens}

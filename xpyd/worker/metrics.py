@@ -35,6 +35,9 @@ xpyd_kv_blocks                             gauge      state=used|cached|free: KV
 xpyd_prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
 xpyd_prefix_cache_hits_total               counter    ... and found there (not computed / not moved)
 xpyd_kv_reuse_saved_bytes_total            counter    decode: KV bytes not transferred (prefix blocks held)
+xpyd_preemptions_total                     counter    decode, colocated: requests that gave their KV blocks back
+                                                      for an older request to grow, and compute them again
+                                                      (``xpyd.worker.preemption``)
 xpyd_signal_messages_total                 counter    direction=sent|received, kind (the message's tag:
                                                       heartbeat, lookup_all...; ``xpyd.signal.counts``)
 xpyd_etcd_operations_total                 counter    op (lease_refresh, watch_event...;
@@ -162,6 +165,9 @@ class WorkerMetrics:
         self._saved = Counter("xpyd_kv_reuse_saved_bytes", "KV bytes not transferred because this worker's prefix "
                               "cache held them", ("role",), registry=r).labels(role)
         self._counted = (0, 0)  # prefix-cache queries and hits already counted
+        self._preemptions = Counter("xpyd_preemptions", "Requests preempted: their KV blocks given back for an "
+                                    "older request to grow, computed again when they re-enter", ("role",),
+                                    registry=r).labels(role)
         self._local_prefills = Counter("xpyd_local_prefills", "Requests whose prompt a decode worker computed "
                                        "itself (the proxy's conditional disaggregation)", ("role",),
                                        registry=r).labels(role)
@@ -198,6 +204,11 @@ class WorkerMetrics:
     def local_prefilled(self) -> None:
         """A decode worker computed a request's prompt itself (``xpyd.decode_worker.local_prefill``)."""
         self._local_prefills.inc()
+
+    def preempted(self) -> None:
+        """A request gave its KV blocks back, to compute them again (``xpyd.worker.preemption``)."""
+        self._preemptions.inc()
+        self.vllm.preemptions.inc()
 
     def kv_reused(self, nbytes: int) -> None:
         self._saved.inc(nbytes)

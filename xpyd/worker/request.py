@@ -1,4 +1,10 @@
-"""Request states shared by both schedulers, with an explicit transition table."""
+"""Request states shared by the schedulers, with an explicit transition table per role.
+
+PREEMPTED (decode and colocated): a request that held blocks gave them all back because a running request needed
+a block and none was free (``xpyd.worker.preemption``); it holds nothing, waits ahead of every request that never
+ran, and re-enters by computing its KV again on this worker (its prompt, and the output generated so far: the
+output's state stays in memory, so it continues exactly where it stopped).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ class RequestState(str, Enum):
     RUNNING = "running"  # prefill forward (prefill) / in the decode batch (decode)
     TRANSFERRING = "transferring"  # KV held for / being sent to decode (prefill); being received (decode)
     PREFILLING = "prefilling"  # decode: its prompt computed on this worker, in chunks between decode steps
+    PREEMPTED = "preempted"  # decode, colocated: its blocks given back; waits to compute its KV again here
     FINISHED = "finished"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -30,8 +37,10 @@ PREFILL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 DECODE_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.WAITING: frozenset({S.TRANSFERRING, S.PREFILLING, S.FINISHED, S.FAILED, S.ABORTED}),
     S.TRANSFERRING: frozenset({S.RUNNING, S.FINISHED, S.FAILED, S.ABORTED}),  # (finished: by its first token)
-    S.PREFILLING: frozenset({S.RUNNING, S.FINISHED, S.FAILED, S.ABORTED}),  # (a local prefill: ``DecodeScheduler``)
-    S.RUNNING: frozenset({S.FINISHED, S.FAILED, S.ABORTED}),
+    # (a local prefill or a recompute: ``DecodeScheduler``)
+    S.PREFILLING: frozenset({S.RUNNING, S.PREEMPTED, S.FINISHED, S.FAILED, S.ABORTED}),
+    S.RUNNING: frozenset({S.PREEMPTED, S.FINISHED, S.FAILED, S.ABORTED}),
+    S.PREEMPTED: frozenset({S.PREFILLING, S.FAILED, S.ABORTED}),
 }
 
 

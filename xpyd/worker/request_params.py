@@ -17,7 +17,7 @@ from xpyd.api.resume import RESUME_KEY
 from xpyd.model.loader import GenerationDefaults
 from xpyd.model.output import StopParams
 from xpyd.model.sampling_params import SamplingParams
-from xpyd.model.tokenizer import encode_chat, encode_prompt, prompt_length_unrendered
+from xpyd.model.tokenizer import encode_chat, encode_prompt
 from xpyd.signal.request_id import RequestId
 from xpyd.worker.config import WorkerConfig
 from xpyd.worker.work_item import OutputSink, WorkItem
@@ -75,23 +75,20 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
     """Validate and tokenize; raise APIError (4xx) for anything the client got wrong.
 
     Prefill, which has the same request, tokenizes and checks it, and its "ready" carries the prompt's length
-    and block hashes (the decode engine finishes the length checks then). A decode worker with its prefix
-    cache on tokenizes too: it caches the KV it pulls only under block hashes it computed itself, and refuses
-    a prompt that prefill names otherwise (``DecodeEngine._prompt_facts``); with its cache off it does not,
-    unless a repetition penalty reads the prompt's tokens. ``defaults``: the model's generation_config."""
+    and block hashes (the decode engine finishes the length checks then). A decode worker tokenizes too: a
+    request it preempts computes its prompt again here (``xpyd.worker.preemption``), and it caches the KV it
+    pulls only under block hashes it computed itself, refusing a prompt that prefill names otherwise
+    (``DecodeEngine._prompt_facts``). ``defaults``: the model's generation_config."""
     served = engine.info.model_id
     if req.model is not None and req.model != served:
         raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     sampling = sampling_params(req, defaults, engine.eos_token_ids, len(engine.tokenizer))
     decode = config.role == "decode"
     limit = engine.max_model_len
-    # (decode reads the prompt's tokens for a repetition penalty, and for echoed logprobs' text offsets)
     kvp = req.kv_transfer_params or {}
-    local = decode and _local_prefill(kvp)  # (a decode worker that prefills the request itself reads its prompt)
-    tokenized = (not decode or local or config.prefix_cache or sampling.needs_prompt
-                 or (req.echo and req.logprobs is not None))
-    ids = _tokenize(engine.tokenizer, req, limit) if tokenized else []
-    n = len(ids) if ids else (_untokenized_length(engine.tokenizer, req, limit) or 1)  # (decode: at least one)
+    local = decode and _local_prefill(kvp)  # (a decode worker that prefills the request itself)
+    ids = _tokenize(engine.tokenizer, req, limit)
+    n = len(ids)
     resumed = _resumed(kvp, len(engine.tokenizer), limit)
     max_tokens = kvp["max_tokens"] if "max_tokens" in kvp else req.max_tokens
     least = 0 if req.echo and not decode else 1  # (0: the prompt alone, never a decode worker's part)
@@ -113,7 +110,7 @@ def build_work_item(engine: Any, config: WorkerConfig, req: CompletionRequest, r
         raise APIError(400, f"{RESUME_KEY} must be shorter than max_tokens ({max_tokens}) and comes without echo "
                        "or prompt_logprobs", param="kv_transfer_params")
     stop = stop_params(req, max(1, max_tokens), engine.eos_token_ids)
-    return WorkItem(request_id=rid, prompt_ids=ids + list(resumed) if ids else ids, sampling=sampling, stop=stop,
+    return WorkItem(request_id=rid, prompt_ids=ids + list(resumed), sampling=sampling, stop=stop,
                     sink=sink, open_ended=open_ended, cache_salt=req.cache_salt, logprobs=req.logprobs,
                     prompt_scores=None if decode else req.prompt_scores, prompt_only=prompt_only,
                     grammar=_matcher(engine, req), resumed=resumed, local_prefill=local)
@@ -159,17 +156,6 @@ def _truncated(n: int, req: CompletionRequest, limit: int) -> int:
     ``truncation_side`` right its first)."""
     k = req.truncate_prompt_tokens
     return n if k is None else min(n, limit if k == -1 else k)
-
-
-def _untokenized_length(tokenizer, req: CompletionRequest, limit: int) -> int | None:
-    """Decode's checks of the prompt (all but tokenizing): its length when that needs no tokenizer."""
-    chat = req.kind is RequestKind.CHAT
-    try:
-        n = prompt_length_unrendered(tokenizer, None if chat else req.prompt, (req.messages or []) if chat else None,
-                                     own_template=req.chat.template is not None)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-    return None if n is None else _truncated(n, req, limit)
 
 
 def _tokenize(tokenizer, req: CompletionRequest, limit: int) -> list[int]:

@@ -15,6 +15,11 @@ the runner's raw scores, as vLLM's default) set on the item for its next event; 
 ``seq`` objects are the schedulers' (prefill, decode, colocated): each has ``kv`` (its
 ``RequestKV``: blocks in token order, the cached prefix), a ``prompt_len`` (prefill: its
 ``prompt_ids``) and a ``payload`` WorkItem whose output processor holds the tokens generated so far.
+
+A preempted request (``xpyd.worker.preemption``) re-enters by computing again the KV of its prompt and its output
+but the last token (``context_ids``: ``recompute``, or a decode worker's prompt chunks), sampling nothing: its
+output (text, stop strings, penalties' history, grammar, the random state of its draws) stayed in its WorkItem,
+so its next decode step feeds its last token and samples the token it would have sampled without preemption.
 """
 
 from __future__ import annotations
@@ -76,12 +81,35 @@ def prefill_and_sample(runner: Any, seq: Any) -> int | None:
 
 
 def prefill_chunks(runner: Any, chunks: Sequence[Any]) -> Any:
-    """One forward pass over prompt chunks (each has ``seq``, ``start``, ``end``: the tokens [start, end) of
-    ``seq``'s prompt, after the KV of [0, start) already in its blocks); float32 logits [chunks, vocab],
-    one row per chunk (of its last token). Chunks whose request scores its prompt are scored on the way."""
+    """One forward pass over prompt chunks (each has ``seq``, ``start``, ``end`` and ``ids``: the tokens [start,
+    end) of ``seq``'s prompt, ``ids`` those up to ``end``, after the KV of [0, start) already in its blocks);
+    float32 logits [chunks, vocab], one row per chunk (of its last token). Chunks whose request scores its
+    prompt are scored on the way."""
     items = [c.seq.payload for c in chunks]
-    return _prefill(runner, [(c.seq.kv.blocks, c.seq.prompt_ids[: c.end], c.start) for c in chunks],
+    return _prefill(runner, [(c.seq.kv.blocks, c.ids, c.start) for c in chunks],
                     [_prompt_spec(i, c.seq.prompt_ids, c.start, c.end) for i, c in zip(items, chunks)], items)
+
+
+def recompute(runner: Any, seq: Any, ids: Sequence[int]) -> None:
+    """Compute the KV of a preempted ``seq``'s ``ids`` (its ``context_ids``) after its cached prefix, in one
+    forward pass; nothing is sampled or scored."""
+    runner.prefill_many([(seq.kv.blocks, ids, seq.kv.cached_tokens)])
+
+
+def context_len(seq: Any) -> int:
+    """The tokens whose KV ``seq`` holds after its next decode step: its prompt (a resumed output's included)
+    and every token generated since (the last one's KV is written by that step)."""
+    item: WorkItem = seq.payload
+    return seq.prompt_len + len(item.output.token_ids) - len(item.resumed)
+
+
+def context_ids(seq: Any) -> list[int]:
+    """The tokens whose KV ``seq`` holds now, between decode steps: its prompt and the tokens generated since,
+    but the last (which its next decode step feeds). ValueError when the worker lacks the prompt's tokens."""
+    item: WorkItem = seq.payload
+    if len(item.prompt_ids) != seq.prompt_len:
+        raise ValueError(f"the worker has {len(item.prompt_ids)} of the prompt's {seq.prompt_len} tokens")
+    return [*item.prompt_ids, *item.output.token_ids[len(item.resumed):-1]]
 
 
 def sample_first(runner: Any, rows: Sequence[tuple[Any, Any]]) -> list[int | None]:
@@ -98,7 +126,7 @@ def decode_and_sample(runner: Any, cache: KVCache, seqs: Sequence[Any]) -> list[
     rows, tokens, positions = [], [], []
     for seq in seqs:
         ids = seq.payload.output.token_ids
-        position = seq.prompt_len + len(ids) - len(seq.payload.resumed) - 1  # (a resumed output: in the prompt)
+        position = context_len(seq) - 1  # (a resumed output: in the prompt)
         cache.grow(seq.kv, position + 1)
         rows.append(cache.table_row(seq.kv))
         tokens.append(ids[-1])

@@ -26,6 +26,7 @@ vllm:request_prompt_tokens,                one per request counted in request_su
   vllm:request_generation_tokens           length; all its generated tokens, token 1 included)
 vllm:request_queue_time_seconds            handed to the engine -> its first forward pass | none | the same
 vllm:request_prefill_time_seconds          that pass started -> first token sampled | none | the same
+vllm:num_preemptions_total                 none (prefill never preempts) | requests preempted | the same
 =========================================  ==========================================================
 
 Tokens and request ends are read from the events an engine puts on a request's ``OutputSink`` (``MeteredSink``,
@@ -112,6 +113,7 @@ class VLLMMetrics:
                                     "phase for request.", REQUEST_LATENCY_BUCKETS)
         self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL "
                                       "phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
 

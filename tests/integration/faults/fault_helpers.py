@@ -58,7 +58,7 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = stats(url)
-        idle = (s["requests_held"] == 0 and s["blocks_used"] == s["blocks_reserved"] == 0 and s["kv_used_bytes"] == 0
+        idle = (s["requests_held"] == 0 and s["blocks_used"] == 0 and s["kv_used_bytes"] == 0
                 and s["transfers_in_flight"] == 0)
         if idle or time.monotonic() > deadline:
             assert idle, s
