@@ -43,6 +43,8 @@ def test_a_killed_decode_worker_is_restarted_while_the_others_keep_serving(tiny_
         load = Load(up.url)
         try:
             _wait(lambda: sum(1 for r in load.results if r.outcome == "ok") >= CLIENTS, 60, "streams flowing")
+            # (killed while it runs streams: on a loaded machine its streams could all have ended at the kill)
+            _wait(lambda: _json(victim_url + "/xpyd/stats")["running"] > 0, 60, "streams on the victim")
             os.kill(victim_pid, signal.SIGKILL)
             t_kill = time.monotonic()
             time.sleep(FAULT_BOUND + 0.5)  # the window the affected requests must end in
