@@ -129,7 +129,7 @@ def main() -> None:
         kvs = []
         for p in prompts:
             scattered(0)
-            kvs.append(cache.admit([], len(p), min(max_len, len(p) + args.steps * len(modes) + 16), 0))
+            kvs.append(cache.admit([], len(p), 0))  # (its steps grow it: the pool holds the batch at full length)
             if not args.skip_prefill:
                 runner.prefill(kvs[-1].blocks, p)
         pos = [len(p) for p in prompts]
