@@ -11,7 +11,7 @@ from tests.unit.fake_signal import FakeSignal
 from xpyd.model.sampling import TorchSampler
 from xpyd.decode_worker import engine as engine_module
 from xpyd.decode_worker.engine import DecodeEngine
-from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.model.output import FinishReason, StopParams
 from xpyd.signal import messages as m

@@ -18,7 +18,8 @@ import pytest
 
 from tests.unit.kv_fixtures import BLOCK, kv_cache
 from xpyd.colocated_worker.scheduler import ColocatedScheduler, ColocatedSeq
-from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.decode_worker.scheduler import DecodeScheduler
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.request import IllegalTransition, RequestState
 

@@ -14,7 +14,7 @@ from tests.unit.kv_fixtures import next_prefill
 from xpyd import TRANSFER_SECRET_BYTES
 from xpyd.model.sampling import TorchSampler
 from xpyd.decode_worker.engine import DecodeEngine
-from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq

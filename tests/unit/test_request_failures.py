@@ -15,7 +15,7 @@ from xpyd.model.sampling import TorchSampler
 from xpyd.colocated_worker.engine import ColocatedEngine
 from xpyd.colocated_worker.scheduler import ColocatedSeq
 from xpyd.decode_worker.engine import DecodeEngine
-from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.model.kv_pool import KVLayout, KVPool
 from xpyd.prefill_worker.engine import PrefillEngine
 from xpyd.prefill_worker.scheduler import PrefillSeq

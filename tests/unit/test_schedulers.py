@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.decode_worker.scheduler import DecodeScheduler
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.worker.request import IllegalTransition, RequestState
 from tests.unit.kv_fixtures import kv_cache, next_prefill
 from xpyd.prefill_worker.scheduler import PrefillScheduler, PrefillSeq

@@ -14,7 +14,7 @@ from tests.unit.fake_signal import FakeSignal
 from tests.unit.kv_fixtures import next_prefill
 from xpyd.model.sampling import TorchSampler
 from xpyd.decode_worker.engine import DecodeEngine
-from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.worker.config import WorkerConfig
 from xpyd.model.kv_pool import KVLayout, KVPool
 import os

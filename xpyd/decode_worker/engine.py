@@ -49,7 +49,8 @@ from xpyd.decode_worker.local_prefill import LocalPrefill
 from xpyd.decode_worker.lookups import Lookups
 from xpyd.decode_worker.prompt_facts import prompt_hashes
 from xpyd.decode_worker.receives import Receives
-from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.decode_worker.scheduler import DecodeScheduler
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.model.sampling_params import GREEDY_BELOW
 from xpyd.worker.config import WorkerConfig

@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq, PromptChunk
+from xpyd.decode_worker.scheduler import DecodeScheduler
+from xpyd.decode_worker.seq import DecodeSeq, PromptChunk
 from xpyd.worker.kv_cache import KVCache
 from xpyd.worker.metrics import WorkerMetrics
 from xpyd.worker.preemption import outgrown

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from xpyd.decode_worker.scheduler import DecodeScheduler, DecodeSeq
+from xpyd.decode_worker.scheduler import DecodeScheduler
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, PrefillPeer, SignalClient
 

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from typing import Sequence
 
-from xpyd.decode_worker.scheduler import DecodeSeq
+from xpyd.decode_worker.seq import DecodeSeq
 from xpyd.worker.kv_connector import KVReceiver, PullOrder
 from xpyd.worker.metrics import WorkerMetrics
 
