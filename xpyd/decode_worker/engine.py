@@ -340,7 +340,7 @@ class DecodeEngine(WorkerEngine):
 
     def _prompt_facts(self, seq: DecodeSeq, addr: str, r: m.LookupResult) -> bool:
         """The prompt's length, block hashes and tail from prefill (checked), and what follows from them:
-        the request's KV reservation, its output. False (and the request failed) when they do not add up."""
+        the request's length limits, its output. False (and the request failed) when they do not add up."""
         item: WorkItem = seq.payload
         hashes = prompt_hashes(r, addr, item.prompt_ids, item.cache_salt, self.kv_cache)  # (checked: ``prompt_facts``)
         if isinstance(hashes, str):
