@@ -4,7 +4,9 @@ For each family, on every path that covers it (the lean forward and the general 
 computed in chunks, of its tokens decoded one by one, and of a second request prefilled after the first one's
 blocks (a prefix cache hit) are within float32 error of transformers' float64 forward; and greedy decoding of
 two requests that share a prefix, batched, prompts computed in chunks, gives transformers' ``generate`` tokens.
-Then what is refused at start, and why.
+The sliding-window families (gemma2, gemma3: local and global layers) also: chunks that end inside and past
+the window, a request growing from shorter than the window to far past it, and a batch of requests at
+different distances from their windows' edges. Then what is refused at start, and why.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.families import FAMILIES, float64_copy, save_tiny
+from tests.families import FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
 from tests.integration.test_model_runner import (assert_exact_greedy, assert_no_block_held, decode, exact_logits,
                                                  hf_generate, new_seq, prefill_chunked, release)
 from tests.numerics import Reference
@@ -22,7 +24,8 @@ VOCAB = 500
 BLOCK = 5  # odd: blocks end part-way through chunks and prompts
 CHUNK = 8
 # What covers each family: the lean forward (and the general path next to it) or the general path alone.
-LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True}
+LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True,
+        "gemma2": False, "gemma3": False}
 
 torch.set_num_threads(1)
 
@@ -56,7 +59,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",))
+@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",) + SLIDING_FAMILIES)
 def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(made, family):
     runner, hf, hf64, _ = made(family)
     assert runner.fast_path_active == LEAN[family], runner.fast_path_reason
@@ -72,14 +75,14 @@ def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(mad
             a.out[-1] = prompt[pos]  # teacher-forced: the prompt's next token
             decode(runner, [a])
             at(pos).check(a.logits[-1], f"{path}: a's step at {pos}")
-        b = new_seq(runner.pool, prompt[:47], seed=2, prefix=a.table[:6])  # a's first 30 tokens, cached
+        b = new_seq(runner.pool, prompt[:47], seed=2, prefix=a.table[:6])  # a's first 30 tokens (> a window), cached
         prefill_chunked(runner, b, CHUNK)
         at(46).check(b.logits[0], f"{path}: b's prefill after a's blocks")
         release(runner.pool, [a, b])
     assert_no_block_held(runner)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SLIDING_FAMILIES)
 def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
     """a, then b with a's first 4 blocks cached; both computed in chunks of 8, then decoded in one batch."""
     runner, hf, hf64, _ = made(family)
@@ -101,6 +104,48 @@ def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
         finally:
             release(runner.pool, [a, b])
         assert [a.out, b.out] == expected, path
+    assert_no_block_held(runner)
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+@pytest.mark.parametrize("chunk", [4, 9, 13, 29])
+def test_sliding_windows_chunks_inside_and_past_the_window(made, family, chunk):
+    """Chunks shorter than the window (several per window), as long as gemma3's window, and longer than both
+    windows (a chunk's first tokens fall out of its last tokens' window), cold and after a cached prefix
+    longer than the window (which a local layer reads only the end of)."""
+    runner, hf, hf64, _ = made(family)
+    assert not runner.fast_path_active and "Gemma" in runner.fast_path_reason
+    prompt = prompt_of(58, 20 + chunk)
+    ref = exact_logits(hf, hf64, prompt)
+    a = new_seq(runner.pool, prompt[:43], seed=5)
+    prefill_chunked(runner, a, chunk)
+    Reference(ref.exact[42], ref.bound).check(a.logits[0], f"chunks of {chunk}")
+    b = new_seq(runner.pool, prompt, seed=6, prefix=a.table[:5])  # 25 cached tokens
+    prefill_chunked(runner, b, chunk)
+    Reference(ref.exact[57], ref.bound).check(b.logits[0], f"chunks of {chunk} after 25 cached tokens")
+    release(runner.pool, [a, b])
+    assert_no_block_held(runner)
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_sliding_windows_decode_across_the_edge_in_batches_of_different_lengths(made, family):
+    """Three requests decoded in one batch, teacher-forced: one from 3 tokens (inside the window) to 33, one
+    from 12 (just past it) and one from 40; every step's logits against transformers' float64 ones."""
+    runner, hf, hf64, _ = made(family)
+    prompts = [prompt_of(33, 30), prompt_of(42, 31), prompt_of(70, 32)]
+    starts = [3, 12, 40]
+    refs = [exact_logits(hf, hf64, p) for p in prompts]
+    seqs = [new_seq(runner.pool, p[:n], seed=7 + i) for i, (p, n) in enumerate(zip(prompts, starts))]
+    for s, ref, n in zip(seqs, refs, starts):
+        prefill_chunked(runner, s, CHUNK)
+        Reference(ref.exact[n - 1], ref.bound).check(s.logits[0], f"prefill of {n}")
+    for step in range(30):
+        for s, p, n in zip(seqs, prompts, starts):
+            s.out[-1] = p[n + step]
+        decode(runner, seqs)
+        for s, ref, n in zip(seqs, refs, starts):
+            Reference(ref.exact[n + step], ref.bound).check(s.logits[-1], f"step at {n + step}")
+    release(runner.pool, seqs)
     assert_no_block_held(runner)
 
 
