@@ -200,6 +200,35 @@ def test_what_is_refused_at_start_says_why(tmp_path):
         ModelRunner(tmp_path / "qwen3-window", torch.float32, num_blocks=1, max_seq_len=64)
 
 
+def test_sliding_windows_are_served_beside_global_layers_and_refused_in_every_layer(tmp_path):
+    """Gemma's local layers (window < context) are served: its global layers see every position, so the pool
+    keeps every token's KV anyway. A model whose every layer is windowed narrower than the context (Mistral's
+    original configs) is refused, saying why and what context it can serve."""
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, MistralConfig
+
+    from xpyd.model.families import check_supported, layer_attention
+
+    small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert {"gemma2", "gemma3_text"} <= set(SUPPORTED_MODEL_TYPES)
+    for config in (Gemma2Config(num_hidden_layers=4, sliding_window=16, **small),
+                   Gemma3TextConfig(num_hidden_layers=6, sliding_window=16, **small)):
+        check_supported(config, 4096)
+        windows = [spec.window for spec in layer_attention(config)]
+        assert None in windows and 16 in windows, windows
+    MistralConfig(num_hidden_layers=1, sliding_window=32, **small).save_pretrained(tmp_path / "mistral-window")
+    with pytest.raises(UnsupportedModel, match=r"sliding-window attention in every layer \(32 < context 64\).*"
+                                               r"keeps every token's KV.*--max-model-len 32"):
+        ModelRunner(tmp_path / "mistral-window", torch.float32, num_blocks=1, max_seq_len=64)
+    check_supported(MistralConfig(num_hidden_layers=1, sliding_window=64, **small), 64)  # (never reached)
+    all_local = Gemma2Config(num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention"] * 2, **small)
+    with pytest.raises(UnsupportedModel, match="every layer"):
+        check_supported(all_local, 64)
+    with pytest.raises(UnsupportedModel, match="bidirectional"):
+        check_supported(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True, **small), 64)
+    with pytest.raises(UnsupportedModel, match="'gemma3' is not supported .*'gemma3_text'"):
+        check_supported(Gemma3Config(), 64)
+
+
 def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
     """A one-line error naming the type and every supported one, exit code 2, before any weights load."""
     import subprocess
