@@ -44,7 +44,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerAttenti
     plain = spec.softcap is None
     if plain and m == 1 and k_start >= spec.first_visible(q_start):  # (one query seeing every key given)
         return F.scaled_dot_product_attention(q, k, v, scale=spec.scale, enable_gqa=True)
-    if plain and spec.window is None and k_start == q_start:
+    if plain and k_start == q_start and (spec.window is None or m <= spec.window):  # (the window cuts nothing)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
     mask = visible(spec, q_start, m, k_start, length, q.device)
     if plain:

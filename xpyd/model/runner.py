@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from xpyd.model import batch_checks, families, paged
-from xpyd.model.layer_attention import attend
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.model.layer_attention import attend
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
