@@ -172,6 +172,29 @@ def test_bfloat16_lean_forward_runs_close_to_transformers(tmp_path, family):
     assert_no_block_held(runner)
 
 
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_bfloat16_gemma_runs_close_to_transformers(tmp_path, family):
+    """Gemma's bfloat16 general path (norms in float32 inside transformers' modules, soft-caps and the scaled
+    embeddings in bfloat16, as transformers), past the window, in chunks and decoded."""
+    save_tiny(family, tmp_path, VOCAB)
+    runner = ModelRunner(tmp_path, torch.bfloat16, num_blocks=30, max_seq_len=64, block_size=4)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    prompt = prompt_of(36, 6)
+    a = new_seq(runner.pool, prompt[:30], seed=1)
+    prefill_chunked(runner, a, 7)
+    for pos in range(30, 35):
+        a.out[-1] = prompt[pos]
+        decode(runner, [a])
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt[:35]])).logits[0, 29:35].float()
+    for ours, row in zip(a.logits, theirs):
+        assert torch.corrcoef(torch.stack([ours, row]))[0, 1] > 0.99
+    release(runner.pool, [a])
+    assert_no_block_held(runner)
+
+
 def test_kv_token_bytes_follow_the_head_dim_of_the_config(made):
     _, _, _, folder = made("qwen3")  # head_dim 32, not hidden / heads = 16
     assert kv_token_bytes(folder, torch.float32) == 2 * 2 * 2 * 32 * 4
