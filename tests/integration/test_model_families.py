@@ -271,8 +271,9 @@ def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3", "phi3", "phi3-partial", "gemma2", "gemma3"])
 def test_runner_on_a_device_keeps_every_step_of_the_familys_parts_there(tmp_path, family):
-    """q/k norms, fused projections, partial rotary, windows and soft-caps: on another device ('meta' here), on every path that
-    covers the family, no per-step tensor is made on the host and nothing comes back but the logits' device.
+    """q/k norms, fused projections, partial rotary, windows and soft-caps: on another device ('meta' here), on
+    every path that covers the family, no per-step tensor is made on the host and nothing comes back but the
+    logits' device.
     (Not the mixtures of experts: transformers' grouped expert GEMM does not run on 'meta'.)"""
     from tests.integration.test_engine_device import DeviceLedger, tensor_devices
 
