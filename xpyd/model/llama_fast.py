@@ -27,6 +27,9 @@ from xpyd.model import native, paged
 def why_not_covered(model) -> str | None:
     """None when `FastLlama` can run this model exactly like transformers; otherwise the reason."""
     config = model.config
+    if any(hasattr(layer, "pre_feedforward_layernorm") for layer in getattr(model.model, "layers", ())):
+        return ("Gemma's layers (norms after attention and around the MLP, soft-capping, local and global layers): "
+                "the general path serves them")
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} (only silu)"
     inner = getattr(model, "model", None)

@@ -19,12 +19,12 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from xpyd.model import batch_checks, families, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.model.layer_attention import attend
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
@@ -98,7 +98,9 @@ class ModelRunner:
         self._num_heads = config.num_attention_heads
         self._num_kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._scale = self._head_dim**-0.5
+        self._attention = families.layer_attention(config)  # how each layer attends (scale, window, soft-cap)
+        self._rotary_kinds = tuple(dict.fromkeys(spec.rotary for spec in self._attention))
+        self._final_softcap = families.final_softcap(config)
         self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -245,21 +247,19 @@ class ModelRunner:
         m = ids.shape[0]
         n = start + m
         hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
-        cos, sin = self._rotary(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
+        rotations = self._rotations(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
         pool = self.pool.tensor
         where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
         prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
-        mask = torch.ones(m, n, dtype=torch.bool, device=self.device).tril_(start) if start else None
-        for index, layer in enumerate(self._layers):
+        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
-            q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, m, head_dim]
+            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # [1, heads, m, head_dim]
             paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1))
-            if prefix is not None:
-                k_old, v_old = paged.gather(pool, index, prefix, start)
-                attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
-                                                      attn_mask=mask, scale=self._scale, enable_gqa=True)
-            else:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
+            first = spec.first_visible(start)  # (a local layer reads only the cached keys its window reaches)
+            if first < start:
+                k_old, v_old = paged.gather(pool, index, prefix, start, first=first)
+                k, v = torch.cat((k_old, k), 2), torch.cat((v_old, v), 2)
+            attn = attend(q, k, v, spec, q_start=start, k_start=first)
             hidden = self._finish_layer(layer, hidden, attn)
         return hidden
 
@@ -307,19 +307,19 @@ class ModelRunner:
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
-        cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
+        rotations = self._rotations(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
         where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
         singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
-        for index, layer in enumerate(self._layers):
+        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
-            q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
+            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # q [B, heads, 1, hd]; k, v [B, kv, 1, hd]
             paged.write(pool, index, where, k[:, :, 0], v[:, :, 0])
             outs = []
             for i, table in enumerate(singles):
-                keys, values = paged.gather(pool, index, table, positions[i] + 1)  # [1, kv_heads, len, hd]
-                outs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale,
-                                                           enable_gqa=True))
+                first = spec.first_visible(positions[i])  # (a local layer reads only its window's keys)
+                keys, values = paged.gather(pool, index, table, positions[i] + 1, first=first)  # [1, kv_heads, ...]
+                outs.append(attend(q[i : i + 1], keys, values, spec, q_start=positions[i], k_start=first))
             attn = torch.cat(outs) if batch > 1 else outs[0]
             hidden = self._finish_layer(layer, hidden, attn)
         return self._logits(hidden[:, -1])
@@ -345,15 +345,22 @@ class ModelRunner:
         return families.project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin, self._num_heads,
                                     self._num_kv_heads, self._head_dim)
 
+    def _rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        """(cos, sin) of ``positions`` for each rotary table the layers take (`LayerAttention.rotary`)."""
+        return {kind: self._rotary(hidden, positions) if kind is None else self._rotary(hidden, positions, kind)
+                for kind in self._rotary_kinds}
+
     def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         batch, _, seq, _ = attn.shape
         attn = attn.transpose(1, 2).reshape(batch, seq, self._num_heads * self._head_dim)
-        hidden = hidden + layer.self_attn.o_proj(attn)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return families.finish_layer(layer, hidden, attn)
 
     def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits, on the runner's device (the sampler's)."""
-        return self._lm_head(self._norm(last_hidden)).float()
+        """float32 logits, on the runner's device (the sampler's); soft-capped where the model does."""
+        logits = self._lm_head(self._norm(last_hidden))
+        if self._final_softcap is not None:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits.float()
 
 
 def _drop_fused_copies(model) -> None:
