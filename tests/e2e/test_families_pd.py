@@ -1,18 +1,20 @@
-"""Each model family (tests/families.py: tiny random models with the SmolLM2 tokenizer) served by real
-processes, float32: a 1P1D cluster behind its proxy, and a colocated worker behind its own. Prompts are
+"""Each model family (tests/families.py: tiny random models with the SmolLM2 tokenizer; Gemma's with sliding
+windows shorter than the prompts) served by real processes, float32: a 1P1D cluster behind its proxy, and a
+colocated worker behind its own. Prompts are
 computed in chunks of 16 on prefill; the second prompt shares the first one's leading blocks, so it is
 answered from the prefix cache (``cached_tokens``). Every answer is transformers ``generate``'s text."""
 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import Cluster, free_port
-from tests.families import FAMILIES, float64_copy, save_tiny
+from tests.families import FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 12
@@ -22,7 +24,7 @@ DOC = ("The river town kept its records in a stone tower by the bridge. Every sp
 PROMPTS = [DOC + "Question: who kept the records?", DOC + "Question: what happened every spring?"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + SLIDING_FAMILIES)
 def served(request, tmp_path_factory, smollm_dir: Path):
     """(family, model folder, {"pd": proxy URL, "colocated": proxy URL}) with every process started."""
     import torch
@@ -72,9 +74,11 @@ def _complete(url: str, prompt: str) -> dict:
     body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.status == 200
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{url}: {e.code} {e.read()[:500]!r}") from None
 
 
 def test_pd_and_colocated_answer_what_generate_does_with_the_prefix_cache(served):
