@@ -163,8 +163,7 @@ def main() -> int:
     ap.add_argument("--instruction", default="Summarize these notes in two sentences.",
                     help="what each prompt asks after its notes (how long the answers are)")
     ap.add_argument("--direct", action="store_true", help="colocated: send the requests to the worker itself, not "
-                    "through the proxy (whose --read-timeout, 300 s between two chunks, a request preempted for "
-                    "minutes on a slow machine outlasts)")
+                    "through the proxy (as the recorded runs did, before silent streams wrote keep-alives)")
     args = ap.parse_args()
     if args.direct and args.mode != "colocated":
         ap.error("--direct: colocated only (a P/D request needs the proxy)")
