@@ -276,7 +276,7 @@ def test_stats_extra_fields_are_ignored():
 
 def test_stats_block_counts_are_optional():
     d = {"waiting": 0, "running": 1, "transferring": 0, "queued_tokens": 40, "blocks_total": 64,
-         "blocks_used": 8, "blocks_cached": 20, "blocks_free": 36, "blocks_reserved": 4,
+         "blocks_used": 8, "blocks_cached": 20, "blocks_free": 36,
          "prefix_query_tokens": 0, "prefix_hit_tokens": 0}
     stats = Stats.from_dict(d)
     assert (stats.queued_tokens, stats.blocks_used, stats.blocks_cached) == (40, 8, 20)
