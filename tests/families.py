@@ -74,7 +74,8 @@ def tiny_config(family: str, vocab_size: int, max_positions: int = 256, **extra)
     if family in ("deepseek_v2", "deepseek_v2-q"):
         latent = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4,
                       num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48, kv_lora_rank=32,
-                      q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24)
+                      q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+                      eos_token_id=None)  # (its default, 2, would stop generate where the tests decode on)
         if family == "deepseek_v2-q":
             latent.update(q_lora_rank=None, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
