@@ -27,7 +27,8 @@ from typing import NamedTuple, Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
-__all__ = ["ELEMENT_BYTES", "KINDS", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "ByteRange", "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
+__all__ = ["ELEMENT_BYTES", "LAYOUT_NAME", "ByteRange", "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
+__all__ += ["KINDS", "LATENT_LAYOUT_NAME"]
 
 LAYOUT_NAME = "block-head-major/1"
 LATENT_LAYOUT_NAME = "block-latent/1"  # (a latent layout's name in `compat`)
