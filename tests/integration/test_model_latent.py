@@ -3,7 +3,8 @@ the pool holds one latent per token and layer, the very ones transformers caches
 that do not divide the block size, cold and after a cached prefix, and a batch of requests of different
 lengths decoded together, within float32 error of transformers' float64 forward; the KV bytes of a token are
 the latents' (a P/D transfer moves those: blocks copied by their byte ranges into another pool decode as
-generate does); and the sizes a model's config names (yarn's softmax scale, DeepSeek-V3 refused with a hint).
+generate does); the sizes a model's config names (yarn's softmax scale, DeepSeek-V3 refused with a hint);
+bfloat16 close to transformers'; and on another device, no step's tensor made on the host.
 (test_model_families.py runs these families through the tests every family takes.)
 """
 
@@ -150,3 +151,50 @@ def test_the_softmax_scale_is_transformers_with_yarn_and_deepseek_v3_is_refused_
     assert layer_attention(tiny_model("deepseek_v2-q", VOCAB).config)[0].scale > (16 + 8) ** -0.5 * 1.4  # (mscale)
     with pytest.raises(UnsupportedModel, match=r"'deepseek_v3' is not supported .*'deepseek_v2'.*deepseek_v2"):
         check_supported(DeepseekV3Config(), 64)
+
+
+def test_bfloat16_runs_close_to_transformers(tmp_path):
+    """bfloat16 latents in the pool (the rotary part rotated in float32 and rounded, as transformers), in chunks
+    and decoded."""
+    save_tiny("deepseek_v2", tmp_path, VOCAB)
+    runner = ModelRunner(tmp_path, torch.bfloat16, num_blocks=30, max_seq_len=64, block_size=4)
+    assert runner.pool.tensor.dtype == torch.bfloat16 and runner.pool.layout.token_bytes == LAYERS * LATENT * 2
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    prompt = prompt_of(36, 6)
+    a = new_seq(runner.pool, prompt[:30], seed=1)
+    prefill_chunked(runner, a, 7)
+    for pos in range(30, 35):
+        a.out[-1] = prompt[pos]
+        decode(runner, [a])
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt[:35]])).logits[0, 29:35].float()
+    for ours, row in zip(a.logits, theirs):
+        assert torch.corrcoef(torch.stack([ours, row]))[0, 1] > 0.99
+    release(runner.pool, [a])
+    assert_no_block_held(runner)
+
+
+def test_runner_on_a_device_keeps_every_latent_step_there(tmp_path):
+    """On another device ('meta' here) no per-step tensor of the latent attention is made on the host and
+    nothing comes back but the logits' device (every layer dense: transformers' grouped expert GEMM does not run
+    on 'meta')."""
+    from tests.integration.test_engine_device import DeviceLedger, tensor_devices
+
+    save_tiny("deepseek_v2", tmp_path, VOCAB, first_k_dense_replace=LAYERS)
+    runner = ModelRunner(tmp_path, torch.float32, num_blocks=8, max_seq_len=64, block_size=4, device="meta")
+    assert tensor_devices(runner.model) == {"meta"} and runner.pool.tensor.device.type == "meta"
+    tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
+    with DeviceLedger(fill=0) as ledger:
+        runner.prefill(tables[0], [1, 5, 9, 2, 7])
+        runner.prefill(tables[1], [4, 4, 8])
+        runner.pool.blocks.acquire(tables[0][:1])
+        tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
+        runner.prefill(tables[2], [1, 5, 9, 2, 6, 6], start=4)  # after the first one's first block
+        logits = runner.decode(tables, [3, 6, 9], [5, 3, 6])
+    assert logits.device.type == "meta" and logits.shape == (3, runner.vocab_size)
+    assert ledger.mixed == [] and ledger.to_host() == [], (ledger.mixed, ledger.copies)
+    for table in tables:
+        runner.pool.blocks.release(table)
+    assert runner.pool.num_used == 0

@@ -1,8 +1,8 @@
 """The model families the engine serves, what it refuses at start, and how each one's layers compute.
 
 Every family here is a decoder of pre-norm layers (RMSNorm, attention with rotary positions, an MLP or a
-mixture of experts) whose KV is one K and one V vector per token, KV head and layer: the pool's layout
-(kv_pool.py) fits all of them. They differ in how a layer makes q, k and v:
+mixture of experts) whose KV is one K and one V vector per token, KV head and layer (the latent-attention ones
+aside: below): the pool's layout (kv_pool.py) fits all of them. They differ in how a layer makes q, k and v:
 - llama, mistral, qwen2, mixtral: q_proj, k_proj, v_proj (qwen2: with biases);
 - qwen3, qwen3_moe, gemma3_text: the same, then an RMSNorm over each head of q and of k (q_norm, k_norm) before
   rotary;

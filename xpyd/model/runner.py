@@ -3,7 +3,8 @@
 The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
 into the request's blocks, then attends over that request's tokens only, read through its block
-table. No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
+table (multi-head latent attention, DeepSeek-V2's: one latent per token and layer instead, `latent_attention`).
+No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
 block tables (which blocks a request holds, shared prefix blocks included); a prefill may start after a
 cached prefix (``start``), computing only the rest.
 
