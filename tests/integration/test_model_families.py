@@ -27,7 +27,8 @@ BLOCK = 5  # odd: blocks end part-way through chunks and prompts
 CHUNK = 8
 # What covers each family: the lean forward (and the general path next to it) or the general path alone.
 LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True,
-        "gemma2": False, "gemma3": False, "deepseek_v2": False, "deepseek_v2-q": False}
+        "gemma2": False, "gemma3": False, "deepseek_v2": False, "deepseek_v2-q": False,
+        "deepseek_v3": False}
 
 torch.set_num_threads(1)
 

@@ -1,9 +1,10 @@
-"""What is particular to multi-head latent attention (deepseek_v2, tests/families.py) through ModelRunner, float32:
+"""What is particular to multi-head latent attention (deepseek_v2 and deepseek_v3, tests/families.py) through
+ModelRunner, float32:
 the pool holds one latent per token and layer, the very ones transformers caches; prompts computed in chunks
 that do not divide the block size, cold and after a cached prefix, and a batch of requests of different
 lengths decoded together, within float32 error of transformers' float64 forward; the KV bytes of a token are
 the latents' (a P/D transfer moves those: blocks copied by their byte ranges into another pool decode as
-generate does); the sizes a model's config names (yarn's softmax scale, DeepSeek-V3 refused with a hint);
+generate does); the softmax scale (yarn's mscale included) as transformers';
 bfloat16 close to transformers'; and on another device, no step's tensor made on the host.
 (test_model_families.py runs these families through the tests every family takes.)
 """
@@ -13,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.families import float64_copy, save_tiny
+from tests.families import LATENT_FAMILIES, float64_copy, save_tiny
 from tests.integration.test_model_runner import (_copy_blocks, assert_exact_greedy, assert_no_block_held, decode,
                                                  exact_logits, greedy, hf_generate, new_seq, prefill,
                                                  prefill_chunked, release)
 from tests.numerics import Reference
-from xpyd.model.runner import ModelRunner, UnsupportedModel, kv_token_bytes
+from xpyd.model.runner import SUPPORTED_MODEL_TYPES, ModelRunner, kv_token_bytes
 
 VOCAB = 500
 BLOCK = 5
@@ -27,11 +28,12 @@ LAYERS, LATENT = 3, 32 + 8  # (tests/families.py: kv_lora_rank 32, qk_rope_head_
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def latent(tmp_path_factory):
-    """(runner, hf float32, hf float64, folder) of the tiny deepseek_v2 (queries through q_lora_rank)."""
-    folder = tmp_path_factory.mktemp("deepseek_v2")
-    hf = save_tiny("deepseek_v2", folder, VOCAB)
+@pytest.fixture(scope="module", params=LATENT_FAMILIES)
+def latent(request, tmp_path_factory):
+    """(runner, hf float32, hf float64, folder) of each tiny latent-attention family (queries through
+    q_lora_rank)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, folder, VOCAB)
     runner = ModelRunner(folder, torch.float32, num_blocks=60, max_seq_len=128, block_size=BLOCK)
     return runner, hf, float64_copy(hf), folder
 
@@ -138,19 +140,16 @@ def test_latent_blocks_moved_by_their_bytes_decode_as_generate(latent):
     assert_no_block_held(prefill_runner)
 
 
-def test_the_softmax_scale_is_transformers_with_yarn_and_deepseek_v3_is_refused_with_a_hint(tmp_path):
-    from transformers import DeepseekV3Config
-
+def test_the_softmax_scale_is_transformers_with_yarn():
     from tests.families import tiny_model
-    from xpyd.model.families import check_supported, layer_attention
+    from xpyd.model.families import layer_attention
 
-    for family in ("deepseek_v2", "deepseek_v2-q"):
+    assert {"deepseek_v2", "deepseek_v3"} <= set(SUPPORTED_MODEL_TYPES)
+    for family in ("deepseek_v2", "deepseek_v2-q", "deepseek_v3"):
         model = tiny_model(family, VOCAB)
         scales = [spec.scale for spec in layer_attention(model.config)]
         assert scales == [layer.self_attn.scaling for layer in model.model.layers], family
     assert layer_attention(tiny_model("deepseek_v2-q", VOCAB).config)[0].scale > (16 + 8) ** -0.5 * 1.4  # (mscale)
-    with pytest.raises(UnsupportedModel, match=r"'deepseek_v3' is not supported .*'deepseek_v2'.*deepseek_v2"):
-        check_supported(DeepseekV3Config(), 64)
 
 
 def test_bfloat16_runs_close_to_transformers(tmp_path):

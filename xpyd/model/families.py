@@ -23,11 +23,13 @@ layers see every position, so no block ever does, and nothing is freed early. Lo
 their window reaches. A model whose every layer is windowed, narrower than the context, is refused: its KV
 would outlive the window in the pool, which it could have dropped, and the lean forward does not mask windows.
 
-Latent attention (deepseek_v2: DeepSeek-V2's multi-head latent attention) keeps no K and V per head: its pool
+Latent attention (deepseek_v2, deepseek_v3: DeepSeek's multi-head latent attention; V3's differs in its rotary
+embedding's form and its router) keeps no K and V per head: its pool
 holds one latent per token and layer (`latent_attention`, a latent KV layout). Its softmax scale is the query
 head size's (non-rotary and rotary parts) ** -0.5, times yarn's mscale squared where the rope scaling is yarn with
 mscale_all_dim (`yarn_apply_mscale`, as transformers); its layers' MLPs (dense for the first
-first_k_dense_replace, then routed experts beside shared ones) run as transformers' modules.
+first_k_dense_replace, then routed experts beside shared ones; V3's routed by sigmoid scores within groups) run
+as transformers' modules.
 
 `check_supported` refuses, before the weights load, a model type outside `SUPPORTED_MODEL_TYPES` (the multimodal
 "gemma3" wrapper included: its text model, "gemma3_text", is served), such all-windowed attention, bidirectional
@@ -44,9 +46,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotat
 from xpyd.model.layer_attention import LayerAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
-                         "deepseek_v2")
+                         "deepseek_v2", "deepseek_v3")
 # multi-head latent attention: one latent per token and layer in the pool (latent_attention)
-_LATENT = ("deepseek_v2",)
+_LATENT = ("deepseek_v2", "deepseek_v3")
 # (sliding_window is set in their configs but used only with use_sliding_window)
 _WINDOW_WHEN_ASKED = ("qwen2", "qwen3", "qwen3_moe")
 # windows per layer (config.layer_types), "sliding_attention" or "full_attention"
@@ -81,8 +83,6 @@ def check_model_type(config) -> None:
         hint = ""
         if model_type == "gemma3":
             hint = " (the multimodal Gemma 3; its text-only checkpoints, model type 'gemma3_text', are)"
-        elif model_type == "deepseek_v3":
-            hint = " (DeepSeek-V2's latent attention is, model type 'deepseek_v2')"
         raise UnsupportedModel(
             f"model type {model_type!r} is not supported{hint}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )

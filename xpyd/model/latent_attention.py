@@ -9,6 +9,10 @@ part to every head's key: the plain computation, not the absorbed one (q through
 computes the keys and values transformers does. Queries come from q_proj, or through a low-rank q_a_proj,
 q_a_layernorm, q_b_proj; each head's last ``qk_rope_head_dim`` are rotated as the key part is.
 
+DeepSeek-V3's attention is V2's but for its rotary embedding, (cos, sin) rather than complex: with
+``rope_interleave`` (its default) the interleaved pairs come out de-interleaved, halves rotated as rotate_half
+does, and that is what its cache, and so the pool, keeps; without, the plain rotate_half rotation.
+
 The pool is `[num_blocks, 1, num_layers, 1, block_size, latent_dim]`; token t of a request sits in block
 `table[t // block_size]`, row `t % block_size` (as `paged`'s rows).
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
 from xpyd.model.kv_layout import KVLayout
 from xpyd.model.layer_attention import LayerAttention, attend
@@ -50,17 +55,21 @@ class LatentShape:
                         num_blocks=num_blocks, block_size=block_size, kind="latent")
 
 
-def project(attn, x: torch.Tensor, rotation: torch.Tensor,
+def project(attn, x: torch.Tensor, rotation: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
             shape: LatentShape) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's queries [batch, heads, seq, qk head dim] and latents [batch, seq, latent_dim] from its normed
     input ``x`` [batch, seq, hidden], rotated by ``rotation`` (the model's rotary embedding of the positions:
-    complex [batch, seq, qk_rope_head_dim / 2])."""
+    complex [batch, seq, qk_rope_head_dim / 2] for V2, (cos, sin) [batch, seq, qk_rope_head_dim] for V3)."""
     batch, seq, _ = x.shape
     q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
     q = q.view(batch, seq, shape.num_heads, -1).transpose(1, 2)
     q_nope, q_rope = q.split([shape.qk_nope_head_dim, shape.qk_rope_head_dim], dim=-1)
     compressed, k_rope = attn.kv_a_proj_with_mqa(x).split([shape.kv_lora_rank, shape.qk_rope_head_dim], dim=-1)
-    q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(1), rotation)
+    if isinstance(rotation, tuple):
+        rotate = apply_rotary_pos_emb_interleave if attn.config.rope_interleave else apply_rotary_pos_emb
+        q_rope, k_rope = rotate(q_rope, k_rope.unsqueeze(1), *rotation)
+    else:
+        q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(1), rotation)
     return torch.cat((q_nope, q_rope), dim=-1), torch.cat((attn.kv_a_layernorm(compressed), k_rope[:, 0]), dim=-1)
 
 
