@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2's MLA) over the paged pool, as transformers' DeepseekV2Attention.
+"""Multi-head latent attention (DeepSeek-V2 and V3: MLA) over the paged pool, as transformers' attention modules.
 
 A layer projects each token's normed input to a compressed KV (kv_a_proj_with_mqa: ``kv_lora_rank`` values,
 then kv_a_layernorm) and one rotary key part shared by every head (``qk_rope_head_dim``, rotated in interleaved
@@ -61,7 +61,8 @@ def project(attn, x: torch.Tensor, rotation: torch.Tensor | tuple[torch.Tensor, 
     input ``x`` [batch, seq, hidden], rotated by ``rotation`` (the model's rotary embedding of the positions:
     complex [batch, seq, qk_rope_head_dim / 2] for V2, (cos, sin) [batch, seq, qk_rope_head_dim] for V3)."""
     batch, seq, _ = x.shape
-    q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_proj = getattr(attn, "q_proj", None)  # (None where queries go through q_lora_rank)
+    q = q_proj(x) if q_proj is not None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
     q = q.view(batch, seq, shape.num_heads, -1).transpose(1, 2)
     q_nope, q_rope = q.split([shape.qk_nope_head_dim, shape.qk_rope_head_dim], dim=-1)
     compressed, k_rope = attn.kv_a_proj_with_mqa(x).split([shape.kv_lora_rank, shape.qk_rope_head_dim], dim=-1)
