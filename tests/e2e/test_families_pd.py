@@ -2,7 +2,8 @@
 windows shorter than the prompts) served by real processes, float32: a 1P1D cluster behind its proxy, and a
 colocated worker behind its own. Prompts are
 computed in chunks of 16 on prefill; the second prompt shares the first one's leading blocks, so it is
-answered from the prefix cache (``cached_tokens``). Every answer is transformers ``generate``'s text."""
+answered from the prefix cache (``cached_tokens``). Every answer is transformers ``generate``'s text, and the decode
+worker received whole blocks of the family's KV bytes per token (deepseek_v2: one latent per token and layer)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, free_port
-from tests.families import FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
+from tests.families import FAMILIES, LATENT_FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
 
 MAX_MODEL_LEN = 256
 NEW_TOKENS = 12
@@ -24,9 +25,10 @@ DOC = ("The river town kept its records in a stone tower by the bridge. Every sp
 PROMPTS = [DOC + "Question: who kept the records?", DOC + "Question: what happened every spring?"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES + SLIDING_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + SLIDING_FAMILIES + LATENT_FAMILIES)
 def served(request, tmp_path_factory, smollm_dir: Path):
-    """(family, model folder, {"pd": proxy URL, "colocated": proxy URL}) with every process started."""
+    """(family, model folder, {"pd": proxy URL, "colocated": proxy URL}, decode worker URL) with every process
+    started."""
     import torch
     from transformers import AutoTokenizer
 
@@ -52,7 +54,7 @@ def served(request, tmp_path_factory, smollm_dir: Path):
     except BaseException:
         c.stop()
         raise
-    yield family, folder, {"pd": url(xp), "colocated": url(yp)}
+    yield family, folder, {"pd": url(xp), "colocated": url(yp)}, url(dp)
     c.stop()
 
 
@@ -81,8 +83,21 @@ def _complete(url: str, prompt: str) -> dict:
         raise AssertionError(f"{url}: {e.code} {e.read()[:500]!r}") from None
 
 
+def _kv_bytes_received(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "xpyd_kv_transfer_bytes_total" and s.labels.get("direction") == "recv")
+
+
 def test_pd_and_colocated_answer_what_generate_does_with_the_prefix_cache(served):
-    family, folder, urls = served
+    import torch
+
+    from xpyd.model.runner import kv_token_bytes
+
+    family, folder, urls, decode_url = served
     expected = [_reference(folder, p) for p in PROMPTS]
     for kind, url in urls.items():
         for i, (prompt, (length, text)) in enumerate(zip(PROMPTS, expected)):
@@ -92,3 +107,8 @@ def test_pd_and_colocated_answer_what_generate_does_with_the_prefix_cache(served
             cached = answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
             if i == 1:  # the shared leading blocks came from the cache
                 assert cached >= 2 * BLOCK, f"{family}, {kind}: {answer['usage']}"
+    # whole blocks of the family's KV moved to the decode worker: all of the first prompt's, at most the second's
+    block_bytes = BLOCK * kv_token_bytes(folder, torch.float32)
+    blocks = [-(-length // BLOCK) for length, _ in expected]
+    received = _kv_bytes_received(decode_url)
+    assert received % block_bytes == 0 and blocks[0] <= received / block_bytes <= sum(blocks), (family, received)

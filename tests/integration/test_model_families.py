@@ -6,7 +6,9 @@ blocks (a prefix cache hit) are within float32 error of transformers' float64 fo
 two requests that share a prefix, batched, prompts computed in chunks, gives transformers' ``generate`` tokens.
 The sliding-window families (gemma2, gemma3: local and global layers) also: chunks that end inside and past
 the window, a request growing from shorter than the window to far past it, and a batch of requests at
-different distances from their windows' edges. Then what is refused at start, and why.
+different distances from their windows' edges. The latent-attention families (deepseek_v2: its KV one latent per
+token and layer) as the others (test_model_latent.py checks what is particular to them). Then what is refused at
+start, and why.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.families import FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
+from tests.families import FAMILIES, LATENT_FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
 from tests.integration.test_model_runner import (assert_exact_greedy, assert_no_block_held, decode, exact_logits,
                                                  hf_generate, new_seq, prefill_chunked, release)
 from tests.numerics import Reference
@@ -25,7 +27,8 @@ BLOCK = 5  # odd: blocks end part-way through chunks and prompts
 CHUNK = 8
 # What covers each family: the lean forward (and the general path next to it) or the general path alone.
 LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True,
-        "gemma2": False, "gemma3": False}
+        "gemma2": False, "gemma3": False, "deepseek_v2": False, "deepseek_v2-q": False,
+        "deepseek_v3": False}
 
 torch.set_num_threads(1)
 
@@ -59,7 +62,8 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",) + SLIDING_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",) + SLIDING_FAMILIES + LATENT_FAMILIES
+                         + ("deepseek_v2-q",))
 def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(made, family):
     runner, hf, hf64, _ = made(family)
     assert runner.fast_path_active == LEAN[family], runner.fast_path_reason
@@ -82,7 +86,7 @@ def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(mad
     assert_no_block_held(runner)
 
 
-@pytest.mark.parametrize("family", FAMILIES + SLIDING_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SLIDING_FAMILIES + LATENT_FAMILIES)
 def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
     """a, then b with a's first 4 blocks cached; both computed in chunks of 8, then decoded in one batch."""
     runner, hf, hf64, _ = made(family)

@@ -4,7 +4,8 @@ original weights, and the runner greedy-decodes from it what transformers genera
 a second request after the first one's cached blocks included. Gemma's as llama.cpp writes them (norms shifted by
 one, soft-caps as metadata, no query_pre_attn_scalar: the tiny models' is their head size, as llama.cpp assumes
 below 27B), gemma3 with its released layout (5 local : 1 global layers, rotary bases 10,000 and 1,000,000).
-A GGUF whose rope scaling the conversion would drop, or that lacks weights of its model, is refused, saying why."""
+A GGUF whose rope scaling the conversion would drop, or that lacks weights of its model, is refused, saying why;
+so is a deepseek2 one (transformers reads no DeepSeek-V2 GGUF)."""
 
 from __future__ import annotations
 
@@ -100,4 +101,23 @@ def test_gguf_lacking_weights_of_its_model_is_refused(tmp_path, cache, monkeypat
         name: t for name, t in split(state).items() if name != "model.layers.1.mlp.gate_proj.weight"})
     path = write_gguf(tiny_model("qwen3", VOCAB, 256, **IDS), tmp_path / "tiny-qwen3.gguf")
     with pytest.raises(ValueError, match="lacks weights a qwen3 model needs: model.layers.1.mlp.gate_proj.weight"):
+        ensure_converted(str(path))
+
+
+def test_a_deepseek2_gguf_is_refused_naming_its_architecture(tmp_path, cache):
+    """transformers' GGUF reader has no deepseek2 (DeepSeek-V2's latent attention): serve its safetensors folder."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny-deepseek2.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture deepseek2 is not supported"):
         ensure_converted(str(path))

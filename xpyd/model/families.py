@@ -1,8 +1,8 @@
 """The model families the engine serves, what it refuses at start, and how each one's layers compute.
 
 Every family here is a decoder of pre-norm layers (RMSNorm, attention with rotary positions, an MLP or a
-mixture of experts) whose KV is one K and one V vector per token, KV head and layer: the pool's layout
-(kv_pool.py) fits all of them. They differ in how a layer makes q, k and v:
+mixture of experts) whose KV is one K and one V vector per token, KV head and layer (the latent-attention ones
+aside: below): the pool's layout (kv_pool.py) fits all of them. They differ in how a layer makes q, k and v:
 - llama, mistral, qwen2, mixtral: q_proj, k_proj, v_proj (qwen2: with biases);
 - qwen3, qwen3_moe, gemma3_text: the same, then an RMSNorm over each head of q and of k (q_norm, k_norm) before
   rotary;
@@ -23,6 +23,14 @@ layers see every position, so no block ever does, and nothing is freed early. Lo
 their window reaches. A model whose every layer is windowed, narrower than the context, is refused: its KV
 would outlive the window in the pool, which it could have dropped, and the lean forward does not mask windows.
 
+Latent attention (deepseek_v2, deepseek_v3: DeepSeek's multi-head latent attention; V3's differs in its rotary
+embedding's form and its router) keeps no K and V per head: its pool
+holds one latent per token and layer (`latent_attention`, a latent KV layout). Its softmax scale is the query
+head size's (non-rotary and rotary parts) ** -0.5, times yarn's mscale squared where the rope scaling is yarn with
+mscale_all_dim (`yarn_apply_mscale`, as transformers); its layers' MLPs (dense for the first
+first_k_dense_replace, then routed experts beside shared ones; V3's routed by sigmoid scores within groups) run
+as transformers' modules.
+
 `check_supported` refuses, before the weights load, a model type outside `SUPPORTED_MODEL_TYPES` (the multimodal
 "gemma3" wrapper included: its text model, "gemma3_text", is served), such all-windowed attention, bidirectional
 attention (embedding models), and rotary scalings whose frequencies depend on the sequence length (longrope: a
@@ -32,11 +40,15 @@ batch's would follow its longest request).
 from __future__ import annotations
 
 import torch
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import yarn_apply_mscale
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
 from xpyd.model.layer_attention import LayerAttention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+                         "deepseek_v2", "deepseek_v3")
+# multi-head latent attention: one latent per token and layer in the pool (latent_attention)
+_LATENT = ("deepseek_v2", "deepseek_v3")
 # (sliding_window is set in their configs but used only with use_sliding_window)
 _WINDOW_WHEN_ASKED = ("qwen2", "qwen3", "qwen3_moe")
 # windows per layer (config.layer_types), "sliding_attention" or "full_attention"
@@ -99,8 +111,16 @@ def check_supported(config, max_model_len: int) -> None:
             )
 
 
+def is_latent(config) -> bool:
+    """Whether the model's KV is one latent per token and layer (multi-head latent attention)."""
+    return config.model_type in _LATENT
+
+
 def layer_attention(config) -> tuple[LayerAttention, ...]:
     """How each layer attends, as the family's transformers attention module does (a supported model type)."""
+    if is_latent(config):
+        scale = yarn_apply_mscale(config.rope_parameters, (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
+        return (LayerAttention(scale=scale),) * config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
     model_type = config.model_type

@@ -11,6 +11,12 @@ straight from/into the pool (`buffer()`), no staging.
 Which blocks are free, referenced or cached (prefix caching) is the `BlockAllocator`'s business
 (`pool.blocks`); the pool only holds the memory and names its byte ranges. The torch pool (`kv_pool`) is
 this one with a tensor view over its memory, or a tensor on another device.
+
+A latent layout (``kind="latent"``: multi-head latent attention, DeepSeek-V2) keeps one vector per token and
+layer instead of a K and a V per KV head: shape `[num_blocks, 1, num_layers, 1, block_size, head_dim]`, its
+``head_dim`` the latent's size (the compressed KV and the rotary key part). Blocks, byte ranges, transfers and
+the allocator see only bytes and are the same; `compat` names the latent layout, so a handshake between a
+latent and a per-head worker, or latents of other sizes, is refused.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from typing import NamedTuple, Sequence
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
 __all__ = ["ELEMENT_BYTES", "LAYOUT_NAME", "ByteRange", "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
+__all__ += ["KINDS", "LATENT_LAYOUT_NAME"]
 
 LAYOUT_NAME = "block-head-major/1"
+LATENT_LAYOUT_NAME = "block-latent/1"  # (a latent layout's name in `compat`)
+KINDS = ("kv", "latent")  # a K and a V per KV head; one latent per token (num_kv_heads 1)
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV dtypes a layout may name
 
@@ -36,6 +45,7 @@ class KVLayout:
     dtype: str
     num_blocks: int
     block_size: int
+    kind: str = "kv"  # one of KINDS; "latent": head_dim is the latent's size, num_kv_heads 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BYTES:
@@ -44,14 +54,23 @@ class KVLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent KV layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
+
+    @property
+    def planes(self) -> int:
+        """Vectors per token, KV head and layer: 2 (K and V), or 1 (a latent)."""
+        return 1 if self.kind == "latent" else 2
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads, self.num_layers, self.planes, self.block_size, self.head_dim)
 
     @property
     def token_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
@@ -72,6 +91,9 @@ class KVLayout:
 
     def compat(self) -> dict:
         """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
+        if self.kind == "latent":
+            return {"layout": LATENT_LAYOUT_NAME, "num_layers": self.num_layers, "latent_dim": self.head_dim,
+                    "dtype": self.dtype, "block_size": self.block_size}
         return {
             "layout": LAYOUT_NAME,
             "num_layers": self.num_layers,

@@ -27,6 +27,8 @@ from xpyd.model import native, paged
 def why_not_covered(model) -> str | None:
     """None when `FastLlama` can run this model exactly like transformers; otherwise the reason."""
     config = model.config
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return "multi-head latent attention (a latent per token in the pool, not K and V): the general path serves it"
     if any(hasattr(layer, "pre_feedforward_layernorm") for layer in getattr(model.model, "layers", ())):
         return ("Gemma's layers (norms after attention and around the MLP, soft-capping, local and global layers): "
                 "the general path serves them")

@@ -3,7 +3,8 @@
 The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
 into the request's blocks, then attends over that request's tokens only, read through its block
-table. No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
+table (multi-head latent attention, DeepSeek-V2's: one latent per token and layer instead, `latent_attention`).
+No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
 block tables (which blocks a request holds, shared prefix blocks included); a prefill may start after a
 cached prefix (``start``), computing only the rest.
 
@@ -13,6 +14,7 @@ logits come back on the CPU, where sampling runs (one copy per step on another d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Callable, Protocol
@@ -20,7 +22,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, paged
+from xpyd.model import batch_checks, families, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
@@ -101,6 +103,8 @@ class ModelRunner:
         self._attention = families.layer_attention(config)  # how each layer attends (scale, window, soft-cap)
         self._rotary_kinds = tuple(dict.fromkeys(spec.rotary for spec in self._attention))
         self._final_softcap = families.final_softcap(config)
+        # (multi-head latent attention: its sizes; the pool keeps one latent per token and layer)
+        self._latent = latent_attention.LatentShape.of(config) if families.is_latent(config) else None
         self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -115,17 +119,15 @@ class ModelRunner:
             _drop_fused_copies(self.model)  # (the lean forward holds the fused weights: one copy on the device)
             self._general_path = False
             torch.cuda.empty_cache()
-        layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
-                          dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        if self._latent is not None:
+            layout = self._latent.layout(len(self._layers), dtype_name(dtype), 1, block_size)
+        else:
+            layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
+                              dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
         self._layout_template = layout
         if callable(num_blocks):
             num_blocks = num_blocks(self)
-        self.pool = KVPool(
-            KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                     dtype=layout.dtype, num_blocks=num_blocks, block_size=block_size),
-            device=self.device,
-            caching=caching,
-        )
+        self.pool = KVPool(dataclasses.replace(layout, num_blocks=num_blocks), device=self.device, caching=caching)
         self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self._threads = torch.get_num_threads()
         if self._fast is not None:
@@ -253,6 +255,11 @@ class ModelRunner:
         prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
         for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
+            if self._latent is not None:
+                attn = latent_attention.prefill_layer(layer, spec, self._latent, pool, index, hidden,
+                                                      rotations[spec.rotary], where, prefix, start)
+                hidden = self._finish_layer(layer, hidden, attn)
+                continue
             q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # [1, heads, m, head_dim]
             paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1))
             first = spec.first_visible(start)  # (a local layer reads only the cached keys its window reaches)
@@ -313,6 +320,11 @@ class ModelRunner:
         singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
         for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
+            if self._latent is not None:
+                attn = latent_attention.decode_layer(layer, spec, self._latent, pool, index, hidden,
+                                                     rotations[spec.rotary], where, singles, positions)
+                hidden = self._finish_layer(layer, hidden, attn)
+                continue
             q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # q [B, heads, 1, hd]; k, v [B, kv, 1, hd]
             paged.write(pool, index, where, k[:, :, 0], v[:, :, 0])
             outs = []
@@ -352,7 +364,7 @@ class ModelRunner:
 
     def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         batch, _, seq, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(batch, seq, self._num_heads * self._head_dim)
+        attn = attn.transpose(1, 2).reshape(batch, seq, -1)  # [batch, seq, heads * (value) head_dim]
         return families.finish_layer(layer, hidden, attn)
 
     def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -381,6 +393,9 @@ def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
     config = AutoConfig.from_pretrained(str(model_dir))
     families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
+    if families.is_latent(config):
+        return latent_attention.LatentShape.of(config).layout(config.num_hidden_layers, dtype_name(dtype), 1,
+                                                               1).token_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
