@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.families import LATENT_FAMILIES, float64_copy, save_tiny
+from tests.integration.test_model_families import assert_bfloat16_close
 from tests.integration.test_model_runner import (_copy_blocks, assert_exact_greedy, assert_no_block_held, decode,
                                                  exact_logits, greedy, hf_generate, new_seq, prefill,
                                                  prefill_chunked, release)
@@ -158,21 +159,7 @@ def test_bfloat16_runs_close_to_transformers(tmp_path):
     save_tiny("deepseek_v2", tmp_path, VOCAB)
     runner = ModelRunner(tmp_path, torch.bfloat16, num_blocks=30, max_seq_len=64, block_size=4)
     assert runner.pool.tensor.dtype == torch.bfloat16 and runner.pool.layout.token_bytes == LAYERS * LATENT * 2
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
-    prompt = prompt_of(36, 6)
-    a = new_seq(runner.pool, prompt[:30], seed=1)
-    prefill_chunked(runner, a, 7)
-    for pos in range(30, 35):
-        a.out[-1] = prompt[pos]
-        decode(runner, [a])
-    with torch.inference_mode():
-        theirs = hf(torch.tensor([prompt[:35]])).logits[0, 29:35].float()
-    for ours, row in zip(a.logits, theirs):
-        assert torch.corrcoef(torch.stack([ours, row]))[0, 1] > 0.99
-    release(runner.pool, [a])
-    assert_no_block_held(runner)
+    assert_bfloat16_close(runner, tmp_path)
 
 
 def test_runner_on_a_device_keeps_every_latent_step_there(tmp_path):
