@@ -5,13 +5,19 @@ sits in block `table[t // block_size]`, row `t % block_size`. Nothing here rearr
 scatter one step's rows into place, reads gather a layer's K/V of some requests into a fresh tensor.
 The native decode kernel (native.py) reads the pool in place instead; these are the general path
 (float32, other devices, no compiler) and prefill's.
+
+An fp8 pool (uint8 codes) is written and read through its `kv_quant.KVCodec` (``codec``): values are
+quantized on the way in and dequantized, exactly, on the way out; everything else sees bytes.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from xpyd.model.kv_quant import KVCodec
 
 
 class RowIndex(NamedTuple):
@@ -27,8 +33,12 @@ def rows_of(table: Sequence[int], positions: torch.Tensor, block_size: int, devi
     return RowIndex(table_t[positions // block_size], positions % block_size)
 
 
-def write(pool: torch.Tensor, layer: int, where: RowIndex, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [T, kv_heads, head_dim]: the K/V of T tokens into their rows of ``layer``."""
+def write(pool: torch.Tensor, layer: int, where: RowIndex, k: torch.Tensor, v: torch.Tensor,
+          codec: KVCodec | None = None) -> None:
+    """k, v [T, kv_heads, head_dim]: the K/V of T tokens into their rows of ``layer`` (quantized by
+    ``codec`` for an fp8 pool)."""
+    if codec is not None:
+        k, v = codec.encode(layer, k, v)
     pool[where.blocks, :, layer, 0, where.rows] = k
     pool[where.blocks, :, layer, 1, where.rows] = v
 
@@ -40,12 +50,15 @@ def padded_tables(tables: Sequence[Sequence[int]], num_blocks: int, device: torc
     return torch.tensor([row + [0] * (num_blocks - len(row)) for row in rows], dtype=torch.int64, device=device)
 
 
-def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int,
+           codec: KVCodec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``layer`` for the first ``length`` positions of each row of ``tables`` [B, nb]:
     two fresh [B, kv_heads, length, head_dim] tensors (positions past a request's own tokens hold
-    whatever the padding blocks hold: mask them)."""
+    whatever the padding blocks hold: mask them); from an fp8 pool, dequantized by ``codec``."""
     batch, nb = tables.shape
     kv_heads, block_size, head_dim = pool.shape[1], pool.shape[4], pool.shape[5]
     blocks = pool[:, :, layer][tables]  # [B, nb, kv_heads, 2, bs, hd], a copy
     both = blocks.permute(3, 0, 2, 1, 4, 5).reshape(2, batch, kv_heads, nb * block_size, head_dim)
+    if codec is not None:
+        return codec.decode(layer, both[0, :, :, :length], both[1, :, :, :length])
     return both[0, :, :, :length], both[1, :, :, :length]

@@ -13,6 +13,7 @@ logits come back on the CPU, where sampling runs (one copy per step on another d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Callable, Protocol
@@ -21,10 +22,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, paged
+from xpyd.model import batch_checks, families, kv_quant, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
-from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
+from xpyd.model.kv_quant import KVCodec
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
@@ -61,12 +63,14 @@ def _released(forward):
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, num_blocks: int | Callable[["ModelRunner"], int],
                  max_seq_len: int, block_size: int = 16, device: torch.device | str = "cpu", caching: bool = True,
-                 load_format: str = "auto", max_batch: int = 8, cuda_graphs: bool = True) -> None:
+                 load_format: str = "auto", max_batch: int = 8, cuda_graphs: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         """``num_blocks``: the KV pool's size, or a function of the loaded runner (its weights on the device)
         that says it (``--gpu-memory-utilization``: `xpyd.model.gpu.memory`). ``load_format``: "auto" (the
         folder's safetensors) or "dummy" (seeded random weights made on the device: `dummy_weights`).
         On CUDA, decode steps of up to ``max_batch`` requests run the paged kernels, in CUDA graphs when
-        ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device."""
+        ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device. ``kv_cache_dtype``: "auto"
+        (the pool in ``dtype``) or an fp8 format (`kv_quant`: scales from a calibration pass here; CPU only)."""
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
         families.check_supported(config, max_model_len)
@@ -115,16 +119,17 @@ class ModelRunner:
             torch.cuda.empty_cache()
         layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
                           dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
+        self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
+        if kv_cache_dtype != "auto":
+            self.kv_codec = self._calibrated(kv_cache_dtype, layout)
+            layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
+            if self._fast is not None:
+                self._fast.kv_codec = self.kv_codec
         self._layout_template = layout
         if callable(num_blocks):
             num_blocks = num_blocks(self)
-        self.pool = KVPool(
-            KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                     dtype=layout.dtype, num_blocks=num_blocks, block_size=block_size),
-            device=self.device,
-            caching=caching,
-        )
-        self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
+        self.pool = KVPool(layout.with_blocks(num_blocks), device=self.device, caching=caching)
         self._threads = torch.get_num_threads()
         if self._fast is not None:
             self._fast.on_layer = self._pace
@@ -151,6 +156,23 @@ class ModelRunner:
             return
         self.decoder = PagedDecoder(self._fast, self.pool.tensor, self.pool.layout.blocks_for(self.max_model_len),
                                     max_batch, graphs=cuda_graphs)
+
+    def _calibrated(self, kv_cache_dtype: str, layout: KVLayout) -> KVCodec:
+        """The codec of an fp8 pool: its scales from the calibration prompt's K/V, prefilled into a scratch
+        pool in the model's dtype (`kv_quant`)."""
+        if kv_cache_dtype not in kv_quant.FORMATS:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(kv_quant.FORMATS)}, not "
+                             f"{kv_cache_dtype!r}")
+        if self.device.type != "cpu":
+            raise ValueError(f"an fp8 KV cache runs on the CPU, not {self.device}")
+        length = min(kv_quant.CALIBRATION_TOKENS, self.max_model_len)
+        self.pool = KVPool(layout.with_blocks(layout.blocks_for(length)), device=self.device, caching=False)
+        bos = getattr(self.config, "bos_token_id", None)
+        ids = kv_quant.calibration_ids(self.vocab_size, length, bos if isinstance(bos, int) else None)
+        self.prefill(self.pool.blocks.allocate(self.pool.layout.num_blocks), ids)
+        scales = kv_quant.KVScales.calibrated(kv_cache_dtype, self.pool.tensor)
+        del self.pool
+        return KVCodec(scales, self.dtype, self.device)
 
     @property
     def layout_template(self) -> KVLayout:
@@ -250,12 +272,13 @@ class ModelRunner:
         where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
         prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
         mask = torch.ones(m, n, dtype=torch.bool, device=self.device).tril_(start) if start else None
+        codec = self._codec_of(pool)
         for index, layer in enumerate(self._layers):
             self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, m, head_dim]
-            paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
             if prefix is not None:
-                k_old, v_old = paged.gather(pool, index, prefix, start)
+                k_old, v_old = paged.gather(pool, index, prefix, start, codec)
                 attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
                                                       attn_mask=mask, scale=self._scale, enable_gqa=True)
             else:
@@ -311,18 +334,22 @@ class ModelRunner:
         pool = self.pool.tensor
         where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
         singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
+        codec = self._codec_of(pool)
         for index, layer in enumerate(self._layers):
             self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
-            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0])
+            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0], codec)
             outs = []
             for i, table in enumerate(singles):
-                keys, values = paged.gather(pool, index, table, positions[i] + 1)  # [1, kv_heads, len, hd]
+                keys, values = paged.gather(pool, index, table, positions[i] + 1, codec)  # [1, kv_heads, len, hd]
                 outs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale,
                                                            enable_gqa=True))
             attn = torch.cat(outs) if batch > 1 else outs[0]
             hidden = self._finish_layer(layer, hidden, attn)
         return self._logits(hidden[:, -1])
+
+    def _codec_of(self, pool: torch.Tensor) -> KVCodec | None:
+        return self.kv_codec if pool.dtype == torch.uint8 else None
 
     def warmup(self) -> None:
         """One tiny prefill + decode so the first real request does not pay for lazy initialisation."""
@@ -370,12 +397,13 @@ def _drop_fused_copies(model) -> None:
                                                requires_grad=False)
 
 
-def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
+def kv_token_bytes(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights),
+    in ``dtype`` or the ``kv_cache_dtype`` that is not "auto"."""
     config = AutoConfig.from_pretrained(str(model_dir))
     families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
 
 
