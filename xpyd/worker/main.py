@@ -173,15 +173,16 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
                                       config.max_model_len, config.role)
             size = f"KV cache from {config.gpu_memory_utilization:g} of the device"
         else:
-            num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
+            num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype, config.kv_cache_dtype))
             size = f"KV cache of {num_blocks} blocks"
-        log.info("%s: loading %s (%s%s on %s; %s x %d tokens%s)", config.role, resolved.path, config.dtype,
+        log.info("%s: loading %s (%s%s on %s; %s x %d tokens%s)", config.role, resolved.path,
+                 config.dtype if config.kv_cache_dtype == "auto" else f"{config.dtype}, {config.kv_cache_dtype} KV",
                  ", random weights" if config.load_format == "dummy" else "", device, size, config.block_size,
                  ", prefix caching" if config.prefix_cache else "")
         runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
                              block_size=config.block_size, device=device, caching=config.prefix_cache,
                              load_format=config.load_format, max_batch=config.batch_size,
-                             cuda_graphs=not config.enforce_eager)
+                             cuda_graphs=not config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype)
         log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
             runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
