@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xpyd.model import native
-from xpyd.model.kv_quant import FORMATS, KVCodec, KVScales
+from xpyd.model.kv_quant import FORMATS, KVCodec, KVScales, lut
 from xpyd.model.runner import ModelRunner
 
 from tests.integration.test_model_runner import decode, new_seq, prefill, prompt_of, release
@@ -64,7 +64,7 @@ def test_the_fp8_kernel_equals_the_bfloat16_kernel_over_the_dequantized_pool(ker
                       for c, s in zip((k_codes, v_codes), codec.kernel_scales(layer)))
     before = codes.clone()
     out8 = torch.empty(len(lens), heads, hd, dtype=BF16)
-    kernel.fp8(q, k_codes, v_codes, codes, layer, tables, lens_t, scale, out8, codec.lut, *codec.kernel_scales(layer))
+    kernel.fp8(q, k_codes, v_codes, codes, layer, tables, lens_t, scale, out8, name, *codec.kernel_scales(layer))
     out16 = torch.empty_like(out8)
     kernel(q, k_vals, v_vals, values, layer, tables, lens_t, scale, out16)
     expected = before
@@ -85,11 +85,29 @@ def test_the_fp8_kernel_refuses_a_bad_table_or_scales(kernel):
     out = torch.empty(1, 4, 32, dtype=BF16)
     k_s, v_s = codec.kernel_scales(0)
     with pytest.raises(ValueError, match="scales float32"):
-        kernel.fp8(q, k_codes, v_codes, codes, 0, tables, torch.tensor([9]), 0.25, out, codec.lut, k_s[:1], v_s)
+        kernel.fp8(q, k_codes, v_codes, codes, 0, tables, torch.tensor([9]), 0.25, out, "fp8_e4m3", k_s[:1], v_s)
     with pytest.raises(ValueError, match="wants bfloat16 q and torch.uint8"):
-        kernel.fp8(q, k_new, v_new, codes, 0, tables, torch.tensor([9]), 0.25, out, codec.lut, k_s, v_s)
+        kernel.fp8(q, k_new, v_new, codes, 0, tables, torch.tensor([9]), 0.25, out, "fp8_e4m3", k_s, v_s)
     with pytest.raises(ValueError, match="bad pool"):  # a bfloat16 pool under the fp8 entry
-        kernel.fp8(q, k_codes, v_codes, codes.to(BF16), 0, tables, torch.tensor([9]), 0.25, out, codec.lut, k_s, v_s)
+        kernel.fp8(q, k_codes, v_codes, codes.to(BF16), 0, tables, torch.tensor([9]), 0.25, out, "fp8_e4m3", k_s, v_s)
+    with pytest.raises(ValueError, match="format must be one of"):
+        kernel.fp8(q, k_codes, v_codes, codes, 0, tables, torch.tensor([9]), 0.25, out, "int8", k_s, v_s)
+
+
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("name", FMTS)
+def test_the_kernels_fp8_conversion_equals_torchs_for_every_finite_code(kernel, name, vector):
+    """The kernel converts codes through half precision (or bit arithmetic: csrc/fp8.h), not a table: bit for bit
+    torch's conversion (and `kv_quant.lut`) for all 256 codes but NaN and infinities, which the writer never
+    stores (it saturates); every code at every position of a vector (the codes rotated through 17 offsets)."""
+    codes = torch.cat([torch.arange(256, dtype=torch.uint8).roll(k) for k in range(17)])
+    torchs = codes.view(FORMATS[name].torch_dtype).float()
+    ours = kernel.to_float(codes, name, vector)
+    finite = torchs.isfinite()
+    assert int(finite[:256].sum()) == {"fp8_e4m3": 254, "fp8_e5m2": 248}[name]
+    assert torch.equal(ours[finite].view(torch.int32), torchs[finite].view(torch.int32))
+    first = finite[:256]  # (the codes in order)
+    assert torch.equal(ours[:256][first].view(torch.int32), lut(name)[first].view(torch.int32))
 
 
 @pytest.mark.parametrize("name", FMTS)

@@ -496,11 +496,11 @@ class FastLlama:
         kernel, scale = self._kernel, self.scale
         codec = self._codec(pool)
         if codec is not None:
-            lut = codec.lut
+            fmt = codec.scales.dtype
 
             def native_fp8(index, q, k_new, v_new):
                 k_codes, v_codes = codec.encode(index, k_new, v_new)
-                return kernel.fp8(q, k_codes, v_codes, pool, index, table_t, lens_t, scale, out, lut,
+                return kernel.fp8(q, k_codes, v_codes, pool, index, table_t, lens_t, scale, out, fmt,
                                   *codec.kernel_scales(index), tables_checked=True)
 
             return native_fp8

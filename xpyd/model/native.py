@@ -44,7 +44,8 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _P, _I64, _I64, _I64, _I64,  # pool, block and head strides, the layer's K and V offsets
              _I64, _I64, _P, _I64, _P,  # token (row) stride, block size, block tables and their row stride, lens
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
-_ARGTYPES_FP8 = [*_ARGTYPES, _P, _P, _P]  # + the codes' values [256], the layer's K and V scales [kv_heads]
+_ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
+_FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -131,8 +132,9 @@ class DecodeAttention:
     step's K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        self._fn, self._fn_fp8 = _open(path, "xpyd_abi_version", ABI_VERSION, {
-            "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8})
+        self._fn, self._fn_fp8, self._to_f32 = _open(path, "xpyd_abi_version", ABI_VERSION, {
+            "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
+            "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P]})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
@@ -152,19 +154,30 @@ class DecodeAttention:
                          tables_checked)
 
     def fp8(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, pool: torch.Tensor, layer: int,
-            tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor, lut: torch.Tensor,
+            tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor, fmt: str,
             k_scales: torch.Tensor, v_scales: torch.Tensor, tables_checked: bool = False) -> torch.Tensor:
-        """The same over an fp8 pool (uint8 codes, `kv_quant`): k_codes/v_codes [B, kv_heads, hd] uint8 are
-        the step's K/V already quantized (written as they are); each code read is ``lut[code]`` (float32
-        [256]) times the layer's scale of its KV head (``k_scales``/``v_scales``: float32 [kv_heads]).
-        q and out stay bfloat16."""
-        f32 = torch.float32
+        """The same over an fp8 pool (uint8 codes of format ``fmt``, "fp8_e4m3" or "fp8_e5m2": `kv_quant`):
+        k_codes/v_codes [B, kv_heads, hd] uint8 are the step's K/V already quantized (written as they are);
+        each code read is its value (`to_float`) times the layer's scale of its KV head
+        (``k_scales``/``v_scales``: float32 [kv_heads]). q and out stay bfloat16."""
         kv_heads = k_codes.shape[1] if k_codes.dim() == 3 else -1
-        for t, n in ((lut, 256), (k_scales, kv_heads), (v_scales, kv_heads)):
-            if t.dtype != f32 or not t.is_cpu or not t.is_contiguous() or t.shape != (n,):
-                raise ValueError("decode attention (fp8): lut float32 [256] and scales float32 [kv_heads] on the CPU")
-        return self._run(self._fn_fp8, torch.uint8, (lut.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr()),
+        if fmt not in _FP8_FORMATS:
+            raise ValueError(f"decode attention (fp8): format must be one of {sorted(_FP8_FORMATS)}, not {fmt!r}")
+        for t in (k_scales, v_scales):
+            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != (kv_heads,):
+                raise ValueError("decode attention (fp8): scales float32 [kv_heads] on the CPU")
+        return self._run(self._fn_fp8, torch.uint8, (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
                          q, k_codes, v_codes, pool, layer, tables, lens, scale, out, tables_checked)
+
+    def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
+        """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row
+        conversion (``vector``: SIMD where the CPU has it), or the per-code one (csrc/fp8.h)."""
+        if codes.dtype != torch.uint8 or not codes.is_contiguous() or fmt not in _FP8_FORMATS:
+            raise ValueError("to_float: contiguous uint8 codes of an fp8 format")
+        out = torch.empty(codes.shape, dtype=torch.float32)
+        if self._to_f32(codes.data_ptr(), codes.numel(), _FP8_FORMATS[fmt], int(vector), out.data_ptr()) != 0:
+            raise RuntimeError("native fp8 conversion failed")
+        return out
 
     def _run(self, fn, kv_dtype, extra, q, k_new, v_new, pool, layer, tables, lens, scale, out, tables_checked):
         batch, heads, hd = q.shape

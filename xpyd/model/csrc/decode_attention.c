@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 
 /* Software prefetch of the row XPYD_PREFETCH tokens ahead (following the block table across block
    boundaries; -DXPYD_PREFETCH=0 turns it off). In a block the rows of one (KV head, layer) are consecutive,
@@ -63,12 +64,13 @@
         }                                                                                              \
     } while (0)
 
-/* One K or V row as float32: bfloat16 elements, or fp8 codes through the 256-entry table `lut` (the
-   code's value; the per-head scale is applied by the caller, once per score and once per output). */
-static inline __attribute__((always_inline)) void load_row(float *row, const unsigned char *src, const int fp8,
-                                                           const float *lut, const int head_dim) {
+/* One K or V row as float32: bfloat16 elements (fp8 = 0), or fp8 codes (fp8 = 1: e4m3, 2: e5m2; fp8.h) as the
+   codes' values divided by fp8_unit (the per-head scale times fp8_unit is applied by the caller, once per
+   score and once per output). */
+static inline __attribute__((always_inline)) void load_row(float *restrict row, const unsigned char *restrict src,
+                                                           const int fp8, const int head_dim) {
     if (fp8) {
-        for (int d = 0; d < head_dim; d++) row[d] = lut[src[d]];
+        fp8_row(row, src, fp8, head_dim);
     } else {
         const uint16_t *h = (const uint16_t *)src;
         for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(h[d]);
@@ -84,9 +86,13 @@ static inline __attribute__((always_inline)) void load_row(float *row, const uns
 static inline __attribute__((always_inline)) void attend_item(
     const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n, int64_t block_stride,
     int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale, float *scores,
-    uint16_t *out, const int group, const int head_dim, const int fp8, const float *lut, float k_scale,
+    uint16_t *out, const int group, const int head_dim, const int fp8, float k_scale,
     float v_scale) {
     const int ES = fp8 ? 1 : 2;
+    if (fp8) { /* powers of two: exact */
+        k_scale *= fp8_unit(fp8);
+        v_scale *= fp8_unit(fp8);
+    }
     float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
     float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
     const float score_scale = fp8 ? scale * k_scale : scale;
@@ -98,7 +104,7 @@ static inline __attribute__((always_inline)) void attend_item(
         top[g] = -3.0e38f;
     }
     XPYD_FOR_ROWS(k_off, kt, { /* scores = q . k */
-        load_row(row, kt, fp8, lut, head_dim);
+        load_row(row, kt, fp8, head_dim);
         for (int g = 0; g < group; g++) {
             float s = 0.0f;
             for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
@@ -118,7 +124,7 @@ static inline __attribute__((always_inline)) void attend_item(
         sum[g] = total;
     }
     XPYD_FOR_ROWS(v_off, vt, { /* acc = sum_t p_t v_t */
-        load_row(row, vt, fp8, lut, head_dim);
+        load_row(row, vt, fp8, head_dim);
         for (int g = 0; g < group; g++) {
             const float p = scores[g * n + t];
             for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
@@ -137,7 +143,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #define XPYD_SHAPE(G, D, FP8)                                                                             \
     if (group == G && head_dim == D) {                                                                    \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, G, D, FP8, lut, k_scale, v_scale);                                               \
+                    out, G, D, FP8, k_scale, v_scale);                                                    \
         return;                                                                                           \
     }
 
@@ -145,7 +151,7 @@ static inline __attribute__((always_inline)) void attend_item(
     static void NAME(const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n,        \
                      int64_t block_stride, int64_t block_size, int64_t token_stride, int64_t k_off,        \
                      int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim,    \
-                     const float *lut, float k_scale, float v_scale) {                                    \
+                     float k_scale, float v_scale) {                                                      \
         XPYD_SHAPE(3, 64, FP8)  /* SmolLM2-135M */                                                        \
         XPYD_SHAPE(4, 64, FP8)  /* Llama 3.2 1B, SmolLM2-360M-ish */                                      \
         XPYD_SHAPE(8, 64, FP8)  /* TinyLlama */                                                           \
@@ -156,22 +162,23 @@ static inline __attribute__((always_inline)) void attend_item(
         XPYD_SHAPE(1, 64, FP8)                                                                            \
         XPYD_SHAPE(1, 128, FP8)                                                                           \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, group, head_dim, FP8, lut, k_scale, v_scale);                                    \
+                    out, group, head_dim, FP8, k_scale, v_scale);                                         \
     }
 
 XPYD_ATTEND(attend_bf16, 0)
-XPYD_ATTEND(attend_fp8, 1)
+XPYD_ATTEND(attend_e4m3, 1)
+XPYD_ATTEND(attend_e5m2, 2)
 
 int xpyd_abi_version(void) { return 3; }
 
-/* Both entry points: bfloat16 pools (fp8 = 0, es = 2) and fp8 pools of one-byte codes (fp8 = 1, es = 1: `lut`
-   the codes' values, k_scales/v_scales the layer's per-KV-head scales). */
+/* Both entry points: bfloat16 pools (fp8 = 0, es = 2) and fp8 pools of one-byte codes (fp8 = 1: e4m3, 2: e5m2;
+   es = 1; k_scales/v_scales the layer's per-KV-head scales). */
 static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned char *k_new, int64_t k_new_row,
                             const unsigned char *v_new, int64_t v_new_row, unsigned char *pool, int64_t block_stride,
                             int64_t head_stride, int64_t k_off, int64_t v_off, int64_t token_stride,
                             int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
                             int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out,
-                            int threads, const int fp8, const float *lut, const float *k_scales,
+                            int threads, const int fp8, const float *k_scales,
                             const float *v_scales) {
     if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
         heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
@@ -204,12 +211,15 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
         }
         const uint16_t *qh = q + b * q_row + (int64_t)h * group * head_dim;
         uint16_t *oh = out + ((int64_t)b * heads + h * group) * head_dim;
-        if (fp8)
-            attend_fp8(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                       group, head_dim, lut, k_scales[h], v_scales[h]);
+        if (fp8 == 1)
+            attend_e4m3(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, k_scales[h], v_scales[h]);
+        else if (fp8 == 2)
+            attend_e5m2(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, k_scales[h], v_scales[h]);
         else
             attend_bf16(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                        group, head_dim, NULL, 1.0f, 1.0f);
+                        group, head_dim, 1.0f, 1.0f);
         free(scores);
     }
     return failed ? -3 : 0;
@@ -232,19 +242,39 @@ int xpyd_decode_attention_bf16(
     return decode_attention(q, q_row, (const unsigned char *)k_new, k_new_row, (const unsigned char *)v_new, v_new_row,
                             (unsigned char *)pool, block_stride, head_stride, k_off, v_off, token_stride, block_size,
                             tables, table_row, lens, batch, heads, kv_heads, head_dim, scale, out, threads, 0, NULL,
-                            NULL, NULL);
+                            NULL);
 }
 
 /* The same over a pool of fp8 codes (one byte each; strides in bytes): k_new/v_new are the step's codes
-   (quantized by the caller), `lut` [256] each code's value, k_scales/v_scales [kv_heads] the layer's scales
-   (powers of two). q and out stay bfloat16. Same return codes. */
+   (quantized by the caller), `format` 1 (e4m3) or 2 (e5m2), k_scales/v_scales [kv_heads] the layer's scales
+   (powers of two). q and out stay bfloat16. Same return codes, and -1 for another format. */
 int xpyd_decode_attention_fp8(
     const uint16_t *q, int64_t q_row, const uint8_t *k_new, int64_t k_new_row, const uint8_t *v_new,
     int64_t v_new_row, uint8_t *pool, int64_t block_stride, int64_t head_stride, int64_t k_off, int64_t v_off,
     int64_t token_stride, int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
-    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads, const float *lut,
+    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads, int format,
     const float *k_scales, const float *v_scales) {
+    if (format != 1 && format != 2) return -1;
     return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
                             v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
-                            scale, out, threads, 1, lut, k_scales, v_scales);
+                            scale, out, threads, format, k_scales, v_scales);
+}
+
+/* The kernel's fp8 conversion on its own (format 1: e4m3, 2: e5m2), for the tests: out[i] = value of codes[i],
+   through the row conversion (vector = 1: whole rows of 256 codes, as vectors where the CPU has them) or the
+   per-code bit arithmetic (vector = 0). */
+int xpyd_fp8_to_f32(const uint8_t *codes, int64_t n, int format, int vector, float *out) {
+    if (format != 1 && format != 2) return -1;
+    const float unit = fp8_unit(format);
+    for (int64_t i = 0; i < n; i += 256) {
+        const int rows = n - i < 256 ? (int)(n - i) : 256;
+        if (!vector)
+            for (int j = 0; j < rows; j++) out[i + j] = fp8_scalar(codes[i + j], format);
+        else if (format == 1)
+            fp8_row(out + i, codes + i, 1, rows);
+        else
+            fp8_row(out + i, codes + i, 2, rows);
+        for (int j = 0; j < rows; j++) out[i + j] *= unit;
+    }
+    return 0;
 }
