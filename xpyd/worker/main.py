@@ -248,6 +248,8 @@ def describe_forward(runner) -> str:
     fast = runner.fast_path
     text = f"lean forward, {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
+    if getattr(runner, "kv_codec", None) is not None:
+        text += f"; {runner.pool.layout.dtype} KV cache (scales {runner.pool.layout.scales})"
     if runner.device.type == "cuda":
         if runner.decoder is not None:
             graphs = ",".join(map(str, runner.decoder.graph_sizes))

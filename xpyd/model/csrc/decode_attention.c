@@ -1,5 +1,11 @@
 /* Decode attention over xpyd's paged KV pool, bfloat16 in, float32 math, bfloat16 out.
  *
+ * The pool holds bfloat16 K/V (xpyd_decode_attention_bf16) or fp8 codes, one byte each, with a power-of-two
+ * scale per KV head of the layer for K and for V (xpyd_decode_attention_fp8; xpyd/model/kv_quant.py): the
+ * codes are converted as they are read (fp8.h, exact) and the scales applied once per score and once per
+ * output, which equals dequantizing every element first (powers of two are exact). The step's new K/V arrive
+ * already quantized and are copied in as they are.
+ *
  * The pool is a set of fixed-size blocks; each request owns a block table (its blocks in token order), and
  * token t of a request sits in block table[t / block_size] at row t % block_size. Inside a block, the rows
  * of one (KV head, layer, K or V) are consecutive: [num_blocks, kv_heads, layers, 2, block_size, head_dim].
