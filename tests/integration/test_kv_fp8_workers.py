@@ -42,14 +42,22 @@ def _colocated(workdir: Path, model: Path, extra: list[str]) -> tuple[Cluster, s
     return c, proxy
 
 
-def _texts(proxy: str, n: int) -> list[str]:
+def _texts(proxy: str, n: int, prompt_tokens: list[int] | None = None) -> list[str]:
     out = []
     for prompt in PROMPTS:  # one at a time: the same batch shapes on both sides
         status, body = _complete(proxy, prompt, n)
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == n
         out.append(body["choices"][0]["text"])
+        if prompt_tokens is not None:
+            prompt_tokens.append(body["usage"]["prompt_tokens"])
     return out
+
+
+def _received_bytes(decode: str) -> float:
+    text = urllib.request.urlopen(decode + "/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("xpyd_kv_transfer_bytes_total") and 'direction="recv"' in line)
 
 
 def test_fp8_prefill_to_decode_gives_the_colocated_fp8_tokens(tmp_path: Path, tiny_model_dir: Path):
@@ -57,7 +65,11 @@ def test_fp8_prefill_to_decode_gives_the_colocated_fp8_tokens(tmp_path: Path, ti
     (tmp_path / "co").mkdir()
     cluster, urls = start_1p1d(tmp_path / "pd", str(tiny_model_dir), dtype="bfloat16", max_model_len=256, extra=FP8)
     try:
-        pd = _texts(urls["proxy"], 12)
+        prompt_tokens: list[int] = []
+        pd = _texts(urls["proxy"], 12, prompt_tokens)
+        # the prompts' KV moved as fp8 codes: 1 byte per value (the tiny model: 2 layers x K/V x 2 heads x 16)
+        blocks = sum(-(-n // 16) for n in prompt_tokens)
+        assert _received_bytes(urls["decode"]) == blocks * 16 * (2 * 2 * 2 * 16)
     finally:
         cluster.stop()
     colocated, proxy = _colocated(tmp_path / "co", tiny_model_dir, FP8)
