@@ -94,3 +94,19 @@ def test_a_decode_worker_of_another_kv_dtype_is_refused(tmp_path: Path, tiny_mod
         assert "avoiding the pair" in proxy.log.read_text(errors="replace")  # no KV of the other dtype moved
     finally:
         cluster.stop()
+
+
+def test_a_sim_worker_under_fp8_moves_one_byte_per_value(tmp_path: Path, smollm_dir: Path):
+    """`--engine sim` has no KV values to quantize, but sizes its pool (and so its transfers) at fp8's bytes
+    per token: the model's real 16-bit size, halved."""
+    c = Cluster(tmp_path)
+    port = free_port()
+    c.start("colocated", ["colocated", "--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "inf",
+                          "--threads", "1", "--max-model-len", "256", "--port", str(port), *FP8],
+            f"http://127.0.0.1:{port}")
+    try:
+        c.wait_healthy()
+        log = c.procs[0].log.read_text(errors="replace")
+        assert "x 16 tokens x 11520 bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
+    finally:
+        c.stop()

@@ -74,7 +74,8 @@ class WorkerConfig:
     engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
     sim_profile: str | None = None  # sim: the timing profile's JSON file (None: the built-in one)
     sim_speedup: float = 1.0  # sim: run this many times faster than the profile (inf: no simulated time)
-    sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size)
+    sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size, halved
+    # under an fp8 --kv-cache-dtype)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -147,9 +148,8 @@ class WorkerConfig:
                 raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {self.gpu_memory_utilization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and (self.device != "cpu" or self.engine != "torch"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the CPU engine (--device cpu, "
-                             "--engine torch)")
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the CPU (--device cpu)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:

@@ -204,6 +204,8 @@ def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, Resolve
     backend provides (shm: a shared segment), as `adopt_pool` moves a torch pool there."""
     resolved = ensure_converted(config.model)  # (a GGUF converted before is found in the cache, without torch)
     token_bytes = config.sim_kv_token_bytes or ModelFacts.read(resolved.path).kv_token_bytes
+    if config.sim_kv_token_bytes is None and config.kv_cache_dtype != "auto":
+        token_bytes //= 2  # (the model's size is in 16-bit floats; fp8 codes take one byte)
     num_blocks = config.kv_blocks(token_bytes)
     buffer = None
     if config.role == "prefill":  # (the decode pool stays in process memory, as the real engine's)
