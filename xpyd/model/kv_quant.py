@@ -18,8 +18,9 @@ calibration's), rounded UP to a power of two, divided by the format's max. Why p
 - x / s and value * s are exact (an exponent shift), so quantizing is one rounding (torch's, to nearest
   even) and dequantizing is exact: into bfloat16 or float32 the dequantized values are the same numbers in
   the torch paths (`decode`) and in the native kernel (the code's value times the scale, applied once per
-  score and once per output: csrc/fp8.h converts codes by bit arithmetic, which vectorizes; a 256-entry
-  table read through gathers made the kernel 2.8x slower than bfloat16's on this CPU).
+  score and once per output: csrc/fp8.h converts codes through half precision, 16 per instruction; a
+  256-entry table read through gathers made the kernel 2.8x slower than bfloat16's on this CPU). `lut`
+  is the table from the formats' definitions, what torch's and the kernel's conversions are tested against.
 Checkpoint scales (vLLM's k_scale/v_scale tensors) are not read: the models served here ship none. fp8
 rather than int8: vLLM's formats, and per-element relative precision; in a trial on SmolLM2-135M (torch's
 matmul attention, 20 chat prompts, 64 greedy tokens) int8 with per-head scales (round to nearest, amax x 1-2
@@ -42,8 +43,8 @@ import torch
 
 from xpyd.model.kv_layout import QUANTIZED
 
-__all__ = ["CALIBRATION_TOKENS", "FORMATS", "MARGIN", "FP8Format", "KVCodec", "KVScales", "calibration_ids", "lut",
-           "table_value"]
+__all__ = ["CALIBRATION_TOKENS", "FORMATS", "MARGIN", "FP8Format", "KVCodec", "KVScales", "calibration_ids",
+           "lut", "table_value"]
 
 CALIBRATION_TOKENS = 256
 MARGIN = 4.0  # amax x 4, then up to a power of two: the calibration's largest value lands in [max/8, max/4)
