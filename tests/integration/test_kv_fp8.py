@@ -145,7 +145,7 @@ def test_every_attention_path_over_one_fp8_pool_agrees(tiny_model_dir, kernel, n
         assert ((logits[path] - logits["kernel"]).abs().amax(-1) <= bound * scale).all(), path
 
 
-def test_scales_are_calibrated_alike_whatever_the_pool_and_fp8_stays_close_to_bfloat16(tiny_model_dir):
+def test_scales_are_calibrated_alike_whatever_the_pool_and_fp8_prefill_stays_close_to_bfloat16(tiny_model_dir):
     fp8 = ModelRunner(tiny_model_dir, BF16, num_blocks=64, max_seq_len=128, block_size=5, kv_cache_dtype="fp8_e4m3")
     other = ModelRunner(tiny_model_dir, BF16, num_blocks=9, max_seq_len=128, block_size=16, kv_cache_dtype="fp8_e4m3")
     assert fp8.kv_codec.scales == other.kv_codec.scales  # (block size and pool size do not change them)
@@ -154,4 +154,7 @@ def test_scales_are_calibrated_alike_whatever_the_pool_and_fp8_stays_close_to_bf
     assert bf16.pool.layout.token_bytes == 2 * fp8.pool.layout.token_bytes
     prompt = prompt_of(40, 7)
     a, b = (r.prefill(r.pool.blocks.allocate(r.pool.layout.blocks_for(41)), prompt) for r in (fp8, bf16))
-    assert int(a.argmax()) == int(b.argmax())
+    # prefill attends over the prompt's K/V as the fp8 pool holds them: near bfloat16's, not equal (this random
+    # model, weights of std 0.5, amplifies every rounding: a few percent of the logits' range)
+    assert not torch.equal(a, b)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.97, torch.nn.functional.cosine_similarity(a, b, dim=0)

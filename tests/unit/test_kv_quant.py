@@ -134,8 +134,11 @@ def test_an_fp8_pool_is_bytes_written_and_read_through_its_codec():
     k, v = (torch.randn(7, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
     table = [4, 1]
     where = paged.rows_of(table, torch.arange(7), 4, torch.device("cpu"))
-    paged.write(pool.tensor, 1, where, k, v, codec)
+    stored_k, stored_v = paged.write(pool.tensor, 1, where, k, v, codec)
     keys, values = paged.gather(pool.tensor, 1, paged.padded_tables([table], 2, torch.device("cpu")), 7, codec)
+    # what the write says the pool now holds is what a read gives back (prefill attends over it)
+    assert torch.equal(stored_k.transpose(0, 1).unsqueeze(0), keys)
+    assert torch.equal(stored_v.transpose(0, 1).unsqueeze(0), values)
     k_codes, v_codes = codec.encode(1, k, v)
     expect_k, expect_v = codec.decode(1, k_codes.transpose(0, 1).unsqueeze(0), v_codes.transpose(0, 1).unsqueeze(0))
     assert torch.equal(keys, expect_k) and torch.equal(values, expect_v) and keys.dtype == torch.bfloat16

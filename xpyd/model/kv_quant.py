@@ -183,6 +183,11 @@ class KVCodec:
         k_scale, v_scale = self._scale[layer]
         return (k.view(self.fp8).to(self.dtype).mul_(k_scale), v.view(self.fp8).to(self.dtype).mul_(v_scale))
 
+    def decode_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` for codes of T tokens' rows, k, v [T, kv_heads, head_dim] (what `encode` returns)."""
+        k_scale, v_scale = self._scale[layer]
+        return (k.view(self.fp8).to(self.dtype).mul_(k_scale[:, 0]), v.view(self.fp8).to(self.dtype).mul_(v_scale[:, 0]))
+
     def kernel_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V scales, float32 [kv_heads] on the CPU (for `native.DecodeAttention.fp8`)."""
         return self._kernel[layer]

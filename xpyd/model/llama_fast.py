@@ -393,8 +393,8 @@ class FastLlama:
             self.on_layer()
             qkv = self.qkv(layer, x)
             qk = self._rope(qkv, cos, sin)
-            k_all, v_all = qk[:, nh:], qkv[:, nh + nkv :]
-            paged.write(pool, index, where, k_all, v_all, codec)
+            # (from an fp8 pool, the new tokens' K/V as stored: attention reads every token as the pool holds it)
+            k_all, v_all = paged.write(pool, index, where, qk[:, nh:], qkv[:, nh + nkv :], codec)
             outs = []
             for (off, n, start), prefix in zip(spans, prefixes):
                 q = qk[off : off + n, :nh].transpose(0, 1).unsqueeze(0)

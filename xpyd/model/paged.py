@@ -34,13 +34,18 @@ def rows_of(table: Sequence[int], positions: torch.Tensor, block_size: int, devi
 
 
 def write(pool: torch.Tensor, layer: int, where: RowIndex, k: torch.Tensor, v: torch.Tensor,
-          codec: KVCodec | None = None) -> None:
+          codec: KVCodec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v [T, kv_heads, head_dim]: the K/V of T tokens into their rows of ``layer`` (quantized by
-    ``codec`` for an fp8 pool)."""
+    ``codec`` for an fp8 pool). Returns k, v as the pool now holds them: as given, or from an fp8 pool the
+    values of their codes (what a later read gives; prefill attends over these, as decode does)."""
     if codec is not None:
-        k, v = codec.encode(layer, k, v)
+        k_codes, v_codes = codec.encode(layer, k, v)
+        pool[where.blocks, :, layer, 0, where.rows] = k_codes
+        pool[where.blocks, :, layer, 1, where.rows] = v_codes
+        return codec.decode_rows(layer, k_codes, v_codes)
     pool[where.blocks, :, layer, 0, where.rows] = k
     pool[where.blocks, :, layer, 1, where.rows] = v
+    return k, v
 
 
 def padded_tables(tables: Sequence[Sequence[int]], num_blocks: int, device: torch.device) -> torch.Tensor:

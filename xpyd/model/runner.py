@@ -276,7 +276,9 @@ class ModelRunner:
         for index, layer in enumerate(self._layers):
             self._pace()
             q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, m, head_dim]
-            paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
+            k_rows, v_rows = paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
+            if codec is not None:  # the new tokens' K/V as the fp8 pool holds them (as decode reads them too)
+                k, v = k_rows.transpose(0, 1).unsqueeze(0), v_rows.transpose(0, 1).unsqueeze(0)
             if prefix is not None:
                 k_old, v_old = paged.gather(pool, index, prefix, start, codec)
                 attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
