@@ -9,8 +9,8 @@ dtypes. (Below, "bfloat16" names the model-dtype KV, whichever --dtype.)
 1. Perplexity of a held-out text (default: the GPL-3 text in /usr/share/common-licenses; the scales are
    calibrated on seeded random ids, so any real text is held out): cut into --segments segments of
    --segment-tokens tokens, each read teacher-forced through decode steps, all segments in one batch, so
-   every token attends over the K/V of the ones before it as the pool stores them (a prefill would attend
-   over its own chunk's unquantized K/V). Reports mean NLL and the ratio exp(NLL_fp8 - NLL_bf16).
+   every token attends over the K/V of the ones before it as the pool stores them, the way a generation's
+   tokens do. Reports mean NLL and the ratio exp(NLL_fp8 - NLL_bf16).
 2. Greedy answers: PROMPTS as chat turns (the chat template), up to --answer-tokens greedy tokens each (an
    answer ends at the model's end-of-turn token, as a worker's does), all in one batch; the share of answers
    identical to bfloat16 KV's (and the mean share of identical leading tokens). For scale, the same for the
