@@ -158,3 +158,20 @@ def test_scales_are_calibrated_alike_whatever_the_pool_and_fp8_prefill_stays_clo
     # model, weights of std 0.5, amplifies every rounding: a few percent of the logits' range)
     assert not torch.equal(a, b)
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.97, torch.nn.functional.cosine_similarity(a, b, dim=0)
+
+
+def test_an_fp8_prompt_prefilled_in_chunks_matches_it_prefilled_whole(tiny_model_dir):
+    """Prefill attends over the new tokens' K/V as the pool holds them, as a later chunk reads the earlier
+    ones: where a prompt's chunks end does not change its numbers beyond rounding (had the new tokens been
+    attended unquantized, the second chunk would see the first one's fp8 values and the whole prompt would
+    not: differences of quantization's size)."""
+    runner = ModelRunner(tiny_model_dir, BF16, num_blocks=32, max_seq_len=128, block_size=5, kv_cache_dtype="fp8_e4m3")
+    prompt = prompt_of(40, 3)
+    whole_blocks, chunk_blocks = (runner.pool.blocks.allocate(8) for _ in range(2))
+    whole = runner.prefill(whole_blocks, prompt)
+    runner.prefill(chunk_blocks, prompt[:20])
+    chunked = runner.prefill(chunk_blocks, prompt, start=20)
+    pool = runner.pool.tensor
+    assert torch.equal(pool[whole_blocks[:4]], pool[chunk_blocks[:4]])  # the first chunk: the same codes
+    assert (pool[whole_blocks[4:]] == pool[chunk_blocks[4:]]).float().mean() > 0.99
+    assert (whole - chunked).abs().max() <= 0.01 * whole.abs().max()
