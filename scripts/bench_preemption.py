@@ -11,6 +11,9 @@ run under test is the reference's; writes the answers and the polls to --out.
     .venv/bin/python scripts/bench_preemption.py [--mode colocated|pd] [--requests 64] [--prompt-tokens 256] \
         [--batch-size 64] [--kv-cache-tokens 16384] [--reference-kv-cache-tokens 131072] [--out DIR] \
         [--up-args "--dtype float32"] [--skip-reference] [--instruction TEXT] [--direct]
+    .venv/bin/python scripts/bench_preemption.py --openai-url http://127.0.0.1:PORT --model-name NAME --out DIR
+        (the same requests to another server, e.g. vLLM CPU: scripts/peers/start_vllm.sh MODEL_DIR PORT NAME
+        --max-num-seqs 64; its wall time and output tokens/s)
 
 Starts its own cluster on free ports for each run and stops it; nothing but 127.0.0.1 is contacted.
 """
@@ -60,12 +63,14 @@ def prompts(n: int, tokens: int, tokenizer, instruction: str) -> list[list[dict]
     return out
 
 
-def _chat(url: str, messages: list[dict]) -> tuple[str, int, str]:
+def _chat(url: str, messages: list[dict], model: str | None = None) -> tuple[str, int, str]:
     """A greedy chat request without max_tokens, streamed (bytes keep coming however long it runs): its text,
     completion tokens and finish reason."""
     from xpyd.signal.request_id import RequestId
 
     body = {"messages": messages, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     addr = url.removeprefix("http://")  # (a worker called directly: an id naming it as both workers, as the
     # colocated proxy's do; the proxy makes its own)
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -91,6 +96,25 @@ def _chat(url: str, messages: list[dict]) -> tuple[str, int, str]:
 def _stats(url: str) -> dict:
     with urllib.request.urlopen(url + "/xpyd/stats", timeout=30) as r:
         return json.loads(r.read())
+
+
+def run_elsewhere(args, conversations: list) -> dict:
+    """The same requests to another OpenAI server (``--openai-url``, e.g. vLLM CPU started with
+    scripts/peers/start_vllm.sh and ``--max-num-seqs`` = --batch-size): its wall time and output tokens/s."""
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(len(conversations)) as ex:
+        answers = list(ex.map(lambda m: _chat(args.openai_url, m, args.model_name), conversations))
+    wall = time.monotonic() - t0
+    lens = [n for _, n, _ in answers]
+    reasons = [r for _, _, r in answers]
+    result = {"name": "elsewhere", "url": args.openai_url, "wall_s": round(wall, 1), "answers": len(answers),
+              "output_tokens": sum(lens), "output_min": min(lens), "output_max": max(lens),
+              "finish_reasons": {r: reasons.count(r) for r in set(reasons)}, "load_avg": os.getloadavg()[0],
+              "output_tok_s": round(sum(lens) / wall, 1)}
+    (args.out / "elsewhere.json").write_text(json.dumps({**result, "texts": [t for t, _, _ in answers],
+                                                         "completion_tokens": lens}, indent=1))
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def run(args, kv_tokens: int, conversations: list, name: str, env: dict) -> dict:
@@ -163,8 +187,10 @@ def main() -> int:
     ap.add_argument("--instruction", default="Summarize these notes in two sentences.",
                     help="what each prompt asks after its notes (how long the answers are)")
     ap.add_argument("--direct", action="store_true", help="colocated: send the requests to the worker itself, not "
-                    "through the proxy (whose --read-timeout, 300 s between two chunks, a request preempted for "
-                    "minutes on a slow machine outlasts)")
+                    "through the proxy (as the recorded runs did, before silent streams wrote keep-alives)")
+    ap.add_argument("--openai-url", default=None, metavar="URL",
+                    help="send the same requests to this OpenAI server instead (no xpyd started), e.g. vLLM CPU")
+    ap.add_argument("--model-name", default=None, help="with --openai-url: the request's model (its served name)")
     args = ap.parse_args()
     if args.direct and args.mode != "colocated":
         ap.error("--direct: colocated only (a P/D request needs the proxy)")
@@ -178,6 +204,9 @@ def main() -> int:
     folder = up[up.index("--model") + 1] if "--model" in up else ensure_converted(None, progress=False).path
     conversations = prompts(args.requests, args.prompt_tokens, AutoTokenizer.from_pretrained(str(folder)),
                             args.instruction)
+    if args.openai_url is not None:
+        run_elsewhere(args, conversations)
+        return 0
     tested = run(args, args.kv_cache_tokens, conversations, f"{args.mode}-{args.kv_cache_tokens}", env)
     if args.skip_reference:
         return 0

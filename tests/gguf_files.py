@@ -1,7 +1,9 @@
 """Tiny GGUF files of the families transformers reads GGUF for, written from a tiny HF model the way llama.cpp's
 converter lays them out (tensor names from gguf-py's map; llama's q/k rows permuted; float32 tensors, so
 nothing is lost), with a byte-level BPE tokenizer of `VOCAB` tokens (the 256 bytes, one merge, and an
-end-of-text token: the models' vocabulary must be that size)."""
+end-of-text token: the models' vocabulary must be that size). Gemma's as llama.cpp's converter writes them too:
+its RMSNorm weights shifted by +1 (transformers' reader takes the 1 off again), the lm_head left out (tied to the
+embeddings), the window and the soft-caps as metadata."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import numpy as np
 
 VOCAB = 258
 EOS = 257
-ARCHES = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3moe"}  # HF model_type -> GGUF
+ARCHES = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "qwen3_moe": "qwen3moe",  # HF model_type -> GGUF
+          "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_GEMMA = ("gemma2", "gemma3")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -38,13 +42,20 @@ def write_gguf(model, path: Path, rope_freqs: np.ndarray | None = None) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope["full_attention"] if "full_attention" in rope else rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if hasattr(config, "num_experts"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch in _GEMMA:
+        writer.add_sliding_window(config.sliding_window)
+        for cap, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                         ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+            if getattr(config, cap, None) is not None:
+                add(getattr(config, cap))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _byte_tokenizer(writer)
 
@@ -52,6 +63,8 @@ def write_gguf(model, path: Path, rope_freqs: np.ndarray | None = None) -> Path:
                                      config.num_hidden_layers)
     for hf_name, tensor in _split_experts(model.state_dict()).items():
         base, suffix = hf_name.rsplit(".", 1)
+        if base == "lm_head" and getattr(config, "tie_word_embeddings", False):
+            continue  # (the embeddings)
         name = names.get_name(base)
         assert name is not None, hf_name
         data = tensor.detach().float().numpy().copy()
@@ -59,6 +72,8 @@ def write_gguf(model, path: Path, rope_freqs: np.ndarray | None = None) -> Path:
             data = _permute(data, config.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             data = _permute(data, config.num_key_value_heads)
+        elif arch in _GEMMA and hf_name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
         writer.add_tensor(f"{name}.{suffix}", data)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))

@@ -1,90 +1,20 @@
-"""Each model family (tests/families.py: tiny random models with the SmolLM2 tokenizer) served by real
-processes, float32: a 1P1D cluster behind its proxy, and a colocated worker behind its own. Prompts are
-computed in chunks of 16 on prefill; the second prompt shares the first one's leading blocks, so it is
-answered from the prefix cache (``cached_tokens``). Every answer is transformers ``generate``'s text."""
+"""The model families with one K and V per head and a full context (tests/families.py FAMILIES) served by a 1P1D
+cluster and a colocated worker, token-exact with the prefix cache (tests/families_served.py)."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, free_port
-from tests.families import FAMILIES, float64_copy, save_tiny
-
-MAX_MODEL_LEN = 256
-NEW_TOKENS = 12
-BLOCK = 16
-DOC = ("The river town kept its records in a stone tower by the bridge. Every spring the clerks climbed the "
-       "stairs with new ledgers, and every autumn they carried the old ones down to the cellar. ")
-PROMPTS = [DOC + "Question: who kept the records?", DOC + "Question: what happened every spring?"]
+from tests.families import FAMILIES
+from tests.families_served import check_answers, serve
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tmp_path_factory, smollm_dir: Path):
-    """(family, model folder, {"pd": proxy URL, "colocated": proxy URL}) with every process started."""
-    import torch
-    from transformers import AutoTokenizer
-
-    family = request.param
-    folder = tmp_path_factory.mktemp(f"{family}-model")
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
-    torch.manual_seed(0)
-    save_tiny(family, folder, len(tokenizer), max_positions=MAX_MODEL_LEN, tokenizer=tokenizer)
-    c = Cluster(tmp_path_factory.mktemp(family))
-    common = ["--model", str(folder), "--dtype", "float32", "--threads", "1", "--batch-size", "2",
-              "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK)]
-    pp, ps, dp, dk, cp, xp, yp = (free_port() for _ in range(7))
-    url = lambda port: f"http://127.0.0.1:{port}"
-    try:
-        c.start("prefill", ["prefill", *common, "--prefill-chunk", "16", "--port", str(pp), "--signal-port", str(ps)],
-                url(pp))
-        c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], url(dp))
-        c.start("colocated", ["colocated", *common, "--port", str(cp)], url(cp))
-        c.wait_healthy()
-        c.start("proxy", ["proxy", "--port", str(xp), "--prefill", url(pp), "--decode", url(dp)], url(xp))
-        c.start("colocated-proxy", ["proxy", "--port", str(yp), "--colocated", url(cp)], url(yp))
-        c.wait_healthy()
-    except BaseException:
-        c.stop()
-        raise
-    yield family, folder, {"pd": url(xp), "colocated": url(yp)}
-    c.stop()
-
-
-def _reference(folder: Path, prompt: str) -> tuple[int, str]:
-    """(prompt tokens, transformers' greedy text), every token decided beyond float32 error."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.numerics import decided_greedy
-    from xpyd.model.tokenizer import encode_prompt
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = encode_prompt(tok, prompt)
-    return len(ids), tok.decode(decided_greedy(model, float64_copy(model), ids, NEW_TOKENS), skip_special_tokens=True)
-
-
-def _complete(url: str, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.status == 200
-        return json.loads(r.read())
+    yield from serve(request.param, tmp_path_factory, smollm_dir)
 
 
 def test_pd_and_colocated_answer_what_generate_does_with_the_prefix_cache(served):
-    family, folder, urls = served
-    expected = [_reference(folder, p) for p in PROMPTS]
-    for kind, url in urls.items():
-        for i, (prompt, (length, text)) in enumerate(zip(PROMPTS, expected)):
-            answer = _complete(url, prompt)
-            assert answer["choices"][0]["text"] == text, f"{family}, {kind}, prompt {i}"
-            assert answer["usage"]["prompt_tokens"] == length
-            cached = answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-            if i == 1:  # the shared leading blocks came from the cache
-                assert cached >= 2 * BLOCK, f"{family}, {kind}: {answer['usage']}"
+    check_answers(served)

@@ -82,6 +82,19 @@ def test_the_role_allows_get_and_patch_on_the_two_deployments_scale_and_nothing_
     assert len(_objects(docs, "RoleBinding")) == 1 and not _objects(docs, "ClusterRole")
 
 
+def test_pod_deletion_costs_add_list_and_patch_on_pods_and_the_flag(helm: Helm, parser) -> None:
+    from xpyd.launcher.planner_service import config_from_args
+
+    assert not config_from_args(parser.parse_args(_argv(helm.template(VALUE_SETS["planner"])))).pod_deletion_cost
+    docs = helm.template(VALUE_SETS["planner"], sets=("planner.podDeletionCost=true",))
+    role = _objects(docs, "Role")[PLANNER]
+    assert role["rules"][1:] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]
+    assert role["rules"][0]["resources"] == ["deployments/scale"]
+    assert config_from_args(parser.parse_args(_argv(docs))).pod_deletion_cost
+    metrics = helm.template(sets=("planner.enabled=true", "planner.mode=metrics", "planner.podDeletionCost=true"))
+    assert not _objects(metrics, "Role") and "--pod-deletion-cost" not in _container(metrics)["args"]
+
+
 def test_only_the_planner_pod_gets_a_token_and_the_bound_account(helm: Helm) -> None:
     docs = helm.template(VALUE_SETS["planner"])
     pod = _planner_pod(docs)
@@ -240,6 +253,7 @@ def test_network_policies_let_the_planner_reach_etcd_the_proxy_and_the_workers(h
     ("planner.enabled=true", "networkPolicy.enabled=true",
      "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"),
     ("planner.enabled=true", "planner.mode=metrics", "networkPolicy.enabled=true"),
+    ("planner.enabled=true", "planner.podDeletionCost=true"),
     ("planner.enabled=true", "apiKey.existingSecret=keys", "planner.env[0].name=LOG_LEVEL",
      "planner.env[0].value=debug", "planner.extraArgs={--kube-timeout=10}"),
 ])

@@ -175,3 +175,26 @@ def test_an_fp8_prompt_prefilled_in_chunks_matches_it_prefilled_whole(tiny_model
     assert torch.equal(pool[whole_blocks[:4]], pool[chunk_blocks[:4]])  # the first chunk: the same codes
     assert (pool[whole_blocks[4:]] == pool[chunk_blocks[4:]]).float().mean() > 0.99
     assert (whole - chunked).abs().max() <= 0.01 * whole.abs().max()
+
+
+def test_a_sliding_window_model_runs_on_an_fp8_pool_and_a_latent_one_is_refused(tmp_path):
+    """Gemma's windowed reads go through the codec like the others' (chunks of 9 across its window of 10 and
+    blocks of 5 give the whole prompt's numbers within quantization's rounding); DeepSeek's latent pool has no
+    per-head K and V to scale: refused at start, saying so."""
+    from tests.families import save_tiny
+
+    save_tiny("gemma2", tmp_path / "gemma", 500)
+    runner = ModelRunner(tmp_path / "gemma", BF16, num_blocks=32, max_seq_len=128, block_size=5,
+                         kv_cache_dtype="fp8_e4m3")
+    assert runner.pool.tensor.dtype == torch.uint8
+    prompt = torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole_blocks, chunk_blocks = (runner.pool.blocks.allocate(8) for _ in range(2))
+    whole = runner.prefill(whole_blocks, prompt)
+    for start in range(0, len(prompt), 9):
+        chunked = runner.prefill(chunk_blocks, prompt[:start + 9], start=start)
+    assert torch.equal(runner.pool.tensor[whole_blocks[:1]], runner.pool.tensor[chunk_blocks[:1]])
+    assert (whole - chunked).abs().max() <= 0.01 * whole.abs().max()
+    save_tiny("deepseek_v2", tmp_path / "deepseek", 500)
+    with pytest.raises(ValueError, match="not supported for latent attention"):
+        ModelRunner(tmp_path / "deepseek", BF16, num_blocks=16, max_seq_len=64, block_size=4,
+                    kv_cache_dtype="fp8_e4m3")

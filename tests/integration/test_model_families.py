@@ -4,7 +4,11 @@ For each family, on every path that covers it (the lean forward and the general 
 computed in chunks, of its tokens decoded one by one, and of a second request prefilled after the first one's
 blocks (a prefix cache hit) are within float32 error of transformers' float64 forward; and greedy decoding of
 two requests that share a prefix, batched, prompts computed in chunks, gives transformers' ``generate`` tokens.
-Then what is refused at start, and why.
+The sliding-window families (gemma2, gemma3: local and global layers) also: chunks that end inside and past
+the window, a request growing from shorter than the window to far past it, and a batch of requests at
+different distances from their windows' edges. The latent-attention families (deepseek_v2: its KV one latent per
+token and layer) as the others (test_model_latent.py checks what is particular to them). Then what is refused at
+start, and why.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.families import FAMILIES, float64_copy, save_tiny
+from tests.families import FAMILIES, LATENT_FAMILIES, SLIDING_FAMILIES, float64_copy, save_tiny
 from tests.integration.test_model_runner import (assert_exact_greedy, assert_no_block_held, decode, exact_logits,
                                                  hf_generate, new_seq, prefill_chunked, release)
 from tests.numerics import Reference
@@ -22,7 +26,9 @@ VOCAB = 500
 BLOCK = 5  # odd: blocks end part-way through chunks and prompts
 CHUNK = 8
 # What covers each family: the lean forward (and the general path next to it) or the general path alone.
-LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True}
+LEAN = {"qwen3": True, "llama3": True, "phi3": True, "phi3-partial": False, "mixtral": True, "qwen3_moe": True,
+        "gemma2": False, "gemma3": False, "deepseek_v2": False, "deepseek_v2-q": False,
+        "deepseek_v3": False}
 
 torch.set_num_threads(1)
 
@@ -56,7 +62,8 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",))
+@pytest.mark.parametrize("family", FAMILIES + ("phi3-partial",) + SLIDING_FAMILIES + LATENT_FAMILIES
+                         + ("deepseek_v2-q",))
 def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(made, family):
     runner, hf, hf64, _ = made(family)
     assert runner.fast_path_active == LEAN[family], runner.fast_path_reason
@@ -72,14 +79,14 @@ def test_logits_match_transformers_chunked_decoded_and_after_a_cached_prefix(mad
             a.out[-1] = prompt[pos]  # teacher-forced: the prompt's next token
             decode(runner, [a])
             at(pos).check(a.logits[-1], f"{path}: a's step at {pos}")
-        b = new_seq(runner.pool, prompt[:47], seed=2, prefix=a.table[:6])  # a's first 30 tokens, cached
+        b = new_seq(runner.pool, prompt[:47], seed=2, prefix=a.table[:6])  # a's first 30 tokens (> a window), cached
         prefill_chunked(runner, b, CHUNK)
         at(46).check(b.logits[0], f"{path}: b's prefill after a's blocks")
         release(runner.pool, [a, b])
     assert_no_block_held(runner)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SLIDING_FAMILIES + LATENT_FAMILIES)
 def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
     """a, then b with a's first 4 blocks cached; both computed in chunks of 8, then decoded in one batch."""
     runner, hf, hf64, _ = made(family)
@@ -104,6 +111,48 @@ def test_greedy_of_requests_sharing_a_prefix_matches_generate(made, family):
     assert_no_block_held(runner)
 
 
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+@pytest.mark.parametrize("chunk", [4, 9, 13, 29])
+def test_sliding_windows_chunks_inside_and_past_the_window(made, family, chunk):
+    """Chunks shorter than the window (several per window), as long as gemma3's window, and longer than both
+    windows (a chunk's first tokens fall out of its last tokens' window), cold and after a cached prefix
+    longer than the window (which a local layer reads only the end of)."""
+    runner, hf, hf64, _ = made(family)
+    assert not runner.fast_path_active and "Gemma" in runner.fast_path_reason
+    prompt = prompt_of(58, 20 + chunk)
+    ref = exact_logits(hf, hf64, prompt)
+    a = new_seq(runner.pool, prompt[:43], seed=5)
+    prefill_chunked(runner, a, chunk)
+    Reference(ref.exact[42], ref.bound).check(a.logits[0], f"chunks of {chunk}")
+    b = new_seq(runner.pool, prompt, seed=6, prefix=a.table[:5])  # 25 cached tokens
+    prefill_chunked(runner, b, chunk)
+    Reference(ref.exact[57], ref.bound).check(b.logits[0], f"chunks of {chunk} after 25 cached tokens")
+    release(runner.pool, [a, b])
+    assert_no_block_held(runner)
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_sliding_windows_decode_across_the_edge_in_batches_of_different_lengths(made, family):
+    """Three requests decoded in one batch, teacher-forced: one from 3 tokens (inside the window) to 33, one
+    from 12 (just past it) and one from 40; every step's logits against transformers' float64 ones."""
+    runner, hf, hf64, _ = made(family)
+    prompts = [prompt_of(33, 30), prompt_of(42, 31), prompt_of(70, 32)]
+    starts = [3, 12, 40]
+    refs = [exact_logits(hf, hf64, p) for p in prompts]
+    seqs = [new_seq(runner.pool, p[:n], seed=7 + i) for i, (p, n) in enumerate(zip(prompts, starts))]
+    for s, ref, n in zip(seqs, refs, starts):
+        prefill_chunked(runner, s, CHUNK)
+        Reference(ref.exact[n - 1], ref.bound).check(s.logits[0], f"prefill of {n}")
+    for step in range(30):
+        for s, p, n in zip(seqs, prompts, starts):
+            s.out[-1] = p[n + step]
+        decode(runner, seqs)
+        for s, ref, n in zip(seqs, refs, starts):
+            Reference(ref.exact[n + step], ref.bound).check(s.logits[-1], f"step at {n + step}")
+    release(runner.pool, seqs)
+    assert_no_block_held(runner)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "mixtral"])
 def test_bfloat16_lean_forward_runs_close_to_transformers(tmp_path, family):
     """The lean forward's bfloat16 path (oneDNN linears, native norms and rotary where they build) with the
@@ -121,6 +170,34 @@ def test_bfloat16_lean_forward_runs_close_to_transformers(tmp_path, family):
     decode(runner, [a])
     with torch.inference_mode():
         theirs = hf(torch.tensor([prompt[:11]])).logits[0, [9, 10]].float()
+    for ours, row in zip(a.logits, theirs):
+        assert torch.corrcoef(torch.stack([ours, row]))[0, 1] > 0.99
+    release(runner.pool, [a])
+    assert_no_block_held(runner)
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_bfloat16_gemma_runs_close_to_transformers(tmp_path, family):
+    """Gemma's bfloat16 general path (norms in float32 inside transformers' modules, soft-caps and the scaled
+    embeddings in bfloat16, as transformers), past the window, in chunks and decoded."""
+    save_tiny(family, tmp_path, VOCAB)
+    assert_bfloat16_close(ModelRunner(tmp_path, torch.bfloat16, num_blocks=30, max_seq_len=64, block_size=4), tmp_path)
+
+
+def assert_bfloat16_close(runner: ModelRunner, folder) -> None:
+    """A bfloat16 runner's logits of a prompt prefilled in chunks of 7 and then decoded correlate > 0.99 with
+    transformers' bfloat16 forward of the model in ``folder``; no block is held after."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    prompt = prompt_of(36, 6)
+    a = new_seq(runner.pool, prompt[:30], seed=1)
+    prefill_chunked(runner, a, 7)
+    for pos in range(30, 35):
+        a.out[-1] = prompt[pos]
+        decode(runner, [a])
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt[:35]])).logits[0, 29:35].float()
     for ours, row in zip(a.logits, theirs):
         assert torch.corrcoef(torch.stack([ours, row]))[0, 1] > 0.99
     release(runner.pool, [a])
@@ -155,6 +232,35 @@ def test_what_is_refused_at_start_says_why(tmp_path):
         ModelRunner(tmp_path / "qwen3-window", torch.float32, num_blocks=1, max_seq_len=64)
 
 
+def test_sliding_windows_are_served_beside_global_layers_and_refused_in_every_layer(tmp_path):
+    """Gemma's local layers (window < context) are served: its global layers see every position, so the pool
+    keeps every token's KV anyway. A model whose every layer is windowed narrower than the context (Mistral's
+    original configs) is refused, saying why and what context it can serve."""
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, MistralConfig
+
+    from xpyd.model.families import check_supported, layer_attention
+
+    small = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert {"gemma2", "gemma3_text"} <= set(SUPPORTED_MODEL_TYPES)
+    for config in (Gemma2Config(num_hidden_layers=4, sliding_window=16, **small),
+                   Gemma3TextConfig(num_hidden_layers=6, sliding_window=16, **small)):
+        check_supported(config, 4096)
+        windows = [spec.window for spec in layer_attention(config)]
+        assert None in windows and 16 in windows, windows
+    MistralConfig(num_hidden_layers=1, sliding_window=32, **small).save_pretrained(tmp_path / "mistral-window")
+    with pytest.raises(UnsupportedModel, match=r"sliding-window attention in every layer \(32 < context 64\).*"
+                                               r"keeps every token's KV.*--max-model-len 32"):
+        ModelRunner(tmp_path / "mistral-window", torch.float32, num_blocks=1, max_seq_len=64)
+    check_supported(MistralConfig(num_hidden_layers=1, sliding_window=64, **small), 64)  # (never reached)
+    all_local = Gemma2Config(num_hidden_layers=2, sliding_window=16, layer_types=["sliding_attention"] * 2, **small)
+    with pytest.raises(UnsupportedModel, match="every layer"):
+        check_supported(all_local, 64)
+    with pytest.raises(UnsupportedModel, match="bidirectional"):
+        check_supported(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True, **small), 64)
+    with pytest.raises(UnsupportedModel, match="'gemma3' is not supported .*'gemma3_text'"):
+        check_supported(Gemma3Config(), 64)
+
+
 def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
     """A one-line error naming the type and every supported one, exit code 2, before any weights load."""
     import subprocess
@@ -172,10 +278,11 @@ def test_a_worker_refuses_an_unsupported_model_at_start_with_the_list(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "phi3", "phi3-partial"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "phi3", "phi3-partial", "gemma2", "gemma3"])
 def test_runner_on_a_device_keeps_every_step_of_the_familys_parts_there(tmp_path, family):
-    """q/k norms, fused projections, partial rotary: on another device ('meta' here), on every path that
-    covers the family, no per-step tensor is made on the host and nothing comes back but the logits' device.
+    """q/k norms, fused projections, partial rotary, windows and soft-caps: on another device ('meta' here), on
+    every path that covers the family, no per-step tensor is made on the host and nothing comes back but the
+    logits' device.
     (Not the mixtures of experts: transformers' grouped expert GEMM does not run on 'meta'.)"""
     from tests.integration.test_engine_device import DeviceLedger, tensor_devices
 

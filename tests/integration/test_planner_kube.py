@@ -1,7 +1,8 @@
 """`xpyd planner --mode scale`'s Kubernetes client (``xpyd.launcher.kube``), its ``Deployments`` workers and the
 service around them (``planner_service.serve``, in process) against a fake API server on a real socket: an aiohttp
 app serving the scale subresource of two Deployments as the API server does (GET and PATCH
-.../deployments/{name}/scale, a bearer token, a merge patch, Status objects for refusals).
+.../deployments/{name}/scale, a bearer token, a merge patch, Status objects for refusals), and their pods (a list by
+label selector, a merge patch of annotations) for deletion costs.
 
 There is no Kubernetes here: what a real API server does beyond this (admission, RBAC evaluation, the Deployment
 controller acting on the new replicas) is not exercised.
@@ -21,7 +22,7 @@ from aiohttp import web
 from tests.cluster import free_port
 from xpyd.discovery.planner_state import PlannerMode
 from xpyd.launcher import planner_service
-from xpyd.launcher.kube import MERGE_PATCH, KubeConfig, KubeError, ScaleClient
+from xpyd.launcher.kube import DELETION_COST, MERGE_PATCH, KubeConfig, KubeError, ScaleClient
 from xpyd.launcher.planner_loop import PlannerLoop, PlannerLoopConfig, WorkersError
 from xpyd.launcher.planner_workers import Deployments
 from xpyd.planner.controller import Controller, Fleet, PlannerConfig, Role
@@ -44,13 +45,47 @@ class FakeAPI:
         self.delay = 0.0  # seconds before answering
         self.forbid_patch = False
         self.reply: bytes | None = None  # answer this instead (status 200)
+        self.pods: dict[str, dict] = {}  # name -> {"labels", "ip", "phase", "deleting", "annotations"}
+        self.forbid_pods = False
 
     def app(self) -> web.Application:
         app = web.Application()
         path = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
         app.router.add_get(path, self.handle)
         app.router.add_patch(path, self.handle)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self.list_pods)
+        app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}", self.patch_pod)
         return app
+
+    def _pods_refused(self, request: web.Request, verb: str) -> web.Response | None:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return _status(401, "Unauthorized", "Unauthorized")
+        if self.forbid_pods:
+            return _status(403, "Forbidden", f'pods is forbidden: User "system:serviceaccount:{NS}:planner" cannot '
+                                             f'{verb} resource "pods"')
+        return None
+
+    async def list_pods(self, request: web.Request) -> web.Response:
+        self.seen.append(("GET", f"{request.path}?labelSelector={request.query.get('labelSelector')}", None, None))
+        if (refused := self._pods_refused(request, "list")) is not None:
+            return refused
+        wanted = dict(kv.split("=") for kv in request.query["labelSelector"].split(","))
+        items = [{"metadata": {"name": name, **({"deletionTimestamp": "2026-11-29T00:00:00Z"} if p["deleting"] else {}),
+                               "labels": p["labels"], "annotations": p["annotations"]},
+                  "status": {"phase": p["phase"], **({"podIP": p["ip"]} if p["ip"] else {})}}
+                 for name, p in self.pods.items() if wanted.items() <= p["labels"].items()]
+        return web.json_response({"kind": "PodList", "apiVersion": "v1", "items": items})
+
+    async def patch_pod(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(("PATCH", request.path, request.headers.get("Content-Type"), body))
+        if (refused := self._pods_refused(request, "patch")) is not None:
+            return refused
+        name = request.match_info["name"]
+        if name not in self.pods:
+            return _status(404, "NotFound", f'pods "{name}" not found')
+        self.pods[name]["annotations"].update(body["metadata"]["annotations"])
+        return web.json_response({"kind": "Pod", "metadata": {"name": name}})
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
@@ -77,7 +112,7 @@ class FakeAPI:
         n = self.replicas[name]
         scale = {"kind": "Scale", "apiVersion": "autoscaling/v1",
                  "metadata": {"name": name, "namespace": ns, "resourceVersion": "123"},
-                 "spec": {"replicas": n} if n else {}, "status": {"replicas": n, "selector": "app=x"}}
+                 "spec": {"replicas": n} if n else {}, "status": {"replicas": n, "selector": f"app=x,component={name.rsplit('-', 1)[1]}"}}
         return web.json_response(scale)
 
 
@@ -283,3 +318,35 @@ async def test_the_scale_mode_service_patches_the_deployments_and_serves_its_gau
         await asyncio.wait_for(serving, 60)
         await runner.cleanup()
     assert [(m, ct) for m, _, ct, _ in fake.seen if m == "PATCH"] == [("PATCH", MERGE_PATCH)] * 2
+
+
+async def test_with_deletion_costs_the_least_busy_running_pod_of_the_role_is_deleted_first(api):
+    """Before the drain every running decode pod gets its worker's load as its deletion cost (the worker whose
+    address is the pod's IP; one not scraped costs the most); pods of the other role, pods being deleted and
+    pods without an IP are left alone; then the Deployment shrinks by one."""
+    fake, client, _ = api
+    decode = {"app": "x", "component": "decode"}
+    for name, ip, phase, deleting in (("d-a", "10.0.0.1", "Running", False), ("d-b", "10.0.0.2", "Running", False),
+                                      ("d-c", "10.0.0.3", "Running", False), ("d-old", "10.0.0.4", "Running", True),
+                                      ("d-new", "", "Pending", False)):
+        fake.pods[name] = {"labels": decode, "ip": ip, "phase": phase, "deleting": deleting, "annotations": {}}
+    fake.pods["p-a"] = {"labels": {"app": "x", "component": "prefill"}, "ip": "10.0.1.1", "phase": "Running",
+                        "deleting": False, "annotations": {}}
+    fake.replicas[NAMES[Role.DECODE]] = 3
+    urls = {Role.DECODE: ["http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.4:8200"],
+            Role.PREFILL: ["http://10.0.1.1:8100"]}
+    loads = {"http://10.0.0.1:8200": 5.0, "http://10.0.0.2:8200": 1.0, "http://10.0.0.4:8200": 0.0}
+    workers = Deployments(client, NAMES, asyncio.get_running_loop(), urls=lambda role: urls[role])
+    await asyncio.to_thread(workers.fleet)
+    said = await asyncio.to_thread(workers.drain, Role.DECODE, loads.get)
+    assert said == "demo-xpyd-decode 3 -> 2 replicas (deleted first: d-b, 1 requests)"
+    costs = {name: p["annotations"].get(DELETION_COST) for name, p in fake.pods.items()}
+    assert costs == {"d-a": "5", "d-b": "1", "d-c": str(2**31 - 1), "d-old": None, "d-new": None, "p-a": None}
+    assert fake.replicas[NAMES[Role.DECODE]] == 2
+    assert ("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=app=x,component=decode", None, None) in fake.seen
+    patches = [body for method, path, kind, body in fake.seen if method == "PATCH" and "/pods/" in path]
+    assert patches[0] == {"metadata": {"annotations": {DELETION_COST: "5"}}}
+    fake.forbid_pods = True  # (no RBAC for pods: the drain is not made, and the error says what is missing)
+    with pytest.raises(WorkersError, match="HTTP 403.*planner.podDeletionCost"):
+        await asyncio.to_thread(workers.drain, Role.DECODE, loads.get)
+    assert fake.replicas[NAMES[Role.DECODE]] == 2

@@ -2,7 +2,7 @@
 KV cache holds 256 tokens (16 blocks) run 8 concurrent requests that grow to ~100-140 tokens each, so running
 requests keep running out of blocks and the newest are preempted and computed again. Every answer is the
 one a colocated worker with a large cache gives (greedy, and seeded sampling with penalties; JSON and
-streamed; P/D's decode worker recomputes in its local prefill's chunks, the colocated worker in one pass), both workers count their preemptions (stats, xpyd's and vLLM's metrics), and once the answers are
+streamed; P/D's decode worker recomputes in its local prefill's chunks, the colocated worker in one pass), both workers count their preemptions (stats, xpyd's and vLLM's metrics, the P/D proxy's ``/cluster``), and once the answers are
 in no block is held: only the cached ones of ended requests stay."""
 
 from __future__ import annotations
@@ -114,3 +114,11 @@ def test_preemptions_are_counted_and_no_block_is_left_held(cluster):
         assert _metric(url, "xpyd_preemptions_total") == s["preemptions"]
         assert _metric(url, "vllm:num_preemptions_total") == s["preemptions"]
         assert f'role="{role}"' in re.findall(r"^xpyd_preemptions_total\{[^}]*\}", _get(url, "/metrics"), re.M)[0]
+    # The P/D proxy's /cluster shows the decode worker's count (as of its last poll of the worker's stats).
+    want = _stats(cluster["decode"])["preemptions"]
+
+    def shown() -> int | None:
+        (decode,) = [w for w in json.loads(_get(cluster["pd"], "/cluster"))["workers"] if w["role"] == "decode"]
+        return decode["preemptions"] if decode["preemptions"] == want else None
+
+    wait_until(shown, 15, f"/cluster to show the decode worker's {want} preemptions")

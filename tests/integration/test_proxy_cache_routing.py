@@ -140,7 +140,7 @@ class CacheWorker:
     async def _stats(self, _request: web.Request) -> web.Response:
         stats = {"waiting": self.backlog, "running": 0, "transferring": 0, "blocks_total": 1000,
                  "blocks_used": 0, "blocks_cached": len(self.cache), "blocks_free": 1000 - len(self.cache),
-                 "blocks_reserved": 0, "prefix_query_tokens": self.query_tokens,
+                 "prefix_query_tokens": self.query_tokens,
                  "prefix_hit_tokens": self.hit_tokens}
         if self.role is Role.PREFILL:
             stats["queued_tokens"] = 0

@@ -587,7 +587,7 @@ async def test_cluster_json(make_env, policy):
                  # These fake workers report no blocks and have no KV events (as older workers).
                  "cache": {"blocks_total": None, "blocks_used": None, "blocks_cached": None, "hit_rate": None,
                            "indexed_blocks": None},
-                 "requests": 3, "prefill_paths": None}
+                 "preemptions": None, "requests": 3, "prefill_paths": None}
     assert sorted([d0["requests"], d1["requests"]]) == [1, 2]
     assert d1["load"] == {"waiting": 2, "running": 0, "transferring": 0, "assigned": 0, "score": 0.5,
                           "queued_tokens": None, "assigned_blocks": 0}

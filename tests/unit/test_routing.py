@@ -243,7 +243,7 @@ def test_cluster_view_of_a_worker():
                                         "hit_rate": None}
     table.started(w, blocks=3)
     table.report(w, Stats(1, 1, 1, blocks_total=100, blocks_used=20, blocks_cached=30, prefix_query_tokens=300,
-                          prefix_hit_tokens=100), table.report_mark(w))
+                          prefix_hit_tokens=100, preemptions=7), table.report_mark(w))
     table.started(w, blocks=5)
     assert state.to_dict() == {
         "role": "decode", "http_url": w.http_url, "signal_addr": w.signal_addr, "model_id": "m",
@@ -251,7 +251,7 @@ def test_cluster_view_of_a_worker():
         "load": {"waiting": 1, "running": 1, "transferring": 1, "assigned": 1, "score": 1.0,
                  "queued_tokens": None, "assigned_blocks": 5},
         "cache": {"blocks_total": 100, "blocks_used": 20, "blocks_cached": 30, "hit_rate": 0.3333},
-        "requests": 2, "prefill_paths": {"remote": 0, "local": 0},
+        "preemptions": 7, "requests": 2, "prefill_paths": {"remote": 0, "local": 0},
     }
     report(table, w)  # an older worker: no block counts, no hit rate
     assert state.to_dict()["cache"]["hit_rate"] is None and state.to_dict()["load"]["assigned_blocks"] == 0
@@ -276,7 +276,7 @@ def test_stats_extra_fields_are_ignored():
 
 def test_stats_block_counts_are_optional():
     d = {"waiting": 0, "running": 1, "transferring": 0, "queued_tokens": 40, "blocks_total": 64,
-         "blocks_used": 8, "blocks_cached": 20, "blocks_free": 36, "blocks_reserved": 4,
+         "blocks_used": 8, "blocks_cached": 20, "blocks_free": 36,
          "prefix_query_tokens": 0, "prefix_hit_tokens": 0}
     stats = Stats.from_dict(d)
     assert (stats.queued_tokens, stats.blocks_used, stats.blocks_cached) == (40, 8, 20)

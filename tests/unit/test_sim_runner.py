@@ -377,3 +377,15 @@ def test_a_simulated_decode_step_through_the_kv_cache_imports_no_torch_and_no_nu
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "[]"]
+
+
+def test_a_latent_attention_models_kv_size_is_its_latents(tmp_path):
+    """DeepSeek-V2 (multi-head latent attention): one latent of kv_lora_rank + qk_rope_head_dim per token and
+    layer, not a K and a V per head."""
+    from xpyd.model.sim.runner import ModelFacts
+
+    config = {"model_type": "deepseek_v2", "vocab_size": 100, "max_position_embeddings": 64, "hidden_size": 64,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+              "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 24}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelFacts.read(tmp_path).kv_token_bytes == 3 * (32 + 8) * 2

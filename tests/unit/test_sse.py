@@ -122,5 +122,19 @@ async def test_sse_batches_are_the_events_each_chunk_completed():
     assert [b async for b in sse_batches(_one(SAMPLE))] == [EXPECTED]
 
 
+async def test_with_empty_each_chunk_is_a_batch_and_idle_says_a_keepalive_from_part_of_an_event():
+    parser = SSEParser()
+    seen = []
+
+    async def chunks():
+        for chunk in (b": keep-alive\n\n", b"data: 1\n\ndata: ", b": not a comment\n", b"\n", b": keep-alive\n\n"):
+            yield chunk
+            seen.append(parser.idle)
+
+    batches = [b async for b in sse_batches(chunks(), parser=parser, empty=True)]
+    assert batches == [[], [b"1"], [], [b": not a comment"], []]
+    assert seen == [True, False, False, True, True]  # (after the second: part of an event is held)
+
+
 async def _one(chunk: bytes):
     yield chunk

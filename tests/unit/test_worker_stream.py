@@ -126,3 +126,14 @@ async def test_events_of_one_engine_step_reach_the_loop_in_one_wake_up_in_order(
             assert [(await sink.queue.get()).text for _ in range(2)] == [f"1.{i}", f"2.{i}"]
     finally:
         del loop.call_soon_threadsafe
+
+
+async def test_a_silent_stream_writes_keepalive_comments_and_then_its_tokens():
+    shape = StreamShape(RequestKind.COMPLETION, "cmpl-x", 1, "m", include_usage=False, role_chunk=False)
+    sink = OutputSink(EventDispatch(asyncio.get_running_loop()))
+    body = stream_events(_Engine(), "xpyd-rid", shape, sink, single_event=False, keepalive=0.02)
+    assert await asyncio.wait_for(body.__anext__(), 5) == b": keep-alive\n\n"
+    assert await asyncio.wait_for(body.__anext__(), 5) == b": keep-alive\n\n"
+    sink.queue.put_nowait(TokenEvent(" a", "length", 3, 2))
+    rest = [c async for c in body]
+    assert json.loads(rest[0][6:])["choices"][0]["text"] == " a" and rest[-1] == b"data: [DONE]\n\n"

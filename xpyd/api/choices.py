@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from xpyd.api.openai import CompletionRequest, RequestKind
-from xpyd.api.responses import DONE_DATA, SSE_DONE, has_text, sse, usage_chunk
+from xpyd.api.responses import DONE_DATA, SSE_DONE, SSE_KEEPALIVE, has_text, sse, usage_chunk
 from xpyd.api.sse import sse_data
 
 _SEED_LIMIT = 2**64
@@ -91,11 +91,13 @@ def join_json(req: CompletionRequest, answers: Sequence[tuple[Child, dict]]) -> 
 
 async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, AsyncIterator[bytes]]],
                        name: tuple[str, int, str], first_text: Callable[[], None] | None = None,
-                       trailer: Callable[[], bytes] | None = None) -> AsyncIterator[bytes]:
+                       trailer: Callable[[], bytes] | None = None,
+                       keepalive: float | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of ``req`` from its children's streams (each a whole one-choice stream with its usage
     chunk); ``name``: the response's (id, created, model). Closing it closes every child stream.
     ``first_text``: called once the first chunk with text is written (its yield came back); ``trailer``: what
-    goes just before ``[DONE]`` when every child ended (a timing comment)."""
+    goes just before ``[DONE]`` when every child ended (a timing comment); ``keepalive``: write ``SSE_KEEPALIVE``
+    after each that many seconds in which no child said anything."""
     queue: asyncio.Queue[tuple[Child, bytes | None]] = asyncio.Queue()
     usages: dict[int, dict] = {}
 
@@ -111,7 +113,15 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
     open_streams = len(tasks)
     try:
         while open_streams:
-            child, data = await queue.get()
+            if keepalive is not None and queue.empty():
+                try:
+                    async with asyncio.timeout(keepalive):
+                        child, data = await queue.get()
+                except TimeoutError:
+                    yield SSE_KEEPALIVE  # (the children's keep-alives are comments: their parsers skip them)
+                    continue
+            else:
+                child, data = await queue.get()
             if data is None:
                 open_streams -= 1
                 continue

@@ -16,6 +16,8 @@ from xpyd.api.openai import RequestKind
 
 DONE_DATA = b"[DONE]"  # the data of the event that ends an OpenAI stream
 SSE_DONE = b"data: " + DONE_DATA + b"\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"  # an SSE comment a silent stream writes now and then (every reader skips it)
+KEEPALIVE_SECONDS = 15.0  # ... after this long without bytes (well inside any read timeout: the proxy's is 300 s)
 
 
 def new_response_id(kind: RequestKind, base: str | None = None) -> str:

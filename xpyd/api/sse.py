@@ -52,6 +52,12 @@ class SSEParser:
             raise ValueError(f"an SSE event is larger than {self._max} bytes")
         return events
 
+    @property
+    def idle(self) -> bool:
+        """Between events: no part of one is held (what the last chunk brought, if it completed none, was
+        comments or blank lines: a keep-alive)."""
+        return not self._data and not self._line
+
     def close(self) -> list[bytes]:
         """The end of the stream: the data of an event left without its blank line, if any."""
         events: list[bytes] = []
@@ -92,13 +98,13 @@ async def sse_data(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVEN
 
 
 async def sse_batches(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_EVENT_BYTES,
-                      parser: SSEParser | None = None) -> AsyncIterator[list[bytes]]:
+                      parser: SSEParser | None = None, empty: bool = False) -> AsyncIterator[list[bytes]]:
     """As ``sse_data``, but the data of the events each chunk completed, together (chunks that complete
-    none are skipped). Stop early inside ``contextlib.aclosing`` as well."""
+    none are skipped, or, with ``empty``, an empty list). Stop early inside ``contextlib.aclosing`` as well."""
     parser = parser or SSEParser(max_event_bytes)
     async for chunk in chunks:
         events = parser.feed(chunk)
-        if events:
+        if events or empty:
             yield events
     events = parser.close()
     if events:

@@ -65,6 +65,7 @@ class PlannerServiceConfig:
     kube_timeout_s: float = 5.0
     scrape_timeout_s: float = 5.0
     api_key: str | None = field(default=None, repr=False)  # the proxy's
+    pod_deletion_cost: bool = False  # --mode scale: rank a role's pods by load before a drain (needs --etcd)
 
     def __post_init__(self) -> None:
         if self.mode not in (PlannerMode.SCALE, PlannerMode.METRICS):
@@ -80,6 +81,8 @@ class PlannerServiceConfig:
                 if role not in self.deployments:
                     raise ValueError(f"--mode scale needs --{role.value}-deployment NAME")
                 check_name(self.deployments[role], f"--{role.value}-deployment")
+        if self.pod_deletion_cost and (self.mode is not PlannerMode.SCALE or self.etcd is None):
+            raise ValueError("--pod-deletion-cost needs --mode scale and --etcd (the workers' addresses and loads)")
         for flag, v in (("--kube-timeout", self.kube_timeout_s), ("--scrape-timeout", self.scrape_timeout_s)):
             if not (math.isfinite(v) and 0 < v <= 300):
                 raise ValueError(f"{flag} must be in (0, 300] s, got {v!r}")
@@ -111,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"the {role.value} workers' Deployment")
     k.add_argument("--namespace", default=None, help="their namespace (default: the planner pod's own)")
     k.add_argument("--kube-timeout", type=float, default=5.0, metavar="S", help="per API call (5)")
+    k.add_argument("--pod-deletion-cost", action="store_true",
+                   help="before a drain, give each of the role's pods a deletion cost (the requests its worker "
+                        "holds) so the least busy goes; needs list and patch on pods (the chart's "
+                        "planner.podDeletionCost) and --etcd")
 
 
 def config_from_args(args: argparse.Namespace) -> PlannerServiceConfig:
@@ -118,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerServiceConfig:
     return PlannerServiceConfig(
         PlannerMode(args.mode), args.proxy_url.rstrip("/"), args.etcd, args.host, args.port,
         {role: n for role, n in names.items() if n is not None}, args.namespace, args.kube_timeout,
-        args.scrape_timeout, os.environ.get("XPYD_API_KEY") or None)
+        args.scrape_timeout, os.environ.get("XPYD_API_KEY") or None, args.pod_deletion_cost)
 
 
 def load_profile(name: str | None) -> SimProfile:
@@ -224,7 +231,11 @@ async def serve(config: PlannerServiceConfig, parts: PlannerParts, stop: asyncio
         desired = DesiredReplicas() if kube is None else None
         if kube is not None:
             await kube.open()
-        workers = Deployments(kube, config.deployments, loop) if kube is not None else desired
+        urls = None
+        if config.pod_deletion_cost and registry is not None:
+            def urls(role: Role) -> list[str]:
+                return [w.http_url for w in registry.workers(WorkerRole(role.value))]
+        workers = Deployments(kube, config.deployments, loop, urls) if kube is not None else desired
         fetch = _threadsafe(loop, 4 * config.scrape_timeout_s, Scraper(config, session, registry).fetch)
 
         def scrape() -> dict[str, str]:

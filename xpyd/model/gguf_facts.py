@@ -7,7 +7,11 @@ keys per architecture; two that matter here it drops:
   such a file is refused with the reason (its safetensors folder serves it);
 - the head size of qwen3 (``{arch}.attention.key_length``) and the experts' size of qwen3moe
   (``{arch}.expert_feed_forward_length``): without them the config takes the class defaults (128; 768), which
-  some released models have and others not; they are passed on to the conversion (`config_overrides`).
+  some released models have and others not; they are passed on to the conversion (`config_overrides`);
+- gemma2's soft-caps (``{arch}.attn_logit_softcapping``, ``final_logit_softcapping``: the config's defaults, 50 and
+  30, are the released models', not every file's), and Gemma's query_pre_attn_scalar, which no GGUF stores:
+  llama.cpp derives it from the model, as the 27B models' hidden / heads and every other one's head size; the
+  conversion would take the class default (256), so that rule is passed on too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ from pathlib import Path
 
 # config field <- {arch}.<key>, for the architectures whose GGUF reader leaves it out
 _LEFT_OUT = {"qwen3": {"head_dim": "attention.key_length"},
-             "qwen3moe": {"head_dim": "attention.key_length", "moe_intermediate_size": "expert_feed_forward_length"}}
+             "qwen3moe": {"head_dim": "attention.key_length", "moe_intermediate_size": "expert_feed_forward_length"},
+             "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+                        "final_logit_softcapping": "final_logit_softcapping"}}
+_FLOATS = ("attn_logit_softcapping", "final_logit_softcapping")
+# llama.cpp's 27B Gemma (by its layer count) scales queries by (hidden / heads) ** -0.5, every other by head size's
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +49,14 @@ class GgufFacts:
 
         arch = str(value("general.architecture"))
         scaling = value(f"{arch}.rope.scaling.type")
-        left_out = {field: int(value(f"{arch}.{key}")) for field, key in _LEFT_OUT.get(arch, {}).items()
-                    if value(f"{arch}.{key}") is not None}
+        left_out = {field: (float if field in _FLOATS else int)(value(f"{arch}.{key}"))
+                    for field, key in _LEFT_OUT.get(arch, {}).items() if value(f"{arch}.{key}") is not None}
+        if arch in _GEMMA_27B_LAYERS:
+            is_27b = value(f"{arch}.block_count") == _GEMMA_27B_LAYERS[arch]
+            scalar = (value(f"{arch}.embedding_length") // value(f"{arch}.attention.head_count") if is_27b
+                      else value(f"{arch}.attention.key_length"))
+            if scalar is not None:
+                left_out["query_pre_attn_scalar"] = int(scalar)
         return cls(architecture=arch, left_out=left_out,
                    rope_scaling=None if scaling in (None, "none") else str(scaling),
                    rope_freqs=any(t.name == "rope_freqs.weight" for t in reader.tensors))

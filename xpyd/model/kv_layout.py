@@ -16,6 +16,13 @@ An fp8 layout ("fp8_e4m3", "fp8_e5m2": `--kv-cache-dtype`) holds one-byte codes,
 the per-(layer, KV head) scales they were quantized with (`kv_quant`): the layout names the scales by their
 digest (``scales``), and `compat()` carries it, so two workers with other scales refuse each other at the
 handshake and their prefix-cache hashes differ (the bytes of one mean something else to the other).
+
+A latent layout (``kind="latent"``: multi-head latent attention, DeepSeek-V2) keeps one vector per token and
+layer instead of a K and a V per KV head: shape `[num_blocks, 1, num_layers, 1, block_size, head_dim]`, its
+``head_dim`` the latent's size (the compressed KV and the rotary key part). Blocks, byte ranges, transfers and
+the allocator see only bytes and are the same; `compat` names the latent layout, so a handshake between a
+latent and a per-head worker, or latents of other sizes, is refused. (A latent layout is not quantized: the
+fp8 codec scales K and V per head.)
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from typing import NamedTuple, Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
-__all__ = ["ELEMENT_BYTES", "KV_CACHE_DTYPES", "LAYOUT_NAME", "QUANTIZED", "ByteRange", "HostKVPool", "KVLayout",
-           "PoolFull", "block_ranges"]
+__all__ = ["ELEMENT_BYTES", "KINDS", "KV_CACHE_DTYPES", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "QUANTIZED", "ByteRange",
+           "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
 
 LAYOUT_NAME = "block-head-major/1"
+LATENT_LAYOUT_NAME = "block-latent/1"  # (a latent layout's name in `compat`)
+KINDS = ("kv", "latent")  # a K and a V per KV head; one latent per token (num_kv_heads 1)
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}  # the KV dtypes
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2")  # one-byte codes scaled per (layer, KV head): vLLM's names
@@ -46,6 +55,7 @@ class KVLayout:
     num_blocks: int
     block_size: int
     scales: str | None = None  # a quantized dtype's: the digest of its scales (`kv_quant.KVScales.digest`)
+    kind: str = "kv"  # one of KINDS; "latent": head_dim is the latent's size, num_kv_heads 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BYTES:
@@ -57,14 +67,25 @@ class KVLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent KV layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
+        if self.kind == "latent" and self.dtype in QUANTIZED:
+            raise ValueError("a latent KV layout is not quantized (the fp8 KV cache scales K and V per head)")
+
+    @property
+    def planes(self) -> int:
+        """Vectors per token, KV head and layer: 2 (K and V), or 1 (a latent)."""
+        return 1 if self.kind == "latent" else 2
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads, self.num_layers, self.planes, self.block_size, self.head_dim)
 
     @property
     def token_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
@@ -85,6 +106,9 @@ class KVLayout:
 
     def compat(self) -> dict:
         """What must match between a prefill and a decode worker for KV bytes to mean the same thing."""
+        if self.kind == "latent":
+            return {"layout": LATENT_LAYOUT_NAME, "num_layers": self.num_layers, "latent_dim": self.head_dim,
+                    "dtype": self.dtype, "block_size": self.block_size}
         return {
             "layout": LAYOUT_NAME,
             "num_layers": self.num_layers,

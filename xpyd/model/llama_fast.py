@@ -30,6 +30,11 @@ from xpyd.model.kv_quant import KVCodec
 def why_not_covered(model) -> str | None:
     """None when `FastLlama` can run this model exactly like transformers; otherwise the reason."""
     config = model.config
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return "multi-head latent attention (a latent per token in the pool, not K and V): the general path serves it"
+    if any(hasattr(layer, "pre_feedforward_layernorm") for layer in getattr(model.model, "layers", ())):
+        return ("Gemma's layers (norms after attention and around the MLP, soft-capping, local and global layers): "
+                "the general path serves them")
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} (only silu)"
     inner = getattr(model, "model", None)

@@ -56,14 +56,18 @@ def padded_tables(tables: Sequence[Sequence[int]], num_blocks: int, device: torc
 
 
 def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int,
-           codec: KVCodec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``layer`` for the first ``length`` positions of each row of ``tables`` [B, nb]:
-    two fresh [B, kv_heads, length, head_dim] tensors (positions past a request's own tokens hold
-    whatever the padding blocks hold: mask them); from an fp8 pool, dequantized by ``codec``."""
-    batch, nb = tables.shape
+           codec: KVCodec | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``layer`` for positions [first, length) of each row of ``tables`` [B, nb]: two fresh
+    [B, kv_heads, length - first, head_dim] tensors, read from the blocks that hold those positions only
+    (positions past a request's own tokens hold whatever the padding blocks hold: mask them); from an fp8
+    pool, dequantized by ``codec``."""
     kv_heads, block_size, head_dim = pool.shape[1], pool.shape[4], pool.shape[5]
+    skipped = first // block_size  # (blocks wholly before ``first``: not read)
+    tables = tables[:, skipped : -(-length // block_size)]
+    batch, nb = tables.shape
     blocks = pool[:, :, layer][tables]  # [B, nb, kv_heads, 2, bs, hd], a copy
     both = blocks.permute(3, 0, 2, 1, 4, 5).reshape(2, batch, kv_heads, nb * block_size, head_dim)
+    lo, hi = first - skipped * block_size, length - skipped * block_size
     if codec is not None:
-        return codec.decode(layer, both[0, :, :, :length], both[1, :, :, :length])
-    return both[0, :, :, :length], both[1, :, :, :length]
+        return codec.decode(layer, both[0, :, :, lo:hi], both[1, :, :, lo:hi])
+    return both[0, :, :, lo:hi], both[1, :, :, lo:hi]

@@ -3,7 +3,8 @@
 The Hugging Face model supplies the weights and the per-token submodules (embeddings, projections,
 norms, MLP, rotary embedding, lm_head); attention is ours: each layer writes the new K/V in place
 into the request's blocks, then attends over that request's tokens only, read through its block
-table. No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
+table (multi-head latent attention, DeepSeek-V2's: one latent per token and layer instead, `latent_attention`).
+No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
 block tables (which blocks a request holds, shared prefix blocks included); a prefill may start after a
 cached prefix (``start``), computing only the rest.
 
@@ -20,13 +21,13 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, kv_quant, paged
+from xpyd.model import batch_checks, families, kv_quant, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
 from xpyd.model.kv_quant import KVCodec
+from xpyd.model.layer_attention import attend
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
@@ -102,7 +103,11 @@ class ModelRunner:
         self._num_heads = config.num_attention_heads
         self._num_kv_heads = config.num_key_value_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._scale = self._head_dim**-0.5
+        self._attention = families.layer_attention(config)  # how each layer attends (scale, window, soft-cap)
+        self._rotary_kinds = tuple(dict.fromkeys(spec.rotary for spec in self._attention))
+        self._final_softcap = families.final_softcap(config)
+        # (multi-head latent attention: its sizes; the pool keeps one latent per token and layer)
+        self._latent = latent_attention.LatentShape.of(config) if families.is_latent(config) else None
         self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -117,11 +122,17 @@ class ModelRunner:
             _drop_fused_copies(self.model)  # (the lean forward holds the fused weights: one copy on the device)
             self._general_path = False
             torch.cuda.empty_cache()
-        layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
-                          dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        if self._latent is not None:
+            layout = self._latent.layout(len(self._layers), dtype_name(dtype), 1, block_size)
+        else:
+            layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
+                              dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
         self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
         if kv_cache_dtype != "auto":
+            if self._latent is not None:
+                raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
+                                 "its codec scales K and V per head); use --kv-cache-dtype auto")
             self.kv_codec = self._calibrated(kv_cache_dtype, layout)
             layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
             if self._fast is not None:
@@ -267,24 +278,27 @@ class ModelRunner:
         m = ids.shape[0]
         n = start + m
         hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
-        cos, sin = self._rotary(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
+        rotations = self._rotations(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
         pool = self.pool.tensor
         where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
         prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
-        mask = torch.ones(m, n, dtype=torch.bool, device=self.device).tril_(start) if start else None
         codec = self._codec_of(pool)
-        for index, layer in enumerate(self._layers):
+        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
-            q, k, v = self._qkv(layer, hidden, cos, sin)  # [1, heads, m, head_dim]
+            if self._latent is not None:
+                attn = latent_attention.prefill_layer(layer, spec, self._latent, pool, index, hidden,
+                                                      rotations[spec.rotary], where, prefix, start)
+                hidden = self._finish_layer(layer, hidden, attn)
+                continue
+            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # [1, heads, m, head_dim]
             k_rows, v_rows = paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
             if codec is not None:  # the new tokens' K/V as the fp8 pool holds them (as decode reads them too)
                 k, v = k_rows.transpose(0, 1).unsqueeze(0), v_rows.transpose(0, 1).unsqueeze(0)
-            if prefix is not None:
-                k_old, v_old = paged.gather(pool, index, prefix, start, codec)
-                attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
-                                                      attn_mask=mask, scale=self._scale, enable_gqa=True)
-            else:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale, enable_gqa=True)
+            first = spec.first_visible(start)  # (a local layer reads only the cached keys its window reaches)
+            if first < start:
+                k_old, v_old = paged.gather(pool, index, prefix, start, codec, first=first)
+                k, v = torch.cat((k_old, k), 2), torch.cat((v_old, v), 2)
+            attn = attend(q, k, v, spec, q_start=start, k_start=first)
             hidden = self._finish_layer(layer, hidden, attn)
         return hidden
 
@@ -332,20 +346,25 @@ class ModelRunner:
         ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
         pos_t = torch.tensor(positions, device=self.device)
         hidden = self._embed(ids)
-        cos, sin = self._rotary(hidden, pos_t.unsqueeze(1))
+        rotations = self._rotations(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
         where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
         singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
         codec = self._codec_of(pool)
-        for index, layer in enumerate(self._layers):
+        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
-            q, k, v = self._qkv(layer, hidden, cos, sin)  # q [B, heads, 1, hd]; k, v [B, kv_heads, 1, hd]
+            if self._latent is not None:
+                attn = latent_attention.decode_layer(layer, spec, self._latent, pool, index, hidden,
+                                                     rotations[spec.rotary], where, singles, positions)
+                hidden = self._finish_layer(layer, hidden, attn)
+                continue
+            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # q [B, heads, 1, hd]; k, v [B, kv, 1, hd]
             paged.write(pool, index, where, k[:, :, 0], v[:, :, 0], codec)
             outs = []
             for i, table in enumerate(singles):
-                keys, values = paged.gather(pool, index, table, positions[i] + 1, codec)  # [1, kv_heads, len, hd]
-                outs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=self._scale,
-                                                           enable_gqa=True))
+                first = spec.first_visible(positions[i])  # (a local layer reads only its window's keys)
+                keys, values = paged.gather(pool, index, table, positions[i] + 1, codec, first=first)
+                outs.append(attend(q[i : i + 1], keys, values, spec, q_start=positions[i], k_start=first))
             attn = torch.cat(outs) if batch > 1 else outs[0]
             hidden = self._finish_layer(layer, hidden, attn)
         return self._logits(hidden[:, -1])
@@ -374,15 +393,22 @@ class ModelRunner:
         return families.project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin, self._num_heads,
                                     self._num_kv_heads, self._head_dim)
 
+    def _rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        """(cos, sin) of ``positions`` for each rotary table the layers take (`LayerAttention.rotary`)."""
+        return {kind: self._rotary(hidden, positions) if kind is None else self._rotary(hidden, positions, kind)
+                for kind in self._rotary_kinds}
+
     def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         batch, _, seq, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(batch, seq, self._num_heads * self._head_dim)
-        hidden = hidden + layer.self_attn.o_proj(attn)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        attn = attn.transpose(1, 2).reshape(batch, seq, -1)  # [batch, seq, heads * (value) head_dim]
+        return families.finish_layer(layer, hidden, attn)
 
     def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits, on the runner's device (the sampler's)."""
-        return self._lm_head(self._norm(last_hidden)).float()
+        """float32 logits, on the runner's device (the sampler's); soft-capped where the model does."""
+        logits = self._lm_head(self._norm(last_hidden))
+        if self._final_softcap is not None:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits.float()
 
 
 def _drop_fused_copies(model) -> None:
@@ -404,6 +430,9 @@ def kv_token_bytes(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "a
     in ``dtype`` or the ``kv_cache_dtype`` that is not "auto"."""
     config = AutoConfig.from_pretrained(str(model_dir))
     families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
+    if families.is_latent(config):
+        return latent_attention.LatentShape.of(config).layout(config.num_hidden_layers, dtype_name(dtype), 1,
+                                                               1).token_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem

@@ -28,6 +28,7 @@ from aiohttp import web
 from xpyd.api.choices import Child, join_json, join_streams, split
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import APIError, CompletionRequest
+from xpyd.api.responses import KEEPALIVE_SECONDS, SSE_KEEPALIVE
 from xpyd.api.timing import TIMING_HEADER
 from xpyd.proxy.admission import Slot
 from xpyd.proxy.config import ProxyConfig
@@ -154,9 +155,10 @@ async def _joined(req: CompletionRequest, streams: list, identity: ResponseIdent
     ok = False
     try:
         async with contextlib.aclosing(join_streams(req, streams, (identity.id, identity.created, identity.model),
-                                                    first_text, trailer)) as blocks:
+                                                    first_text, trailer, keepalive=KEEPALIVE_SECONDS)) as blocks:
             async for block in blocks:
-                timer.token()
+                if block != SSE_KEEPALIVE:
+                    timer.token()
                 yield block
         ok = True
     finally:

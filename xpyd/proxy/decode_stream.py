@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import RequestKind
-from xpyd.api.responses import DONE_DATA, chunk_head
+from xpyd.api.responses import DONE_DATA, SSE_KEEPALIVE, chunk_head
 from xpyd.api.resume import ids_of, split_ids
 from xpyd.api.sse import SSEParser, sse_batches, sse_data
 from xpyd.api.timing import COMMENT_PREFIX, WorkerTiming, timing_of_comment
@@ -67,7 +67,9 @@ class DecodeStream:
         are kept for ``relay()``/``deltas()``. Cancel it when prefill answers (a read that waits is cancelled
         with nothing consumed)."""
         with upstream_errors(self._worker):
-            data = await self._resp.content.readany()
+            data = SSE_KEEPALIVE
+            while data == SSE_KEEPALIVE:  # (a worker's keep-alive says it is there: the watch goes on)
+                data = await self._resp.content.readany()
         if not data:
             raise UpstreamError(502, f"{who(self._worker)} closed its stream before its first token",
                                 worker=self._worker, fault=Fault.UNREACHABLE)
@@ -142,7 +144,8 @@ class DecodeStream:
                 self._heard(self._worker)
 
     async def relay(self, identity: ResponseIdentity) -> AsyncIterator[bytes]:
-        """The stream's events up to ``[DONE]`` (not included), one block per read, unchanged.
+        """The stream's events up to ``[DONE]`` (not included), one block per read, unchanged; a read that brought
+        only a keep-alive comment is passed on as ``SSE_KEEPALIVE``.
 
         A token chunk that starts with this response's head (id, object, created, model) and has
         ``"finish_reason":null`` goes on without parsing; any other event is parsed and checked:
@@ -153,9 +156,13 @@ class DecodeStream:
         finished = done = False
         parser = SSEParser(keep=COMMENT_PREFIX)
         with upstream_errors(self._worker):
-            async with contextlib.aclosing(sse_batches(self._chunks(), parser=parser)) as batches:
+            async with contextlib.aclosing(sse_batches(self._chunks(), parser=parser, empty=True)) as batches:
                 async for batch in batches:
                     self._alive()
+                    if not batch:  # a read that completed no event: a keep-alive (or part of an event)
+                        if parser.idle:
+                            yield SSE_KEEPALIVE  # (the client's read timeout counts from it too)
+                        continue
                     block, error = [], None
                     for data in batch:
                         if data == DONE_DATA:

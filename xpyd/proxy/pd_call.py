@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from xpyd.api.identity import ResponseIdentity
 from xpyd.api.openai import CompletionRequest, RequestKind
+from xpyd.api.responses import SSE_KEEPALIVE
 from xpyd.api.timing import WorkerTiming
 from xpyd.discovery.types import Role, WorkerInfo
 from xpyd.proxy.client import WorkerClient
@@ -215,7 +216,8 @@ class PDCall:
             return
         with self._path_faults():
             async for block in stream.relay(self.identity):
-                self._decoded += 1
+                if block != SSE_KEEPALIVE:
+                    self._decoded += 1
                 yield block
         self._completed = True
 

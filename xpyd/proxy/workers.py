@@ -51,6 +51,7 @@ class Stats:
     prefix_query_tokens: int | None = None  # prompt tokens looked up in its prefix cache, ever
     prefix_hit_tokens: int | None = None  # ... and found there
     max_model_len: int | None = None  # the longest request (prompt + output) it takes
+    preemptions: int | None = None  # decode, colocated: requests that gave their KV blocks back, ever
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -171,6 +172,7 @@ class WorkerState:
                 "blocks_cached": stats.blocks_cached if stats else None,
                 "hit_rate": round(hit_rate, 4) if hit_rate is not None else None,
             },
+            "preemptions": stats.preemptions if stats else None,
             "requests": self.requests,
             "prefill_paths": dict(self.prefill_paths) if self.info.role is Role.DECODE else None,
         }

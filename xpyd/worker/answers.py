@@ -6,20 +6,35 @@
 
 A stream that stops before its end (the client went away) drops the request in the engine. With the proxy's
 ``token_ids`` asked (``xpyd.api.resume``), every token chunk and the JSON answer name their output tokens.
+
+A stream silent for ``KEEPALIVE_SECONDS`` (its request queued, waiting for its KV, or preempted behind longer
+ones) writes an SSE comment (``SSE_KEEPALIVE``), which every SSE reader skips: the proxy's read timeout and the
+client's count from the last bytes, so a request that waits long is not cut while the worker still has it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from xpyd.api.openai import APIError, RequestKind
-from xpyd.api.responses import SSE_DONE, completion_response, merge_logprobs, sse, stream_chunk, usage_chunk
+from xpyd.api.responses import (KEEPALIVE_SECONDS, SSE_DONE, SSE_KEEPALIVE, completion_response, merge_logprobs, sse,
+                                stream_chunk, usage_chunk)
 from xpyd.api.resume import CHUNK_IDS_KEY
 from xpyd.worker.logprob_format import ResponseExtras
 from xpyd.worker.timing import AnswerClock
 from xpyd.worker.work_item import ErrorEvent, OutputSink, TokenEvent, WorkItem
+
+
+
+
+class _KeepAlive:
+    """`events`' word that the stream has been silent for its keep-alive interval."""
+
+
+KEEPALIVE = _KeepAlive()
 
 
 class Aborts(Protocol):
@@ -66,9 +81,21 @@ def _stop_reason(item: WorkItem | None) -> str | int | None:
     return item.output.stop_reason if item is not None and item.output is not None else None
 
 
-async def events(sink: OutputSink, single_event: bool) -> AsyncIterator[TokenEvent | ErrorEvent]:
+async def events(sink: OutputSink, single_event: bool,
+                 keepalive: float | None = None) -> AsyncIterator[TokenEvent | ErrorEvent | _KeepAlive]:
+    """The request's events up to its last; with ``keepalive``, ``KEEPALIVE`` after each that many seconds
+    without one."""
     while True:
-        ev = await sink.queue.get()
+        queue = sink.queue
+        if keepalive is None or not queue.empty():
+            ev = await queue.get()
+        else:
+            try:
+                async with asyncio.timeout(keepalive):
+                    ev = await queue.get()
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
         yield ev
         if isinstance(ev, ErrorEvent) or ev.finish_reason is not None or single_event:
             return
@@ -117,26 +144,30 @@ def _abort_unless_ended(engine: Aborts, rid: str, ended: _Ended) -> None:
 
 def stream_events(engine: Aborts, rid: str, shape: StreamShape, sink: OutputSink,
                   single_event: bool, clock: AnswerClock | None = None,
-                  item: WorkItem | None = None, extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
+                  item: WorkItem | None = None, extras: ResponseExtras | None = None,
+                  keepalive: float | None = KEEPALIVE_SECONDS) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request. Whenever it stops before the end (the client went away) the
     request is dropped: in the generator's ``finally``, or, for a generator that never ran (the handler
     cancelled between returning the response and its first iteration), when the generator object goes."""
     ended = _Ended()
-    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item, extras)
+    gen = _stream(engine, rid, shape, sink, single_event, ended, clock, item, extras, keepalive)
     weakref.finalize(gen, _abort_unless_ended, engine, rid, ended)
     return gen
 
 
 async def _stream(engine: Aborts, rid: str, shape: StreamShape, sink: OutputSink, single_event: bool,
                   ended: _Ended, clock: AnswerClock | None, item: WorkItem | None = None,
-                  extras: ResponseExtras | None = None) -> AsyncIterator[bytes]:
+                  extras: ResponseExtras | None = None, keepalive: float | None = None) -> AsyncIterator[bytes]:
     prompt_tokens = completion_tokens = cached = 0  # (decode learns the prompt's length from prefill: from events)
     first = True
     ids: list[int] | None = [] if shape.token_ids else None  # the tokens of the next chunk's text
     try:
         if shape.kind is RequestKind.CHAT and shape.role_chunk:
             yield shape.chunk(None, None, role=True)
-        async for ev in events(sink, single_event):
+        async for ev in events(sink, single_event, keepalive):
+            if ev is KEEPALIVE:
+                yield SSE_KEEPALIVE
+                continue
             if isinstance(ev, ErrorEvent):
                 ended.value = True
                 # the status as an integer `code`, as vLLM does: the proxy answers with it (a 504 stays 504)

@@ -41,6 +41,7 @@ class WorkerConfig:
     etcd: str | None = None  # HOST:PORT: register there and watch peers (dynamic xPyD)
     lease_ttl: int = 5  # seconds; a SIGKILLed worker disappears from etcd after this
     drain_timeout: float = 30.0  # on SIGTERM: how long to finish in-flight work
+    sse_keepalive: float = 15.0  # a stream silent this long (queued, waiting for KV, preempted) writes a comment
     kv_ttl: float = 30.0  # prefill: KV no decode worker pulled within this many seconds is freed
     prefill_wait_timeout: float = 30.0  # decode: fail a request whose prefill is not ready by then
     peer_timeout: float = 10.0  # prefill: free the claimed KV of a decode worker silent this long
@@ -106,6 +107,8 @@ class WorkerConfig:
             raise ValueError("--lease-ttl must be in [2, 3600] seconds (etcd's minimum is 2)")
         if self.drain_timeout < 0:
             raise ValueError("--drain-timeout must be >= 0")
+        if not 0.05 <= self.sse_keepalive <= 3600:
+            raise ValueError("--sse-keepalive must be in [0.05, 3600] seconds")
         if not 0.1 <= self.kv_ttl <= 86400:
             raise ValueError("--kv-ttl must be in [0.1, 86400] seconds")
         if not 0.1 <= self.prefill_wait_timeout <= 86400:
@@ -300,6 +303,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                         help="etcd lease TTL in seconds (a killed worker disappears after this)")
     parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                         help="on SIGTERM: deregister at once, then finish in-flight work for up to this long")
+    parser.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive, metavar="SECONDS",
+                        help="a streamed answer silent this long (queued, waiting for its KV, preempted) writes an "
+                             "SSE comment, so read timeouts downstream (the proxy's --read-timeout, a client's) "
+                             "count from it")
     if role == "prefill":
         parser.add_argument("--kv-ttl", type=float, default=d.kv_ttl,
                             help="seconds a prefilled request's KV waits for a decode worker to claim or pull "

@@ -261,7 +261,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         item, rid = items[0], str(items[0].request_id)
         clock.follow(config.role, item.stamps, item.arrival, engine.metrics.observe_phases)
         if req.stream:
-            gen = stream_events(engine, rid, shape, item.sink, single_event, clock, item, extras[0])
+            gen = stream_events(engine, rid, shape, item.sink, single_event, clock, item, extras[0],
+                                keepalive=config.sse_keepalive)
             return _sse_response(gen)
         ended = False
         try:
@@ -284,8 +285,9 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
         if req.stream:
             child_shape = replace(shape, include_usage=True)
             streams = [(child, stream_events(engine, str(item.request_id), child_shape, item.sink, False, None, item,
-                                             ex)) for child, item, ex in zip(children, items, extras)]
-            return _sse_response(join_streams(req, streams, (shape.id, shape.created, shape.model)))
+                                             ex, keepalive=None)) for child, item, ex in zip(children, items, extras)]
+            return _sse_response(join_streams(req, streams, (shape.id, shape.created, shape.model),
+                                              keepalive=config.sse_keepalive))
         ended = False
         try:
             answers = await asyncio.gather(*(collect(item, ex, shape, False) for item, ex in zip(items, extras)))

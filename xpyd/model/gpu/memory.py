@@ -11,6 +11,7 @@ holds it) is refused with both numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -33,8 +34,7 @@ def check_fraction(fraction: float) -> float:
 def prefill_peak_bytes(fast, layout: KVLayout, tokens: int, device: torch.device) -> int:
     """Bytes a prefill forward of ``tokens`` tokens allocates at its peak beyond what is held before it
     (activations, attention workspaces, logits), measured over a scratch pool of just those tokens."""
-    scratch = KVPool(KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                              layout.blocks_for(tokens), layout.block_size), device=device, caching=False)
+    scratch = KVPool(dataclasses.replace(layout, num_blocks=layout.blocks_for(tokens)), device=device, caching=False)
     table = list(range(scratch.layout.num_blocks))
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     torch.cuda.synchronize(device)
@@ -84,7 +84,7 @@ def share_blocks(utilization: float, batch_size: int, prefill_chunk: int, max_mo
         tokens = min(runner.max_model_len, prefill_chunk or runner.max_model_len)
         peak = prefill_peak_bytes(runner.fast_path, layout, tokens, runner.device)
         cfg = runner.config
-        elem = layout.token_bytes // (layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim)
+        elem = layout.token_bytes // (layout.num_layers * layout.planes * layout.num_kv_heads * layout.head_dim)
         graphs = graph_reserve_bytes(batch_size, runner.vocab_size, cfg.hidden_size, cfg.intermediate_size, elem)
         budget = kv_budget_bytes(runner.device, utilization, peak, graphs)
         count = budget // layout.block_bytes

@@ -72,9 +72,11 @@ class ModelFacts:
             heads = config["num_attention_heads"]
             kv_heads = config.get("num_key_value_heads") or heads
             head_dim = config.get("head_dim") or config["hidden_size"] // heads
+            token_bytes = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+            if config.get("kv_lora_rank"):  # multi-head latent attention: one latent per token and layer
+                token_bytes = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
             facts = cls(vocab_size=config["vocab_size"], max_position_embeddings=config["max_position_embeddings"],
-                        eos_token_ids=frozenset(), kv_token_bytes=config["num_hidden_layers"] * 2 * kv_heads
-                        * head_dim * 2)
+                        eos_token_ids=frozenset(), kv_token_bytes=token_bytes)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             raise ValueError(f"{model_dir}/config.json lacks what the simulated engine needs: {e!r}") from None
         for name in ("vocab_size", "max_position_embeddings", "kv_token_bytes"):
