@@ -71,3 +71,31 @@ def test_a_bad_size_on_the_command_line_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         _config("prefill", "--kv-cache-memory", "lots")
     assert e.value.code == 2 and "not a size: 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+def test_kv_cache_dtype_is_checked_at_startup(role, capsys):
+    assert _config(role).kv_cache_dtype == "auto"
+    for dtype in ("float32", "bfloat16"):  # fp8 KV under either model dtype
+        assert _config(role, "--kv-cache-dtype", "fp8_e4m3", "--dtype", dtype).kv_cache_dtype == "fp8_e4m3"
+    assert _config(role, "--kv-cache-dtype", "fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit) as e:
+        _config(role, "--kv-cache-dtype", "int4")
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        WorkerConfig(role=role, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        WorkerConfig(role=role, kv_cache_dtype="fp8_e4m3", device="cuda")
+    assert WorkerConfig(role=role, kv_cache_dtype="fp8_e4m3", engine="sim").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_bfloat16_in_the_same_memory(tiny_model_dir):
+    import torch
+
+    from xpyd.model.runner import kv_token_bytes
+
+    bf16 = kv_token_bytes(tiny_model_dir, torch.bfloat16)
+    assert kv_token_bytes(tiny_model_dir, torch.bfloat16, "fp8_e4m3") * 2 == bf16
+    assert kv_token_bytes(tiny_model_dir, torch.float32, "fp8_e5m2") * 4 == kv_token_bytes(tiny_model_dir, torch.float32)
+    cfg = _config("decode", "--kv-cache-memory", "1MiB", "--max-model-len", "64", "--kv-cache-dtype", "fp8_e4m3")
+    assert cfg.kv_blocks(bf16 // 2) == 2 * cfg.kv_blocks(bf16)

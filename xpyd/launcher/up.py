@@ -141,6 +141,7 @@ PASSED_ON = (
     ("--block-size", ("prefill", "decode", "colocated")),
     ("--kv-cache-tokens", ("prefill", "decode", "colocated")),
     ("--kv-cache-memory", ("prefill", "decode", "colocated")),
+    ("--kv-cache-dtype", ("prefill", "decode", "colocated")),
     ("--gpu-memory-utilization", ("prefill", "decode", "colocated")),
     ("--load-format", ("prefill", "decode", "colocated")),
     ("--enforce-eager", ("prefill", "decode", "colocated")),

@@ -12,29 +12,38 @@ Which blocks are free, referenced or cached (prefix caching) is the `BlockAlloca
 (`pool.blocks`); the pool only holds the memory and names its byte ranges. The torch pool (`kv_pool`) is
 this one with a tensor view over its memory, or a tensor on another device.
 
+An fp8 layout ("fp8_e4m3", "fp8_e5m2": `--kv-cache-dtype`) holds one-byte codes, which mean numbers only with
+the per-(layer, KV head) scales they were quantized with (`kv_quant`): the layout names the scales by their
+digest (``scales``), and `compat()` carries it, so two workers with other scales refuse each other at the
+handshake and their prefix-cache hashes differ (the bytes of one mean something else to the other).
+
 A latent layout (``kind="latent"``: multi-head latent attention, DeepSeek-V2) keeps one vector per token and
 layer instead of a K and a V per KV head: shape `[num_blocks, 1, num_layers, 1, block_size, head_dim]`, its
 ``head_dim`` the latent's size (the compressed KV and the rotary key part). Blocks, byte ranges, transfers and
 the allocator see only bytes and are the same; `compat` names the latent layout, so a handshake between a
-latent and a per-head worker, or latents of other sizes, is refused.
+latent and a per-head worker, or latents of other sizes, is refused. (A latent layout is not quantized: the
+fp8 codec scales K and V per head.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
-__all__ = ["ELEMENT_BYTES", "LAYOUT_NAME", "ByteRange", "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
-__all__ += ["KINDS", "LATENT_LAYOUT_NAME"]
+__all__ = ["ELEMENT_BYTES", "KINDS", "KV_CACHE_DTYPES", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "QUANTIZED", "ByteRange",
+           "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
 
 LAYOUT_NAME = "block-head-major/1"
 LATENT_LAYOUT_NAME = "block-latent/1"  # (a latent layout's name in `compat`)
 KINDS = ("kv", "latent")  # a K and a V per KV head; one latent per token (num_kv_heads 1)
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV dtypes a layout may name
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}  # the KV dtypes
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2")  # one-byte codes scaled per (layer, KV head): vLLM's names
+KV_CACHE_DTYPES = ("auto", *QUANTIZED)  # `--kv-cache-dtype`: auto = the model's dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +54,15 @@ class KVLayout:
     dtype: str
     num_blocks: int
     block_size: int
+    scales: str | None = None  # a quantized dtype's: the digest of its scales (`kv_quant.KVScales.digest`)
     kind: str = "kv"  # one of KINDS; "latent": head_dim is the latent's size, num_kv_heads 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BYTES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {sorted(ELEMENT_BYTES)}")
+        if (self.dtype in QUANTIZED) != (self.scales is not None):
+            raise ValueError(f"a KV layout names scales exactly when its dtype is one of {QUANTIZED} "
+                             f"(dtype {self.dtype!r}, scales {self.scales!r})")
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -58,6 +71,8 @@ class KVLayout:
             raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "latent" and self.num_kv_heads != 1:
             raise ValueError(f"a latent KV layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
+        if self.kind == "latent" and self.dtype in QUANTIZED:
+            raise ValueError("a latent KV layout is not quantized (the fp8 KV cache scales K and V per head)")
 
     @property
     def planes(self) -> int:
@@ -101,7 +116,12 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "block_size": self.block_size,
+            **({"kv_scales": self.scales} if self.scales is not None else {}),
         }
+
+    def with_blocks(self, num_blocks: int) -> "KVLayout":
+        """This layout with ``num_blocks`` blocks."""
+        return dataclasses.replace(self, num_blocks=num_blocks)
 
 
 class ByteRange(NamedTuple):

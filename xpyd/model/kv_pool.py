@@ -12,14 +12,16 @@ from __future__ import annotations
 import torch
 
 from xpyd.model.kv_blocks import BlockAllocator
-from xpyd.model.kv_layout import (ELEMENT_BYTES, LAYOUT_NAME, ByteRange, HostKVPool, KVLayout, PoolFull,
+from xpyd.model.kv_layout import (ELEMENT_BYTES, LAYOUT_NAME, QUANTIZED, ByteRange, HostKVPool, KVLayout, PoolFull,
                                   _checked, block_ranges)
 
 __all__ = ["LAYOUT_NAME", "ByteRange", "KVLayout", "KVPool", "PoolFull", "block_ranges", "dtype_name",
            "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-assert set(_DTYPES) == set(ELEMENT_BYTES)
+# an fp8 pool holds its codes as bytes (kv_quant reads them as torch's float8 types: a view, no copy)
+_STORED = {**_DTYPES, **{name: torch.uint8 for name in QUANTIZED}}
+assert set(_STORED) == set(ELEMENT_BYTES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -30,7 +32,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
-    return _DTYPES[layout.dtype]
+    """The pool tensor's element type (uint8 for the fp8 codes)."""
+    return _STORED[layout.dtype]
 
 
 class KVPool(HostKVPool):

@@ -8,7 +8,9 @@ Same math as transformers' modules, with less per-step work:
 - q/k norms (qwen3) as the same RMSNorm over each head;
 - rotary cos/sin tables built once by the model's own rotary module, indexed by position per step,
   applied to q and k in one go;
-- K/V written in place into the pool; attention over each request's live tokens only.
+- K/V written in place into the pool; attention over each request's live tokens only;
+- an fp8 pool (uint8 codes, `kv_quant`): K/V quantized as they are written, dequantized as the torch
+  paths gather them, and inside the native decode kernel (`kv_codec`, set by the runner).
 
 float32 stays on `F.linear` so its results follow transformers' (the token-for-token tests).
 It runs on the device of the model's weights: every tensor it makes per step is made there, and off
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from xpyd.model import native, paged
+from xpyd.model.kv_quant import KVCodec
 
 
 def why_not_covered(model) -> str | None:
@@ -205,6 +208,7 @@ class FastLlama:
             self._pointwise = native.load_pointwise()  # None (the torch ops) when it cannot be built here
         self.decode_attention = self._default_attention() if decode_attention is None else decode_attention
         self.on_layer = _nothing  # called before every layer (the runner's CPU pacing)
+        self.kv_codec: KVCodec | None = None  # an fp8 pool's codes <-> values (the runner's)
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
         self.layers = [_Layer(layer, pack) for layer in inner.layers]
@@ -297,6 +301,14 @@ class FastLlama:
         swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
         return (qk * cos.unsqueeze(1)).add_(swapped.mul_(sin.unsqueeze(1)))
 
+    def _codec(self, pool: torch.Tensor) -> KVCodec | None:
+        """The codec of ``pool`` when it holds fp8 codes (uint8), else None."""
+        if pool.dtype != torch.uint8:
+            return None
+        if self.kv_codec is None:
+            raise ValueError("an fp8 KV pool (uint8 codes) needs the codec of its scales: set kv_codec")
+        return self.kv_codec
+
     def qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the residual stream) -> the layer's q, k, v [T, heads + 2 kv_heads, hd], before rotary."""
         qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
@@ -376,6 +388,7 @@ class FastLlama:
         pos = positions[0] if single else torch.cat(positions)
         where = paged.RowIndex(blocks[0], rows[0]) if single else paged.RowIndex(torch.cat(blocks), torch.cat(rows))
         x = F.embedding(ids, self.embed)  # [T, hidden]
+        codec = self._codec(pool)
         if single:
             start = parts[0][2]
             cos, sin = self.cos[start : start + total], self.sin[start : start + total]
@@ -385,15 +398,15 @@ class FastLlama:
             self.on_layer()
             qkv = self.qkv(layer, x)
             qk = self._rope(qkv, cos, sin)
-            k_all, v_all = qk[:, nh:], qkv[:, nh + nkv :]
-            paged.write(pool, index, where, k_all, v_all)
+            # (from an fp8 pool, the new tokens' K/V as stored: attention reads every token as the pool holds it)
+            k_all, v_all = paged.write(pool, index, where, qk[:, nh:], qkv[:, nh + nkv :], codec)
             outs = []
             for (off, n, start), prefix in zip(spans, prefixes):
                 q = qk[off : off + n, :nh].transpose(0, 1).unsqueeze(0)
                 k = k_all[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
                 v = v_all[off : off + n].transpose(0, 1).unsqueeze(0)
                 if prefix is not None:
-                    k_old, v_old = paged.gather(pool, index, prefix[0], start)
+                    k_old, v_old = paged.gather(pool, index, prefix[0], start, codec)
                     attn = F.scaled_dot_product_attention(q, torch.cat((k_old, k), 2), torch.cat((v_old, v), 2),
                                                           attn_mask=prefix[1], scale=self.scale, enable_gqa=True)
                 else:
@@ -444,6 +457,7 @@ class FastLlama:
         if self._decode_attention == "kernel":
             return self._kernel_plan(pool, tables, positions)
         batch, block_size = len(positions), pool.shape[4]
+        codec = self._codec(pool)
         where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // block_size],
                                pos_t % block_size)
         matmul = self._decode_attention == "matmul"
@@ -454,10 +468,10 @@ class FastLlama:
             singles = [tables[i : i + 1, : self.blocks_for(pool, n)] for i, n in enumerate(lengths)]
 
             def per_request(index, q, k_new, v_new):
-                paged.write(pool, index, where, k_new, v_new)
+                paged.write(pool, index, where, k_new, v_new, codec)
                 outs = []
                 for i in range(batch):
-                    keys, values = paged.gather(pool, index, singles[i], lengths[i])
+                    keys, values = paged.gather(pool, index, singles[i], lengths[i], codec)
                     outs.append(attend_rows(q[i : i + 1], keys, values, None))
                 return torch.cat(outs)
 
@@ -471,19 +485,30 @@ class FastLlama:
                 mask = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))
 
         def batched(index, q, k_new, v_new):
-            paged.write(pool, index, where, k_new, v_new)
-            keys, values = paged.gather(pool, index, padded, longest)
+            paged.write(pool, index, where, k_new, v_new, codec)
+            keys, values = paged.gather(pool, index, padded, longest, codec)
             return attend_rows(q, keys, values, mask)
 
         return batched
 
     def _kernel_plan(self, pool, table_t, positions):
-        if pool.dtype != torch.bfloat16 or pool.device.type != "cpu":
-            raise ValueError(f"the native decode attention needs a bfloat16 CPU pool, not {pool.dtype} on {pool.device}")
+        if pool.dtype not in (torch.bfloat16, torch.uint8) or pool.device.type != "cpu":
+            raise ValueError(f"the native decode attention needs a bfloat16 or fp8 CPU pool, not {pool.dtype} on "
+                             f"{pool.device}")
         lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
         native.check_tables(table_t, lens_t, pool.shape[0], pool.shape[4])  # once for every layer's call
         out = torch.empty((len(positions), self.num_heads, self.head_dim), dtype=torch.bfloat16)
         kernel, scale = self._kernel, self.scale
+        codec = self._codec(pool)
+        if codec is not None:
+            fmt = codec.scales.dtype
+
+            def native_fp8(index, q, k_new, v_new):
+                k_codes, v_codes = codec.encode(index, k_new, v_new)
+                return kernel.fp8(q, k_codes, v_codes, pool, index, table_t, lens_t, scale, out, fmt,
+                                  *codec.kernel_scales(index), tables_checked=True)
+
+            return native_fp8
 
         def native_attention(index, q, k_new, v_new):
             # `out` is reused by every layer: o_proj has consumed the previous layer's before this call

@@ -33,7 +33,7 @@ import torch
 
 from xpyd.model.loader import cache_dir
 
-ABI_VERSION = 2  # decode_attention.c (2: paged pool, block tables)
+ABI_VERSION = 3  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools)
 POINTWISE_ABI_VERSION = 1  # pointwise.c
 BUILD_TIMEOUT_S = 120.0
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -44,6 +44,8 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _P, _I64, _I64, _I64, _I64,  # pool, block and head strides, the layer's K and V offsets
              _I64, _I64, _P, _I64, _P,  # token (row) stride, block size, block tables and their row stride, lens
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
+_ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
+_FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -130,7 +132,9 @@ class DecodeAttention:
     step's K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        (self._fn,) = _open(path, "xpyd_abi_version", ABI_VERSION, {"xpyd_decode_attention_bf16": _ARGTYPES})
+        self._fn, self._fn_fp8, self._to_f32 = _open(path, "xpyd_abi_version", ABI_VERSION, {
+            "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
+            "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P]})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
@@ -146,17 +150,48 @@ class DecodeAttention:
         row. Every block id the kernel would touch is checked against the pool first (ValueError: nothing
         written), unless ``tables_checked``: the caller ran `check_tables` on these very tensors for this pool
         (once per decode step, instead of once per layer)."""
+        return self._run(self._fn, torch.bfloat16, (), q, k_new, v_new, pool, layer, tables, lens, scale, out,
+                         tables_checked)
+
+    def fp8(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, pool: torch.Tensor, layer: int,
+            tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor, fmt: str,
+            k_scales: torch.Tensor, v_scales: torch.Tensor, tables_checked: bool = False) -> torch.Tensor:
+        """The same over an fp8 pool (uint8 codes of format ``fmt``, "fp8_e4m3" or "fp8_e5m2": `kv_quant`):
+        k_codes/v_codes [B, kv_heads, hd] uint8 are the step's K/V already quantized (written as they are);
+        each code read is its value (`to_float`) times the layer's scale of its KV head
+        (``k_scales``/``v_scales``: float32 [kv_heads]). q and out stay bfloat16."""
+        kv_heads = k_codes.shape[1] if k_codes.dim() == 3 else -1
+        if fmt not in _FP8_FORMATS:
+            raise ValueError(f"decode attention (fp8): format must be one of {sorted(_FP8_FORMATS)}, not {fmt!r}")
+        for t in (k_scales, v_scales):
+            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != (kv_heads,):
+                raise ValueError("decode attention (fp8): scales float32 [kv_heads] on the CPU")
+        return self._run(self._fn_fp8, torch.uint8, (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
+                         q, k_codes, v_codes, pool, layer, tables, lens, scale, out, tables_checked)
+
+    def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
+        """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row
+        conversion (``vector``: SIMD where the CPU has it), or the per-code one (csrc/fp8.h)."""
+        if codes.dtype != torch.uint8 or not codes.is_contiguous() or fmt not in _FP8_FORMATS:
+            raise ValueError("to_float: contiguous uint8 codes of an fp8 format")
+        out = torch.empty(codes.shape, dtype=torch.float32)
+        if self._to_f32(codes.data_ptr(), codes.numel(), _FP8_FORMATS[fmt], int(vector), out.data_ptr()) != 0:
+            raise RuntimeError("native fp8 conversion failed")
+        return out
+
+    def _run(self, fn, kv_dtype, extra, q, k_new, v_new, pool, layer, tables, lens, scale, out, tables_checked):
         batch, heads, hd = q.shape
         kv_heads = k_new.shape[1]
         bf16 = torch.bfloat16
-        if q.dtype != bf16 or k_new.dtype != bf16 or v_new.dtype != bf16 or q.stride(2) != 1 or q.stride(1) != hd \
-                or k_new.stride()[1:] != (hd, 1) or v_new.stride()[1:] != (hd, 1):
-            raise ValueError("decode attention wants bfloat16 rows of contiguous heads")
+        if q.dtype != bf16 or k_new.dtype != kv_dtype or v_new.dtype != kv_dtype or q.stride(2) != 1 \
+                or q.stride(1) != hd or k_new.stride()[1:] != (hd, 1) or v_new.stride()[1:] != (hd, 1):
+            raise ValueError(f"decode attention wants bfloat16 q and {kv_dtype} K/V rows of contiguous heads")
         if pool.dim() != 6 or k_new.shape != (batch, kv_heads, hd) or v_new.shape != (batch, kv_heads, hd) or \
                 pool.shape[1] != kv_heads or pool.shape[3] != 2 or pool.shape[5] != hd or not 0 <= layer < pool.shape[2]:
             raise ValueError("decode attention: q, k_new, v_new and the pool's shapes disagree")
-        if pool.dtype != bf16 or pool.stride(5) != 1 or not pool.is_cpu or out.dtype != bf16 or out.shape != q.shape \
-                or not out.is_contiguous() or tables.dtype != torch.int64 or lens.dtype != torch.int64:
+        if pool.dtype != kv_dtype or pool.stride(5) != 1 or not pool.is_cpu or out.dtype != bf16 \
+                or out.shape != q.shape or not out.is_contiguous() or tables.dtype != torch.int64 \
+                or lens.dtype != torch.int64:
             raise ValueError("decode attention: bad pool strides, output or index dtypes")
         if tables.dim() != 2 or tables.shape[0] != batch or tables.stride(1) != 1 or lens.shape != (batch,) or \
                 lens.stride(0) != 1 or not tables.is_cpu or not lens.is_cpu:
@@ -166,10 +201,10 @@ class DecodeAttention:
             check_tables(tables, lens, pool.shape[0], block_size)
         stride = pool.stride()
         k_off = stride[2] * layer
-        rc = self._fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
-                      pool.data_ptr(), stride[0], stride[1], k_off, k_off + stride[3], stride[4], block_size,
-                      tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, heads, kv_heads, hd, scale,
-                      out.data_ptr(), torch.get_num_threads())
+        rc = fn(q.data_ptr(), q.stride(0), k_new.data_ptr(), k_new.stride(0), v_new.data_ptr(), v_new.stride(0),
+                pool.data_ptr(), stride[0], stride[1], k_off, k_off + stride[3], stride[4], block_size,
+                tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, heads, kv_heads, hd, scale,
+                out.data_ptr(), torch.get_num_threads(), *extra)
         if rc != 0:
             raise RuntimeError(f"native decode attention failed (code {rc})")
         return out

@@ -22,10 +22,11 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, latent_attention, paged
+from xpyd.model import batch_checks, families, kv_quant, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
-from xpyd.model.kv_pool import KVLayout, KVPool, dtype_name
+from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
+from xpyd.model.kv_quant import KVCodec
 from xpyd.model.layer_attention import attend
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
@@ -63,12 +64,14 @@ def _released(forward):
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, num_blocks: int | Callable[["ModelRunner"], int],
                  max_seq_len: int, block_size: int = 16, device: torch.device | str = "cpu", caching: bool = True,
-                 load_format: str = "auto", max_batch: int = 8, cuda_graphs: bool = True) -> None:
+                 load_format: str = "auto", max_batch: int = 8, cuda_graphs: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         """``num_blocks``: the KV pool's size, or a function of the loaded runner (its weights on the device)
         that says it (``--gpu-memory-utilization``: `xpyd.model.gpu.memory`). ``load_format``: "auto" (the
         folder's safetensors) or "dummy" (seeded random weights made on the device: `dummy_weights`).
         On CUDA, decode steps of up to ``max_batch`` requests run the paged kernels, in CUDA graphs when
-        ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device."""
+        ``cuda_graphs`` (`xpyd.model.gpu.decoder`), and sampling runs on the device. ``kv_cache_dtype``: "auto"
+        (the pool in ``dtype``) or an fp8 format (`kv_quant`: scales from a calibration pass here; CPU only)."""
         config = AutoConfig.from_pretrained(str(model_dir))
         max_model_len = min(max_seq_len, config.max_position_embeddings)
         families.check_supported(config, max_model_len)
@@ -124,11 +127,20 @@ class ModelRunner:
         else:
             layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
                               dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
+        self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
+        if kv_cache_dtype != "auto":
+            if self._latent is not None:
+                raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
+                                 "its codec scales K and V per head); use --kv-cache-dtype auto")
+            self.kv_codec = self._calibrated(kv_cache_dtype, layout)
+            layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
+            if self._fast is not None:
+                self._fast.kv_codec = self.kv_codec
         self._layout_template = layout
         if callable(num_blocks):
             num_blocks = num_blocks(self)
-        self.pool = KVPool(dataclasses.replace(layout, num_blocks=num_blocks), device=self.device, caching=caching)
-        self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
+        self.pool = KVPool(layout.with_blocks(num_blocks), device=self.device, caching=caching)
         self._threads = torch.get_num_threads()
         if self._fast is not None:
             self._fast.on_layer = self._pace
@@ -155,6 +167,23 @@ class ModelRunner:
             return
         self.decoder = PagedDecoder(self._fast, self.pool.tensor, self.pool.layout.blocks_for(self.max_model_len),
                                     max_batch, graphs=cuda_graphs)
+
+    def _calibrated(self, kv_cache_dtype: str, layout: KVLayout) -> KVCodec:
+        """The codec of an fp8 pool: its scales from the calibration prompt's K/V, prefilled into a scratch
+        pool in the model's dtype (`kv_quant`)."""
+        if kv_cache_dtype not in kv_quant.FORMATS:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(kv_quant.FORMATS)}, not "
+                             f"{kv_cache_dtype!r}")
+        if self.device.type != "cpu":
+            raise ValueError(f"an fp8 KV cache runs on the CPU, not {self.device}")
+        length = min(kv_quant.CALIBRATION_TOKENS, self.max_model_len)
+        self.pool = KVPool(layout.with_blocks(layout.blocks_for(length)), device=self.device, caching=False)
+        bos = getattr(self.config, "bos_token_id", None)
+        ids = kv_quant.calibration_ids(self.vocab_size, length, bos if isinstance(bos, int) else None)
+        self.prefill(self.pool.blocks.allocate(self.pool.layout.num_blocks), ids)
+        scales = kv_quant.KVScales.calibrated(kv_cache_dtype, self.pool.tensor)
+        del self.pool
+        return KVCodec(scales, self.dtype, self.device)
 
     @property
     def layout_template(self) -> KVLayout:
@@ -253,6 +282,7 @@ class ModelRunner:
         pool = self.pool.tensor
         where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
         prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
+        codec = self._codec_of(pool)
         for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
             if self._latent is not None:
@@ -261,10 +291,12 @@ class ModelRunner:
                 hidden = self._finish_layer(layer, hidden, attn)
                 continue
             q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # [1, heads, m, head_dim]
-            paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            k_rows, v_rows = paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
+            if codec is not None:  # the new tokens' K/V as the fp8 pool holds them (as decode reads them too)
+                k, v = k_rows.transpose(0, 1).unsqueeze(0), v_rows.transpose(0, 1).unsqueeze(0)
             first = spec.first_visible(start)  # (a local layer reads only the cached keys its window reaches)
             if first < start:
-                k_old, v_old = paged.gather(pool, index, prefix, start, first=first)
+                k_old, v_old = paged.gather(pool, index, prefix, start, codec, first=first)
                 k, v = torch.cat((k_old, k), 2), torch.cat((v_old, v), 2)
             attn = attend(q, k, v, spec, q_start=start, k_start=first)
             hidden = self._finish_layer(layer, hidden, attn)
@@ -318,6 +350,7 @@ class ModelRunner:
         pool = self.pool.tensor
         where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
         singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
+        codec = self._codec_of(pool)
         for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
             self._pace()
             if self._latent is not None:
@@ -326,15 +359,18 @@ class ModelRunner:
                 hidden = self._finish_layer(layer, hidden, attn)
                 continue
             q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # q [B, heads, 1, hd]; k, v [B, kv, 1, hd]
-            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0])
+            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0], codec)
             outs = []
             for i, table in enumerate(singles):
                 first = spec.first_visible(positions[i])  # (a local layer reads only its window's keys)
-                keys, values = paged.gather(pool, index, table, positions[i] + 1, first=first)  # [1, kv_heads, ...]
+                keys, values = paged.gather(pool, index, table, positions[i] + 1, codec, first=first)
                 outs.append(attend(q[i : i + 1], keys, values, spec, q_start=positions[i], k_start=first))
             attn = torch.cat(outs) if batch > 1 else outs[0]
             hidden = self._finish_layer(layer, hidden, attn)
         return self._logits(hidden[:, -1])
+
+    def _codec_of(self, pool: torch.Tensor) -> KVCodec | None:
+        return self.kv_codec if pool.dtype == torch.uint8 else None
 
     def warmup(self) -> None:
         """One tiny prefill + decode so the first real request does not pay for lazy initialisation."""
@@ -389,15 +425,16 @@ def _drop_fused_copies(model) -> None:
                                                requires_grad=False)
 
 
-def kv_token_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights)."""
+def kv_token_bytes(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's KV for the model in ``model_dir`` (to size a pool before loading the weights),
+    in ``dtype`` or the ``kv_cache_dtype`` that is not "auto"."""
     config = AutoConfig.from_pretrained(str(model_dir))
     families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
     if families.is_latent(config):
         return latent_attention.LatentShape.of(config).layout(config.num_hidden_layers, dtype_name(dtype), 1,
                                                                1).token_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
 
 

@@ -90,6 +90,12 @@ class PrefillSignalPlane:
                                            f"(prefill {self._kv_compat.get('weights')!s:.60}, decode "
                                            f"{msg.kv_compat.get('weights')!s:.60}): their KV cannot mix",
                                     self.model_id)
+        ours, theirs = (self._kv_compat.get("dtype"), self._kv_compat.get("kv_scales")), \
+            (msg.kv_compat.get("dtype"), msg.kv_compat.get("kv_scales"))
+        if ours != theirs:
+            return m.HandshakeReply(False, f"KV cache dtype mismatch: prefill {_kv_dtype(*ours)}, decode "
+                                           f"{_kv_dtype(*theirs)} (--kv-cache-dtype and --dtype must agree): their "
+                                           "KV cannot mix", self.model_id)
         if msg.kv_compat != self._kv_compat:
             return m.HandshakeReply(False, f"KV layout mismatch: prefill {self._kv_compat}, "
                                            f"decode {msg.kv_compat}", self.model_id)
@@ -192,3 +198,8 @@ class PrefillSignalPlane:
                     self.held.memory.released_early[rid] = True  # dropped if it arrives later
                     self.held.counts["released_early"] += 1
         return m.ReleaseReply(n)
+
+
+def _kv_dtype(dtype, scales) -> str:
+    """A handshake's KV dtype as the refusal names it: fp8 with the digest of its scales."""
+    return f"{dtype!s:.20}" if scales is None else f"{dtype!s:.20} with scales {scales!s:.40}"

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from xpyd.api.tool_parsers import PARSERS
+from xpyd.model.kv_layout import KV_CACHE_DTYPES
 from xpyd.model.sim.profile import SimProfile
 from xpyd.signal.request_id import RequestIdError, check_signal_addr
 from xpyd.transfer.selection import KV_BACKENDS, check_kv_backend
@@ -59,6 +60,8 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV capacity in tokens (None: batch_size x max_model_len)
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
     gpu_memory_utilization: float | None = None  # ... or what is left of this share of a CUDA device (0.45)
+    kv_cache_dtype: str = "auto"  # auto (--dtype) | fp8_e4m3 | fp8_e5m2: one-byte codes, scaled per layer and KV
+    # head (xpyd.model.kv_quant); prefill and decode workers must agree (their handshake checks)
     load_format: str = "auto"  # auto: the folder's weights; dummy: seeded random ones made on the device
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
@@ -72,7 +75,8 @@ class WorkerConfig:
     engine: str = "torch"  # torch | sim: the simulated forward pass (a light worker: no torch, no transformers)
     sim_profile: str | None = None  # sim: the timing profile's JSON file (None: the built-in one)
     sim_speedup: float = 1.0  # sim: run this many times faster than the profile (inf: no simulated time)
-    sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size)
+    sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size, halved
+    # under an fp8 --kv-cache-dtype)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -145,6 +149,10 @@ class WorkerConfig:
                 raise ValueError("--gpu-memory-utilization sizes the KV cache on a CUDA device: --device cuda")
             if isinstance(self.gpu_memory_utilization, bool) or not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {self.gpu_memory_utilization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs on the CPU (--device cpu)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, not {self.load_format!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
@@ -258,6 +266,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                       help="--device cuda: this worker's share of the device's memory (0-1]; its KV cache gets "
                            "what the weights, activations and graphs leave of it (two workers on one GPU: "
                            "0.45 each, say)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                        help="KV cache element type: auto (--dtype) or fp8 (one byte per value, scaled per layer "
+                             "and KV head from a calibration pass at start; CPU engine; prefill and decode "
+                             "workers must agree)")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                         help="auto: the model folder's weights; dummy: seeded random weights made on the device "
                              "(a model folder with config and tokenizer only; speed set by the shape)")

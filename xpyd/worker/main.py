@@ -173,15 +173,16 @@ def build_torch_runner(config: WorkerConfig, transfer) -> tuple[Any, ResolvedMod
                                       config.max_model_len, config.role)
             size = f"KV cache from {config.gpu_memory_utilization:g} of the device"
         else:
-            num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype))
+            num_blocks = config.kv_blocks(kv_token_bytes(resolved.path, dtype, config.kv_cache_dtype))
             size = f"KV cache of {num_blocks} blocks"
-        log.info("%s: loading %s (%s%s on %s; %s x %d tokens%s)", config.role, resolved.path, config.dtype,
+        log.info("%s: loading %s (%s%s on %s; %s x %d tokens%s)", config.role, resolved.path,
+                 config.dtype if config.kv_cache_dtype == "auto" else f"{config.dtype}, {config.kv_cache_dtype} KV",
                  ", random weights" if config.load_format == "dummy" else "", device, size, config.block_size,
                  ", prefix caching" if config.prefix_cache else "")
         runner = ModelRunner(resolved.path, dtype, num_blocks=num_blocks, max_seq_len=config.max_model_len,
                              block_size=config.block_size, device=device, caching=config.prefix_cache,
                              load_format=config.load_format, max_batch=config.batch_size,
-                             cuda_graphs=not config.enforce_eager)
+                             cuda_graphs=not config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype)
         log.info("%s: %s", config.role, describe_forward(runner))
         if config.cpu_share:
             runner.cpu_share = CpuShare(config.cpu_share, max_threads=config.threads)
@@ -203,6 +204,8 @@ def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, Resolve
     backend provides (shm: a shared segment), as `adopt_pool` moves a torch pool there."""
     resolved = ensure_converted(config.model)  # (a GGUF converted before is found in the cache, without torch)
     token_bytes = config.sim_kv_token_bytes or ModelFacts.read(resolved.path).kv_token_bytes
+    if config.sim_kv_token_bytes is None and config.kv_cache_dtype != "auto":
+        token_bytes //= 2  # (the model's size is in 16-bit floats; fp8 codes take one byte)
     num_blocks = config.kv_blocks(token_bytes)
     buffer = None
     if config.role == "prefill":  # (the decode pool stays in process memory, as the real engine's)
@@ -247,6 +250,8 @@ def describe_forward(runner) -> str:
     fast = runner.fast_path
     text = f"lean forward, {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
+    if getattr(runner, "kv_codec", None) is not None:
+        text += f"; {runner.pool.layout.dtype} KV cache (scales {runner.pool.layout.scales})"
     if runner.device.type == "cuda":
         if runner.decoder is not None:
             graphs = ",".join(map(str, runner.decoder.graph_sizes))

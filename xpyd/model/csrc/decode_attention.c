@@ -1,5 +1,11 @@
 /* Decode attention over xpyd's paged KV pool, bfloat16 in, float32 math, bfloat16 out.
  *
+ * The pool holds bfloat16 K/V (xpyd_decode_attention_bf16) or fp8 codes, one byte each, with a power-of-two
+ * scale per KV head of the layer for K and for V (xpyd_decode_attention_fp8; xpyd/model/kv_quant.py): the
+ * codes are converted as they are read (fp8.h, exact) and the scales applied once per score and once per
+ * output, which equals dequantizing every element first (powers of two are exact). The step's new K/V arrive
+ * already quantized and are copied in as they are.
+ *
  * The pool is a set of fixed-size blocks; each request owns a block table (its blocks in token order), and
  * token t of a request sits in block table[t / block_size] at row t % block_size. Inside a block, the rows
  * of one (KV head, layer, K or V) are consecutive: [num_blocks, kv_heads, layers, 2, block_size, head_dim].
@@ -23,6 +29,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 
 /* Software prefetch of the row XPYD_PREFETCH tokens ahead (following the block table across block
    boundaries; -DXPYD_PREFETCH=0 turns it off). In a block the rows of one (KV head, layer) are consecutive,
@@ -41,19 +48,20 @@
 #define XPYD_MAX_GROUP 16
 #define XPYD_MAX_HEAD_DIM 256
 
-/* Rows of one K (or V) pass: the request's tokens [0, n) in order, one block at a time. */
+/* Rows of one K (or V) pass: the request's tokens [0, n) in order, one block at a time. `head` is a byte pointer;
+   offsets and strides are in elements of ES bytes (2: bfloat16, 1: fp8 codes). */
 #define XPYD_FOR_ROWS(OFF, ROW, BODY)                                                                  \
     do {                                                                                               \
         int64_t pf_t = XPYD_PREFETCH, pf_j = XPYD_PREFETCH / block_size, pf_i = XPYD_PREFETCH % block_size; \
         int64_t t = 0;                                                                                 \
         for (int64_t j = 0; t < n; j++) {                                                              \
-            const uint16_t *blk = head + table[j] * block_stride + (OFF);                              \
+            const unsigned char *blk = head + (table[j] * block_stride + (OFF)) * ES;                  \
             const int64_t rows = n - t < block_size ? n - t : block_size;                              \
             for (int64_t i = 0; i < rows; i++, t++) {                                                  \
-                const uint16_t *ROW = blk + i * token_stride;                                          \
+                const unsigned char *ROW = blk + i * token_stride * ES;                                \
                 if (XPYD_PREFETCH > 0 && pf_t < n) {                                                   \
-                    const uint16_t *p = head + table[pf_j] * block_stride + (OFF) + pf_i * token_stride; \
-                    for (int d = 0; d < head_dim; d += 32) __builtin_prefetch(p + d, 0, 3);            \
+                    const unsigned char *p = head + (table[pf_j] * block_stride + (OFF) + pf_i * token_stride) * ES; \
+                    for (int d = 0; d < head_dim * ES; d += 64) __builtin_prefetch(p + d, 0, 3);       \
                     pf_t++;                                                                            \
                     if (++pf_i == block_size) pf_i = 0, pf_j++;                                        \
                 }                                                                                      \
@@ -62,16 +70,38 @@
         }                                                                                              \
     } while (0)
 
+/* One K or V row as float32: bfloat16 elements (fp8 = 0), or fp8 codes (fp8 = 1: e4m3, 2: e5m2; fp8.h) as the
+   codes' values divided by fp8_unit (the per-head scale times fp8_unit is applied by the caller, once per
+   score and once per output). */
+static inline __attribute__((always_inline)) void load_row(float *restrict row, const unsigned char *restrict src,
+                                                           const int fp8, const int head_dim) {
+    if (fp8) {
+        fp8_row(row, src, fp8, head_dim);
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(h[d]);
+    }
+}
+
 /* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
-   `head` is the pool shifted to this KV head; `table` the request's block ids.
+   `head` is the pool shifted to this KV head (bytes); `table` the request's block ids. With fp8 codes, the
+   K scale `k_scale` joins the score scale and the V scale multiplies the output: both are powers of two,
+   so this equals dequantizing every element first.
    always_inline: the dispatch below compiles it once per common (group, head_dim), both constant, so the
    loops unroll (15-20% faster than the generic copy in an A/B here); other shapes run the generic copy. */
 static inline __attribute__((always_inline)) void attend_item(
-    const uint16_t *q, const uint16_t *head, const int64_t *table, int64_t n, int64_t block_stride,
+    const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n, int64_t block_stride,
     int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale, float *scores,
-    uint16_t *out, const int group, const int head_dim) {
+    uint16_t *out, const int group, const int head_dim, const int fp8, float k_scale,
+    float v_scale) {
+    const int ES = fp8 ? 1 : 2;
+    if (fp8) { /* powers of two: exact */
+        k_scale *= fp8_unit(fp8);
+        v_scale *= fp8_unit(fp8);
+    }
     float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
     float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
+    const float score_scale = fp8 ? scale * k_scale : scale;
     for (int g = 0; g < group; g++) {
         for (int d = 0; d < head_dim; d++) {
             qf[g][d] = bf16_to_f32(q[g * head_dim + d]);
@@ -80,11 +110,11 @@ static inline __attribute__((always_inline)) void attend_item(
         top[g] = -3.0e38f;
     }
     XPYD_FOR_ROWS(k_off, kt, { /* scores = q . k */
-        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(kt[d]);
+        load_row(row, kt, fp8, head_dim);
         for (int g = 0; g < group; g++) {
             float s = 0.0f;
             for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
-            s *= scale;
+            s *= score_scale;
             scores[g * n + t] = s;
             if (s > top[g]) top[g] = s;
         }
@@ -100,7 +130,7 @@ static inline __attribute__((always_inline)) void attend_item(
         sum[g] = total;
     }
     XPYD_FOR_ROWS(v_off, vt, { /* acc = sum_t p_t v_t */
-        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(vt[d]);
+        load_row(row, vt, fp8, head_dim);
         for (int g = 0; g < group; g++) {
             const float p = scores[g * n + t];
             for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
@@ -108,35 +138,98 @@ static inline __attribute__((always_inline)) void attend_item(
     });
     for (int g = 0; g < group; g++) {
         const float inv = 1.0f / sum[g];
-        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = f32_to_bf16(acc[g][d] * inv);
+        for (int d = 0; d < head_dim; d++) {
+            const float o = acc[g][d] * inv;
+            out[g * head_dim + d] = f32_to_bf16(fp8 ? o * v_scale : o);
+        }
     }
 }
 
-/* The shapes of common models get their own compiled copy (group = heads / kv_heads). */
-#define XPYD_SHAPE(G, D)                                                                                  \
+/* The shapes of common models get their own compiled copy (group = heads / kv_heads), per element type. */
+#define XPYD_SHAPE(G, D, FP8)                                                                             \
     if (group == G && head_dim == D) {                                                                    \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, G, D);                                                                           \
+                    out, G, D, FP8, k_scale, v_scale);                                                    \
         return;                                                                                           \
     }
 
-static void attend(const uint16_t *q, const uint16_t *head, const int64_t *table, int64_t n, int64_t block_stride,
-                   int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale,
-                   float *scores, uint16_t *out, int group, int head_dim) {
-    XPYD_SHAPE(3, 64)  /* SmolLM2-135M */
-    XPYD_SHAPE(4, 64)  /* Llama 3.2 1B, SmolLM2-360M-ish */
-    XPYD_SHAPE(8, 64)  /* TinyLlama */
-    XPYD_SHAPE(4, 128) /* Llama 3 8B, Mistral 7B */
-    XPYD_SHAPE(8, 128) /* Llama 3 70B */
-    XPYD_SHAPE(7, 64)  /* Qwen2 0.5B */
-    XPYD_SHAPE(6, 128) /* Qwen2 1.5B */
-    XPYD_SHAPE(1, 64)
-    XPYD_SHAPE(1, 128)
-    attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, out,
-                group, head_dim);
-}
+#define XPYD_ATTEND(NAME, FP8)                                                                            \
+    static void NAME(const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n,        \
+                     int64_t block_stride, int64_t block_size, int64_t token_stride, int64_t k_off,        \
+                     int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim,    \
+                     float k_scale, float v_scale) {                                                      \
+        XPYD_SHAPE(3, 64, FP8)  /* SmolLM2-135M */                                                        \
+        XPYD_SHAPE(4, 64, FP8)  /* Llama 3.2 1B, SmolLM2-360M-ish */                                      \
+        XPYD_SHAPE(8, 64, FP8)  /* TinyLlama */                                                           \
+        XPYD_SHAPE(4, 128, FP8) /* Llama 3 8B, Mistral 7B */                                              \
+        XPYD_SHAPE(8, 128, FP8) /* Llama 3 70B */                                                         \
+        XPYD_SHAPE(7, 64, FP8)  /* Qwen2 0.5B */                                                          \
+        XPYD_SHAPE(6, 128, FP8) /* Qwen2 1.5B */                                                          \
+        XPYD_SHAPE(1, 64, FP8)                                                                            \
+        XPYD_SHAPE(1, 128, FP8)                                                                           \
+        attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
+                    out, group, head_dim, FP8, k_scale, v_scale);                                         \
+    }
 
-int xpyd_abi_version(void) { return 2; }
+XPYD_ATTEND(attend_bf16, 0)
+XPYD_ATTEND(attend_e4m3, 1)
+XPYD_ATTEND(attend_e5m2, 2)
+
+int xpyd_abi_version(void) { return 3; }
+
+/* Both entry points: bfloat16 pools (fp8 = 0, es = 2) and fp8 pools of one-byte codes (fp8 = 1: e4m3, 2: e5m2;
+   es = 1; k_scales/v_scales the layer's per-KV-head scales). */
+static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned char *k_new, int64_t k_new_row,
+                            const unsigned char *v_new, int64_t v_new_row, unsigned char *pool, int64_t block_stride,
+                            int64_t head_stride, int64_t k_off, int64_t v_off, int64_t token_stride,
+                            int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
+                            int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out,
+                            int threads, const int fp8, const float *k_scales,
+                            const float *v_scales) {
+    if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
+        heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
+        return -1;
+    for (int b = 0; b < batch; b++)
+        if (lens[b] <= 0) return -2;
+    for (int b = 0; b < batch; b++) {
+        const int64_t used = (lens[b] + block_size - 1) / block_size;
+        for (int64_t j = 0; j < used; j++)
+            if (tables[b * table_row + j] < 0) return -4;
+    }
+    const int group = heads / kv_heads;
+    const int64_t es = fp8 ? 1 : 2;
+    int failed = 0;
+
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
+    for (int item = 0; item < batch * kv_heads; item++) {
+        const int b = item / kv_heads, h = item % kv_heads;
+        const int64_t n = lens[b], last = n - 1;
+        const int64_t *table = tables + b * table_row;
+        unsigned char *head = pool + (int64_t)h * head_stride * es;
+        unsigned char *row = head + (table[last / block_size] * block_stride + (last % block_size) * token_stride) * es;
+        memcpy(row + k_off * es, k_new + (b * k_new_row + (int64_t)h * head_dim) * es, (size_t)(es * head_dim));
+        memcpy(row + v_off * es, v_new + (b * v_new_row + (int64_t)h * head_dim) * es, (size_t)(es * head_dim));
+
+        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        const uint16_t *qh = q + b * q_row + (int64_t)h * group * head_dim;
+        uint16_t *oh = out + ((int64_t)b * heads + h * group) * head_dim;
+        if (fp8 == 1)
+            attend_e4m3(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, k_scales[h], v_scales[h]);
+        else if (fp8 == 2)
+            attend_e5m2(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, k_scales[h], v_scales[h]);
+        else
+            attend_bf16(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, 1.0f, 1.0f);
+        free(scores);
+    }
+    return failed ? -3 : 0;
+}
 
 /* Returns 0, or a negative code for arguments the kernel does not handle (nothing is written then):
    -1 sizes, -2 a request with no token, -3 out of memory (the new K/V are written then), -4 a negative block id among those it would touch. */
@@ -152,37 +245,42 @@ int xpyd_decode_attention_bf16(
     int batch, int heads, int kv_heads, int head_dim, float scale,
     uint16_t *out,                             /* [B, heads, head_dim] contiguous */
     int threads) {
-    if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
-        heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
-        return -1;
-    for (int b = 0; b < batch; b++)
-        if (lens[b] <= 0) return -2;
-    for (int b = 0; b < batch; b++) {
-        const int64_t used = (lens[b] + block_size - 1) / block_size;
-        for (int64_t j = 0; j < used; j++)
-            if (tables[b * table_row + j] < 0) return -4;
-    }
-    const int group = heads / kv_heads;
-    int failed = 0;
+    return decode_attention(q, q_row, (const unsigned char *)k_new, k_new_row, (const unsigned char *)v_new, v_new_row,
+                            (unsigned char *)pool, block_stride, head_stride, k_off, v_off, token_stride, block_size,
+                            tables, table_row, lens, batch, heads, kv_heads, head_dim, scale, out, threads, 0, NULL,
+                            NULL);
+}
 
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
-    for (int item = 0; item < batch * kv_heads; item++) {
-        const int b = item / kv_heads, h = item % kv_heads;
-        const int64_t n = lens[b], last = n - 1;
-        const int64_t *table = tables + b * table_row;
-        uint16_t *head = pool + (int64_t)h * head_stride;
-        uint16_t *row = head + table[last / block_size] * block_stride + (last % block_size) * token_stride;
-        memcpy(row + k_off, k_new + b * k_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
-        memcpy(row + v_off, v_new + b * v_new_row + (int64_t)h * head_dim, sizeof(uint16_t) * head_dim);
+/* The same over a pool of fp8 codes (one byte each; strides in bytes): k_new/v_new are the step's codes
+   (quantized by the caller), `format` 1 (e4m3) or 2 (e5m2), k_scales/v_scales [kv_heads] the layer's scales
+   (powers of two). q and out stay bfloat16. Same return codes, and -1 for another format. */
+int xpyd_decode_attention_fp8(
+    const uint16_t *q, int64_t q_row, const uint8_t *k_new, int64_t k_new_row, const uint8_t *v_new,
+    int64_t v_new_row, uint8_t *pool, int64_t block_stride, int64_t head_stride, int64_t k_off, int64_t v_off,
+    int64_t token_stride, int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
+    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads, int format,
+    const float *k_scales, const float *v_scales) {
+    if (format != 1 && format != 2) return -1;
+    return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
+                            v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
+                            scale, out, threads, format, k_scales, v_scales);
+}
 
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
-        attend(q + b * q_row + (int64_t)h * group * head_dim, head, table, n, block_stride, block_size, token_stride,
-               k_off, v_off, scale, scores, out + ((int64_t)b * heads + h * group) * head_dim, group, head_dim);
-        free(scores);
+/* The kernel's fp8 conversion on its own (format 1: e4m3, 2: e5m2), for the tests: out[i] = value of codes[i],
+   through the row conversion (vector = 1: whole rows of 256 codes, as vectors where the CPU has them) or the
+   per-code bit arithmetic (vector = 0). */
+int xpyd_fp8_to_f32(const uint8_t *codes, int64_t n, int format, int vector, float *out) {
+    if (format != 1 && format != 2) return -1;
+    const float unit = fp8_unit(format);
+    for (int64_t i = 0; i < n; i += 256) {
+        const int rows = n - i < 256 ? (int)(n - i) : 256;
+        if (!vector)
+            for (int j = 0; j < rows; j++) out[i + j] = fp8_scalar(codes[i + j], format);
+        else if (format == 1)
+            fp8_row(out + i, codes + i, 1, rows);
+        else
+            fp8_row(out + i, codes + i, 2, rows);
+        for (int j = 0; j < rows; j++) out[i + j] *= unit;
     }
-    return failed ? -3 : 0;
+    return 0;
 }

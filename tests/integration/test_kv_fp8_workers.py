@@ -1,0 +1,112 @@
+"""fp8 KV (`--kv-cache-dtype`) through real worker processes: a prefill worker's quantized KV moved to a
+decode worker gives the tokens of a colocated worker with the same fp8 KV (the same codes both ways, so the
+same numbers), and a decode worker of another KV dtype is refused at the handshake, saying why."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.cluster import Cluster, free_port, start_1p1d, wait_until
+
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and then", "one two three four five six"]
+FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
+
+
+def _complete(url: str, prompt: str, n: int) -> tuple[int, dict]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _colocated(workdir: Path, model: Path, extra: list[str]) -> tuple[Cluster, str]:
+    c = Cluster(workdir)
+    wp, xp = free_port(), free_port()
+    worker, proxy = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{xp}"
+    c.start("colocated", ["colocated", "--model", str(model), "--dtype", "bfloat16", "--threads", "1",
+                          "--max-model-len", "256", "--batch-size", "4", "--port", str(wp), *extra], worker)
+    try:
+        c.wait_healthy()
+        c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], proxy)
+        c.wait_healthy()
+    except BaseException:
+        c.stop()
+        raise
+    return c, proxy
+
+
+def _texts(proxy: str, n: int, prompt_tokens: list[int] | None = None) -> list[str]:
+    out = []
+    for prompt in PROMPTS:  # one at a time: the same batch shapes on both sides
+        status, body = _complete(proxy, prompt, n)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == n
+        out.append(body["choices"][0]["text"])
+        if prompt_tokens is not None:
+            prompt_tokens.append(body["usage"]["prompt_tokens"])
+    return out
+
+
+def _received_bytes(decode: str) -> float:
+    text = urllib.request.urlopen(decode + "/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("xpyd_kv_transfer_bytes_total") and 'direction="recv"' in line)
+
+
+def test_fp8_prefill_to_decode_gives_the_colocated_fp8_tokens(tmp_path: Path, tiny_model_dir: Path):
+    (tmp_path / "pd").mkdir()
+    (tmp_path / "co").mkdir()
+    cluster, urls = start_1p1d(tmp_path / "pd", str(tiny_model_dir), dtype="bfloat16", max_model_len=256, extra=FP8)
+    try:
+        prompt_tokens: list[int] = []
+        pd = _texts(urls["proxy"], 12, prompt_tokens)
+        # the prompts' KV moved as fp8 codes: 1 byte per value (the tiny model: 2 layers x K/V x 2 heads x 16)
+        blocks = sum(-(-n // 16) for n in prompt_tokens)
+        assert _received_bytes(urls["decode"]) == blocks * 16 * (2 * 2 * 2 * 16)
+    finally:
+        cluster.stop()
+    colocated, proxy = _colocated(tmp_path / "co", tiny_model_dir, FP8)
+    try:
+        co = _texts(proxy, 12)
+    finally:
+        colocated.stop()
+    assert pd == co
+    assert any(pd)
+
+
+def test_a_decode_worker_of_another_kv_dtype_is_refused(tmp_path: Path, tiny_model_dir: Path):
+    cluster, urls = start_1p1d(tmp_path, str(tiny_model_dir), dtype="bfloat16", max_model_len=256,
+                               prefill_extra=FP8)
+    try:
+        _complete(urls["proxy"], PROMPTS[0], 4)  # (the proxy moves it on from the failed pair: its answer aside)
+        decode, proxy = (next(p for p in cluster.procs if p.name == name) for name in ("decode", "proxy"))
+        wait_until(lambda: "KV cache dtype mismatch" in decode.log.read_text(errors="replace"), 30,
+                   "the decode worker logs the refusal")
+        line = next(l for l in decode.log.read_text(errors="replace").splitlines() if "KV cache dtype mismatch" in l)
+        assert "prefill fp8_e4m3 with scales pow2:" in line and "decode bfloat16" in line, line
+        assert "avoiding the pair" in proxy.log.read_text(errors="replace")  # no KV of the other dtype moved
+    finally:
+        cluster.stop()
+
+
+def test_a_sim_worker_under_fp8_moves_one_byte_per_value(tmp_path: Path, smollm_dir: Path):
+    """`--engine sim` has no KV values to quantize, but sizes its pool (and so its transfers) at fp8's bytes
+    per token: the model's real 16-bit size, halved."""
+    c = Cluster(tmp_path)
+    port = free_port()
+    c.start("colocated", ["colocated", "--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "inf",
+                          "--threads", "1", "--max-model-len", "256", "--port", str(port), *FP8],
+            f"http://127.0.0.1:{port}")
+    try:
+        c.wait_healthy()
+        log = c.procs[0].log.read_text(errors="replace")
+        assert "x 16 tokens x 11520 bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
+    finally:
+        c.stop()
