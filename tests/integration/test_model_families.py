@@ -119,14 +119,22 @@ def test_sliding_windows_chunks_inside_and_past_the_window(made, family, chunk):
     longer than the window (which a local layer reads only the end of)."""
     runner, hf, hf64, _ = made(family)
     assert not runner.fast_path_active and "Gemma" in runner.fast_path_reason
-    prompt = prompt_of(58, 20 + chunk)
+    assert_chunks_exact(runner, hf, hf64, prompt_of(58, 20 + chunk), 43, 5, chunk)
+
+
+def assert_chunks_exact(runner: ModelRunner, hf, hf64, prompt: list[int], first_len: int, cached_blocks: int,
+                        chunk: int) -> None:
+    """``prompt[:first_len]`` prefilled cold in chunks of ``chunk``, then the whole prompt after the first one's
+    ``cached_blocks`` blocks (a prefix-cache hit) in chunks too: each last position's logits within float32 error
+    of transformers' float64 forward; no block held after."""
     ref = exact_logits(hf, hf64, prompt)
-    a = new_seq(runner.pool, prompt[:43], seed=5)
+    a = new_seq(runner.pool, prompt[:first_len], seed=5)
     prefill_chunked(runner, a, chunk)
-    Reference(ref.exact[42], ref.bound).check(a.logits[0], f"chunks of {chunk}")
-    b = new_seq(runner.pool, prompt, seed=6, prefix=a.table[:5])  # 25 cached tokens
+    Reference(ref.exact[first_len - 1], ref.bound).check(a.logits[0], f"chunks of {chunk}")
+    b = new_seq(runner.pool, prompt, seed=6, prefix=a.table[:cached_blocks])
     prefill_chunked(runner, b, chunk)
-    Reference(ref.exact[57], ref.bound).check(b.logits[0], f"chunks of {chunk} after 25 cached tokens")
+    cached = cached_blocks * runner.pool.layout.block_size
+    Reference(ref.exact[len(prompt) - 1], ref.bound).check(b.logits[0], f"chunks of {chunk} after {cached} cached")
     release(runner.pool, [a, b])
     assert_no_block_held(runner)
 
@@ -136,14 +144,21 @@ def test_sliding_windows_decode_across_the_edge_in_batches_of_different_lengths(
     """Three requests decoded in one batch, teacher-forced: one from 3 tokens (inside the window) to 33, one
     from 12 (just past it) and one from 40; every step's logits against transformers' float64 ones."""
     runner, hf, hf64, _ = made(family)
-    prompts = [prompt_of(33, 30), prompt_of(42, 31), prompt_of(70, 32)]
-    starts = [3, 12, 40]
+    assert_batch_decodes_exact(runner, hf, hf64, [prompt_of(33, 30), prompt_of(42, 31), prompt_of(70, 32)],
+                               [3, 12, 40], CHUNK, 30)
+
+
+def assert_batch_decodes_exact(runner: ModelRunner, hf, hf64, prompts: list[list[int]], starts: list[int],
+                               chunk: int, steps: int) -> None:
+    """Each prompt's first ``starts[i]`` tokens prefilled in chunks of ``chunk``, then ``steps`` decode steps of
+    all of them in one batch, teacher-forced: every step's logits within float32 error of transformers' float64
+    forward; no block held after."""
     refs = [exact_logits(hf, hf64, p) for p in prompts]
     seqs = [new_seq(runner.pool, p[:n], seed=7 + i) for i, (p, n) in enumerate(zip(prompts, starts))]
     for s, ref, n in zip(seqs, refs, starts):
-        prefill_chunked(runner, s, CHUNK)
+        prefill_chunked(runner, s, chunk)
         Reference(ref.exact[n - 1], ref.bound).check(s.logits[0], f"prefill of {n}")
-    for step in range(30):
+    for step in range(steps):
         for s, p, n in zip(seqs, prompts, starts):
             s.out[-1] = p[n + step]
         decode(runner, seqs)
@@ -284,23 +299,31 @@ def test_runner_on_a_device_keeps_every_step_of_the_familys_parts_there(tmp_path
     every path that covers the family, no per-step tensor is made on the host and nothing comes back but the
     logits' device.
     (Not the mixtures of experts: transformers' grouped expert GEMM does not run on 'meta'.)"""
-    from tests.integration.test_engine_device import DeviceLedger, tensor_devices
+    from tests.integration.test_engine_device import tensor_devices
 
     save_tiny(family, tmp_path, VOCAB)
     runner = ModelRunner(tmp_path, torch.float32, num_blocks=8, max_seq_len=64, block_size=4, device="meta")
     assert tensor_devices(runner.model) == {"meta"} and runner.pool.tensor.device.type == "meta"
     for path in _paths(runner):
-        tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
-        with DeviceLedger(fill=0) as ledger:
-            runner.prefill(tables[0], [1, 5, 9, 2, 7])
-            runner.prefill(tables[1], [4, 4, 8])
-            runner.pool.blocks.acquire(tables[0][:1])
-            tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
-            runner.prefill(tables[2], [1, 5, 9, 2, 6, 6], start=4)  # after the first one's first block
-            logits = runner.decode(tables, [3, 6, 9], [5, 3, 6])
-        assert logits.device.type == "meta" and logits.shape == (3, runner.vocab_size)
-        assert ledger.mixed == [], (path, ledger.mixed)
-        assert ledger.to_host() == [], (path, ledger.copies)
-        for table in tables:
-            runner.pool.blocks.release(table)
-        assert runner.pool.num_used == 0
+        assert_steps_stay_on_the_device(runner, path)
+
+
+def assert_steps_stay_on_the_device(runner: ModelRunner, what: str = "") -> None:
+    """Prefills (cold, and after another request's cached block) and a batched decode step on a 'meta' runner
+    make no per-step tensor on the host and bring nothing back but logits on the device; no block held after."""
+    from tests.integration.test_engine_device import DeviceLedger
+
+    tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
+    with DeviceLedger(fill=0) as ledger:
+        runner.prefill(tables[0], [1, 5, 9, 2, 7])
+        runner.prefill(tables[1], [4, 4, 8])
+        runner.pool.blocks.acquire(tables[0][:1])
+        tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
+        runner.prefill(tables[2], [1, 5, 9, 2, 6, 6], start=4)  # after the first one's first block
+        logits = runner.decode(tables, [3, 6, 9], [5, 3, 6])
+    assert logits.device.type == "meta" and logits.shape == (3, runner.vocab_size)
+    assert ledger.mixed == [], (what, ledger.mixed)
+    assert ledger.to_host() == [], (what, ledger.copies)
+    for table in tables:
+        runner.pool.blocks.release(table)
+    assert runner.pool.num_used == 0

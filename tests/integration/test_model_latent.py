@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.families import LATENT_FAMILIES, float64_copy, save_tiny
-from tests.integration.test_model_families import assert_bfloat16_close
+from tests.integration.test_model_families import (assert_batch_decodes_exact, assert_bfloat16_close,
+                                                   assert_chunks_exact, assert_steps_stay_on_the_device)
 from tests.integration.test_model_runner import (_copy_blocks, assert_exact_greedy, assert_no_block_held, decode,
-                                                 exact_logits, greedy, hf_generate, new_seq, prefill,
-                                                 prefill_chunked, release)
+                                                 greedy, hf_generate, new_seq, prefill, release)
 from tests.numerics import Reference
 from xpyd.model.runner import SUPPORTED_MODEL_TYPES, ModelRunner, kv_token_bytes
 
@@ -82,37 +82,15 @@ def test_the_pool_holds_the_latents_transformers_caches(latent):
 @pytest.mark.parametrize("chunk", [3, 7, 13])
 def test_chunks_that_do_not_divide_the_block_cold_and_after_a_cached_prefix(latent, chunk):
     runner, hf, hf64, _ = latent
-    prompt = prompt_of(52, 40 + chunk)
-    ref = exact_logits(hf, hf64, prompt)
-    a = new_seq(runner.pool, prompt[:38], seed=5)
-    prefill_chunked(runner, a, chunk)
-    Reference(ref.exact[37], ref.bound).check(a.logits[0], f"chunks of {chunk}")
-    b = new_seq(runner.pool, prompt, seed=6, prefix=a.table[:4])  # 20 cached tokens
-    prefill_chunked(runner, b, chunk)
-    Reference(ref.exact[51], ref.bound).check(b.logits[0], f"chunks of {chunk} after 20 cached tokens")
-    release(runner.pool, [a, b])
-    assert_no_block_held(runner)
+    assert_chunks_exact(runner, hf, hf64, prompt_of(52, 40 + chunk), 38, 4, chunk)  # (20 cached tokens)
 
 
 def test_a_batch_of_requests_of_different_lengths_decodes_each_as_transformers(latent):
     """Three requests decoded in one batch, teacher-forced, from 3, 12 and 40 tokens; every step's logits
     against transformers' float64 ones."""
     runner, hf, hf64, _ = latent
-    prompts = [prompt_of(23, 30), prompt_of(32, 31), prompt_of(60, 32)]
-    starts = [3, 12, 40]
-    refs = [exact_logits(hf, hf64, p) for p in prompts]
-    seqs = [new_seq(runner.pool, p[:n], seed=7 + i) for i, (p, n) in enumerate(zip(prompts, starts))]
-    for s, ref, n in zip(seqs, refs, starts):
-        prefill_chunked(runner, s, 8)
-        Reference(ref.exact[n - 1], ref.bound).check(s.logits[0], f"prefill of {n}")
-    for step in range(20):
-        for s, p, n in zip(seqs, prompts, starts):
-            s.out[-1] = p[n + step]
-        decode(runner, seqs)
-        for s, ref, n in zip(seqs, refs, starts):
-            Reference(ref.exact[n + step], ref.bound).check(s.logits[-1], f"step at {n + step}")
-    release(runner.pool, seqs)
-    assert_no_block_held(runner)
+    assert_batch_decodes_exact(runner, hf, hf64, [prompt_of(23, 30), prompt_of(32, 31), prompt_of(60, 32)],
+                               [3, 12, 40], 8, 20)
 
 
 def test_latent_blocks_moved_by_their_bytes_decode_as_generate(latent):
@@ -166,21 +144,9 @@ def test_runner_on_a_device_keeps_every_latent_step_there(tmp_path):
     """On another device ('meta' here) no per-step tensor of the latent attention is made on the host and
     nothing comes back but the logits' device (every layer dense: transformers' grouped expert GEMM does not run
     on 'meta')."""
-    from tests.integration.test_engine_device import DeviceLedger, tensor_devices
+    from tests.integration.test_engine_device import tensor_devices
 
     save_tiny("deepseek_v2", tmp_path, VOCAB, first_k_dense_replace=LAYERS)
     runner = ModelRunner(tmp_path, torch.float32, num_blocks=8, max_seq_len=64, block_size=4, device="meta")
     assert tensor_devices(runner.model) == {"meta"} and runner.pool.tensor.device.type == "meta"
-    tables = [runner.pool.blocks.allocate(2), runner.pool.blocks.allocate(1)]
-    with DeviceLedger(fill=0) as ledger:
-        runner.prefill(tables[0], [1, 5, 9, 2, 7])
-        runner.prefill(tables[1], [4, 4, 8])
-        runner.pool.blocks.acquire(tables[0][:1])
-        tables.append(tables[0][:1] + runner.pool.blocks.allocate(1))
-        runner.prefill(tables[2], [1, 5, 9, 2, 6, 6], start=4)  # after the first one's first block
-        logits = runner.decode(tables, [3, 6, 9], [5, 3, 6])
-    assert logits.device.type == "meta" and logits.shape == (3, runner.vocab_size)
-    assert ledger.mixed == [] and ledger.to_host() == [], (ledger.mixed, ledger.copies)
-    for table in tables:
-        runner.pool.blocks.release(table)
-    assert runner.pool.num_used == 0
+    assert_steps_stay_on_the_device(runner, "latent")
