@@ -31,16 +31,25 @@ def check_fraction(fraction: float) -> float:
 
 
 @torch.inference_mode()
-def prefill_peak_bytes(fast, layout: KVLayout, tokens: int, device: torch.device) -> int:
+def prefill_peak_bytes(runner, layout: KVLayout, tokens: int, device: torch.device) -> int:
     """Bytes a prefill forward of ``tokens`` tokens allocates at its peak beyond what is held before it
-    (activations, attention workspaces, logits), measured over a scratch pool of just those tokens."""
+    (activations, attention workspaces, logits), measured over a scratch pool of just those tokens: the lean
+    forward's when it covers the model, else the general path's (Gemma, DeepSeek), which prefills into the
+    runner's pool (the scratch one, for the measurement: the real one does not exist yet)."""
     scratch = KVPool(dataclasses.replace(layout, num_blocks=layout.blocks_for(tokens)), device=device, caching=False)
-    table = list(range(scratch.layout.num_blocks))
+    table = scratch.blocks.allocate(scratch.layout.num_blocks)
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    fast.prefill_many(scratch.tensor, [(table, ids, 0)])
+    if runner.fast_path is not None:
+        runner.fast_path.prefill_many(scratch.tensor, [(table, ids, 0)])
+    else:
+        runner.pool = scratch
+        try:
+            runner.prefill(table, [0] * tokens)
+        finally:
+            del runner.pool
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch
@@ -82,7 +91,7 @@ def share_blocks(utilization: float, batch_size: int, prefill_chunk: int, max_mo
     def blocks(runner) -> int:
         layout = runner.layout_template
         tokens = min(runner.max_model_len, prefill_chunk or runner.max_model_len)
-        peak = prefill_peak_bytes(runner.fast_path, layout, tokens, runner.device)
+        peak = prefill_peak_bytes(runner, layout, tokens, runner.device)
         cfg = runner.config
         elem = layout.token_bytes // (layout.num_layers * layout.planes * layout.num_kv_heads * layout.head_dim)
         graphs = graph_reserve_bytes(batch_size, runner.vocab_size, cfg.hidden_size, cfg.intermediate_size, elem)
