@@ -156,4 +156,3 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-

@@ -529,4 +529,3 @@ class DecodeEngine(WorkerEngine):
         if self.signal is not None:
             self.signal.close()
         self.connector.close()
-

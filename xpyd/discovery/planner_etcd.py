@@ -143,4 +143,3 @@ class PlannerWatch:
         client, self._client = self._client, None
         if client is not None:
             await close_client(client)
-

@@ -176,4 +176,3 @@ class MeteredSink(OutputSink):
     def put(self, event: Event) -> None:
         self._counted = self._metrics.event(event, self._counted)
         super().put(event)
-
