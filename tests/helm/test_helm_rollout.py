@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from helmchart import Helm
+from helmchart import Helm, RenderError
 
 FULLNAME = "demo-xpyd"
 ROLES = ("prefill", "decode")
@@ -110,3 +110,50 @@ def test_the_lookup_keeps_the_token_across_upgrades() -> None:
     start = helpers.index('define "xpyd.clusterTokenValue"')
     body = helpers[start:helpers.index("{{- end -}}\n", helpers.index("randAlphaNum", start))]
     assert body.index('lookup "v1" "Secret" .Release.Namespace') < body.index("randAlphaNum 48")
+
+
+def _env(d: dict) -> dict[str, dict]:
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_a_rotations_three_upgrades_roll_only_what_reads_the_tokens(helm: Helm) -> None:
+    """docs/kubernetes.md's rotation: 1. accept the new token (the workers roll: the proxy checks no token),
+    2. the new token becomes the token and the old one is accepted (all three roll), 3. the old one is dropped
+    (the workers roll). Between the steps old and new pods each hold the token the other proves and signs
+    with (tests/integration/test_token_rotation.py runs such a pair)."""
+    old, new = "clusterToken.value=token-one-for-tests", "clusterToken.value=token-two-for-tests"
+    steps = [helm.template(set_strings=(old,)),
+             helm.template(set_strings=(old, "clusterToken.accept.value=token-two-for-tests")),
+             helm.template(set_strings=(new, "clusterToken.accept.value=token-one-for-tests")),
+             helm.template(set_strings=(new,))]
+    assert [_rolled(a, b) for a, b in zip(steps, steps[1:])] == [set(ROLES), set(COMPONENTS), set(ROLES)]
+    secrets = {d["metadata"]["name"]: d for d in steps[1] if d["kind"] == "Secret"}
+    accept = secrets[f"{FULLNAME}-cluster-token-accept"]
+    assert base64.b64decode(accept["data"]["cluster-token"]) == b"token-two-for-tests"
+    for name, d in _deployments(steps[1]).items():
+        env = _env(d)
+        if name == "proxy":
+            assert "XPYD_CLUSTER_TOKEN_ACCEPT" not in env
+            continue
+        assert env["XPYD_CLUSTER_TOKEN_ACCEPT"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{FULLNAME}-cluster-token-accept", "key": "cluster-token"}, name
+        assert "checksum/cluster-token-accept" in _annotations(steps[1])[name]
+    assert not any("XPYD_CLUSTER_TOKEN_ACCEPT" in _env(d) for d in _deployments(steps[3]).values())
+    mine = helm.template(set_strings=(old, "clusterToken.accept.existingSecret=next-token",
+                                      "clusterToken.accept.secretKey=token"))
+    assert f"{FULLNAME}-cluster-token-accept" not in {d["metadata"]["name"] for d in mine if d["kind"] == "Secret"}
+    assert _env(_deployments(mine)["decode"])["XPYD_CLUSTER_TOKEN_ACCEPT"]["valueFrom"]["secretKeyRef"] == {
+        "name": "next-token", "key": "token"}
+
+
+@pytest.mark.parametrize("sets,strings,message", [
+    ((), ("clusterToken.value=token-one-for-tests", "clusterToken.accept.value=token-one-for-tests"), "the same as"),
+    (("clusterToken.generate=false",), ("clusterToken.accept.value=token-two-for-tests",), "needs a cluster token"),
+    ((), ("clusterToken.value=token-one-for-tests", "clusterToken.accept.value=short"), "8-256"),
+    ((), ("clusterToken.accept.existingSecret=mine", "clusterToken.accept.value=token-two-for-tests"), "not both"),
+])
+def test_an_accepted_token_that_could_not_work_is_refused(helm: Helm, sets: tuple[str, ...], strings: tuple[str, ...],
+                                                         message: str) -> None:
+    with pytest.raises(RenderError, match=message):
+        helm.template(sets=sets, set_strings=strings)

@@ -43,8 +43,9 @@ BIG_HASHES = bytes(range(256)) * (8 * m.MAX_BLOCKS // 256)  # the most block has
 class Handler:
     """A prefill-side handler with canned state (the real one is tested end to end)."""
 
-    def __init__(self, cluster_token: str | None = None) -> None:
+    def __init__(self, cluster_token: str | None = None, accepted: tuple[str, ...] = ()) -> None:
         self.cluster_token = cluster_token
+        self.accepted_tokens = accepted
         self.handshakes: list[str] = []
         self.maps: dict[str, m.KVMapInit] = {}
         self.ready: dict[str, int] = {}
@@ -120,9 +121,11 @@ def secured():
     s.close()
 
 
-def _client(identity="127.0.0.1:7001", model="m", compat=COMPAT, timeout=2.0, token=None) -> SignalClient:
+def _client(identity="127.0.0.1:7001", model="m", compat=COMPAT, timeout=2.0, token=None,
+            accepted: tuple[str, ...] = ()) -> SignalClient:
     return SignalClient(identity, m.Handshake(identity, model, compat),
-                        m.KVMapInit(identity, TRANSFER, 1024, 4), timeout=timeout, cluster_token=token)
+                        m.KVMapInit(identity, TRANSFER, 1024, 4), timeout=timeout, cluster_token=token,
+                        accepted_tokens=accepted)
 
 
 def _ready(c: SignalClient, addr: str) -> None:
@@ -608,6 +611,46 @@ def test_a_wrong_token_fails_on_both_sides(secured):
             s2.close()
         assert h2.handshakes == []
     assert h.handshakes == []
+
+
+OLD, NEW = TOKEN, "the-next-cluster-token"
+
+
+# (the prefill worker's token and accepted, the decode worker's, the token the prefill worker proved or the
+# side that refuses): the three steps of a rotation and the mixed pairs each step's rollout makes
+ROTATION = [
+    pytest.param((OLD, ()), (OLD, (NEW,)), OLD, id="step1-old-with-accepting"),
+    pytest.param((OLD, (NEW,)), (NEW, (OLD,)), OLD, id="step2-accepting-with-switched"),
+    pytest.param((NEW, (OLD,)), (OLD, (NEW,)), NEW, id="step2-switched-with-accepting"),
+    pytest.param((NEW, (OLD,)), (NEW, ()), NEW, id="step3-switched-with-new"),
+    pytest.param((NEW, ()), (OLD, (NEW,)), "prefill", id="new-with-accepting-is-refused"),  # D proves OLD
+    pytest.param((OLD, (NEW,)), (NEW, ()), "decode", id="accepting-with-new-is-refused"),  # P proves OLD
+]
+
+
+@pytest.mark.parametrize("prefill,decode,outcome", ROTATION)
+def test_a_rotation_window_opens_sessions_between_old_and_new_primaries(prefill, decode, outcome):
+    """Each worker proves with its own token only and accepts a proof of either token it holds: every pair a
+    three-step rotation can make shakes hands, and a pair where one side does not hold the other's token
+    does not (the token held only as accepted is never proved with)."""
+    h = Handler(prefill[0], prefill[1])
+    s = SignalServer("127.0.0.1", 0, h)
+    s.start()
+    c = _client(token=decode[0], accepted=decode[1])
+    try:
+        p = c.peer(f"127.0.0.1:{s.port}")
+        _pump(c, lambda r, f: p.state is PeerState.READY or f)
+        if outcome in (OLD, NEW):
+            assert p.state is PeerState.READY and p.proved == outcome, p.error
+            assert h.handshakes == ["127.0.0.1:7001"]
+        else:
+            assert p.state is PeerState.FAILED and "cluster token mismatch" in p.error, p.error
+            # (refused by the prefill side: it never saw the handshake; by the decode side: nothing was sent)
+            assert h.handshakes == []
+            assert ("the prefill worker's proof" in p.error) == (outcome == "decode"), p.error
+    finally:
+        c.close()
+        s.close()
 
 
 # --- what a lookup's answer may be --------------------------------------------------------------

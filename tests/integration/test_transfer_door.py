@@ -205,3 +205,34 @@ def test_a_proven_shm_connection_survives_a_refusal():
         assert pair.rx.refused == 1
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+def test_in_a_rotation_window_a_receiver_takes_either_tokens_sender_and_no_third(backend):
+    """A receiver that switched to the new token and still accepts the old one (the second step of a rotation)
+    receives from a sender still on the old token and from one on the new; a transfer MACed with a token it
+    does not hold (its secret leaked) is refused and leaves the pool as it was."""
+    new = "the-next-cluster-token"
+    rx = make_backend(backend, cluster_token=new, accepted_tokens=(TOKEN,), io_timeout=5.0)
+    senders = [make_backend(backend, cluster_token=t, io_timeout=5.0) for t in (TOKEN, new, "a-third-token")]
+    try:
+        dst = bytearray([FILL]) * SIZE
+        desc = rx.register(memoryview(dst))
+        for i, tx in enumerate(senders):
+            src = tx.allocate(SIZE) if hasattr(tx, "allocate") else memoryview(bytearray(SIZE))
+            src[:] = bytes([i + 1]) * SIZE
+            tx.register(src)
+            secret, region = new_secret(), door.regions([[i * 8192, 4096]])
+            rtok = rx.expect(f"t{i}", region, secret=secret)
+            stok = tx.send(f"t{i}", region, desc, region, secret=secret)
+            assert stok.wait(10)
+            if i < 2:
+                assert stok.done() and rtok.wait(10) and rtok.done(), stok.error
+                assert dst[i * 8192:i * 8192 + 4096] == bytes([i + 1]) * 4096
+            else:
+                assert stok.failed() and "MAC does not match" in stok.error, stok.error
+                assert rtok.state() is TransferState.PENDING and rx.refused == 1
+                assert dst[i * 8192:] == bytes([FILL]) * (SIZE - i * 8192)  # nothing of it landed
+    finally:
+        for b in (*senders, rx):
+            b.close()

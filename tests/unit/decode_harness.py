@@ -46,7 +46,7 @@ class LookupSignal(FakeSignal):
 
     def __init__(self) -> None:
         super().__init__()
-        self.prefill = SimpleNamespace(state=PeerState.READY, lookup_in_flight=False)
+        self.prefill = SimpleNamespace(state=PeerState.READY, lookup_in_flight=False, proved=None)
         self.lookups: list[list[m.LookupEntry]] = []
 
     def peer(self, addr: str):

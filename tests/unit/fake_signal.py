@@ -26,6 +26,8 @@ class FakeSignal:
         self.replies: list = []
         self.timeouts: list[int] = []
         self.released: list[str] = []
+        self.lookups: list = []  # (address, entries) sent to peers ``get`` returns
+        self.proved: dict[str, str] = {}  # prefill address -> the token its handshake proved (default: none recorded)
 
     def poll(self, timeout_ms: int):
         self.timeouts.append(timeout_ms)
@@ -42,7 +44,12 @@ class FakeSignal:
         return SimpleNamespace(state=PeerState.READY)
 
     def get(self, addr: str):
-        return None
+        if addr not in self.proved:
+            return None
+        return SimpleNamespace(state=PeerState.READY, proved=self.proved[addr], lookup_in_flight=False)
+
+    def send_lookup(self, addr: str, entries: list) -> None:
+        self.lookups.append((addr, entries))
 
     def peers(self) -> list:
         return []

@@ -84,3 +84,36 @@ async def test_a_ready_naming_another_prompt_is_refused_and_nothing_is_pulled(ca
     assert transfer.expected == [] and not engine.sched.has_work() and engine.pool.num_used == 0
     assert engine.kv_cache.allocator.num_cached == 0  # nothing cached under any name
     transfer.close()
+
+
+@pytest.mark.parametrize("keyed_by,taken", [("the-next-token", True), (TOKEN, False)])
+async def test_a_prefill_worker_on_the_other_token_of_a_rotation_names_blocks_with_its_key(keyed_by, taken,
+                                                                                          smollm_dir):
+    """In a rotation window the prefill worker proved the other token (its primary) at the handshake, and
+    keys its block hashes with it: decode checks them under that key and caches the KV under its own names.
+    Names under decode's own key from that peer do not match what it would compute, so they are refused."""
+    from transformers import AutoTokenizer
+
+    from xpyd.prefix_hash import hash_key
+
+    engine, transfer = _engine(AutoTokenizer.from_pretrained(str(smollm_dir)))
+    engine.signal.proved[PREFILL] = "the-next-token"
+    item = _submit(engine, "alice")
+    rid = str(item.request_id)
+    own = engine.kv_cache.hashes(PROMPT, "alice")
+    theirs = engine.kv_cache.hashes(PROMPT, "alice", key=hash_key(keyed_by))
+    assert (list(theirs) != list(own)) == taken  # (another key names the same blocks otherwise)
+    engine.signal.replies = [(PREFILL, m.Notify((_ready(rid, list(theirs)),)))]
+    engine.step()
+    if taken:
+        seq = engine.sched.get(rid)
+        assert seq.known and seq.hashes == own and seq.hashes.root == own.root  # cached under decode's names
+        assert transfer.expected == [transfer_id_of(rid)]
+        engine._abort(rid)
+        engine.step()
+    else:
+        event = await asyncio.wait_for(item.sink.queue.get(), 5)
+        assert isinstance(event, ErrorEvent) and "named another prompt" in event.message
+        assert transfer.expected == []
+    assert not engine.sched.has_work() and engine.pool.num_used == 0
+    transfer.close()

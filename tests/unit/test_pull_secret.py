@@ -42,7 +42,7 @@ class RecordingSignal(FakeSignal):
         self.lookups: list[tuple[str, list[m.LookupEntry]]] = []
 
     def get(self, addr: str):
-        return SimpleNamespace(state=PeerState.READY, lookup_in_flight=False)
+        return SimpleNamespace(state=PeerState.READY, lookup_in_flight=False, proved=None)
 
     def send_lookup(self, addr: str, entries: list[m.LookupEntry]) -> None:
         self.lookups.append((addr, list(entries)))

@@ -156,3 +156,20 @@ def test_check_signal_addr():
     for bad in ("::1:5", "a", "a:0", "a:65536", "a:1,b:2", ""):
         with pytest.raises(RequestIdError):
             check_signal_addr(bad)
+
+
+def test_in_a_rotation_window_ids_and_bearers_of_either_token_pass_and_only_the_primary_signs():
+    old, new = TOKEN, "the-next-cluster-token"
+    switched = ClusterKeys(new, (old,))  # the second step: signs with the new token, accepts the old
+    rid = str(RequestId.new("10.0.0.1:5555", "10.0.0.2:6000"))
+    assert switched.sign(rid) == ClusterKeys(new).sign(rid) != ClusterKeys(old).sign(rid)
+    assert switched.http_bearer == ClusterKeys(new).http_bearer
+    for signer in (old, new):
+        assert str(switched.verify(ClusterKeys(signer).sign(rid))) == rid
+        assert switched.http_authorized(f"Bearer {ClusterKeys(signer).http_bearer}")
+    with pytest.raises(SignatureError):
+        switched.verify(ClusterKeys("a-third-token").sign(rid))
+    assert not switched.http_authorized(f"Bearer {ClusterKeys('a-third-token').http_bearer}")
+    assert not ClusterKeys(old).http_authorized(f"Bearer {ClusterKeys(new).http_bearer}")  # (no window: refused)
+    with pytest.raises(SignatureError):
+        ClusterKeys(old).verify(ClusterKeys(new).sign(rid))

@@ -39,11 +39,11 @@ def test_proofs_bind_the_token_both_nonces_the_hello_and_the_side():
 
 def test_refusals_say_which_side_lacks_the_token():
     good = auth.decode_proof(TOKEN, b"p" * 32, b"d" * 32, b"f")
-    assert auth.proof_refusal(None, None, "decode") is None
-    assert "same --cluster-token" in auth.proof_refusal(None, good, "prefill")
-    assert "required" in auth.proof_refusal(good, None, "decode")
-    assert auth.proof_refusal(good, bytes(32), "decode") == "cluster token mismatch"
-    assert auth.proof_refusal(good, good, "decode") is None
+    assert auth.check_proof(None, None, "decode") == (None, None)
+    assert "same --cluster-token" in auth.check_proof(None, good, "prefill")[1]
+    assert "required" in auth.check_proof((good,), None, "decode")[1]
+    assert auth.check_proof((good,), bytes(32), "decode") == (None, "cluster token mismatch")
+    assert auth.check_proof((good,), good, "decode") == (0, None)
     assert auth.presence_refusal(None, False, "decode") is None and auth.presence_refusal(TOKEN, True, "decode") is None
     assert "required" in auth.presence_refusal(TOKEN, False, "decode")
     assert "same --cluster-token" in auth.presence_refusal(None, True, "decode")
@@ -145,3 +145,15 @@ def test_a_hello_on_an_open_session_is_refused_and_changes_nothing():
     hello, frame = _hello(sender="10.0.0.3:7200")
     assert s.hello(b"\0r1", 5, hello, frame, TOKEN) == m.HandshakeReply(False, "this connection's session is open already")
     assert s.route(D0).routing_id == b"\0r1" and s.route("10.0.0.3:7200") is None and s.num_pending == 0
+
+
+def test_a_proof_is_checked_against_every_token_held_and_names_the_one_it_proved():
+    """A rotation window: this side holds its primary and an accepted token; the peer proves one of them."""
+    nd, np_, frame = b"d" * 32, b"p" * 32, b"f"
+    held = (TOKEN, "the-next-cluster-token")
+    expected = tuple(auth.decode_proof(t, np_, nd, frame) for t in held)
+    assert auth.check_proof(expected, auth.decode_proof(TOKEN, np_, nd, frame), "decode") == (0, None)
+    assert auth.check_proof(expected, auth.decode_proof(held[1], np_, nd, frame), "decode") == (1, None)
+    assert auth.check_proof(expected, auth.decode_proof("a-third-token", np_, nd, frame), "decode") == (
+        None, "cluster token mismatch")
+    assert auth.check_proof(expected, auth.prefill_proof(held[1], nd, np_, frame), "decode")[0] is None  # (labels)

@@ -49,3 +49,23 @@ def test_the_cluster_token_comes_from_the_flag_or_the_environment_and_stays_out_
     monkeypatch.setenv("XPYD_CLUSTER_TOKEN", "")
     assert parse("decode").cluster_token is None
     assert "secret-token" not in repr(WorkerConfig("decode", cluster_token="secret-token"))
+
+
+def test_an_accepted_token_comes_from_the_flag_or_the_environment_and_needs_a_different_cluster_token(monkeypatch):
+    monkeypatch.delenv("XPYD_CLUSTER_TOKEN", raising=False)
+    monkeypatch.delenv("XPYD_CLUSTER_TOKEN_ACCEPT", raising=False)
+    assert parse("decode").accepted_tokens == ()
+    cfg = parse("decode", "--cluster-token", "the-new-token", "--cluster-token-accept", "the-old-token")
+    assert cfg.accepted_tokens == ("the-old-token",) and "the-old-token" not in repr(cfg)
+    monkeypatch.setenv("XPYD_CLUSTER_TOKEN_ACCEPT", "from-the-environment")
+    assert parse("prefill", "--cluster-token", "the-new-token").accepted_tokens == ("from-the-environment",)
+    with pytest.raises(ValueError, match="needs --cluster-token"):
+        parse("prefill")
+    monkeypatch.setenv("XPYD_CLUSTER_TOKEN_ACCEPT", "")
+    assert parse("prefill", "--cluster-token", "the-new-token").accepted_tokens == ()
+    with pytest.raises(ValueError, match="same as --cluster-token"):
+        parse("decode", "--cluster-token", "the-new-token", "--cluster-token-accept", "the-new-token")
+    with pytest.raises(ValueError, match="8-256"):
+        parse("decode", "--cluster-token", "the-new-token", "--cluster-token-accept", "short")
+    with pytest.raises(SystemExit):
+        parse("colocated", "--cluster-token-accept", "the-old-token")

@@ -47,7 +47,7 @@ from dataclasses import replace
 from xpyd import PROTOCOL_VERSION
 from xpyd.decode_worker.local_prefill import LocalPrefill
 from xpyd.decode_worker.lookups import Lookups
-from xpyd.decode_worker.prompt_facts import prompt_hashes
+from xpyd.decode_worker.prompt_facts import peer_hash_key, prompt_hashes
 from xpyd.decode_worker.receives import Receives
 from xpyd.decode_worker.scheduler import DecodeScheduler
 from xpyd.decode_worker.seq import DecodeSeq
@@ -107,6 +107,7 @@ class DecodeEngine(WorkerEngine):
             m.KVMapInit(identity, endpoint.descriptor, layout.block_bytes, layout.num_blocks),
             timeout=self.config.signal_timeout,
             cluster_token=self.config.cluster_token,  # proven at each connection, never sent
+            accepted_tokens=self.config.accepted_tokens,
             counts=self.metrics.signal,
         )
         self.signal.register_fd(self.wake_fd)
@@ -342,7 +343,8 @@ class DecodeEngine(WorkerEngine):
         """The prompt's length, block hashes and tail from prefill (checked), and what follows from them:
         the request's length limits, its output. False (and the request failed) when they do not add up."""
         item: WorkItem = seq.payload
-        hashes = prompt_hashes(r, addr, item.prompt_ids, item.cache_salt, self.kv_cache)  # (checked: ``prompt_facts``)
+        hashes = prompt_hashes(r, addr, item.prompt_ids, item.cache_salt, self.kv_cache,  # (checked: ``prompt_facts``)
+                               peer_hash_key(self.signal.get(addr), self.config.cluster_token))
         if isinstance(hashes, str):
             self._fail_seq(seq, 502, hashes, "prefill", release=True)
             return False

@@ -72,7 +72,8 @@ class PrefillEngine(WorkerEngine):
         self.held = HeldRequests(self.sched, self.connector, self.metrics, config.kv_stream, config.kv_ttl)
         self._lock, self._peers = self.held.lock, self.held.peers
         self.signal_plane = PrefillSignalPlane(self.held, self.model_id, self.peer_compat(),
-                                               config.cluster_token, self.isolate, self._wake)
+                                               config.cluster_token, self.isolate, self._wake,
+                                               config.accepted_tokens)
         # forward passes, prompt chunks that did not end their prompt, tokens computed, KV parts sent while
         # their prompt was still computing
         self._steps = Counter()
@@ -343,6 +344,10 @@ class PrefillEngine(WorkerEngine):
     @property
     def cluster_token(self) -> str | None:
         return self.signal_plane.cluster_token
+
+    @property
+    def accepted_tokens(self) -> tuple[str, ...]:
+        return self.signal_plane.accepted_tokens
 
     def on_session_closed(self, identity: str, why: str) -> None:
         self.signal_plane.on_session_closed(identity, why)

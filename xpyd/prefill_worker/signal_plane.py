@@ -35,13 +35,16 @@ log = logging.getLogger(__name__)
 
 class PrefillSignalPlane:
     def __init__(self, held: HeldRequests, model_id: str, compat: dict, cluster_token: str | None,
-                 isolate: Callable[[str], AbstractContextManager], wake: Callable[[], None]) -> None:
+                 isolate: Callable[[str], AbstractContextManager], wake: Callable[[], None],
+                 accepted_tokens: tuple[str, ...] = ()) -> None:
         """``compat``: what a decode worker's handshake must match (``WorkerEngine.peer_compat``: the KV layout
         and the weights); ``isolate(request_id)``: a scope in which an exception fails just that request (the
-        engine's); ``wake``: wake the engine thread (sends to poll)."""
+        engine's); ``wake``: wake the engine thread (sends to poll); ``accepted_tokens``: proved by a session
+        too (a rotation window)."""
         self.held = held
         self.model_id = model_id
         self.cluster_token = cluster_token  # what each decode worker's session proves (the server checks it)
+        self.accepted_tokens = accepted_tokens  # or one of these
         self._kv_compat = compat
         self._isolate = isolate
         self._wake = wake

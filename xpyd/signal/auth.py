@@ -16,6 +16,11 @@ other side's, and a passive observer learns two nonces and two HMACs: nothing th
 without the token (guessing it offline from them is as hard as the token is; the worker config asks for 8
 characters or more: use a long random one).
 
+A rotation window: a worker may also accept a second token (``--cluster-token-accept``). It proves only
+with its own (the primary) and checks the peer's proof against each token it holds, so a pair whose
+primaries differ opens a session as long as each holds the other's token; ``check_proof`` says which token
+the peer proved (the decode side needs it to check the peer's block hashes, keyed with that token).
+
 Without a cluster token on either side there is nothing to prove: both proofs are ``None`` and the
 exchange only opens the session. A token on one side only is refused with a message that says which
 side lacks it (the transfers are keyed with the token too, so such a pair could not move a byte).
@@ -28,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
@@ -60,19 +66,21 @@ def decode_proof(token: str, nonce_p: bytes, nonce_d: bytes, hello_frame: bytes)
                     hashlib.sha256).digest()
 
 
-def proof_refusal(expected: bytes | None, got: bytes | None, peer: str) -> str | None:
-    """Why the ``peer`` side's proof (None: it proves no token) is not accepted, or None if it is;
-    ``expected`` is the proof this side computed with its own token (None: it has none). Constant time."""
+def check_proof(expected: Sequence[bytes] | None, got: bytes | None, peer: str) -> tuple[int | None, str | None]:
+    """Which of this side's tokens the ``peer`` side proved (its index in ``expected``: the proofs this side
+    computed with each of its tokens, the primary first; None: it has none), or why the proof is refused.
+    (None, None): neither side has a token. Every candidate is compared, in constant time each."""
     if expected is None:
         if got is not None:
-            return (f"the {peer} worker proves a cluster token and this worker has none: set the same "
-                    "--cluster-token on both (KV transfers are keyed with it)")
-        return None
+            return None, (f"the {peer} worker proves a cluster token and this worker has none: set the same "
+                          "--cluster-token on both (KV transfers are keyed with it)")
+        return None, None
     if got is None:
-        return f"cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the {peer} worker)"
-    if not hmac.compare_digest(expected, got):
-        return "cluster token mismatch"
-    return None
+        return None, f"cluster token required (set --cluster-token / XPYD_CLUSTER_TOKEN on the {peer} worker)"
+    matches = [hmac.compare_digest(e, got) for e in expected]
+    if not any(matches):
+        return None, "cluster token mismatch"
+    return matches.index(True), None
 
 
 def presence_refusal(ours: str | None, theirs: bool, peer: str) -> str | None:

@@ -64,18 +64,22 @@ class PrefillPeer:
     lookup_in_flight: bool = False
     last_lookup: float = 0.0
     last_sent: float = 0.0  # monotonic time of the last message sent to this peer
+    proved: str | None = None  # the token the peer proved (its primary: this worker's, or the one it also
+    # accepts during a rotation window); None before its proof, or without tokens
 
 
 class SignalClient:
     def __init__(self, identity: str, handshake: m.Handshake, kv_map: m.KVMapInit,
                  timeout: float = 5.0, cluster_token: str | None = None,
-                 counts: MessageCounts | None = None) -> None:
+                 counts: MessageCounts | None = None, accepted_tokens: tuple[str, ...] = ()) -> None:
         """``identity``: this worker's signal address (named in its hello); ``cluster_token``: what it
-        proves, and expects each prefill worker to prove (None: neither); ``counts``: where the messages
-        sent and received are counted (the worker's metrics; else a counter of its own)."""
+        proves, and expects each prefill worker to prove (None: neither); ``accepted_tokens``: a prefill
+        worker may prove one of these instead (a rotation window; never proved with); ``counts``: where the
+        messages sent and received are counted (the worker's metrics; else a counter of its own)."""
         self.identity = identity
         self.instance = auth.new_instance()  # this process (a restarted worker is a new instance)
         self._token = cluster_token
+        self._held = () if cluster_token is None else (cluster_token, *accepted_tokens)
         self._handshake = handshake
         self._kv_map = kv_map
         self._timeout = timeout
@@ -296,11 +300,13 @@ class SignalClient:
         hands (sent together: the prefill worker serves the handshake only once the proof opened the
         session). A wrong proof: nothing more is sent."""
         nonce, hello = p.hello
-        expected = None if self._token is None else auth.prefill_proof(self._token, nonce, msg.nonce, hello)
-        refusal = auth.proof_refusal(expected, msg.proof, "prefill")
+        expected = (None if self._token is None
+                    else tuple(auth.prefill_proof(t, nonce, msg.nonce, hello) for t in self._held))
+        which, refusal = auth.check_proof(expected, msg.proof, "prefill")
         if refusal is not None:
             self._fail(p, f"handshake with {p.addr} refused: the prefill worker's proof: {refusal}")
             return
+        p.proved = None if which is None else self._held[which]
         proof = None if self._token is None else auth.decode_proof(self._token, msg.nonce, nonce, hello)
         p.state = PeerState.HANDSHAKING
         self._send(p, m.Proof(proof))

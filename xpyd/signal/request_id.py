@@ -122,39 +122,48 @@ class SignatureError(RequestIdError):
 
 class ClusterKeys:
     """The keys the proxy and the workers derive from the cluster token: one signs request ids, the other
-    is the bearer the workers' HTTP APIs require (``Authorization: Bearer <http_bearer>``)."""
+    is the bearer the workers' HTTP APIs require (``Authorization: Bearer <http_bearer>``). ``accepted``:
+    tokens whose signatures and bearers are accepted too (a rotation window), never used to sign."""
 
-    __slots__ = ("_id_key", "http_bearer")
+    __slots__ = ("_id_keys", "_bearers", "http_bearer")
 
-    def __init__(self, cluster_token: str) -> None:
-        if not isinstance(cluster_token, str) or not cluster_token:
+    def __init__(self, cluster_token: str, accepted: tuple[str, ...] = ()) -> None:
+        tokens = (cluster_token, *accepted)
+        if not all(isinstance(t, str) and t for t in tokens):
             raise ValueError("the cluster token must be a non-empty string")
-        token = cluster_token.encode("utf-8", "surrogatepass")
-        self._id_key = hmac.new(token, _ID_KEY_LABEL, hashlib.sha256).digest()
-        self.http_bearer = hmac.new(token, _HTTP_LABEL, hashlib.sha256).hexdigest()
+        raw = [t.encode("utf-8", "surrogatepass") for t in tokens]
+        self._id_keys = tuple(hmac.new(t, _ID_KEY_LABEL, hashlib.sha256).digest() for t in raw)
+        self._bearers = tuple(hmac.new(t, _HTTP_LABEL, hashlib.sha256).hexdigest().encode() for t in raw)
+        self.http_bearer = self._bearers[0].decode()
 
     def __repr__(self) -> str:
         return "ClusterKeys(<hidden>)"
 
-    def _mac(self, request_id: str) -> str:
-        return hmac.new(self._id_key, request_id.encode(), hashlib.sha256).hexdigest()
+    @staticmethod
+    def _mac(key: bytes, request_id: str) -> str:
+        return hmac.new(key, request_id.encode(), hashlib.sha256).hexdigest()
 
     def sign(self, request_id: str) -> str:
-        """``request_id`` (unsigned, as ``str(RequestId)``) with its MAC appended."""
-        return f"{request_id}{SIGNATURE_SEP}{self._mac(request_id)}"
+        """``request_id`` (unsigned, as ``str(RequestId)``) with its MAC appended (the primary token's)."""
+        return f"{request_id}{SIGNATURE_SEP}{self._mac(self._id_keys[0], request_id)}"
 
     def verify(self, text: str) -> RequestId:
         """The id of a signed ``text``: RequestIdError when it is malformed, SignatureError when it is unsigned or
-        its MAC is wrong."""
+        its MAC is none of the held tokens'."""
         rid, mac = split_signature(text)
         if mac is None:
             raise SignatureError("the request id is not signed (the proxy signs it with the cluster token)")
-        if not hmac.compare_digest(self._mac(str(rid)), mac):
+        if not _any_equal([self._mac(k, str(rid)).encode() for k in self._id_keys], mac.encode()):
             raise SignatureError("the request id's signature does not match (another cluster token?)")
         return rid
 
     def http_authorized(self, authorization: str | None) -> bool:
-        """Does an ``Authorization`` header carry this cluster's bearer? (constant-time compare)"""
+        """Does an ``Authorization`` header carry this cluster's bearer (or an accepted token's)? (constant-time
+        compares)"""
         scheme, _, credential = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(),
-                                                                  self.http_bearer.encode())
+        return scheme.lower() == "bearer" and _any_equal(self._bearers, credential.strip().encode())
+
+
+def _any_equal(candidates, value: bytes) -> bool:
+    """Is ``value`` one of ``candidates``? Each is compared in constant time, and all of them are."""
+    return sum(hmac.compare_digest(c, value) for c in candidates) > 0

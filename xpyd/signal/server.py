@@ -60,6 +60,7 @@ class SignalHandler(Protocol):
     worker's address from the session's authenticated hello."""
 
     cluster_token: str | None  # what sessions must prove (None: nothing)
+    accepted_tokens: tuple[str, ...]  # proved by a session too: a rotation window (this worker never proves them)
 
     def on_handshake(self, identity: str, msg: m.Handshake) -> m.HandshakeReply: ...
     def on_kv_map_init(self, identity: str, msg: m.KVMapInit) -> m.KVMapReply: ...
@@ -85,6 +86,7 @@ class SignalServer:
         self._host = bind_host
         self._handler = handler
         self._token = handler.cluster_token
+        self._accepted = tuple(handler.accepted_tokens)
         self._peer_timeout = peer_timeout
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -266,7 +268,8 @@ class SignalServer:
         msg = env.msg
         self.counts.received(msg.TYPE)
         if isinstance(msg, m.Hello):
-            return [m.encode(env.seq, self._sessions.hello(routing_id, fd, msg, frame, self._token))]
+            return [m.encode(env.seq, self._sessions.hello(routing_id, fd, msg, frame, self._token,
+                                                                  accepted=self._accepted))]
         if isinstance(msg, m.Proof):
             reply, replaced = self._sessions.prove(routing_id, fd, msg)
             if replaced is not None:

@@ -37,7 +37,8 @@ class Session:
     sender: str  # the decode worker's signal address (authenticated once open)
     instance: str
     started: float
-    expected: bytes | None = None  # the decode worker's proof this worker expects (None: no token)
+    expected: tuple[bytes, ...] | None = None  # the decode worker's proofs this worker accepts, one per token
+    # it holds (the primary first; None: no token)
     open: bool = False
 
 
@@ -53,8 +54,9 @@ class Sessions:
 
     # --- opening ---------------------------------------------------------------
     def hello(self, routing_id: bytes, fd: int | None, msg: m.Hello, frame: bytes, token: str | None,
-              now: float | None = None) -> m.Challenge | m.HandshakeReply:
-        """A hello on a connection: the challenge to answer it with, or a refusal."""
+              now: float | None = None, accepted: tuple[str, ...] = ()) -> m.Challenge | m.HandshakeReply:
+        """A hello on a connection: the challenge to answer it with, or a refusal. ``token``: what this worker
+        proves; ``accepted``: tokens it also accepts a proof of (a rotation window; never proved with)."""
         if routing_id in self._open:
             return m.HandshakeReply(False, "this connection's session is open already")
         self._pending.pop(routing_id, None)
@@ -65,7 +67,7 @@ class Sessions:
         expected = proof = None
         if token is not None:
             proof = auth.prefill_proof(token, msg.nonce, nonce, frame)
-            expected = auth.decode_proof(token, nonce, msg.nonce, frame)
+            expected = tuple(auth.decode_proof(t, nonce, msg.nonce, frame) for t in (token, *accepted))
         self._pending[routing_id] = Session(routing_id, fd, msg.sender, msg.instance,
                                             time.monotonic() if now is None else now, expected)
         while len(self._pending) > self._max_pending:
@@ -78,7 +80,7 @@ class Sessions:
         s = self._pending.pop(routing_id, None)
         if s is None or (s.fd is not None and fd is not None and s.fd != fd):
             return m.AuthReply(False, "hello first"), None
-        refusal = auth.proof_refusal(s.expected, msg.proof, "decode")
+        _, refusal = auth.check_proof(s.expected, msg.proof, "decode")
         if refusal is not None:
             return m.AuthReply(False, refusal), None
         if len(self._open) >= self._max_open and s.sender not in self._current:

@@ -9,7 +9,8 @@ carries a MAC instead of the secret::
     key = HMAC-SHA256(secret, "xpyd-kv-key" | cluster token, or nothing without one)
     mac = HMAC-SHA256(key, "xpyd-kv-mac" | backend | protocol version | transfer id | dst regions | src regions)
 
-and the receiver checks it (constant time) with the key of the transfer it expects under that id before
+and the receiver checks it (constant time) with the key of the transfer it expects under that id (or, in a
+token rotation's window, with the key of the other token it accepts: ``receive_keys``) before
 any byte of the transfer lands in its pool (tcp reads nothing more; shm maps nothing and copies nothing;
 nixl loads no agent and posts no READ). A frame without a MAC, with a wrong one, for an id not expected
 (or no longer: a finished or aborted transfer leaves the table, so a recorded frame replayed later names
@@ -63,6 +64,13 @@ def transfer_key(secret: bytes, cluster_token: str | None) -> bytes:
     """The key both sides of one transfer derive from its secret and the cluster token (if any)."""
     token = b"" if cluster_token is None else cluster_token.encode("utf-8", "surrogatepass")
     return hmac.new(check_secret(secret), _KEY_LABEL + token, hashlib.sha256).digest()
+
+
+def receive_keys(secret: bytes, cluster_token: str | None,
+                 accepted_tokens: tuple[str, ...] = ()) -> tuple[bytes, tuple[bytes, ...]]:
+    """What a receiver checks a transfer's MAC with: the key of its own token, and those of the tokens it also
+    accepts (a rotation window: a sender whose primary token is the other one signs with that one's key)."""
+    return transfer_key(secret, cluster_token), tuple(transfer_key(secret, t) for t in accepted_tokens)
 
 
 def transfer_mac(key: bytes, backend: str, transfer_id: str, dst: Sequence[Region],

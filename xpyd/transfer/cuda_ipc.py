@@ -79,6 +79,7 @@ class CudaIpcTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, cluster_token: str | None = None,
+                 accepted_tokens: tuple[str, ...] = (),
                  ops: DeviceOps | None = None) -> None:
         """``ops``: the device operations (default ``CudaOps``: refuses without CUDA); ``cluster_token``: the
         workers' shared token, or None; it keys every transfer's MAC together with the transfer's secret."""
@@ -94,6 +95,7 @@ class CudaIpcTransferBackend:
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
+        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
         self._endpoint = Endpoint()
         self._door = Door()
         self._nbytes = 0  # of the registered pool; 0 until register()
@@ -169,12 +171,12 @@ class CudaIpcTransferBackend:
 
     def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        key = auth.transfer_key(secret, self._cluster_token)
+        key, accepted = auth.receive_keys(secret, self._cluster_token, self._accepted_tokens)
         mark = self._ops.mark()
         with self._marks_lock:
             self._marks[transfer_id] = mark
         try:
-            return self._endpoint.expect(transfer_id, dst, self._require_pool(), key)
+            return self._endpoint.expect(transfer_id, dst, self._require_pool(), key, accepted)
         except BaseException:
             self._drop_mark(transfer_id, mark)
             raise

@@ -63,11 +63,12 @@ class Endpoint:
             self.sending.add(job)
             self.senders.submit(address, job, start_sender)
 
-    def expect(self, transfer_id: str, dst: Sequence[Region], buffer_size: int, key: bytes) -> CompletionToken:
+    def expect(self, transfer_id: str, dst: Sequence[Region], buffer_size: int, key: bytes,
+               accepted: tuple[bytes, ...] = ()) -> CompletionToken:
         """Track a transfer into ``dst`` (of a ``buffer_size``-byte pool) announced by ``expect()``; only a
-        sender that proves it holds ``key`` (``auth.transfer_key``) may open it."""
+        sender that proves it holds ``key`` (``auth.transfer_key``) or one of ``accepted`` may open it."""
         dst, total = check_regions(dst, buffer_size, "dst")
-        rec = Transfer(CompletionToken(transfer_id), dst, total, key=key)
+        rec = Transfer(CompletionToken(transfer_id), dst, total, key=key, accepted=accepted)
         with self.lock:
             self.check_open()
             self.expected.add(rec)

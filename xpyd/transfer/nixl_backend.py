@@ -86,6 +86,7 @@ class NixlTransferBackend:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None,
                  fallback_progress: float | None = FALLBACK, cluster_token: str | None = None,
+                 accepted_tokens: tuple[str, ...] = (),
                  stall_timeout: float = STALL_TIMEOUT) -> None:
         """``fallback_progress``: seconds without a ``progress()`` call after which the backend's own
         threads make UCX progress (None: never; then only ``progress()`` and aborts do). ``cluster_token``:
@@ -103,6 +104,7 @@ class NixlTransferBackend:
         self.host, self.port = host, port
         self.fallback_progress = fallback_progress
         self._cluster_token = auth.check_cluster_token(cluster_token)
+        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.stall_timeout = stall_timeout
@@ -178,11 +180,11 @@ class NixlTransferBackend:
 
     def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        key = auth.transfer_key(secret, self._cluster_token)
+        key, accepted = auth.receive_keys(secret, self._cluster_token, self._accepted_tokens)
         size = self._require_buffer().nbytes
         mark = self._mark("expect", transfer_id)
         try:
-            token = self._endpoint.expect(transfer_id, dst, size, key)
+            token = self._endpoint.expect(transfer_id, dst, size, key, accepted)
         except BaseException:
             self._take_mark("expect", transfer_id, mark)
             raise

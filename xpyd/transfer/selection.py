@@ -45,15 +45,17 @@ def kv_copy_threads(requested: int, engine_threads: int, device: str, cpus: int 
 
 def make_worker_backend(name: str, host: str, port: int, advertise_host: str | None, copy_threads: int = 1,
                         cluster_token: str | None = None, stall_timeout: float | None = None,
-                        device: str | None = None, lanes: int = 1):
+                        device: str | None = None, lanes: int = 1, accepted_tokens: tuple[str, ...] = ()):
     """The backend a worker runs for ``--kv-backend name``, listening on ``host:port`` (``copy_threads``:
     shm's receiving copy, see ``kv_copy_threads``; ``cluster_token``: keys the transfers' MACs, see
-    ``auth``; ``stall_timeout``: tcp (and nixl control) connections whose peer acknowledges nothing for this
+    ``auth``; ``accepted_tokens``: transfers MACed with these are received too (a rotation window);
+    ``stall_timeout``: tcp (and nixl control) connections whose peer acknowledges nothing for this
     long fail, see ``tcp.fail_when_stalled``; None: the backend's default; ``device``: the worker's
     ``--device``, which cuda_ipc checks before the model loads; ``lanes``: tcp and shm's transfers moving to one
     peer at once, ``--kv-lanes``, see ``sender``)."""
     check_kv_backend(name)
-    common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token}
+    common = {"host": host, "port": port, "advertise_host": advertise_host, "cluster_token": cluster_token,
+              "accepted_tokens": accepted_tokens}
     stall = {} if stall_timeout is None else {"stall_timeout": stall_timeout}  # (tcp/nixl: shm is one host)
     tag = str(port) if port else None  # shm's segment is named xpyd-kv-<pid>-<kv port> when the port is fixed
     if name == "tcp":

@@ -100,7 +100,8 @@ class ShmTransferBackend:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
-                 copy_threads: int | None = None, cluster_token: str | None = None, lanes: int = 1) -> None:
+                 copy_threads: int | None = None, cluster_token: str | None = None,
+                 accepted_tokens: tuple[str, ...] = (), lanes: int = 1) -> None:
         """``copy_threads``: threads that copy one large piece of a transfer into this (receiving) backend's
         pool (``parallel_copy``; default 2, or 1 on a single CPU). ``cluster_token``: the workers' shared
         token, or None; it keys every transfer's MAC together with the transfer's secret (``auth``).
@@ -116,6 +117,7 @@ class ShmTransferBackend:
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
+        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
         self._endpoint = Endpoint(lanes)
         self._door = Door()
@@ -209,8 +211,8 @@ class ShmTransferBackend:
 
     def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        key = auth.transfer_key(secret, self._cluster_token)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+        key, accepted = auth.receive_keys(secret, self._cluster_token, self._accepted_tokens)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key, accepted)
 
     @property
     def refused(self) -> int:

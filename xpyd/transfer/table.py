@@ -29,6 +29,7 @@ class Transfer:
     total: int = 0  # bytes in ``regions``
     dst: tuple[Region, ...] = ()  # sender: where the bytes land at the peer
     key: bytes = b""  # sender: signs the frame that opens the transfer; receiver: checks it
+    accepted: tuple[bytes, ...] = ()  # receiver: keys that open it too (a token rotation's other token)
     lock: threading.Lock = field(default_factory=threading.Lock)
     claimed: bool = False  # receiver: a connection is writing it
 
@@ -54,7 +55,8 @@ class TransferTable:
               authentic: Callable[[bytes], bool]) -> tuple[Transfer | None, str | None]:
         """The entry whose regions these bytes may be written to, else why they are refused.
 
-        ``authentic(key)``: does the frame that opens the transfer carry a MAC made with the entry's key?
+        ``authentic(key)``: does the frame that opens the transfer carry a MAC made with the entry's key (or one
+        of its accepted keys)?
         If not (a sender without the transfer's secret), it is refused and the entry stays as it was. An
         entry its real sender names other regions for than ``dst`` is dropped and its token FAILs.
         """
@@ -62,7 +64,7 @@ class TransferTable:
             rec = self._recs.get(tid)
             if rec is None:
                 return None, f"unexpected transfer id {tid!r} (not expected here, or already finished)"
-            if not authentic(rec.key):
+            if not (authentic(rec.key) | any([authentic(k) for k in rec.accepted])):  # (each checked)
                 return None, f"transfer {tid!r}: the MAC does not match (not the sender the transfer's secret went to)"
             if rec.claimed:
                 return None, f"transfer {tid!r} is already being received"

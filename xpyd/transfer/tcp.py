@@ -116,11 +116,13 @@ class TcpTransferBackend:
         io_timeout: float = 30.0,
         advertise_host: str | None = None,
         cluster_token: str | None = None,
+        accepted_tokens: tuple[str, ...] = (),
         stall_timeout: float = STALL_TIMEOUT,
         lanes: int = 1,
     ) -> None:
         """``cluster_token``: the workers' shared token (``--cluster-token``), or None; it keys every
-        transfer's MAC together with the transfer's secret (``auth``). ``stall_timeout``: a connection
+        transfer's MAC together with the transfer's secret (``auth``); a transfer MACed with one of
+        ``accepted_tokens`` is received too (a rotation window). ``stall_timeout``: a connection
         whose peer acknowledges nothing for this long fails (``fail_when_stalled``), and with it the
         transfer on it; ``io_timeout`` bounds each wait for the peer's next frame or bytes. ``lanes``: transfers
         that may move to one peer at once (``sender``)."""
@@ -136,6 +138,7 @@ class TcpTransferBackend:
         self.connect_timeout, self.io_timeout, self.stall_timeout = connect_timeout, io_timeout, stall_timeout
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
+        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
         self._endpoint = Endpoint(lanes)
         self._door = Door()
         self._buffer: memoryview | None = None
@@ -180,8 +183,8 @@ class TcpTransferBackend:
 
     def expect(self, transfer_id: str, dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         check_transfer_id(transfer_id)
-        key = auth.transfer_key(secret, self._cluster_token)
-        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key)
+        key, accepted = auth.receive_keys(secret, self._cluster_token, self._accepted_tokens)
+        return self._endpoint.expect(transfer_id, dst, self._require_buffer().nbytes, key, accepted)
 
     @property
     def refused(self) -> int:

@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")  # (xpyd.model.dummy_weights: the torch side of "dummy")
 ENGINES = ("torch", "sim")  # the real forward pass, or the simulated one (xpyd.model.sim: no torch)
 CLUSTER_TOKEN_ENV = "XPYD_CLUSTER_TOKEN"
+CLUSTER_TOKEN_ACCEPT_ENV = "XPYD_CLUSTER_TOKEN_ACCEPT"
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200, "colocated": 8300}  # HTTP; prefill's signal plane: +1
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
 
@@ -48,6 +49,9 @@ class WorkerConfig:
     cluster_token: str | None = field(default=None, repr=False)  # shared secret decode workers present at
     # the signal-plane handshake; it also keys every KV transfer's MAC (xpyd.transfer.auth), the request ids'
     # signatures and the bearer of the workers' HTTP APIs (xpyd.signal.request_id.ClusterKeys)
+    cluster_token_accept: str | None = field(default=None, repr=False)  # a second token accepted wherever the
+    # cluster token is checked (a peer's proof, a transfer's MAC, a signed id, the bearer) but never used to
+    # prove or sign: the window of a token rotation (docs/kubernetes.md, "Rotating the cluster token")
     prefill_peers: tuple[str, ...] = ()  # decode without a token: signal addresses of prefill workers it may
     # be sent to, besides those registered in etcd (none and no etcd: this host's; xpyd.worker.request_gate)
     cpu_share: str | None = None  # name of the host's CPU board shared with co-located workers
@@ -77,6 +81,11 @@ class WorkerConfig:
     sim_speedup: float = 1.0  # sim: run this many times faster than the profile (inf: no simulated time)
     sim_kv_token_bytes: int | None = None  # sim: KV bytes per token (None: the model's real KV size, halved
     # under an fp8 --kv-cache-dtype)
+
+    @property
+    def accepted_tokens(self) -> tuple[str, ...]:
+        """The tokens checked besides the cluster token (a rotation window's other one), never proved with."""
+        return () if self.cluster_token_accept is None else (self.cluster_token_accept,)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -120,6 +129,15 @@ class WorkerConfig:
                              "connection every second)")
         if self.cluster_token is not None and not 8 <= len(self.cluster_token) <= 256:
             raise ValueError("the cluster token must be 8-256 characters")
+        if self.cluster_token_accept is not None:
+            if self.cluster_token is None:
+                raise ValueError("--cluster-token-accept needs --cluster-token (the token this worker proves and "
+                                 "signs with; the accepted one is only checked)")
+            if not 8 <= len(self.cluster_token_accept) <= 256:
+                raise ValueError("the accepted cluster token must be 8-256 characters")
+            if self.cluster_token_accept == self.cluster_token:
+                raise ValueError("--cluster-token-accept is the same as --cluster-token (give the other token of "
+                                 "the rotation)")
         if self.prefill_peers and self.role != "decode":
             raise ValueError("--prefill-peers is a decode worker's option")
         for addr in self.prefill_peers:
@@ -349,6 +367,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                                  "proxy (401) and only request ids it signed (403); set the same one on the "
                                  "proxy and every worker (default: $XPYD_CLUSTER_TOKEN, preferred: a flag is "
                                  "visible in the process list; unset = no check)")
+        parser.add_argument("--cluster-token-accept", default=None, metavar="TOKEN",
+                            help="a second token accepted wherever the cluster token is checked, never used to "
+                                 "prove or sign: the window of a token rotation (first every process accepts "
+                                 "the new token, then every process switches to it and accepts the old, then "
+                                 "the old is dropped; docs/kubernetes.md). Default: $XPYD_CLUSTER_TOKEN_ACCEPT")
     parser.add_argument("--cpu-share", default=None, metavar="NAME",
                         help="share this host's cores with the other workers started with the same NAME: "
                              "use up to --threads threads, fewer while the others are busy (one core each)")
@@ -425,6 +448,9 @@ def config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     values = {f.name: given[f.name] for f in fields(WorkerConfig) if f.name != "role" and f.name in given}
     if "cluster_token" in values:  # an empty $XPYD_CLUSTER_TOKEN = no check
         values["cluster_token"] = values["cluster_token"] or os.environ.get(CLUSTER_TOKEN_ENV) or None
+    if "cluster_token_accept" in values:
+        values["cluster_token_accept"] = (values["cluster_token_accept"] or os.environ.get(CLUSTER_TOKEN_ACCEPT_ENV)
+                                          or None)
     if "prefill_peers" in values:
         values["prefill_peers"] = tuple(a.strip() for item in values["prefill_peers"] for a in item.split(",")
                                         if a.strip())

@@ -90,7 +90,8 @@ def create_worker_app(engine: Engine, config: WorkerConfig, kv_backend: Callable
     app = Quart(f"xpyd-{config.role}")
     gate = RequestGate(config.role, config.cluster_token,
                        prefill_peers if prefill_peers is not None else PrefillPeers(own_host=config.public_host),
-                       own_addr=lambda: engine.info.signal_addr if getattr(engine, "info", None) else None)
+                       own_addr=lambda: engine.info.signal_addr if getattr(engine, "info", None) else None,
+                       accepted_tokens=config.accepted_tokens)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
     app.config["BODY_TIMEOUT"] = 30

@@ -71,12 +71,14 @@ class KVCache:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> BlockChain:
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None, key: bytes | None = None) -> BlockChain:
         """The chain hashes of the full blocks of ``token_ids`` of a request with ``cache_salt`` = ``salt``
         (also with caching off here: prefill names a prompt's blocks to its decode worker, whose cache may
-        be on)."""
-        root = salted_seed(self.seed, salt, self.key)
-        return BlockChain(block_hashes(token_ids, self.block_size, root, key=self.key), root)
+        be on). ``key``: another block-hash key than this cache's (how a peer keyed with the other token of a
+        rotation window names them)."""
+        key = self.key if key is None else key
+        root = salted_seed(self.seed, salt, key)
+        return BlockChain(block_hashes(token_ids, self.block_size, root, key=key), root)
 
     def chain(self, hashes: Sequence[int], salt: str | None = None) -> BlockChain:
         """``hashes`` (named by another worker) as the chain of a request with ``cache_salt`` = ``salt``."""

@@ -99,7 +99,7 @@ def run_worker(config: WorkerConfig, start_engine: StartEngine, http_socket: soc
         transfer = make_worker_backend(config.kv_backend, config.host, config.kv_port, config.advertise_host,
                                        copy_threads, config.cluster_token, config.transfer_stall_timeout,
                                        device=config.device if config.engine == "torch" else None,
-                                       lanes=config.kv_lanes)
+                                       lanes=config.kv_lanes, accepted_tokens=config.accepted_tokens)
         if config.role == "decode" and config.kv_backend in ("shm", "auto"):
             log.info("decode: shm transfers of 8 MiB or more are copied with %d thread(s)%s", copy_threads,
                      "" if config.kv_copy_threads else " (auto: --kv-copy-threads)")

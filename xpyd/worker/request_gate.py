@@ -95,11 +95,12 @@ class RequestGate:
     """A worker's checks of a request's credentials and id (see the module docstring)."""
 
     def __init__(self, role: str, cluster_token: str | None, peers: PrefillPeers | None = None,
-                 own_addr: Callable[[], str | None] | None = None) -> None:
+                 own_addr: Callable[[], str | None] | None = None, accepted_tokens: tuple[str, ...] = ()) -> None:
         """``own_addr()``: a decode worker's own signal address (None until it is known): an id naming it as
-        both workers is a request it prefills itself, which connects to nobody."""
+        both workers is a request it prefills itself, which connects to nobody. ``accepted_tokens``: bearers
+        and signatures of these pass too (a rotation window)."""
         self.role = role
-        self._keys = ClusterKeys(cluster_token) if cluster_token else None
+        self._keys = ClusterKeys(cluster_token, accepted_tokens) if cluster_token else None
         self._peers = peers if role == "decode" and self._keys is None else None
         self._own_addr = own_addr
 

@@ -102,6 +102,16 @@ xpyd.io/etcd-generation: {{ include "xpyd.etcdGeneration" . | quote }}
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the token the workers also accept (a rotation window), if any. */}}
+{{- define "xpyd.acceptedTokenSecretName" -}}
+{{- $a := .Values.clusterToken.accept -}}
+{{- if $a.existingSecret -}}
+{{- $a.existingSecret -}}
+{{- else if $a.value -}}
+{{- printf "%s-cluster-token-accept" (include "xpyd.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
 The cluster token of a Secret the chart makes: clusterToken.value; else the token already in the release's
 Secret (lookup: kept across upgrades); else 48 random characters (a first install, and every `helm
@@ -311,6 +321,7 @@ Pod annotations that roll a component's pods when something they read changes, a
                          setting rolls the workers and leaves the proxy alone
   checksum/api-key       proxy and planner (the planner reads the proxy's /metrics with it)
   checksum/cluster-token proxy, prefill and decode (one change rolls the three in the same upgrade)
+  checksum/cluster-token-accept  prefill and decode (the proxy only signs: it never checks a token)
 A secret the chart makes is hashed from the values; an existingSecret from its data in the cluster
 (`lookup`, on install and upgrade), so `helm upgrade` after rotating it rolls the pods that read it.
 `helm template` cannot look up: there the hash is of nothing, stable.
@@ -329,6 +340,9 @@ checksum/api-key: {{ include "xpyd.secretChecksum" (dict "root" .root "secret" $
 {{- end }}
 {{- if and (ne .component "planner") (include "xpyd.clusterTokenSecretName" .root) }}
 checksum/cluster-token: {{ include "xpyd.secretChecksum" (dict "root" .root "secret" $v.clusterToken "name" (include "xpyd.clusterTokenSecretName" .root)) }}
+{{- end }}
+{{- if and $worker (include "xpyd.acceptedTokenSecretName" .root) }}
+checksum/cluster-token-accept: {{ include "xpyd.secretChecksum" (dict "root" .root "secret" $v.clusterToken.accept "name" (include "xpyd.acceptedTokenSecretName" .root)) }}
 {{- end }}
 {{- end -}}
 

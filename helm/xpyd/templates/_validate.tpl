@@ -73,6 +73,19 @@ Rendering stops with a message that names the values to change.
 {{- if and $v.clusterToken.value (or (lt (len $v.clusterToken.value) 8) (gt (len $v.clusterToken.value) 256)) -}}
 {{- fail "clusterToken.value must be 8-256 characters" -}}
 {{- end -}}
+{{- $accept := $v.clusterToken.accept -}}
+{{- if and $accept.value $accept.existingSecret -}}
+{{- fail "set clusterToken.accept.existingSecret or clusterToken.accept.value, not both" -}}
+{{- end -}}
+{{- if and (or $accept.value $accept.existingSecret) (not (include "xpyd.clusterTokenSecretName" .)) -}}
+{{- fail "clusterToken.accept is the other token of a rotation: it needs a cluster token (clusterToken.existingSecret, value or generate)" -}}
+{{- end -}}
+{{- if and $accept.value (or (lt (len $accept.value) 8) (gt (len $accept.value) 256)) -}}
+{{- fail "clusterToken.accept.value must be 8-256 characters" -}}
+{{- end -}}
+{{- if and $accept.value (eq $accept.value $v.clusterToken.value) -}}
+{{- fail "clusterToken.accept.value is the same as clusterToken.value: give the other token of the rotation" -}}
+{{- end -}}
 {{- end -}}
 
 

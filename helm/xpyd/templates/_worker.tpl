@@ -114,6 +114,13 @@ spec:
                   name: {{ $tokenSecret }}
                   key: {{ $root.Values.clusterToken.secretKey }}
             {{- end }}
+            {{- with include "xpyd.acceptedTokenSecretName" $root }}
+            - name: XPYD_CLUSTER_TOKEN_ACCEPT
+              valueFrom:
+                secretKeyRef:
+                  name: {{ . }}
+                  key: {{ $root.Values.clusterToken.accept.secretKey }}
+            {{- end }}
             {{- if $efa }}
             # EFA through libfabric (NIXL's transport where the image's NIXL/UCX reaches it)
             - name: FI_PROVIDER
