@@ -179,7 +179,7 @@ def test_a_prompt_longer_than_a_slice_is_scored_a_slice_at_a_time(tiny_long_mode
     runner.use_fast_path(path == "fast")
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_long_model_dir), dtype=torch.float32).eval()
     prompt = prompt_of(PROMPT_SLICE + 45, 7)
-    owner, name = (runner.fast_path, "logits") if path == "fast" else (runner, "_logits")
+    owner, name = (runner.fast_path, "logits") if path == "fast" else (runner._general, "logits")
     logits_of, sizes = getattr(owner, name), []
 
     def spy(x):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from tests.unit.fake_signal import FakeSignal
 from xpyd.model.sampling import TorchSampler
+from xpyd.decode_worker import batch as batch_module
 from xpyd.decode_worker import engine as engine_module
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.decode_worker.seq import DecodeSeq
@@ -98,8 +99,9 @@ def make_engine(monkeypatch, batch_size: int = 8, layout: KVLayout = LAYOUT):
     """(engine, its fake transfer backend, the prefill side's auto-completing fake, the clock)."""
     clock = Clock()
     monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(batch_module, "time", clock)
     # A decode step without a model: every running request gets token 7.
-    monkeypatch.setattr(engine_module, "decode_and_sample", lambda runner, kv, running: [7] * len(running))
+    monkeypatch.setattr(batch_module, "decode_and_sample", lambda runner, kv, running: [7] * len(running))
     net = FakeNetwork()
     transfer, sender = FakeTransferBackend(net), FakeTransferBackend(net, auto_complete=True)
     runner = SimpleNamespace(pool=KVPool(layout), max_model_len=32, eos_token_ids=frozenset(), sampler=TorchSampler())

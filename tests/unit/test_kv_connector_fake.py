@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tests.unit.decode_harness import LAYOUT, PREFILL, S, Clock, LookupSignal, add_request, facts
+from xpyd.decode_worker import batch as batch_module
 from xpyd.decode_worker import engine as engine_module
 from xpyd.decode_worker.engine import DecodeEngine
 from xpyd.model.kv_pool import KVPool
@@ -22,7 +23,8 @@ from xpyd.worker.work_item import ErrorEvent, TokenEvent
 def _engine(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(engine_module, "time", clock)
-    monkeypatch.setattr(engine_module, "decode_and_sample", lambda runner, kv, running: [7] * len(running))
+    monkeypatch.setattr(batch_module, "time", clock)
+    monkeypatch.setattr(batch_module, "decode_and_sample", lambda runner, kv, running: [7] * len(running))
     link = FakeReceiver()
     runner = SimpleNamespace(pool=KVPool(LAYOUT), max_model_len=32, eos_token_ids=frozenset(), sampler=TorchSampler())
     engine = DecodeEngine(runner, None, WorkerConfig(role="decode", port=8100), link, "m")

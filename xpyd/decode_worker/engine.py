@@ -6,9 +6,7 @@ prefill worker pushes ``notify`` when the request is ready (first token) or ende
 request is polled for (a safety re-ask goes out only after ``lookups.SAFETY_REASK`` seconds without news,
 for any request prefill has not given its last word on: a notify lost on the way costs that long, not a
 timeout; what is asked when: ``lookups``).
-Heartbeats go to the prefill workers that hold requests of this one (a silent one is noticed through
-the replies' deadline); a session with nothing in it for ``SESSION_IDLE`` is closed, so idle pairs cost
-nothing (the next request reopens it).
+Heartbeats go to the prefill workers that hold requests of this one, and idle sessions are closed (``peers``).
 Each step: take new requests/aborts, read signal replies and notifies, call the KV connector's
 ``progress()`` while a pull is in flight, ask it which receives ended (``finished()``: arrived requests
 join the batch), start pulls for ready requests while the batch has room (the connector turns their
@@ -22,31 +20,28 @@ A request the proxy sends to be prefilled here (``WorkItem.local_prefill``: its 
 workers) claims nothing and pulls nothing: it waits for room, then its prompt is computed in chunks before
 each decode step (``local_prefill``), and its first token, sampled here, is streamed like the rest.
 
-Requests take KV blocks as they grow: before the pulls and local prefills are admitted (and again before the
-decode step, for the requests that joined since), each step gives the running requests the blocks of their
-next token (``DecodeScheduler.reserve_decode``), preempting the newest when the pool is full; a preempted request computes its prompt and output so far again here, in the local
-prefill's chunks, and continues with the tokens it would have generated (its output never left this worker).
-Its prefill worker is not asked again. Preemptions are counted (stats ``preemptions``, metrics).
+Requests take KV blocks as they grow, and the newest is preempted when the pool is full: the running batch's
+steps (room for the decode step, local prefill chunks, the decode step and the tokens they emit) are ``batch``'s.
 
 Faults: a request whose prefill is not ready within ``prefill_wait_timeout`` of the last time its prefill
 worker's queue was seen to move (its answers to the re-asks carry the worker's forward passes so far), or
-whose KV does not arrive within it once the pull started, fails with 504;
-a prefill worker that dies or refuses fails its requests at once (the signal
-client's socket monitor); KV the prefill worker let expire fails with 502. An
-abort (client gone) ends the request in any state, cancels its receive and
-tells the prefill worker to release the KV.
+whose KV does not arrive within it once the pull started, fails with 504 (``peers``); a prefill worker that
+dies or refuses fails its requests at once (the signal client's socket monitor); KV the prefill worker let
+expire fails with 502. An abort (client gone) ends the request in any state, cancels its receive and tells the
+prefill worker to release the KV.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import replace
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.decode_worker.batch import DecodeBatch
 from xpyd.decode_worker.local_prefill import LocalPrefill
 from xpyd.decode_worker.lookups import Lookups
+from xpyd.decode_worker.peers import PrefillPeers
 from xpyd.decode_worker.prompt_facts import peer_hash_key, prompt_hashes
 from xpyd.decode_worker.receives import Receives
 from xpyd.decode_worker.scheduler import DecodeScheduler
@@ -59,17 +54,11 @@ from xpyd.worker.loop import IDLE_SLEEP
 from xpyd.worker.work_item import ErrorEvent, TokenEvent, WorkItem
 from xpyd.worker.preemption import outgrown
 from xpyd.worker.request import RequestState
-from xpyd.worker.stepping import context_ids, context_len, decode_and_sample
 from xpyd.worker.engine import Abort, PeersLeft, WorkerEngine
 from xpyd.netaddr import http_url
 from xpyd.signal import messages as m
 from xpyd.signal.client import PeerState, SignalClient
 
-log = logging.getLogger(__name__)
-
-HEARTBEAT_INTERVAL = 1.0  # a prefill peer holding requests of this worker sent nothing this long gets a heartbeat
-SESSION_IDLE = 600.0  # a prefill peer holding none, sent nothing this long: its session is closed (a new one
-# costs a handshake, which a congested link can hold up past --signal-timeout: rare, after a long idle)
 # Failures that say the path to the request's prefill worker is broken, not either worker: the signal plane
 # to it (unreachable, silent), its KV not arriving (a transfer failed or stalled), the request not reported
 # ready in time (its lookups or notifies lost on the way as well as a long queue there).
@@ -93,8 +82,9 @@ class DecodeEngine(WorkerEngine):
         self.lookups = Lookups()  # claims, re-asks and pulls owed to the prefill workers
         self._failures: Counter[str] = Counter()  # requests failed here, by cause (for stats and tests)
         self._stats: dict = {}
-        self._last_decode_at = 0.0  # end of the last decode step
-        self._next_keep = 0.0  # when heartbeats and idle sessions are next looked at
+        self.batch = DecodeBatch(runner, self.kv_cache, self.sched, self.local, self.metrics, self.isolate,
+                                 self._fail_seq, self._failures)
+        self.peers = PrefillPeers(self.sched, self.lookups, self._fail_seq, config.prefill_wait_timeout)
 
     def start(self) -> None:
         endpoint = self.connector.register()
@@ -157,7 +147,7 @@ class DecodeEngine(WorkerEngine):
                     self._abort(item.request_id)
             elif isinstance(item, PeersLeft):
                 for addr in item.addrs:
-                    self._peer_left(addr)
+                    self.peers.left(self.signal, addr)
             else:
                 self.admit(item, self._add)
         # A request just posted has its claim sent after this poll (``lookups.send``): poll without waiting, or an
@@ -170,7 +160,7 @@ class DecodeEngine(WorkerEngine):
         else:  # (a notify or a reply wakes the poll at once)
             timeout_ms = int(IDLE_SLEEP * 1000)
         replies, failed_peers = self.signal.poll(timeout_ms)
-        self._keep_sessions()
+        self.peers.keep_sessions(self.signal, time.monotonic())
         if self.sched.num_transferring:
             self.connector.progress()  # (nixl: our READs advance inside such calls)
         for addr, reply in replies:
@@ -179,8 +169,8 @@ class DecodeEngine(WorkerEngine):
                     self._on_lookup_result(addr, r)
         for peer in failed_peers:
             if self.signal.get(peer.addr) is peer:  # not already replaced by a new connection
-                self._fail_peer(peer.addr, peer.error or "prefill worker failed")
-        self._fail_overdue(time.monotonic())
+                self.peers.failed(peer.addr, peer.error or "prefill worker failed")
+        self.peers.fail_overdue(time.monotonic())
         ended = self.connector.finished()
         self._landed(ended.done)
         joined, failed = self.sched.poll_transfers(ended.done, ended.failed)
@@ -196,29 +186,18 @@ class DecodeEngine(WorkerEngine):
                 seq.payload.sink.put(ErrorEvent(502, f"KV transfer failed: {seq.error}", kv_path=True))
                 self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
         if self.sched.running():
-            self._make_room()
+            self.batch.make_room()
         for seq in self.sched.schedule_transfers():
             with self.isolate(seq.request_id, seq.payload):
                 self._start_pull(seq)
         self.lookups.send(self.signal, self.sched, time.monotonic())
-        self._prefill_step()
+        self.batch.prefill_step()
         if self.sched.running():  # (again for those that joined since: a prompt this worker's cache held whole)
-            self._make_room()
+            self.batch.make_room()
         if self.sched.running():
-            self._decode_step()
+            self.batch.decode_step()
         self._update_stats()
         return 0.0
-
-    def _keep_sessions(self) -> None:
-        """Heartbeats to the prefill workers holding requests of this worker; idle sessions closed."""
-        now = time.monotonic()
-        if now < self._next_keep:
-            return
-        self._next_keep = now + HEARTBEAT_INTERVAL / 2
-        busy = {s.prefill_addr for s in (*self.sched.waiting(), *self.sched.transferring())}
-        self.signal.heartbeat(HEARTBEAT_INTERVAL, busy)
-        for addr in self.signal.close_idle(SESSION_IDLE, busy):
-            self.lookups.drop(addr)
 
     def _add(self, item: WorkItem) -> None:
         rid = str(item.request_id)
@@ -280,29 +259,6 @@ class DecodeEngine(WorkerEngine):
             return False
         self._fail_seq(seq, 500, error, "internal", release=True)
         return True
-
-    def _fail_peer(self, addr: str, error: str) -> None:
-        self.lookups.drop(addr)  # (their requests fail below)
-        for seq in self.sched.waiting() + self.sched.transferring():
-            if seq.prefill_addr == addr:
-                self._fail_seq(seq, 502, error, "peer")
-
-    def _peer_left(self, addr: str) -> None:
-        """A prefill worker left the cluster. One that drains (SIGTERM) still answers for the requests it
-        holds, so those keep going; its connection is closed now if nothing waits on it, else when it
-        goes away (the socket monitor fails what still waits then)."""
-        if not any(s.prefill_addr == addr for s in self.sched.waiting() + self.sched.transferring()):
-            self.signal.drop(addr)
-            self.lookups.drop(addr)
-
-    def _fail_overdue(self, now: float) -> None:
-        limit = self.config.prefill_wait_timeout
-        for seq in self.sched.overdue(now):
-            if seq.state is RequestState.WAITING:
-                error = f"prefill worker {seq.prefill_addr} did not have the request ready within {limit:g}s"
-            else:
-                error = f"KV from prefill worker {seq.prefill_addr} did not arrive within {limit:g}s"
-            self._fail_seq(seq, 504, error, "timeout", release=True)
 
     def _on_lookup_result(self, addr: str, r: m.LookupResult) -> None:
         """One entry of a lookup reply or a notify from prefill worker ``addr``."""
@@ -388,7 +344,7 @@ class DecodeEngine(WorkerEngine):
             if seq.state is RequestState.TRANSFERRING:  # (streamed: stop the parts still coming)
                 self.receives.cancel(seq)
             self.sched.finish(seq)
-            self._finished(item)
+            self.batch.finished(item)
             self.lookups.release(self.signal, seq.prefill_addr, [seq.request_id])
             n_out = len(item.output.token_ids)
             item.sink.put(TokenEvent("", finish.value, item.prompt_tokens(seq.prompt_len), n_out,
@@ -435,94 +391,6 @@ class DecodeEngine(WorkerEngine):
 
     def _local_waiting(self) -> bool:
         return self.sched.num_waiting > len(self.sched.waiting())
-
-    def _prefill_step(self) -> None:
-        """This step's local prefill chunks (``local_prefill``); each prompt that ended emits its first token."""
-        try:
-            ended = self.local.step(self.sched)
-        except Exception as e:
-            log.exception("local prefill step failed")
-            for seq in self.sched.prefilling():
-                self._fail_seq(seq, 500, f"prefill failed: {type(e).__name__}: {e}", "prefill")
-            return
-        now = time.monotonic()
-        for chunk, token in ended:
-            seq = chunk.seq
-            with self.isolate(seq.request_id, seq.payload):
-                self._local_first_token(seq, token, now)
-
-    def _local_first_token(self, seq: DecodeSeq, token: int, now: float) -> None:
-        """The first token of a request prefilled here: its event goes out (usage counts the prompt tokens this
-        worker's cache served); it ends the request, or the request runs from the next decode step."""
-        item: WorkItem = seq.payload
-        item.stamps.mark("sampled", now)
-        self.metrics.observe_ttft(now - item.arrival)
-        text, finish = item.output.append(token)
-        if finish is not None:
-            self.sched.finish(seq)
-            self._finished(item)
-        prompt_len = item.prompt_tokens(seq.prompt_len)
-        item.sink.put(TokenEvent(text, finish.value if finish else None, prompt_len, len(item.output.token_ids),
-                                 min(seq.cached_tokens, prompt_len), item.take_logprobs(), item.new_ids()))
-
-    def _finished(self, item: WorkItem) -> None:
-        self.metrics.request_done("finished")
-        self.metrics.observe_e2e(time.monotonic() - item.arrival)
-
-    def _make_room(self) -> None:
-        """The blocks of this step's decode for every running request, preempting the newest while the pool
-        has none (``reserve_decode``)."""
-        try:
-            room = self.sched.reserve_decode(context_len, context_ids)
-        except Exception as e:  # (a bug: the scheduler stays consistent; its running requests fail)
-            log.exception("making room for the decode step failed")
-            for seq in self.sched.running():
-                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}", "decode")
-            return
-        for seq in room.preempted:
-            self.metrics.preempted()
-            item: WorkItem = seq.payload
-            if seq.stalled_since is None and len(item.output.token_ids) > len(item.resumed) + 1:
-                seq.stalled_since = self._last_decode_at  # (it decoded here: its next gap counts from its last token)
-        for seq in room.failed:
-            self.metrics.request_done("failed")
-            self._failures["kv_cache"] += 1
-            seq.payload.sink.put(ErrorEvent(500, seq.error))
-
-    def _decode_step(self) -> None:
-        running = self.sched.running()
-        t0 = time.monotonic()
-        try:
-            new = decode_and_sample(self.runner, self.kv_cache, running)
-        except Exception as e:
-            log.exception("decode step failed")
-            for seq in running:
-                self._fail_seq(seq, 500, f"decode failed: {type(e).__name__}: {e}", "decode")
-            return
-        now = time.monotonic()
-        self.metrics.observe_step("decode", now - t0, len(running))
-        for seq, tok in zip(running, new):
-            with self.isolate(seq.request_id, seq.payload):
-                item: WorkItem = seq.payload
-                if item.stamps.step_started is None:  # its first step (xpyd.worker.phases)
-                    item.stamps.step_started, item.stamps.step_ended = t0, now
-                text, finish = item.output.append(tok)
-                n_out = len(item.output.token_ids)
-                if seq.stalled_since is not None:  # its first token since it was preempted
-                    self.metrics.observe_itl(now - seq.stalled_since)
-                    seq.stalled_since = None
-                elif n_out > len(item.resumed) + 2:  # its previous token came from the previous decode step (every
-                    # step runs them all)
-                    self.metrics.observe_itl(now - self._last_decode_at)
-                if finish is not None:
-                    self.sched.finish(seq)
-                    self._finished(item)
-                logprobs = item.take_logprobs()
-                if text or finish is not None or logprobs:
-                    prompt_len = item.prompt_tokens(seq.prompt_len)
-                    item.sink.put(TokenEvent(text, finish.value if finish else None, prompt_len, n_out,
-                                             min(seq.cached_tokens, prompt_len), logprobs, item.new_ids()))
-        self._last_decode_at = now
 
     def _wake(self) -> None:
         self.post(None)

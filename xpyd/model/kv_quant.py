@@ -8,8 +8,8 @@ as ``value(code) * k[l, h]``; V the same with its own ``v[l, h]`` (vLLM's k_scal
 rather than one per layer). Out-of-range values saturate to +-max instead of becoming NaN (a NaN input
 stays NaN).
 
-The scales come from a calibration pass at start (`calibration_ids`: a seeded pseudo-random prompt after
-the model's BOS token, `CALIBRATION_TOKENS` long, prefilled once into a scratch pool in the model's dtype):
+The scales come from a calibration pass at start (`calibrate`; `calibration_ids`: a seeded pseudo-random prompt
+after the model's BOS token, `CALIBRATION_TOKENS` long, prefilled once into a scratch pool in the model's dtype):
 each (layer, KV head)'s largest |K| and |V| times `MARGIN` (room for texts whose values run larger than the
 calibration's), rounded UP to a power of two, divided by the format's max. Why powers of two:
 - a prefill and a decode worker on different x86 CPUs compute the calibration's amax differently in the
@@ -37,14 +37,15 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-from xpyd.model.kv_layout import QUANTIZED
+from xpyd.model.kv_layout import QUANTIZED, KVLayout
+from xpyd.model.kv_pool import KVPool
 
-__all__ = ["CALIBRATION_TOKENS", "FORMATS", "MARGIN", "FP8Format", "KVCodec", "KVScales", "calibration_ids",
-           "lut", "table_value"]
+__all__ = ["CALIBRATION_TOKENS", "FORMATS", "MARGIN", "FP8Format", "KVCodec", "KVScales", "calibrate",
+           "calibration_ids", "lut", "table_value"]
 
 CALIBRATION_TOKENS = 256
 MARGIN = 4.0  # amax x 4, then up to a power of two: the calibration's largest value lands in [max/8, max/4)
@@ -98,6 +99,21 @@ def calibration_ids(vocab_size: int, length: int, bos: int | None) -> list[int]:
     if bos is not None and 0 <= bos < vocab_size:
         ids[0] = bos
     return ids
+
+
+def calibrate(kv_cache_dtype: str, layout: KVLayout, device: torch.device, dtype: torch.dtype, max_model_len: int,
+              vocab_size: int, bos: object, prefill: Callable[[KVPool, list[int]], object]) -> KVCodec:
+    """The codec of an fp8 pool of ``layout`` (the model's, in ``dtype``): ``prefill(scratch, ids)`` runs the
+    calibration prompt (`calibration_ids`, after the model's ``bos`` when it is one id) through the model into
+    ``scratch``, a pool of that layout in ``dtype`` just long enough, and the scales come from its K/V."""
+    if kv_cache_dtype not in FORMATS:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FORMATS)}, not {kv_cache_dtype!r}")
+    if device.type != "cpu":
+        raise ValueError(f"an fp8 KV cache runs on the CPU, not {device}")
+    length = min(CALIBRATION_TOKENS, max_model_len)
+    scratch = KVPool(layout.with_blocks(layout.blocks_for(length)), device=device, caching=False)
+    prefill(scratch, calibration_ids(vocab_size, length, bos if isinstance(bos, int) else None))
+    return KVCodec(KVScales.calibrated(kv_cache_dtype, scratch.tensor), dtype, device)
 
 
 def _exponent(amax: float, fmt_max: float) -> int:

@@ -6,7 +6,9 @@ into the request's blocks, then attends over that request's tokens only, read th
 table (multi-head latent attention, DeepSeek-V2's: one latent per token and layer instead, `latent_attention`).
 No DynamicCache, so the pool stays the single copy of every request's KV. The caller owns the
 block tables (which blocks a request holds, shared prefix blocks included); a prefill may start after a
-cached prefix (``start``), computing only the rest.
+cached prefix (``start``), computing only the rest. The runner checks every batch, then runs it through the
+lean forward (`llama_fast`) when it covers the model, else the general path (`general_path`: the transformers
+modules, latent attention included); on CUDA, decode steps through the paged kernels (`gpu.decoder`).
 
 Weights, pool and every per-step tensor live on one torch device (`device`, CPU by default); the
 logits come back on the CPU, where sampling runs (one copy per step on another device, none on CPU).
@@ -25,9 +27,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from xpyd.model import batch_checks, families, kv_quant, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
+from xpyd.model.general_path import GeneralPath
 from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
 from xpyd.model.kv_quant import KVCodec
-from xpyd.model.layer_attention import attend
 from xpyd.model.llama_fast import FastLlama, why_not_covered
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
@@ -94,20 +96,8 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = _eos_ids(self.model)
         self.sampler = TorchSampler()  # logits -> tokens, as the role engines ask (one draw per sampled token)
 
-        inner = self.model.model
-        self._embed = inner.embed_tokens
-        self._rotary = inner.rotary_emb
-        self._norm = inner.norm
-        self._lm_head = self.model.lm_head
-        self._layers = list(inner.layers)
-        self._num_heads = config.num_attention_heads
-        self._num_kv_heads = config.num_key_value_heads
-        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._attention = families.layer_attention(config)  # how each layer attends (scale, window, soft-cap)
-        self._rotary_kinds = tuple(dict.fromkeys(spec.rotary for spec in self._attention))
-        self._final_softcap = families.final_softcap(config)
-        # (multi-head latent attention: its sizes; the pool keeps one latent per token and layer)
-        self._latent = latent_attention.LatentShape.of(config) if families.is_latent(config) else None
+        self._general = GeneralPath(self.model, config, self.device, block_size, self._pace)
+        self._embed = self._general.embed
         self.block_size = block_size
         # The lean forward (llama_fast) when it covers the model; the general path below otherwise.
         self.fast_path_reason: str | None = why_not_covered(self.model)
@@ -122,18 +112,16 @@ class ModelRunner:
             _drop_fused_copies(self.model)  # (the lean forward holds the fused weights: one copy on the device)
             self._general_path = False
             torch.cuda.empty_cache()
-        if self._latent is not None:
-            layout = self._latent.layout(len(self._layers), dtype_name(dtype), 1, block_size)
-        else:
-            layout = KVLayout(num_layers=len(self._layers), num_kv_heads=self._num_kv_heads, head_dim=self._head_dim,
-                              dtype=dtype_name(dtype), num_blocks=1, block_size=block_size)
+        layout = self._general.pool_layout(dtype_name(dtype), block_size)
         self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
         if kv_cache_dtype != "auto":
-            if self._latent is not None:
+            if self._general.latent is not None:
                 raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
                                  "its codec scales K and V per head); use --kv-cache-dtype auto")
-            self.kv_codec = self._calibrated(kv_cache_dtype, layout)
+            self.kv_codec = kv_quant.calibrate(kv_cache_dtype, layout, self.device, dtype, max_model_len,
+                                               self.vocab_size, getattr(config, "bos_token_id", None),
+                                               self._calibration_prefill)
             layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
             if self._fast is not None:
                 self._fast.kv_codec = self.kv_codec
@@ -168,22 +156,11 @@ class ModelRunner:
         self.decoder = PagedDecoder(self._fast, self.pool.tensor, self.pool.layout.blocks_for(self.max_model_len),
                                     max_batch, graphs=cuda_graphs)
 
-    def _calibrated(self, kv_cache_dtype: str, layout: KVLayout) -> KVCodec:
-        """The codec of an fp8 pool: its scales from the calibration prompt's K/V, prefilled into a scratch
-        pool in the model's dtype (`kv_quant`)."""
-        if kv_cache_dtype not in kv_quant.FORMATS:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(kv_quant.FORMATS)}, not "
-                             f"{kv_cache_dtype!r}")
-        if self.device.type != "cpu":
-            raise ValueError(f"an fp8 KV cache runs on the CPU, not {self.device}")
-        length = min(kv_quant.CALIBRATION_TOKENS, self.max_model_len)
-        self.pool = KVPool(layout.with_blocks(layout.blocks_for(length)), device=self.device, caching=False)
-        bos = getattr(self.config, "bos_token_id", None)
-        ids = kv_quant.calibration_ids(self.vocab_size, length, bos if isinstance(bos, int) else None)
-        self.prefill(self.pool.blocks.allocate(self.pool.layout.num_blocks), ids)
-        scales = kv_quant.KVScales.calibrated(kv_cache_dtype, self.pool.tensor)
+    def _calibration_prefill(self, scratch: KVPool, ids: list[int]) -> None:
+        """Prefill the fp8 calibration prompt into ``scratch``, the pool until this returns (`kv_quant.calibrate`)."""
+        self.pool = scratch
+        self.prefill(scratch.blocks.allocate(scratch.layout.num_blocks), ids)
         del self.pool
-        return KVCodec(scales, self.dtype, self.device)
 
     @property
     def layout_template(self) -> KVLayout:
@@ -239,7 +216,7 @@ class ModelRunner:
         checked = [(t, self._ids(token_ids[start:]), start) for t, (_, token_ids, start) in zip(tables, parts)]
         if self._use_fast:
             return self._fast.prefill_many(self.pool.tensor, checked)  # (on the device: sampled there)
-        return torch.stack([self._prefill_general(*part) for part in checked])
+        return torch.stack([self._general.logits(self._general_hidden(*part)[:, -1])[0] for part in checked])
 
     @torch.inference_mode()
     @_released
@@ -264,43 +241,15 @@ class ModelRunner:
             logits_of = fast.logits
         else:
             states = [self._general_hidden(*part)[0] for part in checked]  # each [new tokens, hidden]
-            rows = torch.stack([self._logits(h[-1:])[0] for h in states])
-            logits_of = self._logits
+            rows = torch.stack([self._general.logits(h[-1:])[0] for h in states])
+            logits_of = self._general.logits
         scored = [None if spec is None else prompt_logprobs(logits_of, h, *spec) for h, spec in zip(states, specs)]
         return rows, scored
 
-    def _prefill_general(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
-        return self._logits(self._general_hidden(blocks, ids, start)[:, -1])[0]
-
     def _general_hidden(self, blocks: list[int], ids: torch.Tensor, start: int) -> torch.Tensor:
-        """The general path's forward pass of one part up to the final norm: hidden states [1, new tokens,
-        hidden]."""
-        m = ids.shape[0]
-        n = start + m
-        hidden = self._embed(ids.unsqueeze(0))  # [1, m, hidden]
-        rotations = self._rotations(hidden, torch.arange(start, n, device=self.device).unsqueeze(0))
+        """The general path's forward pass of one checked part up to the final norm: [1, new tokens, hidden]."""
         pool = self.pool.tensor
-        where = paged.rows_of(blocks, torch.arange(start, n, device=self.device), self.block_size, self.device)
-        prefix = paged.padded_tables([blocks], self.pool.layout.blocks_for(start), self.device) if start else None
-        codec = self._codec_of(pool)
-        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
-            self._pace()
-            if self._latent is not None:
-                attn = latent_attention.prefill_layer(layer, spec, self._latent, pool, index, hidden,
-                                                      rotations[spec.rotary], where, prefix, start)
-                hidden = self._finish_layer(layer, hidden, attn)
-                continue
-            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # [1, heads, m, head_dim]
-            k_rows, v_rows = paged.write(pool, index, where, k[0].transpose(0, 1), v[0].transpose(0, 1), codec)
-            if codec is not None:  # the new tokens' K/V as the fp8 pool holds them (as decode reads them too)
-                k, v = k_rows.transpose(0, 1).unsqueeze(0), v_rows.transpose(0, 1).unsqueeze(0)
-            first = spec.first_visible(start)  # (a local layer reads only the cached keys its window reaches)
-            if first < start:
-                k_old, v_old = paged.gather(pool, index, prefix, start, codec, first=first)
-                k, v = torch.cat((k_old, k), 2), torch.cat((v_old, v), 2)
-            attn = attend(q, k, v, spec, q_start=start, k_start=first)
-            hidden = self._finish_layer(layer, hidden, attn)
-        return hidden
+        return self._general.hidden(pool, self.pool.layout.blocks_for, self._codec_of(pool), blocks, ids, start)
 
     @torch.inference_mode()
     @_released
@@ -342,32 +291,9 @@ class ModelRunner:
         """A checked batch, its block tables int64 [B, blocks of the longest request] on the device."""
         if self._use_fast:
             return self._fast.decode_tables(self.pool.tensor, tables, positions, self._ids(token_ids))
-        bs, batch = self.block_size, len(positions)
-        ids = self._ids(token_ids).unsqueeze(1)  # [B, 1]
-        pos_t = torch.tensor(positions, device=self.device)
-        hidden = self._embed(ids)
-        rotations = self._rotations(hidden, pos_t.unsqueeze(1))
         pool = self.pool.tensor
-        where = paged.RowIndex(tables[torch.arange(batch, device=self.device), pos_t // bs], pos_t % bs)
-        singles = [tables[i : i + 1, : self.pool.layout.blocks_for(p + 1)] for i, p in enumerate(positions)]
-        codec = self._codec_of(pool)
-        for index, (layer, spec) in enumerate(zip(self._layers, self._attention)):
-            self._pace()
-            if self._latent is not None:
-                attn = latent_attention.decode_layer(layer, spec, self._latent, pool, index, hidden,
-                                                     rotations[spec.rotary], where, singles, positions)
-                hidden = self._finish_layer(layer, hidden, attn)
-                continue
-            q, k, v = self._qkv(layer, hidden, *rotations[spec.rotary])  # q [B, heads, 1, hd]; k, v [B, kv, 1, hd]
-            paged.write(pool, index, where, k[:, :, 0], v[:, :, 0], codec)
-            outs = []
-            for i, table in enumerate(singles):
-                first = spec.first_visible(positions[i])  # (a local layer reads only its window's keys)
-                keys, values = paged.gather(pool, index, table, positions[i] + 1, codec, first=first)
-                outs.append(attend(q[i : i + 1], keys, values, spec, q_start=positions[i], k_start=first))
-            attn = torch.cat(outs) if batch > 1 else outs[0]
-            hidden = self._finish_layer(layer, hidden, attn)
-        return self._logits(hidden[:, -1])
+        return self._general.decode(pool, self.pool.layout.blocks_for, self._codec_of(pool), tables,
+                                    self._ids(token_ids), positions)
 
     def _codec_of(self, pool: torch.Tensor) -> KVCodec | None:
         return self.kv_codec if pool.dtype == torch.uint8 else None
@@ -387,28 +313,6 @@ class ModelRunner:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._embed.num_embeddings):
             raise ValueError(f"token id outside the vocabulary [0, {self._embed.num_embeddings})")
         return ids if self._on_cpu or not upload else ids.to(self.device)
-
-    def _qkv(self, layer, hidden, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's q, k, v [batch, heads, seq, head_dim], q and k rotated (`families.project_qkv`)."""
-        return families.project_qkv(layer.self_attn, layer.input_layernorm(hidden), cos, sin, self._num_heads,
-                                    self._num_kv_heads, self._head_dim)
-
-    def _rotations(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """(cos, sin) of ``positions`` for each rotary table the layers take (`LayerAttention.rotary`)."""
-        return {kind: self._rotary(hidden, positions) if kind is None else self._rotary(hidden, positions, kind)
-                for kind in self._rotary_kinds}
-
-    def _finish_layer(self, layer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        batch, _, seq, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(batch, seq, -1)  # [batch, seq, heads * (value) head_dim]
-        return families.finish_layer(layer, hidden, attn)
-
-    def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits, on the runner's device (the sampler's); soft-capped where the model does."""
-        logits = self._lm_head(self._norm(last_hidden))
-        if self._final_softcap is not None:
-            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
-        return logits.float()
 
 
 def _drop_fused_copies(model) -> None:

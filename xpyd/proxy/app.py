@@ -21,10 +21,10 @@ A request moves through::
        (a failure after the first byte ends the stream with an error event; so does the
        prefill worker going down before decode has the KV: see ``InFlight.worker_down``)
 
-Where each step lives: admission (401, 429, the queue), routing (the pick; for
-cache_aware, and for the local prefill decision, also prompt_tokens, prefix_index and cache_feed, which the
-poller drives; pairs), prefill_path (remote or local),
-pd_call (the two worker calls; their HTTP in client, worker_api, decode_stream,
+Where each step lives: admission (401, 429, the queue), dispatch (where a request goes, its call started
+there and started over on a fresh pair; the pick in routing; for cache_aware, and for the local prefill
+decision, also prompt_tokens, prefix_index and cache_feed, which the poller drives; pairs), prefill_path
+(remote or local), pd_call (the two worker calls; their HTTP in client, worker_api, decode_stream,
 upstream), inflight (calls in flight), relay (the JSON body or SSE stream),
 http_errors (errors in OpenAI's shape).
 
@@ -49,7 +49,6 @@ API key before a route and adds the headers after it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -65,7 +64,7 @@ from xpyd.api.openai import APIError, CompletionRequest, RequestKind, check_cont
 from xpyd.api.responses import models_response, new_response_id
 from xpyd.discovery.base import Registry
 from xpyd.discovery.planner_state import PlannerSource
-from xpyd.discovery.types import Role, WorkerInfo
+from xpyd.discovery.types import Role
 from xpyd.prefix_hash import hash_key
 from xpyd.proxy.admission import ApiKey, ConcurrencyLimit, DecodeQueue, Slot, decode_room
 from xpyd.proxy.cache_feed import CacheFeed
@@ -74,56 +73,49 @@ from xpyd.proxy.client import WorkerClient, WorkerSessions, worker_sessions
 from xpyd.proxy.config import ProxyConfig
 from xpyd.proxy.http_errors import Redactor, error_middleware, json_response
 from xpyd.proxy.http_server import read_body
-from xpyd.proxy.inflight import InFlight, TrackedCall
+from xpyd.proxy.dispatch import Dispatcher, prefill_alone
+from xpyd.proxy.inflight import TrackedCall
 from xpyd.proxy.metrics import Outcome, ProxyMetrics, RequestTimer, outcome_of
 from xpyd.proxy.migration import MigratingCall
 from xpyd.proxy.pairs import PairHealth
 from xpyd.proxy.phases import joined
 from xpyd.proxy.poller import HealthPoller
-from xpyd.proxy.prefill_path import PrefillDecider, PrefillPath
-from xpyd.proxy.prefix_index import PrefixIndex, PromptKeys
+from xpyd.proxy.prefix_index import PromptKeys
 from xpyd.proxy.prompt_tokens import PromptTokenizer
 from xpyd.proxy.relay import complete_body, stream_response
-from xpyd.proxy.routing import NoWorkerError, Policy, Router, make_router
-from xpyd.proxy.upstream import Fault, UpstreamError
+from xpyd.proxy.upstream import UpstreamError
 from xpyd.proxy.vllm_routes import max_model_len, register_vllm_routes
 from xpyd.proxy.worker_api import REQUEST_ID_HEADER, ROUTES, FirstToken
 from xpyd.proxy.worker_names import WORKERS_HEADER, WorkerNames
 from xpyd.proxy.workers import Health, WorkerState, WorkerTable
-from xpyd.signal.request_id import RequestId
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ProxyConfig", "create_app"]
 
-INLINE_PROMPT_CHARS = 1024  # a completion prompt this short is tokenized on the event loop (tens of us)
 PROXY_KEY = web.AppKey("xpyd.proxy", object)  # the app's Proxy (tests reach it through the app)
 # A request's key: the x-xpyd-workers value of the pair it was last dispatched to (aiohttp < 3.13: a string).
 _WORKERS = web.RequestKey("xpyd_workers", str) if hasattr(web, "RequestKey") else "xpyd_workers"
 
 
 class Proxy:
-    """Request handling; one instance per app, holding the router and the worker client."""
+    """Request handling; one instance per app, holding the dispatcher (``dispatch``) and the worker client."""
 
     def __init__(self, config: ProxyConfig, registry: Registry, planner: PlannerSource | None = None) -> None:
         self.config = config
         self.registry = registry
         self.planner = planner  # the online planner's state, if one may run (etcd)
         self.table = WorkerTable()
-        self.decider = PrefillDecider(config.local_prefill_max_tokens)
-        # cache_aware, or local prefills: which blocks each worker caches, fed by the poller through the CacheFeed
-        # (open()); the prompt's tokens come from its tokenizer
-        self.index = PrefixIndex() if config.policy is Policy.CACHE_AWARE or self.decider.enabled else None
-        self.router: Router = make_router(config.policy, self.table, self.index)
         self.metrics = ProxyMetrics(etcd=getattr(registry, "ops", None))  # (an etcd registry counts its calls)
         self.api_key = ApiKey(config.api_key) if config.api_key is not None else None
         self.limit = ConcurrencyLimit(config.max_concurrent_requests)
         self.queue = DecodeQueue(self._decode_room, config.max_queue, config.queue_timeout)
         self.pairs = PairHealth(base=config.pair_cooldown)
         self.redactor = Redactor(lambda: [w for role in Role for w in self.registry.workers(role)])
-        self.inflight = InFlight(self.router, self.pairs, on_end=self.queue.wake)
+        self.dispatch = Dispatcher(config, registry, self.table, self.pairs, self.metrics, on_end=self.queue.wake)
+        self.index = self.dispatch.index  # (fed through the CacheFeed, open())
         self.names = WorkerNames(config.cluster_token, config.names_key) if config.expose_worker_names else None
-        self.table.on_down(self.inflight.worker_down)
+        self.table.on_down(self.dispatch.inflight.worker_down)
         if (index := self.index) is not None:  # a worker back from down starts with a snapshot
             self.table.on_down(lambda worker, _reason, _unreachable: index.drop(worker))
         self._sessions: WorkerSessions | None = None
@@ -196,7 +188,7 @@ class Proxy:
         queue = {"waiting": self.queue.waiting, "max": self.config.max_queue,
                  "active_requests": self.limit.active}
         planner = self.planner.state if self.planner is not None else None
-        return json_response({"workers": workers, "policy": self.router.policy.value,
+        return json_response({"workers": workers, "policy": self.dispatch.router.policy.value,
                               "tokenizer": self._feed.describe() if self._feed is not None else None,
                               "queue": queue, "avoided_pairs": self.pairs.to_dict(),
                               "planner": planner.to_dict() if planner is not None else None})
@@ -218,7 +210,7 @@ class Proxy:
     def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """After every route: as vLLM, the client's own ``X-Request-Id`` comes back (a generation's answer
         already has its id: the client's, or the response id); with ``expose_worker_names``, the pair the
-        request was last dispatched to (``_start``), by opaque names (nothing for one that reached no worker)."""
+        request was last dispatched to (``_generate``), by opaque names (nothing for one that reached no worker)."""
         headers = response.headers
         if REQUEST_ID_HEADER not in headers and (given := request.headers.get(REQUEST_ID_HEADER)) is not None:
             try:
@@ -274,13 +266,13 @@ class Proxy:
             if not prefill_alone(req):
                 await self.queue.wait()
             return await serve_choices(self, req, identity, {REQUEST_ID_HEADER: public_id}, timer, slot)
-        keys = await self._prompt_keys(req)
+        keys = await self.dispatch.keys(req, self.prompt_tokenizer())
         failed: UpstreamError | None = None
         retries = self.config.retries
         if not prefill_alone(req):
             await self.queue.wait()  # returns when a decode worker has room; route before the next await
         while True:
-            call = self._start(self._client, req, identity, failed, keys)
+            call = self.dispatch.start(self._client, req, identity, failed, keys)
             if self.names is not None:  # (a retry on another pair names that one)
                 request[_WORKERS] = self.names.pair(*call.pair)
             streaming = False
@@ -306,28 +298,17 @@ class Proxy:
                     answer.headers[TIMING_HEADER] = said.header()
                 return answer
             except UpstreamError as e:
-                retries = self._retry_or_raise(call, e, retries)
+                retries = self.dispatch.retry_or_raise(call, e, retries, self._public_error(call))
                 failed = e
             finally:
                 if not streaming:
                     await call.aclose()
 
-    def _retry_or_raise(self, call: TrackedCall, e: UpstreamError, retries: int) -> int:
-        """``call`` failed before the client got anything: the retries left after this one (it may start over
-        on a fresh pair), or the error as the client may read it, raised."""
-        self.worker_failed(e)
-        if e.fault in (Fault.UNREACHABLE, Fault.PATH) and retries > 0:
-            log.warning("%s (%s): %s; retrying on another pair", call.identity.id, call.request_id, e.message)
-            return retries - 1
-        level = logging.INFO if e.status < 500 else logging.WARNING
-        log.log(level, "%s (%s): %s (HTTP %d)", call.identity.id, call.request_id, e.message, e.status)
-        raise self._public_error(call)(e) from None
-
     async def first_of(self, req: CompletionRequest, identity: ResponseIdentity,
                        prefer: tuple | None = None) -> tuple[MigratingCall, FirstToken]:
         """One choice of a request with several (``choices``): routed (to ``prefer``'s pair while it is up)
         and called, retried as ``_generate`` does, up to its first token; the caller closes the call."""
-        keys = await self._prompt_keys(req)
+        keys = await self.dispatch.keys(req, self.prompt_tokenizer())
         call, first = await self._first_of(req, identity, keys, prefer)
         return self._migrating(call, req, identity, first, keys), first
 
@@ -349,107 +330,17 @@ class Proxy:
             raise APIError(503, "proxy is not serving yet", type="server_error")
         retries = self.config.retries
         while True:
-            call = self._start(self._client, req, identity, failed, keys, prefer if failed is None else None,
-                               resume)
+            call = self.dispatch.start(self._client, req, identity, failed, keys,
+                                       prefer if failed is None else None, resume)
             try:
                 return call, await call.first_token()
             except UpstreamError as e:
                 await call.aclose()
-                retries = self._retry_or_raise(call, e, retries)
+                retries = self.dispatch.retry_or_raise(call, e, retries, self._public_error(call))
                 failed = e
             except BaseException:  # (cancelled: the client left)
                 call.abort()
                 raise
-
-    async def _prompt_keys(self, req: CompletionRequest) -> PromptKeys | None:
-        """The prompt's block hashes for the cache-aware router; None when it has no use for them or they
-        cannot be had (no tokenizer yet, a prompt the workers will refuse): routed by load then."""
-        tokenizer = self._feed.tokenizer if self._feed is not None else None
-        if tokenizer is None or not (self._have_choice() or self.decider.eligible(req)):
-            return None
-        try:
-            if isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS:
-                return tokenizer.keys(req)  # (a thread hop would cost more than the tokenizing)
-            return await asyncio.to_thread(tokenizer.keys, req)
-        except ValueError as e:
-            log.debug("routing a request by load alone: %s", e)
-        except Exception:  # routing never fails a request
-            log.exception("tokenizing a prompt for routing failed; routing it by load alone")
-        return None
-
-    def _have_choice(self) -> bool:
-        """More than one UP worker for some role (else the blocks would change nothing)."""
-        return any(sum(s.health is Health.UP for s in self.table.sync(role, self.registry.workers(role))) > 1
-                   for role in Role)
-
-    def _start(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
-               failed: UpstreamError | None, keys: PromptKeys | None, prefer: tuple | None = None,
-               resume: tuple[int, ...] = ()) -> TrackedCall:
-        """``prefer``: a (prefill, decode) pair to call while both are up (another choice's, whose prompt blocks
-        they cache); ``resume``: a migrated request's output so far."""
-        began = time.perf_counter()
-        if prefill_alone(req):
-            return self._start_alone(client, req, identity, failed, keys, began)
-        try:
-            decode = self._decode_for(keys, prefer)
-            path = self.decider.decide(req, keys, self._cached_blocks(decode, keys), resume)
-            prefill = self._prefill_for(decode, keys, prefer) if path is PrefillPath.REMOTE else None
-        except NoWorkerError as e:
-            why = f" (after: {failed.message})" if failed is not None else ""
-            raise APIError(503, f"{e}{why}", type="server_error") from None
-        request_id = str(RequestId.new((prefill or decode).signal_addr, decode.signal_addr))
-        if self.config.log_requests:
-            log.info("%s -> %s (prefill %s, decode %s)", identity.id, request_id,
-                     prefill.http_url if prefill is not None else "on decode", decode.http_url)
-        call = self.inflight.start(client, req, prefill, decode, request_id, identity, keys, resume)
-        self.metrics.prefill_path(path)
-        self.table.prefill_path(decode, path.value)
-        self.metrics.routed(time.perf_counter() - began)
-        return call
-
-    def _decode_for(self, keys: PromptKeys | None, prefer: tuple | None) -> WorkerInfo:
-        """``prefer``'s decode worker while it is up; else the router's pick, avoiding decode workers each of
-        whose pairs failed lately (while there are others)."""
-        if prefer is not None and prefer[1] is not None and self._up(prefer[1]):
-            return prefer[1]
-        prefills = self.registry.workers(Role.PREFILL)
-        up = [s.info for s in self.table.sync(Role.PREFILL, prefills) if s.health is Health.UP]
-        return self.router.pick(Role.DECODE, self.registry.workers(Role.DECODE), keys,
-                                avoid=lambda d: self.pairs.stranded_decode(d, up))
-
-    def _prefill_for(self, decode: WorkerInfo, keys: PromptKeys | None, prefer: tuple | None) -> WorkerInfo:
-        """``prefer``'s prefill worker while it is up (and ``decode`` is its pair's); else the router's pick,
-        avoiding those whose path to ``decode`` failed lately (while there are others)."""
-        if prefer is not None and prefer[0] is not None and prefer[1] == decode and self._up(prefer[0]):
-            return prefer[0]
-        return self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys,
-                                avoid=lambda p: not self.pairs.usable(p, decode))
-
-    def _cached_blocks(self, decode: WorkerInfo, keys: PromptKeys | None) -> int:
-        """The prompt's leading full blocks ``decode`` holds, as far as the prefix index knows."""
-        if keys is None or self.index is None or not self.decider.enabled:
-            return 0
-        return self.index.match(decode, keys.hashes)
-
-    def _up(self, worker: WorkerInfo) -> bool:
-        return any(s.info == worker and s.health is Health.UP
-                   for s in self.table.sync(worker.role, self.registry.workers(worker.role)))
-
-    def _start_alone(self, client: WorkerClient, req: CompletionRequest, identity: ResponseIdentity,
-                     failed: UpstreamError | None, keys: PromptKeys | None, began: float) -> TrackedCall:
-        """A request that needs no decode step goes to a prefill worker alone: no decode worker claims it, no
-        KV moves. Its id names that prefill worker in both places (``RequestId``)."""
-        try:
-            prefill = self.router.pick(Role.PREFILL, self.registry.workers(Role.PREFILL), keys)
-        except NoWorkerError as e:
-            why = f" (after: {failed.message})" if failed is not None else ""
-            raise APIError(503, f"{e}{why}", type="server_error") from None
-        request_id = str(RequestId.new(prefill.signal_addr, prefill.signal_addr))
-        if self.config.log_requests:
-            log.info("%s -> %s (prefill %s alone)", identity.id, request_id, prefill.http_url)
-        call = self.inflight.start(client, req, prefill, None, request_id, identity, keys)
-        self.metrics.routed(time.perf_counter() - began)
-        return call
 
     def _public_error(self, call: TrackedCall) -> Callable[[APIError], APIError]:
         """What the client may read of an error of ``call``: its request id named by the response's."""
@@ -459,24 +350,8 @@ class Proxy:
         return decode_room(self.table.sync(Role.DECODE, self.registry.workers(Role.DECODE)))
 
     def worker_failed(self, e: APIError) -> None:
-        """Mark the worker behind ``e`` down if the failure says it is unhealthy."""
-        if not isinstance(e, UpstreamError) or e.fault is Fault.NONE:
-            return
-        if e.fault is Fault.PATH:
-            if e.pair is not None:
-                prefill, decode = e.pair
-                cooldown = self.pairs.failed(prefill, decode, e.message)
-                self.metrics.pair_failed()
-                log.warning("avoiding the pair of prefill worker %s and decode worker %s for %gs: %s",
-                            prefill.http_url, decode.http_url, cooldown, e.message)
-        elif e.worker is not None:
-            self.table.mark_down(e.worker, e.message, unreachable=e.fault is Fault.UNREACHABLE)
-
-
-def prefill_alone(req: CompletionRequest) -> bool:
-    """The request needs no decode step: at most one token (max_tokens 1, or 0 with echo: an evaluation
-    harness's loglikelihood requests), which prefill samples."""
-    return req.max_tokens is not None and req.max_tokens <= 1
+        """Mark the worker behind ``e`` down if the failure says it is unhealthy (``Dispatcher.failed``)."""
+        self.dispatch.failed(e)
 
 
 def create_app(config: ProxyConfig, registry: Registry, planner: PlannerSource | None = None) -> web.Application:
