@@ -2,7 +2,10 @@
 
 The decode step's attention reads each request's K/V in place from the paged KV pool, through the request's
 block table (`decode_attention.c`): torch has no kernel for one query token over a strided, scattered cache
-that does not first gather it.
+that does not first gather it. The pool holds bfloat16 K/V (`DecodeAttention.__call__`), fp8 codes with a
+power-of-two scale per layer and KV head (`.fp8`), or int8 rows: head_dim signed codes followed by the row's
+own scale as a little-endian float16 (`.int8`; rows of head_dim + 2 bytes); the codes are converted as they
+are read, never copied out as floats.
 RMSNorm and the rotary step run as one call each (`pointwise.c`) instead of 5-8 small torch ops.
 
 Built with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
@@ -33,7 +36,7 @@ import torch
 
 from xpyd.model.loader import cache_dir
 
-ABI_VERSION = 3  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools)
+ABI_VERSION = 4  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row)
 POINTWISE_ABI_VERSION = 1  # pointwise.c
 BUILD_TIMEOUT_S = 120.0
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -46,6 +49,7 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
 _ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
 _FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
+INT8_SCALE_BYTES = 2  # an int8 row's float16 scale after its head_dim codes (csrc/int8.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -132,9 +136,11 @@ class DecodeAttention:
     step's K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        self._fn, self._fn_fp8, self._to_f32 = _open(path, "xpyd_abi_version", ABI_VERSION, {
-            "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
-            "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P]})
+        self._fn, self._fn_fp8, self._fn_int8, self._to_f32, self._f16_to_f32 = _open(
+            path, "xpyd_abi_version", ABI_VERSION, {
+                "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
+                "xpyd_decode_attention_int8": _ARGTYPES, "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P],
+                "xpyd_f16_to_f32": [_P, _I64, _INT, _P]})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
@@ -150,7 +156,7 @@ class DecodeAttention:
         row. Every block id the kernel would touch is checked against the pool first (ValueError: nothing
         written), unless ``tables_checked``: the caller ran `check_tables` on these very tensors for this pool
         (once per decode step, instead of once per layer)."""
-        return self._run(self._fn, torch.bfloat16, (), q, k_new, v_new, pool, layer, tables, lens, scale, out,
+        return self._run(self._fn, torch.bfloat16, 0, (), q, k_new, v_new, pool, layer, tables, lens, scale, out,
                          tables_checked)
 
     def fp8(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, pool: torch.Tensor, layer: int,
@@ -166,8 +172,19 @@ class DecodeAttention:
         for t in (k_scales, v_scales):
             if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != (kv_heads,):
                 raise ValueError("decode attention (fp8): scales float32 [kv_heads] on the CPU")
-        return self._run(self._fn_fp8, torch.uint8, (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
+        return self._run(self._fn_fp8, torch.uint8, 0, (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
                          q, k_codes, v_codes, pool, layer, tables, lens, scale, out, tables_checked)
+
+    def int8(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pool: torch.Tensor, layer: int,
+             tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
+             tables_checked: bool = False) -> torch.Tensor:
+        """The same over an int8 pool (uint8 [blocks, kv_heads, layers, 2, block_size, hd + 2]: `kv_quant`'s
+        "int8"): each row is hd signed codes (two's complement bytes) and then its scale, a little-endian
+        float16; element i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the
+        step's rows already encoded (written as they are). No per-head scales: each row carries its own.
+        q and out stay bfloat16 [B, heads, hd]."""
+        return self._run(self._fn_int8, torch.uint8, INT8_SCALE_BYTES, (), q, k_rows, v_rows, pool, layer, tables,
+                         lens, scale, out, tables_checked)
 
     def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
         """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row
@@ -179,15 +196,29 @@ class DecodeAttention:
             raise RuntimeError("native fp8 conversion failed")
         return out
 
-    def _run(self, fn, kv_dtype, extra, q, k_new, v_new, pool, layer, tables, lens, scale, out, tables_checked):
+    def half_to_float(self, halves: torch.Tensor, vector: bool = True) -> torch.Tensor:
+        """The kernel's own float16 -> float32 conversion of int8 rows' scales, over contiguous float16
+        ``halves`` (for the tests): F16C's (``vector``, where the CPU has it) or bit arithmetic (csrc/int8.h)."""
+        if halves.dtype != torch.float16 or not halves.is_contiguous() or not halves.is_cpu:
+            raise ValueError("half_to_float: contiguous float16 on the CPU")
+        out = torch.empty(halves.shape, dtype=torch.float32)
+        if self._f16_to_f32(halves.data_ptr(), halves.numel(), int(vector), out.data_ptr()) != 0:
+            raise RuntimeError("native float16 conversion failed")
+        return out
+
+    def _run(self, fn, kv_dtype, row_extra, extra, q, k_new, v_new, pool, layer, tables, lens, scale, out,
+             tables_checked):
+        """The checks and the call common to the entries; a K/V row is hd + ``row_extra`` elements."""
         batch, heads, hd = q.shape
         kv_heads = k_new.shape[1]
+        row = hd + row_extra
         bf16 = torch.bfloat16
         if q.dtype != bf16 or k_new.dtype != kv_dtype or v_new.dtype != kv_dtype or q.stride(2) != 1 \
-                or q.stride(1) != hd or k_new.stride()[1:] != (hd, 1) or v_new.stride()[1:] != (hd, 1):
+                or q.stride(1) != hd or k_new.stride()[1:] != (row, 1) or v_new.stride()[1:] != (row, 1):
             raise ValueError(f"decode attention wants bfloat16 q and {kv_dtype} K/V rows of contiguous heads")
-        if pool.dim() != 6 or k_new.shape != (batch, kv_heads, hd) or v_new.shape != (batch, kv_heads, hd) or \
-                pool.shape[1] != kv_heads or pool.shape[3] != 2 or pool.shape[5] != hd or not 0 <= layer < pool.shape[2]:
+        if pool.dim() != 6 or k_new.shape != (batch, kv_heads, row) or v_new.shape != (batch, kv_heads, row) or \
+                pool.shape[1] != kv_heads or pool.shape[3] != 2 or pool.shape[5] != row or \
+                not 0 <= layer < pool.shape[2]:
             raise ValueError("decode attention: q, k_new, v_new and the pool's shapes disagree")
         if pool.dtype != kv_dtype or pool.stride(5) != 1 or not pool.is_cpu or out.dtype != bf16 \
                 or out.shape != q.shape or not out.is_contiguous() or tables.dtype != torch.int64 \

@@ -1,14 +1,21 @@
 /* Decode attention over xpyd's paged KV pool, bfloat16 in, float32 math, bfloat16 out.
  *
- * The pool holds bfloat16 K/V (xpyd_decode_attention_bf16) or fp8 codes, one byte each, with a power-of-two
- * scale per KV head of the layer for K and for V (xpyd_decode_attention_fp8; xpyd/model/kv_quant.py): the
- * codes are converted as they are read (fp8.h, exact) and the scales applied once per score and once per
- * output, which equals dequantizing every element first (powers of two are exact). The step's new K/V arrive
- * already quantized and are copied in as they are.
+ * The pool holds one of three element types (xpyd/model/kv_quant.py writes the quantized ones):
+ * - bfloat16 K/V (xpyd_decode_attention_bf16);
+ * - fp8 codes, one byte each, with a power-of-two scale per KV head of the layer for K and for V
+ *   (xpyd_decode_attention_fp8): the codes are converted as they are read (fp8.h, exact) and the scales
+ *   applied once per score and once per output, which equals dequantizing every element first (powers of two
+ *   are exact);
+ * - int8 rows (xpyd_decode_attention_int8): head_dim signed codes then the row's own scale, a little-endian
+ *   binary16 (head_dim + 2 bytes a row; int8.h): the codes are converted as they are read (exact) and the row's
+ *   K scale joins the score's scale, its V scale the softmax weight, so the float32 results are dequantizing
+ *   every element first (code * scale is exact in float32) up to float32 rounding.
+ * The step's new K/V arrive already quantized and are copied in as they are.
  *
  * The pool is a set of fixed-size blocks; each request owns a block table (its blocks in token order), and
  * token t of a request sits in block table[t / block_size] at row t % block_size. Inside a block, the rows
- * of one (KV head, layer, K or V) are consecutive: [num_blocks, kv_heads, layers, 2, block_size, head_dim].
+ * of one (KV head, layer, K or V) are consecutive: [num_blocks, kv_heads, layers, 2, block_size, row], row
+ * head_dim elements (head_dim + 2 bytes for int8).
  *
  * One query token per request. For request b and KV head h (one work item each, spread over OpenMP
  * threads) the kernel first writes the step's new K and V at position len[b]-1 (block
@@ -30,6 +37,7 @@
 
 #include "bf16.h"
 #include "fp8.h"
+#include "int8.h"
 
 /* Software prefetch of the row XPYD_PREFETCH tokens ahead (following the block table across block
    boundaries; -DXPYD_PREFETCH=0 turns it off). In a block the rows of one (KV head, layer) are consecutive,
@@ -49,7 +57,7 @@
 #define XPYD_MAX_HEAD_DIM 256
 
 /* Rows of one K (or V) pass: the request's tokens [0, n) in order, one block at a time. `head` is a byte pointer;
-   offsets and strides are in elements of ES bytes (2: bfloat16, 1: fp8 codes). */
+   offsets and strides are in elements of ES bytes (2: bfloat16, 1: fp8 and int8 codes); a row is row_bytes long. */
 #define XPYD_FOR_ROWS(OFF, ROW, BODY)                                                                  \
     do {                                                                                               \
         int64_t pf_t = XPYD_PREFETCH, pf_j = XPYD_PREFETCH / block_size, pf_i = XPYD_PREFETCH % block_size; \
@@ -61,7 +69,7 @@
                 const unsigned char *ROW = blk + i * token_stride * ES;                                \
                 if (XPYD_PREFETCH > 0 && pf_t < n) {                                                   \
                     const unsigned char *p = head + (table[pf_j] * block_stride + (OFF) + pf_i * token_stride) * ES; \
-                    for (int d = 0; d < head_dim * ES; d += 64) __builtin_prefetch(p + d, 0, 3);       \
+                    for (int d = 0; d < row_bytes; d += 64) __builtin_prefetch(p + d, 0, 3);       \
                     pf_t++;                                                                            \
                     if (++pf_i == block_size) pf_i = 0, pf_j++;                                        \
                 }                                                                                      \
@@ -70,13 +78,18 @@
         }                                                                                              \
     } while (0)
 
-/* One K or V row as float32: bfloat16 elements (fp8 = 0), or fp8 codes (fp8 = 1: e4m3, 2: e5m2; fp8.h) as the
-   codes' values divided by fp8_unit (the per-head scale times fp8_unit is applied by the caller, once per
-   score and once per output). */
+/* The pool's element types (`kind` below): fp8 formats keep fp8.h's numbers. */
+enum { KV_BF16 = 0, KV_E4M3 = 1, KV_E5M2 = 2, KV_INT8 = 3 };
+
+/* One K or V row as float32: bfloat16 elements, fp8 codes (fp8.h) as the codes' values divided by fp8_unit
+   (the per-head scale times fp8_unit is applied by the caller, once per score and once per output), or int8
+   codes as they are (the row's scale is applied by the caller, once per score and once per weight). */
 static inline __attribute__((always_inline)) void load_row(float *restrict row, const unsigned char *restrict src,
-                                                           const int fp8, const int head_dim) {
-    if (fp8) {
-        fp8_row(row, src, fp8, head_dim);
+                                                           const int kind, const int head_dim) {
+    if (kind == KV_INT8) {
+        int8_row(row, src, head_dim);
+    } else if (kind) {
+        fp8_row(row, src, kind, head_dim);
     } else {
         const uint16_t *h = (const uint16_t *)src;
         for (int d = 0; d < head_dim; d++) row[d] = bf16_to_f32(h[d]);
@@ -86,18 +99,21 @@ static inline __attribute__((always_inline)) void load_row(float *restrict row, 
 /* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
    `head` is the pool shifted to this KV head (bytes); `table` the request's block ids. With fp8 codes, the
    K scale `k_scale` joins the score scale and the V scale multiplies the output: both are powers of two,
-   so this equals dequantizing every element first.
+   so this equals dequantizing every element first. With int8 rows, each row's scale does the same for its
+   score (K) and its softmax weight (V).
    always_inline: the dispatch below compiles it once per common (group, head_dim), both constant, so the
    loops unroll (15-20% faster than the generic copy in an A/B here); other shapes run the generic copy. */
 static inline __attribute__((always_inline)) void attend_item(
     const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n, int64_t block_stride,
     int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale, float *scores,
-    uint16_t *out, const int group, const int head_dim, const int fp8, float k_scale,
+    uint16_t *out, const int group, const int head_dim, const int kind, float k_scale,
     float v_scale) {
-    const int ES = fp8 ? 1 : 2;
+    const int ES = kind ? 1 : 2;
+    const int int8 = kind == KV_INT8, fp8 = kind && !int8;
+    const int row_bytes = head_dim * ES + (int8 ? XPYD_INT8_SCALE_BYTES : 0);
     if (fp8) { /* powers of two: exact */
-        k_scale *= fp8_unit(fp8);
-        v_scale *= fp8_unit(fp8);
+        k_scale *= fp8_unit(kind);
+        v_scale *= fp8_unit(kind);
     }
     float qf[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM], acc[XPYD_MAX_GROUP][XPYD_MAX_HEAD_DIM];
     float row[XPYD_MAX_HEAD_DIM], top[XPYD_MAX_GROUP], sum[XPYD_MAX_GROUP];
@@ -110,11 +126,12 @@ static inline __attribute__((always_inline)) void attend_item(
         top[g] = -3.0e38f;
     }
     XPYD_FOR_ROWS(k_off, kt, { /* scores = q . k */
-        load_row(row, kt, fp8, head_dim);
+        load_row(row, kt, kind, head_dim);
+        const float row_scale = int8 ? score_scale * f16_scale(kt, head_dim) : score_scale;
         for (int g = 0; g < group; g++) {
             float s = 0.0f;
             for (int d = 0; d < head_dim; d++) s += qf[g][d] * row[d];
-            s *= score_scale;
+            s *= row_scale;
             scores[g * n + t] = s;
             if (s > top[g]) top[g] = s;
         }
@@ -130,9 +147,10 @@ static inline __attribute__((always_inline)) void attend_item(
         sum[g] = total;
     }
     XPYD_FOR_ROWS(v_off, vt, { /* acc = sum_t p_t v_t */
-        load_row(row, vt, fp8, head_dim);
+        load_row(row, vt, kind, head_dim);
+        const float v_row = int8 ? f16_scale(vt, head_dim) : 1.0f;
         for (int g = 0; g < group; g++) {
-            const float p = scores[g * n + t];
+            const float p = int8 ? scores[g * n + t] * v_row : scores[g * n + t];
             for (int d = 0; d < head_dim; d++) acc[g][d] += p * row[d];
         }
     });
@@ -146,45 +164,47 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 /* The shapes of common models get their own compiled copy (group = heads / kv_heads), per element type. */
-#define XPYD_SHAPE(G, D, FP8)                                                                             \
-    if (group == G && head_dim == D) {                                                                    \
+#define XPYD_SHAPE(G, D, KIND)                                                                              \
+    if (group == G && head_dim == D) {                                                                      \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, G, D, FP8, k_scale, v_scale);                                                    \
-        return;                                                                                           \
+                    out, G, D, KIND, k_scale, v_scale);                                                     \
+        return;                                                                                             \
     }
 
-#define XPYD_ATTEND(NAME, FP8)                                                                            \
-    static void NAME(const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n,        \
-                     int64_t block_stride, int64_t block_size, int64_t token_stride, int64_t k_off,        \
-                     int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim,    \
-                     float k_scale, float v_scale) {                                                      \
-        XPYD_SHAPE(3, 64, FP8)  /* SmolLM2-135M */                                                        \
-        XPYD_SHAPE(4, 64, FP8)  /* Llama 3.2 1B, SmolLM2-360M-ish */                                      \
-        XPYD_SHAPE(8, 64, FP8)  /* TinyLlama */                                                           \
-        XPYD_SHAPE(4, 128, FP8) /* Llama 3 8B, Mistral 7B */                                              \
-        XPYD_SHAPE(8, 128, FP8) /* Llama 3 70B */                                                         \
-        XPYD_SHAPE(7, 64, FP8)  /* Qwen2 0.5B */                                                          \
-        XPYD_SHAPE(6, 128, FP8) /* Qwen2 1.5B */                                                          \
-        XPYD_SHAPE(1, 64, FP8)                                                                            \
-        XPYD_SHAPE(1, 128, FP8)                                                                           \
+#define XPYD_ATTEND(NAME, KIND)                                                                             \
+    static void NAME(const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n,         \
+                     int64_t block_stride, int64_t block_size, int64_t token_stride, int64_t k_off,         \
+                     int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim,     \
+                     float k_scale, float v_scale) {                                                        \
+        XPYD_SHAPE(3, 64, KIND) /* SmolLM2-135M */                                                          \
+        XPYD_SHAPE(4, 64, KIND) /* Llama 3.2 1B, SmolLM2-360M-ish */                                        \
+        XPYD_SHAPE(8, 64, KIND) /* TinyLlama */                                                             \
+        XPYD_SHAPE(4, 128, KIND) /* Llama 3 8B, Mistral 7B */                                               \
+        XPYD_SHAPE(8, 128, KIND) /* Llama 3 70B */                                                          \
+        XPYD_SHAPE(7, 64, KIND) /* Qwen2 0.5B */                                                            \
+        XPYD_SHAPE(6, 128, KIND) /* Qwen2 1.5B */                                                           \
+        XPYD_SHAPE(1, 64, KIND)                                                                             \
+        XPYD_SHAPE(1, 128, KIND)                                                                            \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, group, head_dim, FP8, k_scale, v_scale);                                         \
+                    out, group, head_dim, KIND, k_scale, v_scale);                                          \
     }
 
-XPYD_ATTEND(attend_bf16, 0)
-XPYD_ATTEND(attend_e4m3, 1)
-XPYD_ATTEND(attend_e5m2, 2)
+XPYD_ATTEND(attend_bf16, KV_BF16)
+XPYD_ATTEND(attend_e4m3, KV_E4M3)
+XPYD_ATTEND(attend_e5m2, KV_E5M2)
+XPYD_ATTEND(attend_int8, KV_INT8)
 
-int xpyd_abi_version(void) { return 3; }
+int xpyd_abi_version(void) { return 4; }
 
-/* Both entry points: bfloat16 pools (fp8 = 0, es = 2) and fp8 pools of one-byte codes (fp8 = 1: e4m3, 2: e5m2;
-   es = 1; k_scales/v_scales the layer's per-KV-head scales). */
+/* The three entry points: bfloat16 pools (kind KV_BF16, es = 2), fp8 pools of one-byte codes (KV_E4M3 or
+   KV_E5M2; es = 1; k_scales/v_scales the layer's per-KV-head scales) and int8 pools (KV_INT8, es = 1, rows of
+   head_dim codes + their binary16 scale; no per-head scales). */
 static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned char *k_new, int64_t k_new_row,
                             const unsigned char *v_new, int64_t v_new_row, unsigned char *pool, int64_t block_stride,
                             int64_t head_stride, int64_t k_off, int64_t v_off, int64_t token_stride,
                             int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
                             int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out,
-                            int threads, const int fp8, const float *k_scales,
+                            int threads, const int kind, const float *k_scales,
                             const float *v_scales) {
     if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
         heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
@@ -197,7 +217,8 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
             if (tables[b * table_row + j] < 0) return -4;
     }
     const int group = heads / kv_heads;
-    const int64_t es = fp8 ? 1 : 2;
+    const int64_t es = kind ? 1 : 2;
+    const int64_t row_bytes = es * head_dim + (kind == KV_INT8 ? XPYD_INT8_SCALE_BYTES : 0);
     int failed = 0;
 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : failed)
@@ -207,8 +228,8 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
         const int64_t *table = tables + b * table_row;
         unsigned char *head = pool + (int64_t)h * head_stride * es;
         unsigned char *row = head + (table[last / block_size] * block_stride + (last % block_size) * token_stride) * es;
-        memcpy(row + k_off * es, k_new + (b * k_new_row + (int64_t)h * head_dim) * es, (size_t)(es * head_dim));
-        memcpy(row + v_off * es, v_new + (b * v_new_row + (int64_t)h * head_dim) * es, (size_t)(es * head_dim));
+        memcpy(row + k_off * es, k_new + b * k_new_row * es + h * row_bytes, (size_t)row_bytes);
+        memcpy(row + v_off * es, v_new + b * v_new_row * es + h * row_bytes, (size_t)row_bytes);
 
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
         if (scores == NULL) {
@@ -217,10 +238,13 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
         }
         const uint16_t *qh = q + b * q_row + (int64_t)h * group * head_dim;
         uint16_t *oh = out + ((int64_t)b * heads + h * group) * head_dim;
-        if (fp8 == 1)
+        if (kind == KV_INT8)
+            attend_int8(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
+                        group, head_dim, 1.0f, 1.0f);
+        else if (kind == KV_E4M3)
             attend_e4m3(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
                         group, head_dim, k_scales[h], v_scales[h]);
-        else if (fp8 == 2)
+        else if (kind == KV_E5M2)
             attend_e5m2(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
                         group, head_dim, k_scales[h], v_scales[h]);
         else
@@ -247,8 +271,8 @@ int xpyd_decode_attention_bf16(
     int threads) {
     return decode_attention(q, q_row, (const unsigned char *)k_new, k_new_row, (const unsigned char *)v_new, v_new_row,
                             (unsigned char *)pool, block_stride, head_stride, k_off, v_off, token_stride, block_size,
-                            tables, table_row, lens, batch, heads, kv_heads, head_dim, scale, out, threads, 0, NULL,
-                            NULL);
+                            tables, table_row, lens, batch, heads, kv_heads, head_dim, scale, out, threads, KV_BF16,
+                            NULL, NULL);
 }
 
 /* The same over a pool of fp8 codes (one byte each; strides in bytes): k_new/v_new are the step's codes
@@ -264,6 +288,27 @@ int xpyd_decode_attention_fp8(
     return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
                             v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
                             scale, out, threads, format, k_scales, v_scales);
+}
+
+/* The same over a pool of int8 rows (one byte each; strides in bytes): a row is head_dim signed codes and then
+   its scale, a little-endian binary16 (head_dim + 2 bytes; int8.h); k_new/v_new [B, kv_heads, head_dim + 2] are
+   the step's rows (quantized by the caller), written as they are. No per-head scales: each row carries its own.
+   q and out stay bfloat16. Same return codes. */
+int xpyd_decode_attention_int8(
+    const uint16_t *q, int64_t q_row, const uint8_t *k_new, int64_t k_new_row, const uint8_t *v_new,
+    int64_t v_new_row, uint8_t *pool, int64_t block_stride, int64_t head_stride, int64_t k_off, int64_t v_off,
+    int64_t token_stride, int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
+    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads) {
+    return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
+                            v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
+                            scale, out, threads, KV_INT8, NULL, NULL);
+}
+
+/* The kernel's binary16 -> float32 conversion of int8 rows' scales on its own, for the tests: out[i] = value of
+   halves[i], through F16C where the CPU has it (vector = 1; the kernel's path) or bit arithmetic (vector = 0). */
+int xpyd_f16_to_f32(const uint16_t *halves, int64_t n, int vector, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = vector ? f16_to_f32(halves[i]) : f16_scalar(halves[i]);
+    return 0;
 }
 
 /* The kernel's fp8 conversion on its own (format 1: e4m3, 2: e5m2), for the tests: out[i] = value of codes[i],
