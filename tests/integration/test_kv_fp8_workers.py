@@ -1,11 +1,13 @@
-"""fp8 KV (`--kv-cache-dtype`) through real worker processes: a prefill worker's quantized KV moved to a
-decode worker gives the tokens of a colocated worker with the same fp8 KV (the same codes both ways, so the
-same numbers), and a decode worker of another KV dtype is refused at the handshake, saying why."""
+"""Quantized KV (`--kv-cache-dtype fp8_e4m3 | int8`) through real worker processes: a prefill worker's quantized
+KV moved to a decode worker gives the tokens of a colocated worker with the same KV dtype (the same codes both
+ways, so the same numbers), and a decode worker of another KV dtype is refused at the handshake, saying why."""
 
 from __future__ import annotations
 
 import json
 import urllib.error
+
+import pytest
 import urllib.request
 from pathlib import Path
 
@@ -60,19 +62,24 @@ def _received_bytes(decode: str) -> float:
                if line.startswith("xpyd_kv_transfer_bytes_total") and 'direction="recv"' in line)
 
 
-def test_fp8_prefill_to_decode_gives_the_colocated_fp8_tokens(tmp_path: Path, tiny_model_dir: Path):
+@pytest.mark.parametrize("kv,row_bytes", [("fp8_e4m3", 16), ("int8", 16 + 2)])
+def test_quantized_prefill_to_decode_gives_the_colocated_tokens(tmp_path: Path, tiny_model_dir: Path, kv: str,
+                                                                 row_bytes: int):
     (tmp_path / "pd").mkdir()
     (tmp_path / "co").mkdir()
-    cluster, urls = start_1p1d(tmp_path / "pd", str(tiny_model_dir), dtype="bfloat16", max_model_len=256, extra=FP8)
+    flags = ["--kv-cache-dtype", kv]
+    cluster, urls = start_1p1d(tmp_path / "pd", str(tiny_model_dir), dtype="bfloat16", max_model_len=256,
+                               extra=flags)
     try:
         prompt_tokens: list[int] = []
         pd = _texts(urls["proxy"], 12, prompt_tokens)
-        # the prompts' KV moved as fp8 codes: 1 byte per value (the tiny model: 2 layers x K/V x 2 heads x 16)
+        # the prompts' KV moved as codes, 1 byte per value (int8: and each row's 2-byte scale; the tiny model:
+        # 2 layers x K/V x 2 heads of 16 values)
         blocks = sum(-(-n // 16) for n in prompt_tokens)
-        assert _received_bytes(urls["decode"]) == blocks * 16 * (2 * 2 * 2 * 16)
+        assert _received_bytes(urls["decode"]) == blocks * 16 * (2 * 2 * 2 * row_bytes)
     finally:
         cluster.stop()
-    colocated, proxy = _colocated(tmp_path / "co", tiny_model_dir, FP8)
+    colocated, proxy = _colocated(tmp_path / "co", tiny_model_dir, flags)
     try:
         co = _texts(proxy, 12)
     finally:
@@ -96,17 +103,20 @@ def test_a_decode_worker_of_another_kv_dtype_is_refused(tmp_path: Path, tiny_mod
         cluster.stop()
 
 
-def test_a_sim_worker_under_fp8_moves_one_byte_per_value(tmp_path: Path, smollm_dir: Path):
-    """`--engine sim` has no KV values to quantize, but sizes its pool (and so its transfers) at fp8's bytes
-    per token: the model's real 16-bit size, halved."""
+@pytest.mark.parametrize("kv,token_bytes", [("fp8_e4m3", 11_520), ("int8", 11_520 + 30 * 2 * 3 * 2)])
+def test_a_sim_worker_under_a_quantized_kv_moves_one_byte_per_value(tmp_path: Path, smollm_dir: Path, kv: str,
+                                                                   token_bytes: int):
+    """`--engine sim` has no KV values to quantize, but sizes its pool (and so its transfers) at the quantized
+    bytes per token: the model's real 16-bit size, halved (int8: plus a 2-byte scale per row, 30 layers x K/V x
+    3 KV heads)."""
     c = Cluster(tmp_path)
     port = free_port()
     c.start("colocated", ["colocated", "--model", str(smollm_dir), "--engine", "sim", "--sim-speedup", "inf",
-                          "--threads", "1", "--max-model-len", "256", "--port", str(port), *FP8],
+                          "--threads", "1", "--max-model-len", "256", "--port", str(port), "--kv-cache-dtype", kv],
             f"http://127.0.0.1:{port}")
     try:
         c.wait_healthy()
         log = c.procs[0].log.read_text(errors="replace")
-        assert "x 16 tokens x 11520 bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
+        assert f"x 16 tokens x {token_bytes} bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
     finally:
         c.stop()

@@ -17,6 +17,11 @@ the per-(layer, KV head) scales they were quantized with (`kv_quant`): the layou
 digest (``scales``), and `compat()` carries it, so two workers with other scales refuse each other at the
 handshake and their prefix-cache hashes differ (the bytes of one mean something else to the other).
 
+An int8 layout ("int8") holds, for each token, KV head, layer and K or V, a row of ``head_dim`` signed one-byte
+codes followed by that row's own scale (a float16, ``ROW_SCALE_BYTES``): the pool's rows are ``row_dim`` =
+``head_dim + 2`` bytes wide, so blocks, transfers and the prefix cache carry each row's scale with its codes
+and nothing is calibrated (`kv_quant`).
+
 A latent layout (``kind="latent"``: multi-head latent attention, DeepSeek-V2) keeps one vector per token and
 layer instead of a K and a V per KV head: shape `[num_blocks, 1, num_layers, 1, block_size, head_dim]`, its
 ``head_dim`` the latent's size (the compressed KV and the rotary key part). Blocks, byte ranges, transfers and
@@ -34,16 +39,19 @@ from typing import NamedTuple, Sequence
 
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
-__all__ = ["ELEMENT_BYTES", "KINDS", "KV_CACHE_DTYPES", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "QUANTIZED", "ByteRange",
+__all__ = ["ELEMENT_BYTES", "KINDS", "KV_CACHE_DTYPES", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "QUANTIZED", "ROW_SCALED",
+           "ROW_SCALE_BYTES", "ByteRange",
            "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
 
 LAYOUT_NAME = "block-head-major/1"
 LATENT_LAYOUT_NAME = "block-latent/1"  # (a latent layout's name in `compat`)
 KINDS = ("kv", "latent")  # a K and a V per KV head; one latent per token (num_kv_heads 1)
 
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}  # the KV dtypes
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}  # KV dtypes
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2")  # one-byte codes scaled per (layer, KV head): vLLM's names
-KV_CACHE_DTYPES = ("auto", *QUANTIZED)  # `--kv-cache-dtype`: auto = the model's dtype
+ROW_SCALED = ("int8",)  # one-byte codes with a scale per row (token, KV head, layer, K or V) stored in the row
+ROW_SCALE_BYTES = 2  # a row-scaled row's scale: float16, after its head_dim codes
+KV_CACHE_DTYPES = ("auto", *QUANTIZED, *ROW_SCALED)  # `--kv-cache-dtype`: auto = the model's dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +79,9 @@ class KVLayout:
             raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "latent" and self.num_kv_heads != 1:
             raise ValueError(f"a latent KV layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
-        if self.kind == "latent" and self.dtype in QUANTIZED:
-            raise ValueError("a latent KV layout is not quantized (the fp8 KV cache scales K and V per head)")
+        if self.kind == "latent" and (self.dtype in QUANTIZED or self.dtype in ROW_SCALED):
+            raise ValueError("a latent KV layout is not quantized (the fp8 and int8 KV caches scale K and V per "
+                             "head or row)")
 
     @property
     def planes(self) -> int:
@@ -80,12 +89,17 @@ class KVLayout:
         return 1 if self.kind == "latent" else 2
 
     @property
+    def row_dim(self) -> int:
+        """Elements in one row of the pool: ``head_dim``, and a row-scaled (int8) row's scale bytes after it."""
+        return self.head_dim + (ROW_SCALE_BYTES if self.dtype in ROW_SCALED else 0)
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_kv_heads, self.num_layers, self.planes, self.block_size, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads, self.num_layers, self.planes, self.block_size, self.row_dim)
 
     @property
     def token_bytes(self) -> int:
-        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+        return self.num_layers * self.planes * self.num_kv_heads * self.row_dim * ELEMENT_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:

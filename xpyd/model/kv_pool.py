@@ -12,15 +12,16 @@ from __future__ import annotations
 import torch
 
 from xpyd.model.kv_blocks import BlockAllocator
-from xpyd.model.kv_layout import (ELEMENT_BYTES, LAYOUT_NAME, QUANTIZED, ByteRange, HostKVPool, KVLayout, PoolFull,
-                                  _checked, block_ranges)
+from xpyd.model.kv_layout import (ELEMENT_BYTES, LAYOUT_NAME, QUANTIZED, ROW_SCALED, ByteRange, HostKVPool, KVLayout,
+                                  PoolFull, _checked, block_ranges)
 
 __all__ = ["LAYOUT_NAME", "ByteRange", "KVLayout", "KVPool", "PoolFull", "block_ranges", "dtype_name",
            "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# an fp8 pool holds its codes as bytes (kv_quant reads them as torch's float8 types: a view, no copy)
-_STORED = {**_DTYPES, **{name: torch.uint8 for name in QUANTIZED}}
+# an fp8 pool holds its codes as bytes (kv_quant reads them as torch's float8 types: a view, no copy); an int8
+# pool its rows of codes and scale (kv_int8)
+_STORED = {**_DTYPES, **{name: torch.uint8 for name in (*QUANTIZED, *ROW_SCALED)}}
 assert set(_STORED) == set(ELEMENT_BYTES)
 
 
@@ -32,7 +33,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
-    """The pool tensor's element type (uint8 for the fp8 codes)."""
+    """The pool tensor's element type (uint8 for fp8 codes and int8 rows)."""
     return _STORED[layout.dtype]
 
 

@@ -173,6 +173,7 @@ class KVCodec:
 
     def __init__(self, scales: KVScales, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.scales = scales
+        self.format = scales.dtype  # (as `kv_int8.Int8RowCodec.format`)
         fmt = FORMATS[scales.dtype]
         self.fp8 = fmt.torch_dtype
         self.max = fmt.max

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xpyd.model import native, paged
+from xpyd.model import kv_int8, native, paged
 from xpyd.model.kv_quant import KVCodec
 
 
@@ -302,11 +302,11 @@ class FastLlama:
         return (qk * cos.unsqueeze(1)).add_(swapped.mul_(sin.unsqueeze(1)))
 
     def _codec(self, pool: torch.Tensor) -> KVCodec | None:
-        """The codec of ``pool`` when it holds fp8 codes (uint8), else None."""
+        """The codec of ``pool`` when it holds fp8 codes or int8 rows (uint8), else None."""
         if pool.dtype != torch.uint8:
             return None
         if self.kv_codec is None:
-            raise ValueError("an fp8 KV pool (uint8 codes) needs the codec of its scales: set kv_codec")
+            raise ValueError("a quantized KV pool (uint8) needs its codec: set kv_codec")
         return self.kv_codec
 
     def qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -493,15 +493,22 @@ class FastLlama:
 
     def _kernel_plan(self, pool, table_t, positions):
         if pool.dtype not in (torch.bfloat16, torch.uint8) or pool.device.type != "cpu":
-            raise ValueError(f"the native decode attention needs a bfloat16 or fp8 CPU pool, not {pool.dtype} on "
+            raise ValueError(f"the native decode attention needs a bfloat16, fp8 or int8 CPU pool, not {pool.dtype} on "
                              f"{pool.device}")
         lens_t = torch.tensor(positions, dtype=torch.int64).add_(1)
         native.check_tables(table_t, lens_t, pool.shape[0], pool.shape[4])  # once for every layer's call
         out = torch.empty((len(positions), self.num_heads, self.head_dim), dtype=torch.bfloat16)
         kernel, scale = self._kernel, self.scale
         codec = self._codec(pool)
+        if codec is not None and codec.format == kv_int8.FORMAT:
+
+            def native_int8(index, q, k_new, v_new):
+                k_rows, v_rows = codec.encode(index, k_new, v_new)
+                return kernel.int8(q, k_rows, v_rows, pool, index, table_t, lens_t, scale, out, tables_checked=True)
+
+            return native_int8
         if codec is not None:
-            fmt = codec.scales.dtype
+            fmt = codec.format
 
             def native_fp8(index, q, k_new, v_new):
                 k_codes, v_codes = codec.encode(index, k_new, v_new)

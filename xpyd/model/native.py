@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from xpyd.model.kv_layout import ROW_SCALE_BYTES
 from xpyd.model.loader import cache_dir
 
 ABI_VERSION = 4  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row)
@@ -49,7 +50,7 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
 _ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
 _FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
-INT8_SCALE_BYTES = 2  # an int8 row's float16 scale after its head_dim codes (csrc/int8.h)
+INT8_SCALE_BYTES = ROW_SCALE_BYTES  # an int8 row's float16 scale after its head_dim codes (csrc/int8.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -178,9 +179,8 @@ class DecodeAttention:
     def int8(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pool: torch.Tensor, layer: int,
              tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
              tables_checked: bool = False) -> torch.Tensor:
-        """The same over an int8 pool (uint8 [blocks, kv_heads, layers, 2, block_size, hd + 2]: `kv_quant`'s
-        "int8"): each row is hd signed codes (two's complement bytes) and then its scale, a little-endian
-        float16; element i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the
+        """The same over an int8 pool (uint8 [blocks, kv_heads, layers, 2, block_size, hd + 2]: `kv_int8`):
+        each row is hd signed codes (two's complement bytes) and then its scale, a little-endian float16; element i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the
         step's rows already encoded (written as they are). No per-head scales: each row carries its own.
         q and out stay bfloat16 [B, heads, hd]."""
         return self._run(self._fn_int8, torch.uint8, INT8_SCALE_BYTES, (), q, k_rows, v_rows, pool, layer, tables,

@@ -24,10 +24,11 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, kv_quant, latent_attention, paged
+from xpyd.model import batch_checks, families, kv_int8, kv_quant, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.general_path import GeneralPath
+from xpyd.model.kv_layout import ROW_SCALE_BYTES, ROW_SCALED
 from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
 from xpyd.model.kv_quant import KVCodec
 from xpyd.model.llama_fast import FastLlama, why_not_covered
@@ -117,12 +118,17 @@ class ModelRunner:
         self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
         if kv_cache_dtype != "auto":
             if self._general.latent is not None:
-                raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
-                                 "its codec scales K and V per head); use --kv-cache-dtype auto")
-            self.kv_codec = kv_quant.calibrate(kv_cache_dtype, layout, self.device, dtype, max_model_len,
-                                               self.vocab_size, getattr(config, "bos_token_id", None),
-                                               self._calibration_prefill)
-            layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
+                raise ValueError(f"a quantized KV cache ({kv_cache_dtype}) is not supported for latent attention "
+                                 f"({config.model_type}: its codecs scale K and V per head or row); use "
+                                 "--kv-cache-dtype auto")
+            if kv_cache_dtype == kv_int8.FORMAT:  # (a scale in every row: nothing to calibrate)
+                self.kv_codec = kv_int8.Int8RowCodec(dtype)
+                layout = dataclasses.replace(layout, dtype=kv_cache_dtype)
+            else:
+                self.kv_codec = kv_quant.calibrate(kv_cache_dtype, layout, self.device, dtype, max_model_len,
+                                                   self.vocab_size, getattr(config, "bos_token_id", None),
+                                                   self._calibration_prefill)
+                layout = dataclasses.replace(layout, dtype=kv_cache_dtype, scales=self.kv_codec.scales.digest())
             if self._fast is not None:
                 self._fast.kv_codec = self.kv_codec
         self._layout_template = layout
@@ -339,7 +345,8 @@ def kv_token_bytes(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "a
                                                                1).token_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * elem
+    row = head_dim + (ROW_SCALE_BYTES if kv_cache_dtype in ROW_SCALED else 0)  # (an int8 row ends in its scale)
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * row * elem
 
 
 def _eos_ids(model) -> frozenset[int]:

@@ -65,7 +65,8 @@ class WorkerConfig:
     kv_cache_memory: int | None = None  # ... or in bytes (--kv-cache-memory 2GiB); at most one of the two
     gpu_memory_utilization: float | None = None  # ... or what is left of this share of a CUDA device (0.45)
     kv_cache_dtype: str = "auto"  # auto (--dtype) | fp8_e4m3 | fp8_e5m2: one-byte codes, scaled per layer and KV
-    # head (xpyd.model.kv_quant); prefill and decode workers must agree (their handshake checks)
+    # head (xpyd.model.kv_quant) | int8: one-byte codes with a scale per row (xpyd.model.kv_int8); prefill and
+    # decode workers must agree (their handshake checks)
     load_format: str = "auto"  # auto: the folder's weights; dummy: seeded random ones made on the device
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     prefix_cache: bool = True  # reuse cached prefix blocks (False: every prompt computed and moved whole)
@@ -285,9 +286,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, role: str) -> None:
                            "what the weights, activations and graphs leave of it (two workers on one GPU: "
                            "0.45 each, say)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                        help="KV cache element type: auto (--dtype) or fp8 (one byte per value, scaled per layer "
-                             "and KV head from a calibration pass at start; CPU engine; prefill and decode "
-                             "workers must agree)")
+                        help="KV cache element type: auto (--dtype), fp8 (one byte per value, scaled per layer "
+                             "and KV head from a calibration pass at start) or int8 (one byte per value and a "
+                             "float16 scale per token, KV head and layer: about half of bfloat16's bytes, near its "
+                             "precision); CPU engine; prefill and decode workers must agree")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                         help="auto: the model folder's weights; dummy: seeded random weights made on the device "
                              "(a model folder with config and tokenizer only; speed set by the shape)")

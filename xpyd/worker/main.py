@@ -36,6 +36,7 @@ from hypercorn.config import Config as HyperConfig
 
 from xpyd.discovery.etcd import EtcdRegistration, EtcdRegistry
 from xpyd.discovery.types import Role
+from xpyd.model.kv_layout import ROW_SCALE_BYTES, ROW_SCALED
 from xpyd.model.loader import ResolvedModel, ensure_converted, generation_defaults
 from xpyd.model.sim.profile import SimProfile, default_profile
 from xpyd.model.sim.runner import ModelFacts, SimRunner
@@ -203,9 +204,11 @@ def build_sim_runner(config: WorkerConfig, transfer) -> tuple[SimRunner, Resolve
     engine's (``config.kv_blocks``) at its KV bytes per token; a prefill worker's pool in the memory its
     backend provides (shm: a shared segment), as `adopt_pool` moves a torch pool there."""
     resolved = ensure_converted(config.model)  # (a GGUF converted before is found in the cache, without torch)
-    token_bytes = config.sim_kv_token_bytes or ModelFacts.read(resolved.path).kv_token_bytes
+    facts = ModelFacts.read(resolved.path)
+    token_bytes = config.sim_kv_token_bytes or facts.kv_token_bytes
     if config.sim_kv_token_bytes is None and config.kv_cache_dtype != "auto":
-        token_bytes //= 2  # (the model's size is in 16-bit floats; fp8 codes take one byte)
+        # (the model's size is in 16-bit floats; codes take one byte, and an int8 row ends in its scale)
+        token_bytes = token_bytes // 2 + (facts.kv_rows * ROW_SCALE_BYTES if config.kv_cache_dtype in ROW_SCALED else 0)
     num_blocks = config.kv_blocks(token_bytes)
     buffer = None
     if config.role == "prefill":  # (the decode pool stays in process memory, as the real engine's)
@@ -251,7 +254,8 @@ def describe_forward(runner) -> str:
     text = f"lean forward, {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
     if getattr(runner, "kv_codec", None) is not None:
-        text += f"; {runner.pool.layout.dtype} KV cache (scales {runner.pool.layout.scales})"
+        layout = runner.pool.layout
+        text += f"; {layout.dtype} KV cache" + (f" (scales {layout.scales})" if layout.scales else " (a scale per row)")
     if runner.device.type == "cuda":
         if runner.decoder is not None:
             graphs = ",".join(map(str, runner.decoder.graph_sizes))

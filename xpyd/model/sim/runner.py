@@ -30,6 +30,8 @@ transformers (a simulated worker stays light).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import time
@@ -62,6 +64,7 @@ class ModelFacts:
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
     kv_token_bytes: int  # the real engine's KV bytes per token in 16-bit floats
+    kv_rows: int = 0  # K/V rows per token (layers x 2 x KV heads; a latent's: layers): an int8 row adds its scale
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelFacts:
@@ -72,11 +75,13 @@ class ModelFacts:
             heads = config["num_attention_heads"]
             kv_heads = config.get("num_key_value_heads") or heads
             head_dim = config.get("head_dim") or config["hidden_size"] // heads
-            token_bytes = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+            rows = config["num_hidden_layers"] * 2 * kv_heads
+            token_bytes = rows * head_dim * 2
             if config.get("kv_lora_rank"):  # multi-head latent attention: one latent per token and layer
-                token_bytes = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+                rows = config["num_hidden_layers"]
+                token_bytes = rows * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
             facts = cls(vocab_size=config["vocab_size"], max_position_embeddings=config["max_position_embeddings"],
-                        eos_token_ids=frozenset(), kv_token_bytes=token_bytes)
+                        eos_token_ids=frozenset(), kv_token_bytes=token_bytes, kv_rows=rows)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             raise ValueError(f"{model_dir}/config.json lacks what the simulated engine needs: {e!r}") from None
         for name in ("vocab_size", "max_position_embeddings", "kv_token_bytes"):
@@ -89,7 +94,7 @@ class ModelFacts:
             value = source.get("eos_token_id")
             values = value if isinstance(value, list) else [value]
             eos.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-        return cls(facts.vocab_size, facts.max_position_embeddings, frozenset(eos), facts.kv_token_bytes)
+        return dataclasses.replace(facts, eos_token_ids=frozenset(eos))
 
 
 def _json(path: Path) -> dict:

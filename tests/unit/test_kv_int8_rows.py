@@ -1,0 +1,83 @@
+"""The int8 KV cache's rows (`xpyd.model.kv_int8`): head_dim signed codes and a float16 scale per row, the
+layout's bytes, and a pool written and read through the codec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xpyd.model.kv_int8 import LEVELS, Int8RowCodec, decode_rows, encode_rows
+from xpyd.model.kv_layout import KVLayout
+from xpyd.model.kv_pool import KVPool, torch_dtype
+from xpyd.model import paged
+
+
+def _rows(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g).mul_(30)  # rows of any size
+    return x.to(dtype)
+
+
+def test_a_row_is_its_codes_then_its_float16_scale_little_endian():
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0 / 64]])
+    rows = encode_rows(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (1, 6)
+    scale = torch.tensor([2.0 / LEVELS]).to(torch.float16)  # max |x| = 2
+    assert bytes(rows[0, 4:].tolist()) == scale.numpy().tobytes()  # (little-endian float16)
+    codes = rows[0, :4].view(torch.int8).tolist()
+    assert codes[1] == -127 and codes == [round(v / scale.float().item()) for v in x[0].tolist()]
+    assert torch.equal(decode_rows(rows, torch.float32), rows[:, :4].view(torch.int8).float() * scale.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_value_comes_back_within_half_a_step_of_its_row(dtype):
+    """|x - decoded| <= s/2 (rounding to the nearest code) + the rounding of the decoded value to ``dtype``,
+    where s is the row's float16 scale (max|x| / 127, rounded: the code of the largest value may be clamped
+    at 127 when the scale rounded down, which costs at most 127 * s * 2^-11 more)."""
+    x = _rows((64, 3, 64), 1, dtype)
+    rows = encode_rows(x)
+    back = decode_rows(rows, dtype).float()
+    s = rows[..., 64:].contiguous().view(torch.float16).float()
+    eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}[dtype]
+    bound = s / 2 + LEVELS * s * 2.0**-11 + x.float().abs() * eps * 2
+    assert ((back - x.float()).abs() <= bound).all()
+    assert (back - x.float()).abs().amax() > 0  # (it is a quantization)
+    codes = rows[..., :64].view(torch.int8)
+    assert codes.min() >= -LEVELS and codes.max() <= LEVELS
+
+
+def test_zero_rows_tiny_rows_and_huge_rows():
+    x = torch.zeros(2, 8)
+    x[1, 3] = 1e-9  # (its scale underflows float16 to 0: the row reads back as zeros, an error of 1e-9)
+    rows = encode_rows(x)
+    assert rows[:, :8].view(torch.int8).eq(0).all() and decode_rows(rows, torch.float32).eq(0).all()
+    huge = torch.full((1, 8), 1e7)  # (the scale saturates at float16's largest: values clamp to 127 steps)
+    back = decode_rows(encode_rows(huge), torch.float32)
+    assert torch.isfinite(back).all() and back.eq(127 * 65504.0).all()
+
+
+def test_an_int8_layout_holds_a_scale_per_row_and_about_half_bfloat16s_bytes():
+    bf16 = KVLayout(30, 3, 64, "bfloat16", 10, 16)
+    int8 = KVLayout(30, 3, 64, "int8", 10, 16)
+    assert int8.row_dim == 66 and int8.shape == (10, 3, 30, 2, 16, 66) and bf16.row_dim == 64
+    assert int8.token_bytes == 30 * 2 * 3 * 66 == 11_880 and bf16.token_bytes == 23_040
+    assert int8.compat()["dtype"] == "int8" and "kv_scales" not in int8.compat()  # (nothing calibrated)
+    assert torch_dtype(int8) == torch.uint8
+    with pytest.raises(ValueError, match="latent"):
+        KVLayout(30, 1, 576, "int8", 10, 16, kind="latent")
+
+
+def test_an_int8_pool_is_bytes_written_and_read_through_its_codec():
+    layout = KVLayout(2, 3, 64, "int8", 4, 4)
+    pool = KVPool(layout).tensor
+    assert pool.shape == layout.shape and pool.dtype == torch.uint8
+    codec = Int8RowCodec(torch.bfloat16)
+    k, v = _rows((6, 3, 64), 2, torch.bfloat16), _rows((6, 3, 64), 3, torch.bfloat16)
+    table = [2, 0]
+    where = paged.rows_of(table, torch.arange(6), 4, torch.device("cpu"))
+    k_back, v_back = paged.write(pool, 1, where, k, v, codec)  # (what the pool now holds, as values)
+    assert torch.equal(pool[2, :, 1, 0, 0], encode_rows(k[0]))  # token 0's K rows, byte for byte
+    tables = paged.padded_tables([table], 2, torch.device("cpu"))
+    k_read, v_read = paged.gather(pool, 1, tables, 6, codec)  # [1, kv_heads, 6, 64]
+    assert torch.equal(k_read[0].transpose(0, 1), k_back) and torch.equal(v_read[0].transpose(0, 1), v_back)
+    assert (k_back.float() - k.float()).abs().amax() <= k.float().abs().amax() / LEVELS
