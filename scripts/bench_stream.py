@@ -12,7 +12,8 @@ landed.
     sudo .venv/bin/python scripts/bench_stream.py --out docs/bench/DIR
     # configurations: pull (--no-kv-stream: the KV moves once the whole prompt is computed) and stream
     # (the default: each chunk's KV moves while the next chunk computes); same --prefill-chunk for both;
-    # pull-fp8 and stream-fp8: the same with --kv-cache-dtype fp8_e4m3 on both workers (half the bytes)
+    # pull-fp8 and stream-fp8: the same with --kv-cache-dtype fp8_e4m3 on both workers (half the bytes);
+    # pull-int8 and stream-int8: --kv-cache-dtype int8 (half the bytes and a 2-byte scale per row)
     sudo .venv/bin/python scripts/bench_stream.py --configs pull,pull-fp8,stream,stream-fp8 --out DIR
 
 writes DIR/stream_<config>.json (the bench reports) and DIR/stream_summary.json, and prints the table.
@@ -36,8 +37,14 @@ sys.path.insert(0, str(ROOT))
 import netbed  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
-CONFIGS = {"pull": ["--no-kv-stream"], "stream": [], "pull-fp8": ["--no-kv-stream"], "stream-fp8": []}
-FP8 = ["--kv-cache-dtype", "fp8_e4m3"]  # (on both workers of a -fp8 configuration)
+CONFIGS = {"pull": ["--no-kv-stream"], "stream": [], "pull-fp8": ["--no-kv-stream"], "stream-fp8": [],
+           "pull-int8": ["--no-kv-stream"], "stream-int8": []}
+KV_DTYPES = {"fp8": "fp8_e4m3", "int8": "int8"}  # (a configuration's suffix: the KV dtype of both its workers)
+
+
+def _kv_flags(name: str) -> list[str]:
+    suffix = name.rsplit("-", 1)[-1]
+    return ["--kv-cache-dtype", KV_DTYPES[suffix]] if suffix in KV_DTYPES else []
 
 
 def get_json(url: str) -> dict:
@@ -82,7 +89,7 @@ def run_config(name: str, extra: list[str], args: argparse.Namespace, model: str
             bed.shape(d, args.rate)
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
         common = ["--model", model, "--threads", "1", "--max-model-len", str(args.input_len + 256),
-                  "--batch-size", "4", *(FP8 if name.endswith("-fp8") else [])]
+                  "--batch-size", "4", *_kv_flags(name)]
 
         def start(host, argv: list[str], log: str) -> None:
             with (out / f"stream_{name}_{log}.log").open("wb") as f:
@@ -110,7 +117,7 @@ def run_config(name: str, extra: list[str], args: argparse.Namespace, model: str
         gaps = [1000 * (r["chunks_s"][1] - r["chunks_s"][0]) for r in data["requests"]
                 if not r["error"] and len(r["chunks_s"]) > 1]
         pstats, dstats = get_json(f"http://{p.ip}:8100/xpyd/stats"), get_json(f"http://{d.ip}:8200/xpyd/stats")
-        return {"config": name, "worker_args": extra + (FP8 if name.endswith("-fp8") else []), "requests": len(gaps),
+        return {"config": name, "worker_args": extra + _kv_flags(name), "requests": len(gaps),
                 "first_to_second_ms_p50": round(statistics.median(gaps), 1),
                 "first_to_second_ms_mean": round(statistics.fmean(gaps), 1),
                 "first_to_second_ms_max": round(max(gaps), 1),
