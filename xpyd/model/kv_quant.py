@@ -21,10 +21,10 @@ calibration's), rounded UP to a power of two, divided by the format's max. Why p
   score and once per output: csrc/fp8.h converts codes through half precision, 16 per instruction; a
   256-entry table read through gathers made the kernel 2.8x slower than bfloat16's on this CPU). `lut`
   is the table from the formats' definitions, what torch's and the kernel's conversions are tested against.
-Checkpoint scales (vLLM's k_scale/v_scale tensors) are not read: the models served here ship none. fp8
-rather than int8: vLLM's formats, and per-element relative precision; in a trial on SmolLM2-135M (torch's
-matmul attention, 20 chat prompts, 64 greedy tokens) int8 with per-head scales (round to nearest, amax x 1-2
-or x 4-8 over 127) kept 25% and 5% of bfloat16 KV's answers, e4m3 35%.
+Checkpoint scales (vLLM's k_scale/v_scale tensors) are not read: the models served here ship none. Against
+int8 with the same per-head scales, fp8 wins (a trial on SmolLM2-135M, torch's matmul attention, 20 chat
+prompts, 64 greedy tokens: int8 at amax x 1-2 or x 4-8 over 127 kept 25% and 5% of bfloat16 KV's answers,
+e4m3 35%); int8 with a scale per row (`kv_int8`, `--kv-cache-dtype int8`) beats both.
 
 The pool, transfers and prefix cache only ever see the codes as bytes (`kv_pool`: a uint8 tensor); the
 layout carries the scales' digest (`kv_layout.KVLayout.scales`), so the handshake and the prefix-cache
