@@ -120,3 +120,38 @@ def test_a_sim_worker_under_a_quantized_kv_moves_one_byte_per_value(tmp_path: Pa
         assert f"x 16 tokens x {token_bytes} bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
     finally:
         c.stop()
+
+
+def test_int8_latents_prefill_to_decode_give_the_colocated_tokens(tmp_path: Path, smollm_dir: Path):
+    """DeepSeek's multi-head latent attention on an int8 pool: each latent row (the compressed KV and the rotary
+    key part) moves with its own scale, 1 byte per value and 2 for the scale, and decode answers as a colocated
+    worker on the same int8 latents does."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.families import save_tiny
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
+    torch.manual_seed(0)
+    model = save_tiny("deepseek_v2", tmp_path / "model", len(tokenizer), max_positions=256, tokenizer=tokenizer)
+    c = model.config
+    row = c.kv_lora_rank + c.qk_rope_head_dim + 2
+    flags = ["--kv-cache-dtype", "int8"]
+    (tmp_path / "pd").mkdir()
+    (tmp_path / "co").mkdir()
+    cluster, urls = start_1p1d(tmp_path / "pd", str(tmp_path / "model"), dtype="bfloat16", max_model_len=256,
+                               extra=flags)
+    try:
+        prompt_tokens: list[int] = []
+        pd = _texts(urls["proxy"], 12, prompt_tokens)
+        blocks = sum(-(-n // 16) for n in prompt_tokens)
+        assert _received_bytes(urls["decode"]) == blocks * 16 * c.num_hidden_layers * row
+    finally:
+        cluster.stop()
+    colocated, proxy = _colocated(tmp_path / "co", tmp_path / "model", flags)
+    try:
+        co = _texts(proxy, 12)
+    finally:
+        colocated.stop()
+    assert pd == co
+    assert any(pd)

@@ -63,8 +63,10 @@ def test_an_int8_layout_holds_a_scale_per_row_and_about_half_bfloat16s_bytes():
     assert int8.token_bytes == 30 * 2 * 3 * 66 == 11_880 and bf16.token_bytes == 23_040
     assert int8.compat()["dtype"] == "int8" and "kv_scales" not in int8.compat()  # (nothing calibrated)
     assert torch_dtype(int8) == torch.uint8
-    with pytest.raises(ValueError, match="latent"):
-        KVLayout(30, 1, 576, "int8", 10, 16, kind="latent")
+    latent = KVLayout(30, 1, 576, "int8", 10, 16, kind="latent")  # (a scale per latent row: DeepSeek's MLA)
+    assert latent.shape == (10, 1, 30, 1, 16, 578) and latent.token_bytes == 30 * 578
+    with pytest.raises(ValueError, match="not fp8"):
+        KVLayout(30, 1, 576, "fp8_e4m3", 10, 16, kind="latent", scales="pow2:0")
 
 
 def test_an_int8_pool_is_bytes_written_and_read_through_its_codec():

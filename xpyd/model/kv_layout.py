@@ -79,9 +79,9 @@ class KVLayout:
             raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "latent" and self.num_kv_heads != 1:
             raise ValueError(f"a latent KV layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
-        if self.kind == "latent" and (self.dtype in QUANTIZED or self.dtype in ROW_SCALED):
-            raise ValueError("a latent KV layout is not quantized (the fp8 and int8 KV caches scale K and V per "
-                             "head or row)")
+        if self.kind == "latent" and self.dtype in QUANTIZED:
+            raise ValueError("a latent KV layout is not fp8 (its scales are per KV head; int8, a scale per row, "
+                             "is)")
 
     @property
     def planes(self) -> int:

@@ -14,7 +14,10 @@ DeepSeek-V3's attention is V2's but for its rotary embedding, (cos, sin) rather 
 does, and that is what its cache, and so the pool, keeps; without, the plain rotate_half rotation.
 
 The pool is `[num_blocks, 1, num_layers, 1, block_size, latent_dim]`; token t of a request sits in block
-`table[t // block_size]`, row `t % block_size` (as `paged`'s rows).
+`table[t // block_size]`, row `t % block_size` (as `paged`'s rows). An int8 pool (`--kv-cache-dtype int8`,
+`kv_int8`) keeps each latent as latent_dim codes and the row's float16 scale (`latent_dim + 2` bytes); a layer
+then attends over its own tokens' latents as stored, as it reads the cached ones (fp8's per-head scales have no
+head to scale here: refused).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
 
+from xpyd.model.kv_int8 import decode_rows, encode_rows
 from xpyd.model.kv_layout import KVLayout
 from xpyd.model.layer_attention import LayerAttention, attend
 from xpyd.model.paged import RowIndex
@@ -85,20 +89,29 @@ def expand(attn, latents: torch.Tensor, shape: LatentShape) -> tuple[torch.Tenso
     return torch.cat((k_nope, k_rope), dim=-1), v
 
 
-def write(pool: torch.Tensor, layer: int, where: RowIndex, latents: torch.Tensor) -> None:
-    """latents [T, latent_dim]: T tokens' latents into their rows of ``layer``."""
+def write(pool: torch.Tensor, layer: int, where: RowIndex, latents: torch.Tensor) -> torch.Tensor:
+    """latents [T, latent_dim]: T tokens' latents into their rows of ``layer``; returns them as the pool now
+    holds them (an int8 pool: the values of their rows, what a later read gives)."""
+    if pool.dtype == torch.uint8:
+        rows = encode_rows(latents)
+        pool[where.blocks, 0, layer, 0, where.rows] = rows
+        return decode_rows(rows, latents.dtype)
     pool[where.blocks, 0, layer, 0, where.rows] = latents
+    return latents
 
 
-def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+def gather(pool: torch.Tensor, layer: int, tables: torch.Tensor, length: int, first: int = 0,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """The latents of ``layer`` for positions [first, length) of each row of ``tables`` [B, nb]: a fresh
-    [B, length - first, latent_dim] tensor, read from the blocks that hold those positions only."""
+    [B, length - first, latent_dim] tensor, read from the blocks that hold those positions only (from an int8
+    pool, their values in ``dtype``)."""
     block_size, dim = pool.shape[4], pool.shape[5]
     skipped = first // block_size
     tables = tables[:, skipped : -(-length // block_size)]
     batch, nb = tables.shape
     rows = pool[:, 0, layer, 0][tables].reshape(batch, nb * block_size, dim)  # a copy
-    return rows[:, first - skipped * block_size : length - skipped * block_size]
+    rows = rows[:, first - skipped * block_size : length - skipped * block_size]
+    return decode_rows(rows, dtype) if pool.dtype == torch.uint8 else rows
 
 
 def prefill_layer(layer, spec: LayerAttention, shape: LatentShape, pool: torch.Tensor, index: int,
@@ -109,10 +122,10 @@ def prefill_layer(layer, spec: LayerAttention, shape: LatentShape, pool: torch.T
     ``prefix`` [1, nb]; the heads' outputs [1, heads, m, v_head_dim]."""
     attn = layer.self_attn
     q, latents = project(attn, layer.input_layernorm(hidden), rotation, shape)
-    write(pool, index, where, latents[0])
+    latents = write(pool, index, where, latents[0]).unsqueeze(0)  # (as stored: what later chunks read of them)
     first = spec.first_visible(start)
     if first < start:
-        latents = torch.cat((gather(pool, index, prefix, start, first=first), latents), dim=1)
+        latents = torch.cat((gather(pool, index, prefix, start, first=first, dtype=latents.dtype), latents), dim=1)
     k, v = expand(attn, latents, shape)
     return attend(q, k, v, spec, q_start=start, k_start=first)
 
@@ -129,6 +142,6 @@ def decode_layer(layer, spec: LayerAttention, shape: LatentShape, pool: torch.Te
     outs = []
     for i, table in enumerate(singles):
         first = spec.first_visible(positions[i])
-        k, v = expand(attn, gather(pool, index, table, positions[i] + 1, first=first), shape)
+        k, v = expand(attn, gather(pool, index, table, positions[i] + 1, first=first, dtype=latents.dtype), shape)
         outs.append(attend(q[i : i + 1], k, v, spec, q_start=positions[i], k_start=first))
     return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -117,10 +117,9 @@ class ModelRunner:
         self.cpu_share: CoreShare | None = None  # set by the worker when roles share this host's cores
         self.kv_codec: KVCodec | None = None  # an fp8 pool's scales, codes <-> values
         if kv_cache_dtype != "auto":
-            if self._general.latent is not None:
-                raise ValueError(f"a quantized KV cache ({kv_cache_dtype}) is not supported for latent attention "
-                                 f"({config.model_type}: its codecs scale K and V per head or row); use "
-                                 "--kv-cache-dtype auto")
+            if self._general.latent is not None and kv_cache_dtype != kv_int8.FORMAT:
+                raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
+                                 "its scales are per KV head); use --kv-cache-dtype int8 or auto")
             if kv_cache_dtype == kv_int8.FORMAT:  # (a scale in every row: nothing to calibrate)
                 self.kv_codec = kv_int8.Int8RowCodec(dtype)
                 layout = dataclasses.replace(layout, dtype=kv_cache_dtype)
@@ -341,8 +340,8 @@ def kv_token_bytes(model_dir: Path, dtype: torch.dtype, kv_cache_dtype: str = "a
     config = AutoConfig.from_pretrained(str(model_dir))
     families.check_model_type(config)  # (before reading the attention's shape, which another type may lack)
     if families.is_latent(config):
-        return latent_attention.LatentShape.of(config).layout(config.num_hidden_layers, dtype_name(dtype), 1,
-                                                               1).token_bytes
+        kv = dtype_name(dtype) if kv_cache_dtype == "auto" else kv_cache_dtype
+        return latent_attention.LatentShape.of(config).layout(config.num_hidden_layers, kv, 1, 1).token_bytes
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else ELEMENT_BYTES[kv_cache_dtype]
     row = head_dim + (ROW_SCALE_BYTES if kv_cache_dtype in ROW_SCALED else 0)  # (an int8 row ends in its scale)
