@@ -12,7 +12,7 @@ from xpyd.model import native
 from xpyd.model.kv_quant import FORMATS, KVCodec, KVScales, lut
 from xpyd.model.runner import ModelRunner
 
-from tests.integration.test_model_runner import decode, new_seq, prefill, prompt_of, release
+from tests.integration.test_model_runner import every_attention_path, prompt_of
 from tests.integration.test_native_kernels import paged_case, reference
 from tests.numerics import assert_roundings_apart
 
@@ -118,23 +118,7 @@ def test_every_attention_path_over_one_fp8_pool_agrees(tiny_model_dir, kernel, n
     runner = ModelRunner(tiny_model_dir, BF16, num_blocks=64, max_seq_len=128, block_size=5, kv_cache_dtype=name)
     assert runner.pool.tensor.dtype == torch.uint8 and runner.pool.layout.dtype == name
     assert runner.fast_path.decode_attention == "kernel"
-    prompts = [prompt_of(7 + 13 * i, 200 + i) for i in range(3)]
-    logits, tokens = {}, {}
-    for path in ("kernel", "matmul", "sdpa", "general"):
-        runner.use_fast_path(path != "general")
-        if path != "general":
-            runner.fast_path.decode_attention = path
-        seqs = [new_seq(runner.pool, p, seed=i) for i, p in enumerate(prompts)]
-        try:
-            for s in seqs:
-                prefill(runner, s)
-            for _ in range(6):
-                decode(runner, seqs)
-        finally:
-            release(runner.pool, seqs)
-        logits[path] = torch.stack([torch.stack(s.logits) for s in seqs])
-        tokens[path] = [s.out for s in seqs]
-    assert runner.pool.num_used == 0
+    logits, tokens = every_attention_path(runner, [prompt_of(7 + 13 * i, 200 + i) for i in range(3)])
     for path in ("matmul", "sdpa", "general"):
         assert tokens[path] == tokens["kernel"], path
     # matmul: float32 attention as the kernel's, only the sums in another order; SDPA (bfloat16 internals) and

@@ -67,19 +67,23 @@ def test_quantized_prefill_to_decode_gives_the_colocated_tokens(tmp_path: Path, 
                                                                  row_bytes: int):
     (tmp_path / "pd").mkdir()
     (tmp_path / "co").mkdir()
-    flags = ["--kv-cache-dtype", kv]
-    cluster, urls = start_1p1d(tmp_path / "pd", str(tiny_model_dir), dtype="bfloat16", max_model_len=256,
-                               extra=flags)
+    # the prompts' KV moved as codes, 1 byte per value (int8: and each row's 2-byte scale; the tiny model:
+    # 2 layers x K/V x 2 heads of 16 values)
+    _pd_against_colocated(tmp_path, tiny_model_dir, ["--kv-cache-dtype", kv], 2 * 2 * 2 * row_bytes)
+
+
+def _pd_against_colocated(tmp_path: Path, model: Path, flags: list[str], token_bytes: int) -> None:
+    """1P1D with ``flags`` answers the prompts as a colocated worker with them does, and the decode worker received
+    ``token_bytes`` a token of the prompts' blocks."""
+    cluster, urls = start_1p1d(tmp_path / "pd", str(model), dtype="bfloat16", max_model_len=256, extra=flags)
     try:
         prompt_tokens: list[int] = []
         pd = _texts(urls["proxy"], 12, prompt_tokens)
-        # the prompts' KV moved as codes, 1 byte per value (int8: and each row's 2-byte scale; the tiny model:
-        # 2 layers x K/V x 2 heads of 16 values)
         blocks = sum(-(-n // 16) for n in prompt_tokens)
-        assert _received_bytes(urls["decode"]) == blocks * 16 * (2 * 2 * 2 * row_bytes)
+        assert _received_bytes(urls["decode"]) == blocks * 16 * token_bytes
     finally:
         cluster.stop()
-    colocated, proxy = _colocated(tmp_path / "co", tiny_model_dir, flags)
+    colocated, proxy = _colocated(tmp_path / "co", model, flags)
     try:
         co = _texts(proxy, 12)
     finally:
@@ -135,23 +139,7 @@ def test_int8_latents_prefill_to_decode_give_the_colocated_tokens(tmp_path: Path
     torch.manual_seed(0)
     model = save_tiny("deepseek_v2", tmp_path / "model", len(tokenizer), max_positions=256, tokenizer=tokenizer)
     c = model.config
-    row = c.kv_lora_rank + c.qk_rope_head_dim + 2
-    flags = ["--kv-cache-dtype", "int8"]
     (tmp_path / "pd").mkdir()
     (tmp_path / "co").mkdir()
-    cluster, urls = start_1p1d(tmp_path / "pd", str(tmp_path / "model"), dtype="bfloat16", max_model_len=256,
-                               extra=flags)
-    try:
-        prompt_tokens: list[int] = []
-        pd = _texts(urls["proxy"], 12, prompt_tokens)
-        blocks = sum(-(-n // 16) for n in prompt_tokens)
-        assert _received_bytes(urls["decode"]) == blocks * 16 * c.num_hidden_layers * row
-    finally:
-        cluster.stop()
-    colocated, proxy = _colocated(tmp_path / "co", tmp_path / "model", flags)
-    try:
-        co = _texts(proxy, 12)
-    finally:
-        colocated.stop()
-    assert pd == co
-    assert any(pd)
+    _pd_against_colocated(tmp_path, tmp_path / "model", ["--kv-cache-dtype", "int8"],
+                          c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim + 2))

@@ -11,7 +11,7 @@ import torch
 from xpyd.model.kv_int8 import encode_rows
 from xpyd.model.runner import ModelRunner
 
-from tests.integration.test_model_runner import decode, new_seq, prefill, prompt_of, release
+from tests.integration.test_model_runner import every_attention_path, prompt_of
 
 BF16 = torch.bfloat16
 
@@ -24,22 +24,7 @@ def test_every_attention_path_over_one_int8_pool_agrees(tiny_model_dir):
     assert runner.pool.tensor.dtype == torch.uint8 and runner.pool.layout.dtype == "int8"
     assert runner.fast_path.decode_attention == "kernel"
     prompts = [prompt_of(7 + 13 * i, 200 + i) for i in range(3)]
-    logits, tokens = {}, {}
-    for path in ("kernel", "matmul", "sdpa", "general"):
-        runner.use_fast_path(path != "general")
-        if path != "general":
-            runner.fast_path.decode_attention = path
-        seqs = [new_seq(runner.pool, p, seed=i) for i, p in enumerate(prompts)]
-        try:
-            for s in seqs:
-                prefill(runner, s)
-            for _ in range(6):
-                decode(runner, seqs)
-        finally:
-            release(runner.pool, seqs)
-        logits[path] = torch.stack([torch.stack(s.logits) for s in seqs])
-        tokens[path] = [s.out for s in seqs]
-    assert runner.pool.num_used == 0
+    logits, tokens = every_attention_path(runner, prompts)
     # (this random model, weights of std 0.5, amplifies each rounding to a few percent of the logits' range, as
     # for the fp8 pool: tests/integration/test_kv_fp8.py). While a request's tokens agree its logits are within
     # that; where a path picks another token than the kernel, it is a near tie in the kernel's own logits

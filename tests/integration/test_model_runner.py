@@ -91,6 +91,29 @@ def release(pool: KVPool, seqs: list[Seq]) -> None:
         s.table = []
 
 
+def every_attention_path(runner: ModelRunner, prompts: list[list[int]], steps: int = 6) -> tuple[dict, dict]:
+    """The same requests prefilled and decoded ``steps`` steps through each attention path of a bfloat16 runner
+    (the native kernel, torch's matmul and SDPA attention, the general path), each over fresh blocks of the same
+    pool: (logits [requests, steps + 1, vocab], tokens) by path. Every block is released again."""
+    logits, tokens = {}, {}
+    for path in ("kernel", "matmul", "sdpa", "general"):
+        runner.use_fast_path(path != "general")
+        if path != "general":
+            runner.fast_path.decode_attention = path
+        seqs = [new_seq(runner.pool, p, seed=i) for i, p in enumerate(prompts)]
+        try:
+            for s in seqs:
+                prefill(runner, s)
+            for _ in range(steps):
+                decode(runner, seqs)
+        finally:
+            release(runner.pool, seqs)
+        logits[path] = torch.stack([torch.stack(s.logits) for s in seqs])
+        tokens[path] = [s.out for s in seqs]
+    assert runner.pool.num_used == 0
+    return logits, tokens
+
+
 def run(runner: ModelRunner, seqs: list[Seq | Callable[[], Seq]], n: int,
         join_at: list[int] | None = None) -> list[list[int]]:
     """``n`` greedy tokens of each of ``seqs``: seq i is prefilled before decode step join_at[i] (default
