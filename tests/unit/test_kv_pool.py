@@ -26,7 +26,7 @@ def test_layout_sizes_and_compat():
     assert layout.compat() != KVLayout(30, 3, 64, "bfloat16", 64, 32).compat()
 
 
-@pytest.mark.parametrize("kwargs", [dict(dtype="int8"), dict(num_blocks=0), dict(head_dim=-1), dict(block_size=1.5),
+@pytest.mark.parametrize("kwargs", [dict(dtype="int4"), dict(num_blocks=0), dict(head_dim=-1), dict(block_size=1.5),
                                     dict(block_size=True)])
 def test_layout_validation(kwargs):
     args = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", num_blocks=1, block_size=1) | kwargs
