@@ -76,3 +76,17 @@ async def test_a_long_plain_text_error_is_cut_between_words_so_no_half_address_i
     with pytest.raises(UpstreamError) as e:
         await raise_for_status(_Resp(500, text), DECODE)
     assert "upstream 10." not in Redactor(lambda: []).text(e.value.message)
+
+
+@pytest.mark.parametrize("status,fault,client_status", [(409, Fault.PATH, 502), (400, Fault.NONE, 400),
+                                                        (404, Fault.NONE, 404)])
+async def test_a_workers_409_is_not_the_clients_conflict(status: int, fault: Fault, client_status: int):
+    """A worker's 409 (the request released by its other worker, e.g. decode gave up waiting for its KV) is the
+    pair's failure, not the client's: 502, and the request may start over on another pair; a 400 or 404 (about
+    the request itself) reaches the client as it is."""
+    from xpyd.proxy.upstream import UpstreamError, raise_for_status
+
+    raw = b'{"error": {"message": "request x was released before its prefill ran to completion"}}'
+    with pytest.raises(UpstreamError) as e:
+        await raise_for_status(_Resp(status, raw), DECODE)
+    assert e.value.status == client_status and e.value.fault is fault

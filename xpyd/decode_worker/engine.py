@@ -279,14 +279,11 @@ class DecodeEngine(WorkerEngine):
             what = "the KV" if seq.ready else "the first token"
             self._fail_seq(seq, 502, f"prefill worker {addr} no longer holds {what} of this request", "prefill")
         elif r.status is S.NOT_READY:
-            # Queued there. Its queue moved since the last answer (the worker ran forward passes): the wait
-            # starts over, so a deep queue that keeps moving is waited out, a stalled one is not.
-            if seq.prefill_steps is not None and r.steps > seq.prefill_steps:
-                seq.deadline = max(seq.deadline, time.monotonic() + self.config.prefill_wait_timeout)
-            seq.prefill_steps = r.steps
+            self._progress(seq, r)  # (queued there)
         elif r.status is S.PREFILLING:
             if not seq.known and self._prompt_facts(seq, addr, r):
                 seq.part_blocks = r.part_blocks  # pulled now, the KV comes in parts as it is computed
+            self._progress(seq, r)  # (its KV parts come as the worker computes them, between other prompts')
         elif r.status in (S.READY, S.SENDING) and not seq.ready:
             if r.first_token is None:
                 self._fail_seq(seq, 502, f"prefill worker {addr} said ready without a first token", "prefill",
@@ -294,6 +291,14 @@ class DecodeEngine(WorkerEngine):
                 return
             if seq.known or self._prompt_facts(seq, addr, r):
                 self._first_token(seq, r.first_token)
+
+    def _progress(self, seq: DecodeSeq, r: m.LookupResult) -> None:
+        """A request queued or being computed at its prefill worker: if the worker ran forward passes since the
+        last answer the wait starts over, so a deep queue that keeps moving is waited out, a stalled one is not
+        (a pulled request's KV comes only as its chunks are computed, among the other prompts')."""
+        if seq.prefill_steps is not None and r.steps > seq.prefill_steps:
+            seq.deadline = max(seq.deadline, time.monotonic() + self.config.prefill_wait_timeout)
+        seq.prefill_steps = r.steps
 
     def _prompt_facts(self, seq: DecodeSeq, addr: str, r: m.LookupResult) -> bool:
         """The prompt's length, block hashes and tail from prefill (checked), and what follows from them:

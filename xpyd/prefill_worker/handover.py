@@ -14,12 +14,14 @@ from xpyd.signal import messages as m
 from xpyd.worker.kv_connector_send import Part, PullPlan, abort_sends, plan_pull, send_due  # noqa: F401
 
 
-def ready_result(seq: PrefillSeq, status: m.LookupStatus, block_size: int, part_blocks: int = 0) -> m.LookupResult:
+def ready_result(seq: PrefillSeq, status: m.LookupStatus, block_size: int, part_blocks: int = 0,
+                 steps: int = 0) -> m.LookupResult:
     """The prompt's facts (and its first token once it is known: READY/SENDING; PREFILLING: not yet, with
-    the blocks one step computes as the suggested part size)."""
+    the blocks one step computes as the suggested part size, and ``steps``, the forward passes run so far: the
+    decode worker waiting for the rest of its KV sees the worker move)."""
     full = len(seq.hashes)
     return m.LookupResult(seq.request_id, status, seq.first_token, seq.prompt_len,
                           block_hashes=m.pack_hashes(seq.hashes),
                           tail=tuple(seq.prompt_ids[full * block_size:]),
                           cached_tokens=seq.kv.cached_tokens if seq.kv is not None else 0,
-                          part_blocks=part_blocks)
+                          part_blocks=part_blocks, steps=steps)

@@ -113,7 +113,8 @@ class HeldRequests:
         block_size = self.sched.kv.block_size
         if status is m.LookupStatus.PREFILLING and seq.prompt_len - seq.kv.cached_tokens > self.sched.chunk:
             part_blocks = max(1, self.sched.chunk // STREAM_PARTS // block_size)
-        return ready_result(seq, status, block_size, part_blocks)
+        return ready_result(seq, status, block_size, part_blocks,
+                            self.steps if status is m.LookupStatus.PREFILLING else 0)
 
 
 def _outcome(seq: PrefillSeq) -> str:

@@ -102,6 +102,9 @@ async def raise_for_status(resp: Response | aiohttp.ClientResponse, worker: Work
         path = resp.status == 403 and worker.role is Role.DECODE
         raise UpstreamError(502, f"{name} refused the proxy (HTTP {resp.status}; is the proxy's --cluster-token "
                             f"the workers'?): {message}", worker=worker, fault=Fault.PATH if path else Fault.NONE)
+    if resp.status == 409:  # (a request its other worker released, e.g. decode gave up waiting for its KV, or an
+        # id taken twice: nothing the client did; nothing was sent to it yet, so the request may start over)
+        raise UpstreamError(502, f"{name}: {message or 'HTTP 409'}", worker=worker, fault=Fault.PATH)
     if 400 <= resp.status < 500:
         raise UpstreamError(resp.status, message or f"{name}: HTTP {resp.status}", body, worker)
     raise UpstreamError(server_error_status(resp.status), f"{name} failed with HTTP {resp.status}: {message}",

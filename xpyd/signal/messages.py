@@ -164,7 +164,8 @@ class LookupResult(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     tail: Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=MAX_TAIL)] = ()  # prompt tokens after them
     cached_tokens: NonNegative = 0  # prompt tokens prefill found in its prefix cache (not computed)
     part_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0  # prefilling: blocks a step computes
-    steps: NonNegative = 0  # not ready: forward passes the prefill worker has run so far (it grows: progress)
+    steps: NonNegative = 0  # not ready or prefilling: forward passes the prefill worker has run so far (it grows:
+    # progress)
 
 
 class LookupReply(_Message, frozen=True, tag="lookup_reply"):
