@@ -124,22 +124,3 @@ def test_a_sim_worker_under_a_quantized_kv_moves_one_byte_per_value(tmp_path: Pa
         assert f"x 16 tokens x {token_bytes} bytes" in log, log  # SmolLM2-135M: 23,040 bytes per token at 16 bits
     finally:
         c.stop()
-
-
-def test_int8_latents_prefill_to_decode_give_the_colocated_tokens(tmp_path: Path, smollm_dir: Path):
-    """DeepSeek's multi-head latent attention on an int8 pool: each latent row (the compressed KV and the rotary
-    key part) moves with its own scale, 1 byte per value and 2 for the scale, and decode answers as a colocated
-    worker on the same int8 latents does."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from tests.families import save_tiny
-
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
-    torch.manual_seed(0)
-    model = save_tiny("deepseek_v2", tmp_path / "model", len(tokenizer), max_positions=256, tokenizer=tokenizer)
-    c = model.config
-    (tmp_path / "pd").mkdir()
-    (tmp_path / "co").mkdir()
-    _pd_against_colocated(tmp_path, tmp_path / "model", ["--kv-cache-dtype", "int8"],
-                          c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim + 2))
