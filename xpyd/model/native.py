@@ -50,7 +50,6 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
 _ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
 _FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
-INT8_SCALE_BYTES = ROW_SCALE_BYTES  # an int8 row's float16 scale after its head_dim codes (csrc/int8.h)
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -183,7 +182,7 @@ class DecodeAttention:
         each row is hd signed codes (two's complement bytes) and then its scale, a little-endian float16; element i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the
         step's rows already encoded (written as they are). No per-head scales: each row carries its own.
         q and out stay bfloat16 [B, heads, hd]."""
-        return self._run(self._fn_int8, torch.uint8, INT8_SCALE_BYTES, (), q, k_rows, v_rows, pool, layer, tables,
+        return self._run(self._fn_int8, torch.uint8, ROW_SCALE_BYTES, (), q, k_rows, v_rows, pool, layer, tables,
                          lens, scale, out, tables_checked)
 
     def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
