@@ -236,3 +236,12 @@ def test_in_a_rotation_window_a_receiver_takes_either_tokens_sender_and_no_third
     finally:
         for b in (*senders, rx):
             b.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "auto"])
+@pytest.mark.parametrize("accepted", [(None,), ("",), "the-old-token", (b"the-old-token",)])
+def test_a_receiver_accepts_no_none_or_empty_token_beside_its_own(backend, accepted):
+    """The key of "no token" is one any sender can derive: a receiver told to accept it (or an empty token, or a
+    bare string whose characters would each be a token) refuses to start rather than take transfers from anyone."""
+    with pytest.raises(ValueError, match="accepted tokens"):
+        make_backend(backend, cluster_token=TOKEN, accepted_tokens=accepted, io_timeout=5.0)

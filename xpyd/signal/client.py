@@ -33,6 +33,7 @@ from enum import Enum
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.signal import auth
 from xpyd.signal import messages as m
 from xpyd.signal.counts import INVALID, MessageCounts
@@ -79,7 +80,7 @@ class SignalClient:
         self.identity = identity
         self.instance = auth.new_instance()  # this process (a restarted worker is a new instance)
         self._token = cluster_token
-        self._held = () if cluster_token is None else (cluster_token, *accepted_tokens)
+        self._held = () if cluster_token is None else (cluster_token, *check_accepted_tokens(accepted_tokens))
         self._handshake = handshake
         self._kv_map = kv_map
         self._timeout = timeout

@@ -47,6 +47,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.netaddr import bracketed, host_port, is_ipv6
 from xpyd.signal import messages as m
 from xpyd.signal.counts import INVALID, MessageCounts
@@ -86,7 +87,7 @@ class SignalServer:
         self._host = bind_host
         self._handler = handler
         self._token = handler.cluster_token
-        self._accepted = tuple(handler.accepted_tokens)
+        self._accepted = check_accepted_tokens(handler.accepted_tokens)
         self._peer_timeout = peer_timeout
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None

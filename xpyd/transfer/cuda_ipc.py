@@ -33,6 +33,7 @@ from queue import SimpleQueue
 from typing import Sequence
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.netaddr import listen_tcp
 from xpyd.transfer import auth, shm_board, shm_segment
 from xpyd.transfer.base import (
@@ -95,7 +96,7 @@ class CudaIpcTransferBackend:
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
+        self._accepted_tokens = check_accepted_tokens(accepted_tokens)  # (rotation)
         self._endpoint = Endpoint()
         self._door = Door()
         self._nbytes = 0  # of the registered pool; 0 until register()

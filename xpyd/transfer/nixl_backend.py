@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.netaddr import listen_tcp
 from xpyd.transfer import auth
 from xpyd.transfer.base import (
@@ -104,7 +105,7 @@ class NixlTransferBackend:
         self.host, self.port = host, port
         self.fallback_progress = fallback_progress
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
+        self._accepted_tokens = check_accepted_tokens(accepted_tokens)  # (rotation)
         self.advertise_host = advertise_host or host
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.stall_timeout = stall_timeout

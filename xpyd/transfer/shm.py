@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.netaddr import listen_tcp
 from xpyd.transfer import auth, shm_board, shm_segment
 from xpyd.transfer.base import (
@@ -117,7 +118,7 @@ class ShmTransferBackend:
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.host_key = shm_segment.host_key()
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
+        self._accepted_tokens = check_accepted_tokens(accepted_tokens)  # (rotation)
         self._copier = ParallelCopy(default_threads() if copy_threads is None else copy_threads)
         self._endpoint = Endpoint(lanes)
         self._door = Door()

@@ -33,6 +33,7 @@ from queue import SimpleQueue
 from typing import Sequence
 
 from xpyd import PROTOCOL_VERSION
+from xpyd.cluster_tokens import check_accepted_tokens
 from xpyd.transfer import auth
 from xpyd.transfer.base import (
     BackendDescriptor,
@@ -138,7 +139,7 @@ class TcpTransferBackend:
         self.connect_timeout, self.io_timeout, self.stall_timeout = connect_timeout, io_timeout, stall_timeout
         self.advertise_host = advertise_host or host
         self._cluster_token = auth.check_cluster_token(cluster_token)
-        self._accepted_tokens = tuple(auth.check_cluster_token(t) for t in accepted_tokens)  # (rotation)
+        self._accepted_tokens = check_accepted_tokens(accepted_tokens)  # (rotation)
         self._endpoint = Endpoint(lanes)
         self._door = Door()
         self._buffer: memoryview | None = None
