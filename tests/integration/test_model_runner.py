@@ -93,13 +93,17 @@ def release(pool: KVPool, seqs: list[Seq]) -> None:
 
 def every_attention_path(runner: ModelRunner, prompts: list[list[int]], steps: int = 6) -> tuple[dict, dict]:
     """The same requests prefilled and decoded ``steps`` steps through each attention path of a bfloat16 runner
-    (the native kernel, torch's matmul and SDPA attention, the general path), each over fresh blocks of the same
-    pool: (logits [requests, steps + 1, vocab], tokens) by path. Every block is released again."""
+    (the native kernels, torch's matmul and SDPA attention, the general path), each over fresh blocks of the same
+    pool: (logits [requests, steps + 1, vocab], tokens) by path. The "kernel" and "matmul" paths prefill with
+    the native prefill kernel (where it builds), "sdpa" with torch's SDPA. Every block is released again."""
     logits, tokens = {}, {}
+    runner.use_fast_path(True)
+    default_prefill, default_decode = runner.fast_path.prefill_attention, runner.fast_path.decode_attention
     for path in ("kernel", "matmul", "sdpa", "general"):
         runner.use_fast_path(path != "general")
         if path != "general":
             runner.fast_path.decode_attention = path
+            runner.fast_path.prefill_attention = "sdpa" if path == "sdpa" else default_prefill
         seqs = [new_seq(runner.pool, p, seed=i) for i, p in enumerate(prompts)]
         try:
             for s in seqs:
@@ -111,6 +115,8 @@ def every_attention_path(runner: ModelRunner, prompts: list[list[int]], steps: i
         logits[path] = torch.stack([torch.stack(s.logits) for s in seqs])
         tokens[path] = [s.out for s in seqs]
     assert runner.pool.num_used == 0
+    runner.use_fast_path(True)  # (as it was)
+    runner.fast_path.prefill_attention, runner.fast_path.decode_attention = default_prefill, default_decode
     return logits, tokens
 
 

@@ -7,6 +7,8 @@ power-of-two scale per layer and KV head (`.fp8`), or int8 rows: head_dim signed
 own scale as a little-endian float16 (`.int8`; rows of head_dim + 2 bytes); the codes are converted as they
 are read, never copied out as floats.
 RMSNorm and the rotary step run as one call each (`pointwise.c`) instead of 5-8 small torch ops.
+A prompt's attention in prefill (`prefill_attention.c`) multiplies with AVX512-BF16 dot products where the CPU has
+them: torch's CPU flash attention reaches a fraction of the rate of its own bfloat16 GEMMs there.
 
 Built with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
 `<cache>/kernels/<key>.so`, where the key covers the source, the compiler, the flags and the CPU, so a
@@ -39,6 +41,7 @@ from xpyd.model.loader import cache_dir
 
 ABI_VERSION = 4  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row)
 POINTWISE_ABI_VERSION = 1  # pointwise.c
+PREFILL_ABI_VERSION = 1  # prefill_attention.c
 BUILD_TIMEOUT_S = 120.0
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -260,6 +263,50 @@ def check_tables(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, bloc
         raise ValueError(f"decode attention: request {b}'s block {j} is {int(ids[b, j])}, the pool has {num_blocks}")
 
 
+class PrefillAttention:
+    """`prefill_attention.c` loaded: a prompt's new tokens attending causally over its prefix and themselves,
+    bfloat16, with AVX512-BF16 dot products (only where the CPU has them: `load_prefill_attention`)."""
+
+    def __init__(self, path: Path) -> None:
+        supported, self._fn = _open(path, "xpyd_prefill_abi_version", PREFILL_ABI_VERSION, {
+            "xpyd_prefill_attention_supported": [],
+            "xpyd_prefill_attention_bf16": [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64,
+                                            _I64, _I64, _I64, _INT, _INT, _INT, _F32, _P, _I64, _I64, _INT]})
+        if supported() != 1:
+            raise NativeBuildError("prefill attention needs AVX512-BF16 (this CPU, or this compiler, has not)")
+        self.path = path
+
+    def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+                 k_prefix: torch.Tensor | None = None, v_prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """q [n, heads, hd] at positions [start, start + n); k_new, v_new [n, kv_heads, hd] at the same positions;
+        k_prefix, v_prefix [kv_heads, start, hd] at [0, start) (None: start 0). All bfloat16 on the CPU, any
+        strides with the last dimension contiguous. Each query attends to every prefix key and to the new keys
+        up to its own position. Returns a new contiguous [n, heads, hd]."""
+        n, heads, hd = q.shape
+        kv_heads = k_new.shape[1]
+        if (k_prefix is None) != (v_prefix is None):
+            raise ValueError("prefill attention: give both prefix K and V, or neither")
+        start = 0 if k_prefix is None else k_prefix.shape[1]
+        tensors = [q, k_new, v_new] + ([] if k_prefix is None else [k_prefix, v_prefix])
+        if any(t.dtype != torch.bfloat16 or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1 for t in tensors):
+            raise ValueError("prefill attention wants 3-d bfloat16 CPU tensors with contiguous last dimensions")
+        if k_new.shape != (n, kv_heads, hd) or v_new.shape != (n, kv_heads, hd) or n == 0 or heads % kv_heads or \
+                (k_prefix is not None and (k_prefix.shape != (kv_heads, start, hd) or v_prefix.shape != k_prefix.shape)):
+            raise ValueError("prefill attention: q, K and V shapes disagree")
+        out = torch.empty((n, heads, hd), dtype=torch.bfloat16)
+        kp, vp = (k_new, v_new) if k_prefix is None else (k_prefix, v_prefix)
+        kp_tok, kp_head = (0, 0) if k_prefix is None else (kp.stride(1), kp.stride(0))
+        vp_tok, vp_head = (0, 0) if v_prefix is None else (vp.stride(1), vp.stride(0))
+        rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), kp_tok, kp_head, vp.data_ptr(), vp_tok,
+                      vp_head, k_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.data_ptr(), v_new.stride(0),
+                      v_new.stride(1), start, n, heads, kv_heads, hd, scale, out.data_ptr(), heads * hd, hd,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native prefill attention refused its arguments (code {rc})" if rc == -1 else
+                             f"native prefill attention failed (code {rc})")
+        return out
+
+
 class Pointwise:
     """`pointwise.c` loaded: transformers' RMSNorm and the lean forward's rotary step, bfloat16, one call each."""
 
@@ -320,6 +367,12 @@ def _load(name: str, factory):
 def load_decode_attention() -> DecodeAttention | None:
     """The attention kernel, built on first use; None (reason in `unavailable_reason`) when unavailable."""
     return _load("decode_attention.c", DecodeAttention)
+
+
+def load_prefill_attention() -> PrefillAttention | None:
+    """Prefill attention with AVX512-BF16 dot products, built on first use; None (reason in
+    `unavailable_reason("prefill_attention.c")`) where the CPU lacks them or nothing can be built."""
+    return _load("prefill_attention.c", PrefillAttention)
 
 
 def load_pointwise() -> Pointwise | None:
