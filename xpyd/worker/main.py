@@ -251,7 +251,7 @@ def describe_forward(runner) -> str:
     if runner.fast_path is None:
         return f"general forward (the lean one does not cover this model: {runner.fast_path_reason})"
     fast = runner.fast_path
-    text = f"lean forward, {fast.decode_attention} decode attention, " \
+    text = f"lean forward, {fast.prefill_attention} prefill and {fast.decode_attention} decode attention, " \
            f"{'native' if fast.native_pointwise else 'torch'} RMSNorm/rotary"
     if getattr(runner, "kv_codec", None) is not None:
         layout = runner.pool.layout

@@ -13,7 +13,7 @@
  * p of key j), V as pairs of consecutive keys per element (v[2t][d], v[2t + 1][d]), zero past the last key.
  *
  * Work items are (query head, 8 consecutive new tokens), spread over OpenMP threads. For each item the keys are
- * visited in blocks of 32 at absolute positions [32b, 32b + 32), in order from position 0, with the online
+ * visited in blocks of 128 at absolute positions [128b, 128b + 128), in order from position 0, with the online
  * softmax (running max m, running sum l, output rescaled when m grows); keys after a query's own position
  * are masked. A query's arithmetic depends on its position, its q and the keys only: never on where the chunk
  * it arrived in starts or how many queries share its call, so a prompt computed whole or in any chunks gives
@@ -36,7 +36,7 @@
 #define XPYD_PREFILL_ABI 1
 #define XPYD_PREFILL_MAX_HEAD_DIM 256
 #define QROWS 8   /* queries per work item */
-#define KBLOCK 32 /* keys per softmax step: two 16-key tiles */
+#define KBLOCK 128 /* keys per softmax step (a multiple of 32: pairs of 16-key tiles) */
 
 int xpyd_prefill_abi_version(void) { return XPYD_PREFILL_ABI; }
 
@@ -115,7 +115,8 @@ static void attend_rows(const uint16_t *q, int64_t q_tok, int64_t q_head, const 
     int pairs = hd / 2, vecs = hd / 16;
     uint32_t qw[QROWS][XPYD_PREFILL_MAX_HEAD_DIM / 2];
     float acc_o[QROWS][XPYD_PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    uint16_t pb[QROWS][KBLOCK] __attribute__((aligned(64)));
+    float sc[QROWS][KBLOCK] __attribute__((aligned(64)));    /* a block's scaled scores */
+    uint16_t pb[QROWS][KBLOCK] __attribute__((aligned(64))); /* its softmax weights, bfloat16 */
     float m[QROWS], l[QROWS];
     int64_t pos[QROWS];
     for (int r = 0; r < QROWS; r++) {
@@ -131,55 +132,69 @@ static void attend_rows(const uint16_t *q, int64_t q_tok, int64_t q_head, const 
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint32_t *t0 = kt + (2 * b) * pairs * 16, *t1 = t0 + pairs * 16;
-        __m512 s[QROWS][2];
-        for (int r = 0; r < QROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-        for (int p = 0; p < pairs; p++) {
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(t0 + p * 16);
-            __m512bh k1 = (__m512bh)_mm512_loadu_si512(t1 + p * 16);
+        /* Q K^T, 32 keys (two 16-key tiles) at a time: 8 rows x 2 tiles of float32 accumulators */
+        for (int c = 0; c < KBLOCK / 32 && b * KBLOCK + 32 * c <= last; c++) { /* (later keys: masked below) */
+            const uint32_t *t0 = kt + (2 * (b * (KBLOCK / 32) + c)) * pairs * 16, *t1 = t0 + pairs * 16;
+            __m512 s[QROWS][2];
+            for (int r = 0; r < QROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+            for (int p = 0; p < pairs; p++) {
+                __m512bh k0 = (__m512bh)_mm512_loadu_si512(t0 + p * 16);
+                __m512bh k1 = (__m512bh)_mm512_loadu_si512(t1 + p * 16);
+                for (int r = 0; r < QROWS; r++) {
+                    __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r][p]);
+                    s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
+                    s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, k1);
+                }
+            }
             for (int r = 0; r < QROWS; r++) {
-                __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r][p]);
-                s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
-                s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, k1);
+                _mm512_store_ps(sc[r] + 32 * c, _mm512_mul_ps(s[r][0], vscale));
+                _mm512_store_ps(sc[r] + 32 * c + 16, _mm512_mul_ps(s[r][1], vscale));
             }
         }
+        /* the online softmax, once per block of KBLOCK keys; keys after a row's position weigh exactly 0 */
         int64_t first_key = b * KBLOCK;
-        __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32((int)first_key));
-        __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
         for (int r = 0; r < QROWS; r++) {
             if (first_key > pos[r]) { /* (every key of the block after this query: nothing to add) */
                 memset(pb[r], 0, sizeof pb[r]);
                 continue;
             }
-            __m512i mine = _mm512_set1_epi32((int)pos[r]);
-            __mmask16 v0 = _mm512_cmple_epi32_mask(key0, mine), v1 = _mm512_cmple_epi32_mask(key1, mine);
-            __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
-            __m512 ninf = _mm512_set1_ps(-INFINITY);
-            float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(v0, ninf, x0),
-                                                           _mm512_mask_blend_ps(v1, ninf, x1)));
-            float m_new = top > m[r] ? top : m[r];
+            __m512i mine = _mm512_set1_epi32((int)(pos[r] - first_key));
+            __mmask16 vis[KBLOCK / 16];
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int v = 0; v < KBLOCK / 16; v++) {
+                vis[v] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * v)), mine);
+                top = _mm512_mask_max_ps(top, vis[v], top, _mm512_load_ps(sc[r] + 16 * v));
+            }
+            float bmax = _mm512_reduce_max_ps(top);
+            float m_new = bmax > m[r] ? bmax : m[r];
             float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-            __m512 mm = _mm512_set1_ps(m_new);
-            __m512 p0 = _mm512_maskz_mov_ps(v0, exp_neg(_mm512_sub_ps(x0, mm)));
-            __m512 p1 = _mm512_maskz_mov_ps(v1, exp_neg(_mm512_sub_ps(x1, mm)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            __m512 mm = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+            for (int v = 0; v < KBLOCK / 16; v += 2) {
+                __m512 p0 = _mm512_maskz_mov_ps(vis[v], exp_neg(_mm512_sub_ps(_mm512_load_ps(sc[r] + 16 * v), mm)));
+                __m512 p1 = _mm512_maskz_mov_ps(vis[v + 1],
+                                                exp_neg(_mm512_sub_ps(_mm512_load_ps(sc[r] + 16 * v + 16), mm)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                _mm512_store_si512(pb[r] + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
             m[r] = m_new;
-            _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             if (alpha != 1.0f) {
                 __m512 va = _mm512_set1_ps(alpha);
                 for (int v = 0; v < vecs; v++)
                     _mm512_store_ps(acc_o[r] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc_o[r] + 16 * v), va));
             }
         }
-        /* P V: 16 key pairs of this block, 4 query rows x 4 vectors of head_dim at a time */
+        /* P V: the block's key pairs, 4 query rows x 4 vectors of head_dim at a time */
         const uint32_t *vb = vp + (b * KBLOCK / 2) * hd;
+        int64_t pairs_here = (last - first_key) / 2 + 1; /* (key pairs past every row's position weigh 0: skipped) */
+        if (pairs_here > KBLOCK / 2) pairs_here = KBLOCK / 2;
         for (int r0 = 0; r0 < QROWS; r0 += 4) {
             for (int d0 = 0; d0 < vecs; d0 += 4) {
                 int nv = vecs - d0 < 4 ? vecs - d0 : 4;
                 __m512 o[4][4];
                 for (int r = 0; r < 4; r++)
                     for (int v = 0; v < nv; v++) o[r][v] = _mm512_load_ps(acc_o[r0 + r] + 16 * (d0 + v));
-                for (int t = 0; t < KBLOCK / 2; t++) {
+                for (int t = 0; t < pairs_here; t++) {
                     __m512bh vv[4];
                     for (int v = 0; v < nv; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vb + t * hd + 16 * (d0 + v));
                     for (int r = 0; r < 4; r++) {
@@ -216,7 +231,7 @@ int xpyd_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head
         return -1;
     int64_t length = start + n;
     int64_t blocks = (length + KBLOCK - 1) / KBLOCK;
-    int64_t tiles = 2 * blocks, key_pairs = blocks * KBLOCK / 2;
+    int64_t tiles = blocks * (KBLOCK / 16), key_pairs = blocks * KBLOCK / 2;
     size_t k_words = (size_t)tiles * (hd / 2) * 16, v_words = (size_t)key_pairs * hd;
     uint32_t *kt = aligned_alloc(64, ((k_words * kv_heads * 4 + 63) / 64) * 64);
     uint32_t *vp = aligned_alloc(64, ((v_words * kv_heads * 4 + 63) / 64) * 64);
