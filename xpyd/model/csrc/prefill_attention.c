@@ -38,6 +38,14 @@
 #define QROWS 8   /* queries per work item */
 #define KBLOCK 128 /* keys per softmax step (a multiple of 32: pairs of 16-key tiles) */
 
+/* The entry's parameters (one list for both builds; see xpyd_prefill_attention_bf16 below). */
+#define PREFILL_ARGS                                                                                             \
+    const uint16_t *q, int64_t q_tok, int64_t q_head, const uint16_t *k_pre, int64_t kp_tok, int64_t kp_head,   \
+        const uint16_t *v_pre, int64_t vp_tok, int64_t vp_head, const uint16_t *k_new, int64_t kn_tok,           \
+        int64_t kn_head, const uint16_t *v_new, int64_t vn_tok, int64_t vn_head, int64_t start, int64_t n,       \
+        int heads, int kv_heads, int hd, float scale, uint16_t *out, int64_t out_tok, int64_t out_head,          \
+        int threads
+
 int xpyd_prefill_abi_version(void) { return XPYD_PREFILL_ABI; }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -220,12 +228,7 @@ static void attend_rows(const uint16_t *q, int64_t q_tok, int64_t q_head, const 
    head strides each), out [n, heads, hd] (out_tok, out_head). heads a multiple of kv_heads (query head h reads
    KV head h / (heads / kv_heads)); hd a multiple of 16, at most 256. Returns 0, or a negative code for arguments
    it refuses (nothing written) or memory it could not get. */
-int xpyd_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, const uint16_t *k_pre,
-                                int64_t kp_tok, int64_t kp_head, const uint16_t *v_pre, int64_t vp_tok,
-                                int64_t vp_head, const uint16_t *k_new, int64_t kn_tok, int64_t kn_head,
-                                const uint16_t *v_new, int64_t vn_tok, int64_t vn_head, int64_t start, int64_t n,
-                                int heads, int kv_heads, int hd, float scale, uint16_t *out, int64_t out_tok,
-                                int64_t out_head, int threads) {
+int xpyd_prefill_attention_bf16(PREFILL_ARGS) {
     if (n <= 0 || start < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || hd <= 0 || hd % 16 != 0 ||
         hd > XPYD_PREFILL_MAX_HEAD_DIM || threads <= 0 || start + n > (int64_t)1 << 30)
         return -1;
@@ -274,17 +277,6 @@ int xpyd_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head
 
 int xpyd_prefill_attention_supported(void) { return 0; }
 
-int xpyd_prefill_attention_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, const uint16_t *k_pre,
-                                int64_t kp_tok, int64_t kp_head, const uint16_t *v_pre, int64_t vp_tok,
-                                int64_t vp_head, const uint16_t *k_new, int64_t kn_tok, int64_t kn_head,
-                                const uint16_t *v_new, int64_t vn_tok, int64_t vn_head, int64_t start, int64_t n,
-                                int heads, int kv_heads, int hd, float scale, uint16_t *out, int64_t out_tok,
-                                int64_t out_head, int threads) {
-    (void)q; (void)q_tok; (void)q_head; (void)k_pre; (void)kp_tok; (void)kp_head; (void)v_pre; (void)vp_tok;
-    (void)vp_head; (void)k_new; (void)kn_tok; (void)kn_head; (void)v_new; (void)vn_tok; (void)vn_head; (void)start;
-    (void)n; (void)heads; (void)kv_heads; (void)hd; (void)scale; (void)out; (void)out_tok; (void)out_head;
-    (void)threads;
-    return -3;
-}
+int xpyd_prefill_attention_bf16(PREFILL_ARGS) { return -3; }
 
 #endif
