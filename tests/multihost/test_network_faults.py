@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,7 +162,11 @@ def reference(tiny_long_model_dir: Path):
     ``decided`` the text of the leading tokens whose exact (float64) top-2 margin exceeds twice the float32
     error (``tests.numerics``): any float32 path picks those, while at a closer call (the prompts carry
     timestamps, and one in a few hundred meets an exact float32 tie) another path may pick the other token,
-    and nothing after it is comparable."""
+    and nothing after it is comparable.
+
+    Every answer is computed on one background thread, in the order asked for; ``reference.prefetch(prompt)``
+    asks without waiting (a client stream does, for each request it completed, so the references compute
+    while the test waits on the cluster's timeouts instead of all at the end)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,26 +176,39 @@ def reference(tiny_long_model_dir: Path):
     tok = AutoTokenizer.from_pretrained(str(tiny_long_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_long_model_dir), dtype=torch.float32).eval()
     model64 = AutoModelForCausalLM.from_pretrained(str(tiny_long_model_dir), dtype=torch.float64).eval()
-    cache: dict[str, tuple[str, str, str | None]] = {}
+    cache: dict[str, Future] = {}
+    lock = threading.Lock()
+
+    def compute(text: str) -> tuple[str, str, str | None]:
+        ids = encode_prompt(tok, text)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False)
+            new = out[0, len(ids):].tolist()
+            seq = torch.tensor([ids + new[:-1]])
+            ref = Reference.measure(model64(seq).logits[0], model(seq).logits[0])
+        rows = Reference(ref.exact[len(ids) - 1:], ref.bound)
+        margins = rows.margins().tolist()
+        undecided = next((t for t, m in enumerate(margins) if m <= 2 * rows.bound), None)
+        finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
+        decided = None if undecided is None else tok.decode(new[:undecided], skip_special_tokens=True)
+        return tok.decode(new, skip_special_tokens=True), finish, decided
+
+    def prefetch(text: str) -> Future:
+        with lock:
+            if text not in cache:
+                cache[text] = pool.submit(compute, text)
+            return cache[text]
 
     def generate(text: str) -> tuple[str, str, str | None]:
-        if text not in cache:
-            ids = encode_prompt(tok, text)
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=MAX_TOKENS, do_sample=False)
-                new = out[0, len(ids):].tolist()
-                seq = torch.tensor([ids + new[:-1]])
-                ref = Reference.measure(model64(seq).logits[0], model(seq).logits[0])
-            rows = Reference(ref.exact[len(ids) - 1:], ref.bound)
-            margins = rows.margins().tolist()
-            undecided = next((t for t, m in enumerate(margins) if m <= 2 * rows.bound), None)
-            finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
-            decided = None if undecided is None else tok.decode(new[:undecided], skip_special_tokens=True)
-            cache[text] = (tok.decode(new, skip_special_tokens=True), finish, decided)
-        return cache[text]
+        return prefetch(text).result()
 
-    return generate
+    generate.prefetch = prefetch
+    pool = ThreadPoolExecutor(1, thread_name_prefix="reference")
+    try:
+        yield generate
+    finally:
+        pool.shutdown(cancel_futures=True)  # (what a failed test left asked for is not computed)
 
 
 # -- client streams ---------------------------------------------------------------------------------
@@ -247,10 +265,11 @@ def complete(proxy: str, text: str, timeout: float = CLIENT_TIMEOUT) -> Result:
 
 class Load:
     """``STREAMS`` client streams, each sending one request after another (prompts from ``make(stream, k)``)
-    until ``stop()``, or ``per_stream`` requests each."""
+    until ``stop()``, or ``per_stream`` requests each; with ``reference``, each completed request's reference
+    answer is asked for at once (computed in the background, for a check of every result afterwards)."""
 
-    def __init__(self, proxy: str, make, per_stream: int | None = None) -> None:
-        self.proxy, self.make, self.per_stream = proxy, make, per_stream
+    def __init__(self, proxy: str, make, per_stream: int | None = None, reference=None) -> None:
+        self.proxy, self.make, self.per_stream, self.reference = proxy, make, per_stream, reference
         self.results: list[Result] = []
         self._started: dict[int, float] = {}  # stream -> start of its request in flight
         self._lock = threading.Lock()
@@ -268,6 +287,8 @@ class Load:
             with self._lock:
                 self._started[stream] = time.monotonic()
             r = complete(self.proxy, self.make(stream, k))
+            if r.ok and self.reference is not None:
+                self.reference.prefetch(r.prompt)
             with self._lock:
                 del self._started[stream]
                 self.results.append(r)
@@ -317,7 +338,7 @@ def check_exact(results: list[Result], reference) -> None:
 def run_round(cluster: OneByTwo, reference, tag: str, words: int, per_stream: int = 1) -> tuple[list[Result], float]:
     """``per_stream`` requests on each of the 8 streams; all must succeed, token-exact; (results, wall time)."""
     t0 = time.monotonic()
-    results = Load(cluster.proxy, lambda s, k: prompt(f"{tag}{s}.{k}", words), per_stream).start().stop()
+    results = Load(cluster.proxy, lambda s, k: prompt(f"{tag}{s}.{k}", words), per_stream, reference).start().stop()
     wall = time.monotonic() - t0
     assert [r.error for r in results if not r.ok] == []
     check_exact(results, reference)
@@ -460,7 +481,7 @@ def test_the_pd_link_cut_during_kv_transfers(cluster, bed, reference):
     failed_recv = metric(cluster.urls["d0"], "xpyd_kv_transfers_total", direction="recv", outcome="failed")
     failed_send = metric(cluster.urls["p0"], "xpyd_kv_transfers_total", direction="send", outcome="failed")
     bed.shape(p0, CUT_RATE)
-    load = Load(cluster.proxy, lambda s, k: prompt(f"cut{s}.{k}", CUT_WORDS)).start()
+    load = Load(cluster.proxy, lambda s, k: prompt(f"cut{s}.{k}", CUT_WORDS), reference=reference).start()
     try:
         wait_until(lambda: cluster.stats("d0")["transferring"] > 0 and cluster.stats("p0")["transfers_in_flight"] > 0,
                    30, "KV moving from p0 to d0")
