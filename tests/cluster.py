@@ -114,7 +114,8 @@ def start_1p1d(workdir: Path, model: str, dtype: str = "float32", batch_size: in
             urls["prefill"])
     c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     try:
-        c.wait_healthy()
+        # (started with the workers: a static proxy serves, and answers /health, only once every listed
+        # worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--host", host, "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
                 urls["proxy"])
         c.wait_healthy()
@@ -276,7 +277,8 @@ def start_pd_and_colocated(c: Cluster, options: Sequence[str], prefill: Sequence
     c.start("prefill", ["prefill", *options, *prefill, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
     c.start("decode", ["decode", *options, *decode, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     c.start("colocated", ["colocated", *options, *colocated, "--port", str(wp)], urls["colocated"])
-    c.wait_healthy()
+    # (the proxies start with the workers: each serves, and answers /health, only once its workers answered
+    # their /xpyd/info)
     c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"],
                          *pd_proxy], urls["pd"])
     c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"], *co_proxy], urls["co"])

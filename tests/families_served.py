@@ -44,7 +44,8 @@ def serve(family: str, tmp_path_factory, smollm_dir: Path) -> Iterator[tuple]:
                 url(pp))
         c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk)], url(dp))
         c.start("colocated", ["colocated", *common, "--port", str(cp)], url(cp))
-        c.wait_healthy()
+        # (the proxies start with the workers: each serves, and answers /health, only once its workers answered
+        # their /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), "--prefill", url(pp), "--decode", url(dp)], url(xp))
         c.start("colocated-proxy", ["proxy", "--port", str(yp), "--colocated", url(cp)], url(yp))
         c.wait_healthy()
