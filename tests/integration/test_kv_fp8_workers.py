@@ -28,16 +28,18 @@ def _complete(url: str, prompt: str, n: int) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _colocated(workdir: Path, model: Path, extra: list[str]) -> tuple[Cluster, str]:
+def _colocated(workdir: Path, model: Path, extra: list[str], wait: bool = True) -> tuple[Cluster, str]:
+    """A colocated worker and its proxy (``wait``: until both are healthy; else the caller waits)."""
     c = Cluster(workdir)
     wp, xp = free_port(), free_port()
     worker, proxy = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{xp}"
     c.start("colocated", ["colocated", "--model", str(model), "--dtype", "bfloat16", "--threads", "1",
                           "--max-model-len", "256", "--batch-size", "4", "--port", str(wp), *extra], worker)
     try:
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once the worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], proxy)
-        c.wait_healthy()
+        if wait:
+            c.wait_healthy()
     except BaseException:
         c.stop()
         raise
@@ -74,17 +76,19 @@ def test_quantized_prefill_to_decode_gives_the_colocated_tokens(tmp_path: Path, 
 
 def _pd_against_colocated(tmp_path: Path, model: Path, flags: list[str], token_bytes: int) -> None:
     """1P1D with ``flags`` answers the prompts as a colocated worker with them does, and the decode worker received
-    ``token_bytes`` a token of the prompts' blocks."""
-    cluster, urls = start_1p1d(tmp_path / "pd", str(model), dtype="bfloat16", max_model_len=256, extra=flags)
+    ``token_bytes`` a token of the prompts' blocks. (The colocated worker starts with the 1P1D cluster; the
+    prompts go to one, then the other.)"""
+    colocated, proxy = _colocated(tmp_path / "co", model, flags, wait=False)
     try:
-        prompt_tokens: list[int] = []
-        pd = _texts(urls["proxy"], 12, prompt_tokens)
-        blocks = sum(-(-n // 16) for n in prompt_tokens)
-        assert _received_bytes(urls["decode"]) == blocks * 16 * token_bytes
-    finally:
-        cluster.stop()
-    colocated, proxy = _colocated(tmp_path / "co", model, flags)
-    try:
+        cluster, urls = start_1p1d(tmp_path / "pd", str(model), dtype="bfloat16", max_model_len=256, extra=flags)
+        try:
+            prompt_tokens: list[int] = []
+            pd = _texts(urls["proxy"], 12, prompt_tokens)
+            blocks = sum(-(-n // 16) for n in prompt_tokens)
+            assert _received_bytes(urls["decode"]) == blocks * 16 * token_bytes
+        finally:
+            cluster.stop()
+        colocated.wait_healthy()
         co = _texts(proxy, 12)
     finally:
         colocated.stop()
