@@ -89,7 +89,7 @@ def colocated(tmp_path_factory, smollm_dir: Path):
     try:
         c.start("colocated", ["colocated", "--model", str(smollm_dir), *SIM, "--port", str(wp)],
                 f"http://127.0.0.1:{wp}")
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once the worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(cp), "--colocated", f"http://127.0.0.1:{wp}"],
                 f"http://127.0.0.1:{cp}")
         c.wait_healthy()

@@ -141,7 +141,7 @@ def env(tmp_path_factory, tiny_model_dir: Path):
         decode.append(c.start(f"d{i}", ["decode", *common, "--batch-size", "2", "--port", str(port),
                                         "--kv-port", str(free_port())], f"http://127.0.0.1:{port}"))
     try:
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once every worker answered its /xpyd/info)
         port = free_port()
         urls = [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
         c.start("proxy", ["proxy", "--port", str(port), *urls, "--log-requests"], f"http://127.0.0.1:{port}")

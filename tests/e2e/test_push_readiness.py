@@ -136,7 +136,7 @@ def test_a_stopped_decode_worker_does_not_hold_prefill_and_its_claimed_kv_is_fre
         p = _start(c, "prefill", ["prefill", *_common(tiny_model_dir), "--batch-size", "4", "--peer-timeout", str(PEER_TIMEOUT)])
         d0 = _start(c, "d0", ["decode", *_common(tiny_model_dir), "--batch-size", "4"])
         d1 = _start(c, "d1", ["decode", *_common(tiny_model_dir), "--batch-size", "1"])
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once every worker answered its /xpyd/info)
         port = free_port()
         proxy = f"http://127.0.0.1:{port}"
         c.start("proxy", ["proxy", "--port", str(port), "--prefill", p, "--decode", d0, "--decode", d1], proxy)

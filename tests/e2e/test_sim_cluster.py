@@ -92,7 +92,7 @@ def colocated(tmp_path_factory, smollm_dir: Path):
     url, proxy_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy}"
     try:
         c.start("colocated", ["colocated", "--model", str(smollm_dir), *SIM, "--port", str(port)], url)
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once the worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(proxy), "--colocated", url], proxy_url)
         c.wait_healthy()
         yield proxy_url

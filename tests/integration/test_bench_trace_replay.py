@@ -161,7 +161,7 @@ def test_first_20_lines_of_the_real_trace(tmp_path, smollm_dir, monkeypatch):
                           "--kv-cache-tokens", "400000", "--batch-size", "20", "--threads", "1", "--port", str(wp)],
             worker)
     try:
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once the worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], proxy)
         c.wait_healthy()
         out = tmp_path / "out.json"

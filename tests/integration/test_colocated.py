@@ -23,7 +23,7 @@ def colocated(tmp_path_factory, tiny_model_dir: Path):
     c.start("colocated", ["colocated", "--model", str(tiny_model_dir), "--dtype", "float32", "--threads", "1",
                           "--max-model-len", "256", "--batch-size", "3", "--port", str(wp)], worker)
     try:
-        c.wait_healthy()
+        # (the proxies serve, and answer /health, once the worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), "--colocated", worker], f"http://127.0.0.1:{xp}")
         c.start("limited", ["proxy", "--port", str(lp), "--colocated", worker, "--max-concurrent-requests", "1"],
                 f"http://127.0.0.1:{lp}")

@@ -63,7 +63,7 @@ def bed(tmp_path_factory, smollm_dir: Path):
         for name, (port, other) in ports.items():
             role, flag = ("prefill", "--signal-port") if name.startswith("prefill") else ("decode", "--kv-port")
             c.start(name, [role, *options, "--port", str(port), flag, str(other)], urls[name])
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once every worker answered its /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), *(a for n in ports for a in (f"--{n[:-1]}", urls[n])),
                           "--policy", "round_robin", "--expose-worker-names"], urls["proxy"])
         c.wait_healthy()

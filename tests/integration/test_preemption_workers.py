@@ -42,7 +42,7 @@ def cluster(tmp_path_factory, tiny_model_dir: Path):
         wp, xp = free_port(), free_port()
         urls["large"], urls["ref"] = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{xp}"
         c.start("large", ["colocated", *options, "--port", str(wp)], urls["large"])  # 8 x 256 tokens
-        c.wait_healthy()
+        # (its proxy serves, and answers /health, once the worker answered its /xpyd/info)
         c.start("ref-proxy", ["proxy", "--port", str(xp), "--colocated", urls["large"]], urls["ref"])
         c.wait_healthy()
     except BaseException:

@@ -60,7 +60,7 @@ def cluster(tmp_path, smollm_dir: Path):
     try:
         c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
         c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once both workers answered their /xpyd/info)
         c.start("proxy", ["proxy", "--workers", "2", "--port", str(xp), "--prefill", urls["prefill"],
                           "--decode", urls["decode"], "--policy", "cache_aware", "--log-requests",
                           "--expose-worker-names"], urls["proxy"])

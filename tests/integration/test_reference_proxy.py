@@ -58,7 +58,8 @@ def proxies(tmp_path_factory, smollm_dir: Path):
     try:
         c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
         c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
-        c.wait_healthy()
+        # (both proxies start with the workers: each serves, and answers /health, once the workers answered
+        # their /xpyd/info)
         c.start("xpyd", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]],
                 urls["xpyd"])
         log = work / "reference.log"

@@ -55,7 +55,8 @@ def _start(c: Cluster, options: list[str]) -> dict[str, str]:
     c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], urls["prefill"])
     c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], urls["decode"])
     c.start("colocated", ["colocated", *options, "--port", str(wp)], urls["colocated"])
-    c.wait_healthy()
+    # (the proxies start with the workers: each serves, and answers /health, once its workers answered their
+    # /xpyd/info)
     pd, co = f"http://127.0.0.1:{xp}", f"http://127.0.0.1:{cp}"
     c.start("pd-proxy", ["proxy", "--port", str(xp), "--prefill", urls["prefill"], "--decode", urls["decode"]], pd)
     c.start("colocated-proxy", ["proxy", "--port", str(cp), "--colocated", urls["colocated"]], co)

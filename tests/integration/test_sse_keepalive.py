@@ -37,7 +37,7 @@ def cluster(request, tmp_path_factory, smollm_dir: Path):
         c.start("prefill", ["prefill", *common, "--port", str(pp), "--signal-port", str(ps)], url(pp))
         c.start("decode", ["decode", *common, "--port", str(dp), "--kv-port", str(dk), "--sse-keepalive",
                            str(request.param), "--prefill-wait-timeout", "60"], url(dp))
-        c.wait_healthy()
+        # (the proxy serves, and answers /health, once both workers answered their /xpyd/info)
         c.start("proxy", ["proxy", "--port", str(xp), "--prefill", url(pp), "--decode", url(dp), "--read-timeout",
                           str(READ_TIMEOUT)], url(xp))
         c.wait_healthy()
