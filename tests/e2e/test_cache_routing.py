@@ -31,7 +31,8 @@ class TwoByTwo:
                     "--lease-ttl", "2", "--port", str(port)]
             args += ["--signal-port", str(free_port())] if role == "prefill" else ["--kv-port", str(free_port())]
             self.urls[name] = self.c.start(name, args, f"http://127.0.0.1:{port}").url
-        self.c.wait_healthy()
+        # (with the workers: a proxy in dynamic mode starts with none, answers /health once a prefill and a
+        # decode worker registered, and finds the others as they register)
         port = free_port()
         self.proxy = self.c.start("proxy", ["proxy", "--port", str(port), "--etcd", etcd.endpoint],
                                   f"http://127.0.0.1:{port}").url

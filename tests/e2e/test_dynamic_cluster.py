@@ -112,7 +112,8 @@ class Dyn:
     def start_base(self) -> None:
         self.p0 = self.worker("prefill", "p0", self.base)
         self.d0 = self.worker("decode", "d0", self.base)
-        self.base.wait_healthy()
+        # (with the workers: a proxy in dynamic mode starts with none, answers /health once a prefill and a
+        # decode worker registered, and finds the others as they register)
         port = free_port()
         self.proxy_url = f"http://127.0.0.1:{port}"
         self.base.start("proxy", ["proxy", "--port", str(port), "--etcd", self.etcd.endpoint], self.proxy_url)

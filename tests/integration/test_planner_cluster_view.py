@@ -94,7 +94,8 @@ def sim_cluster(tmp_path: Path, etcd: LocalEtcd, smollm_dir: Path):
     try:
         c.start("prefill", ["prefill", *options, "--port", str(pp), "--signal-port", str(ps)], f"http://127.0.0.1:{pp}")
         c.start("decode", ["decode", *options, "--port", str(dp), "--kv-port", str(dk)], f"http://127.0.0.1:{dp}")
-        c.wait_healthy()
+        # (with the workers: a proxy in dynamic mode starts with none and answers /health once a prefill and
+        # a decode worker registered)
         c.start("proxy", ["proxy", "--port", str(xp), "--etcd", etcd.endpoint], urls["proxy"])
         c.wait_healthy()
         yield c, urls
