@@ -1,6 +1,6 @@
 """Real worker processes for the fault, token and fuzz tests (tiny random Llama, short limits).
 
-One set for this directory (test_worker_faults.py and test_signal_fuzz.py), started once and handed to each
+One set for test_worker_faults.py (the fault, token and fuzz tests), started once and handed to each
 test alive and idle: a test that leaves a request, KV or a dead worker behind fails itself (each ends with
 its own idle checks), and the next test gets a fresh set instead of inheriting the leak.
 
