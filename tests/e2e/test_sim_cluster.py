@@ -103,9 +103,9 @@ def colocated(tmp_path_factory, smollm_dir: Path):
 def test_300_streams_through_a_4p8d_sim_cluster_give_the_colocated_tokens(tmp_path: Path, smollm_dir: Path,
                                                                            colocated: str):
     bodies = _requests()
-    reference = asyncio.run(_all(colocated, bodies, 32))
     up = UpProcess(smollm_dir, tmp_path / "up.log", *SIM, "--prefill", str(PREFILL), "--decode", str(DECODE))
     try:
+        reference = asyncio.run(_all(colocated, bodies, 32))  # (from the colocated worker, while the cluster starts)
         up.wait_ready()
         got = asyncio.run(_all(up.url, bodies, STREAMS))  # all at once
         wrong = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
