@@ -72,8 +72,10 @@ def knock_tcp(address: str, header: bytes, payload: bytes, timeout: float = 5.0)
         return Answer([] if ack is None else [ack], _hung_up(sock))
 
 
-def knock_pull(address: str, hello: bytes, offer: bytes, timeout: float = 5.0) -> Answer:
-    """Say ``hello`` to a pull backend's listener (shm, nixl), then make ``offer``; its two replies."""
+def knock_pull(address: str, hello: bytes, offer: bytes, timeout: float = 5.0, linger: float | None = None) -> Answer:
+    """Say ``hello`` to a pull backend's listener (shm, nixl), then make ``offer``; its two replies. ``linger``:
+    how long to wait for it to hang up after them (default ``timeout``; a listener that keeps the connection
+    open costs all of it: a caller that does not read ``hung_up`` may pass less)."""
     with connect(address, timeout) as sock:
         sock.sendall(hello)
         replies = [r for r in [read_frame(sock)] if r is not None]
@@ -85,6 +87,8 @@ def knock_pull(address: str, hello: bytes, offer: bytes, timeout: float = 5.0) -
             reply = read_frame(sock)
             if reply is not None:
                 replies.append(reply)
+        if linger is not None:
+            sock.settimeout(linger)
         return Answer(replies, _hung_up(sock))
 
 
