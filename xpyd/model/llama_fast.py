@@ -25,83 +25,7 @@ import torch.nn.functional as F
 
 from xpyd.model import kv_int8, native, paged
 from xpyd.model.kv_quant import KVCodec
-
-
-def why_not_covered(model) -> str | None:
-    """None when `FastLlama` can run this model exactly like transformers; otherwise the reason."""
-    config = model.config
-    if getattr(config, "kv_lora_rank", None) is not None:
-        return "multi-head latent attention (a latent per token in the pool, not K and V): the general path serves it"
-    if any(hasattr(layer, "pre_feedforward_layernorm") for layer in getattr(model.model, "layers", ())):
-        return ("Gemma's layers (norms after attention and around the MLP, soft-capping, local and global layers): "
-                "the general path serves them")
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"activation {getattr(config, 'hidden_act', None)!r} (only silu)"
-    inner = getattr(model, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None:
-        return "no shared rotary embedding"
-    rope_type = str(getattr(rotary, "rope_type", "default"))
-    if "dynamic" in rope_type or "longrope" in rope_type:
-        return f"rope type {rope_type!r} depends on the sequence length"
-    if not _is_rms_norm(inner.norm):
-        return "final norm is not RMSNorm"
-    inv_freq = getattr(rotary, "inv_freq", None)
-    if inv_freq is None:
-        return "a rotary embedding without inv_freq"
-    rotary_dim = 2 * inv_freq.shape[-1]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if rotary_dim != head_dim:
-        return f"partial rotary ({rotary_dim} of {head_dim} dimensions)"
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for names in (_QKV_NAMES, (("o_proj",),)):
-            if not _plain(attn, names):
-                return f"attention without plain {_either(names)}"
-        if not _is_sparse_moe(mlp):
-            for names in (_GATE_UP_NAMES, (("down_proj",),)):
-                if not _plain(mlp, names):
-                    return f"MLP without plain {_either(names)}"
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
-            if not all(_is_rms_norm(n) and n.weight.shape == (head_dim,) for n in norms):
-                return "q/k norms that are not RMSNorms over each head"
-        if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
-            return "layer norms are not RMSNorm"
-        if getattr(attn, "sliding_window", None) is not None:
-            return "sliding-window attention"
-    return None
-
-
-_QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))  # separate, or fused as phi3's
-_GATE_UP_NAMES = (("gate_proj", "up_proj"), ("gate_up_proj",))
-
-
-def _plain(module, options) -> bool:
-    """The module has plain Linear layers under all the names of one of ``options`` (tuples of names)."""
-    return any(all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in option) for option in options)
-
-
-def _is_sparse_moe(mlp) -> bool:
-    """A mixture-of-experts block (mixtral's, qwen3_moe's): a router (``gate``) and the ``experts``, called
-    as the module on [1, tokens, hidden]."""
-    return type(mlp).__name__.endswith("SparseMoeBlock") and hasattr(mlp, "gate") and hasattr(mlp, "experts")
-
-
-def _either(options) -> str:
-    return " or ".join("/".join(option) for option in options)
-
-
-def _linears(module, options) -> list:
-    """The Linear layers of the first of ``options`` (tuples of names) the module has, in order."""
-    for option in options:
-        if all(hasattr(module, n) for n in option):
-            return [getattr(module, n) for n in option]
-    raise ValueError(f"{type(module).__name__} has none of {options}")
-
-
-def _is_rms_norm(module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+from xpyd.model.lean_cover import GATE_UP_NAMES, QKV_NAMES, is_sparse_moe, linears, why_not_covered
 
 
 def _onednn_bf16_ok() -> bool:
@@ -146,7 +70,7 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight.detach()
         self.eps1 = layer.input_layernorm.variance_epsilon
-        self.qkv = _Linear(*_fuse(_linears(attn, _QKV_NAMES)), pack)
+        self.qkv = _Linear(*_fuse(linears(attn, QKV_NAMES)), pack)
         # per-head RMSNorms of q and k before rotary (qwen3): (weight [head_dim], eps), or None
         self.q_norm = (attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
         self.k_norm = (attn.k_norm.weight.detach(), attn.k_norm.variance_epsilon) if hasattr(attn, "k_norm") else None
@@ -154,10 +78,10 @@ class _Layer:
         self.ln2 = layer.post_attention_layernorm.weight.detach()
         self.eps2 = layer.post_attention_layernorm.variance_epsilon
         # a dense MLP (gate_up, down), or a mixture of experts: transformers' block (`experts`), the rest None
-        self.experts = mlp if _is_sparse_moe(mlp) else None
+        self.experts = mlp if is_sparse_moe(mlp) else None
         self.gate_up = self.down = None
         if self.experts is None:
-            self.gate_up = _Linear(*_fuse(_linears(mlp, _GATE_UP_NAMES)), pack)
+            self.gate_up = _Linear(*_fuse(linears(mlp, GATE_UP_NAMES)), pack)
             self.down = _Linear(mlp.down_proj.weight.detach(), _detach(mlp.down_proj.bias), pack)
 
 

@@ -31,7 +31,8 @@ from xpyd.model.general_path import GeneralPath
 from xpyd.model.kv_layout import ROW_SCALE_BYTES, ROW_SCALED
 from xpyd.model.kv_pool import ELEMENT_BYTES, KVLayout, KVPool, dtype_name
 from xpyd.model.kv_quant import KVCodec
-from xpyd.model.llama_fast import FastLlama, why_not_covered
+from xpyd.model.lean_cover import why_not_covered
+from xpyd.model.llama_fast import FastLlama
 from xpyd.model.logprobs import ScoreSpec, TokenLogprob, check_scores
 from xpyd.model.logprobs_torch import prompt_logprobs
 from xpyd.model.sampling import TorchSampler
