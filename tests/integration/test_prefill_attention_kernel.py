@@ -45,7 +45,8 @@ def _exact(q, k, v, start: int, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,start,heads,kv_heads,hd", [(37, 0, 4, 2, 16), (100, 50, 9, 3, 64), (1, 70, 8, 8, 128),
-                                                       (513, 1000, 6, 2, 64), (33, 31, 4, 1, 32), (8, 24, 2, 2, 256)])
+                                                       (513, 1000, 6, 2, 64), (33, 31, 4, 1, 32), (8, 24, 2, 2, 256),
+                                                       (45, 150, 8, 2, 96)])
 def test_within_three_bfloat16_roundings_of_the_exact_attention(n, start, heads, kv_heads, hd):
     """Scores are exact products summed in float32; the softmax weights are rounded to bfloat16 for the P V
     products (half a unit, 2^-9 relative, each), the running sum is of the unrounded weights (another 2^-9 at
