@@ -13,7 +13,10 @@ from pathlib import Path
 
 from tests.cluster import Cluster, free_port, start_1p1d, wait_until
 
-PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and then", "one two three four five six"]
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and then", "one two three four five six",
+           # (~70 tokens: the P/D prefill worker computes it in chunks of 8, the colocated worker whole)
+           " ".join(f"step {i} of the plan is to count the {w}s" for i, w in enumerate(["apple", "cloud", "river",
+                                                                                       "stone", "bird", "lamp"]))]
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 
 
@@ -74,13 +77,17 @@ def test_quantized_prefill_to_decode_gives_the_colocated_tokens(tmp_path: Path, 
     _pd_against_colocated(tmp_path, tiny_model_dir, ["--kv-cache-dtype", kv], 2 * 2 * 2 * row_bytes)
 
 
-def _pd_against_colocated(tmp_path: Path, model: Path, flags: list[str], token_bytes: int) -> None:
+def _pd_against_colocated(tmp_path: Path, model: Path, flags: list[str], token_bytes: int,
+                          prefill_chunk: int | None = 8) -> None:
     """1P1D with ``flags`` answers the prompts as a colocated worker with them does, and the decode worker received
-    ``token_bytes`` a token of the prompts' blocks. (The colocated worker starts with the 1P1D cluster; the
-    prompts go to one, then the other.)"""
+    ``token_bytes`` a token of the prompts' blocks. With ``prefill_chunk`` the prefill worker computes prompts in
+    chunks of that many tokens and the colocated worker whole: the lean forward in bfloat16 gives the same bits
+    either way (the prefill attention's arithmetic does not depend on where a chunk starts). (The colocated worker
+    starts with the 1P1D cluster; the prompts go to one, then the other.)"""
     colocated, proxy = _colocated(tmp_path / "co", model, flags, wait=False)
     try:
-        cluster, urls = start_1p1d(tmp_path / "pd", str(model), dtype="bfloat16", max_model_len=256, extra=flags)
+        cluster, urls = start_1p1d(tmp_path / "pd", str(model), dtype="bfloat16", max_model_len=256, extra=flags,
+                                   prefill_extra=[] if prefill_chunk is None else ["--prefill-chunk", str(prefill_chunk)])
         try:
             prompt_tokens: list[int] = []
             pd = _texts(urls["proxy"], 12, prompt_tokens)
