@@ -131,7 +131,7 @@ class FastLlama:
         if dtype == torch.bfloat16 and device.type == "cpu":
             self._pointwise = native.load_pointwise()  # None (the torch ops) when it cannot be built here
         self.decode_attention = self._default_attention() if decode_attention is None else decode_attention
-        # Prefill attention: "kernel" (native/prefill_attention.c: AVX512-BF16 dot products, 2.5-4x torch's CPU
+        # Prefill attention: "kernel" (native/prefill_attention.c: AVX512-BF16 dot products, 3.5-5x torch's CPU
         # flash attention here, and a prompt's bits the same whatever its chunks) where it builds, else "sdpa".
         self._prefill_kernel: native.PrefillAttention | None = None
         if dtype == torch.bfloat16 and device.type == "cpu":
