@@ -171,8 +171,8 @@ def test_a_joined_stream_says_when_its_first_text_went_and_ends_with_its_trailer
 
     out = asyncio.run(run())
     assert out[-2:] == [b": trailer\n\n", SSE_DONE]
-    assert len(said) == 1 and has_text(json.loads(out[said[0] - 1][6:]))  # (said once its block was taken)
-    assert not any(has_text(json.loads(b[6:])) for b in out[:said[0] - 1])
+    assert len(said) == 1 and has_text(json.loads(out[said[0]][6:]))  # (said just before its block was handed out)
+    assert not any(has_text(json.loads(b[6:])) for b in out[:said[0]])
 
 
 # --- xpyd bench ----------------------------------------------------------------------------------------------

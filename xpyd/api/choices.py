@@ -95,9 +95,9 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
                        keepalive: float | None = None) -> AsyncIterator[bytes]:
     """The SSE stream of ``req`` from its children's streams (each a whole one-choice stream with its usage
     chunk); ``name``: the response's (id, created, model). Closing it closes every child stream.
-    ``first_text``: called once the first chunk with text is written (its yield came back); ``trailer``: what
-    goes just before ``[DONE]`` when every child ended (a timing comment); ``keepalive``: write ``SSE_KEEPALIVE``
-    after each that many seconds in which no child said anything."""
+    ``first_text``: called as the first chunk with text is handed to the connection (just before its yield);
+    ``trailer``: what goes just before ``[DONE]`` when every child ended (a timing comment); ``keepalive``:
+    write ``SSE_KEEPALIVE`` after each that many seconds in which no child said anything."""
     queue: asyncio.Queue[tuple[Child, bytes | None]] = asyncio.Queue()
     usages: dict[int, dict] = {}
 
@@ -136,10 +136,10 @@ async def join_streams(req: CompletionRequest, streams: Sequence[tuple[Child, As
                 continue
             for choice in event.get("choices", ()):
                 choice["index"] = child.index
-            yield sse(event)
             if first_text is not None and has_text(event):
                 first_text()
                 first_text = None
+            yield sse(event)
         else:
             if req.include_usage:
                 u = _usage([c for c, _ in streams], usages)

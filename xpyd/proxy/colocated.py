@@ -279,8 +279,8 @@ async def _relay(resp: aiohttp.ClientResponse, timer: RequestTimer, slot: Slot,
                     timer.token()
                 if span is None and _has_text(line):  # (parsed until the first with text)
                     span = (began, time.monotonic())
+                    written = time.monotonic()  # (handed to the connection: xpyd.proxy.phases)
                     yield line
-                    written = time.monotonic()
                     continue
             yield line
         outcome = Outcome.OK

@@ -102,7 +102,8 @@ class RequestTimer:
         self._metrics._ttft.observe(self._last - self._start)
 
     def written(self, first: FirstToken, choices: float | None = None) -> None:
-        """The chunk of prefill's token ``first`` is written to the client: the TTFT's phases here (once);
+        """The chunk of prefill's token ``first`` is handed to the client's connection (called just before it is
+        written: xpyd.proxy.phases): the TTFT's phases here (once);
         ``choices``: when the other choices' first tokens were read (several choices)."""
         if self.phases is None:
             self.settle(proxy_phases(self._start, first, time.monotonic(), choices))

@@ -3,7 +3,10 @@
     received (the request's handler started) -> the first-token call started -> its answer read
     [-> the other choices' first tokens read]   several choices
     [-> the answer's last token read]           a JSON answer
-    -> the first token's chunk written to the client's connection, or the JSON answer built (``written``)
+    -> the first token's chunk handed to the client's connection, or the JSON answer built (``written``)
+
+``written`` is stamped before the chunk is written, never after: the proxy's interval then lies inside the
+client's (sent -> first chunk read) however the scheduler delays the proxy between its write and its stamp.
 
 The first-token call is prefill's (or, colocated, the worker's call up to its first chunk with text; a prompt its
 decode worker prefilled itself, the decode call up to its first token's chunk: ``with_local``).

@@ -114,19 +114,19 @@ async def _stream(
             async for block in _with_tools(call, req, first, ToolOutput(req.tools, tool_parser), chunk, timer):
                 yield block
         elif first.finish_reason is not None:
+            if first.text:  # (stamped as the chunk is handed to the connection: xpyd.proxy.phases)
+                timer.written(first)
             yield chunk(first.text or None, first.finish_reason, stop_reason=first.stop_reason,
                         logprobs=first.logprobs)
-            if first.text:
-                timer.written(first)
             if req.include_usage:
                 usage = first.usage
                 yield sse(usage_chunk(name.id, name.created, name.model, kind, usage.prompt_tokens,
                                       usage.completion_tokens, usage.cached_tokens))
         else:
             if first.text or first.logprobs is not None:
-                yield chunk(first.text, None, logprobs=first.logprobs)
                 if first.text:  # the client's first token is prefill's (xpyd.proxy.phases)
                     timer.written(first)
+                yield chunk(first.text, None, logprobs=first.logprobs)
             async for block in call.relay():  # decode's chunks, named by the call: bytes as they came
                 if block.startswith(COMMENT_PREFIX):  # decode's timing, alone in the last block
                     decoded = block
@@ -164,8 +164,8 @@ async def _with_tools(call: PDCall, req: CompletionRequest, first: FirstToken, t
     deltas and tool call deltas), then the finish chunk and the usage chunk if asked."""
     finish, stop = first.finish_reason, first.stop_reason
     for delta in tools.delta(first.text):
-        yield chunk(None, None, delta=delta)
         timer.written(first)
+        yield chunk(None, None, delta=delta)
     if finish is None:
         async for piece in call.rest():
             timer.token()
