@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xpyd.model import kv_rotation
 from xpyd.model.kv_int8 import encode_rows
 from xpyd.model.runner import ModelRunner
 
@@ -122,12 +123,13 @@ def test_sliding_window_and_latent_attention_models_run_on_int8_pools(tmp_path):
 
 
 def test_the_rows_a_prefill_writes_are_the_encoding_of_its_own_keys(tiny_model_dir):
-    """What lands in the pool is `encode_rows` of the K/V the forward computed: the bf16 pool of the same prompt
-    holds those K/V, and the int8 pool their rows."""
+    """What lands in the pool is `encode_rows` of the K/V the forward computed, turned by the rotation: the bf16
+    pool of the same prompt holds those K/V, and the int8 pool their rows."""
     bf16 = ModelRunner(tiny_model_dir, BF16, num_blocks=8, max_seq_len=64, block_size=16)
     int8 = ModelRunner(tiny_model_dir, BF16, num_blocks=8, max_seq_len=64, block_size=16, kv_cache_dtype="int8")
     prompt = prompt_of(10, 5)  # (one chunk: layer 0's K/V do not depend on the KV dtype)
     for r in (bf16, int8):
         r.prefill(r.pool.blocks.allocate(1), prompt)
     b = bf16.pool.tensor[0, :, 0, :, :10]  # layer 0 [kv_heads, 2, 10, hd]
-    assert torch.equal(int8.pool.tensor[0, :, 0, :, :10], encode_rows(b))
+    turned = b.float() @ kv_rotation.rotation(b.shape[-1])  # (the rows are of the K/V turned: kv_rotation)
+    assert torch.equal(int8.pool.tensor[0, :, 0, :, :10], encode_rows(turned))

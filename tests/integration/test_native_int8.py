@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xpyd.model import native
+from xpyd.model import kv_rotation, native
 
 from tests.integration.test_native_kernels import paged_case
 
@@ -115,6 +115,50 @@ def test_the_reference_encoder_follows_the_spec():
     scale = float(torch.tensor(2.5 / 127).to(torch.float16))
     assert (decode(rows[2:]) - x[2]).abs().max() <= scale / 2
     assert torch.equal(decode(rows[:1]), torch.tensor([[254.0, 128.0, 0.0, 4.0, -4.0, 0.0]]))
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
+def test_with_rows_stored_rotated_the_kernel_attends_over_them_turned_back(kernel, heads, kv_heads, hd):
+    """Rows holding the codes of x R (`kv_rotation`; 40 -> blocks of 8, 96 -> of 32): with ``rotation`` the
+    kernel's output is the attention of q over the rows' values turned back (values R^T), in float64 here.
+
+    The kernel computes q' = q R in float32 (each element off by at most hd U (|q| |R|)), attends over the
+    rotated rows (`attention_bound` in the rotated basis, its score term counting q's turn too: (2 hd + 4) U
+    against |q| |R|), then turns the result back: o = o' R^T, off by |R| times o''s error plus hd U (|o'| |R^T|),
+    and rounds it to bfloat16 (2^-8 of it)."""
+    bs, layer, scale = 16, 1, hd**-0.5
+    lens = [1, bs + 1, 3 * bs, 67]
+    pool, tables, q, k_rows, v_rows = int8_case(heads, kv_heads, hd, bs, lens, seed=7 * hd)
+    r = kv_rotation.rotation(hd)
+    out = torch.empty(len(lens), heads, hd, dtype=BF16)
+    kernel.int8(q, k_rows, v_rows, pool, layer, tables, torch.tensor(lens), scale, out, rotation=r)
+    plain = kernel.int8(q, k_rows, v_rows, pool.clone(), layer, tables, torch.tensor(lens), scale, out.clone())
+    assert not torch.equal(plain, out)  # (the rotation is used)
+    r64, group = r.double(), heads // kv_heads
+    for b, n in enumerate(lens):
+        blocks = [int(i) for i in tables[b, : -(-n // bs)]]
+        kv = decode(torch.cat([pool[i, :, layer] for i in blocks], dim=2)[:, :, :n]).double()  # rotated basis
+        for h in range(kv_heads):
+            qh = q[b, h * group : (h + 1) * group].double()
+            k, v = kv[h, 0], kv[h, 1]
+            p = torch.softmax((qh @ r64) @ k.T * scale, dim=-1)
+            turned = p @ v  # o' (rotated basis), exact
+            d = (2 * hd + 4) * U * scale * float(((qh.abs() @ r64.abs()) @ k.abs().T).max())
+            bound_turned = (2 * d + (2 * n + EXP_ULPS + 4) * U) * (p @ v.abs())
+            exact = turned @ r64.T
+            bound = bound_turned @ r64.abs().T + hd * U * (turned.abs() @ r64.abs().T)
+            got = out[b, h * group : (h + 1) * group].double()
+            over = (got - exact).abs() > 2.0**-8 * got.abs() + bound
+            assert not over.any(), (f"request {b}, KV head {h}: {int(over.sum())} elements beyond the bound: "
+                                    f"{got[over][:3].tolist()} vs {exact[over][:3].tolist()}")
+
+
+def test_a_rotation_of_another_size_or_dtype_is_refused(kernel):
+    pool, tables, q, k_rows, v_rows = int8_case(9, 3, 64, 16, [5], seed=1)
+    out = torch.empty(1, 9, 64, dtype=BF16)
+    for bad in (kv_rotation.rotation(32), kv_rotation.rotation(64).double(), kv_rotation.rotation(64).T):
+        with pytest.raises(ValueError, match="rotation"):
+            kernel.int8(q, k_rows, v_rows, pool, 0, tables, torch.tensor([5]), 0.125, out, rotation=bad)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -50,24 +50,36 @@ class Int8RowCodec:
     """Values <-> rows of an int8 pool for a model computing in ``dtype``: the same calls as `kv_quant.KVCodec`
     (``encode`` when K/V are written, ``decode``/``decode_rows`` when the torch paths read them); the native
     kernel reads the rows itself (`native.DecodeAttention.int8`). ``layer`` is taken and unused: no scale
-    outlives its row."""
+    outlives its row.
+
+    ``rotation`` (`kv_rotation.rotation`, float32 [head_dim, head_dim]; a per-head K/V pool's, None for latents):
+    rows are the codes of ``x @ R`` and read back as ``values @ R.T`` (in float32, then the model's dtype). The
+    native kernel reads the rows as stored and turns its queries and output itself (``rotation`` passed to it)."""
 
     format = FORMAT
     scales = None  # (nothing calibrated: `KVLayout.scales` stays None)
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, rotation: torch.Tensor | None = None) -> None:
         self.dtype = dtype
+        self.rotation = rotation
+        self._back = None if rotation is None else rotation.T.contiguous()
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, kv_heads, head_dim] -> their rows, uint8 [T, kv_heads, head_dim + 2] (both in one pass: a
         decode step encodes a few rows per layer, where each torch call's own cost is what counts)."""
-        rows = encode_rows(torch.stack((k, v)))
+        both = torch.stack((k, v)).float()
+        rows = encode_rows(both if self.rotation is None else both @ self.rotation)
         return rows[0], rows[1]
+
+    def _values(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.rotation is None:
+            return decode_rows(rows, self.dtype)
+        return (decode_rows(rows, torch.float32) @ self._back).to(self.dtype)
 
     def decode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows k, v [B, kv_heads, n, head_dim + 2] -> values [B, kv_heads, n, head_dim] in the model's dtype."""
-        return decode_rows(k, self.dtype), decode_rows(v, self.dtype)
+        return self._values(k), self._values(v)
 
     def decode_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode` for T tokens' rows, k, v [T, kv_heads, head_dim + 2] (what `encode` returns)."""
-        return decode_rows(k, self.dtype), decode_rows(v, self.dtype)
+        return self._values(k), self._values(v)

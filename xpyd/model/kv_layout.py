@@ -20,7 +20,8 @@ handshake and their prefix-cache hashes differ (the bytes of one mean something 
 An int8 layout ("int8") holds, for each token, KV head, layer and K or V, a row of ``head_dim`` signed one-byte
 codes followed by that row's own scale (a float16, ``ROW_SCALE_BYTES``): the pool's rows are ``row_dim`` =
 ``head_dim + 2`` bytes wide, so blocks, transfers and the prefix cache carry each row's scale with its codes
-and nothing is calibrated (`kv_quant`).
+and nothing is calibrated (`kv_quant`). The codes are of the row turned by a fixed rotation (`kv_rotation`),
+which `compat()` names (``ROW_ROTATION``): a worker storing rows in another basis is refused at the handshake.
 
 A latent layout (``kind="latent"``: multi-head latent attention, DeepSeek-V2) keeps one vector per token and
 layer instead of a K and a V per KV head: shape `[num_blocks, 1, num_layers, 1, block_size, head_dim]`, its
@@ -40,7 +41,7 @@ from typing import NamedTuple, Sequence
 from xpyd.model.kv_blocks import BlockAllocator, PoolFull
 
 __all__ = ["ELEMENT_BYTES", "KINDS", "KV_CACHE_DTYPES", "LATENT_LAYOUT_NAME", "LAYOUT_NAME", "QUANTIZED", "ROW_SCALED",
-           "ROW_SCALE_BYTES", "ByteRange",
+           "ROW_ROTATION", "ROW_SCALE_BYTES", "ByteRange",
            "HostKVPool", "KVLayout", "PoolFull", "block_ranges"]
 
 LAYOUT_NAME = "block-head-major/1"
@@ -51,6 +52,7 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2")  # one-byte codes scaled per (layer, KV head): vLLM's names
 ROW_SCALED = ("int8",)  # one-byte codes with a scale per row (token, KV head, layer, K or V) stored in the row
 ROW_SCALE_BYTES = 2  # a row-scaled row's scale: float16, after its head_dim codes
+ROW_ROTATION = "hadamard-signed/1"  # the basis a per-head row-scaled row is quantized in (`kv_rotation`)
 KV_CACHE_DTYPES = ("auto", *QUANTIZED, *ROW_SCALED)  # `--kv-cache-dtype`: auto = the model's dtype
 
 
@@ -131,6 +133,7 @@ class KVLayout:
             "dtype": self.dtype,
             "block_size": self.block_size,
             **({"kv_scales": self.scales} if self.scales is not None else {}),
+            **({"row_rotation": ROW_ROTATION} if self.dtype in ROW_SCALED else {}),
         }
 
     def with_blocks(self, num_blocks: int) -> "KVLayout":

@@ -39,7 +39,8 @@ import torch
 from xpyd.model.kv_layout import ROW_SCALE_BYTES
 from xpyd.model.loader import cache_dir
 
-ABI_VERSION = 4  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row)
+ABI_VERSION = 5  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row;
+# 5: int8 rows stored rotated)
 POINTWISE_ABI_VERSION = 1  # pointwise.c
 PREFILL_ABI_VERSION = 1  # prefill_attention.c
 BUILD_TIMEOUT_S = 120.0
@@ -52,6 +53,7 @@ _ARGTYPES = [_P, _I64, _P, _I64, _P, _I64,  # q, k_new, v_new with row strides
              _I64, _I64, _P, _I64, _P,  # token (row) stride, block size, block tables and their row stride, lens
              _INT, _INT, _INT, _INT, _F32, _P, _INT]  # sizes, scale, out, threads
 _ARGTYPES_FP8 = [*_ARGTYPES, _INT, _P, _P]  # + the fp8 format, the layer's K and V scales [kv_heads]
+_ARGTYPES_INT8 = [*_ARGTYPES, _P]  # + the rotation the rows are stored in (NULL: none)
 _FP8_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # decode_attention.c's numbers for them (fp8.h)
 
 _lock = threading.Lock()
@@ -142,7 +144,7 @@ class DecodeAttention:
         self._fn, self._fn_fp8, self._fn_int8, self._to_f32, self._f16_to_f32 = _open(
             path, "xpyd_abi_version", ABI_VERSION, {
                 "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
-                "xpyd_decode_attention_int8": _ARGTYPES, "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P],
+                "xpyd_decode_attention_int8": _ARGTYPES_INT8, "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P],
                 "xpyd_f16_to_f32": [_P, _I64, _INT, _P]})
         self.path = path
 
@@ -180,13 +182,19 @@ class DecodeAttention:
 
     def int8(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pool: torch.Tensor, layer: int,
              tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
-             tables_checked: bool = False) -> torch.Tensor:
+             tables_checked: bool = False, rotation: torch.Tensor | None = None) -> torch.Tensor:
         """The same over an int8 pool (uint8 [blocks, kv_heads, layers, 2, block_size, hd + 2]: `kv_int8`):
-        each row is hd signed codes (two's complement bytes) and then its scale, a little-endian float16; element i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the
-        step's rows already encoded (written as they are). No per-head scales: each row carries its own.
-        q and out stay bfloat16 [B, heads, hd]."""
-        return self._run(self._fn_int8, torch.uint8, ROW_SCALE_BYTES, (), q, k_rows, v_rows, pool, layer, tables,
-                         lens, scale, out, tables_checked)
+        each row is hd signed codes (two's complement bytes) and then its scale, a little-endian float16; element
+        i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the step's rows already
+        encoded (written as they are). No per-head scales: each row carries its own. q and out stay bfloat16
+        [B, heads, hd]. ``rotation`` (float32 [hd, hd], contiguous; `kv_rotation`): the rows hold the codes of
+        x R, so q is turned by R and the output by R^T inside the kernel, in float32 (no rounding added)."""
+        hd = q.shape[-1]
+        if rotation is not None and (rotation.dtype != torch.float32 or rotation.shape != (hd, hd)
+                                     or not rotation.is_contiguous() or not rotation.is_cpu):
+            raise ValueError("decode attention (int8): the rotation is float32 [head_dim, head_dim], contiguous")
+        return self._run(self._fn_int8, torch.uint8, ROW_SCALE_BYTES, (None if rotation is None else rotation.data_ptr(),),
+                         q, k_rows, v_rows, pool, layer, tables, lens, scale, out, tables_checked)
 
     def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
         """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row

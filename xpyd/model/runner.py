@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from xpyd.model import batch_checks, families, kv_int8, kv_quant, latent_attention, paged
+from xpyd.model import batch_checks, families, kv_int8, kv_quant, kv_rotation, latent_attention, paged
 from xpyd.model.block_tables import BlockTables
 from xpyd.model.dummy_weights import LOAD_FORMATS, dummy_identity, dummy_model
 from xpyd.model.general_path import GeneralPath
@@ -122,7 +122,8 @@ class ModelRunner:
                 raise ValueError(f"an fp8 KV cache is not supported for latent attention ({config.model_type}: "
                                  "its scales are per KV head); use --kv-cache-dtype int8 or auto")
             if kv_cache_dtype == kv_int8.FORMAT:  # (a scale in every row: nothing to calibrate)
-                self.kv_codec = kv_int8.Int8RowCodec(dtype)
+                per_head = layout.kind == "kv"  # (latents are not rotated: `kv_rotation`)
+                self.kv_codec = kv_int8.Int8RowCodec(dtype, kv_rotation.rotation(layout.head_dim) if per_head else None)
                 layout = dataclasses.replace(layout, dtype=kv_cache_dtype)
             else:
                 self.kv_codec = kv_quant.calibrate(kv_cache_dtype, layout, self.device, dtype, max_model_len,

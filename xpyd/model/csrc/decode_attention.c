@@ -107,7 +107,7 @@ static inline __attribute__((always_inline)) void attend_item(
     const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n, int64_t block_stride,
     int64_t block_size, int64_t token_stride, int64_t k_off, int64_t v_off, float scale, float *scores,
     uint16_t *out, const int group, const int head_dim, const int kind, float k_scale,
-    float v_scale) {
+    float v_scale, const float *rot) {
     const int ES = kind ? 1 : 2;
     const int int8 = kind == KV_INT8, fp8 = kind && !int8;
     const int row_bytes = head_dim * ES + (int8 ? XPYD_INT8_SCALE_BYTES : 0);
@@ -125,6 +125,13 @@ static inline __attribute__((always_inline)) void attend_item(
         }
         top[g] = -3.0e38f;
     }
+    if (rot) /* int8 rows stored rotated (kv_rotation): q' = q R in float32, so that q' . k' = q . k */
+        for (int g = 0; g < group; g++) {
+            float turned[XPYD_MAX_HEAD_DIM] = {0};
+            for (int i = 0; i < head_dim; i++)
+                for (int j = 0; j < head_dim; j++) turned[j] += qf[g][i] * rot[i * head_dim + j];
+            for (int j = 0; j < head_dim; j++) qf[g][j] = turned[j];
+        }
     XPYD_FOR_ROWS(k_off, kt, { /* scores = q . k */
         load_row(row, kt, kind, head_dim);
         const float row_scale = int8 ? score_scale * f16_scale(kt, head_dim) : score_scale;
@@ -156,6 +163,14 @@ static inline __attribute__((always_inline)) void attend_item(
     });
     for (int g = 0; g < group; g++) {
         const float inv = 1.0f / sum[g];
+        if (rot) { /* the output of rotated values, turned back: o = o' R^T, in float32 before the one rounding */
+            for (int d = 0; d < head_dim; d++) {
+                float o = 0.0f;
+                for (int j = 0; j < head_dim; j++) o += acc[g][j] * rot[d * head_dim + j];
+                out[g * head_dim + d] = f32_to_bf16(o * inv);
+            }
+            continue;
+        }
         for (int d = 0; d < head_dim; d++) {
             const float o = acc[g][d] * inv;
             out[g * head_dim + d] = f32_to_bf16(fp8 ? o * v_scale : o);
@@ -167,7 +182,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #define XPYD_SHAPE(G, D, KIND)                                                                              \
     if (group == G && head_dim == D) {                                                                      \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, G, D, KIND, k_scale, v_scale);                                                     \
+                    out, G, D, KIND, k_scale, v_scale, rot);                                                \
         return;                                                                                             \
     }
 
@@ -175,7 +190,7 @@ static inline __attribute__((always_inline)) void attend_item(
     static void NAME(const uint16_t *q, const unsigned char *head, const int64_t *table, int64_t n,         \
                      int64_t block_stride, int64_t block_size, int64_t token_stride, int64_t k_off,         \
                      int64_t v_off, float scale, float *scores, uint16_t *out, int group, int head_dim,     \
-                     float k_scale, float v_scale) {                                                        \
+                     float k_scale, float v_scale, const float *rot) {                                      \
         XPYD_SHAPE(3, 64, KIND) /* SmolLM2-135M */                                                          \
         XPYD_SHAPE(4, 64, KIND) /* Llama 3.2 1B, SmolLM2-360M-ish */                                        \
         XPYD_SHAPE(8, 64, KIND) /* TinyLlama */                                                             \
@@ -186,7 +201,7 @@ static inline __attribute__((always_inline)) void attend_item(
         XPYD_SHAPE(1, 64, KIND)                                                                             \
         XPYD_SHAPE(1, 128, KIND)                                                                            \
         attend_item(q, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, \
-                    out, group, head_dim, KIND, k_scale, v_scale);                                          \
+                    out, group, head_dim, KIND, k_scale, v_scale, rot);                                     \
     }
 
 XPYD_ATTEND(attend_bf16, KV_BF16)
@@ -194,7 +209,7 @@ XPYD_ATTEND(attend_e4m3, KV_E4M3)
 XPYD_ATTEND(attend_e5m2, KV_E5M2)
 XPYD_ATTEND(attend_int8, KV_INT8)
 
-int xpyd_abi_version(void) { return 4; }
+int xpyd_abi_version(void) { return 5; }
 
 /* The three entry points: bfloat16 pools (kind KV_BF16, es = 2), fp8 pools of one-byte codes (KV_E4M3 or
    KV_E5M2; es = 1; k_scales/v_scales the layer's per-KV-head scales) and int8 pools (KV_INT8, es = 1, rows of
@@ -205,7 +220,7 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
                             int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
                             int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out,
                             int threads, const int kind, const float *k_scales,
-                            const float *v_scales) {
+                            const float *v_scales, const float *rot) {
     if (batch <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim > XPYD_MAX_HEAD_DIM ||
         heads / kv_heads > XPYD_MAX_GROUP || threads <= 0 || block_size <= 0)
         return -1;
@@ -240,16 +255,16 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
         uint16_t *oh = out + ((int64_t)b * heads + h * group) * head_dim;
         if (kind == KV_INT8)
             attend_int8(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                        group, head_dim, 1.0f, 1.0f);
+                        group, head_dim, 1.0f, 1.0f, rot);
         else if (kind == KV_E4M3)
             attend_e4m3(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                        group, head_dim, k_scales[h], v_scales[h]);
+                        group, head_dim, k_scales[h], v_scales[h], NULL);
         else if (kind == KV_E5M2)
             attend_e5m2(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                        group, head_dim, k_scales[h], v_scales[h]);
+                        group, head_dim, k_scales[h], v_scales[h], NULL);
         else
             attend_bf16(qh, head, table, n, block_stride, block_size, token_stride, k_off, v_off, scale, scores, oh,
-                        group, head_dim, 1.0f, 1.0f);
+                        group, head_dim, 1.0f, 1.0f, NULL);
         free(scores);
     }
     return failed ? -3 : 0;
@@ -272,7 +287,7 @@ int xpyd_decode_attention_bf16(
     return decode_attention(q, q_row, (const unsigned char *)k_new, k_new_row, (const unsigned char *)v_new, v_new_row,
                             (unsigned char *)pool, block_stride, head_stride, k_off, v_off, token_stride, block_size,
                             tables, table_row, lens, batch, heads, kv_heads, head_dim, scale, out, threads, KV_BF16,
-                            NULL, NULL);
+                            NULL, NULL, NULL);
 }
 
 /* The same over a pool of fp8 codes (one byte each; strides in bytes): k_new/v_new are the step's codes
@@ -287,21 +302,23 @@ int xpyd_decode_attention_fp8(
     if (format != 1 && format != 2) return -1;
     return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
                             v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
-                            scale, out, threads, format, k_scales, v_scales);
+                            scale, out, threads, format, k_scales, v_scales, NULL);
 }
 
 /* The same over a pool of int8 rows (one byte each; strides in bytes): a row is head_dim signed codes and then
    its scale, a little-endian binary16 (head_dim + 2 bytes; int8.h); k_new/v_new [B, kv_heads, head_dim + 2] are
    the step's rows (quantized by the caller), written as they are. No per-head scales: each row carries its own.
-   q and out stay bfloat16. Same return codes. */
+   q and out stay bfloat16. `rot` (NULL: none) is the float32 [head_dim, head_dim] rotation the rows were quantized
+   in (kv_rotation: a row holds the codes of x R): q is turned by it and the output back, in float32. Same
+   return codes. */
 int xpyd_decode_attention_int8(
     const uint16_t *q, int64_t q_row, const uint8_t *k_new, int64_t k_new_row, const uint8_t *v_new,
     int64_t v_new_row, uint8_t *pool, int64_t block_stride, int64_t head_stride, int64_t k_off, int64_t v_off,
     int64_t token_stride, int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
-    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads) {
+    int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads, const float *rot) {
     return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
                             v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
-                            scale, out, threads, KV_INT8, NULL, NULL);
+                            scale, out, threads, KV_INT8, NULL, NULL, rot);
 }
 
 /* The kernel's binary16 -> float32 conversion of int8 rows' scales on its own, for the tests: out[i] = value of
