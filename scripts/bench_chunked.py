@@ -56,7 +56,7 @@ def run_one(chunk: int, args: argparse.Namespace, tokenizer: str) -> dict:
         url = f"http://127.0.0.1:{args.port}"
         prefill = next(w["http_url"] for w in get_json(f"{url}/cluster")["workers"] if w["role"] == "prefill")
         bench = [PY, "-m", "xpyd", "bench", "--url", url, "--tokenizer", tokenizer, "--no-progress",
-                 "--output-len", "4", "--duration", str(args.duration)]
+                 "--output-len", "4", "--duration", str(args.duration), *args.bench_args.split()]
         warm = subprocess.run([*bench, "--input-len", str(args.long), "--num-requests", "2", "--seed", "99"],
                               capture_output=True, cwd=ROOT)
         if warm.returncode:
@@ -109,6 +109,8 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--up-args", default="", help="more `xpyd up` options, one string")
+    p.add_argument("--bench-args", default="", help="more `xpyd bench` options for every run, one string "
+                   "(e.g. --include-requests, with --up-args=--expose-worker-timing: each request's phases)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

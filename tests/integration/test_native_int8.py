@@ -1,7 +1,8 @@
 """The native decode attention over an int8 KV pool (`DecodeAttention.int8`): rows of head_dim signed codes
 and the row's float16 scale (little-endian), encoded here by a reference encoder written from the format's
 spec, against a float32 torch attention over the dequantized rows, with a bound derived from the error of
-the arithmetic (not tuned); the step's rows written in place; bad tables and inputs refused."""
+the arithmetic (not tuned); the step's K/V encoded by the kernel into exactly the reference's bytes (in a
+rotated basis: within the float32 rounding of the turn), written in place; bad tables and inputs refused."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def decode(rows: torch.Tensor) -> torch.Tensor:
 
 
 def int8_case(heads, kv_heads, hd, block_size, lens, seed, spare=5):
-    """paged_case's pool and step with rows of magnitudes 2^-3..2^3, some rows all zero (scale 0) and some tiny
-    (a float16 subnormal scale), encoded: (the uint8 pool, tables, q, the step's encoded K and V rows)."""
+    """paged_case's pool with rows of magnitudes 2^-3..2^3, some rows all zero (scale 0) and some tiny (a float16
+    subnormal scale), encoded: (the uint8 pool, tables, q, the step's K and V values, bfloat16)."""
     values, tables, q, k_new, v_new = paged_case(heads, kv_heads, hd, block_size, lens, spare=spare,
                                                   seed=seed)
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +59,7 @@ def int8_case(heads, kv_heads, hd, block_size, lens, seed, spare=5):
     mags[pick < 0.03] = 0.0
     mags[(pick >= 0.03) & (pick < 0.06)] = 2.0**-12  # amax / 127 ~ 2^-17: below float16's normals (2^-14)
     pool = encode(values.float() * mags)
-    return pool, tables, q, encode(k_new), encode(v_new)
+    return pool, tables, q, k_new, v_new
 
 
 def attention_bound(q, kv, scale):
@@ -128,13 +129,20 @@ def test_with_rows_stored_rotated_the_kernel_attends_over_them_turned_back(kerne
     and rounds it to bfloat16 (2^-8 of it)."""
     bs, layer, scale = 16, 1, hd**-0.5
     lens = [1, bs + 1, 3 * bs, 67]
-    pool, tables, q, k_rows, v_rows = int8_case(heads, kv_heads, hd, bs, lens, seed=7 * hd)
+    pool, tables, q, k_new, v_new = int8_case(heads, kv_heads, hd, bs, lens, seed=7 * hd)
     r = kv_rotation.rotation(hd)
     out = torch.empty(len(lens), heads, hd, dtype=BF16)
-    kernel.int8(q, k_rows, v_rows, pool, layer, tables, torch.tensor(lens), scale, out, rotation=r)
-    plain = kernel.int8(q, k_rows, v_rows, pool.clone(), layer, tables, torch.tensor(lens), scale, out.clone())
+    plain = kernel.int8(q, k_new, v_new, pool.clone(), layer, tables, torch.tensor(lens), scale, out.clone())
+    kernel.int8(q, k_new, v_new, pool, layer, tables, torch.tensor(lens), scale, out, rotation=kv_rotation.both(r))
     assert not torch.equal(plain, out)  # (the rotation is used)
     r64, group = r.double(), heads // kv_heads
+    for b, n in enumerate(lens):  # the step's rows: codes of x R, each value within half its row's step of x R
+        block, row = int(tables[b, (n - 1) // bs]), (n - 1) % bs
+        for x, rows in ((k_new[b], pool[block, :, layer, 0, row]), (v_new[b], pool[block, :, layer, 1, row])):
+            exact = x.double() @ r64
+            step = decode(rows).double().abs().amax(-1, keepdim=True) / 127 * (1 + 2.0**-10)
+            turn = hd * U * (x.double().abs() @ r64.abs())  # (the kernel's float32 turn)
+            assert ((decode(rows).double() - exact).abs() <= step / 2 + turn + 2.0**-24 * step).all()
     for b, n in enumerate(lens):
         blocks = [int(i) for i in tables[b, : -(-n // bs)]]
         kv = decode(torch.cat([pool[i, :, layer] for i in blocks], dim=2)[:, :, :n]).double()  # rotated basis
@@ -154,11 +162,12 @@ def test_with_rows_stored_rotated_the_kernel_attends_over_them_turned_back(kerne
 
 
 def test_a_rotation_of_another_size_or_dtype_is_refused(kernel):
-    pool, tables, q, k_rows, v_rows = int8_case(9, 3, 64, 16, [5], seed=1)
+    pool, tables, q, k_new, v_new = int8_case(9, 3, 64, 16, [5], seed=1)
     out = torch.empty(1, 9, 64, dtype=BF16)
-    for bad in (kv_rotation.rotation(32), kv_rotation.rotation(64).double(), kv_rotation.rotation(64).T):
+    r = kv_rotation.both(kv_rotation.rotation(64))
+    for bad in (kv_rotation.both(kv_rotation.rotation(32)), r.double(), r[0], r.transpose(1, 2)):
         with pytest.raises(ValueError, match="rotation"):
-            kernel.int8(q, k_rows, v_rows, pool, 0, tables, torch.tensor([5]), 0.125, out, rotation=bad)
+            kernel.int8(q, k_new, v_new, pool, 0, tables, torch.tensor([5]), 0.125, out, rotation=bad)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -168,8 +177,9 @@ def test_the_int8_kernel_writes_the_step_and_attends_like_torch_over_the_dequant
     bs = block_size
     # the new token only, exactly one and three blocks, just past a boundary, mid-block, a long one
     lens = [1, bs, bs + 1, 3 * bs, 2 * bs + bs // 2 + 1, 67]
-    pool, tables, q, k_rows, v_rows = int8_case(heads, kv_heads, hd, bs, lens, seed=heads * hd + bs)
+    pool, tables, q, k_new, v_new = int8_case(heads, kv_heads, hd, bs, lens, seed=heads * hd + bs)
     assert pool.shape[-1] == hd + 2 and pool.dtype == torch.uint8
+    k_rows, v_rows = encode(k_new), encode(v_new)  # (the reference encoder's bytes: what the kernel must write)
     layer, scale = 1, hd**-0.5
     expected = pool.clone()
     for b, n in enumerate(lens):  # the step's rows at each request's (block, row), byte for byte
@@ -177,7 +187,7 @@ def test_the_int8_kernel_writes_the_step_and_attends_like_torch_over_the_dequant
         expected[block, :, layer, 0, row] = k_rows[b]
         expected[block, :, layer, 1, row] = v_rows[b]
     out = torch.empty(len(lens), heads, hd, dtype=BF16)
-    assert kernel.int8(q, k_rows, v_rows, pool, layer, tables, torch.tensor(lens), scale, out) is out
+    assert kernel.int8(q, k_new, v_new, pool, layer, tables, torch.tensor(lens), scale, out) is out
     assert torch.equal(pool, expected)  # nothing else touched
     check_attention(out, q, pool, layer, tables, lens, scale)
     # one token: its own V, code * scale exactly (the weight is 1), rounded once
@@ -193,10 +203,12 @@ def test_rows_with_zero_and_subnormal_scales_and_lens_of_one(kernel):
     v[1] = 0.0
     v[2] *= 2.0**-12  # a float16 subnormal scale
     v[3] *= 2.0**21  # amax / 127 near float16's largest
+    v = v.to(BF16)
     v_rows = encode(v)
     assert not v_rows[1].any() and (v_rows[2, :, -1] < 4).all()  # scale 0; scales below 2^-14 (high byte < 4)
     out = torch.empty(4, heads, hd, dtype=BF16)
-    kernel.int8(q, encode(v.flip(0)), v_rows, pool, 0, tables, torch.tensor(lens), 0.125, out)
+    kernel.int8(q, v.flip(0), v, pool, 0, tables, torch.tensor(lens), 0.125, out)
+    assert torch.equal(pool[tables[:, 0], :, 0, 1, 0], v_rows)  # the kernel's rows are the reference's, byte for byte
     assert torch.equal(out, decode(v_rows).to(BF16).repeat_interleave(3, 1))
 
 
@@ -204,43 +216,44 @@ def test_rows_with_zero_and_subnormal_scales_and_lens_of_one(kernel):
 @pytest.mark.parametrize("where", [0, 2])  # a block it would only read, the block it would write
 def test_a_bad_table_is_refused_with_nothing_written(kernel, bad, where):
     lens = [20, 7]  # blocks of 8: 3 + 1, and no spare ones
-    pool, tables, q, k_rows, v_rows = int8_case(4, 2, 32, 8, lens, seed=5, spare=0)
+    pool, tables, q, k_new, v_new = int8_case(4, 2, 32, 8, lens, seed=5, spare=0)
     tables[0, where] = {"negative": -1, "num_blocks": pool.shape[0], "huge": 10**12}[bad]
     before = pool.clone()
     out = torch.zeros(2, 4, 32, dtype=BF16)
     with pytest.raises(ValueError, match=f"request 0's block {where} is"):
-        kernel.int8(q, k_rows, v_rows, pool, 0, tables, torch.tensor(lens), 0.25, out)
+        kernel.int8(q, k_new, v_new, pool, 0, tables, torch.tensor(lens), 0.25, out)
     assert torch.equal(pool, before) and not out.any()
 
 
 def test_the_c_side_refuses_a_negative_block_id(kernel):
     """With the wrapper's table check skipped (tables_checked), the kernel itself refuses a negative id (code -4)
     before writing anything."""
-    pool, tables, q, k_rows, v_rows = int8_case(4, 2, 32, 8, [9], seed=6)
+    pool, tables, q, k_new, v_new = int8_case(4, 2, 32, 8, [9], seed=6)
     tables[0, 1] = -1
     before = pool.clone()
     out = torch.zeros(1, 4, 32, dtype=BF16)
     with pytest.raises(RuntimeError, match="code -4"):
-        kernel.int8(q, k_rows, v_rows, pool, 0, tables, torch.tensor([9]), 0.25, out, tables_checked=True)
+        kernel.int8(q, k_new, v_new, pool, 0, tables, torch.tensor([9]), 0.25, out, tables_checked=True)
     assert torch.equal(pool, before) and not out.any()
 
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(kernel):
-    pool, tables, q, k_rows, v_rows = int8_case(4, 2, 32, 8, [9], seed=7)
+    pool, tables, q, k_new, v_new = int8_case(4, 2, 32, 8, [9], seed=7)
     out = torch.empty(1, 4, 32, dtype=BF16)
     nine = torch.tensor([9])
-    with pytest.raises(ValueError, match="shapes disagree"):  # rows without their scale
-        kernel.int8(q, k_rows[..., :32], v_rows[..., :32], pool, 0, tables, nine, 0.25, out)
-    with pytest.raises(ValueError, match="wants bfloat16 q and torch.uint8"):  # bfloat16 rows
-        kernel.int8(q, k_rows.to(BF16), v_rows.to(BF16), pool, 0, tables, nine, 0.25, out)
+    k_rows, v_rows = encode(k_new), encode(v_new)
+    with pytest.raises(ValueError, match="wants bfloat16 q and torch.bfloat16"):  # rows already encoded
+        kernel.int8(q, k_rows, v_rows, pool, 0, tables, nine, 0.25, out)
+    with pytest.raises(ValueError, match="wants bfloat16 q and torch.bfloat16"):  # float32 values
+        kernel.int8(q, k_new.float(), v_new.float(), pool, 0, tables, nine, 0.25, out)
     with pytest.raises(ValueError, match="shapes disagree"):  # an fp8-shaped pool (rows of head_dim bytes)
-        kernel.int8(q, k_rows, v_rows, pool[..., :32].contiguous(), 0, tables, nine, 0.25, out)
+        kernel.int8(q, k_new, v_new, pool[..., :32].contiguous(), 0, tables, nine, 0.25, out)
     with pytest.raises(ValueError, match="bad pool"):  # a bfloat16 pool under the int8 entry
-        kernel.int8(q, k_rows, v_rows, pool.to(BF16), 0, tables, nine, 0.25, out)
+        kernel.int8(q, k_new, v_new, pool.to(BF16), 0, tables, nine, 0.25, out)
     with pytest.raises(ValueError, match="shapes disagree"):
-        kernel.int8(q, k_rows, v_rows, pool, 3, tables, nine, 0.25, out)  # the pool has 3 layers
+        kernel.int8(q, k_new, v_new, pool, 3, tables, nine, 0.25, out)  # the pool has 3 layers
     with pytest.raises(RuntimeError, match="code -2"):  # a request with nothing to attend over
-        kernel.int8(q, k_rows, v_rows, pool, 0, tables, torch.tensor([0]), 0.25, out)
+        kernel.int8(q, k_new, v_new, pool, 0, tables, torch.tensor([0]), 0.25, out)
 
 
 @pytest.mark.parametrize("vector", [True, False])
@@ -253,3 +266,17 @@ def test_the_kernels_scale_conversion_equals_torchs_for_every_half(kernel, vecto
     nan = torchs.isnan()
     assert torch.equal(ours.isnan(), nan) and int(nan.sum()) == 2 * 1023
     assert torch.equal(ours[~nan].view(torch.int32), torchs[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("vector", [True, False])
+def test_the_kernels_half_rounding_equals_torchs(kernel, vector):
+    """The scales the kernel encodes round float32 -> float16 through F16C (vector) or bit arithmetic: bit for bit
+    torch's (round to nearest even) for every float32 whose exponent a scale can have, with the mantissas that
+    matter (ties, just below and above them, carries into the exponent), subnormal halves, zero, overflow."""
+    exps = torch.arange(-40, 17, dtype=torch.float64)
+    low = torch.tensor([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FE000, 0x7FF000, 0x7FFFFF])
+    mants = torch.cat([low, torch.randint(0, 1 << 23, (200,), generator=torch.Generator().manual_seed(0))])
+    values = ((1 + mants.double() / 2**23)[None, :] * 2.0**exps[:, None]).float().flatten()
+    values = torch.cat([values, torch.tensor([0.0, 65504.0, 65519.0, 65520.0, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25])])
+    got = kernel.to_half(values.contiguous(), vector)
+    assert torch.equal(got.view(torch.int16), values.to(torch.float16).view(torch.int16))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from xpyd.model import kv_rotation
 from xpyd.model.kv_layout import ROW_SCALE_BYTES
 
 __all__ = ["FORMAT", "LEVELS", "Int8RowCodec", "decode_rows", "encode_rows"]
@@ -54,7 +55,7 @@ class Int8RowCodec:
 
     ``rotation`` (`kv_rotation.rotation`, float32 [head_dim, head_dim]; a per-head K/V pool's, None for latents):
     rows are the codes of ``x @ R`` and read back as ``values @ R.T`` (in float32, then the model's dtype). The
-    native kernel reads the rows as stored and turns its queries and output itself (``rotation`` passed to it)."""
+    native kernel reads the rows as stored and turns its queries and output itself (``kernel_rotation`` passed to it)."""
 
     format = FORMAT
     scales = None  # (nothing calibrated: `KVLayout.scales` stays None)
@@ -63,6 +64,7 @@ class Int8RowCodec:
         self.dtype = dtype
         self.rotation = rotation
         self._back = None if rotation is None else rotation.T.contiguous()
+        self.kernel_rotation = None if rotation is None else kv_rotation.both(rotation)  # (R, R^T: the native kernel's)
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, kv_heads, head_dim] -> their rows, uint8 [T, kv_heads, head_dim + 2] (both in one pass: a

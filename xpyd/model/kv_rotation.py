@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["SEED", "rotation", "signs"]
+__all__ = ["SEED", "both", "rotation", "signs"]
 
 SEED = b"xpyd int8 KV row rotation/1"
 
@@ -47,3 +47,8 @@ def rotation(head_dim: int) -> torch.Tensor:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     r = torch.block_diag(*[h] * (head_dim // block)) / math.sqrt(block)
     return (torch.tensor(signs(head_dim), dtype=torch.float64)[:, None] * r).float()
+
+
+def both(r: torch.Tensor) -> torch.Tensor:
+    """R and R^T in one contiguous float32 [2, hd, hd] tensor (what the native decode kernel takes)."""
+    return torch.stack((r, r.T)).contiguous()

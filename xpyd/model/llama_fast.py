@@ -457,10 +457,9 @@ class FastLlama:
         codec = self._codec(pool)
         if codec is not None and codec.format == kv_int8.FORMAT:
 
-            def native_int8(index, q, k_new, v_new):  # (rows stored rotated: the kernel turns q and its output)
-                k_rows, v_rows = codec.encode(index, k_new, v_new)
-                return kernel.int8(q, k_rows, v_rows, pool, index, table_t, lens_t, scale, out, tables_checked=True,
-                                   rotation=codec.rotation)
+            def native_int8(index, q, k_new, v_new):  # (the kernel encodes the step's rows, turned, and turns q)
+                return kernel.int8(q, k_new, v_new, pool, index, table_t, lens_t, scale, out, tables_checked=True,
+                                   rotation=codec.kernel_rotation)
 
             return native_int8
         if codec is not None:

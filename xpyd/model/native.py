@@ -141,11 +141,11 @@ class DecodeAttention:
     step's K/V written in place."""
 
     def __init__(self, path: Path) -> None:
-        self._fn, self._fn_fp8, self._fn_int8, self._to_f32, self._f16_to_f32 = _open(
+        self._fn, self._fn_fp8, self._fn_int8, self._to_f32, self._f16_to_f32, self._f32_to_f16 = _open(
             path, "xpyd_abi_version", ABI_VERSION, {
                 "xpyd_decode_attention_bf16": _ARGTYPES, "xpyd_decode_attention_fp8": _ARGTYPES_FP8,
                 "xpyd_decode_attention_int8": _ARGTYPES_INT8, "xpyd_fp8_to_f32": [_P, _I64, _INT, _INT, _P],
-                "xpyd_f16_to_f32": [_P, _I64, _INT, _P]})
+                "xpyd_f16_to_f32": [_P, _I64, _INT, _P], "xpyd_f32_to_f16": [_P, _I64, _INT, _P]})
         self.path = path
 
     def __call__(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor,
@@ -161,8 +161,8 @@ class DecodeAttention:
         row. Every block id the kernel would touch is checked against the pool first (ValueError: nothing
         written), unless ``tables_checked``: the caller ran `check_tables` on these very tensors for this pool
         (once per decode step, instead of once per layer)."""
-        return self._run(self._fn, torch.bfloat16, 0, (), q, k_new, v_new, pool, layer, tables, lens, scale, out,
-                         tables_checked)
+        return self._run(self._fn, torch.bfloat16, 0, torch.bfloat16, (), q, k_new, v_new, pool, layer, tables, lens,
+                         scale, out, tables_checked)
 
     def fp8(self, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, pool: torch.Tensor, layer: int,
             tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor, fmt: str,
@@ -177,24 +177,39 @@ class DecodeAttention:
         for t in (k_scales, v_scales):
             if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != (kv_heads,):
                 raise ValueError("decode attention (fp8): scales float32 [kv_heads] on the CPU")
-        return self._run(self._fn_fp8, torch.uint8, 0, (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
+        return self._run(self._fn_fp8, torch.uint8, 0, torch.uint8,
+                         (_FP8_FORMATS[fmt], k_scales.data_ptr(), v_scales.data_ptr()),
                          q, k_codes, v_codes, pool, layer, tables, lens, scale, out, tables_checked)
 
-    def int8(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, pool: torch.Tensor, layer: int,
+    def int8(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: torch.Tensor, layer: int,
              tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
              tables_checked: bool = False, rotation: torch.Tensor | None = None) -> torch.Tensor:
         """The same over an int8 pool (uint8 [blocks, kv_heads, layers, 2, block_size, hd + 2]: `kv_int8`):
         each row is hd signed codes (two's complement bytes) and then its scale, a little-endian float16; element
-        i is code_i * scale in float32. k_rows/v_rows [B, kv_heads, hd + 2] uint8 are the step's rows already
-        encoded (written as they are). No per-head scales: each row carries its own. q and out stay bfloat16
-        [B, heads, hd]. ``rotation`` (float32 [hd, hd], contiguous; `kv_rotation`): the rows hold the codes of
-        x R, so q is turned by R and the output by R^T inside the kernel, in float32 (no rounding added)."""
+        i is code_i * scale in float32. k_new/v_new [B, kv_heads, hd] bfloat16 are the step's K/V values: the
+        kernel encodes them into their rows (`kv_int8.encode_rows`' format; without a rotation its bytes exactly).
+        No per-head scales: each row carries its own. q and out stay bfloat16 [B, heads, hd]. ``rotation``
+        (float32 [2, hd, hd], contiguous: R and R^T; `kv_rotation.both`): rows hold the codes of x R (the step's
+        too, turned in float32), q is turned by R and the output by R^T inside the kernel, in float32 (no
+        rounding added)."""
         hd = q.shape[-1]
-        if rotation is not None and (rotation.dtype != torch.float32 or rotation.shape != (hd, hd)
+        if rotation is not None and (rotation.dtype != torch.float32 or rotation.shape != (2, hd, hd)
                                      or not rotation.is_contiguous() or not rotation.is_cpu):
-            raise ValueError("decode attention (int8): the rotation is float32 [head_dim, head_dim], contiguous")
-        return self._run(self._fn_int8, torch.uint8, ROW_SCALE_BYTES, (None if rotation is None else rotation.data_ptr(),),
-                         q, k_rows, v_rows, pool, layer, tables, lens, scale, out, tables_checked)
+            raise ValueError("decode attention (int8): the rotation is float32 [2, head_dim, head_dim] (R, R^T), "
+                             "contiguous")
+        return self._run(self._fn_int8, torch.uint8, ROW_SCALE_BYTES, torch.bfloat16,
+                         (None if rotation is None else rotation.data_ptr(),),
+                         q, k_new, v_new, pool, layer, tables, lens, scale, out, tables_checked)
+
+    def to_half(self, values: torch.Tensor, vector: bool = True) -> torch.Tensor:
+        """The kernel's own float32 -> float16 conversion (the int8 rows' scales it encodes) of contiguous float32
+        ``values`` (for the tests): F16C's (``vector``, where the CPU has it) or bit arithmetic (csrc/int8.h)."""
+        if values.dtype != torch.float32 or not values.is_contiguous() or not values.is_cpu:
+            raise ValueError("to_half: contiguous float32 on the CPU")
+        out = torch.empty(values.shape, dtype=torch.float16)
+        if self._f32_to_f16(values.data_ptr(), values.numel(), int(vector), out.data_ptr()) != 0:
+            raise RuntimeError("native float16 conversion failed")
+        return out
 
     def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
         """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row
@@ -216,17 +231,20 @@ class DecodeAttention:
             raise RuntimeError("native float16 conversion failed")
         return out
 
-    def _run(self, fn, kv_dtype, row_extra, extra, q, k_new, v_new, pool, layer, tables, lens, scale, out,
-             tables_checked):
-        """The checks and the call common to the entries; a K/V row is hd + ``row_extra`` elements."""
+    def _run(self, fn, kv_dtype, row_extra, new_dtype, extra, q, k_new, v_new, pool, layer, tables, lens, scale,
+             out, tables_checked):
+        """The checks and the call common to the entries; a pool row is hd + ``row_extra`` elements of
+        ``kv_dtype``; the step's K/V rows are ``new_dtype``, as wide as the pool's when that is the pool's type
+        (copied in), else hd values (encoded by the kernel)."""
         batch, heads, hd = q.shape
         kv_heads = k_new.shape[1]
         row = hd + row_extra
+        new = row if new_dtype == kv_dtype else hd
         bf16 = torch.bfloat16
-        if q.dtype != bf16 or k_new.dtype != kv_dtype or v_new.dtype != kv_dtype or q.stride(2) != 1 \
-                or q.stride(1) != hd or k_new.stride()[1:] != (row, 1) or v_new.stride()[1:] != (row, 1):
-            raise ValueError(f"decode attention wants bfloat16 q and {kv_dtype} K/V rows of contiguous heads")
-        if pool.dim() != 6 or k_new.shape != (batch, kv_heads, row) or v_new.shape != (batch, kv_heads, row) or \
+        if q.dtype != bf16 or k_new.dtype != new_dtype or v_new.dtype != new_dtype or q.stride(2) != 1 \
+                or q.stride(1) != hd or k_new.stride()[1:] != (new, 1) or v_new.stride()[1:] != (new, 1):
+            raise ValueError(f"decode attention wants bfloat16 q and {new_dtype} K/V rows of contiguous heads")
+        if pool.dim() != 6 or k_new.shape != (batch, kv_heads, new) or v_new.shape != (batch, kv_heads, new) or \
                 pool.shape[1] != kv_heads or pool.shape[3] != 2 or pool.shape[5] != row or \
                 not 0 <= layer < pool.shape[2]:
             raise ValueError("decode attention: q, k_new, v_new and the pool's shapes disagree")

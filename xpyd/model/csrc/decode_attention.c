@@ -10,7 +10,9 @@
  *   binary16 (head_dim + 2 bytes a row; int8.h): the codes are converted as they are read (exact) and the row's
  *   K scale joins the score's scale, its V scale the softmax weight, so the float32 results are dequantizing
  *   every element first (code * scale is exact in float32) up to float32 rounding.
- * The step's new K/V arrive already quantized and are copied in as they are.
+ * The step's new K/V arrive already quantized and are copied in as they are (bfloat16 and fp8 pools), or as
+ * bfloat16 values that the kernel encodes into int8 rows itself (`encode_int8_row`: the format of
+ * xpyd/model/kv_int8.py, in the rotated basis of xpyd/model/kv_rotation.py when a rotation is given).
  *
  * The pool is a set of fixed-size blocks; each request owns a block table (its blocks in token order), and
  * token t of a request sits in block table[t / block_size] at row t % block_size. Inside a block, the rows
@@ -96,6 +98,35 @@ static inline __attribute__((always_inline)) void load_row(float *restrict row, 
     }
 }
 
+/* One int8 row (xpyd/model/kv_int8.py's format) of the bfloat16 values x[0..head_dim): the codes of y = x R
+   (`rot`, float32 [head_dim, head_dim]; NULL: y = x) and y's scale: amax over the row / 127 in float32, at most
+   65504, rounded to a binary16 s; code = clamp(round_half_even(y / s), -127, 127), 0 where s is 0; then s, low
+   byte first. Without a rotation the bytes are torch's encoder's exactly; with one, y may differ from torch's
+   x @ R in the last bits of float32 (another order of the same products). */
+static void encode_int8_row(const uint16_t *restrict x, const float *restrict rot, const int head_dim,
+                            unsigned char *restrict dst) {
+    float v[XPYD_MAX_HEAD_DIM], y[XPYD_MAX_HEAD_DIM];
+    for (int d = 0; d < head_dim; d++) v[d] = bf16_to_f32(x[d]);
+    if (rot) {
+        for (int j = 0; j < head_dim; j++) y[j] = 0.0f;
+        for (int i = 0; i < head_dim; i++)
+            for (int j = 0; j < head_dim; j++) y[j] += v[i] * rot[i * head_dim + j];
+    } else {
+        memcpy(y, v, sizeof(float) * (size_t)head_dim);
+    }
+    float amax = 0.0f;
+    for (int d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(y[d]));
+    const float s = fminf(amax / 127.0f, 65504.0f);
+    const uint16_t half = f32_to_f16(s);
+    const float step = f16_to_f32(half);
+    for (int d = 0; d < head_dim; d++) {
+        const float c = step > 0.0f ? fminf(fmaxf(nearbyintf(y[d] / step), -127.0f), 127.0f) : 0.0f;
+        dst[d] = (unsigned char)(int8_t)c;
+    }
+    dst[head_dim] = (unsigned char)(half & 0xFFu);
+    dst[head_dim + 1] = (unsigned char)(half >> 8);
+}
+
 /* One (request, KV head) item: softmax(q k^T * scale) v for the `group` query heads sharing that KV head.
    `head` is the pool shifted to this KV head (bytes); `table` the request's block ids. With fp8 codes, the
    K scale `k_scale` joins the score scale and the V scale multiplies the output: both are powers of two,
@@ -163,12 +194,15 @@ static inline __attribute__((always_inline)) void attend_item(
     });
     for (int g = 0; g < group; g++) {
         const float inv = 1.0f / sum[g];
-        if (rot) { /* the output of rotated values, turned back: o = o' R^T, in float32 before the one rounding */
-            for (int d = 0; d < head_dim; d++) {
-                float o = 0.0f;
-                for (int j = 0; j < head_dim; j++) o += acc[g][j] * rot[d * head_dim + j];
-                out[g * head_dim + d] = f32_to_bf16(o * inv);
+        if (rot) { /* the output of rotated values, turned back: o = o' R^T (R^T's rows follow R's), in float32
+                      before the one rounding; summed over j outside so the d loop vectorizes */
+            const float *rot_t = rot + head_dim * head_dim;
+            float o[XPYD_MAX_HEAD_DIM] = {0};
+            for (int j = 0; j < head_dim; j++) {
+                const float a = acc[g][j] * inv;
+                for (int d = 0; d < head_dim; d++) o[d] += a * rot_t[j * head_dim + d];
             }
+            for (int d = 0; d < head_dim; d++) out[g * head_dim + d] = f32_to_bf16(o[d]);
             continue;
         }
         for (int d = 0; d < head_dim; d++) {
@@ -211,6 +245,13 @@ XPYD_ATTEND(attend_int8, KV_INT8)
 
 int xpyd_abi_version(void) { return 5; }
 
+/* The kernel's own float32 -> binary16 conversion, for the tests: out[i] = f32_to_f16(in[i]) (vector: F16C's
+   where the CPU has it) or f16_from_scalar (bit arithmetic). */
+int xpyd_f32_to_f16(const float *in, int64_t n, int vector, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = vector ? f32_to_f16(in[i]) : f16_from_scalar(in[i]);
+    return 0;
+}
+
 /* The three entry points: bfloat16 pools (kind KV_BF16, es = 2), fp8 pools of one-byte codes (KV_E4M3 or
    KV_E5M2; es = 1; k_scales/v_scales the layer's per-KV-head scales) and int8 pools (KV_INT8, es = 1, rows of
    head_dim codes + their binary16 scale; no per-head scales). */
@@ -243,8 +284,15 @@ static int decode_attention(const uint16_t *q, int64_t q_row, const unsigned cha
         const int64_t *table = tables + b * table_row;
         unsigned char *head = pool + (int64_t)h * head_stride * es;
         unsigned char *row = head + (table[last / block_size] * block_stride + (last % block_size) * token_stride) * es;
-        memcpy(row + k_off * es, k_new + b * k_new_row * es + h * row_bytes, (size_t)row_bytes);
-        memcpy(row + v_off * es, v_new + b * v_new_row * es + h * row_bytes, (size_t)row_bytes);
+        if (kind == KV_INT8) { /* bfloat16 values, rows of head_dim elements: encoded here */
+            encode_int8_row((const uint16_t *)k_new + b * k_new_row + (int64_t)h * head_dim, rot, head_dim,
+                            row + k_off * es);
+            encode_int8_row((const uint16_t *)v_new + b * v_new_row + (int64_t)h * head_dim, rot, head_dim,
+                            row + v_off * es);
+        } else {
+            memcpy(row + k_off * es, k_new + b * k_new_row * es + h * row_bytes, (size_t)row_bytes);
+            memcpy(row + v_off * es, v_new + b * v_new_row * es + h * row_bytes, (size_t)row_bytes);
+        }
 
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)n);
         if (scores == NULL) {
@@ -306,17 +354,19 @@ int xpyd_decode_attention_fp8(
 }
 
 /* The same over a pool of int8 rows (one byte each; strides in bytes): a row is head_dim signed codes and then
-   its scale, a little-endian binary16 (head_dim + 2 bytes; int8.h); k_new/v_new [B, kv_heads, head_dim + 2] are
-   the step's rows (quantized by the caller), written as they are. No per-head scales: each row carries its own.
-   q and out stay bfloat16. `rot` (NULL: none) is the float32 [head_dim, head_dim] rotation the rows were quantized
-   in (kv_rotation: a row holds the codes of x R): q is turned by it and the output back, in float32. Same
-   return codes. */
+   its scale, a little-endian binary16 (head_dim + 2 bytes; int8.h); k_new/v_new [B, kv_heads, head_dim] are the
+   step's K/V as bfloat16 values (row strides in elements), encoded into their rows here (`encode_int8_row`). No
+   per-head scales: each row carries its own.
+   q and out stay bfloat16. `rot` (NULL: none) is the float32 rotation R the rows were quantized in (kv_rotation:
+   a row holds the codes of x R), [2, head_dim, head_dim]: R, then R^T: q is turned by R and the output back by
+   R^T, in float32. Same return codes. */
 int xpyd_decode_attention_int8(
-    const uint16_t *q, int64_t q_row, const uint8_t *k_new, int64_t k_new_row, const uint8_t *v_new,
+    const uint16_t *q, int64_t q_row, const uint16_t *k_new, int64_t k_new_row, const uint16_t *v_new,
     int64_t v_new_row, uint8_t *pool, int64_t block_stride, int64_t head_stride, int64_t k_off, int64_t v_off,
     int64_t token_stride, int64_t block_size, const int64_t *tables, int64_t table_row, const int64_t *lens,
     int batch, int heads, int kv_heads, int head_dim, float scale, uint16_t *out, int threads, const float *rot) {
-    return decode_attention(q, q_row, k_new, k_new_row, v_new, v_new_row, pool, block_stride, head_stride, k_off,
+    return decode_attention(q, q_row, (const unsigned char *)k_new, k_new_row, (const unsigned char *)v_new,
+                            v_new_row, pool, block_stride, head_stride, k_off,
                             v_off, token_stride, block_size, tables, table_row, lens, batch, heads, kv_heads, head_dim,
                             scale, out, threads, KV_INT8, NULL, NULL, rot);
 }

@@ -1,5 +1,5 @@
 /* int8 KV rows -> float32: `head_dim` signed codes (two's complement bytes) followed by the row's scale, an IEEE
-   binary16 in little-endian byte order (xpyd/model/kv_quant.py encodes them). A code's value is code * scale in
+   binary16 in little-endian byte order (xpyd/model/kv_int8.py encodes them, and decode_attention.c the step's). A code's value is code * scale in
    float32; int8_row converts the codes (exact: |code| <= 127), f16_scale the scale (exact: every half is a float).
    The codes convert 16 (AVX-512) or 8 (AVX2) per instruction, elsewhere and for a row's tail one at a time; the
    scale, one per row, by F16C's scalar conversion where the CPU has it, else by bit arithmetic (the same
@@ -7,6 +7,7 @@
    xpyd_f16_to_f32). */
 #ifndef XPYD_INT8_H
 #define XPYD_INT8_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
@@ -40,6 +41,35 @@ static inline __attribute__((always_inline)) float f16_to_f32(const uint16_t h) 
     return _cvtsh_ss(h);
 #else
     return f16_scalar(h);
+#endif
+}
+
+/* float32 -> binary16, rounded to nearest even (as torch converts): normal halves rebase the exponent and round
+   the 13 bits dropped, values below 2^-14 become subnormal halves (value * 2^24, rounded), values that round to
+   2^16 or more infinity, NaN a quiet NaN. */
+static inline uint16_t f16_from_scalar(const float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7FFFFFFFu;
+    if (x > 0x7F800000u) return sign | 0x7E00u;
+    if (x >= 0x477FF000u) return sign | 0x7C00u; /* >= 65520: rounds past 65504 */
+    if (x < 0x38800000u) {                        /* below 2^-14 */
+        float a;
+        memcpy(&a, &x, 4);
+        return sign | (uint16_t)nearbyintf(a * 0x1p24f); /* exact scaling; 1024 is the smallest normal's bits */
+    }
+    const uint32_t mantissa = x & 0x7FFFFFu, rest = mantissa & 0x1FFFu;
+    uint32_t h = (((x >> 23) - 112u) << 10) | (mantissa >> 13);
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* (a carry moves into the exponent, as it should) */
+    return sign | (uint16_t)h;
+}
+
+static inline __attribute__((always_inline)) uint16_t f32_to_f16(const float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0); /* 0: round to nearest even */
+#else
+    return f16_from_scalar(f);
 #endif
 }
 
