@@ -15,7 +15,9 @@ dtypes. (Below, "bfloat16" names the model-dtype KV, whichever --dtype.)
    answer ends at the model's end-of-turn token, as a worker's does), all in one batch; the share of answers
    identical to bfloat16 KV's (and the mean share of identical leading tokens). For scale, the same for the
    model-dtype KV with the other decode attention (the native kernel vs torch's matmuls: the same numbers
-   summed in another order): how far answers move with rounding alone ("noise_floor").
+   summed in another order): how far answers move with rounding alone ("noise_floor"); with --dtype float32 also
+   the answers with the K/V rounded to bfloat16 as written ("bfloat16_storage": the KV precision engines keep by
+   default).
 3. Decode speed: --concurrency requests with --context-token prompts; --steps decode steps timed, the KV
    dtypes taking turns for --rounds rounds (fair on a shared machine); median and best tokens/s per KV
    dtype.
@@ -37,6 +39,7 @@ _env_defaults()
 
 import torch  # noqa: E402
 
+from xpyd.model import paged  # noqa: E402
 from xpyd.model.loader import ensure_converted  # noqa: E402
 from xpyd.model.runner import ModelRunner  # noqa: E402
 from xpyd.model.tokenizer import encode_chat, load_tokenizer  # noqa: E402
@@ -113,6 +116,21 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[
         for t in tables:
             pool.blocks.release(t)
     return out
+
+
+def greedy_kv_rounded(runner: ModelRunner, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
+    """`greedy` with every K/V the forward writes rounded to ``dtype`` first (its pool keeps them in the model's
+    dtype): what storing the KV in ``dtype`` alone does to the answers."""
+    write = paged.write
+
+    def rounded(pool, layer, where, k, v, codec=None):
+        return write(pool, layer, where, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), codec)
+
+    paged.write = rounded
+    try:
+        return greedy(runner, prompts, n)
+    finally:
+        paged.write = write
 
 
 def decode_rate(runner: ModelRunner, concurrency: int, context: int, steps: int) -> float:
@@ -209,7 +227,14 @@ def answers(runners: dict[str, ModelRunner], tok, args: argparse.Namespace) -> d
     def leading(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
-    return {"prompts": len(PROMPTS), "tokens": args.answer_tokens,
+    stored = None  # float32 weights: the KV every engine keeps by default, bfloat16, as another point of scale
+    if runners["bfloat16"].fast_path is not None and next(iter(runners.values())).dtype == torch.float32:
+        rounded = greedy_kv_rounded(runners["bfloat16"], prompts, args.answer_tokens, torch.bfloat16)
+        stored = {"kv": "float32 K/V rounded to bfloat16 as written",
+                  "identical": sum(a == b for a, b in zip(rounded, base)) / len(base),
+                  "leading_tokens_identical": statistics.mean(leading(a, b) / len(b) for a, b in zip(rounded, base))}
+
+    return {"prompts": len(PROMPTS), "tokens": args.answer_tokens, "bfloat16_storage": stored,
         "noise_floor": {"attention": f"{other} vs {usual}", "identical": sum(a == b for a, b in zip(floor, base)) /
                         len(base), "leading_tokens_identical": statistics.mean(leading(a, b) / len(b)
                                                                               for a, b in zip(floor, base))},
