@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         label = process_label() or label  # proxy.i: one of `xpyd proxy --workers N`
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label:>7} %(levelname)s %(message)s",
                         stream=sys.stderr)
+    if os.environ.get("XPYD_DEBUG"):  # xpyd's own debug lines (e.g. each prefill step: its chunks and time)
+        logging.getLogger("xpyd").setLevel(logging.DEBUG)
     try:
         if args.command == "up":
             from xpyd import launcher

@@ -228,6 +228,15 @@ class PrefillEngine(WorkerEngine):
         if self.held.streams:
             self.held.push(seq.request_id, self.held.ready_result(seq, m.LookupStatus.PREFILLING))
 
+    def _log_step(self, chunks: list[Chunk], seconds: float) -> None:
+        """A debug line per step (XPYD_DEBUG=1): each chunk's request, tokens [start, end) of its prompt's length,
+        the step's time and what the learned cost predicted for it."""
+        cost = self.sched.cost
+        spans = [(c.start, c.end - c.start) for c in chunks]
+        predicted = cost.step_seconds(spans) * 1000 if cost is not None and cost.known else float("nan")
+        log.debug("step %.1f ms (predicted %.1f ms): %s", seconds * 1000, predicted,
+                  ", ".join(f"{c.seq.request_id[-8:]} [{c.start},{c.end})/{c.seq.prompt_len}" for c in chunks))
+
     def _run_step(self, chunks: list[Chunk]) -> None:
         """One forward pass over the step's chunks; requests whose prompt it ends get their first token.
         If a forward over several requests raises, each is run alone so the failure stays with its own."""
@@ -250,6 +259,8 @@ class PrefillEngine(WorkerEngine):
         last = [(c, row) for c, row in zip(chunks, logits) if c.last]
         tokens = sample_first(self.runner, last)
         with self._lock:
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_step(chunks, now - t0)
             if self.sched.cost is not None:  # (what the next steps are sized by)
                 self.sched.cost.observe([(c.start, c.end - c.start) for c in chunks], now - t0)
             for chunk in chunks:
