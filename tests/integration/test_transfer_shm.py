@@ -328,6 +328,9 @@ def test_auto_picks_shm_on_this_host_and_tcp_otherwise():
         elsewhere = BackendDescriptor("tcp", d_auto2.address, d_auto2.buffer_size,
                                       offers=(("shm", d_auto2.offer("shm")), ("shm-host", "another-host")))
         assert auto.pick(elsewhere)[0].name == "tcp"  # same address, other host key: tcp
+        # (so a prefill worker computes a streamed prompt's last KV part alone only for the peers tcp reaches)
+        assert auto.same_host(d_auto2) and not auto.same_host(d_tcp) and not auto.same_host(elsewhere)
+        assert not tcp.same_host(d_auto2) and auto.pick(d_auto2)[0].same_host(d_auto2)
         for i, (dst_backend, desc, buf) in enumerate([(auto2, d_auto2, bufs[1]), (tcp, d_tcp, bufs[2])]):
             rtok = dst_backend.expect(f"x{i}", [Region(1000, 100)], secret=SECRET)
             stok = auto.send(f"x{i}", [Region(0, 100)], desc, [Region(1000, 100)], secret=SECRET)

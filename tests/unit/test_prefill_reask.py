@@ -138,3 +138,18 @@ def test_a_claim_then_an_abort_before_the_request_tells_the_claimant_at_once(pre
     assert [(r.request_id, r.status, r.error) for r in pushed] == [(rid, S.FAILED, RELEASED_EARLY)]
     assert rid in engine.held.memory.released_early  # (the request is refused when it arrives)
     assert [r.status for r in _ask(engine, m.LookupEntry(rid, None))] == [S.FAILED]  # a re-ask: the same
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["network", "same-host"])
+def test_a_streamed_pull_computes_its_last_part_alone_only_across_a_network(prefill, monkeypatch, same_host):
+    """The last chunk computes just the last KV part when the parts cross a network (only it is left to move once
+    the first token is out); on the same host moving another part costs less than the extra step would."""
+    engine, transfer, _ = prefill
+    monkeypatch.setattr(transfer, "same_host", lambda peer: same_host)
+    rid = _add(engine, list(range(1, 13)))  # three blocks
+    (claim,) = _ask(engine, m.LookupEntry(rid))
+    assert claim.status is S.NOT_READY
+    engine.step()  # the first chunk
+    (pull,) = _ask(engine, m.LookupEntry(rid, (3, 5, 7), 0, new_secret(), part_blocks=1))
+    assert pull.status is S.PREFILLING
+    assert engine.sched.get(rid).split_at == (0 if same_host else 8)  # (the last part starts at token 8)

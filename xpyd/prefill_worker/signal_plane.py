@@ -178,7 +178,9 @@ class PrefillSignalPlane:
             if isinstance(plan, str):
                 return m.LookupResult(e.request_id, S.FAILED, error=plan)
             sched.start_pull(e.request_id, len(plan.parts), plan)
-            if len(plan.parts) > 1:  # the last chunk computes the last part alone: only it is left to move
+            if len(plan.parts) > 1 and held.connector.split_last_part(peer):
+                # the last chunk computes the last part alone: only it is left to move (across a network; on
+                # this host moving one more part costs less than the extra step would)
                 seq.split_at = plan.parts[-2].ready_at
             held.sends[identity] += 1
             if held.connector.send_due(sched, seq):

@@ -113,6 +113,10 @@ class AutoTransferBackend:
                              f"{'/'.join(e.name for e in self.extras) or 'extra'} backend: {peer!r:.200}")
         return self.primary, BackendDescriptor(self.primary.name, address, peer.buffer_size)
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        child, desc = self.pick(peer)  # (the child it sends to that peer with)
+        return child.same_host(desc)
+
     def send(self, transfer_id: str, src: Sequence[Region], peer: BackendDescriptor,
              dst: Sequence[Region], *, secret: bytes) -> CompletionToken:
         if not isinstance(peer, BackendDescriptor):

@@ -170,6 +170,11 @@ class TransferBackend(Protocol):
         when the backend's own threads move the bytes and its tokens' ``on_finish`` wake the engine."""
         ...
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        """Do sends to ``peer`` stay on this host (shared memory, one GPU's IPC: bytes move at memory speed, a
+        part in about a millisecond), rather than cross a network?"""
+        ...
+
     def forget_peer(self, address: str) -> None:
         """Drop cached connections to a peer that left (its descriptor's address)."""
         ...

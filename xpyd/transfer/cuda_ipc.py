@@ -78,6 +78,9 @@ class CudaIpcTransferBackend:
     registers_device_memory = True
     registers_tensor = True
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return True
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, cluster_token: str | None = None,
                  accepted_tokens: tuple[str, ...] = (),

@@ -49,6 +49,9 @@ class FakeNetwork:
 class FakeTransferBackend:
     name = "fake"
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return False
+
     def __init__(self, network: FakeNetwork | None = None, auto_complete: bool = False) -> None:
         if auto_complete and network is None:
             raise ValueError("auto_complete needs a FakeNetwork shared with the peer")

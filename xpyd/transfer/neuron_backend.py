@@ -93,6 +93,9 @@ class _PolledToken(DerivedToken):
 class NeuronTransferBackend:
     name = "neuron"
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return False
+
     def __init__(self, tensors: Sequence[object], cores: Sequence[int], host: str, port: int,
                  runtime: NeuronRuntime, comm_timeout: float = 30.0,
                  queue_timeout: float = QUEUE_TIMEOUT) -> None:

@@ -84,6 +84,9 @@ def _setup(sock: socket.socket, stall_timeout: float = STALL_TIMEOUT) -> None:
 class NixlTransferBackend:
     name = "nixl"
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return False
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None,
                  fallback_progress: float | None = FALLBACK, cluster_token: str | None = None,

@@ -99,6 +99,9 @@ def _setup(sock: socket.socket) -> None:
 class ShmTransferBackend:
     name = "shm"
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return True
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  io_timeout: float = 30.0, advertise_host: str | None = None, tag: str | None = None,
                  copy_threads: int | None = None, cluster_token: str | None = None,

@@ -237,6 +237,9 @@ class StagedTransfer:
         self._lock = threading.Lock()
         self._receiving: dict[str, _LandingToken] = {}  # expected, not yet landed or failed
 
+    def same_host(self, peer: BackendDescriptor) -> bool:
+        return self.inner.same_host(peer)
+
     def register(self, buffer: memoryview) -> BackendDescriptor:
         """Register the host copy (what the pool's `buffer()` returns once staged)."""
         if check_buffer(buffer).nbytes != self.staging.nbytes:
