@@ -136,6 +136,16 @@ def _open(path: Path, abi_symbol: str, abi: int, functions: dict[str, list]) -> 
     return typed
 
 
+def _convert(fn, name: str, x: torch.Tensor, src: torch.dtype, dst: torch.dtype, *flags: int) -> torch.Tensor:
+    """One of the kernels' element conversions (for the tests): contiguous CPU ``x`` of ``src`` -> ``dst``."""
+    if x.dtype != src or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"{name}: contiguous {src} on the CPU")
+    out = torch.empty(x.shape, dtype=dst)
+    if fn(x.data_ptr(), x.numel(), *flags, out.data_ptr()) != 0:
+        raise RuntimeError(f"native conversion failed ({name})")
+    return out
+
+
 class DecodeAttention:
     """`decode_attention.c` loaded: attention for one new token per request over the paged KV pool, the
     step's K/V written in place."""
@@ -204,32 +214,19 @@ class DecodeAttention:
     def to_half(self, values: torch.Tensor, vector: bool = True) -> torch.Tensor:
         """The kernel's own float32 -> float16 conversion (the int8 rows' scales it encodes) of contiguous float32
         ``values`` (for the tests): F16C's (``vector``, where the CPU has it) or bit arithmetic (csrc/int8.h)."""
-        if values.dtype != torch.float32 or not values.is_contiguous() or not values.is_cpu:
-            raise ValueError("to_half: contiguous float32 on the CPU")
-        out = torch.empty(values.shape, dtype=torch.float16)
-        if self._f32_to_f16(values.data_ptr(), values.numel(), int(vector), out.data_ptr()) != 0:
-            raise RuntimeError("native float16 conversion failed")
-        return out
+        return _convert(self._f32_to_f16, "to_half", values, torch.float32, torch.float16, int(vector))
 
     def to_float(self, codes: torch.Tensor, fmt: str, vector: bool = True) -> torch.Tensor:
         """The kernel's own fp8 -> float32 conversion of contiguous uint8 ``codes`` (for the tests): its row
         conversion (``vector``: SIMD where the CPU has it), or the per-code one (csrc/fp8.h)."""
-        if codes.dtype != torch.uint8 or not codes.is_contiguous() or fmt not in _FP8_FORMATS:
+        if fmt not in _FP8_FORMATS:
             raise ValueError("to_float: contiguous uint8 codes of an fp8 format")
-        out = torch.empty(codes.shape, dtype=torch.float32)
-        if self._to_f32(codes.data_ptr(), codes.numel(), _FP8_FORMATS[fmt], int(vector), out.data_ptr()) != 0:
-            raise RuntimeError("native fp8 conversion failed")
-        return out
+        return _convert(self._to_f32, "to_float", codes, torch.uint8, torch.float32, _FP8_FORMATS[fmt], int(vector))
 
     def half_to_float(self, halves: torch.Tensor, vector: bool = True) -> torch.Tensor:
         """The kernel's own float16 -> float32 conversion of int8 rows' scales, over contiguous float16
         ``halves`` (for the tests): F16C's (``vector``, where the CPU has it) or bit arithmetic (csrc/int8.h)."""
-        if halves.dtype != torch.float16 or not halves.is_contiguous() or not halves.is_cpu:
-            raise ValueError("half_to_float: contiguous float16 on the CPU")
-        out = torch.empty(halves.shape, dtype=torch.float32)
-        if self._f16_to_f32(halves.data_ptr(), halves.numel(), int(vector), out.data_ptr()) != 0:
-            raise RuntimeError("native float16 conversion failed")
-        return out
+        return _convert(self._f16_to_f32, "half_to_float", halves, torch.float16, torch.float32, int(vector))
 
     def _run(self, fn, kv_dtype, row_extra, new_dtype, extra, q, k_new, v_new, pool, layer, tables, lens, scale,
              out, tables_checked):
