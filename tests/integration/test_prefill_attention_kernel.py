@@ -94,6 +94,34 @@ def test_strided_inputs_are_read_in_place():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("start,block_size", [(1, 16), (16, 16), (45, 16), (130, 8), (77, 32)])
+def test_a_prefix_read_in_place_from_the_paged_pool_gives_the_bits_of_the_gathered_one(start, block_size):
+    """`paged`: the prefix's rows read through a block table from the pool (shuffled blocks, a layer in the middle,
+    a partly filled last block), no copy: the same bits as the prefix gathered head-major."""
+    heads, kv_heads, hd, n, layers, layer = 6, 2, 64, 23, 3, 1
+    q, k, v = _qkv(n, start, heads, kv_heads, hd, seed=start)
+    nb = -(-start // block_size)
+    num_blocks = nb + 5
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.randn(num_blocks, kv_heads, layers, 2, block_size, hd, generator=gen).to(BF16)
+    table = torch.randperm(num_blocks, generator=gen)[:nb]
+    for t in range(start):  # the prefix's rows where the table puts them
+        pool[table[t // block_size], :, layer, 0, t % block_size] = k[t]
+        pool[table[t // block_size], :, layer, 1, t % block_size] = v[t]
+    got = KERNEL.paged(q, k[start:], v[start:], 0.125, pool, layer, table, start)
+    assert torch.equal(got, _call(q, k, v, start, 0.125))
+
+
+def test_a_paged_prefix_with_a_block_outside_the_pool_is_refused():
+    q, k, v = _qkv(4, 20, 4, 2, 64, seed=8)
+    pool = torch.zeros(4, 2, 1, 2, 16, 64, dtype=BF16)
+    for bad in ([0, 4], [-1, 0], [2]):  # past the pool, negative, too few for 20 tokens
+        with pytest.raises(ValueError, match="prefill attention \\(paged\\)"):
+            KERNEL.paged(q, k[20:], v[20:], 0.1, pool, 0, torch.tensor(bad), 20)
+    with pytest.raises(ValueError, match="paged"):
+        KERNEL.paged(q, k[20:], v[20:], 0.1, pool.float(), 0, torch.tensor([0, 1]), 20)
+
+
 def test_arguments_it_cannot_take_are_refused():
     q, k, v = _qkv(4, 0, 4, 2, 64, seed=4)
     with pytest.raises(ValueError, match="bfloat16"):

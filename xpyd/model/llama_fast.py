@@ -353,9 +353,14 @@ class FastLlama:
             outs = []
             for (off, n, start), prefix in zip(spans, prefixes):
                 if kernel is not None:  # (rows [n, heads, hd] in and out: no transposes)
-                    old = () if prefix is None else tuple(t[0] for t in paged.gather(pool, index, prefix[0], start, codec))
-                    outs.append(kernel(qk[off : off + n, :nh], k_all[off : off + n], v_all[off : off + n], self.scale,
-                                       *old).view(n, nh * hd))
+                    q_n, k_n, v_n = qk[off : off + n, :nh], k_all[off : off + n], v_all[off : off + n]
+                    if prefix is not None and codec is None:  # the prefix read in place from the pool's blocks
+                        out = kernel.paged(q_n, k_n, v_n, self.scale, pool, index, prefix[0][0], start)
+                    else:  # (a quantized pool's prefix: its values, gathered)
+                        old = () if prefix is None else tuple(t[0] for t in paged.gather(pool, index, prefix[0], start,
+                                                                                            codec))
+                        out = kernel(q_n, k_n, v_n, self.scale, *old)
+                    outs.append(out.view(n, nh * hd))
                     continue
                 q = qk[off : off + n, :nh].transpose(0, 1).unsqueeze(0)
                 k = k_all[off : off + n].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]

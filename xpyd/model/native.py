@@ -42,7 +42,7 @@ from xpyd.model.loader import cache_dir
 ABI_VERSION = 5  # decode_attention.c (2: paged pool, block tables; 3: fp8 pools; 4: int8 pools, a scale per row;
 # 5: int8 rows stored rotated)
 POINTWISE_ABI_VERSION = 1  # pointwise.c
-PREFILL_ABI_VERSION = 1  # prefill_attention.c
+PREFILL_ABI_VERSION = 2  # prefill_attention.c (2: the prefix read in place from the paged pool)
 BUILD_TIMEOUT_S = 120.0
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -294,7 +294,8 @@ class PrefillAttention:
         supported, self._fn = _open(path, "xpyd_prefill_abi_version", PREFILL_ABI_VERSION, {
             "xpyd_prefill_attention_supported": [],
             "xpyd_prefill_attention_bf16": [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64,
-                                            _I64, _I64, _I64, _INT, _INT, _INT, _F32, _P, _I64, _I64, _INT]})
+                                            _I64, _I64, _I64, _INT, _INT, _INT, _F32, _P, _I64, _I64, _INT,
+                                            _P, _I64, _I64]})
         if supported() != 1:
             raise NativeBuildError("prefill attention needs AVX512-BF16 (this CPU, or this compiler, has not)")
         self.path = path
@@ -305,25 +306,57 @@ class PrefillAttention:
         k_prefix, v_prefix [kv_heads, start, hd] at [0, start) (None: start 0). All bfloat16 on the CPU, any
         strides with the last dimension contiguous. Each query attends to every prefix key and to the new keys
         up to its own position. Returns a new contiguous [n, heads, hd]."""
-        n, heads, hd = q.shape
-        kv_heads = k_new.shape[1]
         if (k_prefix is None) != (v_prefix is None):
             raise ValueError("prefill attention: give both prefix K and V, or neither")
         start = 0 if k_prefix is None else k_prefix.shape[1]
+        return self._call(q, k_new, v_new, scale, start, k_prefix, v_prefix, None)
+
+    def paged(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float, pool: torch.Tensor,
+              layer: int, table: torch.Tensor, start: int) -> torch.Tensor:
+        """The same with the prefix [0, start) read in place from a bfloat16 pool [blocks, kv_heads, layers, 2,
+        block_size, hd] (any strides, the last contiguous): token t of it in block table[t // block_size] (int64,
+        contiguous, at least ceil(start / block_size) entries, each checked against the pool's blocks), at
+        ``layer``; no gathered copy. The same numbers as `__call__` over that prefix gathered."""
+        if pool.dtype != torch.bfloat16 or pool.dim() != 6 or pool.stride(5) != 1 or not pool.is_cpu or \
+                pool.shape[3] != 2 or not 0 <= layer < pool.shape[2]:
+            raise ValueError("prefill attention (paged): a bfloat16 CPU pool [blocks, kv_heads, layers, 2, "
+                             "block_size, hd] and a layer of it")
+        block_size = pool.shape[4]
+        need = -(-start // block_size)
+        if table.dtype != torch.int64 or table.dim() != 1 or table.stride(0) != 1 or not table.is_cpu or \
+                table.shape[0] < need or start < 0:
+            raise ValueError("prefill attention (paged): an int64 table of the prefix's blocks")
+        ids = table[:need]
+        if need and (int(ids.min()) < 0 or int(ids.max()) >= pool.shape[0]):
+            raise ValueError(f"prefill attention (paged): a block id outside the pool's {pool.shape[0]} blocks")
+        return self._call(q, k_new, v_new, scale, start, pool[0, :, layer, 0].transpose(0, 1),
+                          pool[0, :, layer, 1].transpose(0, 1), (table, block_size, pool.stride(0)))
+
+    def _call(self, q, k_new, v_new, scale, start, k_prefix, v_prefix, paged) -> torch.Tensor:
+        """The checks and the call; ``paged``: (table, block_size, block_stride) when the prefix tensors are the
+        pool's first block's rows [block_size, kv_heads, hd] (token and head strides) and the table places the
+        rest."""
+        n, heads, hd = q.shape
+        kv_heads = k_new.shape[1]
         tensors = [q, k_new, v_new] + ([] if k_prefix is None else [k_prefix, v_prefix])
         if any(t.dtype != torch.bfloat16 or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1 for t in tensors):
             raise ValueError("prefill attention wants 3-d bfloat16 CPU tensors with contiguous last dimensions")
+        prefix_shape = (paged[1], kv_heads, hd) if paged is not None else (kv_heads, start, hd)
         if k_new.shape != (n, kv_heads, hd) or v_new.shape != (n, kv_heads, hd) or n == 0 or heads % kv_heads or \
-                (k_prefix is not None and (k_prefix.shape != (kv_heads, start, hd) or v_prefix.shape != k_prefix.shape)):
+                (k_prefix is not None and (k_prefix.shape != prefix_shape or v_prefix.shape != prefix_shape)):
             raise ValueError("prefill attention: q, K and V shapes disagree")
         out = torch.empty((n, heads, hd), dtype=torch.bfloat16)
         kp, vp = (k_new, v_new) if k_prefix is None else (k_prefix, v_prefix)
-        kp_tok, kp_head = (0, 0) if k_prefix is None else (kp.stride(1), kp.stride(0))
-        vp_tok, vp_head = (0, 0) if v_prefix is None else (vp.stride(1), vp.stride(0))
+        if paged is not None:  # (the pool's rows: [block_size, kv_heads, hd] per block)
+            (kp_tok, kp_head), (vp_tok, vp_head) = kp.stride()[:2], vp.stride()[:2]
+        else:
+            kp_tok, kp_head = (0, 0) if k_prefix is None else (kp.stride(1), kp.stride(0))
+            vp_tok, vp_head = (0, 0) if v_prefix is None else (vp.stride(1), vp.stride(0))
+        table, block_size, block_stride = (None, 0, 0) if paged is None else (paged[0].data_ptr(), paged[1], paged[2])
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), kp.data_ptr(), kp_tok, kp_head, vp.data_ptr(), vp_tok,
                       vp_head, k_new.data_ptr(), k_new.stride(0), k_new.stride(1), v_new.data_ptr(), v_new.stride(0),
                       v_new.stride(1), start, n, heads, kv_heads, hd, scale, out.data_ptr(), heads * hd, hd,
-                      torch.get_num_threads())
+                      torch.get_num_threads(), table, block_size, block_stride)
         if rc != 0:
             raise ValueError(f"native prefill attention refused its arguments (code {rc})" if rc == -1 else
                              f"native prefill attention failed (code {rc})")

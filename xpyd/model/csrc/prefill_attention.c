@@ -33,7 +33,7 @@
 
 #include "bf16.h"
 
-#define XPYD_PREFILL_ABI 1
+#define XPYD_PREFILL_ABI 2 /* 2: the prefix read in place from the paged pool (a block table) */
 #define XPYD_PREFILL_MAX_HEAD_DIM 256
 #define QROWS 8   /* queries per work item */
 #define KBLOCK 128 /* keys per softmax step (a multiple of 32: pairs of 16-key tiles) */
@@ -44,7 +44,7 @@
         const uint16_t *v_pre, int64_t vp_tok, int64_t vp_head, const uint16_t *k_new, int64_t kn_tok,           \
         int64_t kn_head, const uint16_t *v_new, int64_t vn_tok, int64_t vn_head, int64_t start, int64_t n,       \
         int heads, int kv_heads, int hd, float scale, uint16_t *out, int64_t out_tok, int64_t out_head,          \
-        int threads
+        int threads, const int64_t *table, int64_t block_size, int64_t block_stride
 
 int xpyd_prefill_abi_version(void) { return XPYD_PREFILL_ABI; }
 
@@ -70,15 +70,24 @@ static inline __m512 exp_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* One key part's element (token t of that part, KV head g, element d). */
+/* One key part's rows: token t of KV head g at base + t * tok + g * head, or, paged (table not NULL), at
+   base + table[t / block_size] * block_stride + (t % block_size) * tok + g * head (the pool's block of t). */
 typedef struct {
     const uint16_t *base;
     int64_t tok, head;
+    const int64_t *table;
+    int64_t block_size, block_stride;
 } Part;
 
+static inline const uint16_t *part_row(const Part *part, int64_t t, int g) {
+    if (part->table)
+        return part->base + part->table[t / part->block_size] * part->block_stride + (t % part->block_size) * part->tok +
+               g * part->head;
+    return part->base + t * part->tok + g * part->head;
+}
+
 static inline const uint16_t *row_of(const Part *prefix, const Part *fresh, int64_t start, int64_t pos, int g) {
-    return pos < start ? prefix->base + pos * prefix->tok + g * prefix->head
-                       : fresh->base + (pos - start) * fresh->tok + g * fresh->head;
+    return pos < start ? part_row(prefix, pos, g) : part_row(fresh, pos - start, g);
 }
 
 /* K of KV head g into 16-key tiles: kt[(tile * hd/2 + p) * 16 + j] = pair p of key 16 tile + j (0 past L). */
@@ -225,13 +234,19 @@ static void attend_rows(const uint16_t *q, int64_t q_tok, int64_t q_head, const 
 }
 
 /* q [n tokens, heads, hd] (q_tok, q_head strides), K/V prefix [start] and new [n] parts per KV head (token and
-   head strides each), out [n, heads, hd] (out_tok, out_head). heads a multiple of kv_heads (query head h reads
+   head strides each; with `table`, the prefix is read in place from the paged pool: token t of it in block
+   table[t / block_size], block_stride elements apart, its K and V bases the layer's planes in block 0), out
+   [n, heads, hd] (out_tok, out_head). heads a multiple of kv_heads (query head h reads
    KV head h / (heads / kv_heads)); hd a multiple of 16, at most 256. Returns 0, or a negative code for arguments
    it refuses (nothing written) or memory it could not get. */
 int xpyd_prefill_attention_bf16(PREFILL_ARGS) {
     if (n <= 0 || start < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || hd <= 0 || hd % 16 != 0 ||
-        hd > XPYD_PREFILL_MAX_HEAD_DIM || threads <= 0 || start + n > (int64_t)1 << 30)
+        hd > XPYD_PREFILL_MAX_HEAD_DIM || threads <= 0 || start + n > (int64_t)1 << 30 ||
+        (table && (block_size <= 0 || block_stride <= 0)))
         return -1;
+    if (table)
+        for (int64_t j = 0; j < (start + block_size - 1) / block_size; j++)
+            if (table[j] < 0) return -1;
     int64_t length = start + n;
     int64_t blocks = (length + KBLOCK - 1) / KBLOCK;
     int64_t tiles = blocks * (KBLOCK / 16), key_pairs = blocks * KBLOCK / 2;
@@ -243,8 +258,8 @@ int xpyd_prefill_attention_bf16(PREFILL_ARGS) {
         free(vp);
         return -2;
     }
-    Part kp = {k_pre, kp_tok, kp_head}, kn = {k_new, kn_tok, kn_head};
-    Part vpre = {v_pre, vp_tok, vp_head}, vnew = {v_new, vn_tok, vn_head};
+    Part kp = {k_pre, kp_tok, kp_head, table, block_size, block_stride}, kn = {k_new, kn_tok, kn_head, NULL, 0, 0};
+    Part vpre = {v_pre, vp_tok, vp_head, table, block_size, block_stride}, vnew = {v_new, vn_tok, vn_head, NULL, 0, 0};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int g = 0; g < 2 * kv_heads; g++) {
         if (g < kv_heads)
