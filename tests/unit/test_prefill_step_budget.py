@@ -111,3 +111,21 @@ def test_a_streamed_prompt_cut_at_its_last_part_does_not_join_a_step_with_first_
     assert step(sched) == [("long", 32, 36)]
     assert step(sched) == [("long", 36, 40)]
     finish(sched, kv)
+
+
+def test_a_step_giving_a_new_prompt_its_first_token_is_topped_up_to_half_the_budget_only():
+    """A short prompt's step takes another prompt's ending chunk only while the step stays within TOP_UP_SHARE of
+    the budget: the short prompt's first token does not wait for most of a long prompt's last chunk."""
+    per_token = Coefficients(overhead=0.0, per_token=1.0, per_pair=0.0)  # the budget: 16 tokens' seconds
+    sched, kv = scheduler(StepCost(coefficients=per_token))
+    sched.add(seq("long", 26))
+    assert step(sched) == [("long", 0, 16)]
+    sched.add(seq("s1", 4))
+    # s1 (4 s) and the long prompt's last 10 tokens (10 s) fit the 16 s budget, but not half of it: s1 alone
+    assert step(sched) == [("s1", 0, 4)]
+    assert step(sched) == [("long", 16, 26)]
+    sched.add(seq("long2", 19))
+    assert step(sched) == [("long2", 0, 16)]
+    sched.add(seq("s2", 2))
+    assert step(sched) == [("s2", 0, 2), ("long2", 16, 19)]  # 2 + 3 s: within half the budget, it ends there
+    finish(sched, kv)

@@ -17,9 +17,10 @@ take: a long prompt's later chunks, whose attention covers more of the prompt, g
 runs much longer than the first, and a prompt that arrives waits for at most one such step. Tokens are
 taken from the running and waiting requests shortest-remaining first: short prompts overtake long ones and
 several share one forward pass. A step that computes a new prompt whole (its first token comes from it) is
-topped up only with chunks that end their prompts: a long prompt does not lengthen it, and continues in the
-next step from its own KV (a short prompt behind a long one waits for one step, then its own tokens:
-docs/benchmarks.md "Mixed steps sized by a learned step cost"). A prompt whose KV
+topped up only with chunks that end their prompts, and (once the cost is known) only while the step stays within
+``TOP_UP_SHARE`` of the budget: a long prompt does not lengthen it much, and continues in the next step from its
+own KV (a short prompt behind a long one waits for one step, then its own short one: docs/benchmarks.md "Mixed
+steps sized by a learned step cost", "Chunked prefill"). A prompt whose KV
 streams to its decode worker ends with a chunk of just its last KV part (``split_at``): what is left to
 move once the prompt is computed is that part alone.
 Aging: a request that could have run but got no token for ``age_steps`` steps in a
@@ -134,6 +135,8 @@ class Chunk:
 
 
 AGE_STEPS = 8  # steps a runnable request may go without a token before it goes first
+TOP_UP_SHARE = 0.5  # a step giving a new prompt its first token: at most this share of the budget in all (the
+# new prompts' own chunks aside), so chunks that end running prompts lengthen it by little
 
 
 @dataclass(slots=True)
@@ -227,6 +230,8 @@ class PrefillScheduler:
         steps: list[Chunk] = []
         blocked = False  # an aged request waits for KV blocks: no waiting request overtakes it
         first = False  # the step computes a new prompt whole: other chunks join it only to end their prompt
+        top_up = None  # (then, once the cost is known) the seconds left for them: TOP_UP_SHARE of the step in all
+        full = seconds
         for seq in candidates:
             waiting = seq.state is S.WAITING
             if budget == 0 or (waiting and (blocked or not self._admit(seq))):
@@ -234,7 +239,8 @@ class PrefillScheduler:
                 seq.starved += 1
                 continue
             want = min(budget, seq.remaining)
-            fits = want if seconds is None else min(want, self.cost.coefficients.tokens_within(seq.computed, seconds))
+            limit = seconds if top_up is None or waiting or seq.starved >= aged else min(seconds, top_up)
+            fits = want if seconds is None else min(want, self.cost.coefficients.tokens_within(seq.computed, limit))
             n = self._cut(seq, fits or (0 if steps else 1))  # (a step computes a token at least)
             if n == 0 or (first and n < seq.remaining and seq.starved < aged):
                 seq.starved += 1
@@ -244,7 +250,12 @@ class PrefillScheduler:
             taken = steps[-1].end - steps[-1].start
             budget = budget - taken if fits == want else 0  # (cut short by the step's time: the step is full)
             if seconds is not None:
-                seconds -= self.cost.coefficients.chunk_seconds(steps[-1].start, taken)
+                spent = self.cost.coefficients.chunk_seconds(steps[-1].start, taken)
+                seconds -= spent
+                if top_up is not None:
+                    top_up -= spent
+                elif first:  # (the step's first new prompt just joined: what is spent so far counts)
+                    top_up = full * TOP_UP_SHARE - (full - seconds)
         return steps
 
     def chunk_done(self, chunk: Chunk) -> None:
